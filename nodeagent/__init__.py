@@ -1,0 +1,1 @@
+"""nodeagent — see DESIGN.md."""

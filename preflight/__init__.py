@@ -1,0 +1,1 @@
+"""preflight — see DESIGN.md."""

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up everything runwarden needs on a fresh Debian machine (Python 3.11, root):
+# Debian's etcd-server, then a virtual environment in .venv with runwarden and its extras.
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
+if [[ "${RUNWARDEN_WITH_SLURM:-0}" == 1 ]]; then
+  command -v slurmctld >/dev/null 2>&1 || need_apt+=(slurmctld slurmd slurm-client munge)
+fi
+if (( ${#need_apt[@]} )); then
+  echo "setup: installing ${need_apt[*]} from Debian"
+  # Keep the packages from starting system daemons: tests and the demo start their own.
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.runwarden-installed
+if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+  echo "setup: installing runwarden and its extras into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch==2.13.0 exactly (the [torch] extra): that CPU build installs from local disk.
+  .venv/bin/python -m pip install -q -e ".[torch,plot,dev]"
+  touch "$stamp"
+fi

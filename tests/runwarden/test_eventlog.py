@@ -1,0 +1,138 @@
+"""The event log: durable appends, strictly increasing seq, torn tails reported and skipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runwarden.eventlog import EventLog, EventLogError, decode_line, encode_event, parse_log_bytes, read_events
+from runwarden.v1 import events_pb2
+
+
+def _event(kind: int = events_pb2.EVENT_KIND_LAUNCH, step: int = 0) -> events_pb2.Event:
+    ev = events_pb2.Event(ts=1000.0 + step, run="r", attempt=1, step=step, kind=kind, message="m")
+    ev.launch.rendezvous_id = "r-1"
+    ev.launch.nodes.extend(["n1", "n2"])
+    return ev
+
+
+def test_append_assigns_increasing_seq_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        written = [log.append(_event(step=i)) for i in range(5)]
+    assert [e.seq for e in written] == [1, 2, 3, 4, 5]
+    read = read_events(path)
+    assert read.torn_tail is None and read.errors == []
+    assert [e.step for e in read.events] == [0, 1, 2, 3, 4]
+    assert read.events[0].launch.nodes == ["n1", "n2"]
+    # Reopening continues the sequence rather than restarting it.
+    with EventLog(path) as log:
+        assert log.append(_event(step=9)).seq == 6
+
+
+def test_torn_tail_is_reported_skipped_and_cut_on_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.append(_event(step=1))
+        log.append(_event(step=2))
+    whole = encode_event(_event(step=3))
+    with path.open("ab") as f:
+        f.write(whole[: len(whole) // 2])  # a crash mid-write
+    read = read_events(path)
+    assert [e.step for e in read.events] == [1, 2]
+    assert read.torn_tail is not None
+    with EventLog(path) as log:
+        assert log.recovered.torn_tail is not None
+        log.append(_event(step=4))
+    read = read_events(path)
+    assert read.torn_tail is None and read.errors == []
+    assert [e.step for e in read.events] == [1, 2, 4]
+    assert [e.seq for e in read.events] == [1, 2, 3]
+
+
+def test_crash_of_a_writer_process_never_merges_lines(tmp_path: Path) -> None:
+    """A real writer SIGKILLed while appending: every line read back is a whole event."""
+    path = tmp_path / "events.jsonl"
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from runwarden.eventlog import EventLog
+        from runwarden.v1 import events_pb2
+        log = EventLog({str(path)!r})
+        i = 0
+        while True:
+            i += 1
+            log.append(events_pb2.Event(ts=i, run="r", kind=events_pb2.EVENT_KIND_EXIT, step=i, message="x" * 500))
+            if i == 50:
+                os.write(1, b"ready\\n")
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"ready\n"
+    proc.kill()
+    proc.wait()
+    read = read_events(path)
+    assert read.errors == []
+    assert len(read.events) >= 50
+    assert [e.seq for e in read.events] == list(range(1, len(read.events) + 1))
+
+
+def test_bad_lines_in_the_middle_are_reported_and_reading_goes_on() -> None:
+    good1 = encode_event(events_pb2.Event(seq=1, kind=events_pb2.EVENT_KIND_EXIT))
+    good2 = encode_event(events_pb2.Event(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
+    dup = encode_event(events_pb2.Event(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
+    data = good1 + b"{not json\n" + b'{"kind": "NO_SUCH_KIND"}\n' + b"[1]\n" + good2 + dup
+    read = parse_log_bytes(data)
+    assert [e.seq for e in read.events] == [1, 2]
+    reasons = [e.reason for e in read.errors]
+    assert any("not JSON" in r for r in reasons)
+    assert any("not an Event" in r for r in reasons)
+    assert any("not a JSON object" in r for r in reasons)
+    # A duplicate seq at the very end is a last line that parses, so it is an error, not a torn tail.
+    assert any("does not increase" in r for r in reasons)
+
+
+def test_event_without_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="no kind"):
+        decode_line(b'{"seq": 3}')
+
+
+def test_huge_line_is_refused_with_bounded_memory() -> None:
+    with pytest.raises(ValueError, match="over the"):
+        decode_line(b"x" * ((1 << 20) + 1))
+    with pytest.raises(EventLogError, match="over the"):
+        encode_event(events_pb2.Event(seq=1, kind=events_pb2.EVENT_KIND_EXIT, message="x" * (1 << 20)))
+
+
+def test_unwritable_directory_gives_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises((EventLogError, OSError)):
+        EventLog(blocker / "events.jsonl")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=4096))
+def test_reader_never_crashes_on_arbitrary_bytes(data: bytes) -> None:
+    read = parse_log_bytes(data)
+    assert all(e.kind != events_pb2.EVENT_KIND_UNSPECIFIED for e in read.events)
+
+
+def test_fsync_is_called_per_append(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    with EventLog(tmp_path / "e.jsonl") as log:
+        before = len(calls)
+        log.append(_event())
+        log.append(_event())
+        assert len(calls) - before == 2
