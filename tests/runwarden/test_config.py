@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +60,5 @@ def test_read_toml_errors_name_the_file(tmp_path: Path) -> None:
 
 @given(st.dictionaries(st.text(max_size=10), st.one_of(st.integers(), st.text(max_size=10), st.none(), st.booleans())))
 def test_loader_only_raises_config_error(mapping: dict[str, object]) -> None:
-    try:
+    with contextlib.suppress(ConfigError):
         load_section(_Cfg, mapping, "agent")
-    except ConfigError:
-        pass

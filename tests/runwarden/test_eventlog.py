@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runwarden.eventlog import EventLog, EventLogError, decode_line, encode_event, parse_log_bytes, read_events
+from runwarden.eventlog import (
+    EventLog,
+    EventLogError,
+    decode_line,
+    encode_event,
+    parse_log_bytes,
+    read_events,
+)
 from runwarden.v1 import events_pb2
 
 
