@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from runwarden.v1 import common_pb2 as runwarden_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18runwarden/v1/agent.proto\x12\x0crunwarden.v1\x1a\x19runwarden/v1/common.proto\"C\n\x13RunPreflightRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0c\n\x04only\x18\x02 \x03(\t\x12\x10\n\x08\x62udget_s\x18\x03 \x01(\x01\"~\n\x14RunPreflightResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.runwarden.v1.CheckResultH\x00\x12\x31\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummaryH\x00\x42\x06\n\x04item\"\x16\n\x14GetNodeStatusRequest\"\x86\x01\n\x0cWorkerStatus\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12&\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x18.runwarden.v1.ExitStatus\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\"\xd7\x02\n\x15GetNodeStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.runwarden.v1.NodeState\x12\x12\n\nlease_held\x18\x03 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x36\n\x0elast_preflight\x18\x05 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummary\x12)\n\x05ranks\x18\x06 \x03(\x0b\x32\x1a.runwarden.v1.RankProgress\x12/\n\x0frecent_evidence\x18\x07 \x03(\x0b\x32\x16.runwarden.v1.Evidence\x12+\n\x07workers\x18\x08 \x03(\x0b\x32\x1a.runwarden.v1.WorkerStatus\x12\x15\n\ragent_version\x18\t \x01(\t\"b\n\x15ReportProgressRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12+\n\x07reports\x18\x03 \x03(\x0b\x32\x1a.runwarden.v1.RankProgress\"0\n\x16ReportProgressResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\"1\n\x12RequestStopRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x13RequestStopResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\"\n\x13GetStopStateRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\">\n\x14GetStopStateResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\">\n\x1c\x43ollectFlightRecorderRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"Q\n\x08RankDump\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"T\n\x1d\x43ollectFlightRecorderResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12%\n\x05\x64umps\x18\x02 \x03(\x0b\x32\x16.runwarden.v1.RankDump\"\x9a\x02\n\x14LaunchWorkersRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x15\n\rrendezvous_id\x18\x03 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x04 \x03(\t\x12\x38\n\x03\x65nv\x18\x05 \x03(\x0b\x32+.runwarden.v1.LaunchWorkersRequest.EnvEntry\x12\x0b\n\x03\x63wd\x18\x06 \x01(\t\x12\x11\n\tnode_rank\x18\x07 \x01(\x05\x12\x0e\n\x06nnodes\x18\x08 \x01(\x05\x12\x13\n\x0bresume_step\x18\t \x01(\x03\x12\x14\n\x0cleader_fence\x18\n \x01(\x03\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x15LaunchWorkersResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\"C\n\x12StopWorkersRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"B\n\x13StopWorkersResponse\x12+\n\x07stopped\x18\x01 \x03(\x0b\x32\x1a.runwarden.v1.WorkerStatus\"l\n\x12InjectFaultRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.runwarden.v1.FaultKind\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\r\n\x05value\x18\x03 \x01(\x01\x12\x0c\n\x04line\x18\x04 \x01(\t\"%\n\x13InjectFaultResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t*\xa4\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ULT_KIND_KILL_RANK\x10\x01\x12\x18\n\x14\x46\x41ULT_KIND_STOP_RANK\x10\x02\x12\x18\n\x14\x46\x41ULT_KIND_SLOW_RANK\x10\x03\x12\x12\n\x0e\x46\x41ULT_KIND_XID\x10\x04\x12\x19\n\x15\x46\x41ULT_KIND_KILL_AGENT\x10\x05\x32\xba\x06\n\tNodeAgent\x12W\n\x0cRunPreflight\x12!.runwarden.v1.RunPreflightRequest\x1a\".runwarden.v1.RunPreflightResponse0\x01\x12X\n\rGetNodeStatus\x12\".runwarden.v1.GetNodeStatusRequest\x1a#.runwarden.v1.GetNodeStatusResponse\x12[\n\x0eReportProgress\x12#.runwarden.v1.ReportProgressRequest\x1a$.runwarden.v1.ReportProgressResponse\x12R\n\x0bRequestStop\x12 .runwarden.v1.RequestStopRequest\x1a!.runwarden.v1.RequestStopResponse\x12U\n\x0cGetStopState\x12!.runwarden.v1.GetStopStateRequest\x1a\".runwarden.v1.GetStopStateResponse\x12p\n\x15\x43ollectFlightRecorder\x12*.runwarden.v1.CollectFlightRecorderRequest\x1a+.runwarden.v1.CollectFlightRecorderResponse\x12X\n\rLaunchWorkers\x12\".runwarden.v1.LaunchWorkersRequest\x1a#.runwarden.v1.LaunchWorkersResponse\x12R\n\x0bStopWorkers\x12 .runwarden.v1.StopWorkersRequest\x1a!.runwarden.v1.StopWorkersResponse\x12R\n\x0bInjectFault\x12 .runwarden.v1.InjectFaultRequest\x1a!.runwarden.v1.InjectFaultResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18runwarden/v1/agent.proto\x12\x0crunwarden.v1\x1a\x19runwarden/v1/common.proto\"C\n\x13RunPreflightRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0c\n\x04only\x18\x02 \x03(\t\x12\x10\n\x08\x62udget_s\x18\x03 \x01(\x01\"~\n\x14RunPreflightResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.runwarden.v1.CheckResultH\x00\x12\x31\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummaryH\x00\x42\x06\n\x04item\"\x16\n\x14GetNodeStatusRequest\"\x86\x01\n\x0cWorkerStatus\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12&\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x18.runwarden.v1.ExitStatus\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\"\xd7\x02\n\x15GetNodeStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.runwarden.v1.NodeState\x12\x12\n\nlease_held\x18\x03 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x36\n\x0elast_preflight\x18\x05 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummary\x12)\n\x05ranks\x18\x06 \x03(\x0b\x32\x1a.runwarden.v1.RankProgress\x12/\n\x0frecent_evidence\x18\x07 \x03(\x0b\x32\x16.runwarden.v1.Evidence\x12+\n\x07workers\x18\x08 \x03(\x0b\x32\x1a.runwarden.v1.WorkerStatus\x12\x15\n\ragent_version\x18\t \x01(\t\"b\n\x15ReportProgressRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12+\n\x07reports\x18\x03 \x03(\x0b\x32\x1a.runwarden.v1.RankProgress\"@\n\x16ReportProgressResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\x12\x0e\n\x06slow_s\x18\x02 \x01(\x01\"1\n\x12RequestStopRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x13RequestStopResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\"\n\x13GetStopStateRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\">\n\x14GetStopStateResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\">\n\x1c\x43ollectFlightRecorderRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"Q\n\x08RankDump\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"T\n\x1d\x43ollectFlightRecorderResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12%\n\x05\x64umps\x18\x02 \x03(\x0b\x32\x16.runwarden.v1.RankDump\"\x9a\x02\n\x14LaunchWorkersRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x15\n\rrendezvous_id\x18\x03 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x04 \x03(\t\x12\x38\n\x03\x65nv\x18\x05 \x03(\x0b\x32+.runwarden.v1.LaunchWorkersRequest.EnvEntry\x12\x0b\n\x03\x63wd\x18\x06 \x01(\t\x12\x11\n\tnode_rank\x18\x07 \x01(\x05\x12\x0e\n\x06nnodes\x18\x08 \x01(\x05\x12\x13\n\x0bresume_step\x18\t \x01(\x03\x12\x14\n\x0cleader_fence\x18\n \x01(\x03\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x15LaunchWorkersResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\"C\n\x12StopWorkersRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x03\x12\x0f\n\x07grace_s\x18\x03 \x01(\x01\"B\n\x13StopWorkersResponse\x12+\n\x07stopped\x18\x01 \x03(\x0b\x32\x1a.runwarden.v1.WorkerStatus\"l\n\x12InjectFaultRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.runwarden.v1.FaultKind\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\r\n\x05value\x18\x03 \x01(\x01\x12\x0c\n\x04line\x18\x04 \x01(\t\"%\n\x13InjectFaultResponse\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t*\xa4\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46\x41ULT_KIND_KILL_RANK\x10\x01\x12\x18\n\x14\x46\x41ULT_KIND_STOP_RANK\x10\x02\x12\x18\n\x14\x46\x41ULT_KIND_SLOW_RANK\x10\x03\x12\x12\n\x0e\x46\x41ULT_KIND_XID\x10\x04\x12\x19\n\x15\x46\x41ULT_KIND_KILL_AGENT\x10\x05\x32\xba\x06\n\tNodeAgent\x12W\n\x0cRunPreflight\x12!.runwarden.v1.RunPreflightRequest\x1a\".runwarden.v1.RunPreflightResponse0\x01\x12X\n\rGetNodeStatus\x12\".runwarden.v1.GetNodeStatusRequest\x1a#.runwarden.v1.GetNodeStatusResponse\x12[\n\x0eReportProgress\x12#.runwarden.v1.ReportProgressRequest\x1a$.runwarden.v1.ReportProgressResponse\x12R\n\x0bRequestStop\x12 .runwarden.v1.RequestStopRequest\x1a!.runwarden.v1.RequestStopResponse\x12U\n\x0cGetStopState\x12!.runwarden.v1.GetStopStateRequest\x1a\".runwarden.v1.GetStopStateResponse\x12p\n\x15\x43ollectFlightRecorder\x12*.runwarden.v1.CollectFlightRecorderRequest\x1a+.runwarden.v1.CollectFlightRecorderResponse\x12X\n\rLaunchWorkers\x12\".runwarden.v1.LaunchWorkersRequest\x1a#.runwarden.v1.LaunchWorkersResponse\x12R\n\x0bStopWorkers\x12 .runwarden.v1.StopWorkersRequest\x1a!.runwarden.v1.StopWorkersResponse\x12R\n\x0bInjectFault\x12 .runwarden.v1.InjectFaultRequest\x1a!.runwarden.v1.InjectFaultResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._loaded_options = None
   _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_FAULTKIND']._serialized_start=1958
-  _globals['_FAULTKIND']._serialized_end=2122
+  _globals['_FAULTKIND']._serialized_start=1974
+  _globals['_FAULTKIND']._serialized_end=2138
   _globals['_RUNPREFLIGHTREQUEST']._serialized_start=69
   _globals['_RUNPREFLIGHTREQUEST']._serialized_end=136
   _globals['_RUNPREFLIGHTRESPONSE']._serialized_start=138
@@ -49,35 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTPROGRESSREQUEST']._serialized_start=773
   _globals['_REPORTPROGRESSREQUEST']._serialized_end=871
   _globals['_REPORTPROGRESSRESPONSE']._serialized_start=873
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=921
-  _globals['_REQUESTSTOPREQUEST']._serialized_start=923
-  _globals['_REQUESTSTOPREQUEST']._serialized_end=972
-  _globals['_REQUESTSTOPRESPONSE']._serialized_start=974
-  _globals['_REQUESTSTOPRESPONSE']._serialized_end=1013
-  _globals['_GETSTOPSTATEREQUEST']._serialized_start=1015
-  _globals['_GETSTOPSTATEREQUEST']._serialized_end=1049
-  _globals['_GETSTOPSTATERESPONSE']._serialized_start=1051
-  _globals['_GETSTOPSTATERESPONSE']._serialized_end=1113
-  _globals['_COLLECTFLIGHTRECORDERREQUEST']._serialized_start=1115
-  _globals['_COLLECTFLIGHTRECORDERREQUEST']._serialized_end=1177
-  _globals['_RANKDUMP']._serialized_start=1179
-  _globals['_RANKDUMP']._serialized_end=1260
-  _globals['_COLLECTFLIGHTRECORDERRESPONSE']._serialized_start=1262
-  _globals['_COLLECTFLIGHTRECORDERRESPONSE']._serialized_end=1346
-  _globals['_LAUNCHWORKERSREQUEST']._serialized_start=1349
-  _globals['_LAUNCHWORKERSREQUEST']._serialized_end=1631
-  _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._serialized_start=1589
-  _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._serialized_end=1631
-  _globals['_LAUNCHWORKERSRESPONSE']._serialized_start=1633
-  _globals['_LAUNCHWORKERSRESPONSE']._serialized_end=1669
-  _globals['_STOPWORKERSREQUEST']._serialized_start=1671
-  _globals['_STOPWORKERSREQUEST']._serialized_end=1738
-  _globals['_STOPWORKERSRESPONSE']._serialized_start=1740
-  _globals['_STOPWORKERSRESPONSE']._serialized_end=1806
-  _globals['_INJECTFAULTREQUEST']._serialized_start=1808
-  _globals['_INJECTFAULTREQUEST']._serialized_end=1916
-  _globals['_INJECTFAULTRESPONSE']._serialized_start=1918
-  _globals['_INJECTFAULTRESPONSE']._serialized_end=1955
-  _globals['_NODEAGENT']._serialized_start=2125
-  _globals['_NODEAGENT']._serialized_end=2951
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=937
+  _globals['_REQUESTSTOPREQUEST']._serialized_start=939
+  _globals['_REQUESTSTOPREQUEST']._serialized_end=988
+  _globals['_REQUESTSTOPRESPONSE']._serialized_start=990
+  _globals['_REQUESTSTOPRESPONSE']._serialized_end=1029
+  _globals['_GETSTOPSTATEREQUEST']._serialized_start=1031
+  _globals['_GETSTOPSTATEREQUEST']._serialized_end=1065
+  _globals['_GETSTOPSTATERESPONSE']._serialized_start=1067
+  _globals['_GETSTOPSTATERESPONSE']._serialized_end=1129
+  _globals['_COLLECTFLIGHTRECORDERREQUEST']._serialized_start=1131
+  _globals['_COLLECTFLIGHTRECORDERREQUEST']._serialized_end=1193
+  _globals['_RANKDUMP']._serialized_start=1195
+  _globals['_RANKDUMP']._serialized_end=1276
+  _globals['_COLLECTFLIGHTRECORDERRESPONSE']._serialized_start=1278
+  _globals['_COLLECTFLIGHTRECORDERRESPONSE']._serialized_end=1362
+  _globals['_LAUNCHWORKERSREQUEST']._serialized_start=1365
+  _globals['_LAUNCHWORKERSREQUEST']._serialized_end=1647
+  _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._serialized_start=1605
+  _globals['_LAUNCHWORKERSREQUEST_ENVENTRY']._serialized_end=1647
+  _globals['_LAUNCHWORKERSRESPONSE']._serialized_start=1649
+  _globals['_LAUNCHWORKERSRESPONSE']._serialized_end=1685
+  _globals['_STOPWORKERSREQUEST']._serialized_start=1687
+  _globals['_STOPWORKERSREQUEST']._serialized_end=1754
+  _globals['_STOPWORKERSRESPONSE']._serialized_start=1756
+  _globals['_STOPWORKERSRESPONSE']._serialized_end=1822
+  _globals['_INJECTFAULTREQUEST']._serialized_start=1824
+  _globals['_INJECTFAULTREQUEST']._serialized_end=1932
+  _globals['_INJECTFAULTRESPONSE']._serialized_start=1934
+  _globals['_INJECTFAULTRESPONSE']._serialized_end=1971
+  _globals['_NODEAGENT']._serialized_start=2141
+  _globals['_NODEAGENT']._serialized_end=2967
 # @@protoc_insertion_point(module_scope)

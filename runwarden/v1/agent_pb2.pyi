@@ -246,16 +246,22 @@ class ReportProgressResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STOP_REQUESTED_FIELD_NUMBER: _builtins.int
+    SLOW_S_FIELD_NUMBER: _builtins.int
     stop_requested: _builtins.bool
     """piggy-backed so a rank learns of a stop without another call"""
+    slow_s: _builtins.float
+    """Chaos (FAULT_KIND_SLOW_RANK): seconds the calling rank sleeps after each step; 0 = none.
+    Applies to the local_rank of the request's reports.
+    """
     def __init__(
         self,
         *,
         stop_requested: _builtins.bool = ...,
+        slow_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stop_requested", b"stop_requested"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["slow_s", b"slow_s", "stop_requested", b"stop_requested"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -370,6 +370,7 @@ class RankProgress(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     LOSS_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -384,6 +385,10 @@ class RankProgress(_message.Message):
     pid: _builtins.int
     loss: _builtins.float
     world_size: _builtins.int
+    committed_step: _builtins.int
+    """The newest checkpoint step whose commit marker this rank has seen written (-1: none).
+    Global rank 0 reports it after committing; its agent records the commit in etcd.
+    """
     def __init__(
         self,
         *,
@@ -398,10 +403,11 @@ class RankProgress(_message.Message):
         pid: _builtins.int = ...,
         loss: _builtins.float | None = ...,
         world_size: _builtins.int = ...,
+        committed_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015

@@ -52,6 +52,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_LOAD_DONE: _EventKind.ValueType  # 19
     """checkpoint loaded, before the first step"""
     EVENT_KIND_CHECKPOINT_FAILED: _EventKind.ValueType  # 20
+    EVENT_KIND_RESTART: _EventKind.ValueType  # 21
+    """the supervisor decided to relaunch: budget used, backoff, why"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -79,6 +81,8 @@ EVENT_KIND_CONTROL_PLANE: EventKind.ValueType  # 18
 EVENT_KIND_LOAD_DONE: EventKind.ValueType  # 19
 """checkpoint loaded, before the first step"""
 EVENT_KIND_CHECKPOINT_FAILED: EventKind.ValueType  # 20
+EVENT_KIND_RESTART: EventKind.ValueType  # 21
+"""the supervisor decided to relaunch: budget used, backoff, why"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -147,7 +151,9 @@ class ExitDetail(_message.Message):
     CLASSIFICATION_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     classification: _builtins.str
-    """"clean", "crash", "signal:SIGKILL", "stop", ..."""
+    """One node: "clean", "exit:N", "signal:SIGKILL", ... The end of a whole attempt (node empty):
+    "stopped" (after a failure), "planned_stop" or "control_plane"; the message counts the nodes' exit labels.
+    """
     @_builtins.property
     def status(self) -> _common_pb2.ExitStatus: ...
     def __init__(
@@ -239,8 +245,13 @@ class AttributionDetail(_message.Message):
 
     SUSPECTS_FIELD_NUMBER: _builtins.int
     METHOD_FIELD_NUMBER: _builtins.int
+    EXPLANATION_FIELD_NUMBER: _builtins.int
     method: _builtins.str
-    """"hardware", "flight_recorder", "heartbeat", "none" """
+    """"hardware", "flight_recorder", "heartbeat" (lease expired or the node behind), "straggler",
+    "first_exit" (a crash with no other evidence: not quarantined on a first offence), "none"
+    """
+    explanation: _builtins.str
+    """a few lines: the evidence behind the suspects, for the operator"""
     @_builtins.property
     def suspects(self) -> _containers.RepeatedCompositeFieldContainer[Global___Suspect]:
         """strongest first; empty: no suspect (software/data)"""
@@ -250,10 +261,11 @@ class AttributionDetail(_message.Message):
         *,
         suspects: _abc.Iterable[Global___Suspect] | None = ...,
         method: _builtins.str = ...,
+        explanation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "suspects", b"suspects"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation", "method", b"method", "suspects", b"suspects"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

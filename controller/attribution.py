@@ -1,0 +1,450 @@
+"""Attribution: who is to blame for a failed or hung attempt. Pure functions, no I/O.
+
+Evidence, strongest first (DESIGN.md, "Blame from evidence"):
+
+1. **hardware** - a fatal Xid, an uncorrectable ECC error, a row-remap failure or a GPU off the bus on
+   a node (its agent's `common_pb2.Evidence`);
+2. **flight_recorder** - per process group, over non-p2p entries: last[r] = the highest
+   collective_seq_id rank r enqueued, S = the highest over the members. Members with last[r] < S never
+   called collective S: they lag. A lagging rank that is itself waiting at the front of another stuck
+   group is a victim of a cascade (it cannot call S because it is blocked elsewhere); the lagging ranks
+   that wait for nobody are the culprits. A member with no dump is a suspect. If every member reached
+   S, the entries at S are compared (op, sizes, dtypes): the odd one out is a suspect;
+3. **heartbeat** - the node whose progress stopped first, by a clear margin;
+4. otherwise **none**: a software or data problem (which feeds the crash-loop rule).
+
+The rank that reported the timeout was waiting: it is never blamed for lagging. collective_seq_id is
+used, not op_id or record_id: it is aligned across ranks and survives the ring buffer wrapping.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from runwarden.flightrec import FlightRecorderError, FrDump, FrEntry, parse_dump
+from runwarden.v1 import agent_pb2, common_pb2, events_pb2
+
+K = common_pb2.EvidenceKind
+# Kinds that mean the node must not run work, whatever the severity field says (Xid needs FATAL).
+_ALWAYS_FATAL = {
+    K.EVIDENCE_KIND_ECC_UNCORRECTABLE,
+    K.EVIDENCE_KIND_ROW_REMAP_FAILURE,
+    K.EVIDENCE_KIND_GPU_LOST,
+}
+_HARDWARE_KINDS = _ALWAYS_FATAL | {
+    K.EVIDENCE_KIND_XID, K.EVIDENCE_KIND_RECOVERY_ACTION, K.EVIDENCE_KIND_PCIE_DEGRADED, K.EVIDENCE_KIND_NETWORK,
+}  # fmt: skip
+
+CONFIDENCE_HARDWARE = 0.95
+CONFIDENCE_HARDWARE_OTHER = 0.85  # a FATAL network / PCIe / recovery-action record
+CONFIDENCE_LAGGING = 0.9
+CONFIDENCE_NO_DUMP_ALONE = 0.8  # no dump, and no dumped rank lags for its own reasons
+CONFIDENCE_NO_DUMP = 0.5
+CONFIDENCE_MISMATCH = 0.6
+CONFIDENCE_CIRCULAR = 0.4
+CONFIDENCE_HEARTBEAT = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Suspect:
+    node: str  # "" when the rank -> node mapping does not know the rank
+    ranks: tuple[int, ...]
+    confidence: float
+    reason: str
+    evidence: tuple[common_pb2.Evidence, ...] = ()
+
+    def to_proto(self) -> events_pb2.Suspect:
+        return events_pb2.Suspect(
+            node=self.node, ranks=list(self.ranks), confidence=self.confidence, reason=self.reason,
+            evidence=list(self.evidence),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupLag:
+    """One process group as the flight recorder saw it."""
+
+    pg_name: str
+    pg_desc: str
+    members: tuple[int, ...]
+    seq: int  # S: the highest collective any member enqueued
+    lagging: tuple[int, ...]  # members with last < S
+    no_dump: tuple[int, ...]
+    unknown: tuple[int, ...]  # dumped members whose ring buffer no longer holds this group
+    last: tuple[tuple[int, int], ...]  # (rank, last seq) for the members with a known last
+    op: str  # what the front ranks wait in: "gloo:all_reduce sizes [[8]] dtypes [Float]"
+    completed: bool  # collective S is known to have completed (so a dumpless member is not awaited)
+
+    @property
+    def front(self) -> tuple[int, ...]:
+        return tuple(r for r, s in self.last if s == self.seq)
+
+    @property
+    def stuck(self) -> bool:
+        """The front ranks wait in collective S: someone lags, or a dumpless member may not have joined."""
+        return bool(self.lagging) or (bool(self.no_dump) and not self.completed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrFindings:
+    groups: tuple[GroupLag, ...]
+    suspects: Mapping[int, tuple[float, str]]  # rank -> (confidence, reason)
+    explanation: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeHeartbeat:
+    node: str
+    last_step: int
+    last_advanced_at: float  # when its slowest rank's step last advanced (seconds, any clock)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attribution:
+    suspects: tuple[Suspect, ...]  # strongest first; empty: no suspect (software or data)
+    method: str  # "hardware" | "flight_recorder" | "heartbeat" | "none"
+    explanation: str
+    flight_recorder: FrFindings | None = None
+
+    def to_proto(self) -> events_pb2.AttributionDetail:
+        return events_pb2.AttributionDetail(
+            suspects=[s.to_proto() for s in self.suspects], method=self.method, explanation=self.explanation
+        )
+
+
+# --- inputs from the agents ---------------------------------------------------------------------
+
+
+def dumps_from_rank_dumps(
+    rank_dumps: Iterable[agent_pb2.RankDump], *, max_bytes: int | None = None
+) -> tuple[dict[int, FrDump], dict[int, str]]:
+    """The agents' RankDump messages -> (parsed dumps by rank, rank -> why there is no dump)."""
+    dumps: dict[int, FrDump] = {}
+    no_dump: dict[int, str] = {}
+    for rd in rank_dumps:
+        if not rd.ok:
+            no_dump[rd.rank] = rd.error or "no dump"
+            continue
+        try:
+            kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+            dumps[rd.rank] = parse_dump(rd.data, rank=rd.rank, **kwargs)
+        except FlightRecorderError as exc:
+            no_dump[rd.rank] = f"unreadable dump: {exc}"
+    return dumps, no_dump
+
+
+# --- the flight-recorder rule -------------------------------------------------------------------
+
+
+def _describe(entry: FrEntry) -> str:
+    sizes = [list(s) for s in entry.input_sizes]
+    return f"{entry.profiling_name} sizes {sizes} dtypes [{', '.join(entry.input_dtypes)}]"
+
+
+def _tops(dump: FrDump) -> dict[str, FrEntry]:
+    """Per group name, this rank's non-p2p entry with the highest collective_seq_id (one pass)."""
+    tops: dict[str, FrEntry] = {}
+    for e in dump.entries:
+        if not e.is_p2p:
+            old = tops.get(e.pg_name)
+            if old is None or (e.collective_seq_id, e.record_id) > (old.collective_seq_id, old.record_id):
+                tops[e.pg_name] = e
+    return tops
+
+
+def _groups_of(
+    dumps: Mapping[int, FrDump], tops: Mapping[int, Mapping[str, FrEntry]], expected: frozenset[int]
+) -> dict[tuple[str, tuple[int, ...]], str]:
+    """(name, members) -> desc, from every dump's pg_config; default_pg is all expected ranks if unnamed."""
+    groups: dict[tuple[str, tuple[int, ...]], str] = {}
+    for dump in dumps.values():
+        for pg in dump.pg_config:
+            groups.setdefault((pg.name, tuple(sorted(pg.ranks))), pg.desc)
+    named = {name for name, _ in groups}
+    for rank, dump in dumps.items():  # groups missing from pg_config (a dump from unrepaired gloo)
+        for name, e in tops[rank].items():
+            if name in named or dump.group(name) is not None:
+                continue
+            if e.pg_desc == "default_pg":
+                members = tuple(sorted(expected))
+            else:  # membership unknown: the ranks that recorded the group
+                members = tuple(sorted(r for r, t in tops.items() if name in t))
+            groups[(name, members)] = e.pg_desc
+            named.add(name)
+    return groups
+
+
+def _group_lag(
+    name: str,
+    members: tuple[int, ...],
+    desc: str,
+    dumps: Mapping[int, FrDump],
+    tops: Mapping[int, Mapping[str, FrEntry]],
+) -> tuple[GroupLag, dict[int, FrEntry]] | None:
+    last: dict[int, int] = {}
+    at_last: dict[int, FrEntry] = {}
+    no_dump, unknown = [], []
+    for r in members:
+        dump = dumps.get(r)
+        if dump is None:
+            no_dump.append(r)
+            continue
+        top = tops[r].get(name)
+        if top is not None:
+            last[r], at_last[r] = top.collective_seq_id, top
+        elif dump.wrapped:
+            unknown.append(r)  # its ring lost this group's records: we cannot say where it is
+        else:
+            last[r] = 0
+    if not last or max(last.values()) == 0:
+        return None
+    seq = max(last.values())
+    front = [r for r in members if last.get(r) == seq]
+    lag = GroupLag(
+        completed=any(_completed(at_last[r], dumps[r]) for r in front),
+        pg_name=name, pg_desc=desc, members=members, seq=seq,
+        lagging=tuple(r for r in members if r in last and last[r] < seq),
+        no_dump=tuple(no_dump), unknown=tuple(unknown), last=tuple(sorted(last.items())),
+        op=_describe(at_last[front[0]]),
+    )  # fmt: skip
+    return lag, {r: at_last[r] for r in front}
+
+
+def _completed(entry: FrEntry, dump: FrDump) -> bool:
+    """NCCL marks completion; gloo runs collectives synchronously, so a later record proves it returned."""
+    if entry.state == "completed":
+        return True
+    return entry.profiling_name.startswith("gloo:") and dump.entries[-1].record_id > entry.record_id
+
+
+def _mismatch(lag: GroupLag, front: Mapping[int, FrEntry]) -> tuple[list[int], str] | None:
+    """Every member reached S: the ranks whose entry at S differs from the majority's."""
+    sig = {r: (e.profiling_name, e.input_sizes, e.input_dtypes) for r, e in front.items()}
+    counts = Counter(sig.values())
+    if len(counts) < 2:
+        return None
+    (common, n), *rest = counts.most_common()
+    odd = [r for r, s in sig.items() if s != common] if n > rest[0][1] else sorted(sig)
+    detail = "; ".join(f"rank {r}: {_describe(front[r])}" for r in sorted(front))
+    return odd, f"collective #{lag.seq} of group {lag.pg_name} ({lag.pg_desc}) differs across ranks: {detail}"
+
+
+def _reaches_sink(rank: int, waits_for: Mapping[int, set[int]]) -> bool:
+    """Does following 'waits for' from rank end at a rank that waits for nobody (a culprit or no dump)?"""
+    seen, todo = {rank}, [rank]
+    while todo:
+        for nxt in waits_for.get(todo.pop(), ()):
+            if not waits_for.get(nxt):
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return not waits_for.get(rank)
+
+
+def _lag_text(rank: int, groups: list[GroupLag]) -> str:
+    parts = [
+        f"collective #{g.seq} {g.op} of group {g.pg_name} ({g.pg_desc}) that the others wait in "
+        f"(its last there: #{dict(g.last)[rank]})"
+        for g in groups
+    ]
+    return "; nor ".join(parts)
+
+
+def _explain(g: GroupLag) -> str:
+    text = (
+        f"group {g.pg_name} ({g.pg_desc}, ranks {list(g.members)}): ranks {list(g.front)} wait in collective "
+        f"#{g.seq} {g.op}; lagging {[f'{r}@#{s}' for r, s in g.last if s < g.seq]}; no dump {list(g.no_dump)}"
+    )
+    return text + (f"; unknown (ring wrapped) {list(g.unknown)}" if g.unknown else "")
+
+
+def analyze_flight_recorder(
+    dumps: Mapping[int, FrDump],
+    *,
+    expected_ranks: Iterable[int] = (),
+    no_dump: Mapping[int, str] | None = None,
+    reported_timeout: Iterable[int] = (),
+) -> FrFindings:
+    """Apply the rule to a set of dumps. Ranks in expected_ranks without a dump are 'no dump'."""
+    no_dump = dict(no_dump or {})
+    reported = frozenset(reported_timeout)
+    expected = frozenset(expected_ranks) | frozenset(dumps) | frozenset(no_dump)
+    for r in expected - set(dumps):
+        no_dump.setdefault(r, "no dump collected")
+    groups: list[GroupLag] = []
+    fronts: list[dict[int, FrEntry]] = []
+    tops = {r: _tops(d) for r, d in dumps.items()}
+    for (name, members), desc in sorted(_groups_of(dumps, tops, expected).items()):
+        found = _group_lag(name, members, desc, dumps, tops)
+        if found:
+            groups.append(found[0])
+            fronts.append(found[1])
+    for g in groups:
+        for r in g.no_dump:  # known from another rank's pg_config only
+            no_dump.setdefault(r, f"no dump; a member of group {g.pg_name} ({g.pg_desc})")
+    # The wait-for graph: the front ranks of a stuck group wait for its lagging and dumpless members.
+    waits_for: dict[int, set[int]] = defaultdict(set)
+    lags_in: dict[int, list[GroupLag]] = defaultdict(list)
+    for g in groups:
+        for r in g.lagging:
+            lags_in[r].append(g)
+        if g.stuck:
+            for r in g.front:
+                waits_for[r].update(g.lagging, g.no_dump)
+    waiting = set(waits_for) | reported  # a rank that reported a timeout was waiting too
+    culprits = sorted(r for r in lags_in if r not in waiting)
+    circular = sorted(r for r in lags_in if r not in reported and not _reaches_sink(r, waits_for))
+    awaited_no_dump = {r for g in groups if g.stuck for r in g.no_dump}
+    lines = [_explain(g) for g in groups if g.stuck]
+    suspects: dict[int, tuple[float, str]] = {}
+    for r in culprits:
+        suspects[r] = (CONFIDENCE_LAGGING, "never called " + _lag_text(r, lags_in[r]))
+    for r in circular:
+        suspects[r] = (CONFIDENCE_CIRCULAR, "circular wait (collective order differs across ranks): "
+                                            "it waits elsewhere and never called " + _lag_text(r, lags_in[r]))  # fmt: skip
+    for r, why in sorted(no_dump.items()):
+        if r in reported:
+            continue
+        alone = r in awaited_no_dump and not culprits
+        suspects[r] = (CONFIDENCE_NO_DUMP_ALONE if alone else CONFIDENCE_NO_DUMP, f"gave no dump ({why})")
+    for g, front in zip(groups, fronts, strict=True):
+        mismatch = None if g.stuck or len(front) < len(g.members) else _mismatch(g, front)
+        if mismatch:
+            odd, detail = mismatch
+            lines.append(detail)
+            for r in odd:
+                suspects.setdefault(r, (CONFIDENCE_MISMATCH, detail))
+    return FrFindings(groups=tuple(groups), suspects=suspects, explanation=tuple(lines))
+
+
+# --- hardware and heartbeats --------------------------------------------------------------------
+
+
+def fatal_hardware(
+    evidence: Iterable[common_pb2.Evidence], *, not_before: float | None = None
+) -> list[common_pb2.Evidence]:
+    """The pieces of evidence that blame a node's hardware (application Xids never do)."""
+    out = []
+    for ev in evidence:
+        if not ev.node or (not_before is not None and ev.observed_at < not_before):
+            continue
+        if ev.severity == common_pb2.SEVERITY_APPLICATION or ev.kind not in _HARDWARE_KINDS:
+            continue
+        if ev.kind in _ALWAYS_FATAL or ev.severity == common_pb2.SEVERITY_FATAL:
+            out.append(ev)
+    return out
+
+
+def heartbeat_suspect(
+    heartbeats: Sequence[NodeHeartbeat], *, margin_s: float
+) -> tuple[NodeHeartbeat, str] | None:
+    """The node whose progress stopped first, if it stopped at least margin_s before every other node."""
+    if len(heartbeats) < 2:
+        return None
+    first, second, *_ = sorted(heartbeats, key=lambda h: h.last_advanced_at)
+    gap = second.last_advanced_at - first.last_advanced_at
+    if gap < margin_s:
+        return None
+    median = statistics.median(h.last_step for h in heartbeats)
+    return first, (f"its progress stopped first, {gap:.1f} s before any other node's "
+                   f"(at step {first.last_step}; median step {median:g})")  # fmt: skip
+
+
+# --- putting it together ------------------------------------------------------------------------
+
+
+def _by_node(rank_to_node: Mapping[int, str], ranks: Iterable[int]) -> dict[str, list[int]]:
+    nodes: dict[str, list[int]] = defaultdict(list)
+    for r in sorted(ranks):
+        nodes[rank_to_node.get(r, "")].append(r)
+    return nodes
+
+
+def _ranks_of(rank_to_node: Mapping[int, str], node: str) -> tuple[int, ...]:
+    return tuple(sorted(r for r, n in rank_to_node.items() if n == node))
+
+
+def attribute(
+    *,
+    rank_to_node: Mapping[int, str],
+    evidence: Iterable[common_pb2.Evidence] = (),
+    dumps: Mapping[int, FrDump] | None = None,
+    no_dump: Mapping[int, str] | None = None,
+    heartbeats: Sequence[NodeHeartbeat] = (),
+    reported_timeout: Iterable[int] = (),
+    evidence_not_before: float | None = None,
+    heartbeat_margin_s: float = 3.0,
+) -> Attribution:
+    """Suspects strongest first. `dumps is None` means the flight recorder was not consulted."""
+    suspects: dict[str, Suspect] = {}
+    tier: dict[str, int] = {}  # 0 hardware, 1 flight recorder, 2 heartbeat: the order of the answer
+    methods: list[str] = []
+    lines: list[str] = []
+    for ev in fatal_hardware(evidence, not_before=evidence_not_before):
+        conf = (
+            CONFIDENCE_HARDWARE
+            if ev.kind in _ALWAYS_FATAL or ev.kind == K.EVIDENCE_KIND_XID
+            else CONFIDENCE_HARDWARE_OTHER
+        )
+        kind = K.Name(ev.kind).removeprefix("EVIDENCE_KIND_").lower()
+        reason = f"{kind}" + (f" {ev.xid}" if ev.HasField("xid") else "") + f": {ev.detail}"
+        old = suspects.get(ev.node)
+        if old is None:
+            suspects[ev.node] = Suspect(node=ev.node, ranks=_ranks_of(rank_to_node, ev.node), confidence=conf,
+                                        reason=reason, evidence=(ev,))  # fmt: skip
+        else:
+            suspects[ev.node] = Suspect(node=ev.node, ranks=old.ranks, confidence=max(conf, old.confidence),
+                                        reason=old.reason, evidence=(*old.evidence, ev))  # fmt: skip
+        tier[ev.node] = 0
+        lines.append(f"node {ev.node}: {reason}")
+    if suspects:
+        methods.append("hardware")
+    findings = None
+    if dumps is not None:
+        findings = analyze_flight_recorder(
+            dumps, expected_ranks=rank_to_node, no_dump=no_dump, reported_timeout=reported_timeout
+        )
+        lines.extend(findings.explanation)
+        fr_nodes = _by_node(rank_to_node, findings.suspects)
+        for node, ranks in sorted(
+            fr_nodes.items(), key=lambda kv: -max(findings.suspects[r][0] for r in kv[1])
+        ):
+            conf = max(findings.suspects[r][0] for r in ranks)
+            reason = "; ".join(f"rank {r} {findings.suspects[r][1]}" for r in ranks)
+            ev = common_pb2.Evidence(node=node, kind=K.EVIDENCE_KIND_FLIGHT_RECORDER,
+                                     severity=common_pb2.SEVERITY_WARNING, detail=reason[:1000])  # fmt: skip
+            old = suspects.get(node)
+            if old is None:
+                suspects[node] = Suspect(
+                    node=node, ranks=tuple(ranks), confidence=conf, reason=reason, evidence=(ev,)
+                )
+                tier[node] = 1
+            else:  # the flight recorder agrees with the hardware evidence: keep the stronger reason first
+                suspects[node] = Suspect(node=node, ranks=old.ranks, confidence=old.confidence,
+                                         reason=f"{old.reason}; {reason}", evidence=(*old.evidence, ev))  # fmt: skip
+        if fr_nodes and not methods:
+            methods.append("flight_recorder")
+    if not suspects:
+        found = heartbeat_suspect(heartbeats, margin_s=heartbeat_margin_s)
+        if found:
+            hb, reason = found
+            ev = common_pb2.Evidence(node=hb.node, kind=K.EVIDENCE_KIND_HEARTBEAT,
+                                     severity=common_pb2.SEVERITY_WARNING, detail=reason)  # fmt: skip
+            suspects[hb.node] = Suspect(node=hb.node, ranks=_ranks_of(rank_to_node, hb.node),
+                                        confidence=CONFIDENCE_HEARTBEAT, reason=reason, evidence=(ev,))  # fmt: skip
+            tier[hb.node] = 2
+            methods.append("heartbeat")
+            lines.append(f"node {hb.node}: {reason}")
+    if not suspects:
+        lines.append("no hardware evidence, no flight-recorder culprit, no node stopped first: "
+                     "a software or data problem")  # fmt: skip
+    return Attribution(
+        suspects=tuple(sorted(suspects.values(), key=lambda s: (tier[s.node], -s.confidence))),
+        method=methods[0] if methods else "none",
+        explanation="\n".join(lines),
+        flight_recorder=findings,
+    )

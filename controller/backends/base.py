@@ -1,0 +1,192 @@
+"""The contract every scheduler backend implements (local, Slurm, Kubernetes).
+
+The supervisor decides *what* to do; a backend only knows *how* on one kind of cluster:
+
+* ``allocate(nodes, spares)`` -- hold ``nodes + spares`` machines; spares sit inside the
+  allocation so a replacement takes a minute, not a trip back through the queue.
+* ``launch(spec)`` -- start one attempt on exactly ``spec.nodes``; every rank of the attempt
+  rendezvouses under ``spec.rendezvous_id`` (``<run>-<attempt>``) and in-place restarts are off.
+* ``stop(handle, grace_s)`` -- ask the attempt to end (SIGTERM), kill it after ``grace_s``.
+* ``status(handle)`` -- what the scheduler knows: running, exited (code, signal), which of the
+  attempt's nodes it considers dead. Never blocks for long; never raises for a finished attempt.
+* ``quarantine(node, reason)`` / ``release(node)`` -- keep a node out of future placements and
+  let it back in. ``release`` only undoes runwarden's own quarantine, never an operator's.
+
+Every method raises :class:`BackendError` (one-line message) when the scheduler refuses or
+cannot be reached; nothing else escapes. Backends hold no supervisor policy.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+# Run names end up in rendezvous ids, Slurm job names, Kubernetes object names and file paths:
+# keep them to what all of those accept (a DNS-1123 label is the strictest of them).
+_RUN_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class BackendError(Exception):
+    """A scheduler refused a request, timed out, or answered something we could not parse."""
+
+
+def validate_run_name(run: str) -> str:
+    if not _RUN_NAME.match(run):
+        raise BackendError(f"bad run name {run!r}: lowercase letters, digits and '-', at most 42")
+    return run
+
+
+def validate_node_name(node: str) -> str:
+    if not _NODE_NAME.match(node):
+        raise BackendError(f"bad node name {node!r}")
+    return node
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Allocation:
+    """Machines held for a run: ``nodes`` (active + spares) in the scheduler's order."""
+
+    id: str  # the scheduler's handle: a Slurm job id, a JobSet name, "local"
+    nodes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for node in self.nodes:
+            validate_node_name(node)
+        if len(set(self.nodes)) != len(self.nodes):
+            raise BackendError(f"allocation {self.id} lists a node twice: {self.nodes}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptSpec:
+    """One attempt of a run, as the supervisor decided it.
+
+    ``command`` is the full argv each rank runs (e.g. ``python train.py``); the backend wraps
+    it in its launcher (``torchrun`` with ``--max-restarts=0``) -- see
+    :func:`torchrun_argv`. ``resume_step`` is the last *committed* checkpoint step, -1 for none.
+    """
+
+    run: str
+    attempt: int
+    nodes: tuple[str, ...]
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    resume_step: int = -1
+    procs_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        validate_run_name(self.run)
+        if self.attempt < 0:
+            raise BackendError(f"attempt must be >= 0, got {self.attempt}")
+        if not self.nodes:
+            raise BackendError("an attempt needs at least one node")
+        for node in self.nodes:
+            validate_node_name(node)
+        if len(set(self.nodes)) != len(self.nodes):
+            raise BackendError(f"attempt lists a node twice: {self.nodes}")
+        if not self.command or any(not isinstance(a, str) or "\0" in a for a in self.command):
+            raise BackendError("command must be a non-empty argv of strings without NUL")
+        if self.resume_step < -1:
+            raise BackendError(f"resume_step must be >= -1, got {self.resume_step}")
+        if self.procs_per_node < 1:
+            raise BackendError(f"procs_per_node must be >= 1, got {self.procs_per_node}")
+        for key, value in self.env.items():
+            if not _ENV_NAME.match(key) or "\0" in value:
+                raise BackendError(f"bad environment entry {key!r}")
+        # Freeze the environment too: a spec is a value, shared between threads.
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def rendezvous_id(self) -> str:
+        return f"{self.run}-{self.attempt}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptHandle:
+    """What ``launch`` returns: the spec plus the backend's reference to the running thing."""
+
+    spec: AttemptSpec
+    ref: str  # e.g. "slurm:1234.5", "jobset:default/run-3"
+
+
+class AttemptState(enum.Enum):
+    PENDING = "pending"  # accepted, not running yet (queued, pods scheduling)
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every rank exited 0 (a clean stop ends here too)
+    FAILED = "failed"  # some rank failed or the scheduler killed the attempt
+    STOPPED = "stopped"  # ended by our own ``stop``
+    UNKNOWN = "unknown"  # the scheduler no longer knows it (purged, lost)
+
+    @property
+    def finished(self) -> bool:
+        return self in (AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.STOPPED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptStatus:
+    state: AttemptState
+    exit_code: int | None = None  # of the launcher process (srun, the JobSet's leader), if known
+    signal: int | None = None
+    failed_nodes: tuple[str, ...] = ()  # nodes of the attempt the scheduler reports down
+    detail: str = ""  # one line for the event log, e.g. "node2 not responding"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the supervisor's shell calls. Implementations: local, slurm, kubernetes."""
+
+    name: str
+
+    def allocate(self, nodes: int, spares: int) -> Allocation: ...
+
+    def launch(self, spec: AttemptSpec) -> AttemptHandle: ...
+
+    def stop(self, handle: AttemptHandle, grace_s: float) -> AttemptStatus: ...
+
+    def status(self, handle: AttemptHandle) -> AttemptStatus: ...
+
+    def quarantine(self, node: str, reason: str) -> None: ...
+
+    def release(self, node: str) -> bool:
+        """Undo runwarden's quarantine; False (and nothing changed) if the node is held by someone else."""
+        ...
+
+
+def torchrun_argv(
+    spec: AttemptSpec, *, endpoint: str, torchrun: tuple[str, ...] = ("torchrun",)
+) -> list[str]:
+    """The launcher line every backend uses: one rendezvous per attempt, no in-place restarts.
+
+    ``--max-restarts=0`` because every failure goes through the supervisor (which can blame and
+    replace a node); torchrun restarting in place would hide the failure and reuse a bad node.
+    """
+    return [
+        *torchrun,
+        f"--nnodes={len(spec.nodes)}",
+        f"--nproc-per-node={spec.procs_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={spec.rendezvous_id}",
+        "--max-restarts=0",
+        "--no-python",  # spec.command is a full argv (its own interpreter), not a script path
+        *spec.command,
+    ]
+
+
+def attempt_env(spec: AttemptSpec) -> dict[str, str]:
+    """Environment every rank of an attempt gets on top of ``spec.env``."""
+    return {
+        **spec.env,
+        "RUNWARDEN_RUN": spec.run,
+        "RUNWARDEN_ATTEMPT": str(spec.attempt),
+        "RUNWARDEN_RENDEZVOUS_ID": spec.rendezvous_id,
+        "RUNWARDEN_RESUME_STEP": str(spec.resume_step),
+        # Fail fast on a dead peer instead of hanging for the collective timeout.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }

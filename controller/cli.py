@@ -1,0 +1,115 @@
+"""`controller`: the supervisor daemon.
+
+    controller run --config controller.toml [--etcd HOST:PORT] [--api ADDRESS] [--identity NAME]
+
+It campaigns for leadership in etcd (a standby waits), rebuilds its view from etcd, and supervises
+the run; the Controller gRPC API (for `controllerctl`) is served by every replica, and a standby
+answers reads from etcd. SIGTERM/SIGINT stop it cleanly.
+
+Exit codes: 0 stopped cleanly, 2 bad config or etcd unreachable at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from runwarden.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="controller", description="runwarden's run supervisor daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the controller (leader election, supervision, API)")
+    run.add_argument("--config", help="TOML config file (see controller/config.py)")
+    run.add_argument("--etcd", help="etcd endpoints, comma-separated (overrides the file and env)")
+    run.add_argument("--api", help="Controller API listen address (host:port)")
+    run.add_argument("--identity", help="this replica's name in the election")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from controller.api import AccessPolicy, ServerTLS, build_server
+    from controller.config import load_controller_config
+    from controller.core import Supervisor
+    from controller.live_view import LiveView
+    from controller.paging import Pager
+    from controller.policy import RunPlan
+    from controller.shell import LiveController, ShellConfig
+    from runwarden.store import Store
+    from runwarden.store_types import StoreError
+
+    overrides: dict[str, Any] = {}
+    if args.etcd:
+        overrides["store.endpoints"] = [e for e in args.etcd.split(",") if e]
+    if args.api:
+        overrides["controller.api_address"] = args.api
+    if args.identity:
+        overrides["controller.identity"] = args.identity
+    try:
+        cfg = load_controller_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store = Store.connect(cfg.store)
+    except StoreError as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    run = cfg.run
+    shell_kwargs: dict[str, Any] = {
+        "run": run.run, "command": tuple(run.command), "run_dir": run.run_dir, "election_ttl_s": run.election_ttl_s,
+        "tick_s": run.tick_s, "env": tuple(sorted(run.env.items())), "procs_per_node": run.procs_per_node,
+        "rdzv_host": run.rdzv_host,
+    }
+    if run.identity:
+        shell_kwargs["identity"] = run.identity
+    from controller.agents import AgentClients
+
+    shell = LiveController(
+        ShellConfig(**shell_kwargs), store,
+        lambda: Supervisor(cfg.policy, RunPlan(run=run.run, nodes=run.nodes)),
+        agents=AgentClients(cfg.agent_tls), pager=Pager(cfg.paging),
+    )
+    tls = None
+    if cfg.api_tls is not None:
+        tls = ServerTLS(cert_pem=cfg.api_tls.cert.read_bytes(), key_pem=cfg.api_tls.key.read_bytes(),
+                        client_ca_pem=cfg.api_tls.ca.read_bytes())
+    try:
+        server, port = build_server(LiveView(shell), run.api_address, tls=tls, policy=AccessPolicy())
+    except (ValueError, OSError) as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    server.start()
+    logging.getLogger("controller").info("Controller API on port %d; identity %s", port, shell.cfg.identity)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        shell.stop()
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker = threading.Thread(target=shell.run, name="supervisor", daemon=True)
+    worker.start()
+    while not done.is_set() and worker.is_alive():
+        done.wait(0.5)
+    shell.close()
+    server.stop(grace=1.0)
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

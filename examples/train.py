@@ -1,0 +1,130 @@
+"""A small, real DDP training job that honours runwarden's contract.
+
+Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a node agent:
+
+* progress every step through `nodeagent.trainer.ProgressReporter` (microseconds, non-blocking);
+* a stop request polled every step: finish the step, save, commit, exit 0;
+* a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
+  states, data position), and resume from the latest *committed* checkpoint;
+* flight recording set up before the process group, so a hang can be attributed.
+
+The data is synthetic and deterministic: batch `i` of rank `r` is a function of (seed, i, r) only,
+so the data position is the step and a resumed run sees exactly the batches an uninterrupted run
+would. Every rank appends `{"step", "loss", "attempt"}` to `<out>/loss-rank<r>.jsonl`; the e2e
+test compares those losses with an uninterrupted run of the same seed.
+
+    torchrun --nproc-per-node=2 examples/train.py --steps 50 --ckpt-dir /tmp/ck --out /tmp/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nodeagent import trainer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="train until this step (exclusive)")
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--out", type=Path, required=True, help="where the loss logs go")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--step-sleep", type=float, default=0.05, help="simulated extra compute per step (s)")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="per-collective timeout (PyTorch's default is 10 minutes)")
+    return p.parse_args(argv)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                 nn.Linear(width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def batch_for(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch `step` of `rank`: a pure function of its arguments (the data position is the step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(size, 16, generator=g)
+    y = (x[:, :4].sum(dim=1, keepdim=True)).sin() + 0.1 * torch.randn(size, 1, generator=g)
+    return x, y
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    recording = trainer.setup_flight_recording()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if recording is not None:
+        recording.record_process_groups()
+    reporter = trainer.ProgressReporter.from_env(rank=rank, world_size=world)
+    attempt = int(os.environ.get("RUNWARDEN_ATTEMPT", "0") or 0)
+
+    torch.manual_seed(args.seed)
+    model = nn.parallel.DistributedDataParallel(MLP(args.width))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    found = trainer.latest_committed(args.ckpt_dir)
+    if found is not None:
+        loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
+        start = int(loaded.data_state["next_step"])
+        reporter.set_committed(loaded.step) if hasattr(reporter, "set_committed") else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
+    loss_fn = nn.MSELoss()
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        x, y = batch_for(args.seed, step, rank, args.batch)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()  # DDP's all-reduce happens here: its wait is what a straggler shows in others
+        t2 = time.perf_counter()
+        opt.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        t3 = time.perf_counter()
+        # backward mixes compute with the gradient all-reduce; count it as waiting time so that a rank
+        # that is slow before the collective shows high compute and low wait, and its peers the reverse.
+        compute = (t1 - t0) + (t3 - t2)
+        wait = t2 - t1
+        loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
+        reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, loss=loss.item())
+        done = step + 1
+        # Every rank must agree to stop at the same step (the save below has a barrier).
+        flag = torch.tensor([1 if reporter.stop_requested() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = bool(flag.item())
+        if done % args.ckpt_every == 0 or stop or done == args.steps:
+            reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, in_checkpoint=True)
+            commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
+                                             data_state={"next_step": done}, rank=rank, world_size=world)
+            if commit is not None and hasattr(reporter, "set_committed"):
+                reporter.set_committed(done)
+            reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, loss=loss.item())
+        if stop:
+            print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
+            break
+    reporter.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

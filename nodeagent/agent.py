@@ -1,0 +1,238 @@
+"""The agent: one object holding the node's state, composed of the parts that do the work.
+
+Threads: the gRPC server's pool; `ticker` (progress flush every interval, sd_notify watchdog,
+node record refresh); liveness; evidence writer; monitors; one reaper per launched worker.
+The watchdog is pinged from the ticker, so a wedged ticker makes systemd restart the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import runwarden
+from nodeagent import progress as progress_mod
+from nodeagent.config import AgentConfig
+from nodeagent.evidence import EvidencePublisher
+from nodeagent.launcher import Launcher
+from nodeagent.liveness import Registration
+from nodeagent.metrics import AgentMetrics
+from nodeagent.monitors import NvmlPoller, XidMonitor
+from nodeagent.progress import ProgressTable
+from nodeagent.sdnotify import Notifier, watchdog_interval_s
+from runwarden.v1 import common_pb2, store_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopState:
+    reason: str
+    requested_at: float
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, store: Any = None, nvml: Any = None) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = AgentMetrics()
+        self.progress = ProgressTable()
+        self.launcher = Launcher(allowed_executables=config.allowed_executables)
+        self.evidence = EvidencePublisher(store=store, node=config.node, metrics=self.metrics,
+                                          recent=config.evidence_recent)
+        self.evidence.add_listener(self._on_evidence)
+        self.xid = XidMonitor(node=config.node, publish=self.evidence.publish)
+        self.nvml = NvmlPoller(node=config.node, nvml=nvml, publish=self.evidence.publish) if nvml is not None else None
+        self.registration: Registration | None = None
+        if store is not None:
+            self.registration = Registration(store=store, node=config.node, ttl_s=config.lease_ttl_s,
+                                             make_record=self.node_record, metrics=self.metrics)
+            self.metrics.track_heartbeat(self.registration.last_heartbeat_at)
+        self.notifier = Notifier()
+        self.lock = threading.Lock()
+        self.stops: dict[str, StopState] = {}
+        self.slow_s: dict[int, float] = {}
+        self.fences: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.last_preflight: common_pb2.PreflightSummary | None = None
+        self.preflight_running = threading.Lock()
+        self.unhealthy = False
+        self.gpu_count = 0
+        self.advertise = config.advertise
+        self._closed = threading.Event()
+        self._stop_watches: dict[str, Any] = {}
+        self._ticker: threading.Thread | None = None
+        self._state_changed = threading.Event()
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def node_state(self) -> int:
+        if self.unhealthy:
+            return common_pb2.NODE_STATE_UNHEALTHY
+        if self.preflight_running.locked():
+            return common_pb2.NODE_STATE_PREFLIGHT
+        if any(w.running for w in self.launcher.workers()):
+            return common_pb2.NODE_STATE_RUNNING
+        return common_pb2.NODE_STATE_READY
+
+    def node_record(self) -> store_pb2.NodeRecord:
+        record = store_pb2.NodeRecord(
+            node=self.config.node,
+            host=socket.gethostname(),
+            address=self.advertise,
+            gpu_count=self.gpu_count,
+            agent_version=runwarden.__version__,
+            state=self.node_state(),  # type: ignore[arg-type]
+            local_ranks=self.config.local_ranks,
+        )
+        if self.last_preflight is not None:
+            record.last_preflight.CopyFrom(self.last_preflight)
+        return record
+
+    def state_changed(self) -> None:
+        """Ask the ticker to re-put the node record (soon, not in the caller's thread)."""
+        self._state_changed.set()
+
+    def _on_evidence(self, evidence: common_pb2.Evidence) -> None:
+        if evidence.severity == common_pb2.SEVERITY_FATAL and not self.unhealthy:
+            self.unhealthy = True
+            self.state_changed()
+
+    def set_stop(self, run: str, reason: str) -> None:
+        with self.lock:
+            self.stops[run] = StopState(reason=reason, requested_at=time.time())
+        path = self.config.stop_file(run)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".stop.tmp")
+        tmp.write_text(reason + "\n")
+        os.replace(tmp, path)
+
+    def clear_stop(self, run: str) -> None:
+        with self.lock:
+            self.stops.pop(run, None)
+        self.config.stop_file(run).unlink(missing_ok=True)
+
+    def follow_run(self, run: str) -> None:
+        """Once a run is known here, watch its etcd stop key: a planned stop the controller wrote
+        reaches the local ranks even if no RequestStop call comes."""
+        if self.store is None or run in self._stop_watches:
+            return
+        with self.lock:
+            if run in self._stop_watches:
+                return
+            self._stop_watches[run] = None
+        threading.Thread(target=self._watch_stop, args=(run,), name=f"stop-watch-{run}", daemon=True).start()
+
+    def _watch_stop(self, run: str) -> None:
+        key = self.store.keys.stop(run)
+        delay = 0.2
+        while not self._closed.is_set():
+            try:
+                kvs, revision = self.store.get_prefix(key)
+                self._apply_stop_key(run, kvs[0].value if kvs else None)
+                self._stop_watches[run] = self.store.watch_prefix(key, revision + 1, lambda ev: self._on_stop_event(run, ev))
+                return
+            except Exception as exc:
+                log.warning("cannot watch the stop key of run %s yet (retrying): %s", run, exc)
+                self._closed.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _on_stop_event(self, run: str, event: Any) -> None:
+        kvs = getattr(event, "kvs", None)
+        if kvs is not None:  # Relisted after a compaction: the prefix as it is now
+            self._apply_stop_key(run, kvs[0].value if kvs else None)
+        else:
+            self._apply_stop_key(run, event.value if event.type.value == "PUT" else None)
+
+    def _apply_stop_key(self, run: str, value: bytes | None) -> None:
+        if value is None:
+            if run in self.stops:
+                log.info("run %s: stop key deleted, stop request withdrawn", run)
+                self.clear_stop(run)
+            return
+        try:
+            reason = store_pb2.StopRequest.FromString(value).reason or "stop requested"
+        except Exception:
+            reason = "stop requested (unreadable stop record)"
+        if run not in self.stops:
+            log.info("run %s: stop requested in etcd: %s", run, reason)
+            self.set_stop(run, reason)
+
+    def knows_run(self, run: str) -> bool:
+        return run in self.progress.runs() or bool(self.launcher.workers(run)) or run in self.stops
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.nvml is not None and self.config.nvml_interval_s > 0 and self.nvml.start(self.config.nvml_interval_s):
+            try:
+                self.gpu_count = self.nvml._nvml.device_count()
+            except Exception as exc:
+                log.warning("NVML device count failed: %s", exc)
+        self.xid.start(self.config.kernel_log, self.config.dmesg_interval_s)
+        self.evidence.start()
+        if self.registration is not None:
+            self.registration.start()
+        self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
+        self._ticker.start()
+
+    def ready(self) -> None:
+        self.notifier.ready(f"serving as {self.config.node}")
+
+    def stop(self, *, stop_workers: bool = True) -> None:
+        self.notifier.stopping()
+        self._closed.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+        if stop_workers:
+            self.launcher.stop_all(self.config.stop_grace_s)
+        for watch in list(self._stop_watches.values()):
+            if watch is not None:
+                watch.cancel()
+        self.xid.stop()
+        if self.nvml is not None:
+            self.nvml.stop()
+        self.flush_progress()
+        self.evidence.stop()
+        if self.registration is not None:
+            self.registration.stop(revoke=True)
+
+    def flush_progress(self) -> int:
+        if self.store is None:
+            return 0
+        try:
+            written = progress_mod.flush(self.progress, self.store, self.config.node)
+        except Exception as exc:
+            log.warning("progress write failed (retried next interval): %s", exc)
+            return 0
+        if written:
+            self.metrics.progress_writes.inc(written)
+        return written
+
+    def _tick_loop(self) -> None:
+        interval = self.config.progress_interval_s
+        watchdog = watchdog_interval_s()
+        period = min(interval, watchdog) if watchdog else interval
+        next_flush = time.monotonic() + interval
+        was_running = False
+        while not self._closed.wait(max(0.0, min(period, next_flush - time.monotonic()))):
+            now = time.monotonic()
+            if now >= next_flush:
+                self.flush_progress()
+                next_flush = max(next_flush + interval, now)
+            running = any(w.running for w in self.launcher.workers())
+            if running != was_running:
+                was_running = running
+                self._state_changed.set()
+            if self.registration is not None:
+                self.registration.last_heartbeat_at()  # samples the keeper's refresh count
+            if self._state_changed.is_set() and self.registration is not None:
+                self._state_changed.clear()
+                self.registration.update()
+            if watchdog:
+                self.notifier.watchdog()

@@ -1,0 +1,150 @@
+"""The checkpoint commit protocol: a checkpoint exists only once its commit marker does.
+
+Layout under a root directory:
+
+    <root>/step_000000000120/rank0.pt ...      the step's files, written and fsynced first
+    <root>/step_000000000120/COMMITTED         the marker: JSON {step, files: {name: size}, ...}
+
+Order of obligations: write every file, fsync each, fsync the step directory; then write the
+marker to a temporary name, fsync it, rename it to COMMITTED (atomic), fsync the directory.
+`latest_committed(root)` returns the newest step whose marker parses and whose listed files all
+exist with the recorded sizes, so a crash at any point leaves the previous committed step as the
+answer. No torch here: `nodeagent.trainer` saves and restores models on top of this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step_(\d{12})$")
+_MAX_MARKER_BYTES = 1024 * 1024
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written or read; the message names the path."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommittedCheckpoint:
+    step: int
+    path: Path
+    files: Mapping[str, int]
+    committed_at: float
+    meta: Mapping[str, Any]
+
+
+def step_dir(root: Path | str, step: int) -> Path:
+    if not 0 <= step < 10**12:
+        raise CheckpointError(f"step {step} out of range 0..10^12")
+    return Path(root) / f"step_{step:012d}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Writes one step's files; `commit()` writes the marker last. Not committed = not there."""
+
+    def __init__(self, root: Path | str, step: int) -> None:
+        self.root = Path(root)
+        self.step = step
+        self.path = step_dir(root, step)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MARKER).unlink(missing_ok=True)  # re-saving a step un-commits it first
+        fsync_dir(self.path)
+
+    @contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """A file of this step, flushed and fsynced when the block exits without error."""
+        if "/" in name or name in ("", ".", "..", MARKER) or name.startswith("."):
+            raise CheckpointError(f"{self.path}: bad file name {name!r}")
+        with open(self.path / name, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.open(name) as f:
+            f.write(data)
+
+    def commit(self, *, files: list[str] | None = None, meta: Mapping[str, Any] | None = None) -> CommittedCheckpoint:
+        """Write the marker listing `files` (default: every file in the step dir) with sizes."""
+        fsync_dir(self.path)
+        names = sorted(files) if files is not None else sorted(
+            p.name for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != MARKER
+        )
+        sizes: dict[str, int] = {}
+        for name in names:
+            try:
+                sizes[name] = (self.path / name).stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"{self.path}: file {name!r} to commit is missing") from None
+        now = time.time()
+        body = json.dumps({"step": self.step, "files": sizes, "committed_at": now, "meta": dict(meta or {})})
+        tmp = self.path / f".{MARKER}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(body.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / MARKER)
+        fsync_dir(self.path)
+        return CommittedCheckpoint(step=self.step, path=self.path, files=sizes, committed_at=now, meta=dict(meta or {}))
+
+
+def read_commit(path: Path) -> CommittedCheckpoint | None:
+    """The commit of one step directory, or None if it is not (completely) committed."""
+    match = _STEP_DIR.match(path.name)
+    if not match:
+        return None
+    try:
+        raw = (path / MARKER).read_bytes()[: _MAX_MARKER_BYTES + 1]
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    if len(raw) > _MAX_MARKER_BYTES or not isinstance(doc, dict) or doc.get("step") != int(match.group(1)):
+        return None
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
+        return None
+    for name, size in files.items():
+        try:
+            if (path / name).stat().st_size != size:
+                return None
+        except OSError:
+            return None
+    at = doc.get("committed_at")
+    meta = doc.get("meta")
+    return CommittedCheckpoint(
+        step=doc["step"],
+        path=path,
+        files=files,
+        committed_at=float(at) if isinstance(at, int | float) else 0.0,
+        meta=meta if isinstance(meta, dict) else {},
+    )
+
+
+def latest_committed(root: Path | str) -> CommittedCheckpoint | None:
+    """The newest fully committed checkpoint under root, or None. Never a half-written one."""
+    try:
+        entries = [p for p in Path(root).iterdir() if _STEP_DIR.match(p.name)]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for path in sorted(entries, key=lambda p: p.name, reverse=True):
+        commit = read_commit(path)
+        if commit is not None:
+            return commit
+    return None

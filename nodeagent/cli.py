@@ -1,0 +1,125 @@
+"""`nodeagent`: run the per-host agent (the systemd unit's ExecStart).
+
+    nodeagent --config /etc/runwarden/nodeagent.toml [--node NAME] [--listen HOST:PORT] ...
+
+Precedence: TOML file < RUNWARDEN_AGENT_* environment < flags. Exit codes: 0 after SIGTERM/SIGINT,
+2 for a config error, 1 when the agent cannot start (e.g. etcd unreachable, port taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from nodeagent import config as config_mod
+from runwarden.config import ConfigError
+
+log = logging.getLogger("nodeagent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nodeagent",
+        description="runwarden node agent: gRPC NodeAgent service, etcd lease heartbeat, progress "
+        "aggregation, Xid/NVML monitors, local worker launcher, flight-recorder collection.",
+        epilog="Every flag overrides the config file and the RUNWARDEN_AGENT_<KEY> environment variable.",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file (keys: see nodeagent/config.py)")
+    p.add_argument("--node", help="node name (default: host name)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="TCP listener for the controller ('' = none)")
+    p.add_argument("--unix-socket", dest="unix_socket", metavar="PATH", help="unix socket for local ranks")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="address written into the node record")
+    p.add_argument("--etcd", dest="etcd_endpoints", action="append", metavar="HOST:PORT",
+                   help="etcd endpoint (repeatable); none = standalone, no etcd")
+    p.add_argument("--etcd-root", dest="etcd_root", metavar="PREFIX", help="etcd key root (default /runwarden)")
+    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="node lease TTL (default 5)")
+    p.add_argument("--progress-interval", dest="progress_interval_s", type=float, metavar="S",
+                   help="progress write interval (default 1)")
+    p.add_argument("--kernel-log", dest="kernel_log", choices=config_mod.KERNEL_LOG_SOURCES)
+    p.add_argument("--nvml-interval", dest="nvml_interval_s", type=float, metavar="S", help="0 = off")
+    p.add_argument("--allow-exec", dest="allowed_executables", action="append", metavar="PATH",
+                   help="an executable LaunchWorkers may start (repeatable)")
+    p.add_argument("--chaos", dest="chaos_enabled", action="store_const", const=True,
+                   help="allow InjectFault (drills and demos only)")
+    p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE")
+    p.add_argument("--tls-key", dest="tls_key", metavar="FILE")
+    p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE")
+    p.add_argument("--metrics-listen", dest="metrics_listen", metavar="HOST:PORT", help="'' = off")
+    p.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="stop files and flight-recorder sockets")
+    p.add_argument("--local-ranks", dest="local_ranks", type=int, metavar="N")
+    p.add_argument("--preflight-config", dest="preflight_config", metavar="FILE")
+    p.add_argument("--log-level", dest="log_level", choices=config_mod.LOG_LEVELS)
+    return p
+
+
+def load(argv: list[str] | None = None) -> config_mod.AgentConfig:
+    args = vars(build_parser().parse_args(argv))
+    file = args.pop("config")
+    return config_mod.from_sources(file=file, flags=args)
+
+
+def make_store(cfg: config_mod.AgentConfig) -> Any:
+    if not cfg.etcd_endpoints:
+        return None
+    from runwarden.store import Store, StoreConfig
+
+    return Store.connect(
+        StoreConfig(
+            endpoints=cfg.etcd_endpoints,
+            root=cfg.etcd_root,
+            ca_file=cfg.etcd_tls_ca or None,
+            cert_file=cfg.etcd_tls_cert or None,
+            key_file=cfg.etcd_tls_key or None,
+        )
+    )
+
+
+def make_nvml() -> Any:
+    from preflight.nvml import PynvmlAdapter
+
+    return PynvmlAdapter()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load(argv)
+    except ConfigError as exc:
+        print(f"nodeagent: config error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nodeagent.agent import Agent
+    from nodeagent.server import AgentServer
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        store = make_store(cfg)
+        agent = Agent(cfg, store=store, nvml=make_nvml() if cfg.nvml_interval_s > 0 else None)
+        server = AgentServer(agent)
+        if cfg.metrics_listen:
+            agent.metrics.serve(cfg.metrics_listen)
+        agent.start()
+        server.start()
+    except Exception as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    log.info("node agent %s serving: tcp %s (port %d), unix %s, pid %d", cfg.node, cfg.listen or "-",
+             server.tcp_port, cfg.unix_socket or "-", os.getpid())
+    agent.ready()
+    stop.wait()
+    log.info("shutting down: stopping workers, revoking the lease")
+    server.stop()
+    agent.stop()
+    if store is not None:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The node agent's one frozen config: TOML file < environment < flags, validated once.
+
+Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI flag):
+
+    node                      this node's name in etcd (default: the host name)
+    listen                    TCP "host:port" for the controller ("" = no TCP listener)
+    unix_socket               path of the unix socket the local ranks use
+    advertise                 "host:port" written into the node record (default: `listen`)
+    etcd_endpoints            ["127.0.0.1:2379", ...]; empty = no etcd (standalone, tests)
+    etcd_root                 key prefix root (default "/runwarden")
+    etcd_tls_ca / etcd_tls_cert / etcd_tls_key     TLS to etcd (optional)
+    lease_ttl_s               node lease TTL (keepalive every TTL/3)
+    progress_interval_s       one progress write per node per this interval
+    evidence_recent           how many evidence records GetNodeStatus shows
+    kernel_log                "auto" | "kmsg" | "journalctl" | "dmesg" | "none"
+    dmesg_interval_s          poll interval of the `dmesg` fallback
+    nvml_interval_s           NVML counter/throttle poll interval (0 = off)
+    allowed_executables       argv[0] values LaunchWorkers may start (absolute paths or names)
+    chaos_enabled             allow InjectFault
+    tls_cert / tls_key        server certificate (TCP listener); required for a non-loopback listen
+    tls_client_ca             CA that signs client certificates (mutating RPCs need one)
+    metrics_listen            "host:port" for Prometheus /metrics ("" = off)
+    run_dir                   stop files and flight-recorder sockets live under here
+    stop_grace_s              default TERM -> KILL grace for StopWorkers
+    flight_recorder_timeout_s default per-rank timeout of CollectFlightRecorder
+    fr_buffer_size            TORCH_FR_BUFFER_SIZE given to launched workers
+    max_message_bytes         gRPC send/receive limit
+    local_ranks               ranks per attempt on this node (advertised in the node record)
+    log_level                 "debug" | "info" | "warning" | "error"
+    preflight_config          the preflight TOML file RunPreflight uses ("" = preflight's defaults)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runwarden.config import ConfigError, load_section, read_toml, require_positive
+
+ENV_PREFIX = "RUNWARDEN_AGENT_"
+KERNEL_LOG_SOURCES = ("auto", "kmsg", "journalctl", "dmesg", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentConfig:
+    node: str = ""
+    listen: str = "127.0.0.1:50051"
+    unix_socket: str = "/run/runwarden/agent.sock"
+    advertise: str = ""
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_root: str = "/runwarden"
+    etcd_tls_ca: str = ""
+    etcd_tls_cert: str = ""
+    etcd_tls_key: str = ""
+    lease_ttl_s: float = 5.0
+    progress_interval_s: float = 1.0
+    evidence_recent: int = 50
+    kernel_log: str = "auto"
+    dmesg_interval_s: float = 5.0
+    nvml_interval_s: float = 10.0
+    allowed_executables: tuple[str, ...] = ()
+    chaos_enabled: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    metrics_listen: str = "127.0.0.1:9400"
+    run_dir: str = "/run/runwarden"
+    stop_grace_s: float = 30.0
+    flight_recorder_timeout_s: float = 5.0
+    fr_buffer_size: int = 2000
+    max_message_bytes: int = 16 * 1024 * 1024
+    local_ranks: int = 0
+    log_level: str = "info"
+    preflight_config: str = ""
+
+    def __post_init__(self) -> None:
+        where = "nodeagent"
+        if not self.node:
+            object.__setattr__(self, "node", socket.gethostname())
+        if not self.advertise:
+            object.__setattr__(self, "advertise", self.listen)
+        require_positive(
+            where,
+            lease_ttl_s=self.lease_ttl_s,
+            progress_interval_s=self.progress_interval_s,
+            dmesg_interval_s=self.dmesg_interval_s,
+            flight_recorder_timeout_s=self.flight_recorder_timeout_s,
+            max_message_bytes=self.max_message_bytes,
+            evidence_recent=self.evidence_recent,
+        )
+        if self.nvml_interval_s < 0 or self.stop_grace_s < 0 or self.fr_buffer_size < 0 or self.local_ranks < 0:
+            raise ConfigError(f"{where}: nvml_interval_s, stop_grace_s, fr_buffer_size, local_ranks must be >= 0")
+        if self.kernel_log not in KERNEL_LOG_SOURCES:
+            raise ConfigError(f"{where}.kernel_log: one of {', '.join(KERNEL_LOG_SOURCES)}, got {self.kernel_log!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"{where}.log_level: one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if not self.listen and not self.unix_socket:
+            raise ConfigError(f"{where}: need at least one of listen and unix_socket")
+        for name in ("listen", "metrics_listen", "advertise"):
+            value = getattr(self, name)
+            if value:
+                split_host_port(value, f"{where}.{name}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(f"{where}: tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError(f"{where}: tls_client_ca needs tls_cert and tls_key")
+        if self.listen and not self.tls_enabled and not is_loopback(split_host_port(self.listen, where)[0]):
+            raise ConfigError(
+                f"{where}.listen: {self.listen} is not a loopback address; plain TCP is allowed on "
+                "loopback only (set tls_cert, tls_key and tls_client_ca)"
+            )
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+    def stop_file(self, run: str) -> Path:
+        return Path(self.run_dir) / "runs" / run / "stop"
+
+    def fr_socket_dir(self, run: str, attempt: int) -> Path:
+        return Path(self.run_dir) / "runs" / run / f"attempt-{attempt}" / "fr"
+
+
+def split_host_port(value: str, where: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: expected host:port, got {value!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def env_mapping(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The RUNWARDEN_AGENT_* variables as config keys; list keys are comma-separated."""
+    list_keys = {f.name for f in dataclasses.fields(AgentConfig) if "tuple" in str(f.type)}
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        out[key] = [v for v in value.split(",") if v] if key in list_keys else value
+    return out
+
+
+def from_sources(
+    *, file: str | Path | None, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+) -> AgentConfig:
+    """Merge file < environment < flags (flags that are None are absent) and validate once."""
+    merged: dict[str, Any] = {}
+    if file:
+        merged.update(read_toml(file))
+    merged.update(env_mapping(os.environ if environ is None else environ))
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None})
+    return load_section(AgentConfig, merged, str(file) if file else "nodeagent")

@@ -1,0 +1,231 @@
+"""The local launcher: start a worker command in its own session, stop it leaving nothing behind.
+
+The environment a worker gets, in order (later wins): the agent's own environment minus the
+agent's private variables, the controller's `env`, then the variables the supervisor's contract
+requires (rendezvous id per attempt, NCCL async error handling and dump on timeout, the flight
+recorder's buffer size, the stop file, the agent's socket). Only executables allowed by config
+may be started. Stopping sends SIGTERM to the whole tree, then SIGKILL after the grace period,
+and rescans /proc until no process of the tree is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodeagent import proctree
+
+log = logging.getLogger(__name__)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+TRACK_INTERVAL_S = 1.0
+PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "WATCHDOG_", "RUNWARDEN_AGENT_", "LISTEN_")
+
+
+class LaunchError(Exception):
+    """The launch was refused or failed; `permission` says whether config forbids it."""
+
+    def __init__(self, message: str, *, permission: bool = False) -> None:
+        super().__init__(message)
+        self.permission = permission
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    run: str
+    attempt: int
+    rendezvous_id: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str = ""
+    node_rank: int = 0
+    nnodes: int = 1
+    resume_step: int = -1
+    stop_file: Path
+    fr_socket_dir: Path
+    agent_socket: str = ""
+    fr_buffer_size: int = 2000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExitInfo:
+    exit_code: int | None
+    signal: int | None
+    ended_at: float
+    detail: str
+
+
+@dataclass(slots=True, kw_only=True)
+class Worker:
+    run: str
+    attempt: int
+    pid: int
+    started_at: float
+    popen: subprocess.Popen[bytes]
+    exit: ExitInfo | None = None
+    stopping: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    seen: set[int] = field(default_factory=set)  # every pid ever found in the tree
+
+    def track(self) -> list[proctree.ProcInfo]:
+        tree = proctree.tree_of(self.pid, adopted=self.seen)
+        self.seen.update(p.pid for p in tree)
+        return tree
+
+    @property
+    def running(self) -> bool:
+        return self.exit is None
+
+
+def worker_env(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+    for key, value in spec.env.items():
+        if not ENV_NAME.match(key) or "\0" in value:
+            raise LaunchError(f"env: bad variable {key!r}")
+        env[key] = value
+    env.update(
+        {
+            "RUNWARDEN_RUN": spec.run,
+            "RUNWARDEN_ATTEMPT": str(spec.attempt),
+            "RUNWARDEN_RDZV_ID": spec.rendezvous_id,
+            "RUNWARDEN_NODE_RANK": str(spec.node_rank),
+            "RUNWARDEN_NNODES": str(spec.nnodes),
+            "RUNWARDEN_RESUME_STEP": str(spec.resume_step),
+            "RUNWARDEN_STOP_FILE": str(spec.stop_file),
+            "RUNWARDEN_FR_SOCKET_DIR": str(spec.fr_socket_dir),
+            "RUNWARDEN_AGENT_SOCKET": spec.agent_socket,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_BUFFER_SIZE": str(spec.fr_buffer_size),
+        }
+    )
+    return env
+
+
+def resolve_allowed(argv0: str, allowed: tuple[str, ...], path: str) -> str:
+    """The executable to run if config allows argv0, else raise LaunchError(permission=True)."""
+    if not argv0 or "\0" in argv0:
+        raise LaunchError("argv[0]: empty or contains NUL")
+    resolved = argv0 if "/" in argv0 else shutil.which(argv0, path=path)
+    if resolved is None:
+        raise LaunchError(f"argv[0]: {argv0!r} not found on PATH")
+    allowed_real = {os.path.realpath(a) for a in allowed if "/" in a}
+    if argv0 in allowed or os.path.realpath(resolved) in allowed_real or resolved in allowed:
+        return resolved
+    raise LaunchError(f"argv[0]: {argv0!r} is not in the agent's allowed_executables", permission=True)
+
+
+class Launcher:
+    def __init__(self, *, allowed_executables: tuple[str, ...]) -> None:
+        self._allowed = allowed_executables
+        self._lock = threading.Lock()
+        self._workers: list[Worker] = []
+        proctree.become_subreaper()
+
+    def launch(self, spec: LaunchSpec) -> Worker:
+        env = worker_env(spec, os.environ)
+        exe = resolve_allowed(spec.argv[0] if spec.argv else "", self._allowed, env.get("PATH", os.defpath))
+        cwd = spec.cwd or None
+        if cwd is not None and not os.path.isdir(cwd):
+            raise LaunchError(f"cwd: {cwd!r} is not a directory")
+        with self._lock:
+            if any(w.running and w.run == spec.run for w in self._workers):
+                raise LaunchError(f"run {spec.run!r} already has running workers on this node")
+        spec.fr_socket_dir.mkdir(parents=True, exist_ok=True)
+        spec.stop_file.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            popen = subprocess.Popen(
+                [exe, *spec.argv[1:]], env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL
+            )
+        except OSError as exc:
+            raise LaunchError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
+        worker = Worker(run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen)
+        with self._lock:
+            self._workers = [w for w in self._workers if w.running or w.run != spec.run] + [worker]
+        threading.Thread(target=self._reap, args=(worker,), name=f"reap-{popen.pid}", daemon=True).start()
+        log.info("launched %s attempt %d: pid %d %s", spec.run, spec.attempt, popen.pid, list(spec.argv))
+        return worker
+
+    def _reap(self, worker: Worker) -> None:
+        while True:
+            try:
+                rc = worker.popen.wait(timeout=TRACK_INTERVAL_S)
+                break
+            except subprocess.TimeoutExpired:
+                worker.track()  # remember members before a double-fork cuts their links
+        # The leader is gone: whatever it left behind in its tree goes too.
+        _kill_tree(worker, grace_s=0.0 if worker.stopping else 2.0)
+        worker.exit = ExitInfo(
+            exit_code=rc if rc >= 0 else None,
+            signal=-rc if rc < 0 else None,
+            ended_at=time.time(),
+            detail=f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}",
+        )
+        worker.done.set()
+        log.info("worker %s attempt %d pid %d ended: %s", worker.run, worker.attempt, worker.pid, worker.exit.detail)
+
+    def workers(self, run: str | None = None) -> list[Worker]:
+        with self._lock:
+            return [w for w in self._workers if run is None or w.run == run]
+
+    def stop(self, run: str, attempt: int, grace_s: float) -> list[Worker]:
+        """TERM the tree, KILL after grace_s; returns once nothing of it is left."""
+        targets = [w for w in self.workers(run) if w.running and (attempt == 0 or w.attempt == attempt)]
+        for w in targets:
+            w.stopping = True
+        threads = [threading.Thread(target=_kill_tree, args=(w, grace_s)) for w in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for w in targets:
+            w.done.wait(timeout=10.0)
+        return targets
+
+    def owns(self, pid: int) -> bool:
+        """True if pid is in the tree of one of this launcher's running workers."""
+        return any(pid in {p.pid for p in w.track()} for w in self.workers() if w.running)
+
+    def stop_all(self, grace_s: float) -> None:
+        for run in {w.run for w in self.workers() if w.running}:
+            self.stop(run, 0, grace_s)
+
+
+def _signal_tree(worker: Worker, sig: int) -> list[int]:
+    procs = proctree.alive(worker.track())
+    for p in procs:
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.warning("cannot signal pid %d: %s", p.pid, exc)
+    return [p.pid for p in procs]
+
+
+def _kill_tree(worker: Worker, grace_s: float) -> None:
+    leader = worker.pid
+    if grace_s > 0 and _signal_tree(worker, signal.SIGTERM):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            tree = worker.track()
+            proctree.reap([p.pid for p in tree if p.pid != leader])
+            if not proctree.alive(tree):
+                break
+            time.sleep(0.05)
+    for _ in range(200):  # KILL and rescan: a fork during the kill shows up on the next pass
+        pids = _signal_tree(worker, signal.SIGKILL)
+        tree = worker.track()
+        proctree.reap([p.pid for p in tree if p.pid != leader])
+        if not pids and not [p for p in tree if p.pid != leader]:
+            return
+        time.sleep(0.02)
+    log.error("processes of worker %d survive SIGKILL: %s", leader, [p.pid for p in worker.track()])

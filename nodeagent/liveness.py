@@ -1,0 +1,140 @@
+"""Liveness: the node key lives under the agent's lease; a lost lease is re-registered at once.
+
+The store's LeaseKeeper refreshes the lease every TTL/3 in the background and sets `.lost` when a
+refresh finds the lease gone (expired during an etcd outage or a long pause). Then this module
+grants a new lease and puts the node record again, retrying with backoff while etcd is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nodeagent.metrics import AgentMetrics
+from runwarden.v1 import store_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(
+        self,
+        *,
+        store: Any,
+        node: str,
+        ttl_s: float,
+        make_record: Callable[[], store_pb2.NodeRecord],
+        metrics: AgentMetrics,
+    ) -> None:
+        self._store = store
+        self._node = node
+        self._ttl_s = ttl_s
+        self._make_record = make_record
+        self._metrics = metrics
+        self._lease: Any = None
+        self._keeper: Any = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._heartbeat_at: float | None = None
+        self._refreshes_seen = 0
+        self.registrations = 0
+
+    @property
+    def lease_held(self) -> bool:
+        keeper = self._keeper
+        return keeper is not None and not keeper.lost.is_set()
+
+    @property
+    def lease_id(self) -> int:
+        return int(getattr(self._lease, "id", 0) or 0)
+
+    def last_heartbeat_at(self) -> float | None:
+        """Monotonic time of the last successful keepalive (or registration), as last sampled."""
+        keeper = self._keeper
+        if keeper is not None:
+            refreshes = getattr(keeper, "refreshes", 0)
+            if refreshes != self._refreshes_seen:
+                self._refreshes_seen = refreshes
+                self._heartbeat_at = time.monotonic()
+        return self._heartbeat_at
+
+    def start(self) -> None:
+        """Register once (raising if etcd is unreachable), then watch for a lost lease."""
+        self._register()
+        self._thread = threading.Thread(target=self._loop, name="liveness", daemon=True)
+        self._thread.start()
+
+    def update(self) -> None:
+        """Put the node record again under the current lease (state or preflight changed)."""
+        with self._lock:
+            lease = self._lease
+            if lease is None or not self.lease_held:
+                return
+            record = self._make_record()
+            record.lease_id = self.lease_id
+        try:
+            self._store.put(self._store.keys.node(self._node), record.SerializeToString(), lease=lease)
+        except Exception as exc:
+            log.warning("node record update failed: %s", exc)
+
+    def stop(self, *, revoke: bool = True) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self._keeper is not None:
+                self._keeper.stop()
+            if revoke and self._lease is not None:
+                try:
+                    self._store.revoke(self._lease)
+                except Exception as exc:
+                    log.warning("lease revoke failed (it expires by itself): %s", exc)
+            self._metrics.lease_held.set(0)
+
+    def _on_lost(self, *args: Any) -> None:
+        self._metrics.lease_held.set(0)
+        self._wake.set()
+
+    def _register(self) -> None:
+        with self._lock:
+            if self._keeper is not None:
+                self._keeper.stop()
+            lease = self._store.grant_lease(self._ttl_s)
+            self._lease = lease
+            record = self._make_record()
+            record.lease_id = self.lease_id
+            record.registered_at = time.time()
+            self._store.put(self._store.keys.node(self._node), record.SerializeToString(), lease=lease)
+            self._keeper = self._store.keep_alive(lease, self._on_lost)
+            self._heartbeat_at = time.monotonic()
+            self._refreshes_seen = 0
+            self.registrations += 1
+        self._metrics.registrations.inc()
+        self._metrics.lease_held.set(1)
+        log.info("registered node %s under lease %x (TTL %.1f s)", self._node, self.lease_id, self._ttl_s)
+
+    def _loop(self) -> None:
+        delay = 0.1
+        while not self._closed.is_set():
+            self._wake.wait(timeout=self._ttl_s / 3)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            if self.lease_held:
+                delay = 0.1
+                continue
+            log.warning("node %s lost its lease %x: re-registering now", self._node, self.lease_id)
+            try:
+                self._register()
+                delay = 0.1
+            except Exception as exc:
+                log.warning("re-registration failed (retry in %.1f s): %s", delay, exc)
+                self._closed.wait(delay)
+                delay = min(delay * 2, self._ttl_s / 3)
+                self._wake.set()

@@ -1,0 +1,107 @@
+"""RunPreflight's bridge to the preflight library: stream each result as it finishes, then a summary.
+
+The library call runs in a thread and hands results to `on_result`; this generator yields them to
+the client as they come. The summary is computed here from the streamed results, stored as the
+node's last preflight (it goes into the node record) and published as evidence when it failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from nodeagent.validate import ValidationError
+from runwarden.v1 import agent_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+def _runner() -> Callable[..., Any] | None:
+    for module in ("preflight.runner", "preflight"):
+        try:
+            fn = getattr(importlib.import_module(module), "run_preflight", None)
+        except ImportError:
+            continue
+        if callable(fn):
+            return fn
+    return None
+
+
+def _config(agent: Any) -> Any:
+    from preflight.config import load_config
+
+    return load_config(agent.config.preflight_config or None)
+
+
+def summarize(mode: str, results: list[common_pb2.CheckResult], duration_s: float) -> common_pb2.PreflightSummary:
+    count = {s: sum(1 for r in results if r.status == s) for s in (1, 2, 3, 4)}
+    return common_pb2.PreflightSummary(
+        mode=mode, passed=count[3] == 0, pass_count=count[1], warn_count=count[2], fail_count=count[3],
+        skip_count=count[4], finished_at=time.time(), duration_s=duration_s,
+        failed_checks=[r.name for r in results if r.status == common_pb2.CHECK_STATUS_FAIL],
+    )
+
+
+def _as_proto(result: Any) -> common_pb2.CheckResult:
+    return result if isinstance(result, common_pb2.CheckResult) else result.to_proto()
+
+
+def stream(agent: Any, request: agent_pb2.RunPreflightRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+    run = _runner()
+    if run is None:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the preflight library (preflight.run_preflight) is not installed")
+    if not agent.preflight_running.acquire(blocking=False):
+        context.abort(grpc.StatusCode.ABORTED, "a preflight is already running on this node")
+    try:
+        agent.state_changed()
+        yield from _run(agent, run, request)
+    finally:
+        agent.preflight_running.release()
+        agent.state_changed()
+
+
+def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightRequest) -> Iterator[Any]:
+    results: queue.Queue[Any] = queue.Queue()
+    kwargs: dict[str, Any] = {"on_result": results.put}
+    params = inspect.signature(run).parameters
+    if request.only and "only" in params:
+        kwargs["only"] = list(request.only)
+    if request.budget_s and "budget_s" in params:
+        kwargs["budget_s"] = request.budget_s
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run(_config(agent), request.mode, **kwargs)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            results.put(_DONE)
+
+    start = time.monotonic()
+    threading.Thread(target=work, name="preflight", daemon=True).start()
+    seen: list[common_pb2.CheckResult] = []
+    while (item := results.get()) is not _DONE:
+        proto = _as_proto(item)
+        seen.append(proto)
+        yield agent_pb2.RunPreflightResponse(result=proto)
+    if failure:
+        if isinstance(failure[0], ValueError):  # a bad mode or check name, said by the library
+            raise ValidationError(str(failure[0]))
+        raise RuntimeError(f"preflight failed to run: {failure[0]}")
+    summary = summarize(request.mode, seen, time.monotonic() - start)
+    agent.last_preflight = summary
+    if not summary.passed:
+        agent.evidence.publish(common_pb2.Evidence(
+            kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL, severity=common_pb2.SEVERITY_WARNING,
+            detail=f"preflight {request.mode} failed: {', '.join(summary.failed_checks)}"[:500], source="preflight"))
+    yield agent_pb2.RunPreflightResponse(summary=summary)

@@ -1,0 +1,107 @@
+"""Progress aggregation: ranks report often; etcd gets one write per node per interval.
+
+`ProgressTable` keeps the newest report of every rank of every run on this node. `flush()` puts
+one NodeProgress per run that changed since the last flush, under keys.progress(run, node). A rank
+that stops reporting keeps its last `reported_at`, which is how the controller sees it stale.
+A report for a newer attempt replaces the run's table; reports for older attempts are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from runwarden.v1 import common_pb2, store_pb2
+
+
+class ProgressTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._attempt: dict[str, int] = {}
+        self._ranks: dict[str, dict[int, common_pb2.RankProgress]] = {}
+        self._dirty: set[str] = set()
+
+    def record(self, run: str, attempt: int, reports: Iterable[common_pb2.RankProgress]) -> bool:
+        """False if the reports are for an older attempt than the newest seen (dropped)."""
+        with self._lock:
+            current = self._attempt.get(run)
+            if current is not None and attempt < current:
+                return False
+            if current is None or attempt > current:
+                self._attempt[run] = attempt
+                self._ranks[run] = {}
+            table = self._ranks[run]
+            for report in reports:
+                old = table.get(report.rank)
+                if old is None or report.step >= old.step or report.reported_at >= old.reported_at:
+                    table[report.rank] = report
+            self._dirty.add(run)
+            return True
+
+    def runs(self) -> set[str]:
+        with self._lock:
+            return set(self._attempt)
+
+    def attempt(self, run: str) -> int | None:
+        with self._lock:
+            return self._attempt.get(run)
+
+    def ranks(self, run: str | None = None) -> list[common_pb2.RankProgress]:
+        with self._lock:
+            tables = [self._ranks.get(run, {})] if run is not None else list(self._ranks.values())
+            return [r for t in tables for _, r in sorted(t.items())]
+
+    def pid_of_local_rank(self, local_rank: int) -> int | None:
+        """The pid reported most recently by this local rank (any run)."""
+        best: common_pb2.RankProgress | None = None
+        for r in self.ranks():
+            if r.local_rank == local_rank and r.pid > 0 and (best is None or r.reported_at > best.reported_at):
+                best = r
+        return best.pid if best is not None else None
+
+    def forget(self, run: str) -> None:
+        with self._lock:
+            self._attempt.pop(run, None)
+            self._ranks.pop(run, None)
+            self._dirty.discard(run)
+
+    def take_dirty(self, node: str) -> list[tuple[str, store_pb2.NodeProgress]]:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            now = time.time()
+            return [
+                (
+                    run,
+                    store_pb2.NodeProgress(
+                        node=node,
+                        run=run,
+                        attempt=self._attempt[run],
+                        ranks=[r for _, r in sorted(self._ranks[run].items())],
+                        written_at=now,
+                    ),
+                )
+                for run in sorted(dirty)
+                if run in self._attempt
+            ]
+
+    def mark_dirty(self, run: str) -> None:
+        with self._lock:
+            self._dirty.add(run)
+
+
+def flush(table: ProgressTable, store: Any, node: str) -> int:
+    """One put per changed run; a failed put leaves its run dirty for the next interval."""
+    written = 0
+    error: Exception | None = None
+    for run, value in table.take_dirty(node):
+        try:
+            store.put(store.keys.progress(run, node), value.SerializeToString())
+            written += 1
+        except Exception as exc:
+            table.mark_dirty(run)
+            error = exc
+    if error is not None:
+        raise error
+    return written

@@ -1,0 +1,297 @@
+"""The gRPC NodeAgent service: TCP for the controller, a unix socket for the local ranks.
+
+Every handler validates its request first (INVALID_ARGUMENT naming the field), answers NOT_FOUND
+for a run this node does not know, and turns any unexpected exception into INTERNAL with one
+line: the agent keeps serving whatever a client sends. Mutating RPCs (RunPreflight,
+LaunchWorkers, StopWorkers, InjectFault) need a verified client certificate when TLS is on; on
+the unix socket they are refused when TLS is on (only certificate holders mutate).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from nodeagent import chaos, preflight_bridge
+from nodeagent import validate as v
+from nodeagent.agent import Agent
+from nodeagent.flight_recorder import collect_dumps, discover_sockets
+from nodeagent.launcher import LaunchError, LaunchSpec
+from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+SERVICE = agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].full_name
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> Any:
+    context.abort(code, message)
+
+
+def rpc(fn: F) -> F:
+    """Time the call, map ValidationError to INVALID_ARGUMENT, anything unexpected to INTERNAL."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: NodeAgentServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            return fn(self, request, context)
+        except v.ValidationError as exc:
+            code = "INVALID_ARGUMENT"
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            status = context.code()  # type: ignore[attr-defined]  # grpc-stubs lacks code()
+            if status is not None and status != grpc.StatusCode.OK:
+                code = status.name
+                raise  # context.abort() already set the status
+            code = "INTERNAL"
+            log.exception("%s failed", name)
+            _abort(context, grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}"[:500])
+        finally:
+            self.agent.metrics.rpc_latency.labels(method=name, code=code).observe(time.perf_counter() - start)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    # --- access ------------------------------------------------------------------------------------
+
+    def _require_admin(self, context: grpc.ServicerContext) -> None:
+        tls = self.agent.config.tls_enabled
+        if context.peer().startswith("unix:"):
+            if tls:
+                _abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                       "mutating RPCs are refused on the unix socket when TLS is on; use TCP with a client cert")
+            return
+        if not tls:
+            return  # plain TCP is bound to loopback only (config refuses anything else)
+        auth = context.auth_context()
+        if not auth.get("x509_pem_cert"):
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "this RPC needs a client certificate")
+
+    def _require_known(self, run: str, context: grpc.ServicerContext) -> None:
+        if not self.agent.knows_run(run):
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"run {run!r} is not known on node {self.agent.config.node}")
+
+    # --- RPCs ----------------------------------------------------------------------------------------
+
+    def RunPreflight(self, request: Any, context: grpc.ServicerContext) -> Iterator[agent_pb2.RunPreflightResponse]:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            self._require_admin(context)
+            v.preflight_request(request)
+            yield from preflight_bridge.stream(self.agent, request, context)
+        except v.ValidationError as exc:
+            code = "INVALID_ARGUMENT"
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            status = context.code()  # type: ignore[attr-defined]  # grpc-stubs lacks code()
+            if status is not None and status != grpc.StatusCode.OK:
+                code = status.name
+                raise
+            code = "INTERNAL"
+            log.exception("RunPreflight failed")
+            _abort(context, grpc.StatusCode.INTERNAL, f"RunPreflight: {type(exc).__name__}: {exc}"[:500])
+        finally:
+            self.agent.metrics.rpc_latency.labels(method="RunPreflight", code=code).observe(time.perf_counter() - start)
+
+    @rpc
+    def GetNodeStatus(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.GetNodeStatusResponse:
+        a = self.agent
+        reg = a.registration
+        hb = reg.last_heartbeat_at() if reg is not None else None
+        response = agent_pb2.GetNodeStatusResponse(
+            node=a.config.node,
+            state=a.node_state(),  # type: ignore[arg-type]
+            lease_held=reg.lease_held if reg is not None else False,
+            last_heartbeat_age_s=time.monotonic() - hb if hb is not None else -1.0,
+            ranks=a.progress.ranks(),
+            recent_evidence=a.evidence.recent(),
+            agent_version=a.node_record().agent_version,
+        )
+        if a.last_preflight is not None:
+            response.last_preflight.CopyFrom(a.last_preflight)
+        for w in a.launcher.workers():
+            response.workers.append(_worker_status(w))
+        return response
+
+    @rpc
+    def ReportProgress(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
+        v.progress_request(request)
+        self.agent.progress.record(request.run, request.attempt, request.reports)
+        self.agent.follow_run(request.run)
+        local = {r.local_rank for r in request.reports}
+        slow = max((self.agent.slow_s.get(lr, 0.0) for lr in local), default=0.0)
+        return agent_pb2.ReportProgressResponse(stop_requested=request.run in self.agent.stops, slow_s=slow)
+
+    @rpc
+    def RequestStop(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.RequestStopResponse:
+        v.run_name(request.run)
+        if len(request.reason) > 1024:
+            raise v.ValidationError("reason: at most 1024 characters")
+        self._require_known(request.run, context)
+        self.agent.set_stop(request.run, request.reason or "stop requested")
+        log.info("stop requested for run %s: %s", request.run, request.reason)
+        return agent_pb2.RequestStopResponse(accepted=True)
+
+    @rpc
+    def GetStopState(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.GetStopStateResponse:
+        v.run_name(request.run)
+        self._require_known(request.run, context)
+        stop = self.agent.stops.get(request.run)
+        return agent_pb2.GetStopStateResponse(stop_requested=stop is not None, reason=stop.reason if stop else "")
+
+    @rpc
+    def CollectFlightRecorder(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.CollectFlightRecorderResponse:
+        v.run_name(request.run)
+        timeout = v.seconds(request.timeout_s, "timeout_s", high=300) or self.agent.config.flight_recorder_timeout_s
+        self._require_known(request.run, context)
+        attempt = self.agent.attempts.get(request.run, self.agent.progress.attempt(request.run) or 0)
+        sockets = discover_sockets(self.agent.config.fr_socket_dir(request.run, attempt))
+        dumps = collect_dumps(sockets, timeout, max_bytes=self.agent.config.max_message_bytes // 2) if sockets else []
+        response = agent_pb2.CollectFlightRecorderResponse(node=self.agent.config.node)
+        budget = self.agent.config.max_message_bytes - 64 * 1024
+        for d in dumps:
+            data = d.data if len(d.data) <= budget else b""
+            budget -= len(data)
+            error = d.error if data or not d.ok else "no dump: over the agent's message size limit"
+            response.dumps.append(agent_pb2.RankDump(rank=d.rank, ok=d.ok and bool(data), error=error,
+                                                     format=d.format, data=data))
+        return response
+
+    @rpc
+    def LaunchWorkers(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.LaunchWorkersResponse:
+        self._require_admin(context)
+        v.launch_request(request)
+        a, run = self.agent, request.run
+        with a.lock:
+            if request.leader_fence < a.fences.get(run, 0):
+                _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                       f"leader_fence {request.leader_fence} is older than {a.fences[run]}: stale leader")
+            if request.attempt < a.attempts.get(run, 0):
+                _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                       f"attempt {request.attempt} is older than attempt {a.attempts[run]} already launched")
+            if any(w.running for w in a.launcher.workers(run)):
+                _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"run {run!r} already has running workers here")
+            a.fences[run] = request.leader_fence
+            a.attempts[run] = request.attempt
+        a.clear_stop(run)
+        a.follow_run(run)
+        spec = LaunchSpec(
+            run=run, attempt=request.attempt,
+            rendezvous_id=request.rendezvous_id or f"{run}-{request.attempt}",
+            argv=tuple(request.argv), env=dict(request.env), cwd=request.cwd,
+            node_rank=request.node_rank, nnodes=request.nnodes or 1, resume_step=request.resume_step,
+            stop_file=a.config.stop_file(run), fr_socket_dir=a.config.fr_socket_dir(run, request.attempt),
+            agent_socket=a.config.unix_socket, fr_buffer_size=a.config.fr_buffer_size,
+        )
+        try:
+            worker = a.launcher.launch(spec)
+        except LaunchError as exc:
+            code = grpc.StatusCode.PERMISSION_DENIED if exc.permission else grpc.StatusCode.FAILED_PRECONDITION
+            _abort(context, code, str(exc))
+        a.state_changed()
+        return agent_pb2.LaunchWorkersResponse(pid=worker.pid)
+
+    @rpc
+    def StopWorkers(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.StopWorkersResponse:
+        self._require_admin(context)
+        v.run_name(request.run)
+        v.integer(request.attempt, "attempt", low=0, high=v.MAX_STEP)
+        grace = v.seconds(request.grace_s, "grace_s", high=3600) or self.agent.config.stop_grace_s
+        if not self.agent.launcher.workers(request.run):
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"run {request.run!r} has no workers on this node")
+        stopped = self.agent.launcher.stop(request.run, request.attempt, grace)
+        self.agent.state_changed()
+        return agent_pb2.StopWorkersResponse(stopped=[_worker_status(w) for w in stopped])
+
+    @rpc
+    def InjectFault(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.InjectFaultResponse:
+        self._require_admin(context)
+        if not self.agent.config.chaos_enabled:
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, "fault injection is off (chaos_enabled = false)")
+        v.fault_request(request)
+        try:
+            detail = chaos.inject(self.agent, request)
+        except chaos.ChaosError as exc:
+            _abort(context, exc.code, str(exc))
+        return agent_pb2.InjectFaultResponse(detail=detail)
+
+
+def _worker_status(w: Any) -> agent_pb2.WorkerStatus:
+    status = agent_pb2.WorkerStatus(run=w.run, attempt=w.attempt, pid=w.pid, running=w.running, started_at=w.started_at)
+    if w.exit is not None:
+        status.exit.CopyFrom(common_pb2.ExitStatus(ended_at=w.exit.ended_at, detail=w.exit.detail))
+        if w.exit.exit_code is not None:
+            status.exit.exit_code = w.exit.exit_code
+        if w.exit.signal is not None:
+            status.exit.signal = w.exit.signal
+    return status
+
+
+class AgentServer:
+    """The grpc.Server with both listeners, health and reflection. `.tcp_port` is the bound port."""
+
+    def __init__(self, agent: Agent) -> None:
+        cfg = agent.config
+        limit = cfg.max_message_bytes
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=64,
+        )
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.tcp_port = 0
+        if cfg.listen:
+            if cfg.tls_enabled:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
+                    root_certificates=Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None,
+                    require_client_auth=bool(cfg.tls_client_ca),
+                )
+                self.tcp_port = self.server.add_secure_port(cfg.listen, creds)
+            else:
+                self.tcp_port = self.server.add_insecure_port(cfg.listen)
+            if self.tcp_port == 0:
+                raise OSError(f"cannot listen on {cfg.listen}")
+            if cfg.advertise.endswith(":0"):
+                agent.advertise = cfg.advertise[:-1] + str(self.tcp_port)
+        self.unix_socket = cfg.unix_socket
+        if self.unix_socket:
+            Path(self.unix_socket).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.unix_socket).unlink(missing_ok=True)  # a stale socket of a dead agent
+            if self.server.add_insecure_port(f"unix:{self.unix_socket}") == 0:
+                raise OSError(f"cannot listen on unix:{self.unix_socket}")
+
+    def start(self) -> None:
+        self.server.start()
+        if self.unix_socket:
+            os.chmod(self.unix_socket, 0o660)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        done: threading.Event = self.server.stop(grace_s)
+        done.wait(grace_s + 1)

@@ -1,0 +1,305 @@
+"""The training script's side of the contract: progress, stop requests, committed checkpoints.
+
+    from nodeagent import trainer
+    reporter = trainer.ProgressReporter.from_env()      # RUNWARDEN_* / RANK / LOCAL_RANK from the launcher
+    ckpt = trainer.latest_committed(ckpt_root)          # resume point, never half-written
+    for step in ...:
+        ...train one step...
+        reporter.report(step, step_time_s=dt, compute_s=c, wait_s=w, loss=loss)   # ~1 microsecond
+        if reporter.stop_requested():                   # stop file or the agent's flag
+            trainer.save_checkpoint(ckpt_root, step, model=m, optimizer=o, data_state={...})
+            reporter.close(); sys.exit(0)
+
+`report()` only appends to a bounded deque; a background thread sends the newest report to the
+local agent over its unix socket every `flush_interval_s`. If the agent is gone the reports are
+dropped and training goes on. torch is imported only by the checkpoint save/load functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nodeagent.checkpoint import CheckpointWriter, CommittedCheckpoint, latest_committed, step_dir
+
+__all__ = [
+    "CommittedCheckpoint",
+    "LoadedCheckpoint",
+    "ProgressReporter",
+    "latest_committed",
+    "load_checkpoint",
+    "save_checkpoint",
+    "setup_flight_recording",
+]
+
+log = logging.getLogger(__name__)
+_Report = tuple[int, float, float, float, bool, "float | None", float]
+
+
+class ProgressReporter:
+    """One per rank process. Thread-safe `report()`; never raises because the agent is away."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        attempt: int,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        agent_socket: str = "",
+        stop_file: str = "",
+        flush_interval_s: float = 1.0,
+        rpc_timeout_s: float = 2.0,
+    ) -> None:
+        self.run, self.attempt, self.rank, self.local_rank, self.world_size = run, attempt, rank, local_rank, world_size
+        self._stop_file = stop_file
+        self._agent_socket = agent_socket
+        self._flush_interval_s = flush_interval_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._pending: deque[_Report] = deque(maxlen=64)
+        self._agent_stop = False
+        self._slow_s = 0.0
+        self._closed = threading.Event()
+        self._send_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if agent_socket:
+            self._thread = threading.Thread(target=self._flush_loop, name="runwarden-progress", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ProgressReporter:
+        """Identity from the launcher's environment (RUNWARDEN_*, RANK, LOCAL_RANK, WORLD_SIZE)."""
+        env = os.environ if environ is None else environ
+
+        def num(name: str, default: int) -> int:
+            value = env.get(name, "")
+            return int(value) if value.lstrip("-").isdigit() else default
+
+        kwargs: dict[str, Any] = {
+            "run": env.get("RUNWARDEN_RUN", ""),
+            "attempt": num("RUNWARDEN_ATTEMPT", 0),
+            "rank": num("RANK", 0),
+            "local_rank": num("LOCAL_RANK", 0),
+            "world_size": num("WORLD_SIZE", 1),
+            "agent_socket": env.get("RUNWARDEN_AGENT_SOCKET", ""),
+            "stop_file": env.get("RUNWARDEN_STOP_FILE", ""),
+        }
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def report(
+        self,
+        step: int,
+        *,
+        step_time_s: float = 0.0,
+        compute_s: float = 0.0,
+        wait_s: float = 0.0,
+        in_checkpoint: bool = False,
+        loss: float | None = None,
+    ) -> None:
+        """Record this step's progress (microseconds). Sleeps only if chaos made this rank slow."""
+        self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
+        if self._slow_s > 0:
+            time.sleep(self._slow_s)
+
+    def stop_requested(self) -> bool:
+        """True once the agent asked this run to stop, or the stop file exists. Poll once per step."""
+        return self._agent_stop or (bool(self._stop_file) and os.path.exists(self._stop_file))
+
+    @property
+    def injected_delay_s(self) -> float:
+        return self._slow_s
+
+    def flush(self) -> bool:
+        """Send the newest pending report now; False if the agent could not be reached."""
+        if not self._pending or not self._agent_socket:
+            return True
+        latest: _Report | None = None
+        while True:  # popleft until empty: a report appended meanwhile is never lost
+            try:
+                latest = self._pending.popleft()
+            except IndexError:
+                break
+        if latest is None:
+            return True
+        with self._send_lock:
+            return self._send(latest)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._rpc_timeout_s + 1)
+        with contextlib.suppress(Exception):
+            self.flush()
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(self._flush_interval_s):
+            try:
+                self.flush()
+            except Exception as exc:  # never let reporting kill or slow the trainer
+                log.debug("progress flush failed: %s", exc)
+
+    def _send(self, item: _Report) -> bool:
+        import grpc
+
+        from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+        if getattr(self, "_stub", None) is None:
+            self._channel = grpc.insecure_channel(f"unix:{self._agent_socket}")
+            self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+        step, step_time_s, compute_s, wait_s, in_ckpt, loss, at = item
+        progress = common_pb2.RankProgress(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            step=step,
+            step_time_s=step_time_s,
+            compute_s=compute_s,
+            wait_s=wait_s,
+            in_checkpoint=in_ckpt,
+            reported_at=at,
+            pid=os.getpid(),
+            world_size=self.world_size,
+        )
+        if loss is not None:
+            progress.loss = loss
+        request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
+        try:
+            response = self._stub.ReportProgress(request, timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            log.debug("agent unreachable: %s", exc)
+            return False
+        self._agent_stop = self._agent_stop or response.stop_requested
+        self._slow_s = max(0.0, min(response.slow_s, 3600.0))
+        return True
+
+
+# --- checkpoints (torch imported here only) ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedCheckpoint:
+    step: int
+    path: Path
+    data_state: Any
+    extra: Any
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    root: Path | str,
+    step: int,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    data_state: Any = None,
+    extra: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> CommittedCheckpoint | None:
+    """Every rank writes `rank<r>.pt` (model, optimizer, data position, RNG); after `barrier`
+    (default: torch.distributed.barrier when world_size > 1) rank 0 writes the commit marker.
+    Returns the commit on rank 0, None elsewhere. `data_state` must be plain data."""
+    import torch
+
+    writer = CheckpointWriter(root, step)
+    payload = {
+        "step": step,
+        "model": model.state_dict() if model is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "data_state": data_state,
+        "extra": extra,
+        "rng": _rng_state(),
+    }
+    with writer.open(f"rank{rank}.pt") as f:
+        torch.save(payload, f)
+    if world_size > 1:
+        if barrier is None:
+            import torch.distributed as dist
+
+            barrier = dist.barrier
+        barrier()
+    if rank != 0:
+        return None
+    return writer.commit(files=[f"rank{r}.pt" for r in range(world_size)], meta={"world_size": world_size})
+
+
+def load_checkpoint(
+    checkpoint: CommittedCheckpoint | Path | str,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    rank: int = 0,
+    restore_rng: bool = True,
+    map_location: str = "cpu",
+) -> LoadedCheckpoint:
+    """Load this rank's file of a committed checkpoint (a commit, or a root: its latest commit)
+    into model and optimizer, restore the RNG states, and return the data position."""
+    import torch
+
+    if not isinstance(checkpoint, CommittedCheckpoint):
+        found = latest_committed(checkpoint)
+        if found is None:
+            raise FileNotFoundError(f"no committed checkpoint under {checkpoint}")
+        checkpoint = found
+    path = step_dir(checkpoint.path.parent, checkpoint.step) / f"rank{rank}.pt"
+    payload = torch.load(path, map_location=map_location, weights_only=True)
+    if model is not None and payload["model"] is not None:
+        model.load_state_dict(payload["model"])
+    if optimizer is not None and payload["optimizer"] is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    if restore_rng:
+        _restore_rng(payload["rng"])
+    return LoadedCheckpoint(step=checkpoint.step, path=checkpoint.path, data_state=payload["data_state"], extra=payload["extra"])
+
+
+def setup_flight_recording(**kwargs: Any) -> Any:
+    """Start this rank's flight-recorder socket (before init_process_group); see nodeagent.flight_recorder."""
+    from nodeagent.flight_recorder import setup_flight_recording_from_env
+
+    return setup_flight_recording_from_env(**kwargs)

@@ -1,0 +1,125 @@
+"""Validation of every RPC field: a bad request is a ValidationError naming the field.
+
+The servicer turns ValidationError into INVALID_ARGUMENT; nothing here touches state.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+from runwarden.keys import validate_name
+from runwarden.v1 import agent_pb2
+
+MAX_REPORTS = 4096
+MAX_RANK = 1 << 20
+MAX_SECONDS = 1e7
+MAX_ARGV = 4096
+MAX_ARG_BYTES = 64 * 1024
+MAX_ARGV_BYTES = 1024 * 1024
+MAX_ENV = 1024
+MAX_STEP = 1 << 62
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+CHECK_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class ValidationError(ValueError):
+    pass
+
+
+def run_name(run: str, field: str = "run") -> str:
+    try:
+        return validate_name(run, field)
+    except ValueError as exc:
+        raise ValidationError(f"{field}: {exc}") from None
+
+
+def seconds(value: float, field: str, *, low: float = 0.0, high: float = MAX_SECONDS) -> float:
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValidationError(f"{field}: must be a finite number in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
+def integer(value: int, field: str, *, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise ValidationError(f"{field}: must be in [{low}, {high}], got {value}")
+    return value
+
+
+def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
+    run_name(req.run)
+    integer(req.attempt, "attempt", low=0, high=MAX_STEP)
+    if not req.reports:
+        raise ValidationError("reports: at least one report is required")
+    if len(req.reports) > MAX_REPORTS:
+        raise ValidationError(f"reports: at most {MAX_REPORTS} per call, got {len(req.reports)}")
+    now = time.time()
+    for i, r in enumerate(req.reports):
+        where = f"reports[{i}]"
+        integer(r.rank, f"{where}.rank", low=0, high=MAX_RANK)
+        integer(r.local_rank, f"{where}.local_rank", low=0, high=MAX_RANK)
+        integer(r.step, f"{where}.step", low=0, high=MAX_STEP)
+        integer(r.pid, f"{where}.pid", low=0, high=1 << 30)
+        integer(r.world_size, f"{where}.world_size", low=0, high=MAX_RANK)
+        for name in ("step_time_s", "compute_s", "wait_s"):
+            seconds(getattr(r, name), f"{where}.{name}")
+        if r.HasField("loss") and not math.isfinite(r.loss):
+            r.ClearField("loss")  # a NaN loss is the trainer's news, not a bad request
+        if r.reported_at == 0:
+            r.reported_at = now
+        seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)
+
+
+def preflight_request(req: agent_pb2.RunPreflightRequest) -> None:
+    if req.mode not in ("quick", "full"):
+        raise ValidationError(f"mode: 'quick' or 'full', got {req.mode[:40]!r}")
+    if len(req.only) > 256:
+        raise ValidationError("only: at most 256 check names")
+    for i, name in enumerate(req.only):
+        if not CHECK_NAME.match(name):
+            raise ValidationError(f"only[{i}]: not a check name: {name[:40]!r}")
+    seconds(req.budget_s, "budget_s", high=600)
+
+
+def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
+    run_name(req.run)
+    integer(req.attempt, "attempt", low=0, high=MAX_STEP)
+    if req.rendezvous_id:
+        run_name(req.rendezvous_id, "rendezvous_id")
+    if not req.argv:
+        raise ValidationError("argv: the command is required")
+    if len(req.argv) > MAX_ARGV:
+        raise ValidationError(f"argv: at most {MAX_ARGV} items")
+    total = 0
+    for i, arg in enumerate(req.argv):
+        size = len(arg.encode())
+        total += size
+        if "\0" in arg or size > MAX_ARG_BYTES:
+            raise ValidationError(f"argv[{i}]: contains NUL or is longer than {MAX_ARG_BYTES} bytes")
+    if total > MAX_ARGV_BYTES:
+        raise ValidationError(f"argv: {total} bytes in all, limit {MAX_ARGV_BYTES}")
+    if len(req.env) > MAX_ENV:
+        raise ValidationError(f"env: at most {MAX_ENV} variables")
+    for key, value in req.env.items():
+        if not ENV_NAME.match(key):
+            raise ValidationError(f"env: bad variable name {key[:40]!r}")
+        if "\0" in value or len(value) > MAX_ARG_BYTES:
+            raise ValidationError(f"env[{key}]: contains NUL or is too long")
+    if len(req.cwd) > 4096 or "\0" in req.cwd:
+        raise ValidationError("cwd: too long or contains NUL")
+    integer(req.nnodes, "nnodes", low=0, high=MAX_RANK)
+    integer(req.node_rank, "node_rank", low=0, high=max(0, req.nnodes - 1) if req.nnodes else MAX_RANK)
+    integer(req.resume_step, "resume_step", low=-1, high=MAX_STEP)
+    integer(req.leader_fence, "leader_fence", low=0, high=MAX_STEP)
+
+
+def fault_request(req: agent_pb2.InjectFaultRequest) -> None:
+    if req.kind == agent_pb2.FAULT_KIND_UNSPECIFIED or req.kind not in agent_pb2.FaultKind.values():
+        raise ValidationError(f"kind: a FaultKind is required, got {req.kind}")
+    integer(req.local_rank, "local_rank", low=0, high=MAX_RANK)
+    if req.kind == agent_pb2.FAULT_KIND_SLOW_RANK:
+        seconds(req.value, "value", high=3600)
+    if req.kind == agent_pb2.FAULT_KIND_XID and not 0 < len(req.line) <= 4096:
+        raise ValidationError("line: the kernel-log line is required (at most 4096 characters)")
+

@@ -1,0 +1,3 @@
+from preflight.cli import console_main
+
+console_main()

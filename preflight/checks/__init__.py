@@ -1,0 +1,1 @@
+"""The preflight checks: each module holds independent, timed units that return CheckResults."""

@@ -1,0 +1,115 @@
+"""What every check unit gets (a context) and what the runner needs to know about it (a spec)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from preflight.config import PreflightConfig
+from preflight.nvml import GpuLost, Nvml, NvmlError, NvmlNotSupported, NvmlUnavailable
+from preflight.result import CheckResult, failed, skipped
+
+T = TypeVar("T")
+
+
+class NvmlSession:
+    """One NVML init shared by the NVML checks of a run; a failed init is remembered, not retried."""
+
+    def __init__(self, factory: Callable[[], Nvml]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._nvml: Nvml | None = None
+        self._error: NvmlUnavailable | None = None
+
+    def get(self) -> Nvml:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._nvml is None:
+                nvml = self._factory()
+                try:
+                    nvml.init()
+                except NvmlUnavailable as exc:
+                    self._error = exc
+                    raise
+                except NvmlError as exc:
+                    self._error = NvmlUnavailable(str(exc))
+                    raise self._error from exc
+                self._nvml = nvml
+            return self._nvml
+
+    def close(self) -> None:
+        with self._lock:
+            if self._nvml is not None:
+                self._nvml.shutdown()
+                self._nvml = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckContext:
+    config: PreflightConfig
+    mode: str
+    nvml: NvmlSession
+    deadline: float           # time.monotonic() by which the whole run must end
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckSpec:
+    """One independent unit: `run` returns its results; `serial` units run one at a time, after the rest."""
+
+    name: str
+    run: Callable[[CheckContext], list[CheckResult]]
+    timeout_s: Callable[[PreflightConfig, str], float]
+    modes: Callable[[PreflightConfig], tuple[str, ...]]
+    serial: bool = False
+
+
+def nvml_query(name: str, gpu: int | None, fn: Callable[[], T]) -> T | CheckResult:
+    """Runs one NVML query; an unsupported query becomes SKIP, a failing one FAIL (with NVML's words)."""
+    try:
+        return fn()
+    except NvmlNotSupported as exc:
+        return skipped(name, f"not supported by this GPU/driver: {exc}", gpu_index=gpu)
+    except GpuLost as exc:
+        return failed(name, str(exc), gpu_index=gpu, remedy="GPU fell off the bus: drain the node, reset or reseat the GPU")
+    except NvmlError as exc:
+        return failed(name, f"NVML query failed: {exc}", gpu_index=gpu, remedy="check `nvidia-smi -q` on the node")
+
+
+def own_process_tree() -> frozenset[int]:
+    """This process and its descendants (from /proc): their GPU memory is the preflight's own."""
+    me = os.getpid()
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return frozenset({me})
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                stat = fh.read()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree = {me}
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parents.items():
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                changed = True
+    return frozenset(tree)
+
+
+def process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"  # another PID namespace (containers) or already gone

@@ -1,0 +1,137 @@
+"""In-node all-reduce bandwidth: one process per GPU (NCCL), or `cpu_processes` gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from preflight.checks.base import CheckContext, CheckSpec
+from preflight.collective import AllReduceResult
+from preflight.nvml import NvmlError
+from preflight.result import CheckResult, failed, passed, skipped
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _local_world(ctx: CheckContext) -> tuple[str, int]:
+    """(backend, ranks): one NCCL rank per GPU NVML sees, else gloo with `cpu_processes` ranks.
+    Asks NVML, not torch: torch is imported only by the ranks, never by the caller (the agent)."""
+    if ctx.config.compute.device != "cpu":
+        try:
+            count = ctx.nvml.get().device_count()
+        except NvmlError:
+            count = 0
+        if count > 0:
+            return "nccl", count
+    return "gloo", ctx.config.collective.cpu_processes
+
+
+def launch_local(world: int, backend: str, size_bytes: int, iterations: int, warmup: int,
+                 timeout_s: float) -> AllReduceResult:
+    """Starts `world` ranks of preflight.collective on this host and returns rank 0's result.
+
+    Raises TimeoutError (ranks killed) or RuntimeError (a rank failed) with the ranks' last words.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="preflight-allreduce-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+            if backend == "gloo":
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            cmd = [sys.executable, "-m", "preflight.collective", "--backend", backend, "--size-bytes",
+                   str(size_bytes), "--iterations", str(iterations), "--warmup", str(warmup),
+                   "--timeout", str(max(5.0, timeout_s)), "--out", out]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        errors = _wait_all(procs, deadline)
+        if errors is None:
+            raise TimeoutError(f"all-reduce ranks did not finish in {timeout_s:.0f} s (killed)")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        with open(out, encoding="utf-8") as fh:
+            return AllReduceResult(**json.load(fh))
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[str] | None:
+    """Errors of failed ranks ([] when all exited 0); None on timeout, after killing every rank."""
+    errors = []
+    try:
+        for rank, proc in enumerate(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(proc.args, 0)
+            _, err = proc.communicate(timeout=remaining)
+            if proc.returncode != 0:
+                tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["(no output)"]
+                errors.append(f"rank {rank} exited {proc.returncode}: {tail[0][:300]}")
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if proc.stderr is not None:
+                proc.stderr.close()
+        return None
+    return errors
+
+
+def evaluate(result: AllReduceResult, floor_gbps: float) -> CheckResult:
+    name = "collective.all_reduce"
+    kw = {"value": result.busbw_gbps, "unit": "GB/s", "threshold": floor_gbps or None,
+          "evidence": (f"backend={result.backend} ranks={result.world_size} bytes={result.size_bytes} "
+                       f"iters={result.iterations} time={result.time_s * 1e3:.3f} ms "
+                       f"algbw={result.algbw_gbps:.3f} GB/s busbw={result.busbw_gbps:.3f} GB/s",)}
+    if not result.correct:
+        return failed(name, "all-reduce returned a wrong sum", remedy="drain the node; check NVLink/NCCL", **kw)
+    if floor_gbps and result.busbw_gbps < floor_gbps:
+        return failed(name, f"bus bandwidth {result.busbw_gbps:.2f} GB/s below the floor {floor_gbps:.2f}",
+                      remedy="check NVLink/NVSwitch (nvidia-smi nvlink -s), PCIe and NCCL settings", **kw)
+    note = "" if floor_gbps else " (no floor configured)"
+    return passed(name, f"bus bandwidth {result.busbw_gbps:.3g} GB/s over {result.world_size} ranks{note}", **kw)
+
+
+def run_collective(ctx: CheckContext) -> list[CheckResult]:
+    cfg = ctx.config.collective
+    name = "collective.all_reduce"
+    if importlib.util.find_spec("torch") is None:  # looks, without importing it
+        return [skipped(name, "torch is not installed on this host")]
+    backend, world = _local_world(ctx)
+    if world < 2:
+        return [skipped(name, f"needs at least 2 ranks on this node, have {world}")]
+    size = cfg.size_bytes_gpu if backend == "nccl" else cfg.size_bytes_cpu
+    timeout = min(cfg.timeout_s, max(1.0, ctx.deadline - time.monotonic() - 0.5))
+    try:
+        result = launch_local(world, backend, size, cfg.iterations, cfg.warmup, timeout)
+    except TimeoutError as exc:
+        return [failed(name, str(exc), remedy="a hung collective: check NCCL/NVLink and the GPUs' health")]
+    except (RuntimeError, OSError, ValueError, TypeError) as exc:
+        return [failed(name, f"all-reduce failed: {exc}", remedy="read the ranks' errors; check NCCL/NVLink")]
+    return [evaluate(result, cfg.busbw_floor_gbps)]
+
+
+SPEC = CheckSpec(
+    name="collective",
+    run=run_collective,
+    timeout_s=lambda c, m: c.collective.timeout_s + 2.0,
+    modes=lambda c: c.collective.modes,
+    serial=True,
+)

@@ -1,0 +1,135 @@
+"""All-reduce bus bandwidth over torch.distributed: NCCL on GPUs, gloo on CPU.
+
+One entry point for both uses: the preflight launches it on one node (one process per GPU, or
+`cpu_processes` gloo ranks), and the controller can run it across a few neighbouring nodes with
+torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK):
+
+    torchrun --nnodes 2 --nproc-per-node 8 -m preflight.collective --out result.json
+
+Bus bandwidth follows nccl-tests (PERFORMANCE.md): algbw = bytes / time, and for all-reduce
+busbw = algbw * 2 (n - 1) / n, the rate each link must carry; it is comparable across sizes of n.
+The reduction is also checked for the right answer (each rank contributes rank + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllReduceResult:
+    world_size: int
+    backend: str
+    size_bytes: int
+    iterations: int
+    time_s: float        # mean time of one all-reduce, slowest rank
+    algbw_gbps: float    # GB/s, 1e9 bytes
+    busbw_gbps: float
+    correct: bool
+
+
+def bus_bandwidth(size_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s for one all-reduce of `size_bytes` taking `seconds` (nccl-tests' formula)."""
+    if seconds <= 0 or world_size < 1:
+        raise ValueError(f"need seconds > 0 and world_size >= 1, got {seconds}, {world_size}")
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None or not value.strip().isdigit():
+        raise SystemExit(f"preflight.collective: environment variable {name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _check_sum(dist: Any, torch: Any, tensor: Any, rank: int, world: int, device: Any) -> bool:
+    tensor.fill_(float(rank + 1))
+    dist.all_reduce(tensor)
+    ok = torch.tensor([1.0 if bool((tensor == world * (world + 1) / 2).all()) else 0.0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item() == 1.0)
+
+
+def measure(size_bytes: int, iterations: int, warmup: int) -> AllReduceResult:
+    """Runs inside an initialized process group; every rank gets the same result."""
+    import torch  # lazily: only GPU hosts and tests have torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if backend == "nccl" else torch.device("cpu")
+    tensor = torch.zeros(max(1, size_bytes // 4), dtype=torch.float32, device=device)
+    correct = _check_sum(dist, torch, tensor, rank, world, device)
+    tensor.zero_()
+    for _ in range(warmup):
+        dist.all_reduce(tensor)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(tensor)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    correct = correct and _check_sum(dist, torch, tensor, rank, world, device)
+    seconds = float(elapsed.item())
+    algbw, busbw = bus_bandwidth(tensor.numel() * 4, seconds, world)
+    return AllReduceResult(world_size=world, backend=backend, size_bytes=tensor.numel() * 4,
+                           iterations=iterations, time_s=seconds, algbw_gbps=algbw, busbw_gbps=busbw,
+                           correct=correct)
+
+
+def run_from_env(size_bytes: int, iterations: int, warmup: int, backend: str = "auto",
+                 timeout_s: float = 60.0) -> AllReduceResult:
+    """Joins the group described by torchrun-style environment variables, measures, leaves."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return measure(size_bytes, iterations, warmup)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m preflight.collective", description=__doc__.split("\n")[0])
+    parser.add_argument("--size-bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    parser.add_argument("--out", help="rank 0 writes the JSON result here (default: stdout)")
+    args = parser.parse_args(argv)
+    if args.size_bytes < 4 or args.iterations < 1 or args.warmup < 0:
+        parser.error("need --size-bytes >= 4, --iterations >= 1, --warmup >= 0")
+    result = run_from_env(args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
+    if _env_int("RANK") == 0:
+        text = json.dumps(asdict(result))
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        else:
+            print(text)
+    return 0 if result.correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

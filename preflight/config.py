@@ -1,0 +1,249 @@
+"""Preflight thresholds: one frozen dataclass per TOML section, documented defaults, unknown keys rejected.
+
+The defaults below are the documentation (each field's comment says what it means); `defaults.toml`
+beside this module is the same values as a file an operator can copy, and a test keeps the two equal.
+Durations are seconds as floats. An empty string or a zero floor means "not checked" and the check
+says so in its result, never silently passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from preflight.nvml import THROTTLE_BITS
+
+MODES = ("quick", "full")
+
+
+class ConfigError(ValueError):
+    """A config file or value that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    quick_budget_s: float = 15.0      # total wall-clock budget of `preflight run --quick`
+    full_budget_s: float = 120.0      # total wall-clock budget of `preflight run --full`
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InventoryConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 10.0
+    expected_gpu_count: int = 0       # 0: not checked (the count is still reported)
+    driver_version: str = ""          # e.g. "550.127.05"; "": not checked
+    cuda_version: str = ""            # the driver's CUDA version, e.g. "12.4"; "": not checked
+    persistence_mode: str = "any"     # "on" | "off" | "any"
+    mig_mode: str = "any"             # "on" | "off" | "any"
+    pcie_width_below_max: str = "fail"  # "fail" | "warn" | "ignore": x4 instead of x16 is a real fault
+    # Idle GPUs lower their PCIe generation to save power, so a lower current generation is a warning.
+    pcie_gen_below_max: str = "warn"
+    allowed_gpu_processes: tuple[str, ...] = ()  # process names allowed to hold GPU memory
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorsConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 10.0
+    ecc_volatile_uncorrectable_max: int = 0   # above: FAIL (errors since the last driver load)
+    ecc_aggregate_uncorrectable_max: int = 0  # above: WARN (lifetime count, includes repaired history)
+    fail_throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "hw_power_brake")
+    warn_throttle_reasons: tuple[str, ...] = ("sw_thermal",)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XidConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 10.0
+    window_s: float = 3600.0          # Xid lines older than this (by kernel timestamp) are ignored
+    source: str = "auto"              # "auto" (kmsg, then dmesg) | "kmsg" | "dmesg" | a file path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DcgmConfig:
+    modes: tuple[str, ...] = MODES
+    dcgmi: str = "dcgmi"              # the dcgmi binary; absent: the check is skipped
+    quick_level: int = 1              # `dcgmi diag -r 1` in quick mode
+    full_level: int = 2               # `dcgmi diag -r 2` in full mode
+    quick_timeout_s: float = 12.0
+    full_timeout_s: float = 90.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 60.0
+    device: str = "auto"              # "auto" (cuda if available) | "cuda" | "cpu"
+    isolate: bool = True              # in a child process: no torch, CUDA context or GPU memory stays in the caller
+    dtype: str = "auto"               # timed pass: "auto" (bfloat16 on cuda, float32 on cpu) | a torch dtype
+    size_quick: int = 4096            # matrix side on a GPU, quick mode
+    size_full: int = 8192             # matrix side on a GPU, full mode
+    size_cpu: int = 384               # matrix side on CPU (tests, CPU-only hosts)
+    iterations_quick: int = 5
+    iterations_full: int = 20
+    iterations_cpu: int = 3
+    tflops_floor: float = 0.0         # per device; 0: not checked (set by `preflight baseline`)
+    gpu_spread_max: float = 0.15      # a GPU slower than the median by more than this fraction: FAIL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveConfig:
+    modes: tuple[str, ...] = ("full",)
+    timeout_s: float = 60.0
+    size_bytes_gpu: int = 256 * 1024 * 1024
+    size_bytes_cpu: int = 4 * 1024 * 1024
+    iterations: int = 10
+    warmup: int = 2
+    cpu_processes: int = 2            # gloo ranks on a CPU-only host
+    busbw_floor_gbps: float = 0.0     # GB/s; 0: not checked (set by `preflight baseline`)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 20.0
+    checkpoint_path: str = ""         # "": not checked
+    free_space_floor_gb: float = 10.0
+    require_mount: bool = False       # the checkpoint path must be on its own mount, not the root fs
+    dataset_index: str = ""           # a file listing dataset shards; "": not checked
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NetworkConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 5.0
+    sysfs_root: str = "/sys"
+    require_ib: bool = False          # no /sys/class/infiniband: FAIL instead of SKIP
+    nics: tuple[str, ...] = ()        # interfaces that must be up; (): every physical NIC found
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreflightConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    inventory: InventoryConfig = field(default_factory=InventoryConfig)
+    errors: ErrorsConfig = field(default_factory=ErrorsConfig)
+    xid: XidConfig = field(default_factory=XidConfig)
+    dcgm: DcgmConfig = field(default_factory=DcgmConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def budget_s(self, mode: str) -> float:
+        return self.run.quick_budget_s if mode == "quick" else self.run.full_budget_s
+
+
+_CHOICES = {
+    "persistence_mode": ("on", "off", "any"),
+    "mig_mode": ("on", "off", "any"),
+    "pcie_width_below_max": ("fail", "warn", "ignore"),
+    "pcie_gen_below_max": ("fail", "warn", "ignore"),
+    "device": ("auto", "cuda", "cpu"),
+}
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    raise ConfigError(f"{where}: unsupported type {hint}")  # a bug in this module, not in the file
+
+
+def _load_section(cls: type, mapping: Any, where: str) -> Any:
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{where}: expected a table, got {mapping!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in mapping.items()}
+    for key, allowed in _CHOICES.items():
+        if key in values and values[key] not in allowed:
+            raise ConfigError(f"{where}.{key}: {values[key]!r} is not one of {', '.join(allowed)}")
+    for key, value in values.items():
+        if key == "modes" and not set(value) <= set(MODES):
+            raise ConfigError(f"{where}.modes: {list(value)} may contain only {', '.join(MODES)}")
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{where}.{key}: must not be negative, got {value}")
+    return cls(**values)
+
+
+def config_from_mapping(data: dict[str, Any], where: str = "<config>") -> PreflightConfig:
+    sections = {f.name: f for f in dataclasses.fields(PreflightConfig)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) [{'], ['.join(unknown)}]; known: {', '.join(sections)}")
+    hints = typing.get_type_hints(PreflightConfig)
+    built = {name: _load_section(hints[name], data[name], f"{where}: [{name}]") for name in data}
+    config = PreflightConfig(**built)
+    for key in ("fail_throttle_reasons", "warn_throttle_reasons"):
+        bad = sorted(set(getattr(config.errors, key)) - set(THROTTLE_BITS))
+        if bad:
+            raise ConfigError(f"{where}: [errors].{key}: unknown reason(s) {', '.join(bad)}; "
+                              f"known: {', '.join(THROTTLE_BITS)}")
+    if config.run.quick_budget_s <= 0 or config.run.full_budget_s <= 0:
+        raise ConfigError(f"{where}: [run] budgets must be positive")
+    return config
+
+
+def load_config(path: str | Path | None) -> PreflightConfig:
+    """Reads a TOML file (None: the defaults). Raises ConfigError with the file and key on any problem."""
+    if path is None:
+        return PreflightConfig()
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return config_from_mapping(data, str(path))
+
+
+def config_to_mapping(config: PreflightConfig) -> dict[str, dict[str, Any]]:
+    return {
+        f.name: {k.name: getattr(getattr(config, f.name), k.name) for k in dataclasses.fields(getattr(config, f.name))}
+        for f in dataclasses.fields(config)
+    }
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def config_to_toml(config: PreflightConfig, header: str = "") -> str:
+    """The whole config as TOML (every key, so a baseline file documents what it decided)."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for section, values in config_to_mapping(config).items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,0 +1,156 @@
+"""Runs the check units: side by side where safe, the compute/collective/DCGM units one at a time,
+each under its own timeout and all within the mode's total budget. A unit that overruns is reported
+FAIL and abandoned (its daemon thread is left behind; its subprocesses kill themselves on their own
+timeouts); a unit that cannot start in the budget left is SKIP. The runner never waits past the budget.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from preflight.checks import collective_check, compute, counters, dcgm, inventory, network, storage, xid_check
+from preflight.checks.base import CheckContext, CheckSpec, NvmlSession
+from preflight.config import MODES, PreflightConfig
+from preflight.nvml import Nvml, PynvmlAdapter
+from preflight.report import PreflightReport
+from preflight.result import CheckResult, failed, skipped
+
+# Order matters only within the serial lane: the known-answer matmul first (cheap, most telling),
+# then the collective, then DCGM's diag, which takes whatever budget is left.
+ALL_SPECS: tuple[CheckSpec, ...] = (
+    inventory.SPEC,
+    counters.SPEC,
+    xid_check.SPEC,
+    storage.SPEC,
+    network.SPEC,
+    compute.SPEC,
+    collective_check.SPEC,
+    dcgm.SPEC,
+)
+MIN_START_S = 1.0  # a unit is not started with less budget than this left: it is SKIP instead
+
+OnResult = Callable[[CheckResult], None]
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: CheckSpec
+    started: float
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Run:
+    ctx: CheckContext
+    clock: Callable[[], float]
+    on_result: OnResult | None
+    done: queue.Queue[tuple[str, list[CheckResult], float]] = field(default_factory=queue.Queue)
+    running: dict[str, _Running] = field(default_factory=dict)
+    results: list[CheckResult] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)
+
+    def emit(self, result: CheckResult) -> None:
+        self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def start(self, spec: CheckSpec) -> None:
+        now = self.clock()
+        left = self.ctx.deadline - now
+        if left < MIN_START_S:
+            self.emit(skipped(spec.name, f"not started: {left:.1f} s of the total budget left"))
+            return
+        timeout = min(spec.timeout_s(self.ctx.config, self.ctx.mode), left)
+        self.running[spec.name] = _Running(spec=spec, started=now, deadline=now + timeout)
+        thread = threading.Thread(target=self._work, args=(spec,), name=f"preflight-{spec.name}", daemon=True)
+        thread.start()
+
+    def _work(self, spec: CheckSpec) -> None:
+        started = self.clock()
+        try:
+            results = spec.run(self.ctx)
+        except Exception as exc:  # a check's bug is a result, never a crashed runner
+            results = [failed(spec.name, f"check crashed: {type(exc).__name__}: {exc}",
+                              remedy="a preflight bug or an unexpected node state: read the message")]
+        self.done.put((spec.name, results, self.clock() - started))
+
+    def finish(self, name: str, results: list[CheckResult], duration: float) -> None:
+        if self.running.pop(name, None) is None:
+            return  # it had already timed out and been reported
+        for result in results:
+            self.emit(result if result.duration_s else result.with_duration(duration))
+
+    def expire(self) -> list[CheckSpec]:
+        now = self.clock()
+        expired = [r for r in self.running.values() if r.deadline <= now]
+        for r in expired:
+            del self.running[r.spec.name]
+            self.abandoned.append(r.spec.name)
+            self.emit(failed(r.spec.name, f"timed out after {now - r.started:.1f} s; its results are unknown",
+                             duration_s=now - r.started,
+                             remedy="a hung check usually means a hung GPU, driver or mount: inspect the node"))
+        return [r.spec for r in expired]
+
+
+def select_specs(config: PreflightConfig, mode: str, only: Iterable[str] = (),
+                 specs: Sequence[CheckSpec] = ALL_SPECS) -> list[CheckSpec]:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    wanted = set(only)
+    unknown = wanted - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(s.name for s in specs)}")
+    return [s for s in specs if (s.name in wanted if wanted else mode in s.modes(config))]
+
+
+def run_preflight(
+    config: PreflightConfig,
+    mode: str = "quick",
+    *,
+    on_result: OnResult | None = None,
+    only: Iterable[str] = (),
+    budget_s: float | None = None,
+    nvml_factory: Callable[[], Nvml] = PynvmlAdapter,
+    specs: Sequence[CheckSpec] = ALL_SPECS,
+    clock: Callable[[], float] = time.monotonic,
+) -> PreflightReport:
+    """Runs the mode's checks (or `only` these units) and returns the report.
+
+    `on_result` is called from this thread as each result arrives, so an agent can stream them.
+    Raises ValueError for a bad mode or check name; never raises for a failing or hanging check.
+    """
+    chosen = select_specs(config, mode, only, specs)
+    budget = budget_s if budget_s and budget_s > 0 else config.budget_s(mode)
+    started_wall, started = time.time(), clock()
+    nvml = NvmlSession(nvml_factory)
+    run = _Run(ctx=CheckContext(config=config, mode=mode, nvml=nvml, deadline=started + budget),
+               clock=clock, on_result=on_result)
+    serial = [s for s in chosen if s.serial]
+    for spec in chosen:
+        if not spec.serial:
+            run.start(spec)
+
+    def next_serial() -> None:
+        while serial and not any(r.spec.serial for r in run.running.values()):
+            run.start(serial.pop(0))
+
+    next_serial()
+    while run.running:
+        wait = min(r.deadline for r in run.running.values()) - clock()
+        try:
+            name, results, duration = run.done.get(timeout=max(0.0, wait))
+        except queue.Empty:
+            run.expire()
+        else:
+            run.finish(name, results, duration)
+        next_serial()
+    if not run.abandoned:
+        nvml.close()  # an abandoned NVML call may still be running; leave the library loaded then
+    return PreflightReport(mode=mode, host=socket.gethostname(), started_at=started_wall,
+                           duration_s=clock() - started, budget_s=budget, results=tuple(run.results),
+                           abandoned=tuple(run.abandoned))

@@ -1,0 +1,368 @@
+"""Parse and validate PyTorch flight-recorder dumps (torch's format version 2.x).
+
+A dump comes from a process we do not trust (a rank, a file an operator copied, the network), so:
+
+* pickle dumps go through `restricted_loads`, which accepts plain data only (dict, list, tuple, str,
+  int, float, bool, None, bytes). Any opcode that names a global, calls a callable or builds an object
+  is refused before unpickling starts, and `find_class` refuses too (two independent locks);
+* sizes are bounded: bytes in, entries, tensors per entry, dims, frames, string lengths;
+* every field is type-checked; an unknown extra field is ignored (torch adds fields over versions).
+
+Both formats normalise to the same frozen `FrDump`. JSON dumps write 0 where pickle writes None
+and lists where pickle writes tuples; `FrDump` hides that. The gloo backend writes `pg_config` before
+Python names the group (`{'': {...}}`): such an unnamed, rank-less group is dropped, and
+`FrDump.pg_config` is then empty unless the rank repaired it (see nodeagent/flight_recorder.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import pickletools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DEFAULT_MAX_DUMP_BYTES = 64 * 1024 * 1024
+MAX_ENTRIES = 200_000
+MAX_TENSORS_PER_ENTRY = 4096
+MAX_DIMS = 32
+MAX_FRAMES = 512
+MAX_STRING = 16 * 1024
+MAX_GROUPS = 65_536
+MAX_GROUP_RANKS = 1_000_000
+TORCH_DEFAULT_PREFIX = "nccl_trace_rank_"
+
+DumpFormat = Literal["json", "pickle"]
+
+
+class FlightRecorderError(ValueError):
+    """Base class: a dump could not be read. The message is one line and names the problem."""
+
+
+class DumpTooLarge(FlightRecorderError):
+    pass
+
+
+class UnsafePickle(FlightRecorderError):
+    """The pickle asks for a global, a call or an object build: refused, nothing was executed."""
+
+
+class MalformedDump(FlightRecorderError):
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PgInfo:
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrFrame:
+    name: str
+    filename: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrEntry:
+    record_id: int
+    pg_id: int
+    pg_name: str
+    pg_desc: str
+    collective_seq_id: int
+    p2p_seq_id: int
+    op_id: int
+    is_p2p: bool
+    profiling_name: str
+    input_sizes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    output_sizes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[str, ...]
+    state: str
+    retired: bool
+    timeout_ms: int
+    time_created_ns: int
+    frames: tuple[FrFrame, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrDump:
+    rank: int | None
+    version: str
+    format: DumpFormat
+    pg_config: tuple[PgInfo, ...]
+    entries: tuple[FrEntry, ...]
+
+    def group(self, name: str) -> PgInfo | None:
+        for pg in self.pg_config:
+            if pg.name == name:
+                return pg
+        return None
+
+    @property
+    def wrapped(self) -> bool:
+        """True when the ring buffer dropped older records (the oldest kept record is not the first)."""
+        return bool(self.entries) and min(e.record_id for e in self.entries) > 0
+
+
+# --- the restricted unpickler -------------------------------------------------------------------
+
+# Opcodes that import a name, call something, or build an object: the only ways a pickle runs code.
+_FORBIDDEN_OPCODES = frozenset(
+    {
+        "GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX",
+        "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "READONLY_BUFFER", "NEXT_BUFFER",
+        "BYTEARRAY8", "FROZENSET", "ADDITEMS", "EMPTY_SET",
+    }
+)  # fmt: skip
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        raise UnsafePickle(f"pickle refers to {module}.{name}: only plain data is accepted")
+
+    def persistent_load(self, pid: object) -> object:
+        raise UnsafePickle("pickle uses persistent ids: only plain data is accepted")
+
+
+def restricted_loads(data: bytes, *, max_bytes: int = DEFAULT_MAX_DUMP_BYTES) -> object:
+    """Unpickle plain data only; raise UnsafePickle before running anything else."""
+    if len(data) > max_bytes:
+        raise DumpTooLarge(f"pickle is {len(data)} bytes, over the limit of {max_bytes}")
+    try:
+        for opcode, _arg, pos in pickletools.genops(data):
+            if opcode.name in _FORBIDDEN_OPCODES:
+                raise UnsafePickle(f"pickle opcode {opcode.name} at byte {pos}: only plain data is accepted")
+    except UnsafePickle:
+        raise
+    except Exception as exc:  # pickletools raises ValueError and others on truncated or garbage input
+        raise MalformedDump(f"not a valid pickle: {type(exc).__name__}: {exc}") from None
+    try:
+        return _PlainDataUnpickler(io.BytesIO(data)).load()
+    except FlightRecorderError:
+        raise
+    except Exception as exc:
+        raise MalformedDump(f"not a valid pickle: {type(exc).__name__}: {exc}") from None
+
+
+# --- field validation ---------------------------------------------------------------------------
+
+
+def _where(field: str, index: int | None) -> str:
+    return field if index is None else f"entries[{index}].{field}"
+
+
+def _int(value: object, field: str, index: int | None = None, *, none_is: int | None = None) -> int:
+    if value is None and none_is is not None:
+        return none_is
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and re.fullmatch(r"-?\d{1,19}", value):
+            return int(value)  # JSON dumps write some counters as strings
+        raise MalformedDump(f"{_where(field, index)}: expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _str(value: object, field: str, index: int | None = None) -> str:
+    if not isinstance(value, str):
+        raise MalformedDump(f"{_where(field, index)}: expected a string, got {type(value).__name__}")
+    if len(value) > MAX_STRING:
+        raise MalformedDump(f"{_where(field, index)}: string longer than {MAX_STRING} characters")
+    return value
+
+
+def _bool(value: object, field: str, index: int | None = None) -> bool:
+    if not isinstance(value, bool):
+        raise MalformedDump(f"{_where(field, index)}: expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _seq(value: object, field: str, index: int | None, limit: int) -> list[object] | tuple[object, ...]:
+    if not isinstance(value, list | tuple):
+        raise MalformedDump(f"{_where(field, index)}: expected a list, got {type(value).__name__}")
+    if len(value) > limit:
+        raise MalformedDump(f"{_where(field, index)}: {len(value)} items, over the limit of {limit}")
+    return value
+
+
+def _sizes(value: object, field: str, index: int) -> tuple[tuple[int, ...], ...]:
+    tensors = _seq(value, field, index, MAX_TENSORS_PER_ENTRY)
+    return tuple(
+        tuple(_int(d, field, index) for d in _seq(shape, field, index, MAX_DIMS)) for shape in tensors
+    )
+
+
+def _strs(value: object, field: str, index: int) -> tuple[str, ...]:
+    return tuple(_str(s, field, index) for s in _seq(value, field, index, MAX_TENSORS_PER_ENTRY))
+
+
+def _frames(value: object, index: int) -> tuple[FrFrame, ...]:
+    frames = []
+    for raw in _seq(value, "frames", index, MAX_FRAMES):
+        if not isinstance(raw, Mapping):
+            raise MalformedDump(f"entries[{index}].frames: expected objects")
+        frames.append(
+            FrFrame(
+                name=_str(raw.get("name", ""), "frames.name", index),
+                filename=_str(raw.get("filename", ""), "frames.filename", index),
+                line=_int(raw.get("line", 0), "frames.line", index, none_is=0),
+            )
+        )
+    return tuple(frames)
+
+
+def _require(raw: Mapping[object, object], field: str, index: int | None) -> object:
+    if field not in raw:
+        raise MalformedDump(f"{_where(field, index)}: missing")
+    return raw[field]
+
+
+def _entry(raw: object, index: int) -> FrEntry:
+    if not isinstance(raw, Mapping):
+        raise MalformedDump(f"entries[{index}]: expected an object, got {type(raw).__name__}")
+    pg = _seq(_require(raw, "process_group", index), "process_group", index, 2)
+    if len(pg) != 2:
+        raise MalformedDump(f"entries[{index}].process_group: expected [name, desc]")
+    return FrEntry(
+        record_id=_int(_require(raw, "record_id", index), "record_id", index),
+        pg_id=_int(raw.get("pg_id", 0), "pg_id", index, none_is=0),
+        pg_name=_str(pg[0], "process_group", index),
+        pg_desc=_str(pg[1], "process_group", index),
+        collective_seq_id=_int(_require(raw, "collective_seq_id", index), "collective_seq_id", index),
+        p2p_seq_id=_int(raw.get("p2p_seq_id", 0), "p2p_seq_id", index, none_is=0),
+        op_id=_int(raw.get("op_id", 0), "op_id", index, none_is=0),
+        is_p2p=_bool(raw.get("is_p2p", False), "is_p2p", index),
+        profiling_name=_str(_require(raw, "profiling_name", index), "profiling_name", index),
+        input_sizes=_sizes(raw.get("input_sizes", []), "input_sizes", index),
+        input_dtypes=_strs(raw.get("input_dtypes", []), "input_dtypes", index),
+        output_sizes=_sizes(raw.get("output_sizes", []), "output_sizes", index),
+        output_dtypes=_strs(raw.get("output_dtypes", []), "output_dtypes", index),
+        state=_str(raw.get("state", ""), "state", index),
+        retired=_bool(raw.get("retired", False), "retired", index),
+        timeout_ms=_int(raw.get("timeout_ms", 0), "timeout_ms", index, none_is=0),
+        time_created_ns=_int(raw.get("time_created_ns", 0), "time_created_ns", index, none_is=0),
+        frames=_frames(raw.get("frames", []), index),
+    )
+
+
+def parse_ranks(text: object, where: str) -> tuple[int, ...]:
+    """pg_config's `ranks` is a string like '[0, 1, 2]' (a list is accepted too); never eval it."""
+    if isinstance(text, list | tuple):
+        items: list[object] = list(text)
+    elif isinstance(text, str):
+        if len(text) > 16 * MAX_GROUP_RANKS or not re.fullmatch(r"\s*\[[\d,\s]*\]\s*", text):
+            raise MalformedDump(f"{where}: ranks must look like '[0, 1, 2]'")
+        items = [int(t) for t in re.findall(r"\d+", text)]
+    else:
+        raise MalformedDump(f"{where}: ranks must be a string or a list")
+    if len(items) > MAX_GROUP_RANKS:
+        raise MalformedDump(f"{where}: more than {MAX_GROUP_RANKS} ranks")
+    return tuple(_int(r, where) for r in items)
+
+
+def _pg_config(raw: object) -> tuple[PgInfo, ...]:
+    if not isinstance(raw, Mapping):
+        raise MalformedDump(f"pg_config: expected an object, got {type(raw).__name__}")
+    if len(raw) > MAX_GROUPS:
+        raise MalformedDump(f"pg_config: more than {MAX_GROUPS} groups")
+    groups = []
+    for key, info in raw.items():
+        where = f"pg_config[{str(key)[:64]!r}]"
+        if not isinstance(info, Mapping):
+            raise MalformedDump(f"{where}: expected an object")
+        name = _str(info.get("name", key), f"{where}.name")
+        ranks = parse_ranks(info.get("ranks", "[]"), f"{where}.ranks")
+        if not name and not ranks:
+            continue  # gloo's placeholder, written before Python named the group
+        groups.append(PgInfo(name=name, desc=_str(info.get("desc", ""), f"{where}.desc"), ranks=ranks))
+    return tuple(groups)
+
+
+def dump_from_object(obj: object, *, fmt: DumpFormat, rank: int | None = None) -> FrDump:
+    """Validate an already-decoded dump (a dict of plain data) and normalise it."""
+    if not isinstance(obj, Mapping):
+        raise MalformedDump(f"a dump is an object at the top level, got {type(obj).__name__}")
+    version = _str(_require(obj, "version", None), "version")
+    if not re.fullmatch(r"2\.\d+", version):
+        raise MalformedDump(f"version {version[:32]!r} is not a supported flight-recorder version (2.x)")
+    raw_entries = _seq(obj.get("entries", []), "entries", None, MAX_ENTRIES)
+    entries = tuple(_entry(raw, i) for i, raw in enumerate(raw_entries))
+    return FrDump(
+        rank=rank,
+        version=version,
+        format=fmt,
+        pg_config=_pg_config(obj.get("pg_config", {})),
+        entries=tuple(sorted(entries, key=lambda e: e.record_id)),
+    )
+
+
+def sniff_format(data: bytes) -> DumpFormat:
+    if data[:1] == b"\x80":
+        return "pickle"
+    if data.lstrip()[:1] == b"{":
+        return "json"
+    raise MalformedDump("neither a JSON object nor a pickle (protocol 2+)")
+
+
+def parse_dump(data: bytes, *, rank: int | None = None, max_bytes: int = DEFAULT_MAX_DUMP_BYTES) -> FrDump:
+    """Parse a JSON or pickle dump (format sniffed from the first byte)."""
+    if len(data) > max_bytes:
+        raise DumpTooLarge(f"dump is {len(data)} bytes, over the limit of {max_bytes}")
+    if not data:
+        raise MalformedDump("empty dump")
+    fmt = sniff_format(data)
+    if fmt == "pickle":
+        return dump_from_object(restricted_loads(data, max_bytes=max_bytes), fmt=fmt, rank=rank)
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedDump(f"not valid JSON: {str(exc)[:200]}") from None
+    return dump_from_object(obj, fmt="json", rank=rank)
+
+
+def read_dump_file(path: Path, *, rank: int | None = None, max_bytes: int = DEFAULT_MAX_DUMP_BYTES) -> FrDump:
+    """Read one dump file, never more than max_bytes + 1 bytes of it."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise DumpTooLarge(f"{path.name} is {size} bytes, over the limit of {max_bytes}")
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise FlightRecorderError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return parse_dump(data, rank=rank, max_bytes=max_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DumpDirRead:
+    dumps: Mapping[int, FrDump]
+    errors: Mapping[int, str]  # rank -> why its file could not be read (a suspect, like a missing dump)
+
+
+def read_dump_dir(
+    directory: Path, *, prefix: str = TORCH_DEFAULT_PREFIX, max_bytes: int = DEFAULT_MAX_DUMP_BYTES
+) -> DumpDirRead:
+    """Read every `<prefix><rank>` file in a directory (no recursion). Bad files become errors."""
+    pattern = re.compile(re.escape(prefix) + r"(\d{1,9})(?:\.json|\.pkl|\.pickle)?")
+    dumps: dict[int, FrDump] = {}
+    errors: dict[int, str] = {}
+    for path in sorted(directory.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if not match or not path.is_file():
+            continue
+        rank = int(match.group(1))
+        if rank in dumps or rank in errors:
+            errors[rank] = f"more than one dump file for rank {rank}"
+            dumps.pop(rank, None)
+            continue
+        try:
+            dumps[rank] = read_dump_file(path, rank=rank, max_bytes=max_bytes)
+        except FlightRecorderError as exc:
+            errors[rank] = str(exc)
+    return DumpDirRead(dumps=dumps, errors=errors)

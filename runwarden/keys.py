@@ -1,0 +1,171 @@
+"""The etcd key schema: the one place that knows where each fact lives.
+
+Every key sits under a versioned prefix, ``<root>/v1/``, so a future layout can live beside this one
+during an upgrade. ``root`` is configurable (default ``/runwarden``) so several deployments, or several
+tests, can share one etcd.
+
+Layout (``N`` = a name, ``#`` = a zero-padded non-negative integer, so lexical order is numeric order)::
+
+    <root>/v1/nodes/N                    node registration, under the agent's lease
+    <root>/v1/runs/N/progress/N          per-node aggregated rank progress of a run
+    <root>/v1/runs/N/checkpoints/#       committed checkpoints of a run, by step
+    <root>/v1/runs/N/stop                a stop request for a run
+    <root>/v1/runs/N/attempt             the run's current attempt (fencing for launches)
+    <root>/v1/runs/N/spec                the run's spec
+    <root>/v1/evidence/N/#               fault evidence reported by a node, by sequence
+    <root>/v1/pool/N                     a node's pool membership (spare, active, quarantined)
+    <root>/v1/reputation/N               a node's reputation record
+    <root>/v1/elections/N/               leader-election contenders (one key per contender)
+
+Every ``*_prefix()`` ends with "/", so that the prefix of node "a1" never matches node "a10".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEMA_VERSION = "v1"
+DEFAULT_ROOT = "/runwarden"
+MAX_NAME_LENGTH = 128
+# 16 digits hold any step or sequence number a run will ever reach and keep keys short.
+NUMBER_DIGITS = 16
+
+_FORBIDDEN_NAME_CHARS = re.compile(r"[/\s\x00-\x1f\x7f]")
+
+
+def validate_name(name: object, what: str = "name") -> str:
+    """Return ``name`` if it is usable as one key segment, else raise ValueError saying why."""
+    if not isinstance(name, str):
+        raise ValueError(f"{what} must be a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError(f"{what} must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"{what} {name[:32]!r}... is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
+        )
+    bad = _FORBIDDEN_NAME_CHARS.search(name)
+    if bad is not None:
+        raise ValueError(
+            f"{what} {name!r} contains {bad.group()!r}; "
+            "'/', whitespace and control characters are not allowed"
+        )
+    if name in (".", ".."):
+        raise ValueError(f"{what} must not be {name!r}")
+    return name
+
+
+def validate_number(number: object, what: str) -> int:
+    """Return ``number`` if it is a non-negative int that fits the zero-padded key field."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise ValueError(f"{what} must be an integer, got {type(number).__name__}")
+    if number < 0 or number >= 10**NUMBER_DIGITS:
+        raise ValueError(f"{what} {number} is outside 0..{10**NUMBER_DIGITS - 1}")
+    return number
+
+
+def validate_root(root: object) -> str:
+    """A root is an absolute, slash-separated path of valid names without a trailing slash."""
+    if not isinstance(root, str) or not root.startswith("/") or root == "/" or root.endswith("/"):
+        raise ValueError(f"key root must look like '/name' or '/a/b' (no trailing '/'), got {root!r}")
+    for segment in root[1:].split("/"):
+        validate_name(segment, "key root segment")
+    return root
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    """Builds every key the project stores. Names are validated; bad ones raise ValueError."""
+
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        validate_root(self.root)
+
+    @property
+    def base(self) -> str:
+        """``<root>/v1/``: everything this schema version owns."""
+        return f"{self.root}/{SCHEMA_VERSION}/"
+
+    def _join(self, *parts: str) -> str:
+        return self.base + "/".join(parts)
+
+    # Nodes
+    def nodes_prefix(self) -> str:
+        return self._join("nodes", "")
+
+    def node(self, name: str) -> str:
+        return self._join("nodes", validate_name(name, "node name"))
+
+    # Runs
+    def run_prefix(self, run: str) -> str:
+        return self._join("runs", validate_name(run, "run name"), "")
+
+    def progress_prefix(self, run: str) -> str:
+        return self.run_prefix(run) + "progress/"
+
+    def progress(self, run: str, node: str) -> str:
+        return self.progress_prefix(run) + validate_name(node, "node name")
+
+    def checkpoints_prefix(self, run: str) -> str:
+        return self.run_prefix(run) + "checkpoints/"
+
+    def checkpoint(self, run: str, step: int) -> str:
+        return self.checkpoints_prefix(run) + _padded(validate_number(step, "checkpoint step"))
+
+    def stop(self, run: str) -> str:
+        return self.run_prefix(run) + "stop"
+
+    def attempt(self, run: str) -> str:
+        return self.run_prefix(run) + "attempt"
+
+    def spec(self, run: str) -> str:
+        return self.run_prefix(run) + "spec"
+
+    # Evidence, pool, reputation
+    def evidence_prefix(self, node: str | None = None) -> str:
+        """All evidence, or one node's evidence when ``node`` is given."""
+        if node is None:
+            return self._join("evidence", "")
+        return self._join("evidence", validate_name(node, "node name"), "")
+
+    def evidence(self, node: str, seq: int) -> str:
+        return self.evidence_prefix(node) + _padded(validate_number(seq, "evidence sequence"))
+
+    def pool_prefix(self) -> str:
+        return self._join("pool", "")
+
+    def pool(self, node: str) -> str:
+        return self.pool_prefix() + validate_name(node, "node name")
+
+    def reputation_prefix(self) -> str:
+        return self._join("reputation", "")
+
+    def reputation(self, node: str) -> str:
+        return self.reputation_prefix() + validate_name(node, "node name")
+
+    # Elections
+    def election(self, name: str) -> str:
+        """The prefix under which contenders for election ``name`` put their keys (ends with '/')."""
+        return self._join("elections", validate_name(name, "election name"), "")
+
+    # Parsing
+    def name_under(self, prefix: str, key: str) -> str:
+        """The single name segment of ``key`` right under ``prefix`` (e.g. the node of a node key).
+
+        Raises ValueError if ``key`` is not directly under ``prefix``.
+        """
+        if not prefix.endswith("/") or not key.startswith(prefix):
+            raise ValueError(f"key {key!r} is not under prefix {prefix!r}")
+        return validate_name(key[len(prefix) :], f"name in key {key!r}")
+
+    def number_under(self, prefix: str, key: str) -> int:
+        """The zero-padded number right under ``prefix`` (a checkpoint step, an evidence sequence)."""
+        tail = self.name_under(prefix, key)
+        if not tail.isdigit() or len(tail) != NUMBER_DIGITS:
+            raise ValueError(f"key {key!r} does not end in a {NUMBER_DIGITS}-digit number")
+        return int(tail)
+
+
+def _padded(number: int) -> str:
+    return f"{number:0{NUMBER_DIGITS}d}"

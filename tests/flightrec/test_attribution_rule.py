@@ -1,0 +1,301 @@
+"""controller.attribution on hand-made dumps: the rule, cascades, cycles, mismatches, and the evidence order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from controller.attribution import (
+    CONFIDENCE_CIRCULAR,
+    CONFIDENCE_LAGGING,
+    CONFIDENCE_MISMATCH,
+    CONFIDENCE_NO_DUMP,
+    CONFIDENCE_NO_DUMP_ALONE,
+    NodeHeartbeat,
+    analyze_flight_recorder,
+    attribute,
+    dumps_from_rank_dumps,
+)
+from runwarden.flightrec import FrDump, dump_from_object
+from runwarden.v1 import agent_pb2, common_pb2, events_pb2
+
+Op = tuple[str, int] | tuple[str, int, dict[str, object]]  # (group name, collective_seq_id[, overrides])
+
+
+def make_dump(
+    rank: int, ops: Sequence[Op], groups: dict[str, tuple[str, list[int]]], *, first_record: int = 0
+) -> FrDump:
+    """A dump as torch writes it (JSON shape), through the real parser."""
+    entries = []
+    for i, op in enumerate(ops):
+        name, seq = op[0], op[1]
+        extra = op[2] if len(op) == 3 else {}
+        entries.append(
+            {
+                "record_id": first_record + i,
+                "pg_id": 0,
+                "process_group": [name, groups[name][0]],
+                "collective_seq_id": seq,
+                "p2p_seq_id": 0,
+                "op_id": first_record + i,
+                "is_p2p": False,
+                "profiling_name": "gloo:all_reduce",
+                "input_sizes": [[8]],
+                "input_dtypes": ["Float"],
+                "state": "scheduled",
+                "retired": True,
+                **extra,
+            }
+        )
+    pg_config = {
+        name: {"name": name, "desc": desc, "ranks": str(ranks)}
+        for name, (desc, ranks) in groups.items()
+        if rank in ranks
+    }
+    return dump_from_object(
+        {"version": "2.10", "pg_config": pg_config, "entries": entries}, fmt="json", rank=rank
+    )
+
+
+def default_only(world: int, last: dict[int, int]) -> dict[int, FrDump]:
+    groups = {"0": ("default_pg", list(range(world)))}
+    return {r: make_dump(r, [("0", s) for s in range(1, n + 1)], groups) for r, n in last.items()}
+
+
+@pytest.mark.parametrize("culprit", [0, 1, 3])
+def test_the_rank_that_never_called_the_collective_is_the_culprit(culprit: int) -> None:
+    dumps = default_only(4, {r: 4 if r == culprit else 5 for r in range(4)})
+    findings = analyze_flight_recorder(dumps)
+    assert set(findings.suspects) == {culprit}
+    assert findings.suspects[culprit][0] == CONFIDENCE_LAGGING
+    assert "collective #5" in findings.suspects[culprit][1] and "#4" in findings.suspects[culprit][1]
+    (group,) = findings.groups
+    assert group.lagging == (culprit,) and group.seq == 5 and group.stuck
+
+
+def test_no_hang_no_suspect() -> None:
+    findings = analyze_flight_recorder(default_only(3, {0: 5, 1: 5, 2: 5}))
+    assert findings.suspects == {} and not findings.groups[0].stuck
+
+
+def test_p2p_entries_are_ignored() -> None:
+    dumps = default_only(2, {0: 3, 1: 3})
+    groups = {"0": ("default_pg", [0, 1])}
+    dumps[0] = make_dump(0, [("0", 1), ("0", 2), ("0", 3), ("0", 9, {"is_p2p": True})], groups)
+    assert analyze_flight_recorder(dumps).suspects == {}
+
+
+TP_DP = {
+    "0": ("default_pg", [0, 1, 2, 3]),
+    "1": ("tp0", [0, 1]), "2": ("tp1", [2, 3]), "3": ("dp0", [0, 2]), "4": ("dp1", [1, 3]),
+}  # fmt: skip
+
+
+def test_cascade_victim_that_lags_because_it_waits_elsewhere_is_not_blamed() -> None:
+    # rank 3 stops before tp1 #2; rank 2 waits in tp1 and so never reaches dp0 #2, where rank 0 waits.
+    dumps = {
+        0: make_dump(0, [("0", 1), ("1", 1), ("3", 1), ("0", 2), ("1", 2), ("3", 2)], TP_DP),
+        1: make_dump(1, [("0", 1), ("1", 1), ("4", 1), ("0", 2), ("1", 2), ("4", 2)], TP_DP),
+        2: make_dump(2, [("0", 1), ("2", 1), ("3", 1), ("0", 2), ("2", 2)], TP_DP),
+        3: make_dump(3, [("0", 1), ("2", 1), ("4", 1), ("0", 2)], TP_DP),
+    }
+    findings = analyze_flight_recorder(dumps, reported_timeout=[0, 1, 2])
+    assert set(findings.suspects) == {3}
+    assert "tp1" in findings.suspects[3][1] and "dp1" in findings.suspects[3][1]
+    assert {g.pg_desc: g.lagging for g in findings.groups if g.lagging} == {
+        "tp1": (3,),
+        "dp0": (2,),
+        "dp1": (3,),
+    }
+    # without knowing who reported the timeout, the wait-for graph alone finds the same culprit
+    assert set(analyze_flight_recorder(dumps).suspects) == {3}
+
+
+def test_circular_wait_blames_both_ranks_with_low_confidence() -> None:
+    groups = {"a": ("a", [0, 1]), "b": ("b", [0, 1])}
+    dumps = {
+        0: make_dump(0, [("a", 1), ("b", 1), ("a", 2)], groups),  # a#2 then b#2
+        1: make_dump(1, [("a", 1), ("b", 1), ("b", 2)], groups),  # b#2 then a#2: a different order
+    }
+    findings = analyze_flight_recorder(dumps)
+    assert {r: c for r, (c, _) in findings.suspects.items()} == {
+        0: CONFIDENCE_CIRCULAR,
+        1: CONFIDENCE_CIRCULAR,
+    }
+    assert "circular" in findings.suspects[0][1]
+
+
+def test_missing_dump_is_the_suspect_when_everyone_else_waits_for_it() -> None:
+    dumps = default_only(3, {0: 5, 1: 5})
+    findings = analyze_flight_recorder(dumps)  # rank 2 known from pg_config only
+    assert set(findings.suspects) == {2}
+    assert findings.suspects[2][0] == CONFIDENCE_NO_DUMP_ALONE
+    assert findings.groups[0].no_dump == (2,)
+
+
+def test_missing_dump_ranks_below_a_real_culprit() -> None:
+    dumps = default_only(4, {0: 5, 1: 4, 2: 5})
+    findings = analyze_flight_recorder(dumps, no_dump={3: "no dump: no answer within 2 s"})
+    assert findings.suspects[1][0] == CONFIDENCE_LAGGING
+    assert findings.suspects[3] == (CONFIDENCE_NO_DUMP, "gave no dump (no dump: no answer within 2 s)")
+
+
+def test_a_dumpless_member_of_a_completed_collective_is_not_awaited() -> None:
+    # gloo is synchronous: rank 0 went on after tp0 #2, so tp0 #2 completed with rank 1 in it.
+    groups = {"0": ("default_pg", [0, 1, 2]), "1": ("tp0", [0, 1])}
+    dumps = {
+        0: make_dump(0, [("0", 1), ("1", 1), ("1", 2), ("0", 2)], groups),
+        2: make_dump(2, [("0", 1)], groups),
+    }
+    findings = analyze_flight_recorder(dumps)
+    tp0 = next(g for g in findings.groups if g.pg_desc == "tp0")
+    assert tp0.completed and not tp0.stuck
+    assert findings.suspects[2][0] == CONFIDENCE_LAGGING
+    assert findings.suspects[1][0] == CONFIDENCE_NO_DUMP
+
+
+def test_wrapped_ring_without_the_group_is_unknown_not_blamed() -> None:
+    groups = {"0": ("default_pg", [0, 1]), "1": ("pair", [0, 1])}
+    dumps = {
+        0: make_dump(0, [("1", 7), ("0", 40), ("0", 41)], groups, first_record=100),
+        1: make_dump(1, [("0", 40), ("0", 41)], groups, first_record=100),  # its 'pair' records fell out
+    }
+    findings = analyze_flight_recorder(dumps)
+    pair = next(g for g in findings.groups if g.pg_desc == "pair")
+    assert pair.unknown == (1,) and pair.lagging == ()
+    assert findings.suspects == {}
+
+
+def test_unrepaired_gloo_pg_config_still_works_for_the_default_group() -> None:
+    entries = [{"record_id": i, "process_group": ["0", "default_pg"], "collective_seq_id": i + 1,
+                "profiling_name": "gloo:barrier"} for i in range(3)]  # fmt: skip
+    broken = {"": {"name": "", "desc": "", "ranks": "[]"}}
+    dumps = {
+        r: dump_from_object(
+            {"version": "2.10", "pg_config": broken, "entries": entries[:n]}, fmt="json", rank=r
+        )
+        for r, n in {0: 3, 1: 2}.items()
+    }
+    findings = analyze_flight_recorder(dumps, expected_ranks=range(3))
+    assert findings.groups[0].members == (0, 1, 2)
+    assert findings.suspects[1][0] == CONFIDENCE_LAGGING and 2 in findings.suspects
+
+
+@pytest.mark.parametrize(("world", "odd", "expected"), [(3, 1, {1}), (2, 1, {0, 1})])
+def test_mismatched_collective_at_the_same_seq(world: int, odd: int, expected: set[int]) -> None:
+    groups = {"0": ("default_pg", list(range(world)))}
+    dumps = {
+        r: make_dump(r, [("0", 1), ("0", 2, {"input_sizes": [[9]]} if r == odd else {})], groups)
+        for r in range(world)
+    }
+    findings = analyze_flight_recorder(dumps)
+    assert set(findings.suspects) == expected
+    assert all(c == CONFIDENCE_MISMATCH for c, _ in findings.suspects.values())
+    assert "differs across ranks" in findings.explanation[0]
+
+
+def _evidence(node: str, kind: int, severity: int, **kw: object) -> common_pb2.Evidence:
+    return common_pb2.Evidence(node=node, kind=kind, severity=severity, detail="d", observed_at=100.0, **kw)  # type: ignore[arg-type]
+
+
+K = common_pb2.EvidenceKind
+NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def test_hardware_evidence_comes_first_and_the_flight_recorder_follows() -> None:
+    dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})
+    xid = _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_FATAL, xid=79)
+    result = attribute(rank_to_node=NODES, evidence=[xid], dumps=dumps)
+    assert result.method == "hardware"
+    assert [s.node for s in result.suspects] == ["a", "b"]
+    assert result.suspects[0].ranks == (0, 1) and "xid 79" in result.suspects[0].reason
+    assert result.suspects[1].ranks == (3,)
+    proto = result.to_proto()
+    assert isinstance(proto, events_pb2.AttributionDetail)
+    assert proto.suspects[1].evidence[0].kind == K.EVIDENCE_KIND_FLIGHT_RECORDER
+    assert events_pb2.AttributionDetail.FromString(proto.SerializeToString()) == proto
+
+
+def test_application_and_non_fatal_evidence_and_old_evidence_blame_nobody() -> None:
+    evidence = [
+        _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_APPLICATION, xid=13),
+        _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_WARNING, xid=63),
+        _evidence("b", K.EVIDENCE_KIND_THROTTLE, common_pb2.SEVERITY_FATAL),
+        _evidence("b", K.EVIDENCE_KIND_GPU_LOST, common_pb2.SEVERITY_FATAL),  # too old, below
+    ]
+    result = attribute(rank_to_node=NODES, evidence=evidence, evidence_not_before=200.0)
+    assert result.method == "none" and result.suspects == ()
+    assert "software or data" in result.explanation
+
+
+def test_ecc_is_fatal_whatever_its_severity_says() -> None:
+    ev = _evidence("b", K.EVIDENCE_KIND_ECC_UNCORRECTABLE, common_pb2.SEVERITY_WARNING)
+    result = attribute(rank_to_node=NODES, evidence=[ev])
+    assert (
+        result.method == "hardware" and result.suspects[0].node == "b" and result.suspects[0].ranks == (2, 3)
+    )
+
+
+def test_flight_recorder_and_hardware_on_the_same_node_merge() -> None:
+    dumps = default_only(4, {0: 5, 1: 5, 2: 4, 3: 5})
+    ev = _evidence("b", K.EVIDENCE_KIND_ROW_REMAP_FAILURE, common_pb2.SEVERITY_FATAL)
+    (suspect,) = attribute(rank_to_node=NODES, evidence=[ev], dumps=dumps).suspects
+    assert suspect.node == "b" and len(suspect.evidence) == 2 and "never called" in suspect.reason
+
+
+def test_heartbeats_only_when_nothing_stronger() -> None:
+    beats = [
+        NodeHeartbeat(node="a", last_step=100, last_advanced_at=50.0),
+        NodeHeartbeat(node="b", last_step=97, last_advanced_at=40.0),
+        NodeHeartbeat(node="c", last_step=100, last_advanced_at=50.5),
+    ]
+    result = attribute(rank_to_node=NODES, heartbeats=beats)
+    assert result.method == "heartbeat" and [s.node for s in result.suspects] == ["b"]
+    assert "10.0 s before" in result.suspects[0].reason
+    close = [
+        NodeHeartbeat(node="a", last_step=1, last_advanced_at=50.0),
+        NodeHeartbeat(node="b", last_step=1, last_advanced_at=49.0),
+    ]
+    assert attribute(rank_to_node=NODES, heartbeats=close).method == "none"
+    dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})
+    assert attribute(rank_to_node=NODES, heartbeats=beats, dumps=dumps).method == "flight_recorder"
+
+
+def test_the_rank_that_reported_the_timeout_is_never_blamed() -> None:
+    dumps = default_only(3, {0: 5, 1: 5, 2: 4})
+    result = attribute(
+        rank_to_node={0: "a", 1: "a", 2: "b"}, dumps=dumps, no_dump={}, reported_timeout=[0, 1]
+    )
+    assert [s.node for s in result.suspects] == ["b"]
+    # even when its own dump is missing, the reporter was alive and waiting
+    findings = analyze_flight_recorder(
+        default_only(3, {1: 5, 2: 4}), no_dump={0: "lost"}, reported_timeout=[0]
+    )
+    assert set(findings.suspects) == {2}
+
+
+def test_rank_dumps_from_agents_become_dumps_and_no_dumps() -> None:
+    import json
+
+    data = json.dumps(
+        {
+            "version": "2.10",
+            "entries": [
+                {
+                    "record_id": 0,
+                    "process_group": ["0", "default_pg"],
+                    "collective_seq_id": 1,
+                    "profiling_name": "gloo:all_reduce",
+                }
+            ],
+        }
+    ).encode()
+    rank_dumps = [
+        agent_pb2.RankDump(rank=0, ok=True, format="json", data=data),
+        agent_pb2.RankDump(rank=1, ok=False, error="no dump: no answer within 2 s"),
+        agent_pb2.RankDump(rank=2, ok=True, format="json", data=b"\x80garbage"),
+    ]
+    dumps, no_dump = dumps_from_rank_dumps(rank_dumps)
+    assert list(dumps) == [0] and dumps[0].entries[0].collective_seq_id == 1 and dumps[0].rank == 0
+    assert no_dump[1] == "no dump: no answer within 2 s" and no_dump[2].startswith("unreadable dump")

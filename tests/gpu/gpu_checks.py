@@ -1,0 +1,144 @@
+"""Every GPU code path of preflight on a real GPU node: the NVML adapter (inventory and counters),
+the CUDA known-answer matmul, the NCCL all-reduce, then the full preflight through the CLI.
+
+Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU). Exits nonzero on
+the first path that does not work; prints what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from preflight.checks.base import CheckContext, NvmlSession  # noqa: E402
+from preflight.checks.collective_check import launch_local  # noqa: E402
+from preflight.checks.compute import run_compute  # noqa: E402
+from preflight.config import ComputeConfig, PreflightConfig  # noqa: E402
+from preflight.nvml import NvmlNotSupported, PynvmlAdapter  # noqa: E402
+from preflight.result import CheckStatus  # noqa: E402
+from preflight.runner import run_preflight  # noqa: E402
+
+
+def step(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+def nvml_paths() -> int:
+    step("NVML adapter: every query on every GPU")
+    nvml = PynvmlAdapter()
+    nvml.init()
+    count = nvml.device_count()
+    assert count >= 1, "NVML sees no GPU"
+    print(f"driver {nvml.driver_version()} cuda {nvml.cuda_driver_version()} gpus {count}")
+    queries = {
+        "name": lambda i: nvml.name(i),
+        "pci_bus_id": lambda i: nvml.pci_bus_id(i),
+        "ecc_volatile": lambda i: nvml.ecc_uncorrected(i, volatile=True),
+        "ecc_aggregate": lambda i: nvml.ecc_uncorrected(i, volatile=False),
+        "retired_pages_pending": lambda i: nvml.retired_pages_pending(i),
+        "remapped_rows": lambda i: nvml.remapped_rows(i),
+        "recovery_action": lambda i: nvml.recovery_action(i),
+        "compute_processes": lambda i: nvml.compute_processes(i),
+        "pcie_link": lambda i: nvml.pcie_link(i),
+        "throttle_reasons": lambda i: hex(nvml.throttle_reasons(i)),
+        "persistence_mode": lambda i: nvml.persistence_mode(i),
+        "mig_mode": lambda i: nvml.mig_mode(i),
+    }
+    for gpu in range(count):
+        for name, query in queries.items():
+            try:
+                print(f"gpu{gpu} {name}: {query(gpu)}")
+            except NvmlNotSupported as exc:
+                print(f"gpu{gpu} {name}: not supported ({exc})")  # a SKIP in the check, by design
+    link = nvml.pcie_link(0)
+    assert link.max_width >= 1 and link.max_gen >= 1, link
+    nvml.shutdown()
+
+    report = run_preflight(PreflightConfig(), "quick", only=("inventory", "errors"))
+    for r in report.results:
+        print(f"  {r.status.value:4} {r.name}{'' if r.gpu_index is None else f'[gpu{r.gpu_index}]'}: {r.message}")
+    assert not any("no NVML" in r.message for r in report.results), "NVML checks skipped on a GPU host"
+    assert not any("crashed" in r.message or "timed out" in r.message for r in report.results)
+    names = {r.name for r in report.results}
+    assert {"inventory.gpu_processes", "inventory.pcie_link", "errors.ecc_uncorrectable", "errors.throttle"} <= names
+    return count
+
+
+def cuda_matmul(count: int) -> None:
+    step("CUDA known-answer matmul on every GPU")
+    import torch
+
+    assert torch.cuda.is_available() and torch.cuda.device_count() == count, "torch does not see the GPUs NVML sees"
+    # isolate=True runs the GPUs in a child process (the agent's path); False in this process.
+    for mode, isolate in (("quick", True), ("full", True), ("quick", False)):
+        config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cuda", isolate=isolate))
+        ctx = CheckContext(config=config, mode=mode, nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 120)
+        results = run_compute(ctx)
+        for r in results:
+            print(f"  {mode}/{isolate}: {r.status.value} {r.message} | {' | '.join(r.evidence)}")
+            assert r.status is CheckStatus.PASS, r.message
+        assert len([r for r in results if r.name == "compute.matmul"]) == count
+    config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cuda"))
+
+    def flip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(a, b)
+        out[123, 45] += 1.0
+        return out
+
+    ctx = CheckContext(config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60)
+    caught = run_compute(ctx, matmul=flip)
+    assert all(r.status is CheckStatus.FAIL for r in caught if r.name == "compute.matmul"), "corruption not caught"
+    print("  injected corruption caught on every GPU")
+
+
+def nccl_all_reduce(count: int) -> None:
+    step(f"NCCL all-reduce over {count} GPU(s)")
+    result = launch_local(count, "nccl", 256 * 1024 * 1024, iterations=10, warmup=2, timeout_s=120)
+    print(f"  {result}")
+    assert result.backend == "nccl" and result.correct and result.algbw_gbps > 0
+
+
+def full_cli() -> None:
+    step("preflight run --full --json (the CLI, every check)")
+    with tempfile.TemporaryDirectory() as ckpt:
+        cfg = Path(ckpt) / "preflight.toml"
+        cfg.write_text(f"[storage]\ncheckpoint_path = '{ckpt}'\nfree_space_floor_gb = 1.0\n")
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "preflight", "run", "--full", "--json", "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=200, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        wall = time.monotonic() - started
+    print(proc.stderr[-2000:])
+    assert proc.returncode in (0, 1), f"preflight could not run (exit {proc.returncode})"
+    doc = json.loads(proc.stdout)
+    for r in doc["results"]:
+        gpu = "" if r["gpu_index"] is None else f"[gpu{r['gpu_index']}]"
+        print(f"  {r['status']:4} {r['name']}{gpu}: {r['message']}")
+    print(f"  exit {proc.returncode}, {wall:.1f} s wall, failed: {doc['failed_checks']}")
+    names = {r["name"] for r in doc["results"]}
+    assert {"compute.matmul", "errors.ecc_uncorrectable", "inventory.pcie_link"} <= names, names
+    assert not any("crashed" in r["message"] for r in doc["results"])
+    assert wall < 130, "the full preflight overran its 120 s budget"
+
+
+def main() -> int:
+    started = time.monotonic()
+    count = nvml_paths()
+    cuda_matmul(count)
+    nccl_all_reduce(count)
+    full_cli()
+    print(f"\nGPU checks passed in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

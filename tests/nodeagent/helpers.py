@@ -1,0 +1,93 @@
+"""Test helpers: a real node agent as a subprocess, and small /proc and RPC utilities."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runwarden.v1 import agent_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class AgentProc:
+    """`nodeagent` in its own process, talking on a unix socket in tmp (and TCP on loopback)."""
+
+    def __init__(self, tmp: Path, *, node: str = "n1", etcd: str | None = None, etcd_root: str | None = None, flags: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp = tmp
+        self.node = node
+        self.socket = str(tmp / f"{node}.sock")
+        self.log_path = tmp / f"{node}.log"
+        argv = [PYTHON, "-m", "nodeagent.cli", "--node", node, "--listen", "127.0.0.1:0",
+                "--unix-socket", self.socket, "--run-dir", str(tmp / "run"), "--metrics-listen", "",
+                "--nvml-interval", "0", "--kernel-log", "none", "--log-level", "info"]
+        if etcd:
+            argv += ["--etcd", etcd] + (["--etcd-root", etcd_root] if etcd_root else [])
+        argv += flags or []
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"unix:{self.socket}")
+        self.stub = agent_pb2_grpc.NodeAgentStub(self.channel)
+        self.wait_serving()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+
+        def serving() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_for(serving, timeout_s, "the agent to serve")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        try:
+            self.terminate(timeout_s=30)  # a graceful stop also stops the workers it launched
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.channel.close()
+        self._log.close()

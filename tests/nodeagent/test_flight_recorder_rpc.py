@@ -1,0 +1,48 @@
+"""CollectFlightRecorder through the real agent from real gloo ranks: one hung (dumps anyway), one SIGSTOPped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from runwarden.flightrec import parse_dump
+from runwarden.v1 import agent_pb2
+from tests.nodeagent.helpers import ROOT, wait_for
+
+STEPS = 3
+
+
+@pytest.mark.slow
+def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
+    pytest.importorskip("torch")
+    agent = agent_factory(flags=["--allow-exec", sys.executable])
+    work = tmp_path / "work"
+    work.mkdir()
+    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
+        run="fr", attempt=1, argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
+        env={"PYTHONPATH": str(ROOT)}))
+    try:
+        wait_for(lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps")
+        stopped = int((work / "ready2").read_text())
+        os.kill(stopped, signal.SIGSTOP)
+
+        reply = agent.stub.CollectFlightRecorder(agent_pb2.CollectFlightRecorderRequest(run="fr", timeout_s=2),
+                                                 timeout=30)
+        assert reply.node == "n1"
+        by_rank = {d.rank: d for d in reply.dumps}
+        assert sorted(by_rank) == [0, 1, 2]
+        assert by_rank[0].ok and by_rank[1].ok and by_rank[0].format == "json"
+        assert not by_rank[2].ok and by_rank[2].error.startswith("no dump") and not by_rank[2].data
+        last = {}
+        for r in (0, 1):
+            dump = parse_dump(by_rank[r].data, rank=r)
+            last[r] = max(e.collective_seq_id for e in dump.entries if not e.is_p2p)
+            assert any(pg.ranks == (0, 1, 2) for pg in dump.pg_config)  # the gloo pg_config repair is in
+        # the victim (0) entered collective STEPS+1; the hung rank (1) never called it
+        assert last == {0: STEPS + 1, 1: STEPS}
+    finally:
+        reply = agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="fr", grace_s=1), timeout=60)
+        assert not reply.stopped[0].running

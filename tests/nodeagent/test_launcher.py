@@ -1,0 +1,123 @@
+"""The local launcher through the real agent: process trees stopped with nothing left in /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from nodeagent import proctree
+from runwarden.v1 import agent_pb2
+from tests.nodeagent.helpers import ROOT, wait_for
+
+TREE = str(ROOT / "tests/nodeagent/tree.py")
+
+
+def _agent(agent_factory):
+    return agent_factory(flags=["--allow-exec", sys.executable])
+
+
+def _launch(agent, run: str, argv: list[str], attempt: int = 1, env: dict[str, str] | None = None) -> int:
+    reply = agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
+        run=run, attempt=attempt, argv=argv, env=env or {"PYTHONPATH": str(ROOT)}, leader_fence=7))
+    return reply.pid
+
+
+def _pids(pidfile: Path, count: int) -> list[int]:
+    wait_for(lambda: pidfile.exists() and len(pidfile.read_text().split()) >= count, 20, f"{count} pids")
+    return [int(p) for p in pidfile.read_text().split()]
+
+
+def _gone(pids: list[int]) -> bool:
+    return not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+@pytest.mark.parametrize(("mode", "grace", "signal_seen"), [("obedient", 5.0, signal.SIGTERM),
+                                                           ("stubborn", 0.5, signal.SIGKILL)])
+def test_stop_process_tree_leaves_nothing_in_proc(agent_factory, tmp_path, mode, grace, signal_seen):
+    agent = _agent(agent_factory)
+    pidfile = tmp_path / "pids"
+    leader = _launch(agent, "r1", [sys.executable, TREE, str(pidfile), mode])
+    pids = _pids(pidfile, 5)  # leader, 2 children, 2 grandchildren (one escaped with setsid)
+    assert leader in pids
+    escaped = [p for p in pids if p != leader and (info := proctree.read_proc(p)) and info.session == p]
+    assert len(escaped) == 1, "one grandchild should be in a session of its own"
+    assert all(os.getpgid(p) == leader for p in pids if p not in escaped)
+
+    t0 = time.monotonic()
+    reply = agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="r1", grace_s=grace), timeout=30)
+    took = time.monotonic() - t0
+    assert _gone(pids), f"left behind: {[p for p in pids if os.path.exists(f'/proc/{p}')]}"
+    (status,) = reply.stopped
+    assert status.pid == leader and not status.running
+    assert status.exit.HasField("signal") and status.exit.signal == signal_seen
+    assert not status.exit.HasField("exit_code")
+    if mode == "stubborn":
+        assert took >= grace  # TERM was tried for the grace period first
+    # The node status shows the same end; the agent is fine and serving.
+    workers = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).workers
+    assert [(w.pid, w.running, w.exit.signal) for w in workers] == [(leader, False, signal_seen)]
+
+
+def test_exit_code_reported_and_leftovers_cleaned(agent_factory, tmp_path):
+    agent = _agent(agent_factory)
+    pidfile = tmp_path / "pids"
+    # The leader leaves a sleeping child behind and exits 3: the child must not survive it.
+    code = ("import os,sys,time\nif os.fork()==0:\n  open(sys.argv[1],'w').write(str(os.getpid()))\n"
+            "  time.sleep(1000)\ntime.sleep(0.5)\nsys.exit(3)")
+    leader = _launch(agent, "r2", [sys.executable, "-c", code, str(pidfile)])
+    child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's pid"))
+
+    def ended():
+        ws = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).workers
+        return [w for w in ws if w.pid == leader and not w.running]
+
+    (w,) = wait_for(ended, 20, "the worker to end")
+    assert w.exit.exit_code == 3 and not w.exit.HasField("signal")
+    wait_for(lambda: _gone([child, leader]), 10, "the leftover child to be killed")
+
+
+def test_worker_env_has_the_contract(agent_factory, tmp_path):
+    agent = _agent(agent_factory)
+    out = tmp_path / "env"
+    code = "import os,sys,json\njson.dump(dict(os.environ), open(sys.argv[1],'w'))"
+    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
+        run="r3", attempt=4, argv=[sys.executable, "-c", code, str(out)], env={"FOO": "bar"},
+        node_rank=1, nnodes=2, resume_step=120))
+    import json
+
+    env = json.loads(wait_for(lambda: out.exists() and out.read_text(), 10, "the env dump"))
+    assert env["FOO"] == "bar"
+    assert env["RUNWARDEN_RDZV_ID"] == "r3-4" and env["RUNWARDEN_ATTEMPT"] == "4"
+    assert env["RUNWARDEN_NODE_RANK"] == "1" and env["RUNWARDEN_NNODES"] == "2"
+    assert env["RUNWARDEN_RESUME_STEP"] == "120"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert env["RUNWARDEN_STOP_FILE"].endswith("/runs/r3/stop")
+    assert env["RUNWARDEN_FR_SOCKET_DIR"].endswith("/runs/r3/attempt-4/fr")
+    assert env["RUNWARDEN_AGENT_SOCKET"] == agent.socket
+    assert "NOTIFY_SOCKET" not in env
+
+
+def test_launch_refuses_executables_not_allowed(agent_factory):
+    agent = _agent(agent_factory)
+    with pytest.raises(grpc.RpcError) as err:
+        _launch(agent, "r4", ["/bin/sh", "-c", "true"])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "allowed_executables" in err.value.details()
+
+
+def test_stale_fence_and_old_attempt_refused(agent_factory):
+    agent = _agent(agent_factory)
+    argv = [sys.executable, "-c", "pass"]
+    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(run="r5", attempt=2, argv=argv, leader_fence=10))
+    for attempt, fence in ((3, 9), (1, 10)):
+        with pytest.raises(grpc.RpcError) as err:
+            agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(run="r5", attempt=attempt, argv=argv,
+                                                                    leader_fence=fence))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,0 +1,80 @@
+"""Progress aggregation with real rank processes and a real etcd: one write per node per interval."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from runwarden.v1 import store_pb2
+from tests.nodeagent.helpers import PYTHON, ROOT, wait_for
+
+RANKS = 8
+
+
+@pytest.mark.slow
+def test_eight_ranks_at_high_rate_one_etcd_write_per_interval(etcd, store, agent_factory):
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--progress-interval", "1"])
+    key = store.keys.progress("r1", "n1")
+    puts: list[tuple[float, int]] = []
+    lock = threading.Lock()
+
+    def on_event(event: object) -> None:
+        if getattr(event, "key", None) == key:
+            with lock:
+                puts.append((time.monotonic(), event.mod_revision))  # type: ignore[attr-defined]
+
+    start_rev = store.revision() + 1
+    watch = store.watch_prefix(store.keys.progress_prefix("r1"), start_rev, on_event)
+    procs = []
+    t0 = time.monotonic()
+    for r in range(RANKS):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(RANKS),
+               "RUNWARDEN_RUN": "r1", "RUNWARDEN_ATTEMPT": "3", "RUNWARDEN_AGENT_SOCKET": agent.socket}
+        procs.append(subprocess.Popen([PYTHON, str(ROOT / "tests/nodeagent/rank_progress.py"), "3", str(1000 + r)],
+                                      env=env, stdout=subprocess.PIPE, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and "flushed" in out
+    reports_done = time.monotonic()
+    time.sleep(1.5)  # one more interval for the last reports to be written
+    window = time.monotonic() - t0
+    watch.cancel()
+
+    # Values: one NodeProgress with all 8 ranks at their final step, the pids of the rank processes.
+    value = store_pb2.NodeProgress.FromString(store.get(key).value)
+    assert value.node == "n1" and value.run == "r1" and value.attempt == 3
+    assert [r.rank for r in value.ranks] == list(range(RANKS))
+    assert [r.step for r in value.ranks] == [1000 + r for r in range(RANKS)]
+    assert [r.pid for r in value.ranks] == [p.pid for p in procs]
+    assert all(r.step_time_s == 0.5 and r.wait_s == 0.125 and r.loss == 1.5 for r in value.ranks)
+
+    # Writes: at most one per interval (thousands of reports and hundreds of RPCs went in).
+    with lock:
+        times = [t for t, _ in puts]
+    assert 2 <= len(times) <= window / 1.0 + 1, f"{len(times)} writes in {window:.1f} s"
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) > 0.5, f"two progress writes {min(gaps):.3f} s apart"
+    assert times[-1] >= reports_done - 1.0  # the final values were written, not only early ones
+
+
+def test_stale_rank_keeps_its_timestamp_and_old_attempt_is_dropped(etcd, store, agent_factory):
+    from runwarden.v1 import agent_pb2, common_pb2
+
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--progress-interval", "0.2"])
+    now = time.time()
+    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=2, reports=[
+        common_pb2.RankProgress(rank=0, step=10, reported_at=now - 30),
+        common_pb2.RankProgress(rank=1, step=12, reported_at=now)]))
+    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=1, reports=[
+        common_pb2.RankProgress(rank=0, step=99, reported_at=now)]))  # an older attempt: dropped
+    key = store.keys.progress("r1", "n1")
+    kv = wait_for(lambda: store.get(key), 5, "progress in etcd")
+    value = store_pb2.NodeProgress.FromString(kv.value)
+    assert value.attempt == 2
+    assert [(r.rank, r.step) for r in value.ranks] == [(0, 10), (1, 12)]
+    assert value.ranks[0].reported_at == pytest.approx(now - 30)  # stale, and visibly so
