@@ -31,6 +31,19 @@ The rules (DESIGN.md, "the supervisor's contract"):
   consume neither and quarantine nothing;
 * persistent stragglers are quarantined at the next restart (killed mid-run only if configured);
 * quarantined nodes come back only after burn-in; a node failing twice in the hold window is held.
+
+Driving it (live shell, simulator, tests):
+
+    sup = Supervisor(SupervisorConfig(...), RunPlan(run="llama", nodes=4))
+    actions = sup.handle(NodeJoined(node="n1", local_ranks=8), now)   # ... one event at a time
+    actions = sup.reconcile(Snapshot(...), now)                       # after a (re)start or watch gap
+    sup.status(now)                                                   # read-only summary for APIs
+
+Events and actions are in controller/types.py, with the order in which a batch must be executed.
+Answer `RunPreflight` with one `PreflightResult` per node, `CollectDumps` with `DumpsCollected`,
+`StopAttempt` with the nodes' `AttemptExited` (or their `NodeLost`), `AllocateFromQueue` with the
+new nodes' `NodeJoined`, and `SetTimer` with a `Tick` at (or after) its time. Progress is one
+`ProgressObserved` per node per interval; nothing needs to be sent per rank per step.
 """
 
 from __future__ import annotations
@@ -852,7 +865,7 @@ class Supervisor:
 
     def _quarantine(self, node: str, reason: str, evidence: Iterable[Any] = (), operator: bool = False) -> None:
         evs = list(evidence)
-        p = self.pool.quarantine(node, self._now, reason, count_failure=not operator, operator=operator)
+        p = self.pool.quarantine(node, self._now, reason, count_failure=not operator, operator=operator, evidence=evs)
         held = p.state == HELD
         why = reason + (f"; held: {self.pool.recent_failures(p, self._now)} failures within "
                         f"{self.cfg.hold_window_s / 86400:g} days, out until an operator releases it"

@@ -49,6 +49,8 @@ class PoolNode:
     straggler_flags: int = 0
     preflight_rejections: int = 0
     evidence: list[tuple[float, common_pb2.Evidence]] = field(default_factory=list)  # (received, ev), bounded
+    quarantine_evidence: list[common_pb2.Evidence] = field(default_factory=list)
+    evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
 
     def view(self) -> NodeRecordView:
         return NodeRecordView(
@@ -60,6 +62,8 @@ class PoolNode:
             failure_times=tuple(self.failure_times),
             straggler_flags=self.straggler_flags,
             preflight_rejections=self.preflight_rejections,
+            evidence=tuple(self.quarantine_evidence),
+            evidence_kinds=tuple(self.evidence_kinds),
         )
 
 
@@ -109,6 +113,8 @@ class Pool:
             node.reason, node.burn_in_passes, node.operator_hold = r.reason, r.burn_in_passes, r.operator_hold
             node.failure_times = list(r.failure_times)[-MAX_FAILURE_TIMES:]
             node.straggler_flags, node.preflight_rejections = r.straggler_flags, r.preflight_rejections
+            node.quarantine_evidence = list(r.evidence)[-8:]
+            node.evidence_kinds = list(r.evidence_kinds)[-MAX_FAILURE_TIMES:]
             self._sync(node)
 
     def free_count(self) -> int:
@@ -147,10 +153,13 @@ class Pool:
     # --- quarantine / burn-in / release -------------------------------------------------------
 
     def quarantine(
-        self, name: str, now: float, reason: str, *, count_failure: bool = True, operator: bool = False
+        self, name: str, now: float, reason: str, *, count_failure: bool = True, operator: bool = False,
+        evidence: Iterable[common_pb2.Evidence] = (),
     ) -> PoolNode:
         """Quarantine; a second failure within the hold window (or an operator) makes it HELD."""
         node = self.get(name)
+        node.quarantine_evidence = list(evidence)[-8:]
+        node.evidence_kinds = [*node.evidence_kinds, *(e.kind for e in node.quarantine_evidence)][-MAX_FAILURE_TIMES:]
         if count_failure:
             node.failure_times = [*node.failure_times, now][-MAX_FAILURE_TIMES:]
         held = operator or self.recent_failures(node, now) >= self._cfg.hold_after_failures
@@ -180,6 +189,7 @@ class Pool:
         node.burn_in_passes += 1
         if node.burn_in_passes >= self._cfg.burn_in_passes:
             node.state, node.reason, node.burn_in_passes = SPARE, "", 0
+            node.quarantine_evidence = []
             self._sync(node)
             return "released"
         return "again"

@@ -309,7 +309,8 @@ class LiveController:
         if stop_kv is not None:
             req = _parse(store_pb2.StopRequest, stop_kv.value)
             if req is not None:
-                stop = t.StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by)
+                stop = t.StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by,
+                                     relaunch=req.relaunch)
         progress_nodes = []
         now = self.clock()
         for kv in self.store.get_prefix(k.progress_prefix(self.cfg.run))[0]:
@@ -379,7 +380,7 @@ class LiveController:
                 raise ValueError("not a NodeProgress")
             for r in prog.ranks:
                 self._rank_to_node[r.rank] = prog.node
-                if r.rank == 0 and r.committed_step > self._committed_seen:
+                if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self._committed_seen:
                     self._committed_seen = r.committed_step
                     self.events.put(t.CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
             return t.ProgressObserved(node=prog.node, attempt=prog.attempt,
@@ -395,7 +396,8 @@ class LiveController:
             req = _parse(store_pb2.StopRequest, item.value)
             if req is None:
                 raise ValueError("not a StopRequest")
-            return t.StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by)
+            return t.StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by,
+                                   relaunch=req.relaunch)
         return None
 
     # -- actions ------------------------------------------------------------------------------

@@ -269,6 +269,8 @@ class NodeRecordView:
     failure_times: tuple[float, ...] = ()
     straggler_flags: int = 0
     preflight_rejections: int = 0
+    evidence: tuple[common_pb2.Evidence, ...] = ()  # why it is quarantined (PoolEntry.evidence)
+    evidence_kinds: tuple[int, ...] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

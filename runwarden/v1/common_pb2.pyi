@@ -403,14 +403,19 @@ class RankProgress(_message.Message):
         pid: _builtins.int = ...,
         loss: _builtins.float | None = ...,
         world_size: _builtins.int = ...,
-        committed_step: _builtins.int = ...,
+        committed_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "committed_step", b"committed_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
+    _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_step) -> _WhichOneofReturnType__committed_step | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___RankProgress: _TypeAlias = RankProgress  # noqa: Y015

@@ -331,10 +331,15 @@ class StopRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REQUESTED_AT_FIELD_NUMBER: _builtins.int
     REQUESTED_BY_FIELD_NUMBER: _builtins.int
+    RELAUNCH_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     reason: _builtins.str
     requested_at: _builtins.float
     requested_by: _builtins.str
+    relaunch: _builtins.bool
+    """true: a planned interruption (time limit, preemption, drain of one node): save, commit, exit 0,
+    and relaunch from that commit. false: the run ends after the save.
+    """
     def __init__(
         self,
         *,
@@ -342,10 +347,11 @@ class StopRequest(_message.Message):
         reason: _builtins.str = ...,
         requested_at: _builtins.float = ...,
         requested_by: _builtins.str = ...,
+        relaunch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "requested_at", b"requested_at", "requested_by", b"requested_by", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "relaunch", b"relaunch", "requested_at", b"requested_at", "requested_by", b"requested_by", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

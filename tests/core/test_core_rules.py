@@ -740,3 +740,15 @@ def test_crash_while_blind_is_a_crash_not_a_control_plane_fault() -> None:
     out = d.send(Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
     det = d.events(E.EVENT_KIND_DETECTION, out)
     assert det and det[0].detection.detector == E.DETECTOR_CRASH and "n2 exited" in det[0].message
+
+
+def test_quarantine_persists_reason_and_evidence_for_the_pool_entry() -> None:
+    from controller.types import PersistNode
+
+    d = Driver(cfg=fast(), nodes=1)
+    d.start(2)
+    ecc = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, detail="DBE on GPU 3")
+    out = d.send(EvidenceObserved(evidence=ecc))
+    rec = next(a.record for a in d.of(PersistNode, out) if a.record.node == "n2")
+    assert rec.pool_state == QUARANTINED and "ECC" in rec.reason and rec.evidence[0].detail == "DBE on GPU 3"
+    assert rec.evidence_kinds == (common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,) and len(rec.failure_times) == 1

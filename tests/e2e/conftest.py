@@ -1,0 +1,25 @@
+"""A whole local deployment (etcd, agents, controller processes) per test; nothing left behind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[object]:
+    made: list[LocalCluster] = []
+
+    def make(**spec: object) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster{len(made)}", ClusterSpec(**spec))  # type: ignore[arg-type]
+        made.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+        assert leftover_processes(cluster.root) == [], "processes of the test cluster were left behind"

@@ -1,0 +1,33 @@
+import math
+
+import pytest
+
+from controller.sim.model import failure_cost, first_order, young_daly_interval_s
+from tests.sim.helpers import tiny
+
+
+def test_young_daly_is_sqrt_two_mtbf_stall() -> None:
+    assert young_daly_interval_s(10_000, 2) == pytest.approx(200.0)
+    assert young_daly_interval_s(54 * 86400 / 419, 5) == pytest.approx(math.sqrt(2 * 11136.3 * 5), rel=1e-4)
+    with pytest.raises(ValueError):
+        young_daly_interval_s(0, 1)
+
+
+def test_first_order_by_hand() -> None:
+    sc = tiny(mtbf_h=4.0, interval_s=600, stall_s=30)
+    pol = sc.policy("p")
+    fc = failure_cost(sc, pol, sc.causes[0])
+    # crash with evidence: min(crash 5, evidence 5); spare 5; stop 5 + preflight 30 + launch 30 + load 30 + first 15
+    assert fc.detect_s == 5 and fc.replace_s == 5 and fc.restart_s == 110
+    assert fc.rework_s == pytest.approx(600 * (300 + 30) / 630)
+    rate = 1 / (4 * 3600)
+    up = 1 - rate * 120
+    expected = up * 600 / 630 - rate * fc.rework_s
+    assert first_order(sc, pol).ettr == pytest.approx(expected)
+
+
+def test_hang_detection_uses_the_cores_timeout() -> None:
+    sc = tiny(causes=[{"name": "h", "share": 1, "symptom": "hang"}], supervisor={"hang_timeout_s": 120.0})
+    pol = sc.policy("p")
+    assert failure_cost(sc, pol, sc.causes[0]).detect_s == 120
+    assert failure_cost(sc, pol, sc.causes[0]).attribute_s == 10  # flight-recorder dumps
