@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.sim.draws import draw  # noqa: E402
-from controller.sim.engine import simulate  # noqa: E402
-from controller.sim.model import first_order, young_daly_interval_s  # noqa: E402
-from controller.sim.report import (  # noqa: E402
+from controller.sim.draws import draw
+from controller.sim.engine import simulate
+from controller.sim.model import first_order, young_daly_interval_s
+from controller.sim.report import (
     LEVERS,
     compare,
     hang_variants,
@@ -32,7 +32,7 @@ from controller.sim.report import (  # noqa: E402
     spare_variants,
     sweep,
 )
-from controller.sim.scenario import Scenario, load_scenario  # noqa: E402
+from controller.sim.scenario import Scenario, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,12 +86,60 @@ def main() -> int:
     ap.add_argument("--sens-seeds", type=int, default=3)
     ap.add_argument("--sens-days", type=float, default=14.0)
     ap.add_argument("--skip-sensitivity", action="store_true")
+    ap.add_argument("--parts", default="speed,compare,sensitivity,levers",
+                    help="comma-separated subset of speed,compare,sensitivity,levers")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_sim.json"))
     args = ap.parse_args()
     sc = load_scenario(args.scenario)
     out: dict = {"load_before": os.getloadavg()}
 
-    # 4. speed first, alone in the process
+    parts = set(args.parts.split(","))
+    if "levers" in parts:
+        levers_section(sc, args, out)
+    if "speed" in parts:
+        speed_section(sc, out)
+    if "compare" in parts:
+        compare_section(sc, args, out)
+    if "sensitivity" in parts and not args.skip_sensitivity:
+        sensitivity_section(sc, args, out)
+    out["load_after"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True, default=str))
+    print(f"raw figures: {args.out}")
+    return 0
+
+
+def levers_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
+    """From the defaults toward 97%: one lever at a time, on the same draws."""
+    short = window(sc, args.sens_days)
+    base, tuned = short.policy("defaults"), short.policy("tuned")
+    ckpt = dataclasses.replace(base, checkpoint_interval_s=tuned.checkpoint_interval_s,
+                               checkpoint_stall_s=tuned.checkpoint_stall_s)
+    path = dataclasses.replace(base, costs={**base.costs, **tuned.costs})
+    variants = [
+        ("defaults", base),
+        ("+ spares 2%", dataclasses.replace(base, spare_fraction=tuned.spare_fraction, spares=None)),
+        ("+ lease TTL 3 s", dataclasses.replace(base, lease_ttl_s=tuned.lease_ttl_s)),
+        (f"+ checkpoint {tuned.checkpoint_interval_s:g} s / {tuned.checkpoint_stall_s:g} s stall", ckpt),
+        ("+ fast restart path", path),
+        ("+ checkpoint + restart path", dataclasses.replace(path, checkpoint_interval_s=tuned.checkpoint_interval_s,
+                                                            checkpoint_stall_s=tuned.checkpoint_stall_s)),
+        ("tuned (all)", tuned),
+    ]
+    variants = [(label, dataclasses.replace(p, name=f"v{i}")) for i, (label, p) in enumerate(variants)]
+    sseeds = list(range(1, args.sens_seeds + 1))
+    rows = sweep(short, variants, sseeds, args.workers)
+    out["levers"] = [{**dataclasses.asdict(r), "model": first_order(short, p).ettr}
+                     for r, (_, p) in zip(rows, variants, strict=True)]
+    print(f"\n### Levers from the defaults toward 97% ({args.sens_days:g}-day window, {len(sseeds)} seeds)\n")
+    print("| variant | ETTR | 95% CI | gain vs defaults (paired) | model |\n|---|---:|---:|---:|---:|")
+    for r in out["levers"]:
+        print(f"| {r['label']} | {100 * r['ettr']:.2f}% | ±{100 * r['ci']:.2f} | "
+              f"{100 * r['delta']:+.2f} ±{100 * r['delta_ci']:.2f} | {100 * r['model']:.2f}% |")
+    print(flush=True)
+
+
+def speed_section(sc: Scenario, out: dict) -> None:
     t = time.perf_counter()
     res = simulate(sc, sc.policy("defaults"), draw(sc, 1))
     speed = time.perf_counter() - t
@@ -100,6 +148,8 @@ def main() -> int:
     print(f"speed: 54-day 2,048-node defaults run in {speed:.1f}s wall, {res.handle_calls} core calls, "
           f"{len(res.events)} events (load {os.getloadavg()[0]:.1f})", flush=True)
 
+
+def compare_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
     seeds = list(range(1, args.seeds + 1))
     t = time.perf_counter()
     summaries = compare(sc, list(sc.policies), seeds, workers=args.workers)
@@ -116,40 +166,38 @@ def main() -> int:
     print("\n### Interruptions by cause\n\n" + text, flush=True)
     out["counts"] = counts
 
-    if not args.skip_sensitivity:
-        short = window(sc, args.sens_days)
-        sseeds = list(range(1, args.sens_seeds + 1))
-        base = short.policy("defaults")
-        mtbf = sc.mtbf_s()
-        intervals = [150, 300, 600, 1200, 2400, 3600]
-        no_evidence = dataclasses.replace(base, name="defaults-no-evidence", use_evidence=False)
-        sens = {
-            "checkpoint_interval_s": sweep(short, "defaults", interval_variants(base, intervals), sseeds, args.workers),
-            "spare_fraction": sweep(short, "defaults", spare_variants(base, [0.0, 0.0025, 0.005, 0.01, 0.02, 0.05]),
-                                    sseeds, args.workers),
-            "hang_timeout_s (evidence off)": sweep(short, "defaults", hang_variants(no_evidence, [18, 60, 180, 600]),
-                                                   sseeds, args.workers),
-        }
-        out["sensitivity"] = sens
-        print(f"\n### Sensitivity (defaults; {args.sens_days:g}-day window at the same rates, "
-              f"{len(sseeds)} seeds, shared draws)\n")
-        print(f"Young/Daly for the defaults' {base.checkpoint_interval_s:g} s interval and "
-              f"{base.checkpoint_stall_s:g} s stall: sqrt(2 x {mtbf:.0f} s x {base.checkpoint_stall_s:g} s) = "
-              f"{young_daly_interval_s(mtbf, base.checkpoint_stall_s):.0f} s\n")
-        for name, rows in sens.items():
-            print(f"| {name} | " + " | ".join(r[0] for r in rows) + " |")
-            print("|---|" + "---:|" * len(rows))
-            print("| ETTR | " + " | ".join(f"{100 * r[1]:.2f}% ±{100 * r[2]:.2f}" for r in rows) + " |")
-            if name == "checkpoint_interval_s":
-                model = [first_order(short, dataclasses.replace(base, checkpoint_interval_s=float(i))).ettr
-                         for i in intervals]
-                print("| model | " + " | ".join(f"{100 * m:.2f}%" for m in model) + " |")
-            print()
-    out["load_after"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True, default=str))
-    print(f"raw figures: {args.out}")
-    return 0
+
+def sensitivity_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
+    short = window(sc, args.sens_days)
+    sseeds = list(range(1, args.sens_seeds + 1))
+    base = short.policy("defaults")
+    mtbf = sc.mtbf_s()
+    intervals = [150, 300, 600, 1200, 2400, 3600]
+    no_evidence = dataclasses.replace(base, name="defaults-no-evidence", use_evidence=False)
+    sens = {
+        "checkpoint_interval_s": sweep(short, interval_variants(base, intervals), sseeds, args.workers),
+        "spare_fraction": sweep(short, spare_variants(base, [0.0, 0.0025, 0.005, 0.01, 0.02, 0.05]),
+                                sseeds, args.workers),
+        "hang_timeout_s (evidence off)": sweep(short, hang_variants(no_evidence, [18, 60, 180, 600]),
+                                               sseeds, args.workers),
+    }
+    out["sensitivity"] = {k: [dataclasses.asdict(r) for r in rows] for k, rows in sens.items()}
+    print(f"\n### Sensitivity (defaults; {args.sens_days:g}-day window at the same rates, "
+          f"{len(sseeds)} seeds, shared draws)\n")
+    print(f"Young/Daly for the defaults' {base.checkpoint_interval_s:g} s interval and "
+          f"{base.checkpoint_stall_s:g} s stall: sqrt(2 x {mtbf:.0f} s x {base.checkpoint_stall_s:g} s) = "
+          f"{young_daly_interval_s(mtbf, base.checkpoint_stall_s):.0f} s\n")
+    for name, rows in sens.items():
+        print(f"| {name} | " + " | ".join(r.label for r in rows) + " |")
+        print("|---|" + "---:|" * len(rows))
+        print("| ETTR | " + " | ".join(f"{100 * r.ettr:.2f}%" for r in rows) + " |")
+        print(f"| vs {rows[0].label} (paired, 95% CI) | " +
+              " | ".join(f"{100 * r.delta:+.2f} ±{100 * r.delta_ci:.2f}" for r in rows) + " |")
+        if name == "checkpoint_interval_s":
+            model = [first_order(short, dataclasses.replace(base, checkpoint_interval_s=float(i))).ettr
+                     for i in intervals]
+            print("| model | " + " | ".join(f"{100 * m:.2f}%" for m in model) + " |")
+        print()
 
 
 if __name__ == "__main__":

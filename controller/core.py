@@ -194,6 +194,10 @@ class Supervisor:
         self.cfg = config
         self.plan = plan
         self.pool = Pool(config)
+        # TRANSITIONS bound to this instance, per state; `state`'s setter picks the current row
+        self._bound: dict[RunState, dict[type, Callable[[Any], None]]] = {s: {} for s in RunState}
+        for (st, ev_type), name in TRANSITIONS.items():
+            self._bound[st][ev_type] = getattr(self, name)
         self.state = RunState.WAITING_NODES
         self.attempt = 0  # last launched attempt number
         self.committed: set[int] = set()
@@ -242,19 +246,27 @@ class Supervisor:
         self._waiting_since: float | None = None
         self._awaiting_exit: set[str] = set()
 
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, value: RunState) -> None:
+        self._state = value
+        self._handlers = self._bound[value]
+
     # --- the one entry point ------------------------------------------------------------------
 
     def handle(self, event: Any, now: float) -> list[Action]:
         """Apply one event at time `now`; return the actions to execute, in order."""
-        key = (self.state, type(event))
-        name = TRANSITIONS.get(key)
-        if name is None:
-            raise TransitionError(f"no rule for event {type(event).__name__} in state {self.state.name}")
-        self._now = max(self._now, now)
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TransitionError(f"no rule for event {type(event).__name__} in state {self._state.name}")
+        if now > self._now:
+            self._now = now
         self._out = []
-        handler: Callable[[Any], None] = getattr(self, name)
         handler(event)
-        if self.state == RunState.WAITING_NODES:
+        if self._state is RunState.WAITING_NODES:
             self._try_start()
         out, self._out = self._out, []
         return out
@@ -262,9 +274,9 @@ class Supervisor:
     def status(self, now: float) -> SupervisorStatus:
         window = self.cfg.restart_budget_window_s
         used = sum(1 for t in self._restart_times if not window or now - t < window)
-        progressing = self.state == RunState.RUNNING and self._min_step != UNREPORTED
+        progressing = self._state == RunState.RUNNING and self._min_step != UNREPORTED
         return SupervisorStatus(
-            state=self.state, attempt=self.attempt,
+            state=self._state, attempt=self.attempt,
             rendezvous_id=f"{self.plan.run}-{self.attempt}" if self.attempt else "", job_step=self.job_step,
             latest_committed=self.latest_committed, restarts_used=used, restart_budget=self.cfg.restart_budget,
             since_last_progress_s=max(0.0, now - self._min_advanced_at) if progressing else -1.0,
@@ -298,7 +310,7 @@ class Supervisor:
         return None
 
     def _in_attempt(self, node: str) -> bool:
-        return self.state in (RunState.RUNNING, RunState.COLLECTING, RunState.STOPPING) and node in self._node_step
+        return self._state in (RunState.RUNNING, RunState.COLLECTING, RunState.STOPPING) and node in self._node_step
 
     # --- pool-level events --------------------------------------------------------------------
 
@@ -314,9 +326,9 @@ class Supervisor:
             self._begin_burn_in(ev.node)
         elif node.state == ASSIGNED and not self._in_attempt(ev.node) and ev.node not in self.slots:
             self.pool.set_state(ev.node, SPARE)
-        if self.state == RunState.PREFLIGHT:
+        if self._state == RunState.PREFLIGHT:
             self._fill_slots()
-        elif self.state == RunState.CONTROL_PLANE and not self._cp_etcd_lost:
+        elif self._state == RunState.CONTROL_PLANE and not self._cp_etcd_lost:
             self._control_plane_maybe_resolved()
 
     def _on_lost(self, ev: NodeLost) -> None:
@@ -327,25 +339,25 @@ class Supervisor:
             self._loss_times.popleft()
         self._log(E.EVENT_KIND_NODE_LOST, f"node {ev.node} lost: its lease expired",
                   node=E.NodeDetail(node=ev.node, reason="lease expired"))
-        if self.state in TERMINAL:
+        if self._state in TERMINAL:
             return
-        if self.state != RunState.CONTROL_PLANE and detectors.is_mass_expiry(
+        if self._state != RunState.CONTROL_PLANE and detectors.is_mass_expiry(
                 self._loss_times, self._now, len(self.pool.nodes), self.cfg):
             self._enter_control_plane(etcd_lost=False, reason=(
                 f"{len(self._loss_times)} leases expired within {self.cfg.mass_expiry_window_s:g}s: a control-plane fault, "
                 "not hardware; nothing is quarantined for it"))
             return
-        if self.state == RunState.RUNNING and ev.node in self._node_step:
+        if self._state == RunState.RUNNING and ev.node in self._node_step:
             last = self._node_seen_at.get(ev.node, self.launched_at)
             self._begin_failure(Failure(
                 detector=E.DETECTOR_NODE_LOST, nodes=[ev.node], step=self.job_step, label="node_lost",
                 reason=f"node {ev.node} lost its lease (last progress report {self._now - last:.1f}s ago)"),
                 latency=self._now - last)
-        elif self.state in (RunState.COLLECTING, RunState.STOPPING) and ev.node in self._node_step:
+        elif self._state in (RunState.COLLECTING, RunState.STOPPING) and ev.node in self._node_step:
             self._exited.setdefault(ev.node, "lost")
-            if self.state == RunState.STOPPING:
+            if self._state == RunState.STOPPING:
                 self._maybe_stopped(ev.node)
-        elif self.state == RunState.PREFLIGHT and ev.node in self.slots:
+        elif self._state == RunState.PREFLIGHT and ev.node in self.slots:
             self._drop_from_slots(ev.node, f"node {ev.node} lost during preflight")
         if node.state == ASSIGNED and not self._in_attempt(ev.node) and ev.node not in self.slots:
             self.pool.set_state(ev.node, SPARE)
@@ -358,18 +370,18 @@ class Supervisor:
         latency = max(0.0, self._now - e.observed_at) if e.observed_at > 0 else 0.0
         kind = common_pb2.EvidenceKind.Name(e.kind) if e.kind in common_pb2.EvidenceKind.values() else str(e.kind)
         reason = f"fatal {kind} on {e.node}: {e.detail}".rstrip(": ")
-        if self.state == RunState.RUNNING and e.node in self._node_step:
+        if self._state == RunState.RUNNING and e.node in self._node_step:
             self._begin_failure(Failure(detector=E.DETECTOR_EVIDENCE, nodes=[e.node], step=self.job_step,
                                         label="evidence", reason=reason), latency=latency)
             return
         self._log(E.EVENT_KIND_DETECTION, reason, detection=E.DetectionDetail(
             detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason))
-        if self._in_attempt(e.node) or (self.state == RunState.CONTROL_PLANE and e.node in self._node_step):
+        if self._in_attempt(e.node) or (self._state == RunState.CONTROL_PLANE and e.node in self._node_step):
             return  # blamed by hardware evidence when the attempt's failure is decided
         state = self.pool.get(e.node).state
         if state in (SPARE, BURN_IN) or (state == ASSIGNED and e.node in self.slots):
             self._quarantine(e.node, reason, evidence=[e])
-            if self.state == RunState.PREFLIGHT and e.node in self.slots:
+            if self._state == RunState.PREFLIGHT and e.node in self.slots:
                 self._drop_from_slots(e.node, reason)
 
     def _on_checkpoint(self, ev: CheckpointCommitted) -> None:
@@ -383,11 +395,11 @@ class Supervisor:
     def _on_operator_quarantine(self, ev: OperatorQuarantine) -> None:
         reason = f"operator: {ev.reason}"
         self._quarantine(ev.node, reason, operator=True)
-        if self.state == RunState.RUNNING and ev.node in self._node_step:
+        if self._state == RunState.RUNNING and ev.node in self._node_step:
             self._begin_failure(Failure(detector=E.DETECTOR_UNSPECIFIED, nodes=[ev.node], step=self.job_step,
                                         planned=True, reason=f"{reason}: restarting without {ev.node}"),
                                 latency=0.0)
-        elif self.state == RunState.PREFLIGHT and ev.node in self.slots:
+        elif self._state == RunState.PREFLIGHT and ev.node in self.slots:
             self._drop_from_slots(ev.node, reason)
 
     def _on_operator_release(self, ev: OperatorRelease) -> None:
@@ -402,8 +414,8 @@ class Supervisor:
     def _on_preflight(self, ev: PreflightResult) -> None:
         if ev.node in self._burn_in:
             self._on_burn_in_result(ev)
-        elif ev.node in self._pending_preflight and (self.state == RunState.PREFLIGHT or (
-                self.state == RunState.CONTROL_PLANE and self._cp_prev == RunState.PREFLIGHT)):
+        elif ev.node in self._pending_preflight and (self._state == RunState.PREFLIGHT or (
+                self._state == RunState.CONTROL_PLANE and self._cp_prev == RunState.PREFLIGHT)):
             self._on_attempt_preflight(ev)  # during a control-plane pause: recorded, launched after it
 
     # --- burn-in ------------------------------------------------------------------------------
@@ -431,7 +443,7 @@ class Supervisor:
             self._log(E.EVENT_KIND_RELEASE, f"{ev.node} returns to the spare pool: {reason}",
                       release=E.ReleaseDetail(node=ev.node, reason=reason))
             self._out.append(Release(node=ev.node, reason=reason))
-            if self.state == RunState.PREFLIGHT:
+            if self._state == RunState.PREFLIGHT:
                 self._fill_slots()
         elif outcome == "failed":  # needs repair: burn-in again when it re-registers or an operator releases it
             self.pool.set_state(ev.node, QUARANTINED, f"burn-in failed: {', '.join(ev.failed_checks) or '?'}")
@@ -530,7 +542,7 @@ class Supervisor:
         self._drop_from_slots(ev.node, reason)
 
     def _maybe_launch(self) -> None:
-        if self.state != RunState.PREFLIGHT or self._pending_preflight or self._empty_slots:
+        if self._state != RunState.PREFLIGHT or self._pending_preflight or self._empty_slots:
             return
         for n in self.slots:  # the gate: no launch ever includes a node that is not usable now
             p = self.pool.get(n) if n is not None else None
@@ -576,26 +588,33 @@ class Supervisor:
     # --- the running attempt ------------------------------------------------------------------
 
     def _on_progress(self, ev: ProgressObserved) -> None:
-        if self.state != RunState.RUNNING or ev.attempt != self.attempt or ev.node not in self._node_step:
-            return
-        if not ev.ranks:
-            return
+        # the hottest path (one call per node per interval): one pass over the ranks, no generators
+        old = self._node_step.get(ev.node)
+        if old is None or ev.attempt != self.attempt or not ev.ranks:
+            return  # the state is RUNNING (the table routes nothing else here)
         self._node_seen_at[ev.node] = self._now
-        node_step = min(r.step for r in ev.ranks)
-        old = self._node_step[ev.node]
-        if any(r.in_checkpoint for r in ev.ranks):
-            self._ckpt_nodes.add(ev.node)
-        else:
-            self._ckpt_nodes.discard(ev.node)
-        self._step_times.append(max(r.step_time_s for r in ev.ranks))
         alpha = self.cfg.straggler_ewma_alpha
+        loads = self._loads
+        node_step = ev.ranks[0].step
+        step_time = 0.0
+        saving = False
         for r in ev.ranks:
-            prev = self._loads.get(r.rank)
+            if r.step < node_step:
+                node_step = r.step
+            if r.step_time_s > step_time:
+                step_time = r.step_time_s
+            saving = saving or r.in_checkpoint
+            prev = loads.get(r.rank)
             if prev is None:
-                self._loads[r.rank] = (ev.node, r.compute_s, r.wait_s)
+                loads[r.rank] = (ev.node, r.compute_s, r.wait_s)
             else:
-                self._loads[r.rank] = (ev.node, prev[1] + alpha * (r.compute_s - prev[1]),
-                                       prev[2] + alpha * (r.wait_s - prev[2]))
+                loads[r.rank] = (ev.node, prev[1] + alpha * (r.compute_s - prev[1]),
+                                 prev[2] + alpha * (r.wait_s - prev[2]))
+        if saving:
+            self._ckpt_nodes.add(ev.node)
+        elif self._ckpt_nodes:
+            self._ckpt_nodes.discard(ev.node)
+        self._step_times.append(step_time)
         if node_step <= old:
             return
         self._node_step[ev.node] = node_step
@@ -623,8 +642,7 @@ class Supervisor:
                       f"(resumed from {self.resume_step}), {self._now - self.launched_at:.1f}s after launch")
         if len(self._loads) < 2:
             return
-        loads = [detectors.RankLoad(rank=r, node=v[0], compute_s=v[1], wait_s=v[2]) for r, v in self._loads.items()]
-        cand = detectors.straggler_candidate(loads, self.cfg)
+        cand = detectors.straggler_candidate(self._loads, self.cfg)
         self._straggler_hist.append((self._now, cand.rank if cand else None))
         rank = detectors.persistent_straggler((r for _, r in self._straggler_hist), self.cfg)
         if rank is None or cand is None or cand.rank != rank:
@@ -649,15 +667,15 @@ class Supervisor:
                 reason=reason))
 
     def _on_exited(self, ev: AttemptExited) -> None:
+        # routed here in RUNNING, COLLECTING, STOPPING and CONTROL_PLANE only (see TRANSITIONS)
         if ev.attempt != self.attempt or ev.node not in self._node_step or ev.node in self._exited:
-            return
-        if self.state not in (RunState.RUNNING, RunState.COLLECTING, RunState.STOPPING, RunState.CONTROL_PLANE):
             return
         cls = detectors.classify_exit(ev.exit_code, ev.signal, stopping=False)
         self._exited[ev.node] = cls.label
-        if self.state == RunState.CONTROL_PLANE:
+        st = self._state
+        if st is RunState.CONTROL_PLANE:
             return
-        if self.state == RunState.RUNNING:
+        if st is RunState.RUNNING:
             if cls.kind == "clean":
                 if len(self._exited) == len(self._node_step) and all(v == "clean" for v in self._exited.values()):
                     self._finish(RunState.COMPLETED, "completed", "every node exited 0: the run completed")
@@ -671,7 +689,7 @@ class Supervisor:
                                         ranks=[ev.rank] if ev.rank is not None else []), latency=latency)
             return
         # victims' exits (COLLECTING/STOPPING) are counted in the attempt's one EXIT summary at the decision
-        if self.state == RunState.STOPPING:
+        if st is RunState.STOPPING:
             self._maybe_stopped(ev.node)
 
     def _log_exit(self, ev: AttemptExited, label: str, message: str) -> None:
@@ -686,14 +704,14 @@ class Supervisor:
         what = "stop and relaunch" if ev.relaunch else "stop the run"
         self._log(E.EVENT_KIND_STOP_REQUEST, f"planned stop requested ({ev.reason}): {what}; nothing is "
                   "quarantined", stop=E.StopDetail(reason=ev.reason, requested_by=ev.requested_by))
-        if self.state == RunState.RUNNING:
+        if self._state == RunState.RUNNING:
             self._begin_failure(Failure(detector=E.DETECTOR_UNSPECIFIED, nodes=[], step=self.job_step,
                                         planned=True, relaunch=ev.relaunch, reason=f"planned stop: {ev.reason}"),
                                 latency=0.0)
-        elif self.state == RunState.CONTROL_PLANE:
+        elif self._state == RunState.CONTROL_PLANE:
             self._pending_stop = ev
         elif not ev.relaunch:
-            if self.state in (RunState.COLLECTING, RunState.STOPPING):
+            if self._state in (RunState.COLLECTING, RunState.STOPPING):
                 self._end_after_stop = True
             else:
                 self._release_slots()
@@ -706,7 +724,7 @@ class Supervisor:
         if not f.planned:
             self._log(E.EVENT_KIND_DETECTION, f.reason, detection=E.DetectionDetail(
                 detector=f.detector, nodes=f.nodes, ranks=f.ranks, latency_s=max(0.0, latency), reason=f.reason))
-        live = [n for n in self._node_step if n not in self._exited and self.pool.get(n).alive]
+        live = [n for n in self._node_step if n not in self._exited and self.pool.nodes[n].alive]
         if self.cfg.collect_dumps and not f.planned and not f.control_plane and live:
             self.state = RunState.COLLECTING
             self._deadline = self._now + self.cfg.dump_timeout_s
@@ -716,7 +734,7 @@ class Supervisor:
             self._stop()
 
     def _on_dumps(self, ev: DumpsCollected) -> None:
-        if self.state != RunState.COLLECTING or ev.attempt != self.attempt or self.failure is None:
+        if self._state != RunState.COLLECTING or ev.attempt != self.attempt or self.failure is None:
             return
         self.failure.attribution = ev.attribution
         self._stop()
@@ -724,7 +742,7 @@ class Supervisor:
     def _stop(self) -> None:
         assert self.failure is not None
         f = self.failure
-        live = [n for n in self._node_step if n not in self._exited and self.pool.get(n).alive]
+        live = [n for n in self._node_step if n not in self._exited and self.pool.nodes[n].alive]
         self.state = RunState.STOPPING
         self._awaiting_exit = set(live)
         if not live:
@@ -745,7 +763,7 @@ class Supervisor:
         """Suspects, strongest evidence first: hardware > flight recorder > heartbeat > first exit."""
         hw: list[tuple[str, list[int], float, str, list[Any]]] = []
         for n in self._node_step:  # evidence received since this attempt launched (older was acted on)
-            evs = [e for at, e in self.pool.get(n).evidence if at >= self.launched_at and detectors.is_fatal_evidence(e)]
+            evs = [e for at, e in self.pool.nodes[n].evidence if at >= self.launched_at and detectors.is_fatal_evidence(e)]
             if evs:
                 hw.append((n, [], 1.0, f"fatal hardware evidence: {evs[-1].detail or common_pb2.EvidenceKind.Name(evs[-1].kind)}", evs))
         if hw:
@@ -775,7 +793,7 @@ class Supervisor:
         f = self.failure
         labels: dict[str, int] = {}
         for n in self._node_step:
-            label = self._exited.get(n, "lost" if not self.pool.get(n).alive else "no exit confirmed")
+            label = self._exited.get(n, "lost" if not self.pool.nodes[n].alive else "no exit confirmed")
             labels[label] = labels.get(label, 0) + 1
         summary = ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
         self._log(E.EVENT_KIND_EXIT, f"attempt {self.attempt} ended on {len(self._node_step)} nodes: {summary}",
@@ -855,10 +873,10 @@ class Supervisor:
 
     def _release_slots(self) -> None:
         for n in self._attempt_nodes():
-            if self.pool.get(n).state == ASSIGNED:
+            if self.pool.nodes[n].state == ASSIGNED:
                 self.pool.set_state(n, SPARE)
         for n in list(self._node_step):
-            if self.pool.get(n).state == ASSIGNED:
+            if self.pool.nodes[n].state == ASSIGNED:
                 self.pool.set_state(n, SPARE)
         self._pending_preflight.clear()
         self.slots = []
@@ -892,9 +910,9 @@ class Supervisor:
 
     def _on_tick(self, ev: Tick) -> None:
         now = self._now
-        if self.state == RunState.RUNNING:
+        if self._state == RunState.RUNNING:
             self._check_hang()
-        elif self.state == RunState.PREFLIGHT and self._pending_preflight and now >= self._preflight_deadline:
+        elif self._state == RunState.PREFLIGHT and self._pending_preflight and now >= self._preflight_deadline:
             for n in sorted(self._pending_preflight):
                 self._pending_preflight.discard(n)
                 reason = f"no preflight answer within {self.cfg.preflight_timeout_s:g}s"
@@ -902,13 +920,13 @@ class Supervisor:
                           "not consumed", preflight=E.PreflightDetail(node=n))
                 self._quarantine(n, reason)
                 self._drop_from_slots(n, reason)
-        elif self.state == RunState.COLLECTING and now >= self._deadline:
+        elif self._state == RunState.COLLECTING and now >= self._deadline:
             self._stop()
-        elif self.state == RunState.STOPPING and now >= self._deadline:
+        elif self._state == RunState.STOPPING and now >= self._deadline:
             self._decide()
-        elif self.state == RunState.BACKOFF and now >= self._deadline:
+        elif self._state == RunState.BACKOFF and now >= self._deadline:
             self.state = RunState.WAITING_NODES
-        elif self.state == RunState.CONTROL_PLANE and not self._cp_etcd_lost and now >= self._deadline:
+        elif self._state == RunState.CONTROL_PLANE and not self._cp_etcd_lost and now >= self._deadline:
             self._control_plane_resolve(timed_out=True)
 
     def _check_hang(self) -> None:
@@ -941,10 +959,10 @@ class Supervisor:
     # --- control plane ------------------------------------------------------------------------
 
     def _enter_control_plane(self, *, etcd_lost: bool, reason: str) -> None:
-        if self.state == RunState.CONTROL_PLANE:
+        if self._state == RunState.CONTROL_PLANE:
             self._cp_etcd_lost = self._cp_etcd_lost or etcd_lost
             return
-        self._cp_prev = self.state
+        self._cp_prev = self._state
         self._cp_etcd_lost = etcd_lost
         if self.failure is not None:
             self.failure.control_plane = True
@@ -959,7 +977,7 @@ class Supervisor:
                                   "about nodes now; nothing is quarantined")
 
     def _on_control_plane_restored(self, ev: ControlPlaneRestored) -> None:
-        if self.state != RunState.CONTROL_PLANE:
+        if self._state != RunState.CONTROL_PLANE:
             return
         self._cp_etcd_lost = False
         self._deadline = self._now + self.cfg.control_plane_grace_s
@@ -967,13 +985,13 @@ class Supervisor:
         self._out.append(SetTimer(key="control_plane", at=self._deadline))
 
     def _control_plane_maybe_resolved(self) -> None:
-        if all(self.pool.get(n).alive for n in self._node_step):
+        if all(self.pool.nodes[n].alive for n in self._node_step):
             self._control_plane_resolve(timed_out=False)
 
     def _control_plane_resolve(self, *, timed_out: bool) -> None:
         """Leave CONTROL_PLANE: keep a healthy attempt running; otherwise go on without quarantine."""
         prev = self._cp_prev
-        missing = sorted(n for n in self._node_step if not self.pool.get(n).alive)
+        missing = sorted(n for n in self._node_step if not self.pool.nodes[n].alive)
         f = self.failure
         if prev in (RunState.RUNNING, RunState.COLLECTING) and (f is None or f.detector == E.DETECTOR_NODE_LOST):
             self.state = RunState.RUNNING
@@ -1002,7 +1020,7 @@ class Supervisor:
         elif prev == RunState.STOPPING and f is not None:
             f.control_plane = f.control_plane or f.detector == E.DETECTOR_NODE_LOST
             self.state = RunState.STOPPING
-            self._awaiting_exit = {n for n in self._awaiting_exit if n not in self._exited and self.pool.get(n).alive}
+            self._awaiting_exit = {n for n in self._awaiting_exit if n not in self._exited and self.pool.nodes[n].alive}
             if not self._awaiting_exit:
                 self._decide()
             else:
@@ -1017,10 +1035,10 @@ class Supervisor:
             self._maybe_launch()
         else:
             self.state = RunState.WAITING_NODES if prev == RunState.BACKOFF else prev
-        if self._pending_stop is not None and self.state == RunState.RUNNING:
+        if self._pending_stop is not None and self._state == RunState.RUNNING:
             stop, self._pending_stop = self._pending_stop, None
             self._on_stop_request(stop)
-        elif self._pending_stop is not None and self.state not in (RunState.COLLECTING, RunState.STOPPING):
+        elif self._pending_stop is not None and self._state not in (RunState.COLLECTING, RunState.STOPPING):
             stop, self._pending_stop = self._pending_stop, None
             if not stop.relaunch:
                 self._finish(RunState.STOPPED, "stopped", f"stopped on request: {stop.reason}")
@@ -1029,7 +1047,7 @@ class Supervisor:
 
     def _on_snapshot(self, snap: Snapshot) -> None:
         self.pool.load(snap.records)
-        quiet = self.state == RunState.CONTROL_PLANE or (self.attempt == 0 and self.state == RunState.WAITING_NODES)
+        quiet = self._state == RunState.CONTROL_PLANE or (self.attempt == 0 and self._state == RunState.WAITING_NODES)
         for name in [n for n, p in self.pool.nodes.items() if p.alive and n not in snap.alive]:
             if quiet:
                 self.pool.set_alive(name, False)
@@ -1045,11 +1063,11 @@ class Supervisor:
             self.committed.add(s)
             self.latest_committed = max(self.latest_committed, s)
         self.job_step = max(self.job_step, self.latest_committed)
-        fresh = self.attempt == 0 and self.state == RunState.WAITING_NODES
+        fresh = self.attempt == 0 and self._state == RunState.WAITING_NODES
         self.attempt = max(self.attempt, snap.attempt)
         self._log(E.EVENT_KIND_CONTROL_PLANE, f"reconciled from the store: {len(snap.alive)} nodes alive, "
                   f"attempt record {snap.attempt}, latest committed step {self.latest_committed}")
-        if self.state == RunState.CONTROL_PLANE:
+        if self._state == RunState.CONTROL_PLANE:
             self._cp_etcd_lost = False
             self._control_plane_resolve(timed_out=False)
         elif fresh and snap.attempt > 0 and snap.attempt_nodes:
@@ -1057,7 +1075,7 @@ class Supervisor:
         for name, p in self.pool.nodes.items():
             if p.alive and p.state in (QUARANTINED, BURN_IN) and name not in self._burn_in:
                 self._begin_burn_in(name)
-        if snap.stop_requested is not None and self.state in LIVE:
+        if snap.stop_requested is not None and self._state in LIVE:
             self._on_stop_request(snap.stop_requested)
 
     def _adopt(self, snap: Snapshot) -> None:

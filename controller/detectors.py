@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import signal as signal_mod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.policy import SupervisorConfig
@@ -45,6 +46,7 @@ class ExitClass:
     label: str  # e.g. "exit:1", "signal:SIGKILL", "clean"
 
 
+@functools.lru_cache(maxsize=256)
 def _signal_name(num: int) -> str:
     try:
         return signal_mod.Signals(num).name
@@ -52,6 +54,7 @@ def _signal_name(num: int) -> str:
         return f"SIG{num}"
 
 
+@functools.lru_cache(maxsize=1024)  # pure and called once per node per attempt end
 def classify_exit(exit_code: int | None, signal: int | None, *, stopping: bool) -> ExitClass:
     """Classify a worker group's end. While the supervisor is stopping it, any end is a "stop"."""
     if stopping:
@@ -105,42 +108,34 @@ def is_hung(now: float, last_advance_at: float, timeout_s: float) -> bool:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RankLoad:
-    rank: int
-    node: str
-    compute_s: float
-    wait_s: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class StragglerCandidate:
     rank: int
     node: str
     reason: str
 
 
-def straggler_candidate(loads: Sequence[RankLoad], cfg: SupervisorConfig) -> StragglerCandidate | None:
-    """The rank with high compute and low wait while the others show the reverse, if any."""
+def straggler_candidate(loads: Mapping[int, tuple[str, float, float]],
+                        cfg: SupervisorConfig) -> StragglerCandidate | None:
+    """The rank with high compute and low wait while the others show the reverse, if any.
+
+    loads: rank -> (node, compute seconds, collective-wait seconds), e.g. smoothed per step.
+    """
     if len(loads) < 2:
         return None
-    top = max(loads, key=lambda r: (r.compute_s, -r.rank))
-    others = [r for r in loads if r is not top]
-    med_compute = median([r.compute_s for r in others])
-    med_wait = median([r.wait_s for r in others])
+    top = max(loads, key=lambda r: (loads[r][1], -r))
+    node, compute, wait = loads[top]
+    med_compute = median([v[1] for r, v in loads.items() if r != top])
+    med_wait = median([v[2] for r, v in loads.items() if r != top])
     if med_wait < cfg.straggler_min_wait_s or med_compute <= 0:
         return None
-    if top.compute_s < cfg.straggler_compute_ratio * med_compute:
+    if compute < cfg.straggler_compute_ratio * med_compute:
         return None
-    if top.wait_s > cfg.straggler_wait_ratio * med_wait:
+    if wait > cfg.straggler_wait_ratio * med_wait:
         return None
     return StragglerCandidate(
-        rank=top.rank,
-        node=top.node,
-        reason=(
-            f"rank {top.rank} on {top.node}: compute {top.compute_s:.4g}s vs median {med_compute:.4g}s, "
-            f"wait {top.wait_s:.4g}s vs median {med_wait:.4g}s"
-        ),
-    )
+        rank=top, node=node,
+        reason=(f"rank {top} on {node}: compute {compute:.4g}s vs median {med_compute:.4g}s, "
+                f"wait {wait:.4g}s vs median {med_wait:.4g}s"))
 
 
 def persistent_straggler(history: Iterable[int | None], cfg: SupervisorConfig) -> int | None:

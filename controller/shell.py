@@ -227,24 +227,24 @@ class LiveController:
         for action in actions:
             if not self._execute(action, now):
                 break
+        if isinstance(event, t.StopRequested) and event.relaunch:
+            # Handled (and logged) once: a later Snapshot must not stop the relaunched attempt again.
+            # A stop that ends the run stays, so a restarted controller does not relaunch it.
+            with contextlib.suppress(StoreError):
+                self.store.delete(self.keys.stop(self.cfg.run))
         self._publish_status(now)
         if future is not None:
             node = getattr(event, "node", "")
             future.set_result(self.pool_state(node) if node in self.core.pool.nodes else None)
 
     def _publish_status(self, now: float) -> None:
-        core = self.core
-        phase = _PHASES.get(core.state.name, controller_pb2.RUN_PHASE_UNSPECIFIED)
-        used = len([x for x in core._restart_times if x > now - core.cfg.restart_budget_window_s]) \
-            if core.cfg.restart_budget_window_s else len(core._restart_times)
-        last = core._min_advanced_at
+        st = self.core.status(now)
         self.status = controller_pb2.RunStatus(
-            run=self.cfg.run, phase=phase, attempt=core.attempt, current_step=core.job_step,
-            last_committed_step=core.latest_committed,
-            restart_budget_left=max(0, core.cfg.restart_budget - used),
-            since_last_progress_s=max(0.0, now - last) if last else -1.0,
-            nodes=[n for n in core.slots if n], rendezvous_id=f"{self.cfg.run}-{core.attempt}" if core.attempt else "",
-            reason=core.state.value)
+            run=self.cfg.run, phase=_PHASES.get(st.state.name, controller_pb2.RUN_PHASE_UNSPECIFIED),
+            attempt=st.attempt, current_step=st.job_step, last_committed_step=st.latest_committed,
+            restart_budget_left=max(0, st.restart_budget - st.restarts_used),
+            since_last_progress_s=st.since_last_progress_s, nodes=list(st.nodes), rendezvous_id=st.rendezvous_id,
+            reason=st.failure or st.state.value)
 
     def pool_state(self, node: str) -> int:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None
@@ -296,7 +296,8 @@ class LiveController:
                 node=entry.node, pool_state=entry.state or common_pb2.POOL_STATE_SPARE, reason=entry.reason,
                 burn_in_passes=entry.burn_in_passes, operator_hold=entry.operator_hold,
                 failure_times=tuple(rep.failure_times), straggler_flags=rep.straggler_flags,
-                preflight_rejections=rep.preflight_rejections))
+                preflight_rejections=rep.preflight_rejections, evidence=tuple(entry.evidence),
+                evidence_kinds=tuple(rep.evidence_kinds)))
         attempt_kv = self.store.get(k.attempt(self.cfg.run))
         attempt = _parse(store_pb2.AttemptRecord, attempt_kv.value) if attempt_kv else None
         ckpts = [_parse(store_pb2.CheckpointCommit, kv.value)
@@ -419,14 +420,14 @@ class LiveController:
             self.timers[action.key] = action.at
         elif isinstance(action, t.RunPreflight):
             for node in action.nodes:
-                self.pool.submit(self._preflight, node, action.mode, action.timeout_s)
+                self._submit(self._preflight, node, action.mode, action.timeout_s)
         elif isinstance(action, t.Launch):
             return self._launch(action)
         elif isinstance(action, t.StopAttempt):
             for node in action.nodes:
-                self.pool.submit(self._stop_node, node, action)
+                self._submit(self._stop_node, node, action)
         elif isinstance(action, t.CollectDumps):
-            self.pool.submit(self._collect, action)
+            self._submit(self._collect, action)
         elif isinstance(action, t.PersistNode):
             self._persist(action.record)
         elif isinstance(action, t.Page):
@@ -442,11 +443,12 @@ class LiveController:
     def _persist(self, rec: t.NodeRecordView) -> None:
         entry = store_pb2.PoolEntry(node=rec.node, state=rec.pool_state, reason=rec.reason,
                                     burn_in_passes=rec.burn_in_passes, operator_hold=rec.operator_hold,
-                                    since=self.clock(), run=self.cfg.run)
+                                    since=self.clock(), run=self.cfg.run, evidence=list(rec.evidence[-16:]))
         rep = store_pb2.Reputation(node=rec.node, failures=len(rec.failure_times),
                                    failure_times=list(rec.failure_times[-32:]),
                                    straggler_flags=rec.straggler_flags,
-                                   preflight_rejections=rec.preflight_rejections, updated_at=self.clock())
+                                   preflight_rejections=rec.preflight_rejections, updated_at=self.clock(),
+                                   evidence_kinds=list(rec.evidence_kinds[-32:]))
         try:
             self.store.fenced_put(self.keys.pool(rec.node), entry.SerializeToString(), self.leadership)
             self.store.fenced_put(self.keys.reputation(rec.node), rep.SerializeToString(), self.leadership)
@@ -498,8 +500,19 @@ class LiveController:
                 run=action.run, attempt=action.attempt, rendezvous_id=action.rendezvous_id, argv=argv, env=env,
                 node_rank=nr.node_rank, nnodes=len(action.nodes), resume_step=action.resume_step,
                 leader_fence=fence)
-            self.pool.submit(self._launch_node, nr.node, req)
+            self._submit(self._launch_node, nr.node, req)
         return True
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run slow work off the loop; an unexpected error is logged, never lost silently."""
+
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+
+        self.pool.submit(guarded)
 
     def _launch_node(self, node: str, req: agent_pb2.LaunchWorkersRequest) -> None:
         out = self.agents.launch(node, req, self.cfg.rpc_timeout_s)
@@ -523,21 +536,36 @@ class LiveController:
         self.agents.stop(node, self.cfg.run, action.attempt, grace_s=2.0 if action.planned else action.grace_s)
 
     def _collect(self, action: t.CollectDumps) -> None:
-        from controller.attribution import attribute_dumps  # lazy: the shell runs without dumps too
+        """Dumps from every live rank of the attempt, analysed by the flight-recorder rule only.
 
-        dumps: dict[int, bytes | None] = {}
+        The core ranks this answer below hardware evidence and above heartbeats; a rank that
+        could not answer (stopped, dead) is "no dump", which is itself evidence."""
+        from controller import attribution as attr  # the shell runs without dumps too
+
+        rank_dumps: list[agent_pb2.RankDump] = []
         missing: list[str] = []
-        for node in action.nodes:
-            out, resp = self.agents.collect_dumps(node, self.cfg.run, action.timeout_s)
+        rank_to_node = dict(self._rank_to_node)
+        # All nodes at once, each rank given most of the core's deadline: a stopped rank costs its
+        # timeout once, not once per node, and the answer arrives before the core gives up on it.
+        per_rank_s = max(0.5, action.timeout_s * 0.6)
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(action.nodes)))) as ex:
+            answers = list(ex.map(lambda n: (n, *self.agents.collect_dumps(n, self.cfg.run, per_rank_s)),
+                                  action.nodes))
+        for node, out, resp in answers:
             if not out.ok or resp is None:
                 missing.append(node)
+                for rank, n in rank_to_node.items():
+                    if n == node:
+                        rank_dumps.append(agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}"))
                 continue
             for d in resp.dumps:
-                dumps[d.rank] = d.data if d.ok else None
+                rank_to_node.setdefault(d.rank, node)
+                rank_dumps.append(d)
         try:
-            attribution = attribute_dumps(dumps, dict(self._rank_to_node))
+            dumps, no_dump = attr.dumps_from_rank_dumps(rank_dumps)
+            attribution: Any = attr.attribute(rank_to_node=rank_to_node, dumps=dumps, no_dump=no_dump)
         except Exception as exc:
-            log.warning("attribution failed: %s", exc)
+            log.warning("flight-recorder attribution failed: %s", exc)
             attribution = t.Attribution()
         self.events.put(t.DumpsCollected(attempt=action.attempt, attribution=attribution,
                                          missing_nodes=tuple(missing)))

@@ -183,8 +183,8 @@ class LocalCluster:
             "--step-sleep", str(self.spec.step_sleep), *self.spec.train_args,
         ]
         policy: dict[str, object] = {
-            "burn_in_passes": 1, "backoff_base_s": 0.5, "backoff_max_s": 5.0, "stop_grace_s": 10.0,
-            "dump_timeout_s": 5.0, "queue_wait_s": 5.0, "startup_timeout_s": 120.0,
+            "burn_in_passes": 1, "backoff_base_s": 0.5, "backoff_max_s": 5.0, "stop_grace_s": 5.0,
+            "dump_timeout_s": 3.0, "queue_wait_s": 5.0, "startup_timeout_s": 120.0,
         }
         policy.update(self.spec.policy)
         cfg = self.run_dir / "controller.toml"

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if not wait_training(cluster, 0, 120):
             print("demo: the run did not start training within 120 s; see", cluster.run_dir / "controller.log")
             return 1
-        time.sleep(3)
+        time.sleep(1)
         for fault in faults:
             nodes = current_nodes(cluster)
             mark = last_seq(cluster)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             if not wait_training(cluster, mark, args.fault_timeout):
                 print(f"demo: no recovery from {fault} within {args.fault_timeout:.0f} s", flush=True)
                 rc = 1
-            time.sleep(3)
+            time.sleep(1.5)
         print("\n=== planned stop: save, commit, exit 0 ===", flush=True)
         cluster.ctl("stop", spec.run, "--reason", "demo finished")
         cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 60)

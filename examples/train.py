@@ -84,40 +84,45 @@ def main(argv: list[str] | None = None) -> int:
     if found is not None:
         loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
         start = int(loaded.data_state["next_step"])
-        reporter.set_committed(loaded.step) if hasattr(reporter, "set_committed") else None
+        if rank == 0:
+            reporter.set_committed(loaded.step)
     args.out.mkdir(parents=True, exist_ok=True)
     loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
     loss_fn = nn.MSELoss()
+    step_start = time.perf_counter()
     for step in range(start, args.steps):
-        t0 = time.perf_counter()
         x, y = batch_for(args.seed, step, rank, args.batch)
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         t1 = time.perf_counter()
-        loss.backward()  # DDP's all-reduce happens here: its wait is what a straggler shows in others
+        loss.backward()  # DDP's gradient all-reduce happens in here
         t2 = time.perf_counter()
         opt.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         t3 = time.perf_counter()
-        # backward mixes compute with the gradient all-reduce; count it as waiting time so that a rank
-        # that is slow before the collective shows high compute and low wait, and its peers the reverse.
-        compute = (t1 - t0) + (t3 - t2)
-        wait = t2 - t1
-        loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
-        reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, loss=loss.item())
-        done = step + 1
         # Every rank must agree to stop at the same step (the save below has a barrier).
         flag = torch.tensor([1 if reporter.stop_requested() else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
+        t4 = time.perf_counter()
+        # Time in the collectives counts as waiting: a rank slow before them shows high compute and low
+        # wait, its peers the reverse. Everything between the previous step's end and the backward pass
+        # (including any delay a slow rank adds there) counts as this step's compute.
+        compute = (t1 - step_start) + (t3 - t2)
+        wait = (t2 - t1) + (t4 - t3)
+        loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
+        reporter.report(step, step_time_s=t4 - step_start, compute_s=compute, wait_s=wait, loss=loss.item())
+        step_start = t4
+        done = step + 1
         if done % args.ckpt_every == 0 or stop or done == args.steps:
-            reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, in_checkpoint=True)
+            reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
             commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
                                              data_state={"next_step": done}, rank=rank, world_size=world)
-            if commit is not None and hasattr(reporter, "set_committed"):
+            if commit is not None:
                 reporter.set_committed(done)
-            reporter.report(step, step_time_s=t3 - t0, compute_s=compute, wait_s=wait, loss=loss.item())
+            reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, loss=loss.item())
+            step_start = time.perf_counter()
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break

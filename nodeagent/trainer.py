@@ -69,6 +69,7 @@ class ProgressReporter:
         self._pending: deque[_Report] = deque(maxlen=64)
         self._agent_stop = False
         self._slow_s = 0.0
+        self._committed: int | None = None
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -111,6 +112,14 @@ class ProgressReporter:
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
         if self._slow_s > 0:
             time.sleep(self._slow_s)
+
+    def set_committed(self, step: int) -> None:
+        """Tell the supervisor that checkpoint `step` is committed (its marker written, after fsync).
+
+        Global rank 0 calls it after `save_checkpoint` returns a commit (and after resuming, with the
+        step it loaded); the agent carries it in the node's progress and the controller records the
+        commit. Only a committed step is ever a resume point."""
+        self._committed = int(step)
 
     def stop_requested(self) -> bool:
         """True once the agent asked this run to stop, or the stop file exists. Poll once per step."""
@@ -174,6 +183,8 @@ class ProgressReporter:
         )
         if loss is not None:
             progress.loss = loss
+        if self._committed is not None:
+            progress.committed_step = self._committed
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         try:
             response = self._stub.ReportProgress(request, timeout=self._rpc_timeout_s)

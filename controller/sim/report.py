@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from controller.goodput import US, compute_goodput
+from controller.goodput import compute_goodput
 from controller.sim.draws import draw
 from controller.sim.engine import SimResult, simulate
 from controller.sim.model import first_order
@@ -25,7 +25,7 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
         20: 2.086, 25: 2.060, 30: 2.042}
 LEVERS = ("checkpoint_stall", "rework", "detect", "attribute", "replace", "preflight", "launch", "load",
-          "first_step", "planned", "startup")
+          "first_step", "planned", "startup", "ended_early")
 SEEN = ("interrupted", "refail")  # outcomes in which the running job was interrupted
 
 
@@ -103,14 +103,18 @@ class PolicySummary:
 
 def outcome_of(result: SimResult, wall_s: float) -> SeedOutcome:
     report = compute_goodput(result.events, until=result.end_ts)
-    alloc = report.allocated_us or 1
+    # The whole window counts: a run the core ended early (crash loop, budget) lost the rest of it.
+    alloc = max(report.allocated_us, round((result.end_ts - result.start_ts) * 1_000_000), 1)
     by_cause = {c: us / alloc for c, us in report.lost_by_cause_us.items()}
     by_lever: dict[str, float] = defaultdict(float)
     for c, f in by_cause.items():
         by_lever[lever_of(c)] += f
+    if alloc - report.allocated_us > 1_000_000:
+        by_lever["ended_early"] = (alloc - report.allocated_us) / alloc
     seen = Counter(i.cause for i in result.interruptions if i.outcome in SEEN)
     drawn = Counter(i.cause for i in result.interruptions if i.outcome != "refail")
-    return SeedOutcome(seed=result.seed, ettr=report.goodput, lost_by_lever=dict(by_lever), lost_by_cause=by_cause,
+    return SeedOutcome(seed=result.seed, ettr=report.productive_us / alloc, lost_by_lever=dict(by_lever),
+                       lost_by_cause=by_cause,
                        seen_by_cause=dict(seen), drawn_by_cause=dict(drawn), incidents=len(report.incidents),
                        handle_calls=result.handle_calls, wall_s=wall_s, final_state=result.final_state)
 
@@ -155,15 +159,27 @@ def compare(scenario: Scenario, policies: Sequence[str], seeds: Sequence[int], w
     return out
 
 
-def sweep(scenario: Scenario, base: str, variants: Sequence[tuple[str, Policy]], seeds: Sequence[int],
-          workers: int = 1) -> list[tuple[str, float, float]]:
-    """ETTR (mean, CI half-width) of policy variants on the same draws."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepRow:
+    label: str
+    ettr: float
+    ci: float
+    delta: float      # mean paired difference from the first variant (same draws, seed by seed)
+    delta_ci: float
+    by_seed: tuple[float, ...]
+
+
+def sweep(scenario: Scenario, variants: Sequence[tuple[str, Policy]], seeds: Sequence[int],
+          workers: int = 1) -> list[SweepRow]:
+    """ETTR of policy variants on the same draws, with the paired difference from the first variant."""
     jobs = [(scenario, pol, s) for _, pol in variants for s in seeds]
     outcomes = run_many(jobs, workers)
+    per = [[o.ettr for o in outcomes[i * len(seeds):(i + 1) * len(seeds)]] for i in range(len(variants))]
     rows = []
-    for i, (label, _) in enumerate(variants):
-        m, ci = mean_ci([o.ettr for o in outcomes[i * len(seeds):(i + 1) * len(seeds)]])
-        rows.append((label, m, ci))
+    for (label, _), values in zip(variants, per, strict=True):
+        m, ci = mean_ci(values)
+        d, dci = mean_ci([v - b for v, b in zip(values, per[0], strict=True)])
+        rows.append(SweepRow(label=label, ettr=m, ci=ci, delta=d, delta_ci=dci, by_seed=tuple(values)))
     return rows
 
 
@@ -218,6 +234,3 @@ def format_counts(scenario: Scenario, summary: PolicySummary) -> str:
 def lost_hours(outcome: SeedOutcome, scenario: Scenario) -> dict[str, float]:
     return {k: v * scenario.run.duration_s / 3600 for k, v in outcome.lost_by_lever.items()}
 
-
-__all__ = ["US", "LEVERS", "PolicySummary", "SeedOutcome", "compare", "format_counts", "format_summary",
-           "hang_variants", "interval_variants", "mean_ci", "run_one", "spare_variants", "sweep"]

@@ -48,8 +48,8 @@ def test_is_hung_boundary() -> None:
     assert d.is_hung(110.0, 100.0, 10.0)
 
 
-def _loads(compute: list[float], wait: list[float]) -> list[d.RankLoad]:
-    return [d.RankLoad(rank=i, node=f"n{i}", compute_s=c, wait_s=w) for i, (c, w) in enumerate(zip(compute, wait, strict=True))]
+def _loads(compute: list[float], wait: list[float]) -> dict[int, tuple[str, float, float]]:
+    return {i: (f"n{i}", c, w) for i, (c, w) in enumerate(zip(compute, wait, strict=True))}
 
 
 def test_straggler_is_high_compute_low_wait_while_others_wait() -> None:
@@ -102,3 +102,21 @@ def test_median() -> None:
     assert d.median([1.0, 2.0, 3.0, 4.0]) == 2.5
     with pytest.raises(ValueError):
         d.median([])
+
+
+@pytest.mark.parametrize("bad", [{"rank": -1}, {"step": -5}, {"step_time_s": float("nan")}, {"compute_s": -0.1},
+                                 {"wait_s": float("inf")}, {"compute_s": "fast"}])
+def test_rank_sample_rejects_bad_values_with_a_clear_error(bad: dict[str, object]) -> None:
+    from controller.types import RankSample
+
+    args: dict[str, object] = {"rank": 0, "step": 1, **bad}
+    with pytest.raises(ValueError, match="RankSample"):
+        RankSample(**args)  # type: ignore[arg-type]  # deliberately bad
+
+
+@pytest.mark.parametrize("name", ["", "a b", "x" * 300, "n\n1"])
+def test_event_node_names_are_validated(name: str) -> None:
+    from controller.types import NodeLost
+
+    with pytest.raises(ValueError, match="bad name"):
+        NodeLost(node=name)

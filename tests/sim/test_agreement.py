@@ -28,17 +28,17 @@ def test_optimal_interval_agrees_with_young_daly() -> None:
     sc = tiny(mtbf_h=mtbf_h, stall_s=stall, days=20)
     yd = young_daly_interval_s(mtbf_h * 3600, stall)  # 657 s
     intervals = [150, 250, 400, 650, 1000, 1600, 2600]
-    rows = sweep(sc, "p", interval_variants(sc.policy("p"), intervals), SEEDS)
+    rows = sweep(sc, interval_variants(sc.policy("p"), intervals), SEEDS)
     # Fit lost(I) = a/I + b*I + c by least squares; the fitted optimum is sqrt(a/b).
     xs = [(1 / i, float(i), 1.0) for i in intervals]
-    ys = [1 - m for _, m, _ in rows]
+    ys = [1 - r.ettr for r in rows]
     ata = [[sum(x[r] * x[c] for x in xs) for c in range(3)] for r in range(3)]
     aty = [sum(x[r] * y for x, y in zip(xs, ys, strict=True)) for r in range(3)]
     a, b, _ = _solve3(ata, aty)
     fitted = math.sqrt(a / b)
     assert 0.75 * yd < fitted < 1.33 * yd, (fitted, yd, rows)
-    best = max(m for _, m, _ in rows)
-    at_yd = dict((lab, m) for lab, m, _ in rows)["650"]
+    best = max(r.ettr for r in rows)
+    at_yd = {r.label: r.ettr for r in rows}["650"]
     assert best - at_yd < 0.003
 
 

@@ -120,3 +120,14 @@ def test_startup_timeout_below_launch_time_is_refused() -> None:
     sc = tiny(supervisor={"startup_timeout_s": 60.0})
     with pytest.raises(ValueError, match="startup_timeout_s"):
         World(sc, sc.policy("p"), draw(sc, 1))
+
+
+def test_a_run_the_core_ends_early_loses_the_rest_of_the_window() -> None:
+    from controller.sim.report import run_one
+
+    sc = tiny(supervisor={"restart_budget": 2, "restart_budget_window_s": 0.0})
+    out = run_one(sc, sc.policy("p"), 1)
+    assert out.final_state == "budget_exhausted"
+    assert out.lost_by_lever["ended_early"] > 0.5
+    assert out.ettr < 0.5
+    assert abs(out.ettr + sum(out.lost_by_lever.values()) - 1.0) < 1e-6
