@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_etcd_scale.py [--nodes 2048] [--procs 4] [--ttl 5] [--seconds 30]
 
 One real etcd (runwarden.etcd_server) on 127.0.0.1. Load generators (a few processes, threads
-inside, the project's real `runwarden.store.Store`) each hold their share of the node leases with
-`Store.keep_alive` (a refresh every TTL/3) and write one `NodeProgress` per node per second.
+inside, the project's real `runwarden.store.Store`) each hold their share of the node leases,
+refreshed every TTL/3 with `Store.refresh_lease` from a few threads (`Store.keep_alive`'s thread
+per lease would be 2,048 threads on 2 cores), and write one `NodeProgress` per node per second.
 The "controller" in this process does what the live shell does on that path: `Store.watch_prefix`
 on the nodes and progress prefixes, decode, translate into core events, and feed a real
 `controller.core.Supervisor` (attempt 1 running on every node but the spares) from one loop thread.
@@ -39,8 +40,8 @@ from controller.policy import RunPlan, SupervisorConfig
 from runwarden.etcd_server import EtcdServer
 from runwarden.store import Store
 from runwarden.store_config import StoreConfig
-from runwarden.store_types import WatchEvent
-from runwarden.v1 import common_pb2, store_pb2
+from runwarden.store_types import Lease, StoreError, WatchEvent
+from runwarden.v1 import common_pb2, events_pb2, store_pb2
 
 RUN = "bench"
 RANKS_PER_NODE = 8
@@ -62,21 +63,91 @@ def progress_value(node: str, step: int) -> bytes:
 
 # --- load generator process ------------------------------------------------------------------------
 
-def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
-            inbox: Any, outbox: Any) -> None:
+def _stream_refreshers(store: Store, leases: dict[str, Lease], ttl: float, dead: set[str], lost: set[str],
+                       stop: threading.Event) -> list[threading.Thread]:
+    """One persistent LeaseKeepAlive stream for all of this process's leases (what etcd's own
+    clients do), over the store's connection; each lease still refreshed every TTL/3."""
+    etcdrpc = store_module.etcdrpc  # the request type: runwarden.store stays the only pyetcd importer
+    requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    by_id = {lease.id: name for name, lease in leases.items()}
+
+    def feed() -> Any:
+        while True:
+            item = requests.get()
+            if item is None:
+                return
+            yield item
+
+    call = store.conn.stub("Lease").LeaseKeepAlive(feed(), metadata=store.conn.metadata())
+
+    def reader() -> None:
+        try:
+            for reply in call:
+                if reply.TTL <= 0 and int(reply.ID) in by_id:
+                    lost.add(by_id[int(reply.ID)])
+        except Exception:  # cancelled at the end
+            return
+
+    def sender() -> None:
+        period = ttl / 3.0
+        due = time.time()
+        while not stop.is_set():
+            for name, lease in leases.items():
+                if name not in dead and name not in lost:
+                    requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease.id))
+            due += period
+            stop.wait(max(0.0, due - time.time()))
+            due = max(due, time.time() - period)
+        requests.put(None)
+        call.cancel()
+
+    return [threading.Thread(target=reader, daemon=True), threading.Thread(target=sender, daemon=True)]
+
+
+def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int, refresh_threads: int,
+            keepalive: str, inbox: Any, outbox: Any) -> None:
     store = Store.connect(StoreConfig(endpoints=(endpoint,), timeout_s=5.0))
     keys = store.keys
-    keepers = {}
+    # One LeaseKeeper thread per lease (Store.keep_alive) is 2,048 threads here: on 2 shared cores
+    # that starves itself and expires leases. A few refresher threads per process call the store's
+    # own refresh_lease for their slice, each lease every TTL/3, the keepers' exact cadence.
+    leases: dict[str, Lease] = {}
     for name in names:
         lease = store.grant_lease(ttl)
         rec = store_pb2.NodeRecord(node=name, host=name, local_ranks=RANKS_PER_NODE, lease_id=lease.id)
         store.put(keys.node(name), rec.SerializeToString(), lease=lease)
-        keepers[name] = store.keep_alive(lease)
+        leases[name] = lease
+    lost: set[str] = set()
+    stop_refresh = threading.Event()
+    dead: set[str] = set()
+
+    def refresher(mine: list[str]) -> None:
+        period = ttl / 3.0
+        due = time.time()
+        while not stop_refresh.is_set():
+            for name in mine:
+                if name in dead or name in lost:
+                    continue
+                try:
+                    if store.refresh_lease(leases[name], timeout_s=period) <= 0:
+                        lost.add(name)
+                except StoreError:
+                    pass  # retried next period; etcd expires it if this goes on for a TTL
+            due += period
+            stop_refresh.wait(max(0.0, due - time.time()))
+            due = max(due, time.time() - period)
+
+    if keepalive == "stream":
+        refreshers = _stream_refreshers(store, leases, ttl, dead, lost, stop_refresh)
+    else:
+        refreshers = [threading.Thread(target=refresher, args=(names[i::refresh_threads],), daemon=True)
+                      for i in range(refresh_threads)]
+    for r in refreshers:
+        r.start()
     outbox.put(("ready", idx))
     plan = inbox.get(timeout=600)
     start_at, write_until = plan["start_at"], plan["write_until"]
-    kills: dict[str, float] = {n: t for n, t in plan["kills"].items() if n in keepers}
-    dead: set[str] = set()
+    kills: dict[str, float] = {n: t for n, t in plan["kills"].items() if n in leases}
     stats: dict[str, Any] = {"puts": 0, "late_rounds": 0, "rounds": 0, "put_ms": []}
     lock = threading.Lock()
 
@@ -113,8 +184,7 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
             delay = at - time.time()
             if delay > 0:
                 time.sleep(delay)
-            dead.add(name)
-            keepers[name].stop()
+            dead.add(name)  # its refreshes stop: the lease expires after TTL
             outbox.put(("killed", name, time.time()))
 
     workers = [threading.Thread(target=writer, args=(names[i::threads],), daemon=True) for i in range(threads)]
@@ -125,6 +195,7 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
     for w in workers:
         w.join(timeout=write_until - time.time() + 60)
     kt.join(timeout=60)
+    lost_in_window = len(lost)
     # raw put throughput: the same clients, as fast as they go, for a bounded time
     blast_from, blast_until = plan["blast_from"], plan["blast_until"]
     counts = [0] * threads
@@ -145,11 +216,11 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
         b.start()
     for b in bl:
         b.join(timeout=blast_until - time.time() + 30)
-    lost = sum(1 for n, k in keepers.items() if k.lost.is_set() and n not in dead)
-    for k in keepers.values():
-        k.stop()
+    stop_refresh.set()
+    for r in refreshers:
+        r.join(timeout=ttl + 5)
     cpu = os.times()
-    outbox.put(("stats", idx, {**stats, "blast_puts": sum(counts), "leases_lost": lost,
+    outbox.put(("stats", idx, {**stats, "blast_puts": sum(counts), "leases_lost": len(lost), "leases_lost_by_window_end": lost_in_window,
                                "cpu_s": cpu.user + cpu.system}))
     store.close()
 
@@ -167,6 +238,8 @@ class ControllerSide:
         self.lags: list[tuple[float, float]] = []  # (seen at, lag s)
         self.deleted: dict[str, float] = {}
         self.handled = 0
+        self.detections: list[str] = []
+        self.attempt_nodes: set[str] = set()
         self.launched = threading.Event()
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._run, daemon=True)
@@ -212,7 +285,10 @@ class ControllerSide:
                 for n in act.nodes:
                     self.events.put(T.PreflightResult(node=n, passed=True))
             elif isinstance(act, T.Launch):
+                self.attempt_nodes = {nr.node for nr in act.nodes}
                 self.launched.set()
+            elif isinstance(act, T.AppendEvent) and act.event.kind == events_pb2.EVENT_KIND_DETECTION:
+                self.detections.append(act.event.message[:160])
 
     def stop(self) -> None:
         for w in self.watches:
@@ -231,6 +307,10 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=2048)
     ap.add_argument("--procs", type=int, default=4, help="load-generator processes")
     ap.add_argument("--threads", type=int, default=8, help="writer threads per load-generator process")
+    ap.add_argument("--keepalive", choices=["stream", "store"], default="stream",
+                    help="stream: one persistent keepalive stream per process (default); store: "
+                         "Store.refresh_lease per lease from --refresh-threads threads (a stream per refresh)")
+    ap.add_argument("--refresh-threads", type=int, default=4, help="lease refresher threads per process (store mode)")
     ap.add_argument("--ttl", type=float, default=5.0, help="node lease TTL (the agent's default is 5 s)")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured window")
     ap.add_argument("--kills", type=int, default=20, help="spare nodes whose keepalive is stopped under load")
@@ -247,21 +327,25 @@ def main() -> int:
     try:
         names = [f"node{i:05d}" for i in range(args.nodes)]
         store = Store.connect(StoreConfig(endpoints=(etcd.endpoint,), timeout_s=5.0))
-        spares = names[-args.kills:] if args.kills else []
-        ctl = ControllerSide(store, args.nodes, len(spares))
+        ctl = ControllerSide(store, args.nodes, args.kills)
         ctl.start()
         outbox = ctx.Queue()
         inboxes = [ctx.Queue() for _ in range(args.procs)]
         t_setup = time.time()
         for i in range(args.procs):
-            p = ctx.Process(target=loadgen, args=(i, etcd.endpoint, names[i::args.procs], args.ttl, args.threads,
+            p = ctx.Process(target=loadgen, args=(i, etcd.endpoint, names[i::args.procs], args.ttl, args.threads, args.refresh_threads,
+                                                  args.keepalive,
                                                   inboxes[i], outbox), daemon=True)
             p.start()
             procs.append(p)
         for _ in range(args.procs):
             msg = outbox.get(timeout=600)
             assert msg[0] == "ready", msg
+        ctl.launched.wait(timeout=120)
         out["setup_s"] = time.time() - t_setup
+        # Kill only nodes outside the running attempt (spares): the attempt keeps running, so the
+        # controller's per-progress cost stays that of a live 2,048-node run while losses arrive.
+        spares = [n for n in names if n not in ctl.attempt_nodes][:args.kills]
         warm = 5.0
         start_at = time.time() + 2.0
         write_until = start_at + warm + args.seconds
@@ -308,7 +392,7 @@ def main() -> int:
             "controller_cpu_pct_of_one_core": 100 * ((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
             / window,
             "core_events_per_s": (handled1 - handled0) / window, "core_launched": ctl.launched.is_set(),
-            "core_state": ctl.core.state.value,
+            "core_state": ctl.core.state.value, "core_detections": ctl.detections[:5],
             "unexpected_deletes": {"before_window": sum(1 for n, t in ctl.deleted.items() if n not in killed and t < w0),
                                    "in_window": sum(1 for n, t in ctl.deleted.items() if n not in killed
                                                     and w0 <= t <= w1),
@@ -322,6 +406,7 @@ def main() -> int:
             "late_rounds": sum(s["late_rounds"] for s in stats.values()),
             "rounds": sum(s["rounds"] for s in stats.values()),
             "leases_lost_unexpectedly": sum(s["leases_lost"] for s in stats.values()),
+            "leases_lost_by_window_end": sum(s["leases_lost_by_window_end"] for s in stats.values()),
             "loadgen_cpu_s": sum(s["cpu_s"] for s in stats.values()),
             "load_after": os.getloadavg(), "cpus": os.cpu_count(),
         })

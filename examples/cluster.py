@@ -8,6 +8,7 @@ Each "node" is an agent on its own loopback port with its own state directory an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -270,10 +271,8 @@ class LocalCluster:
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _processes_under(root: Path) -> Iterator[int]:

@@ -17,14 +17,15 @@ import argparse
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.goodput import compute_goodput  # noqa: E402
-from examples.cluster import ClusterSpec, LocalCluster, leftover_processes  # noqa: E402
-from runwarden.eventlog import read_events  # noqa: E402
-from runwarden.v1 import events_pb2  # noqa: E402
+from controller.goodput import compute_goodput
+from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
+from runwarden.eventlog import read_events
+from runwarden.v1 import events_pb2
 
 FAULTS = ("crash", "hang", "node-lost", "straggler", "xid")
 E = events_pb2
@@ -83,6 +84,17 @@ def wait_training(cluster: LocalCluster, after_seq: int, timeout_s: float) -> bo
     return cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, after_seq, timeout_s) is not None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Injection:
+    """One injected fault: what, where, when, and whether the run recovered from it."""
+
+    fault: str
+    node: str
+    at: float
+    after_seq: int
+    recovered: bool
+
+
 def inject(cluster: LocalCluster, fault: str, nodes: list[str]) -> str:
     """Inject one fault into a node of the running attempt; returns the node."""
     victim = nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
@@ -101,6 +113,80 @@ def inject(cluster: LocalCluster, fault: str, nodes: list[str]) -> str:
     return victim
 
 
+def run_faults(cluster: LocalCluster, faults: list[str], timeout_s: float) -> list[Injection]:
+    """Inject each fault into the running attempt and wait for the first new step after it."""
+    done: list[Injection] = []
+    for fault in faults:
+        nodes = current_nodes(cluster)
+        mark = last_seq(cluster)
+        print(f"\n=== fault: {fault} ===", flush=True)
+        at = time.time()
+        victim = inject(cluster, fault, nodes)
+        if fault == "node-lost":
+            # systemd's Restart=always brings the agent back; it re-registers and goes through burn-in.
+            threading.Timer(8.0, cluster.restart_agent, args=(victim,)).start()
+        recovered = wait_training(cluster, mark, timeout_s)
+        if not recovered:
+            print(f"demo: no recovery from {fault} within {timeout_s:.0f} s", flush=True)
+        done.append(Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=recovered))
+        time.sleep(1.5)
+    return done
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recovery:
+    """What the controller did about one injected fault, read back from the event log."""
+
+    injection: Injection
+    detection: events_pb2.Event | None
+    attribution: events_pb2.Event | None
+    quarantined: bool
+    spare: str
+    launch: events_pb2.Event | None
+    first_step: events_pb2.Event | None
+
+    @property
+    def detect_s(self) -> float:
+        return self.detection.ts - self.injection.at if self.detection else float("nan")
+
+    @property
+    def first_step_s(self) -> float:
+        return self.first_step.ts - self.injection.at if self.first_step else float("nan")
+
+
+def recoveries(events: list[events_pb2.Event], injections: list[Injection]) -> list[Recovery]:
+    out = []
+    bounds = [i.after_seq for i in injections[1:]] + [10**12]
+    for inj, end in zip(injections, bounds, strict=True):
+        window = [e for e in events if inj.after_seq < e.seq <= end]
+
+        def first(kind: int, window: list[events_pb2.Event] = window) -> events_pb2.Event | None:
+            return next((e for e in window if e.kind == kind), None)
+
+        spare = first(E.EVENT_KIND_SPARE_TAKEN)
+        out.append(Recovery(
+            injection=inj, detection=first(E.EVENT_KIND_DETECTION), attribution=first(E.EVENT_KIND_ATTRIBUTION),
+            quarantined=any(e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == inj.node for e in window),
+            spare=spare.spare.node if spare else "", launch=first(E.EVENT_KIND_LAUNCH),
+            first_step=first(E.EVENT_KIND_FIRST_STEP)))
+    return out
+
+
+def print_recoveries(rs: list[Recovery]) -> None:
+    print("\n=== per fault ===")
+    head = f"{'fault':<10} {'node':<6} {'detector':<10} {'detect':>7} {'blamed':<8} {'method':<16} {'quar':<5} " \
+           f"{'spare':<6} {'attempt':>7} {'resumed':>7} {'1st step':>8} {'after':>7}"
+    print(head)
+    for r in rs:
+        det = E.Detector.Name(r.detection.detection.detector).removeprefix("DETECTOR_").lower() if r.detection else "-"
+        sus = r.attribution.attribution.suspects if r.attribution else []
+        print(f"{r.injection.fault:<10} {r.injection.node:<6} {det:<10} {r.detect_s:6.1f}s "
+              f"{sus[0].node if sus else '-':<8} {r.attribution.attribution.method if r.attribution else '-':<16} "
+              f"{'yes' if r.quarantined else 'no':<5} {r.spare or '-':<6} "
+              f"{r.launch.attempt if r.launch else '-':>7} {r.launch.launch.resume_step if r.launch else '-':>7} "
+              f"{r.first_step.step if r.first_step else '-':>8} {r.first_step_s:6.1f}s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path("demo-run"))
@@ -111,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in faults if f not in FAULTS]
     if bad:
         p.error(f"unknown fault(s) {bad}; choose from {FAULTS}")
-    # Straggler detection decides within its window: one flagged rank is quarantined at the next restart.
+    # A persistent straggler is stopped at once here (kill_stragglers_mid_run); by default it is only
+    # quarantined at the next restart, which a short demo might never reach.
     spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
     cluster = LocalCluster(args.dir, spec)
     t0 = time.time()
@@ -120,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     follower = threading.Thread(target=follow, args=(cluster, t0, stop), daemon=True)
     rc = 0
+    injections: list[Injection] = []
     try:
         cluster.start()
         follower.start()
@@ -127,18 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             print("demo: the run did not start training within 120 s; see", cluster.run_dir / "controller.log")
             return 1
         time.sleep(1)
-        for fault in faults:
-            nodes = current_nodes(cluster)
-            mark = last_seq(cluster)
-            print(f"\n=== fault: {fault} ===", flush=True)
-            victim = inject(cluster, fault, nodes)
-            if fault == "node-lost":
-                # systemd's Restart=always brings the agent back; it re-registers and goes through burn-in.
-                threading.Timer(8.0, cluster.restart_agent, args=(victim,)).start()
-            if not wait_training(cluster, mark, args.fault_timeout):
-                print(f"demo: no recovery from {fault} within {args.fault_timeout:.0f} s", flush=True)
-                rc = 1
-            time.sleep(1.5)
+        injections = run_faults(cluster, faults, args.fault_timeout)
+        rc = 0 if all(i.recovered for i in injections) else 1
         print("\n=== planned stop: save, commit, exit 0 ===", flush=True)
         cluster.ctl("stop", spec.run, "--reason", "demo finished")
         cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 60)
@@ -146,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         cluster.stop()
-    report = compute_goodput(read_events(cluster.event_log).events, run=spec.run)
+    events = read_events(cluster.event_log).events
+    print_recoveries(recoveries(events, injections))
+    report = compute_goodput(events, run=spec.run)
     print_goodput(report)
     left = leftover_processes(cluster.root)
     print(f"\ndemo finished in {time.time() - t0:.0f} s; processes left behind: {len(left)}")

@@ -193,6 +193,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             a.fences[run] = request.leader_fence
             a.attempts[run] = request.attempt
         a.clear_stop(run)
+        # An injected slowdown (chaos) belongs to the ranks it was injected into, not to the node:
+        # a new attempt starts at full speed.
+        a.slow_s.clear()
         a.follow_run(run)
         spec = LaunchSpec(
             run=run, attempt=request.attempt,

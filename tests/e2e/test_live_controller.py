@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -92,5 +93,5 @@ def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:  # ty
 
 def _standby_port(cluster: LocalCluster) -> int:
     proc = cluster.standbys["controller-b"]
-    args = open(f"/proc/{proc.pid}/cmdline", "rb").read().split(b"\0")
+    args = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
     return int(args[args.index(b"--api") + 1].decode().rsplit(":", 1)[1])
