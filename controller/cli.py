@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--etcd", help="etcd endpoints, comma-separated (overrides the file and env)")
     run.add_argument("--api", help="Controller API listen address (host:port)")
     run.add_argument("--identity", help="this replica's name in the election")
+    run.add_argument("--metrics", help="Prometheus /metrics address (host:port; '' = off)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -57,6 +58,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides["controller.api_address"] = args.api
     if args.identity:
         overrides["controller.identity"] = args.identity
+    if args.metrics is not None:
+        overrides["controller.metrics_address"] = args.metrics
     try:
         cfg = load_controller_config(args.config, overrides)
     except ConfigError as exc:
@@ -92,6 +95,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     server.start()
+    if run.metrics_address:
+        try:
+            _serve_metrics(run.metrics_address, shell.cfg.event_log_path, run.run)
+        except OSError as exc:
+            print(f"controller: cannot serve metrics on {run.metrics_address}: {exc.strerror}", file=sys.stderr)
+            server.stop(grace=None)
+            return 2
     logging.getLogger("controller").info("Controller API on port %d; identity %s", port, shell.cfg.identity)
     done = threading.Event()
 
@@ -109,6 +119,21 @@ def _run(args: argparse.Namespace) -> int:
     server.stop(grace=1.0)
     store.close()
     return 0
+
+
+def _serve_metrics(address: str, event_log: Any, run: str) -> None:
+    """Prometheus /metrics: the goodput report, computed from the event log at scrape time."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from controller.goodput import compute_goodput
+    from controller.goodput_metrics import register_goodput_metrics
+    from runwarden.eventlog import read_events
+
+    registry = CollectorRegistry()
+    register_goodput_metrics(registry, lambda: [compute_goodput(read_events(event_log).events, run=run)])
+    host, _, port = address.rpartition(":")
+    start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    logging.getLogger("controller").info("Prometheus metrics on %s", address)
 
 
 if __name__ == "__main__":

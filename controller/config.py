@@ -33,6 +33,7 @@ class RunSection:
     command: tuple[str, ...]
     run_dir: Path
     api_address: str = "127.0.0.1:7070"
+    metrics_address: str = ""            # "host:port" for Prometheus /metrics (goodput); "" = off
     identity: str = ""
     procs_per_node: int = 1
     election_ttl_s: float = 3.0

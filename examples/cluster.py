@@ -76,6 +76,7 @@ class LocalCluster:
         self.controller: subprocess.Popen[bytes] | None = None
         self.standbys: dict[str, subprocess.Popen[bytes]] = {}
         self.api_port = 0
+        self.metrics_port = 0
         self.nodes = [f"node{i + 1}" for i in range(self.spec.active + self.spec.spares)]
 
     # -- paths --------------------------------------------------------------------------------
@@ -171,11 +172,12 @@ class LocalCluster:
         log = (self.run_dir / f"{identity}.log").open("ab")
         self.standbys[identity] = subprocess.Popen(
             [*_bin("controller"), "run", "--config", str(self.run_dir / "controller.toml"), "--identity", identity,
-             "--api", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+             "--api", f"127.0.0.1:{port}", "--metrics", ""], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         return port
 
     def _controller_config(self) -> Path:
         assert self.etcd is not None
+        self.metrics_port = self.metrics_port or free_port()
         # torchrun runs the script with its own interpreter: the command starts at the script.
         command = [
             str(REPO / "examples" / "train.py"),
@@ -195,6 +197,7 @@ class LocalCluster:
                 "run": self.spec.run, "nodes": self.spec.active, "command": command,
                 "run_dir": str(self.run_dir), "api_address": self.controller_address,
                 "identity": "controller-a", "election_ttl_s": 3.0,
+                "metrics_address": f"127.0.0.1:{self.metrics_port}",
             },
             "controller.env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
             "policy": policy,

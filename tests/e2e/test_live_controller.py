@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -58,13 +59,18 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
     assert relaunch.attempt == 2 and relaunch.launch.rendezvous_id == "demo-2"
     committed = [e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < relaunch.seq]
     assert relaunch.launch.resume_step == (max(committed) if committed else -1)
+    # The controller exports the goodput report, computed from the same event log, to Prometheus.
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'runwarden_goodput_ratio{run="demo"}' in text
+    assert 'runwarden_goodput_failures{run="demo"} 1.0' in text
 
 
 def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
+    _wait_first_step(cluster)  # controller-a leads this attempt
     cluster.start_standby("controller-b")
-    _wait_first_step(cluster)
-    time.sleep(1)
+    time.sleep(2)
     before = len(_launches(cluster))
     assert cluster.controller is not None
     os.killpg(cluster.controller.pid, signal.SIGKILL)  # the leader dies mid-run
