@@ -5,7 +5,8 @@
 1. Idle agent RSS: a real `nodeagent` registered in a private etcd, idle for a few seconds;
    VmRSS from /proc, and whether any torch library is mapped (it must not be).
 2. Agent CPU at a 1 Hz progress interval with 8 real rank processes reporting 100 steps/s each
-   (default trainer flush interval): utime+stime of the agent over the window, % of one core.
+   (default trainer flush interval, 1 s; one unix datagram each): utime+stime of the agent over
+   the window, % of one core.
 3. Cost of one `ProgressReporter.report()` call in the rank, with its flusher thread talking to
    a live agent: median over batches of 1,000 calls.
 Each is repeated `--repeats` times (1 and 2 share agents); the medians are printed as markdown.

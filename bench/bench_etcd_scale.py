@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller import types as T
 from controller.core import Supervisor
 from controller.policy import RunPlan, SupervisorConfig
+from runwarden import store as store_module
 from runwarden.etcd_server import EtcdServer
 from runwarden.store import Store
 from runwarden.store_config import StoreConfig
@@ -306,7 +307,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2048)
     ap.add_argument("--procs", type=int, default=4, help="load-generator processes")
-    ap.add_argument("--threads", type=int, default=8, help="writer threads per load-generator process")
+    ap.add_argument("--threads", type=int, default=16, help="writer threads per load-generator process")
     ap.add_argument("--keepalive", choices=["stream", "store"], default="stream",
                     help="stream: one persistent keepalive stream per process (default); store: "
                          "Store.refresh_lease per lease from --refresh-threads threads (a stream per refresh)")

@@ -24,6 +24,7 @@ PROG = "controllerctl"
 # name -> (module, one-line help). Each module exposes add_parser(subparsers) and run(args) -> int.
 OPTIONAL_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attribute": ("controller.attribution_cli", "blame a rank/node from a flight-recorder dump directory"),
+    "certs": ("controller.certs_cli", "create a cluster CA and its server/admin/reader certificates"),
     "chaos": ("controller.chaos_cli", "inject faults into a test run"),
     "simulate": ("controller.sim.cli", "replay supervisor policies on a simulated fleet"),
 }

@@ -25,7 +25,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
 from nodeagent.sdnotify import Notifier, watchdog_interval_s
-from runwarden.v1 import common_pb2, store_pb2
+from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Agent:
         self.advertise = config.advertise
         self._closed = threading.Event()
         self._stop_watches: dict[str, Any] = {}
+        self.launched_at: dict[str, float] = {}
         self._ticker: threading.Thread | None = None
         self._state_changed = threading.Event()
 
@@ -156,12 +157,22 @@ class Agent:
                 self.clear_stop(run)
             return
         try:
-            reason = store_pb2.StopRequest.FromString(value).reason or "stop requested"
+            request = store_pb2.StopRequest.FromString(value)
+            reason = request.reason or "stop requested"
+            if 0 < request.requested_at < self.launched_at.get(run, 0.0):
+                return  # a stop for an earlier attempt, written before this node's current launch
         except Exception:
             reason = "stop requested (unreadable stop record)"
         if run not in self.stops:
             log.info("run %s: stop requested in etcd: %s", run, reason)
             self.set_stop(run, reason)
+
+    def report_progress(self, request: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
+        """A validated batch of rank reports (gRPC or datagram); the answer carries the stop flag."""
+        self.progress.record(request.run, request.attempt, request.reports)
+        self.follow_run(request.run)
+        slow = max((self.slow_s.get(r.local_rank, 0.0) for r in request.reports), default=0.0)
+        return agent_pb2.ReportProgressResponse(stop_requested=request.run in self.stops, slow_s=slow)
 
     def knows_run(self, run: str) -> bool:
         return run in self.progress.runs() or bool(self.launcher.workers(run)) or run in self.stops

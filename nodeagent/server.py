@@ -28,6 +28,7 @@ from nodeagent import validate as v
 from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
 from nodeagent.launcher import LaunchError, LaunchSpec
+from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @rpc
     def ReportProgress(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
         v.progress_request(request)
-        self.agent.progress.record(request.run, request.attempt, request.reports)
-        self.agent.follow_run(request.run)
-        local = {r.local_rank for r in request.reports}
-        slow = max((self.agent.slow_s.get(lr, 0.0) for lr in local), default=0.0)
-        return agent_pb2.ReportProgressResponse(stop_requested=request.run in self.agent.stops, slow_s=slow)
+        return self.agent.report_progress(request)
 
     @rpc
     def RequestStop(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.RequestStopResponse:
@@ -286,15 +283,25 @@ class AgentServer:
             Path(self.unix_socket).unlink(missing_ok=True)  # a stale socket of a dead agent
             if self.server.add_insecure_port(f"unix:{self.unix_socket}") == 0:
                 raise OSError(f"cannot listen on unix:{self.unix_socket}")
+        self.progress_dgram: ProgressDatagramServer | None = None
+        if self.unix_socket:
+            latency = agent.metrics.rpc_latency
+            self.progress_dgram = ProgressDatagramServer(
+                progress_socket_path(self.unix_socket), agent.report_progress,
+                lambda code, s: latency.labels(method="ReportProgressDatagram", code=code).observe(s))
 
     def start(self) -> None:
         self.server.start()
+        if self.progress_dgram is not None:
+            self.progress_dgram.start()
         if self.unix_socket:
             os.chmod(self.unix_socket, 0o660)
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if self.progress_dgram is not None:
+            self.progress_dgram.stop()
         self.health.enter_graceful_shutdown()
         done: threading.Event = self.server.stop(grace_s)
         done.wait(grace_s + 1)

@@ -11,7 +11,8 @@
             reporter.close(); sys.exit(0)
 
 `report()` only appends to a bounded deque; a background thread sends the newest report to the
-local agent over its unix socket every `flush_interval_s`. If the agent is gone the reports are
+local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_AGENT_SOCKET>.progress`,
+see nodeagent.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
 dropped and training goes on. torch is imported only by the checkpoint save/load functions.
 """
 
@@ -21,6 +22,7 @@ import contextlib
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections import deque
@@ -59,13 +61,14 @@ class ProgressReporter:
         agent_socket: str = "",
         stop_file: str = "",
         flush_interval_s: float = 1.0,
-        rpc_timeout_s: float = 2.0,
+        answer_timeout_s: float = 0.2,
     ) -> None:
         self.run, self.attempt, self.rank, self.local_rank, self.world_size = run, attempt, rank, local_rank, world_size
         self._stop_file = stop_file
         self._agent_socket = agent_socket
         self._flush_interval_s = flush_interval_s
-        self._rpc_timeout_s = rpc_timeout_s
+        self._answer_timeout_s = answer_timeout_s
+        self._sock: socket.socket | None = None
         self._pending: deque[_Report] = deque(maxlen=64)
         self._agent_stop = False
         self._slow_s = 0.0
@@ -147,11 +150,11 @@ class ProgressReporter:
     def close(self) -> None:
         self._closed.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._rpc_timeout_s + 1)
+            self._thread.join(timeout=self._flush_interval_s + self._answer_timeout_s + 1)
         with contextlib.suppress(Exception):
             self.flush()
-        if getattr(self, "_channel", None) is not None:
-            self._channel.close()
+        if self._sock is not None:
+            self._sock.close()
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(self._flush_interval_s):
@@ -161,13 +164,13 @@ class ProgressReporter:
                 log.debug("progress flush failed: %s", exc)
 
     def _send(self, item: _Report) -> bool:
-        import grpc
+        """One datagram to the agent's progress socket, then its answer (stop flag, slow-down)."""
+        from nodeagent.progress_socket import progress_socket_path
+        from runwarden.v1 import agent_pb2, common_pb2
 
-        from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
-
-        if getattr(self, "_stub", None) is None:
-            self._channel = grpc.insecure_channel(f"unix:{self._agent_socket}")
-            self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.bind("")  # an abstract auto-bound address, so the agent can answer
         step, step_time_s, compute_s, wait_s, in_ckpt, loss, at = item
         progress = common_pb2.RankProgress(
             rank=self.rank,
@@ -183,17 +186,33 @@ class ProgressReporter:
         )
         if loss is not None:
             progress.loss = loss
-        if self._committed is not None:
-            progress.committed_step = self._committed
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
+        self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:
-            response = self._stub.ReportProgress(request, timeout=self._rpc_timeout_s)
-        except grpc.RpcError as exc:
+            self._sock.sendto(request.SerializeToString(), progress_socket_path(self._agent_socket))
+        except OSError as exc:  # no agent (no socket file, or nobody reading it): drop, carry on
             log.debug("agent unreachable: %s", exc)
             return False
-        self._agent_stop = self._agent_stop or response.stop_requested
-        self._slow_s = max(0.0, min(response.slow_s, 3600.0))
+        self._read_answers(timeout_s=self._answer_timeout_s)
         return True
+
+    def _read_answers(self, timeout_s: float) -> None:
+        from runwarden.v1 import agent_pb2
+
+        assert self._sock is not None
+        self._sock.settimeout(max(0.0, timeout_s))  # 0: non-blocking
+        while True:
+            try:
+                data = self._sock.recv(4096)
+            except OSError:  # nothing (more) to read: timeout or would-block
+                return
+            try:
+                answer = agent_pb2.ReportProgressResponse.FromString(data)
+            except Exception:
+                continue
+            self._agent_stop = self._agent_stop or answer.stop_requested
+            self._slow_s = max(0.0, min(answer.slow_s, 3600.0))
+            self._sock.settimeout(0.0)  # one answer per send: take what else is queued, no waiting
 
 
 # --- checkpoints (torch imported here only) ----------------------------------------------------

@@ -28,6 +28,6 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   echo "setup: installing runwarden and its extras into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   # torch==2.13.0 exactly (the [torch] extra): that CPU build installs from local disk.
-  .venv/bin/python -m pip install -q -e ".[torch,plot,dev]"
+  .venv/bin/python -m pip install -q -e ".[torch,plot,kubernetes,dev]"
   touch "$stamp"
 fi

@@ -78,3 +78,25 @@ def test_stale_rank_keeps_its_timestamp_and_old_attempt_is_dropped(etcd, store, 
     assert value.attempt == 2
     assert [(r.rank, r.step) for r in value.ranks] == [(0, 10), (1, 12)]
     assert value.ranks[0].reported_at == pytest.approx(now - 30)  # stale, and visibly so
+
+
+def test_stop_key_in_etcd_reaches_the_ranks(etcd, store, agent_factory, tmp_path):
+    from runwarden.v1 import agent_pb2, common_pb2
+
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root)
+    reply = agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(
+        run="r1", attempt=1, reports=[common_pb2.RankProgress(rank=0, step=1)]))
+    assert not reply.stop_requested
+    store.put(store.keys.stop("r1"), store_pb2.StopRequest(run="r1", reason="preempted",
+                                                            requested_at=time.time()).SerializeToString())
+
+    def stopped():
+        return agent.stub.GetStopState(agent_pb2.GetStopStateRequest(run="r1")).stop_requested
+
+    wait_for(stopped, 5, "the stop key to reach the agent")
+    assert agent.stub.GetStopState(agent_pb2.GetStopStateRequest(run="r1")).reason == "preempted"
+    stop_file = agent.tmp / "run" / "runs" / "r1" / "stop"
+    assert stop_file.read_text().strip() == "preempted"  # what trainer.stop_requested() polls
+    store.delete(store.keys.stop("r1"))
+    wait_for(lambda: not stopped(), 5, "the withdrawn stop")
+    assert not stop_file.exists()

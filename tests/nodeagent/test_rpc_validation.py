@@ -110,3 +110,27 @@ def test_wrong_types_garbage_and_huge_messages(agent_factory):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert agent.proc.poll() is None
     assert agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5).node == "n1"
+
+
+def test_bad_progress_datagrams_are_dropped_and_good_ones_answered(agent_factory):
+    import socket
+
+    agent = agent_factory()
+    path = agent.socket + ".progress"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("")
+    sock.settimeout(0.3)
+    bad = [b"\xff\xff\xff", agent_pb2.ReportProgressRequest(run="r").SerializeToString(),
+           agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]).SerializeToString(), b"x" * 60_000]
+    for payload in bad:
+        sock.sendto(payload, path)
+        with pytest.raises(TimeoutError):
+            sock.recv(4096)  # dropped: no answer
+    good = agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(rank=3, step=9)])
+    sock.sendto(good.SerializeToString(), path)
+    sock.settimeout(5)
+    answer = agent_pb2.ReportProgressResponse.FromString(sock.recv(4096))
+    assert not answer.stop_requested
+    ranks = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+    assert [(r.rank, r.step) for r in ranks] == [(3, 9)]
+    sock.close()
