@@ -193,7 +193,7 @@ def summarize(results: list[FaultResult], wall_s: float) -> dict[str, object]:
         return round(n / d, 4) if d else float("nan")
 
     return {
-        "faults": len(results), "rank_faults": len(rank), "infra_faults": len(infra), "wall_s": round(wall_s),
+        "faults": len(results), "rank_faults": len(rank), "infra_faults": len(infra), "wall_s": round(wall_s) if wall_s == wall_s else None,
         "detection_rate": rate(sum(r.detected for r in rank), len(rank)),
         "attribution_correct": rate(sum(r.attributed for r in rank), len(rank)),
         "resumed_from_commit": rate(sum(r.resumed_from_commit for r in relaunched), len(relaunched)),
@@ -214,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for recovery per fault")
     p.add_argument("--out", type=Path, default=Path("bench/results/campaign"))
     p.add_argument("--workdir", type=Path, default=Path("/tmp/runwarden-campaign"))
+    p.add_argument("--summarize", action="store_true", help="only summarize <out>/faults.jsonl (e.g. a cut-short run)")
     args = p.parse_args(argv)
+    if args.summarize:
+        rows = [FaultResult(**json.loads(line)) for line in (args.out / "faults.jsonl").read_text().splitlines() if line]
+        summary = summarize(rows, float("nan"))
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary, indent=2))
+        return 0
     rng = random.Random(args.seed)
     plan = [rng.choice(FAULT_KINDS) for _ in range(args.faults)]
     args.out.mkdir(parents=True, exist_ok=True)

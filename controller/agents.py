@@ -11,6 +11,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -149,7 +150,7 @@ class AgentClients:
     ) -> tuple[RpcOutcome, agent_pb2.GetNodeStatusResponse | None]:
         return self._unary(node, "GetNodeStatus", agent_pb2.GetNodeStatusRequest(), timeout_s)
 
-    def _unary(self, node: str, method: str, request: object, timeout_s: float) -> tuple[RpcOutcome, object]:
+    def _unary(self, node: str, method: str, request: object, timeout_s: float) -> tuple[RpcOutcome, Any]:
         stub = self._stub(node)
         if stub is None:
             return RpcOutcome(node=node, ok=False, code="UNAVAILABLE", error="no address known"), None

@@ -441,14 +441,14 @@ class LiveController:
         return True
 
     def _persist(self, rec: t.NodeRecordView) -> None:
-        entry = store_pb2.PoolEntry(node=rec.node, state=rec.pool_state, reason=rec.reason,
+        entry = store_pb2.PoolEntry(node=rec.node, state=common_pb2.PoolState.ValueType(rec.pool_state), reason=rec.reason,
                                     burn_in_passes=rec.burn_in_passes, operator_hold=rec.operator_hold,
                                     since=self.clock(), run=self.cfg.run, evidence=list(rec.evidence[-16:]))
         rep = store_pb2.Reputation(node=rec.node, failures=len(rec.failure_times),
                                    failure_times=list(rec.failure_times[-32:]),
                                    straggler_flags=rec.straggler_flags,
                                    preflight_rejections=rec.preflight_rejections, updated_at=self.clock(),
-                                   evidence_kinds=list(rec.evidence_kinds[-32:]))
+                                   evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]])
         try:
             self.store.fenced_put(self.keys.pool(rec.node), entry.SerializeToString(), self.leadership)
             self.store.fenced_put(self.keys.reputation(rec.node), rep.SerializeToString(), self.leadership)

@@ -21,7 +21,14 @@ fi
 
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv 2>/dev/null; then
+    # Debian's own python3 ships venv/ensurepip separately.
+    rm -rf .venv
+    echo "setup: installing python3-venv from Debian"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+    "$PY" -m venv .venv
+  fi
 fi
 stamp=.venv/.runwarden-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then

@@ -6,6 +6,7 @@ an unbounded amount."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import resource
@@ -70,7 +71,7 @@ def test_xid_parser_random_bytes_and_prefixed_text(line: bytes | str) -> None:
 
 def test_xid_parser_huge_line_is_bounded() -> None:
     t0 = time.monotonic()
-    assert parse_xid_line("NVRM: Xid (PCI:0000:3b:00): " + "9" * (16 << 20)) is None or True
+    parse_xid_line("NVRM: Xid (PCI:0000:3b:00): " + "9" * (16 << 20))  # a huge number: no hang
     ev = parse_xid_line("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, " + "y" * (16 << 20))
     assert ev is not None and ev.xid == 79 and len(ev.raw) <= MAX_RAW_CHARS
     assert time.monotonic() - t0 < 10
@@ -110,10 +111,8 @@ def test_flight_recorder_loader_huge_and_nested_input_bounded() -> None:
     for data, limit in ((b"{" + b" " * (64 << 20), 1 << 20), (b'{"entries":' + b"[" * 500_000, 16 << 20),
                         (b"\x80\x04" + b"(" * 1_000_000, 16 << 20), (pickle.dumps([[]] * 2_000_000, 4), 1 << 20)):
         t0 = time.monotonic()
-        try:
+        with contextlib.suppress(FlightRecorderError):
             parse_dump(data, max_bytes=limit)
-        except FlightRecorderError:
-            pass
         assert time.monotonic() - t0 < 10
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     assert grown_mib < 600, f"parsing grew the peak RSS by {grown_mib:.0f} MiB"

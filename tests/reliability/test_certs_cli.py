@@ -94,3 +94,35 @@ def test_controller_roles_from_cli_certificates(live_tls: LiveController, pki: P
     assert live_tls.store.get(live_tls.store.keys.stop(RUN)) is None
     out = capsys.readouterr()
     assert "PRIVATE KEY" not in out.out + out.err
+
+
+def test_agent_with_cli_certificates_refuses_foreign_and_missing_client_certs(agent_factory, pki: Path,  # type: ignore[no-untyped-def]
+                                                                              tmp_path: Path, free_port: int) -> None:
+    import grpc
+
+    from runwarden.v1 import agent_pb2, agent_pb2_grpc
+
+    assert _certs("issue", str(pki), "agent", "--role", "server", "--host", "127.0.0.1") == 0
+    other = tmp_path / "other-pki"
+    assert _certs("init", str(other)) == 0
+    assert _certs("issue", str(other), "mallory", "--role", "admin") == 0
+    agent_factory(flags=["--listen", f"127.0.0.1:{free_port}", "--tls-cert", str(pki / "agent.pem"),
+                         "--tls-key", str(pki / "agent.key"), "--tls-client-ca", str(pki / "ca.pem")])
+
+    def stub(ca: Path, who: Path | None) -> agent_pb2_grpc.NodeAgentStub:
+        creds = grpc.ssl_channel_credentials(
+            (ca / "ca.pem").read_bytes(), (who.with_suffix(".key")).read_bytes() if who else None,
+            who.read_bytes() if who else None)
+        return agent_pb2_grpc.NodeAgentStub(grpc.secure_channel(f"127.0.0.1:{free_port}", creds))
+
+    good = stub(pki, pki / "controller.pem")
+    assert good.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=10).node == "n1"
+    for caller in (stub(pki, other / "mallory.pem"), stub(pki, None)):
+        for call, req in ((caller.LaunchWorkers, agent_pb2.LaunchWorkersRequest(run="r", argv=["/bin/true"])),
+                          (caller.StopWorkers, agent_pb2.StopWorkersRequest(run="r")),
+                          (caller.RunPreflight, agent_pb2.RunPreflightRequest(mode="quick"))):
+            with pytest.raises(grpc.RpcError) as err:
+                reply = call(req, timeout=10)
+                list(reply) if not hasattr(reply, "ListFields") else None
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake itself fails
+    assert good.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=10).node == "n1"

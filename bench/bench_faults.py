@@ -1,0 +1,124 @@
+"""Fault recovery on this machine, with the real system: time to detect, time to the first new step,
+and the restart breakdown, per fault kind, median over trials.
+
+    .venv/bin/python bench/bench_faults.py --trials 5 --out bench/results/bench_faults.json
+    .venv/bin/python bench/bench_faults.py --faults node-lost,hang --trials 20 --per-run 10 \
+        --out bench/results/bench_detection.json
+
+Each run is `examples/cluster.LocalCluster` (private etcd, 6 agents, controller, torchrun + gloo on
+CPU) with the demo's fault injection (`controllerctl chaos`). `--per-run K` injects K rounds of the
+fault list into one cluster before starting a fresh one. Phases are read from the event log:
+detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
+preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
+first step (-> FIRST_STEP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.cluster import ClusterSpec, LocalCluster
+from examples.demo import FAULTS, Injection, run_faults
+from runwarden.v1 import events_pb2
+
+E = events_pb2
+PHASES = ("detect", "attribute", "replace", "preflight", "launch", "load", "first_step")
+
+
+def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict[str, float] | None:
+    window = [e for e in events if inj.after_seq < e.seq <= end_seq]
+    launch = next((e for e in window if e.kind == E.EVENT_KIND_LAUNCH), None)
+    detect = next((e for e in window if e.kind == E.EVENT_KIND_DETECTION), None)
+    first = next((e for e in window if e.kind == E.EVENT_KIND_FIRST_STEP and launch and e.seq > launch.seq), None)
+    if launch is None or detect is None or first is None:
+        return None
+    before = [e for e in window if e.seq < launch.seq]
+
+    def last(*kinds: int) -> events_pb2.Event | None:
+        return next((e for e in reversed(before) if e.kind in kinds), None)
+
+    marks: list[tuple[str, float | None]] = [
+        ("detect", detect.ts),
+        ("attribute", next((e.ts for e in before if e.kind == E.EVENT_KIND_ATTRIBUTION), None)),
+        ("replace", (ev.ts if (ev := last(E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_SPARE_TAKEN)) else None)),
+        ("preflight", (ev.ts if (ev := last(E.EVENT_KIND_PREFLIGHT_RESULT)) else None)),
+        ("launch", launch.ts),
+        ("load", next((e.ts for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None)),
+        ("first_step", first.ts),
+    ]
+    out: dict[str, float] = {}
+    prev = inj.at
+    for name, ts in marks:
+        if ts is None or ts < prev:
+            out[name] = 0.0
+            continue
+        out[name] = ts - prev
+        prev = ts
+    out["time_to_detect"] = detect.ts - inj.at
+    out["time_to_first_step"] = first.ts - inj.at
+    out["first_step_after_detection"] = first.ts - detect.ts
+    return out
+
+
+def one_run(faults: list[str], rounds: int, timeout_s: float) -> list[tuple[str, dict[str, float] | None]]:
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
+        cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy={"kill_stragglers_mid_run": True}))
+        try:
+            cluster.start()
+            if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
+                raise SystemExit("the run did not start")
+            time.sleep(1)
+            injections = run_faults(cluster, faults * rounds, timeout_s)
+        finally:
+            cluster.stop()
+        events = cluster.events()
+    ends = [i.after_seq for i in injections[1:]] + [10**12]
+    return [(i.fault, phases(events, i, end) if i.recovered else None) for i, end in zip(injections, ends, strict=True)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--trials", type=int, default=5, help="trials per fault kind")
+    p.add_argument("--per-run", type=int, default=1, help="rounds of the fault list per cluster")
+    p.add_argument("--timeout", type=float, default=90.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    faults = [f for f in args.faults.split(",") if f]
+    samples: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
+    failures: dict[str, int] = dict.fromkeys(faults, 0)
+    t0 = time.time()
+    while min(len(v) + failures[k] for k, v in samples.items()) < args.trials:
+        for fault, ph in one_run(faults, args.per_run, args.timeout):
+            if ph is None:
+                failures[fault] += 1
+            else:
+                samples[fault].append(ph)
+    result: dict[str, object] = {"wall_s": time.time() - t0, "faults": {}}
+    print(f"{'fault':<10} {'n':>3} {'detect':>7} {'p99':>6} {'1st step':>8} " + " ".join(f"{ph:>10}" for ph in PHASES))
+    for fault, rows in samples.items():
+        if not rows:
+            continue
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        det = sorted(r["time_to_detect"] for r in rows)
+        p99 = det[min(len(det) - 1, round(0.99 * (len(det) - 1)))]
+        result["faults"][fault] = {"n": len(rows), "unrecovered": failures[fault], "median": med,  # type: ignore[index]
+                                   "detect_p99": p99, "samples": rows}
+        print(f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
+              + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
