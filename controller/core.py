@@ -748,7 +748,9 @@ class Supervisor:
         if not live:
             self._decide()
             return
-        grace = self.cfg.stop_grace_s
+        # A planned stop lets the trainer finish its step, save and commit: as long as the longest
+        # legitimate barrier (a synchronous save), not the short grace a failed attempt gets.
+        grace = max(self.cfg.stop_grace_s, self.cfg.checkpoint_barrier_s) if f.planned else self.cfg.stop_grace_s
         self._deadline = self._now + grace + self.cfg.stop_margin_s
         self._out.append(StopAttempt(attempt=self.attempt, nodes=tuple(live), grace_s=grace, planned=f.planned,
                                      reason=f.reason))

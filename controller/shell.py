@@ -530,7 +530,7 @@ class LiveController:
     def _stop_node(self, node: str, action: t.StopAttempt) -> None:
         if action.planned:
             self.agents.request_stop(node, self.cfg.run, action.reason)
-            deadline = time.monotonic() + action.grace_s
+            deadline = time.monotonic() + action.grace_s  # ends as soon as the exit is seen
             while time.monotonic() < deadline and (node, action.attempt) not in self._exited:
                 time.sleep(0.2)
         self.agents.stop(node, self.cfg.run, action.attempt, grace_s=2.0 if action.planned else action.grace_s)

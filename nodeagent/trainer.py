@@ -186,6 +186,8 @@ class ProgressReporter:
         )
         if loss is not None:
             progress.loss = loss
+        if self._committed is not None:
+            progress.committed_step = self._committed
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:

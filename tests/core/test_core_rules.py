@@ -372,7 +372,9 @@ def test_stop_request_stops_gracefully_and_relaunches_without_quarantine_or_budg
     d.steps(1, 10)
     out = d.send(StopRequested(reason="time limit", requested_by="slurm"))
     stop = d.of(StopAttempt, out)[0]
-    assert stop.planned and stop.grace_s == 5.0 and not d.of(CollectDumps, out)
+    # A planned stop gets the save barrier's time (checkpoint_barrier_s), not the failure grace.
+    assert stop.planned and stop.grace_s == max(d.cfg.stop_grace_s, d.cfg.checkpoint_barrier_s)
+    assert stop.grace_s > d.cfg.stop_grace_s and not d.of(CollectDumps, out)
     d.send(CheckpointCommitted(step=10))
     out = d.exit_all(code=0)
     assert not d.of(Quarantine) and not d.events(E.EVENT_KIND_DETECTION)

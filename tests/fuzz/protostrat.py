@@ -42,7 +42,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
         return _TEXT
     if t == F.TYPE_BYTES:
         return st.binary(max_size=64)
-    if t == F.TYPE_ENUM:  # open enums: unknown numbers are legal on the wire
+    if t == F.TYPE_ENUM and field.enum_type is not None:  # open enums: unknown numbers are legal on the wire
         return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), st.integers(-5, 1000))
     raise AssertionError(f"unhandled field type {t}")
 
@@ -64,7 +64,7 @@ def message_dicts(desc: Descriptor, depth: int = 2) -> st.SearchStrategy[dict[st
         else:
             one = _scalar(field)
         is_repeated = getattr(field, "is_repeated", None)
-        repeated = is_repeated if is_repeated is not None else field.label == F.LABEL_REPEATED
+        repeated = is_repeated if is_repeated is not None else getattr(field, "label", 0) == F.LABEL_REPEATED
         fields[field.name] = st.lists(one, max_size=4) if repeated else one
     return st.fixed_dictionaries({}, optional=fields)
 
