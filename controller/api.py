@@ -17,7 +17,6 @@ Rules:
 from __future__ import annotations
 
 import enum
-import ipaddress
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from controller.goodput import compute_goodput
 from runwarden.eventlog import decode_line, read_events
 from runwarden.keys import validate_name
+from runwarden.net import is_loopback_address
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
@@ -416,16 +416,6 @@ class ServerTLS:
         )
 
 
-def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def build_server(
     view: ControllerView,
     address: str,
@@ -439,7 +429,7 @@ def build_server(
 
     Returns the server and the bound port. Plaintext is refused on a non-loopback address.
     """
-    if tls is None and not _is_loopback(address):
+    if tls is None and not is_loopback_address(address):
         raise ValueError(f"refusing to serve the Controller API in plaintext on {address}: configure TLS")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="controller-api")

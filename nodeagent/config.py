@@ -33,7 +33,6 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import socket
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from runwarden.config import ConfigError, load_section, read_toml, require_positive
+from runwarden.net import is_loopback
 
 ENV_PREFIX = "RUNWARDEN_AGENT_"
 KERNEL_LOG_SOURCES = ("auto", "kmsg", "journalctl", "dmesg", "none")
@@ -134,15 +134,6 @@ def split_host_port(value: str, where: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{where}: expected host:port, got {value!r}")
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def env_mapping(environ: Mapping[str, str]) -> dict[str, Any]:
