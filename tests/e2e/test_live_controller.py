@@ -7,6 +7,7 @@ launch (attempt fencing).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -37,7 +38,9 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
     _wait_first_step(cluster)
     time.sleep(2)
-    victim = _launches(cluster)[-1].launch.nodes[0]
+    first = _launches(cluster)[-1].launch.nodes
+    victim = first[0]
+    (spare_node,) = set(cluster.nodes) - set(first)  # the one node the first attempt left as a spare
     mark = cluster.events()[-1].seq
     killed_at = time.time()
     cluster.kill_agent_process(victim)  # SIGKILL: the lease is not revoked, it expires
@@ -54,11 +57,20 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
     blame = next(e for e in after if e.kind == E.EVENT_KIND_ATTRIBUTION)
     assert blame.attribution.suspects and blame.attribution.suspects[0].node == victim
     spare = next(e for e in after if e.kind == E.EVENT_KIND_SPARE_TAKEN)
-    assert spare.spare.replaces == victim and spare.spare.node == "node3"
-    assert victim not in relaunch.launch.nodes and "node3" in relaunch.launch.nodes
+    assert spare.spare.replaces == victim and spare.spare.node == spare_node
+    assert victim not in relaunch.launch.nodes and spare_node in relaunch.launch.nodes
     assert relaunch.attempt == 2 and relaunch.launch.rendezvous_id == "demo-2"
     committed = [e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < relaunch.seq]
     assert relaunch.launch.resume_step == (max(committed) if committed else -1)
+    # What an operator sees: controllerctl against this live controller (tables and --json).
+    status = json.loads(cluster.ctl("status", "--json").stdout)["runs"][0]
+    assert int(status["attempt"]) == 2 and victim not in status["nodes"]
+    nodes = {n["node"]: n for n in json.loads(cluster.ctl("nodes", "--json").stdout)["nodes"]}
+    assert nodes[victim].get("alive", False) is False and nodes[spare_node]["alive"] is True
+    table = cluster.ctl("nodes")
+    assert table.returncode == 0 and victim in table.stdout and spare_node in table.stdout
+    events = cluster.ctl("events", "--kind", "detection", "--json")
+    assert events.returncode == 0 and "DETECTOR_NODE_LOST" in events.stdout
     # The controller exports the goodput report, computed from the same event log, to Prometheus.
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
