@@ -69,8 +69,13 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
 
 
 def one_run(faults: list[str], rounds: int, timeout_s: float) -> list[tuple[str, dict[str, float] | None]]:
+    policy: dict[str, object] = {"kill_stragglers_mid_run": True}
+    if rounds > 1:
+        # Many faults on six nodes: without this the "failed twice in a week stays out" rule holds
+        # every node after a few rounds and the pool runs dry (correctly, but it ends the trials).
+        policy["hold_after_failures"] = 1000
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy={"kill_stragglers_mid_run": True}))
+        cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy))
         try:
             cluster.start()
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:

@@ -20,6 +20,7 @@ import enum
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
@@ -173,11 +174,16 @@ def _matches(ev: events_pb2.Event, run: str, kinds: frozenset[int]) -> bool:
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(
-        self, view: ControllerView, policy: AccessPolicy | None = None, *, poll_s: float = WATCH_POLL_S
+        self, view: ControllerView, policy: AccessPolicy | None = None, *, poll_s: float = WATCH_POLL_S,
+        max_watches: int = 8,
     ) -> None:
         self._view = view
         self._policy = policy or AccessPolicy()
         self._poll_s = poll_s
+        # Each WatchEvents stream holds a server thread while it follows the log: cap them below the
+        # pool size so followers can never starve status calls (extras get RESOURCE_EXHAUSTED).
+        self._max_watches = max_watches
+        self._watches = threading.BoundedSemaphore(max_watches)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -271,14 +277,20 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return (_name(request.run, "run") if request.run else ""), _kinds(request.kinds)
 
         run, kinds = self._call(context, check)
-        for ev in follow_events(
-            self._view.event_log_path,
-            after_seq=request.after_seq,
-            active=context.is_active,
-            poll_s=self._poll_s,
-        ):
-            if _matches(ev, run, kinds):
-                yield controller_pb2.WatchEventsResponse(event=ev)
+        if not self._watches.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self._max_watches} event streams are open already; try again later")
+        try:
+            for ev in follow_events(
+                self._view.event_log_path,
+                after_seq=request.after_seq,
+                active=context.is_active,
+                poll_s=self._poll_s,
+            ):
+                if _matches(ev, run, kinds):
+                    yield controller_pb2.WatchEventsResponse(event=ev)
+        finally:
+            self._watches.release()
 
     def GetGoodput(
         self, request: controller_pb2.GetGoodputRequest, context: grpc.ServicerContext
@@ -435,7 +447,7 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="controller-api")
     )
     controller_pb2_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(view, policy, poll_s=poll_s), server
+        ControllerServicer(view, policy, poll_s=poll_s, max_watches=max(1, max_workers // 2)), server
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

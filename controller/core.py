@@ -64,6 +64,7 @@ from controller.types import (
     AttemptExited,
     AttributionLike,
     CheckpointCommitted,
+    CheckpointFailed,
     CollectDumps,
     ControlPlaneLost,
     ControlPlaneRestored,
@@ -159,7 +160,7 @@ class Failure:
 
 _POOL: dict[type, str] = {
     NodeJoined: "_on_joined", NodeLost: "_on_lost", EvidenceObserved: "_on_evidence",
-    PreflightResult: "_on_preflight", CheckpointCommitted: "_on_checkpoint",
+    PreflightResult: "_on_preflight", CheckpointCommitted: "_on_checkpoint", CheckpointFailed: "_on_checkpoint_failed",
     OperatorQuarantine: "_on_operator_quarantine", OperatorRelease: "_on_operator_release",
     Snapshot: "_on_snapshot", Tick: "_on_tick",
 }
@@ -391,6 +392,13 @@ class Supervisor:
         self.latest_committed = max(self.latest_committed, ev.step)
         self._log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
                   checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
+
+    def _on_checkpoint_failed(self, ev: CheckpointFailed) -> None:
+        where = f" on {ev.node}" if ev.node else ""
+        self._log(E.EVENT_KIND_CHECKPOINT_FAILED,
+                  f"checkpoint at step {ev.step} failed{where}: {ev.error}; no commit marker, the latest "
+                  f"committed step stays {self.latest_committed}", step=ev.step,
+                  checkpoint=E.CheckpointDetail(error=ev.error))
 
     def _on_operator_quarantine(self, ev: OperatorQuarantine) -> None:
         reason = f"operator: {ev.reason}"

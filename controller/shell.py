@@ -63,6 +63,10 @@ class ShellConfig:
         return self.run_dir / "events.jsonl"
 
 
+# After a takeover, launch RPCs the dead leader had in flight may still land for this long.
+ADOPT_GRACE_S = 2.0
+
+
 class _Relist:
     """Marker on the queue: the view has a gap; list the store and send a Snapshot."""
 
@@ -127,6 +131,8 @@ class LiveController:
         self._exited: set[tuple[str, int]] = set()
         self._rank_to_node: dict[int, str] = {}
         self._committed_seen = -1
+        self._adopted: tuple[int, float] | None = None
+        self._ckpt_failures: set[tuple[int, int]] = set()
         self.listeners: list[Callable[[events_pb2.Event], None]] = []
         self.is_leader = threading.Event()
         self.status: controller_pb2.RunStatus | None = None
@@ -176,6 +182,9 @@ class LiveController:
         self.timers.clear()
         self._write_spec()
         revision = self._relist()
+        # An attempt found in the store was launched by an earlier leader; it may never have reached
+        # the agents (that leader died between the record and the RPCs). The exit poller checks it.
+        self._adopted = (self._attempt, time.monotonic()) if self._attempt else None
         self._start_watches(revision + 1)
         self.is_leader.set()
         threading.Thread(target=self._poll_exits, name="exit-poller", daemon=True).start()
@@ -381,6 +390,10 @@ class LiveController:
                 raise ValueError("not a NodeProgress")
             for r in prog.ranks:
                 self._rank_to_node[r.rank] = prog.node
+                if r.checkpoint_error and (prog.attempt, r.step) not in self._ckpt_failures:
+                    self._ckpt_failures.add((prog.attempt, r.step))
+                    self.events.put(t.CheckpointFailed(step=r.step, error=r.checkpoint_error, node=prog.node,
+                                                       attempt=prog.attempt))
                 if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self._committed_seen:
                     self._committed_seen = r.committed_step
                     self.events.put(t.CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
@@ -580,6 +593,12 @@ class LiveController:
                 out, resp = self.agents.status(node, timeout_s=2.0)
                 if not out.ok or resp is None:
                     continue
+                if self._never_started_here(resp, attempt):
+                    self._exited.add((node, attempt))
+                    self.events.put(t.AttemptExited(
+                        node=node, attempt=attempt, detail="no worker of this attempt on the node: adopted at "
+                        "takeover, but the previous leader's launch never reached it"))
+                    continue
                 for w in resp.workers:
                     if w.run == self.cfg.run and w.attempt == attempt and not w.running and w.HasField("exit"):
                         self._exited.add((node, attempt))
@@ -588,6 +607,12 @@ class LiveController:
                         self.events.put(t.AttemptExited(node=node, attempt=attempt, exit_code=code, signal=sig,
                                                         ended_at=w.exit.ended_at or None, detail=w.exit.detail))
             time.sleep(self.cfg.exit_poll_s)
+
+    def _never_started_here(self, resp: agent_pb2.GetNodeStatusResponse, attempt: int) -> bool:
+        adopted = self._adopted
+        if adopted is None or adopted[0] != attempt or time.monotonic() - adopted[1] < ADOPT_GRACE_S:
+            return False
+        return not any(w.run == self.cfg.run and w.attempt == attempt for w in resp.workers)
 
     # -- operator requests (from the API; they go through the core like everything else) -----
 

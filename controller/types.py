@@ -187,6 +187,16 @@ class CheckpointCommitted:
             raise ValueError(f"CheckpointCommitted.step: must be >= 0, got {self.step}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFailed:
+    """A rank reported that saving checkpoint `step` failed: no commit marker, not a resume point."""
+
+    step: int
+    error: str
+    node: str = ""
+    attempt: int = 0
+
+
 class SuspectLike(Protocol):
     """What the core reads from one suspect (controller.attribution may return its own type)."""
 

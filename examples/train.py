@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nodeagent import trainer
+from nodeagent.checkpoint import CheckpointError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,8 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         done = step + 1
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
-            commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
-                                             data_state={"next_step": done}, rank=rank, world_size=world)
+            try:
+                commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
+                                                 data_state={"next_step": done}, rank=rank, world_size=world)
+            except (OSError, CheckpointError) as exc:
+                # No marker was written: the supervisor resumes from the previous commit. Say why, then
+                # fail this attempt (the other ranks would wait in the save's barrier).
+                reporter.checkpoint_failed(done, f"{type(exc).__name__}: {exc}")
+                print(f"rank {rank}: checkpoint {done} failed: {exc}", file=sys.stderr, flush=True)
+                reporter.close()
+                return 1
             if commit is not None:
                 reporter.set_committed(done)
             reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, loss=loss.item())

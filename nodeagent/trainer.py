@@ -73,6 +73,7 @@ class ProgressReporter:
         self._agent_stop = False
         self._slow_s = 0.0
         self._committed: int | None = None
+        self._ckpt_error: tuple[int, str] | None = None
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -123,6 +124,13 @@ class ProgressReporter:
         step it loaded); the agent carries it in the node's progress and the controller records the
         commit. Only a committed step is ever a resume point."""
         self._committed = int(step)
+
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        """Tell the supervisor that saving checkpoint `step` failed (no marker was written) and why;
+        sent at once, so the reason is in the event log before this rank exits."""
+        self._ckpt_error = (int(step), str(error)[:500])
+        self._pending.append((int(step), 0.0, 0.0, 0.0, True, None, time.time()))
+        self.flush()
 
     def stop_requested(self) -> bool:
         """True once the agent asked this run to stop, or the stop file exists. Poll once per step."""
@@ -188,6 +196,8 @@ class ProgressReporter:
             progress.loss = loss
         if self._committed is not None:
             progress.committed_step = self._committed
+        if self._ckpt_error is not None:
+            progress.step, progress.checkpoint_error = self._ckpt_error
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:

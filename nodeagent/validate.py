@@ -66,6 +66,10 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
             seconds(getattr(r, name), f"{where}.{name}")
         if r.HasField("loss") and not math.isfinite(r.loss):
             r.ClearField("loss")  # a NaN loss is the trainer's news, not a bad request
+        if len(r.checkpoint_error) > 1024:
+            raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
+        if r.HasField("committed_step"):
+            integer(r.committed_step, f"{where}.committed_step", low=0, high=MAX_STEP)
         if r.reported_at == 0:
             r.reported_at = now
         seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)

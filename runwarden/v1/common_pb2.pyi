@@ -371,6 +371,7 @@ class RankProgress(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -389,6 +390,8 @@ class RankProgress(_message.Message):
     """The newest checkpoint step whose commit marker this rank has seen written (-1: none).
     Global rank 0 reports it after committing; its agent records the commit in etcd.
     """
+    checkpoint_error: _builtins.str
+    """Set when this rank's save of checkpoint `step` failed: why (no commit marker was written)."""
     def __init__(
         self,
         *,
@@ -404,10 +407,11 @@ class RankProgress(_message.Message):
         loss: _builtins.float | None = ...,
         world_size: _builtins.int = ...,
         committed_step: _builtins.int | None = ...,
+        checkpoint_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "committed_step", b"committed_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015

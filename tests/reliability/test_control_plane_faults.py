@@ -107,6 +107,9 @@ def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
     assert_log_whole(cluster)
 
 
+# If the leader dies after logging LAUNCH but before its LaunchWorkers RPCs reach the agents, the
+# standby adopts attempt N from the attempt record; its exit poller then finds no worker of that
+# attempt on the agents and reports it ended, so the core relaunches under N+1 (never N twice).
 def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = _start(make_cluster)
     cluster.start_standby("controller-b")
@@ -122,8 +125,9 @@ def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) 
     took_over = cluster.wait_for_event(E.EVENT_KIND_CONTROL_PLANE, mark, 30, pred=lambda e: e.ts > killed_at)
     assert took_over is not None, tail(cluster, "controller-b.log")
     assert took_over.ts - killed_at <= 3.0 + 2.0, "the standby took over after more than election TTL + 2 s"
-    first = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, 120)
-    assert first is not None, tail(cluster, "controller-b.log")
+    # Training goes on: the standby either adopted the relaunched attempt (no new FIRST_STEP: it did
+    # not launch it) or launched it itself; either way checkpoints commit after the takeover.
+    assert wait_commit_after(cluster, took_over.ts + 1.0, 60) is not None, tail(cluster, "controller-b.log")
     time.sleep(3)
     launches = [e for e in since(cluster, mark) if e.kind == E.EVENT_KIND_LAUNCH]
     # exactly one relaunch for the one crash: adopted by the standby, or redone under a new attempt
