@@ -1,6 +1,6 @@
 """Goodput from the event log: one pure function, used by the CLI, the API, the demo and the simulator.
 
-Definitions (docs/goodput.md has the long form and the comparison with ml-goodput-measurement):
+Definitions (the README's "Goodput" section has the long form and the comparison with ml-goodput-measurement):
 
 * **Allocated** time is the run's wall-clock time, from RUN_START (or its first event) to RUN_END
   (or the end of the window). Each instant of it is given exactly one label, so

@@ -1,6 +1,6 @@
 """The scenario file: a fleet, its failure processes, its restart costs and the policies to compare.
 
-One TOML file, every key documented in docs/simulator.md. Unknown keys are errors (a typo must not
+One TOML file, every key documented in the README, "The fleet simulator". Unknown keys are errors (a typo must not
 silently fall back to a default). Durations are seconds unless the key says otherwise
 (`duration_days`, `over_days`, `repair_hours`, `node_mtbf_hours`).
 
