@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", help="scenario TOML file (the README, "The fleet simulator")")
+    p.add_argument("scenario", help="scenario TOML file (format: the README's 'The fleet simulator')")
     p.add_argument("--seeds", type=int, default=5, help="seeds (failure draws) per policy (default 5)")
     p.add_argument("--seed-base", type=int, default=1, help="first seed (default 1)")
     p.add_argument("--policy", action="append", default=None,
