@@ -107,7 +107,13 @@ def main() -> int:
                 failures[fault] += 1
             else:
                 samples[fault].append(ph)
-    result: dict[str, object] = {"wall_s": time.time() - t0, "faults": {}}
+        report(samples, failures, time.time() - t0, args.out)  # after every cluster: a cut-off run keeps its data
+    return 0
+
+
+def report(samples: dict[str, list[dict[str, float]]], failures: dict[str, int], wall_s: float,
+           out: Path | None) -> None:
+    result: dict[str, object] = {"wall_s": wall_s, "faults": {}}
     print(f"{'fault':<10} {'n':>3} {'detect':>7} {'p99':>6} {'1st step':>8} " + " ".join(f"{ph:>10}" for ph in PHASES))
     for fault, rows in samples.items():
         if not rows:
@@ -118,11 +124,10 @@ def main() -> int:
         result["faults"][fault] = {"n": len(rows), "unrecovered": failures[fault], "median": med,  # type: ignore[index]
                                    "detect_p99": p99, "samples": rows}
         print(f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
-              + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    return 0
+              + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES), flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
