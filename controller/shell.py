@@ -584,7 +584,12 @@ class LiveController:
                                          missing_nodes=tuple(missing)))
 
     def _poll_exits(self) -> None:
-        """Worker exits, as the agents report them (the local backend's `status`)."""
+        """Worker exits, as the agents report them: the local backend's `status()`.
+
+        This is a poll, like the Slurm backend's `status()` polls the scheduler: only the nodes of
+        the current attempt are asked, every `exit_poll_s`. A node that dies is not found this way
+        but by its lease DELETE on the watch. (An agent-written exit key under the run, watched like
+        progress, would remove the poll; not built yet.)"""
         while self.is_leader.is_set() and not self.stopping.is_set():
             attempt = self._attempt
             for node in list(self._attempt_nodes):

@@ -399,37 +399,3 @@ class AttemptRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttemptRecord: _TypeAlias = AttemptRecord  # noqa: Y015
-
-@_typing.final
-class ExitRecord(_message.Message):
-    """<root>/v1/runs/<run>/exits/<node>: written by the agent when its worker group for an attempt ends."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    RUN_FIELD_NUMBER: _builtins.int
-    NODE_FIELD_NUMBER: _builtins.int
-    ATTEMPT_FIELD_NUMBER: _builtins.int
-    STATUS_FIELD_NUMBER: _builtins.int
-    PID_FIELD_NUMBER: _builtins.int
-    run: _builtins.str
-    node: _builtins.str
-    attempt: _builtins.int
-    pid: _builtins.int
-    @_builtins.property
-    def status(self) -> _common_pb2.ExitStatus: ...
-    def __init__(
-        self,
-        *,
-        run: _builtins.str = ...,
-        node: _builtins.str = ...,
-        attempt: _builtins.int = ...,
-        status: _common_pb2.ExitStatus | None = ...,
-        pid: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "node", b"node", "pid", b"pid", "run", b"run", "status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ExitRecord: _TypeAlias = ExitRecord  # noqa: Y015
