@@ -374,12 +374,17 @@ class LiveController:
             node = key[len(k.nodes_prefix()):]
             if deleted:
                 self._known_nodes.pop(node, None)
+                self.agents.forget(node)
                 return t.NodeLost(node=node)
             rec = _parse(store_pb2.NodeRecord, item.value)
             if rec is None:
                 raise ValueError("not a NodeRecord")
             fresh = node not in self._known_nodes
             self._known_nodes[node] = rec
+            if fresh:
+                # A re-registered agent gets a new channel: the old one may sit in gRPC's reconnect
+                # backoff after the agent died and fail the next RPC (its burn-in) at once.
+                self.agents.forget(node)
             self.agents.set_address(node, rec.address)
             return t.NodeJoined(node=node, local_ranks=max(1, rec.local_ranks or 1)) if fresh else None
         if key.startswith(k.progress_prefix(self.cfg.run)):
