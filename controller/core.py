@@ -43,7 +43,10 @@ Events and actions are in controller/types.py, with the order in which a batch m
 Answer `RunPreflight` with one `PreflightResult` per node, `CollectDumps` with `DumpsCollected`,
 `StopAttempt` with the nodes' `AttemptExited` (or their `NodeLost`), `AllocateFromQueue` with the
 new nodes' `NodeJoined`, and `SetTimer` with a `Tick` at (or after) its time. Progress is one
-`ProgressObserved` per node per interval; nothing needs to be sent per rank per step.
+`ProgressObserved` per node per interval; nothing needs to be sent per rank per step. A rank's
+`step` counts steps completed (N right after loading checkpoint N); a node whose ranks all carry
+`loaded_step` but have not stepped past the resume point is a load mark, not progress: when every
+node of the attempt has one, the core logs LOAD_DONE (the restart's load phase ends there).
 """
 
 from __future__ import annotations
@@ -225,6 +228,8 @@ class Supervisor:
         self._ckpt_nodes: set[str] = set()
         self._step_times: deque[float] = deque(maxlen=64)
         self._first_step_logged = False
+        self._loaded_nodes: set[str] = set()  # nodes whose ranks all reported their load finished
+        self._load_logged = False
         self._loads: dict[int, tuple[str, float, float]] = {}  # rank -> (node, ewma compute, ewma wait)
         self._straggler_hist: deque[tuple[float, int | None]] = deque(maxlen=config.straggler_window)
         self._straggler_nodes: set[str] = set()  # flagged: quarantine at the next restart
@@ -576,6 +581,8 @@ class Supervisor:
         self._node_seen_at = {}
         self._ckpt_nodes = set()
         self._first_step_logged = False
+        self._loaded_nodes = set()
+        self._load_logged = False
         self._loads = {}
         self._straggler_hist.clear()
         self._exited = {}
@@ -601,6 +608,17 @@ class Supervisor:
         if old is None or ev.attempt != self.attempt or not ev.ranks:
             return  # the state is RUNNING (the table routes nothing else here)
         self._node_seen_at[ev.node] = self._now
+        if not self._load_logged:
+            loaded = True
+            stepped = False
+            resume = self.resume_step if self.resume_step > 0 else 0
+            for r in ev.ranks:
+                loaded = loaded and r.loaded_step is not None
+                stepped = stepped or r.step > resume
+            if loaded:
+                self._on_node_loaded(ev.node)
+                if not stepped:
+                    return  # a load mark: no step was taken yet, so no step accounting
         alpha = self.cfg.straggler_ewma_alpha
         loads = self._loads
         node_step = ev.ranks[0].step
@@ -638,6 +656,15 @@ class Supervisor:
             self._min_advanced_at = self._now
             self.job_step = new_min
             self._on_job_step(first=startup)
+
+    def _on_node_loaded(self, node: str) -> None:
+        self._loaded_nodes.add(node)
+        if len(self._loaded_nodes) < len(self._node_step):
+            return
+        self._load_logged = True
+        loaded = f"checkpoint step {self.resume_step}" if self.resume_step >= 0 else "no checkpoint (scratch)"
+        self._log(E.EVENT_KIND_LOAD_DONE, f"all {len(self._node_step)} nodes loaded {loaded}, "
+                  f"{self._now - self.launched_at:.1f}s after launch", step=self.resume_step)
 
     def _on_job_step(self, *, first: bool) -> None:
         if first:  # every node reported: hang detection switches from the startup timeout to steps
@@ -1101,6 +1128,7 @@ class Supervisor:
         self._min_advanced_at = self._now
         self._exited = {}
         self._first_step_logged = True
+        self._load_logged = True
         self.state = RunState.RUNNING
         for n in nodes:
             self.pool.set_state(n, ASSIGNED)

@@ -50,7 +50,6 @@ class ShellConfig:
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{time.time_ns() % 10**6}")
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
-    exit_poll_s: float = 0.5
     rpc_timeout_s: float = 10.0
     env: tuple[tuple[str, str], ...] = ()
     procs_per_node: int = 1
@@ -65,6 +64,8 @@ class ShellConfig:
 
 # After a takeover, launch RPCs the dead leader had in flight may still land for this long.
 ADOPT_GRACE_S = 2.0
+# ... and the adopted attempt's nodes are asked whether they run it for at most this long.
+ADOPT_CHECK_S = 60.0
 
 
 class _Relist:
@@ -183,11 +184,11 @@ class LiveController:
         self._write_spec()
         revision = self._relist()
         # An attempt found in the store was launched by an earlier leader; it may never have reached
-        # the agents (that leader died between the record and the RPCs). The exit poller checks it.
+        # the agents (that leader died between the record and the RPCs). `_check_adopted` asks them.
         self._adopted = (self._attempt, time.monotonic()) if self._attempt else None
         self._start_watches(revision + 1)
         self.is_leader.set()
-        threading.Thread(target=self._poll_exits, name="exit-poller", daemon=True).start()
+        threading.Thread(target=self._check_adopted, name="adopt-check", daemon=True).start()
         next_tick = self.clock()
         while not self.stopping.is_set():
             if self.leadership.lost.is_set():
@@ -323,9 +324,12 @@ class LiveController:
                                      relaunch=req.relaunch)
         progress_nodes = []
         now = self.clock()
+        exits = []
         for kv in self.store.get_prefix(k.progress_prefix(self.cfg.run))[0]:
             prog = _parse(store_pb2.NodeProgress, kv.value)
-            if prog and attempt and prog.attempt == attempt.attempt and now - prog.written_at < 30:
+            if prog and attempt and prog.attempt == attempt.attempt and prog.HasField("exit"):
+                exits.append(prog)  # level-triggered: exits written while no leader was watching
+            elif prog and attempt and prog.attempt == attempt.attempt and now - prog.written_at < 30:
                 progress_nodes.append(prog.node)
         if attempt is not None:
             self._attempt = attempt.attempt
@@ -337,7 +341,19 @@ class LiveController:
             resume_step=attempt.resume_step if attempt else -1,
             committed_steps=committed, stop_requested=stop, progress_nodes=tuple(progress_nodes))
         self._feed(snap, now)
+        for prog in exits:
+            self._exit_seen(prog)
         return rev
+
+    def _exit_seen(self, prog: store_pb2.NodeProgress) -> None:
+        """A node's workers of an attempt ended (its agent wrote the exit into its progress)."""
+        if (prog.node, prog.attempt) in self._exited:
+            return
+        self._exited.add((prog.node, prog.attempt))
+        e = prog.exit
+        self.events.put(t.AttemptExited(
+            node=prog.node, attempt=prog.attempt, exit_code=e.exit_code if e.HasField("exit_code") else None,
+            signal=e.signal if e.HasField("signal") else None, ended_at=e.ended_at or None, detail=e.detail))
 
     def _start_watches(self, start_revision: int) -> None:
         k = self.keys
@@ -402,8 +418,13 @@ class LiveController:
                 if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self._committed_seen:
                     self._committed_seen = r.committed_step
                     self.events.put(t.CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
-            return t.ProgressObserved(node=prog.node, attempt=prog.attempt,
-                                      ranks=tuple(t.RankSample.from_proto(r) for r in prog.ranks))
+            observed = t.ProgressObserved(node=prog.node, attempt=prog.attempt,
+                                          ranks=tuple(t.RankSample.from_proto(r) for r in prog.ranks))
+            if prog.HasField("exit"):
+                self.events.put(observed)  # the node's last progress, then its exit
+                self._exit_seen(prog)
+                return None
+            return observed
         if key.startswith(k.base + "evidence/"):
             if deleted:
                 return None
@@ -588,41 +609,41 @@ class LiveController:
         self.events.put(t.DumpsCollected(attempt=action.attempt, attribution=attribution,
                                          missing_nodes=tuple(missing)))
 
-    def _poll_exits(self) -> None:
-        """Worker exits, as the agents report them: the local backend's `status()`.
+    def _check_adopted(self) -> None:
+        """After a takeover: does every node of the adopted attempt actually run it?
 
-        This is a poll, like the Slurm backend's `status()` polls the scheduler: only the nodes of
-        the current attempt are asked, every `exit_poll_s`. A node that dies is not found this way
-        but by its lease DELETE on the watch. (An agent-written exit key under the run, watched like
-        progress, would remove the poll; not built yet.)"""
-        while self.is_leader.is_set() and not self.stopping.is_set():
-            attempt = self._attempt
-            for node in list(self._attempt_nodes):
-                if (node, attempt) in self._exited:
+        Worker exits arrive on the progress watch (the agent writes them into its NodeProgress), and
+        a dead node by its lease DELETE, so nothing is polled while an attempt runs. One case has no
+        record at all: the previous leader wrote the attempt record and died before its launch RPCs
+        reached some agents. Once the grace for in-flight launches has passed, each node of the
+        adopted attempt is asked once; a node with no worker of that attempt counts as exited."""
+        adopted = self._adopted
+        if adopted is None:
+            return
+        attempt, since = adopted
+        self.stopping.wait(max(0.0, since + ADOPT_GRACE_S - time.monotonic()))
+        pending = set(self._attempt_nodes)
+        give_up = time.monotonic() + ADOPT_CHECK_S
+        while pending and self.is_leader.is_set() and not self.stopping.is_set() and self._attempt == attempt:
+            for node in sorted(pending):
+                if (node, attempt) in self._exited or node not in self._attempt_nodes:
+                    pending.discard(node)
                     continue
                 out, resp = self.agents.status(node, timeout_s=2.0)
                 if not out.ok or resp is None:
-                    continue
-                if self._never_started_here(resp, attempt):
+                    continue  # unreachable for now; if it is gone, its lease says so (NodeLost)
+                pending.discard(node)
+                if not any(w.run == self.cfg.run and w.attempt == attempt for w in resp.workers):
                     self._exited.add((node, attempt))
                     self.events.put(t.AttemptExited(
                         node=node, attempt=attempt, detail="no worker of this attempt on the node: adopted at "
                         "takeover, but the previous leader's launch never reached it"))
-                    continue
-                for w in resp.workers:
-                    if w.run == self.cfg.run and w.attempt == attempt and not w.running and w.HasField("exit"):
-                        self._exited.add((node, attempt))
-                        code = w.exit.exit_code if w.exit.HasField("exit_code") else None
-                        sig = w.exit.signal if w.exit.HasField("signal") else None
-                        self.events.put(t.AttemptExited(node=node, attempt=attempt, exit_code=code, signal=sig,
-                                                        ended_at=w.exit.ended_at or None, detail=w.exit.detail))
-            time.sleep(self.cfg.exit_poll_s)
-
-    def _never_started_here(self, resp: agent_pb2.GetNodeStatusResponse, attempt: int) -> bool:
-        adopted = self._adopted
-        if adopted is None or adopted[0] != attempt or time.monotonic() - adopted[1] < ADOPT_GRACE_S:
-            return False
-        return not any(w.run == self.cfg.run and w.attempt == attempt for w in resp.workers)
+            if pending and time.monotonic() > give_up:
+                log.warning("adopted attempt %d: nodes %s never answered; their leases or the hang "
+                            "detector decide", attempt, sorted(pending))
+                return
+            if pending:
+                self.stopping.wait(0.5)
 
     # -- operator requests (from the API; they go through the core like everything else) -----
 

@@ -87,17 +87,20 @@ class RankSample:
     wait_s: float = 0.0
     in_checkpoint: bool = False
     reported_at: float = 0.0
+    loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
 
     def __post_init__(self) -> None:
         try:  # one chained comparison each: NaN, infinities and negatives all fail it
             ok = (self.rank >= 0 and self.step >= -1 and 0.0 <= self.step_time_s < math.inf
-                  and 0.0 <= self.compute_s < math.inf and 0.0 <= self.wait_s < math.inf)
+                  and 0.0 <= self.compute_s < math.inf and 0.0 <= self.wait_s < math.inf
+                  and (self.loaded_step is None or self.loaded_step >= -1))
         except TypeError:
             ok = False
         if not ok:
             for name in ("rank", "step", "step_time_s", "compute_s", "wait_s"):
                 _check_finite(f"RankSample.{name}", getattr(self, name))
-            raise ValueError(f"RankSample: rank >= 0, step >= -1 and times >= 0 required, got {self!r}")
+            raise ValueError(f"RankSample: rank >= 0, step >= -1, loaded_step >= -1 and times >= 0 required, "
+                             f"got {self!r}")
 
     @classmethod
     def from_proto(cls, p: common_pb2.RankProgress) -> RankSample:
@@ -109,6 +112,7 @@ class RankSample:
             wait_s=max(0.0, p.wait_s),
             in_checkpoint=p.in_checkpoint,
             reported_at=p.reported_at,
+            loaded_step=p.loaded_step if p.HasField("loaded_step") else None,
         )
 
 

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         start = int(loaded.data_state["next_step"])
         if rank == 0:
             reporter.set_committed(loaded.step)
+    reporter.loaded(found.step if found is not None else -1)
     args.out.mkdir(parents=True, exist_ok=True)
     loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
     loss_fn = nn.MSELoss()
@@ -113,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         compute = (t1 - step_start) + (t3 - t2)
         wait = (t2 - t1) + (t4 - t3)
         loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
-        reporter.report(step, step_time_s=t4 - step_start, compute_s=compute, wait_s=wait, loss=loss.item())
+        done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
+        reporter.report(done, step_time_s=t4 - step_start, compute_s=compute, wait_s=wait, loss=loss.item())
         step_start = t4
-        done = step + 1
         if done % args.ckpt_every == 0 or stop or done == args.steps:
-            reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
+            reporter.report(done, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
             try:
                 commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
                                                  data_state={"next_step": done}, rank=rank, world_size=world)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if commit is not None:
                 reporter.set_committed(done)
-            reporter.report(step, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, loss=loss.item())
+            reporter.report(done, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, loss=loss.item())
             step_start = time.perf_counter()
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)

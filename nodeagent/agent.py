@@ -42,7 +42,8 @@ class Agent:
         self.store = store
         self.metrics = AgentMetrics()
         self.progress = ProgressTable()
-        self.launcher = Launcher(allowed_executables=config.allowed_executables)
+        self.launcher = Launcher(allowed_executables=config.allowed_executables, on_exit=self._on_worker_exit)
+        self._flush_lock = threading.Lock()  # one flush at a time: an older snapshot never lands last
         self.evidence = EvidencePublisher(store=store, node=config.node, metrics=self.metrics,
                                           recent=config.evidence_recent)
         self.evidence.add_listener(self._on_evidence)
@@ -170,6 +171,9 @@ class Agent:
     def report_progress(self, request: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
         """A validated batch of rank reports (gRPC or datagram); the answer carries the stop flag."""
         self.progress.record(request.run, request.attempt, request.reports)
+        if self.progress.take_new_load_marks() and self.store is not None:
+            # a rank finished loading: written now (once per rank per attempt), off the caller's thread
+            threading.Thread(target=self.flush_progress, name="flush-load-mark", daemon=True).start()
         self.follow_run(request.run)
         slow = max((self.slow_s.get(r.local_rank, 0.0) for r in request.reports), default=0.0)
         return agent_pb2.ReportProgressResponse(stop_requested=request.run in self.stops, slow_s=slow)
@@ -213,11 +217,19 @@ class Agent:
         if self.registration is not None:
             self.registration.stop(revoke=True)
 
+    def _on_worker_exit(self, worker: Any) -> None:
+        """Reaper thread: the exit goes into the run's NodeProgress and to etcd now, not at the next
+        interval; the controller's watch on progress is how it learns that workers ended."""
+        if self.progress.record_exit(worker.run, worker.attempt, worker.exit.to_proto()):
+            self.flush_progress()
+            self._state_changed.set()
+
     def flush_progress(self) -> int:
         if self.store is None:
             return 0
         try:
-            written = progress_mod.flush(self.progress, self.store, self.config.node)
+            with self._flush_lock:
+                written = progress_mod.flush(self.progress, self.store, self.config.node)
         except Exception as exc:
             log.warning("progress write failed (retried next interval): %s", exc)
             return 0

@@ -18,11 +18,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent import proctree
+from runwarden.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -61,6 +62,14 @@ class ExitInfo:
     signal: int | None
     ended_at: float
     detail: str
+
+    def to_proto(self) -> common_pb2.ExitStatus:
+        status = common_pb2.ExitStatus(ended_at=self.ended_at, detail=self.detail)
+        if self.exit_code is not None:
+            status.exit_code = self.exit_code
+        if self.signal is not None:
+            status.signal = self.signal
+        return status
 
 
 @dataclass(slots=True, kw_only=True)
@@ -124,8 +133,10 @@ def resolve_allowed(argv0: str, allowed: tuple[str, ...], path: str) -> str:
 
 
 class Launcher:
-    def __init__(self, *, allowed_executables: tuple[str, ...]) -> None:
+    def __init__(self, *, allowed_executables: tuple[str, ...],
+                 on_exit: Callable[[Worker], None] | None = None) -> None:
         self._allowed = allowed_executables
+        self._on_exit = on_exit  # called on the reaper thread once a worker has ended
         self._lock = threading.Lock()
         self._workers: list[Worker] = []
         proctree.become_subreaper()
@@ -171,6 +182,11 @@ class Launcher:
         )
         worker.done.set()
         log.info("worker %s attempt %d pid %d ended: %s", worker.run, worker.attempt, worker.pid, worker.exit.detail)
+        if self._on_exit is not None:
+            try:
+                self._on_exit(worker)
+            except Exception:
+                log.exception("exit callback failed for %s attempt %d", worker.run, worker.attempt)
 
     def workers(self, run: str | None = None) -> list[Worker]:
         with self._lock:

@@ -4,6 +4,10 @@
 one NodeProgress per run that changed since the last flush, under keys.progress(run, node). A rank
 that stops reporting keeps its last `reported_at`, which is how the controller sees it stale.
 A report for a newer attempt replaces the run's table; reports for older attempts are dropped.
+When the node's workers of an attempt end, `record_exit` adds their exit status to the run's
+NodeProgress (the controller's only source of worker exits); the agent flushes it at once, and
+likewise the first report in which a rank says its checkpoint is loaded (`loaded_step`), so the
+restart's load phase ends in the event log when it ends on the node, not up to an interval later.
 """
 
 from __future__ import annotations
@@ -22,23 +26,53 @@ class ProgressTable:
         self._attempt: dict[str, int] = {}
         self._ranks: dict[str, dict[int, common_pb2.RankProgress]] = {}
         self._dirty: set[str] = set()
+        self._exit: dict[str, common_pb2.ExitStatus] = {}
+        self._new_load_marks = 0
+
+    def _switch(self, run: str, attempt: int) -> bool:
+        """Make `attempt` the run's current one (a newer one starts an empty table); False if older."""
+        current = self._attempt.get(run)
+        if current is not None and attempt < current:
+            return False
+        if current is None or attempt > current:
+            self._attempt[run] = attempt
+            self._ranks[run] = {}
+            self._exit.pop(run, None)
+        return True
 
     def record(self, run: str, attempt: int, reports: Iterable[common_pb2.RankProgress]) -> bool:
         """False if the reports are for an older attempt than the newest seen (dropped)."""
         with self._lock:
-            current = self._attempt.get(run)
-            if current is not None and attempt < current:
+            if not self._switch(run, attempt):
                 return False
-            if current is None or attempt > current:
-                self._attempt[run] = attempt
-                self._ranks[run] = {}
             table = self._ranks[run]
             for report in reports:
                 old = table.get(report.rank)
                 if old is None or report.step >= old.step or report.reported_at >= old.reported_at:
+                    if report.HasField("loaded_step") and (old is None or not old.HasField("loaded_step")):
+                        self._new_load_marks += 1
                     table[report.rank] = report
             self._dirty.add(run)
             return True
+
+    def take_new_load_marks(self) -> int:
+        """How many ranks first said "loaded" since the last call (the agent flushes those at once)."""
+        with self._lock:
+            marks, self._new_load_marks = self._new_load_marks, 0
+            return marks
+
+    def record_exit(self, run: str, attempt: int, status: common_pb2.ExitStatus) -> bool:
+        """The node's workers of `attempt` ended; False if a newer attempt is already reported."""
+        with self._lock:
+            if not self._switch(run, attempt):
+                return False
+            self._exit[run] = status
+            self._dirty.add(run)
+            return True
+
+    def exit_of(self, run: str) -> common_pb2.ExitStatus | None:
+        with self._lock:
+            return self._exit.get(run)
 
     def runs(self) -> set[str]:
         with self._lock:
@@ -65,6 +99,7 @@ class ProgressTable:
         with self._lock:
             self._attempt.pop(run, None)
             self._ranks.pop(run, None)
+            self._exit.pop(run, None)
             self._dirty.discard(run)
 
     def take_dirty(self, node: str) -> list[tuple[str, store_pb2.NodeProgress]]:
@@ -80,6 +115,7 @@ class ProgressTable:
                         attempt=self._attempt[run],
                         ranks=[r for _, r in sorted(self._ranks[run].items())],
                         written_at=now,
+                        exit=self._exit.get(run),
                     ),
                 )
                 for run in sorted(dirty)

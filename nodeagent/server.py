@@ -29,7 +29,7 @@ from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
 from nodeagent.launcher import LaunchError, LaunchSpec
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
-from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -238,11 +238,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 def _worker_status(w: Any) -> agent_pb2.WorkerStatus:
     status = agent_pb2.WorkerStatus(run=w.run, attempt=w.attempt, pid=w.pid, running=w.running, started_at=w.started_at)
     if w.exit is not None:
-        status.exit.CopyFrom(common_pb2.ExitStatus(ended_at=w.exit.ended_at, detail=w.exit.detail))
-        if w.exit.exit_code is not None:
-            status.exit.exit_code = w.exit.exit_code
-        if w.exit.signal is not None:
-            status.exit.signal = w.exit.signal
+        status.exit.CopyFrom(w.exit.to_proto())
     return status
 
 

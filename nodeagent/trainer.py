@@ -3,12 +3,16 @@
     from nodeagent import trainer
     reporter = trainer.ProgressReporter.from_env()      # RUNWARDEN_* / RANK / LOCAL_RANK from the launcher
     ckpt = trainer.latest_committed(ckpt_root)          # resume point, never half-written
-    for step in ...:
+    start = ... load ckpt (its step) or 0 ...
+    reporter.loaded(ckpt.step if ckpt else -1)         # the restart's load phase ends here
+    for step in range(start, steps):
         ...train one step...
-        reporter.report(step, step_time_s=dt, compute_s=c, wait_s=w, loss=loss)   # ~1 microsecond
+        reporter.report(step + 1, step_time_s=dt, compute_s=c, wait_s=w, loss=loss)   # ~1 microsecond
         if reporter.stop_requested():                   # stop file or the agent's flag
-            trainer.save_checkpoint(ckpt_root, step, model=m, optimizer=o, data_state={...})
+            trainer.save_checkpoint(ckpt_root, step + 1, model=m, optimizer=o, data_state={...})
             reporter.close(); sys.exit(0)
+
+Steps are counted as steps completed, the same number a checkpoint saved at that point carries.
 
 `report()` only appends to a bounded deque; a background thread sends the newest report to the
 local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_AGENT_SOCKET>.progress`,
@@ -73,6 +77,7 @@ class ProgressReporter:
         self._agent_stop = False
         self._slow_s = 0.0
         self._committed: int | None = None
+        self._loaded: int | None = None
         self._ckpt_error: tuple[int, str] | None = None
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
@@ -112,7 +117,7 @@ class ProgressReporter:
         in_checkpoint: bool = False,
         loss: float | None = None,
     ) -> None:
-        """Record this step's progress (microseconds). Sleeps only if chaos made this rank slow."""
+        """Record progress: `step` steps completed (~1 us). Sleeps only if chaos made this rank slow."""
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
         if self._slow_s > 0:
             time.sleep(self._slow_s)
@@ -124,6 +129,15 @@ class ProgressReporter:
         step it loaded); the agent carries it in the node's progress and the controller records the
         commit. Only a committed step is ever a resume point."""
         self._committed = int(step)
+
+    def loaded(self, step: int) -> None:
+        """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)
+        and is about to take its first step; sent at once, and carried on every later report. When
+        every node of the attempt has said so the controller logs LOAD_DONE, which splits the
+        restart's "load" phase from its "first step" phase in the goodput breakdown."""
+        self._loaded = max(-1, int(step))
+        self._pending.append((max(0, self._loaded), 0.0, 0.0, 0.0, False, None, time.time()))
+        self.flush()
 
     def checkpoint_failed(self, step: int, error: str) -> None:
         """Tell the supervisor that saving checkpoint `step` failed (no marker was written) and why;
@@ -196,6 +210,8 @@ class ProgressReporter:
             progress.loss = loss
         if self._committed is not None:
             progress.committed_step = self._committed
+        if self._loaded is not None:
+            progress.loaded_step = self._loaded
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])

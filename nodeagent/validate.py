@@ -70,6 +70,8 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
             raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
         if r.HasField("committed_step"):
             integer(r.committed_step, f"{where}.committed_step", low=0, high=MAX_STEP)
+        if r.HasField("loaded_step"):
+            integer(r.loaded_step, f"{where}.loaded_step", low=-1, high=MAX_STEP)
         if r.reported_at == 0:
             r.reported_at = now
         seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)

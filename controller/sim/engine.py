@@ -268,7 +268,9 @@ class World:
     def _load_done(self, attempt: int, epoch: int) -> None:
         if epoch != self.epoch or self.fault_open:
             return
-        # The live shell logs this from the trainer's "checkpoint loaded" report; the core does not.
+        # Live, the core logs LOAD_DONE once every node has sent its ranks' load mark (`loaded_step`).
+        # Here that would be one more ProgressObserved per node per restart (2,048 calls) to learn a
+        # time the scenario already fixes, so the world logs it at the modelled moment instead.
         self.log(E.Event(ts=self.t0 + self.now, run=self.sc.run.name, attempt=attempt, step=self.resume_step,
                          kind=E.EVENT_KIND_LOAD_DONE, message=f"attempt {attempt} loaded step {self.resume_step}"))
 

@@ -372,9 +372,13 @@ class RankProgress(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
+    LOADED_STEP_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
+    """Steps completed (the step a checkpoint saved now would resume from): 0 before the first step
+    of a run from scratch, N right after loading checkpoint N, N+1 after the first step past it.
+    """
     step_time_s: _builtins.float
     compute_s: _builtins.float
     """time in forward/backward/optimizer"""
@@ -392,6 +396,11 @@ class RankProgress(_message.Message):
     """
     checkpoint_error: _builtins.str
     """Set when this rank's save of checkpoint `step` failed: why (no commit marker was written)."""
+    loaded_step: _builtins.int
+    """Set once this rank has loaded its checkpoint and is about to take its first step: the committed
+    step it resumed from (-1: started from scratch). The reporter sends it at once and keeps it on
+    every later report; the controller logs LOAD_DONE when every node of the attempt has it.
+    """
     def __init__(
         self,
         *,
@@ -408,17 +417,22 @@ class RankProgress(_message.Message):
         world_size: _builtins.int = ...,
         committed_step: _builtins.int | None = ...,
         checkpoint_error: _builtins.str = ...,
+        loaded_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "committed_step", b"committed_step", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
+    _WhichOneofReturnType__loaded_step: _TypeAlias = _typing.Literal["loaded_step"]  # noqa: Y015
+    _WhichOneofArgType__loaded_step: _TypeAlias = _typing.Literal["_loaded_step", b"_loaded_step"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_step) -> _WhichOneofReturnType__committed_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loaded_step) -> _WhichOneofReturnType__loaded_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 

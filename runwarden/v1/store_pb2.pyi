@@ -87,12 +87,19 @@ class NodeProgress(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     WRITTEN_AT_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     run: _builtins.str
     attempt: _builtins.int
     written_at: _builtins.float
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RankProgress]: ...
+    @_builtins.property
+    def exit(self) -> _common_pb2.ExitStatus:
+        """Set once this node's workers of `attempt` have ended, written at once by the agent: the
+        controller learns worker exits from this watch, with no per-node polling.
+        """
+
     def __init__(
         self,
         *,
@@ -101,10 +108,11 @@ class NodeProgress(_message.Message):
         attempt: _builtins.int = ...,
         ranks: _abc.Iterable[_common_pb2.RankProgress] | None = ...,
         written_at: _builtins.float = ...,
+        exit: _common_pb2.ExitStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "node", b"node", "ranks", b"ranks", "run", b"run", "written_at", b"written_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "exit", b"exit", "node", b"node", "ranks", b"ranks", "run", b"run", "written_at", b"written_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

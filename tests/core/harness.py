@@ -115,8 +115,10 @@ class Driver:
         return list(self.sup.current_nodes)
 
     def progress(self, step: int, *, dt: float = 1.0, nodes: list[str] | None = None,
-                 compute: dict[str, float] | None = None, in_checkpoint: tuple[str, ...] = ()) -> list[Action]:
-        """One job step on every running node (or `nodes`), `dt` seconds after the last."""
+                 compute: dict[str, float] | None = None, in_checkpoint: tuple[str, ...] = (),
+                 loaded: int | None = None) -> list[Action]:
+        """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
+        ranks' `loaded_step` (their load mark, carried on every report after it)."""
         self.now += dt
         out: list[Action] = []
         for node_rank, node in enumerate(self.running_nodes()):
@@ -126,7 +128,7 @@ class Driver:
             wait = max(0.0, dt - c) if node not in (compute or {}) else 0.0005
             ranks = tuple(RankSample(rank=node_rank * self.ranks_per_node + i, step=step, step_time_s=dt,
                                      compute_s=c, wait_s=wait, in_checkpoint=node in in_checkpoint,
-                                     reported_at=self.now) for i in range(self.ranks_per_node))
+                                     reported_at=self.now, loaded_step=loaded) for i in range(self.ranks_per_node))
             out += self.send(ProgressObserved(node=node, attempt=self.sup.attempt, ranks=ranks))
         return out
 

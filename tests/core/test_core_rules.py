@@ -164,6 +164,42 @@ def test_resume_only_from_the_latest_committed_checkpoint() -> None:
     assert first[-1].attempt == 2 and first[-1].step == 21 and "resumed from 20" in first[-1].message
 
 
+def test_load_done_logged_when_every_node_has_loaded_and_load_marks_are_not_steps() -> None:
+    d = Driver(cfg=fast(startup_timeout_s=120.0), nodes=2)
+    d.start(2)
+    out = d.progress(0, nodes=["n1"], loaded=-1)  # n1's ranks loaded (scratch): a mark, not a step
+    assert not d.events(E.EVENT_KIND_LOAD_DONE, out)
+    out = d.progress(0, nodes=["n2"], loaded=-1)
+    (done,) = d.events(E.EVENT_KIND_LOAD_DONE, out)
+    assert done.attempt == 1 and done.step == -1 and "all 2 nodes loaded no checkpoint" in done.message
+    assert d.sup.job_step == -1 and not d.events(E.EVENT_KIND_FIRST_STEP)
+    # The startup timeout (not the short per-step one) still covers launch -> first step.
+    out = d.advance(60)
+    assert not d.events(E.EVENT_KIND_DETECTION, out)
+    out = d.steps(1, 1, loaded=-1)
+    assert [e.kind for e in d.events(None, out)] == [E.EVENT_KIND_FIRST_STEP]
+    d.send(CheckpointCommitted(step=10))
+    crash_and_restart(d, "n1", step_to=12)
+    assert d.launches[-1].resume_step == 10
+    # n1's load mark was overwritten before its agent flushed: a node that stepped with
+    # `loaded_step` set has loaded, and LOAD_DONE comes before FIRST_STEP.
+    d.progress(10, nodes=["n2"], loaded=10)
+    out = d.progress(11, nodes=[n for n in d.running_nodes() if n != "n2"], loaded=10)
+    kinds = [e.kind for e in d.events(None, out)]
+    assert kinds == [E.EVENT_KIND_LOAD_DONE], kinds
+    assert "loaded checkpoint step 10" in d.events(E.EVENT_KIND_LOAD_DONE)[-1].message
+    out = d.steps(11, 11, loaded=10)
+    assert [e.kind for e in d.events(None, out)] == [E.EVENT_KIND_FIRST_STEP]
+    assert len(d.events(E.EVENT_KIND_LOAD_DONE)) == 2
+
+
+def test_no_load_done_from_a_trainer_that_sends_no_load_marks() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+    d.steps(1, 3)
+    assert d.events(E.EVENT_KIND_FIRST_STEP) and not d.events(E.EVENT_KIND_LOAD_DONE)
+
+
 # --- detection -------------------------------------------------------------------------------
 
 def test_hang_detected_after_the_derived_timeout_with_latency() -> None:

@@ -100,3 +100,63 @@ def test_stop_key_in_etcd_reaches_the_ranks(etcd, store, agent_factory, tmp_path
     store.delete(store.keys.stop("r1"))
     wait_for(lambda: not stopped(), 5, "the withdrawn stop")
     assert not stop_file.exists()
+
+
+def test_worker_exit_is_written_into_the_nodes_progress_at_once(etcd, store, agent_factory):
+    """The controller's only source of worker exits: the agent's NodeProgress, written as soon as the
+    worker ends (not at the next interval), for the attempt that ended, with its code."""
+    import sys
+
+    from runwarden.v1 import agent_pb2, common_pb2
+    from tests.nodeagent.helpers import ROOT
+
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root,
+                          flags=["--allow-exec", sys.executable, "--progress-interval", "30"])
+    key = store.keys.progress("r1", "n1")
+    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=4, reports=[
+        common_pb2.RankProgress(rank=0, step=7)]))
+    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
+        run="r1", attempt=4, argv=[sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"],
+        env={"PYTHONPATH": str(ROOT)}, leader_fence=1))
+    t0 = time.monotonic()
+
+    def exited() -> store_pb2.NodeProgress | None:
+        kv = store.get(key)
+        value = store_pb2.NodeProgress.FromString(kv.value) if kv else None
+        return value if value is not None and value.HasField("exit") else None
+
+    value = wait_for(exited, 10, "the exit in etcd")
+    # well before the 30 s progress interval: the exit is flushed on its own
+    assert time.monotonic() - t0 < 10
+    assert value.attempt == 4 and value.exit.exit_code == 3 and not value.exit.HasField("signal")
+    assert [(r.rank, r.step) for r in value.ranks] == [(0, 7)]  # the last progress rides along
+    assert "exit code 3" in value.exit.detail and value.exit.ended_at > 0
+
+
+def test_progress_table_exit_belongs_to_its_attempt():
+    from nodeagent.progress import ProgressTable
+    from runwarden.v1 import common_pb2
+
+    table = ProgressTable()
+    table.record("r", 2, [common_pb2.RankProgress(rank=0, step=5)])
+    assert table.record_exit("r", 2, common_pb2.ExitStatus(exit_code=1, detail="exit code 1"))
+    (run, value), = table.take_dirty("n1")
+    assert run == "r" and value.attempt == 2 and value.exit.exit_code == 1 and len(value.ranks) == 1
+    assert not table.record_exit("r", 1, common_pb2.ExitStatus(exit_code=0))  # an older attempt: dropped
+    table.record("r", 2, [common_pb2.RankProgress(rank=0, step=6)])  # a late report keeps the exit
+    (_, value), = table.take_dirty("n1")
+    assert value.exit.exit_code == 1 and value.ranks[0].step == 6
+    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=6)])  # a newer attempt: clean slate
+    (_, value), = table.take_dirty("n1")
+    assert value.attempt == 3 and not value.HasField("exit")
+    # The first report in which a rank says "loaded" is counted once (the agent flushes it at once).
+    assert table.take_new_load_marks() == 0
+    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=6, loaded_step=6),
+                          common_pb2.RankProgress(rank=1, step=6, loaded_step=6)])
+    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=7, loaded_step=6)])
+    assert table.take_new_load_marks() == 2 and table.take_new_load_marks() == 0
+    table.take_dirty("n1")
+    # A worker that died before any report still gets its exit written (no ranks).
+    assert table.record_exit("q", 1, common_pb2.ExitStatus(signal=9))
+    (run, value), = table.take_dirty("n1")
+    assert run == "q" and value.exit.signal == 9 and not value.ranks

@@ -33,6 +33,8 @@ CASES = [
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]), INVALID, "reports[0].rank"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]), INVALID, "reports[0].step"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(wait_s=math.inf)]), INVALID, "wait_s"),
+    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(loaded_step=-2)]), INVALID,
+     "reports[0].loaded_step"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(reported_at=4e10)]), INVALID,
      "reported_at"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP()] * 5000), INVALID, "at most 4096"),

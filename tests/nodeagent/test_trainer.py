@@ -52,6 +52,26 @@ def test_stop_file_and_agent_flag(agent_factory, tmp_path):
     r2.close()
 
 
+def test_load_mark_reaches_the_agent_at_once_and_rides_on_every_later_report(agent_factory):
+    agent = agent_factory()
+    r = trainer.ProgressReporter(run="r1", attempt=3, rank=0, local_rank=0, world_size=1,
+                                 agent_socket=agent.socket, flush_interval_s=30.0)  # no background flush
+    r.loaded(40)  # sent now, not at the next flush
+    (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+    assert rank.loaded_step == 40 and rank.step == 40  # steps completed: the resume point, no step yet
+    r.report(41, step_time_s=0.5)
+    assert r.flush()
+    (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+    assert rank.step == 41 and rank.HasField("loaded_step") and rank.loaded_step == 40
+    scratch = trainer.ProgressReporter(run="r1", attempt=3, rank=1, local_rank=1, world_size=2,
+                                       agent_socket=agent.socket, flush_interval_s=30.0)
+    scratch.loaded(-1)
+    by_rank = {p.rank: p for p in agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks}
+    assert by_rank[1].loaded_step == -1 and by_rank[1].step == 0
+    r.close()
+    scratch.close()
+
+
 def test_agent_gone_mid_run_training_goes_on(agent_factory):
     agent = agent_factory()
     r = trainer.ProgressReporter(run="r1", attempt=1, rank=0, local_rank=0, world_size=1,

@@ -108,7 +108,7 @@ def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
 
 
 # If the leader dies after logging LAUNCH but before its LaunchWorkers RPCs reach the agents, the
-# standby adopts attempt N from the attempt record; its exit poller then finds no worker of that
+# standby adopts attempt N from the attempt record; its adopt check then finds no worker of that
 # attempt on the agents and reports it ended, so the core relaunches under N+1 (never N twice).
 def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = _start(make_cluster)
