@@ -72,7 +72,6 @@ class LocalCluster:
         self.spec = spec or ClusterSpec()
         self.etcd: EtcdServer | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.agent_ports: dict[str, int] = {}
         self.controller: subprocess.Popen[bytes] | None = None
         self.standbys: dict[str, subprocess.Popen[bytes]] = {}
         self.api_port = 0
@@ -127,14 +126,14 @@ class LocalCluster:
 
     def agent_config(self, node: str) -> Path:
         assert self.etcd is not None
-        port = self.agent_ports.get(node) or free_port()
-        self.agent_ports[node] = port
         state = self.root / "nodes" / node
         state.mkdir(parents=True, exist_ok=True)
         path = state / "nodeagent.toml"
         write_toml(path, {"": {
             "node": node,
-            "listen": f"127.0.0.1:{port}",
+            # port 0: the agent binds a port of the kernel's choosing and advertises it in its node
+            # record (a port picked here could be taken by the time a slow-starting agent binds it)
+            "listen": "127.0.0.1:0",
             "unix_socket": str(state / "agent.sock"),
             "etcd_endpoints": [self.etcd.endpoint],
             "lease_ttl_s": self.spec.lease_ttl_s,
