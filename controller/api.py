@@ -162,9 +162,14 @@ def _kinds(values: Sequence[int]) -> frozenset[int]:
     return frozenset(values)
 
 
+# Unix seconds beyond this (year ~5138) are not a time any log holds; the bound also keeps the
+# goodput function's integer microseconds finite.
+MAX_UNIX_S = 1e11
+
+
 def _since(value: float) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise _Invalid(f"since must be unix seconds >= 0, got {value}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_UNIX_S:
+        raise _Invalid(f"since must be unix seconds in [0, {MAX_UNIX_S:g}], got {value}")
     return value
 
 

@@ -397,6 +397,12 @@ class Supervisor:
         self.latest_committed = max(self.latest_committed, ev.step)
         self._log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
                   checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
+        if self._ckpt_nodes and self._state == RunState.RUNNING:
+            # A commit means every rank finished that save. A node still shown "saving" it is stale
+            # (a rank stopped right after its save): it must not keep the long checkpoint timeout.
+            self._ckpt_nodes = {n for n in self._ckpt_nodes if self._node_step.get(n, UNREPORTED) > ev.step}
+            if not self._ckpt_nodes:
+                self._check_hang()  # re-arms the hang timer at the ordinary deadline
 
     def _on_checkpoint_failed(self, ev: CheckpointFailed) -> None:
         where = f" on {ev.node}" if ev.node else ""
@@ -629,7 +635,8 @@ class Supervisor:
                 node_step = r.step
             if r.step_time_s > step_time:
                 step_time = r.step_time_s
-            saving = saving or r.in_checkpoint
+            # "saving step S" after S was committed is stale: every rank finished that save
+            saving = saving or (r.in_checkpoint and r.step > self.latest_committed)
             prev = loads.get(r.rank)
             if prev is None:
                 loads[r.rank] = (ev.node, r.compute_s, r.wait_s)

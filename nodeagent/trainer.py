@@ -78,6 +78,7 @@ class ProgressReporter:
         self._slow_s = 0.0
         self._committed: int | None = None
         self._loaded: int | None = None
+        self._in_checkpoint = False
         self._ckpt_error: tuple[int, str] | None = None
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
@@ -117,8 +118,15 @@ class ProgressReporter:
         in_checkpoint: bool = False,
         loss: float | None = None,
     ) -> None:
-        """Record progress: `step` steps completed (~1 us). Sleeps only if chaos made this rank slow."""
+        """Record progress: `step` steps completed (~1 us). Sleeps only if chaos made this rank slow.
+
+        Entering or leaving a checkpoint save is sent at once, not at the next flush: the supervisor
+        allows a saving rank the long checkpoint timeout, so a stale "saving" (a rank that stops
+        right after its save) would hold hang detection back by that much."""
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
+        if in_checkpoint != self._in_checkpoint:
+            self._in_checkpoint = in_checkpoint
+            self.flush()
         if self._slow_s > 0:
             time.sleep(self._slow_s)
 

@@ -50,7 +50,8 @@ def test_webhook_and_command_receive_the_page(tmp_path: Path) -> None:
                               command=(sys.executable, "-c", script)))
     try:
         assert pager.page("crash loop: exit:1 at step 40 3 times", "critical")
-        assert _wait(lambda: received and out.exists())
+        # the file exists as soon as the command opens it; wait for what it writes
+        assert _wait(lambda: received and out.exists() and out.read_text().endswith("\n"))
         assert received[0]["reason"] == "crash loop: exit:1 at step 40 3 times"
         assert received[0]["severity"] == "critical"
         assert out.read_text().strip() == "crash loop: exit:1 at step 40 3 times"

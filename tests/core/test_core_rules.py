@@ -233,6 +233,27 @@ def test_no_hang_while_a_rank_is_inside_a_checkpoint_save() -> None:
     assert det and "in a checkpoint" in det[0].message
 
 
+def test_a_stale_saving_flag_after_the_commit_does_not_delay_hang_detection() -> None:
+    # n1's rank stopped right after its part of the save of step 10: its last report still says
+    # "saving". The commit of step 10 proves every rank finished that save, so the ordinary hang
+    # timeout applies, not the checkpoint barrier's.
+    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d.start(2)
+    d.steps(1, 10)
+    d.progress(10, in_checkpoint=("n1", "n2"))
+    d.progress(10, nodes=["n2"])  # n2 done saving; n1 says nothing more
+    d.send(CheckpointCommitted(step=10))
+    det = d.events(E.EVENT_KIND_DETECTION, d.advance(11.0))
+    assert det and det[0].detection.detector == E.DETECTOR_HANG and "in a checkpoint" not in det[0].message
+    # ... and a later report from a rank still flagged "saving" a committed step is not a save either
+    d2 = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d2.start(2)
+    d2.steps(1, 10)
+    d2.send(CheckpointCommitted(step=10))
+    d2.progress(10, in_checkpoint=("n1",))
+    assert d2.events(E.EVENT_KIND_DETECTION, d2.advance(11.0))
+
+
 def test_startup_timeout_when_a_node_never_reports() -> None:
     d = Driver(cfg=fast(startup_timeout_s=60.0), nodes=2)
     d.start(2)

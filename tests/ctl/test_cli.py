@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -208,6 +209,10 @@ def test_watch_rejects_bad_input_and_health_reflection(live: LiveController) -> 
     with pytest.raises(grpc.RpcError) as exc:
         stub.GetGoodput(controller_pb2.GetGoodputRequest(by="month"), timeout=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "by must be" in exc.value.details()
+    for since in (-1.0, 1.7976931348623158e302, math.inf, math.nan):  # the last finite ones overflowed microseconds
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.GetGoodput(controller_pb2.GetGoodputRequest(since=since), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "since must be" in exc.value.details()
     with pytest.raises(grpc.RpcError) as exc:
         stub.GetNode(controller_pb2.GetNodeRequest(node="a/b"), timeout=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -72,6 +72,26 @@ def test_load_mark_reaches_the_agent_at_once_and_rides_on_every_later_report(age
     scratch.close()
 
 
+def test_checkpoint_save_start_and_end_reach_the_agent_at_once(agent_factory):
+    # A rank stopped right after its save must not stay "saving" (the long checkpoint timeout) in
+    # the supervisor's eyes until a flush that never comes.
+    agent = agent_factory()
+    r = trainer.ProgressReporter(run="r1", attempt=1, rank=0, local_rank=0, world_size=1,
+                                 agent_socket=agent.socket, flush_interval_s=30.0)  # no background flush
+
+    def seen() -> tuple[int, bool]:
+        (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+        return rank.step, rank.in_checkpoint
+
+    r.report(10, step_time_s=0.1, in_checkpoint=True)
+    assert seen() == (10, True)
+    r.report(10, step_time_s=0.1)
+    assert seen() == (10, False)
+    r.report(11, step_time_s=0.1)  # an ordinary step waits for the next flush
+    assert seen() == (10, False)
+    r.close()
+
+
 def test_agent_gone_mid_run_training_goes_on(agent_factory):
     agent = agent_factory()
     r = trainer.ProgressReporter(run="r1", attempt=1, rank=0, local_rank=0, world_size=1,
