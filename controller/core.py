@@ -226,6 +226,10 @@ class Supervisor:
         self._min_advanced_at = 0.0
         self._node_seen_at: dict[str, float] = {}  # last progress report per node (node-lost latency)
         self._ckpt_nodes: set[str] = set()
+        # Save durations: first "saving step S" report -> commit of S (or the commit's own figure).
+        # Kept across attempts: how long a save takes is the run's, not the attempt's.
+        self._save_started: dict[int, float] = {}
+        self._save_times: deque[float] = deque(maxlen=16)
         self._step_times: deque[float] = deque(maxlen=64)
         self._first_step_logged = False
         self._loaded_nodes: set[str] = set()  # nodes whose ranks all reported their load finished
@@ -395,14 +399,25 @@ class Supervisor:
             return
         self.committed.add(ev.step)
         self.latest_committed = max(self.latest_committed, ev.step)
+        started = self._save_started.get(ev.step)
+        if ev.save_duration_s > 0:
+            self._save_times.append(ev.save_duration_s)
+        elif started is not None:
+            self._save_times.append(self._now - started)
+        if self._save_started:
+            self._save_started = {s: t for s, t in self._save_started.items() if s > ev.step}
         self._log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
                   checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
-        if self._ckpt_nodes and self._state == RunState.RUNNING:
-            # A commit means every rank finished that save. A node still shown "saving" it is stale
-            # (a rank stopped right after its save): it must not keep the long checkpoint timeout.
-            self._ckpt_nodes = {n for n in self._ckpt_nodes if self._node_step.get(n, UNREPORTED) > ev.step}
-            if not self._ckpt_nodes:
-                self._check_hang()  # re-arms the hang timer at the ordinary deadline
+        if self._state == RunState.RUNNING and self._min_step != UNREPORTED:
+            # A commit is progress: the save it ends must not count as time the step stood still
+            # (else a 25 s save trips a 10 s hang timeout the moment it commits).
+            self._min_advanced_at = max(self._min_advanced_at, self._now)
+            if self._ckpt_nodes:
+                # Every rank finished that save. A node still shown "saving" it is stale (a rank
+                # stopped right after its save): it must not keep the long checkpoint timeout.
+                self._ckpt_nodes = {n for n in self._ckpt_nodes if self._node_step.get(n, UNREPORTED) > ev.step}
+                if not self._ckpt_nodes:
+                    self._check_hang()  # re-arms the hang timer at the ordinary deadline
 
     def _on_checkpoint_failed(self, ev: CheckpointFailed) -> None:
         where = f" on {ev.node}" if ev.node else ""
@@ -586,6 +601,7 @@ class Supervisor:
         self._min_advanced_at = self._now
         self._node_seen_at = {}
         self._ckpt_nodes = set()
+        self._save_started = {}
         self._first_step_logged = False
         self._loaded_nodes = set()
         self._load_logged = False
@@ -636,7 +652,10 @@ class Supervisor:
             if r.step_time_s > step_time:
                 step_time = r.step_time_s
             # "saving step S" after S was committed is stale: every rank finished that save
-            saving = saving or (r.in_checkpoint and r.step > self.latest_committed)
+            if r.in_checkpoint and r.step > self.latest_committed:
+                saving = True
+                if r.step not in self._save_started and len(self._save_started) < 64:
+                    self._save_started[r.step] = self._now
             prev = loads.get(r.rank)
             if prev is None:
                 loads[r.rank] = (ev.node, r.compute_s, r.wait_s)
@@ -676,7 +695,8 @@ class Supervisor:
     def _on_job_step(self, *, first: bool) -> None:
         if first:  # every node reported: hang detection switches from the startup timeout to steps
             med = detectors.median(self._step_times) if self._step_times else None
-            timeout = detectors.hang_timeout(self.cfg, med, in_checkpoint=bool(self._ckpt_nodes))
+            timeout = detectors.hang_timeout(self.cfg, med, in_checkpoint=bool(self._ckpt_nodes),
+                                             recent_saves_s=self._save_times)
             self._out.append(SetTimer(key="hang", at=self._now + timeout))
         if not self._first_step_logged and self._min_step > self.resume_step:
             self._first_step_logged = True
@@ -986,7 +1006,8 @@ class Supervisor:
                 return
         else:
             med = detectors.median(self._step_times) if self._step_times else None
-            timeout = detectors.hang_timeout(self.cfg, med, in_checkpoint=bool(self._ckpt_nodes))
+            timeout = detectors.hang_timeout(self.cfg, med, in_checkpoint=bool(self._ckpt_nodes),
+                                             recent_saves_s=self._save_times)
             deadline = self._min_advanced_at + timeout
             if detectors.is_hung(now, self._min_advanced_at, timeout):
                 behind = sorted(n for n, s in self._node_step.items() if s == self._min_step)

@@ -87,8 +87,14 @@ def is_fatal_evidence(ev: common_pb2.Evidence) -> bool:
 # --- hang --------------------------------------------------------------------------------------
 
 
-def hang_timeout(cfg: SupervisorConfig, median_step_s: float | None, *, in_checkpoint: bool) -> float:
-    """max(floor, k x median step, longest collective); >= the checkpoint barrier while saving."""
+def hang_timeout(cfg: SupervisorConfig, median_step_s: float | None, *, in_checkpoint: bool,
+                 recent_saves_s: Sequence[float] = ()) -> float:
+    """max(floor, k x median step, longest collective); >= the save allowance while saving.
+
+    The save allowance is `checkpoint_barrier_s` until `checkpoint_saves_to_learn` saves were
+    seen, then `checkpoint_save_multiple` x the longest of `recent_saves_s`, never more than
+    `checkpoint_barrier_s` (the configured worst case stays the cap).
+    """
     if cfg.hang_timeout_s is not None:
         base = cfg.hang_timeout_s
     else:
@@ -96,7 +102,10 @@ def hang_timeout(cfg: SupervisorConfig, median_step_s: float | None, *, in_check
         base = max(cfg.hang_timeout_floor_s, derived)
     base = max(base, cfg.longest_collective_s)
     if in_checkpoint:
-        base = max(base, cfg.checkpoint_barrier_s)
+        allowance = cfg.checkpoint_barrier_s
+        if len(recent_saves_s) >= cfg.checkpoint_saves_to_learn:
+            allowance = min(allowance, cfg.checkpoint_save_multiple * max(recent_saves_s))
+        base = max(base, allowance)
     return base
 
 

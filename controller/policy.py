@@ -31,13 +31,18 @@ class SupervisorConfig:
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
     hold_window_s: float = 7 * DAY_S
 
-    # Hang: max(floor, multiple x median step time, longest collective); inside a checkpoint at
-    # least checkpoint_barrier_s. hang_timeout_s overrides the derived value (still >= the floors).
+    # Hang: max(floor, multiple x median step time, longest collective); hang_timeout_s overrides
+    # the derived value (still >= longest_collective_s). Inside a checkpoint the timeout is at least
+    # the save allowance: checkpoint_barrier_s until checkpoint_saves_to_learn saves were seen, then
+    # checkpoint_save_multiple x the longest recent save, capped at checkpoint_barrier_s (a job
+    # whose saves take 0.5 s should not wait 120 s for a rank stopped inside one).
     hang_timeout_s: float | None = None
     hang_timeout_floor_s: float = 10.0
     hang_step_multiple: float = 3.0
     longest_collective_s: float = 0.0
     checkpoint_barrier_s: float = 120.0
+    checkpoint_save_multiple: float = 3.0
+    checkpoint_saves_to_learn: int = 3
     startup_timeout_s: float = 300.0  # launch -> first progress of every node
 
     # Straggler: rank with compute >= compute_ratio x median and wait <= wait_ratio x median wait,
@@ -78,6 +83,7 @@ class SupervisorConfig:
             "crash_loop_count": 2,
             "repeat_offender_count": 1,
             "mass_expiry_min_nodes": 2,
+            "checkpoint_saves_to_learn": 1,
         }
         for name, low in ints.items():
             value = getattr(self, name)
@@ -124,6 +130,9 @@ class SupervisorConfig:
             raise ValueError("SupervisorConfig.straggler_compute_ratio: must be >= 1")
         if self.hang_step_multiple <= 0:
             raise ValueError("SupervisorConfig.hang_step_multiple: must be > 0")
+        if not isinstance(self.checkpoint_save_multiple, int | float) or not 1 <= self.checkpoint_save_multiple < float("inf"):
+            raise ValueError(f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
+                             f"got {self.checkpoint_save_multiple!r}")
         if self.preflight_mode not in ("quick", "full") or self.burn_in_mode not in ("quick", "full"):
             raise ValueError("SupervisorConfig: preflight_mode and burn_in_mode must be 'quick' or 'full'")
 

@@ -254,6 +254,56 @@ def test_a_stale_saving_flag_after_the_commit_does_not_delay_hang_detection() ->
     assert d2.events(E.EVENT_KIND_DETECTION, d2.advance(11.0))
 
 
+def _run_with_saves(d: Driver, save_s: float, saves: int) -> int:
+    """Train on `d` with `saves` checkpoints of `save_s` each (every 10 steps); returns the last step."""
+    step = 0
+    for _ in range(saves):
+        d.steps(step + 1, step + 10)
+        step += 10
+        d.progress(step, in_checkpoint=tuple(d.running_nodes()), dt=0.1)
+        d.advance(save_s)
+        d.send(CheckpointCommitted(step=step))
+    d.steps(step + 1, step + 10)
+    return step + 10
+
+
+def test_the_save_allowance_is_learned_from_the_run_s_own_saves() -> None:
+    # Saves of this run take 0.5 s: a rank stopped inside the next save is a hang after the
+    # ordinary timeout (10 s), not after the 120 s worst-case barrier.
+    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d.start(2)
+    last = _run_with_saves(d, 0.5, saves=3)
+    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)  # n1's rank stops inside this save
+    det = d.events(E.EVENT_KIND_DETECTION, d.advance(10.5))
+    assert det and det[0].detection.detector == E.DETECTOR_HANG and "in a checkpoint" in det[0].message
+
+
+def test_the_save_allowance_is_the_barrier_until_enough_saves_were_seen() -> None:
+    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d.start(2)
+    last = _run_with_saves(d, 0.5, saves=2)  # checkpoint_saves_to_learn = 3
+    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(100.0))
+    assert d.events(E.EVENT_KIND_DETECTION, d.advance(21.0))
+
+
+def test_slow_saves_get_a_multiple_of_the_longest_recent_save_capped_at_the_barrier() -> None:
+    # saves of 25 s: allowance 3 x 25 = 75 s
+    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d.start(2)
+    last = _run_with_saves(d, 25.0, saves=3)
+    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(70.0))
+    assert d.events(E.EVENT_KIND_DETECTION, d.advance(6.0))
+    # saves of 50 s: 3 x 50 = 150 s, capped at the 120 s barrier
+    d2 = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
+    d2.start(2)
+    last = _run_with_saves(d2, 50.0, saves=3)
+    d2.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
+    assert not d2.events(E.EVENT_KIND_DETECTION, d2.advance(115.0))
+    assert d2.events(E.EVENT_KIND_DETECTION, d2.advance(6.0))
+
+
 def test_startup_timeout_when_a_node_never_reports() -> None:
     d = Driver(cfg=fast(startup_timeout_s=60.0), nodes=2)
     d.start(2)

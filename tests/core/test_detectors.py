@@ -37,6 +37,19 @@ def test_hang_timeout_is_max_of_floor_and_three_median_steps() -> None:
     assert d.hang_timeout(CFG, None, in_checkpoint=False) == 10.0
 
 
+def test_save_allowance_learned_from_recent_saves_and_capped_at_the_barrier() -> None:
+    cfg = SupervisorConfig(checkpoint_barrier_s=120.0)  # x3, learned after 3 saves
+    assert d.hang_timeout(cfg, 1.0, in_checkpoint=True, recent_saves_s=[0.5, 0.4]) == 120.0
+    assert d.hang_timeout(cfg, 1.0, in_checkpoint=True, recent_saves_s=[0.5, 0.4, 0.6]) == 10.0
+    assert d.hang_timeout(cfg, 1.0, in_checkpoint=True, recent_saves_s=[5.0, 20.0, 8.0]) == 60.0
+    assert d.hang_timeout(cfg, 1.0, in_checkpoint=True, recent_saves_s=[5.0, 60.0, 8.0]) == 120.0
+    assert d.hang_timeout(cfg, 1.0, in_checkpoint=False, recent_saves_s=[60.0] * 3) == 10.0
+    with pytest.raises(ValueError, match="checkpoint_save_multiple"):
+        SupervisorConfig(checkpoint_save_multiple=0.5)
+    with pytest.raises(ValueError, match="checkpoint_saves_to_learn"):
+        SupervisorConfig(checkpoint_saves_to_learn=0)
+
+
 def test_hang_timeout_never_below_longest_collective_or_checkpoint_barrier() -> None:
     cfg = SupervisorConfig(longest_collective_s=45.0, checkpoint_barrier_s=90.0, hang_timeout_s=5.0)
     assert d.hang_timeout(cfg, 1.0, in_checkpoint=False) == 45.0
