@@ -409,9 +409,13 @@ class Supervisor:
         self._log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
                   checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
         if self._state == RunState.RUNNING and self._min_step != UNREPORTED:
-            # A commit is progress: the save it ends must not count as time the step stood still
-            # (else a 25 s save trips a 10 s hang timeout the moment it commits).
-            self._min_advanced_at = max(self._min_advanced_at, self._now)
+            if started is not None:
+                # The save, from its first "saving" report to this commit, is not time the step stood
+                # still (else a 25 s save trips a 10 s hang timeout the moment it commits). Only the
+                # observed save is credited: a commit alone must not postpone a hang that began
+                # right after it.
+                self._min_advanced_at = min(self._now, self._min_advanced_at
+                                            + max(0.0, self._now - max(started, self._min_advanced_at)))
             if self._ckpt_nodes:
                 # Every rank finished that save. A node still shown "saving" it is stale (a rank
                 # stopped right after its save): it must not keep the long checkpoint timeout.
