@@ -8,7 +8,9 @@ Evidence, strongest first (DESIGN.md, "Blame from evidence"):
    collective_seq_id rank r enqueued, S = the highest over the members. Members with last[r] < S never
    called collective S: they lag. A lagging rank that is itself waiting at the front of another stuck
    group is a victim of a cascade (it cannot call S because it is blocked elsewhere); the lagging ranks
-   that wait for nobody are the culprits. A member with no dump is a suspect. If every member reached
+   that wait for nobody are the culprits. A member with no dump is a suspect; one whose agent saw its
+   process stopped (/proc state T) is the culprit, and the lagging ranks are then taken for its victims
+   (blocked in an operation the recorder does not see, like gloo's send/recv). If every member reached
    S, the entries at S are compared (op, sizes, dtypes): the odd one out is a suspect;
 3. **heartbeat** - the node whose progress stopped first, by a clear margin;
 4. otherwise **none**: a software or data problem (which feeds the crash-loop rule).
@@ -40,11 +42,13 @@ _HARDWARE_KINDS = _ALWAYS_FATAL | {
 
 CONFIDENCE_HARDWARE = 0.95
 CONFIDENCE_HARDWARE_OTHER = 0.85  # a FATAL network / PCIe / recovery-action record
+CONFIDENCE_STOPPED = 0.95  # no dump, and its agent read its process state as stopped (SIGSTOP, T)
 CONFIDENCE_LAGGING = 0.9
 CONFIDENCE_NO_DUMP_ALONE = 0.8  # no dump, and no dumped rank lags for its own reasons
 CONFIDENCE_NO_DUMP = 0.5
 CONFIDENCE_MISMATCH = 0.6
 CONFIDENCE_CIRCULAR = 0.4
+CONFIDENCE_VICTIM_OF_STOPPED = 0.3  # lagging while another rank is stopped: below fr_min_confidence
 CONFIDENCE_HEARTBEAT = 0.5
 
 
@@ -134,6 +138,11 @@ def dumps_from_rank_dumps(
         except FlightRecorderError as exc:
             no_dump[rd.rank] = f"unreadable dump: {exc}"
     return dumps, no_dump
+
+
+def stopped_ranks(rank_dumps: Iterable[agent_pb2.RankDump]) -> frozenset[int]:
+    """Ranks that gave no dump and whose agent saw their process stopped (/proc state T or t)."""
+    return frozenset(rd.rank for rd in rank_dumps if not rd.ok and rd.process_state in ("T", "t"))
 
 
 # --- the flight-recorder rule -------------------------------------------------------------------
@@ -268,8 +277,14 @@ def analyze_flight_recorder(
     expected_ranks: Iterable[int] = (),
     no_dump: Mapping[int, str] | None = None,
     reported_timeout: Iterable[int] = (),
+    stopped: Iterable[int] = (),
 ) -> FrFindings:
-    """Apply the rule to a set of dumps. Ranks in expected_ranks without a dump are 'no dump'."""
+    """Apply the rule to a set of dumps. Ranks in expected_ranks without a dump are 'no dump'.
+
+    `stopped`: dumpless ranks whose process was seen stopped. They outrank lagging ranks: a dumped
+    rank that never called collective S may be blocked on the stopped one in an operation the
+    recorder does not see (gloo records no send/recv), while a stopped process is a fact.
+    """
     no_dump = dict(no_dump or {})
     reported = frozenset(reported_timeout)
     expected = frozenset(expected_ranks) | frozenset(dumps) | frozenset(no_dump)
@@ -301,13 +316,23 @@ def analyze_flight_recorder(
     awaited_no_dump = {r for g in groups if g.stuck for r in g.no_dump}
     lines = [_explain(g) for g in groups if g.stuck]
     suspects: dict[int, tuple[float, str]] = {}
+    stopped_set = frozenset(r for r in stopped if r in no_dump and r not in reported)
     for r in culprits:
+        if stopped_set:
+            # A stopped process blocks everyone; a rank that merely never called S is far more likely
+            # its victim, waiting in an operation the recorder does not see, than a second culprit.
+            suspects[r] = (CONFIDENCE_VICTIM_OF_STOPPED, f"never called {_lag_text(r, lags_in[r])}; probably "
+                           f"blocked by stopped rank(s) {sorted(stopped_set)}")
+            continue
         suspects[r] = (CONFIDENCE_LAGGING, "never called " + _lag_text(r, lags_in[r]))
     for r in circular:
         suspects[r] = (CONFIDENCE_CIRCULAR, "circular wait (collective order differs across ranks): "
                                             "it waits elsewhere and never called " + _lag_text(r, lags_in[r]))  # fmt: skip
     for r, why in sorted(no_dump.items()):
         if r in reported:
+            continue
+        if r in stopped_set:
+            suspects[r] = (CONFIDENCE_STOPPED, f"gave no dump and its process is stopped ({why})")
             continue
         alone = r in awaited_no_dump and not culprits
         suspects[r] = (CONFIDENCE_NO_DUMP_ALONE if alone else CONFIDENCE_NO_DUMP, f"gave no dump ({why})")
@@ -374,6 +399,7 @@ def attribute(
     evidence: Iterable[common_pb2.Evidence] = (),
     dumps: Mapping[int, FrDump] | None = None,
     no_dump: Mapping[int, str] | None = None,
+    stopped: Iterable[int] = (),
     heartbeats: Sequence[NodeHeartbeat] = (),
     reported_timeout: Iterable[int] = (),
     evidence_not_before: float | None = None,
@@ -406,7 +432,8 @@ def attribute(
     findings = None
     if dumps is not None:
         findings = analyze_flight_recorder(
-            dumps, expected_ranks=rank_to_node, no_dump=no_dump, reported_timeout=reported_timeout
+            dumps, expected_ranks=rank_to_node, no_dump=no_dump, reported_timeout=reported_timeout,
+            stopped=stopped,
         )
         lines.extend(findings.explanation)
         fr_nodes = _by_node(rank_to_node, findings.suspects)

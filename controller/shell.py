@@ -602,7 +602,8 @@ class LiveController:
                 rank_dumps.append(d)
         try:
             dumps, no_dump = attr.dumps_from_rank_dumps(rank_dumps)
-            attribution: Any = attr.attribute(rank_to_node=rank_to_node, dumps=dumps, no_dump=no_dump)
+            attribution: Any = attr.attribute(rank_to_node=rank_to_node, dumps=dumps, no_dump=no_dump,
+                                              stopped=attr.stopped_ranks(rank_dumps))
         except Exception as exc:
             log.warning("flight-recorder attribution failed: %s", exc)
             attribution = t.Attribution()

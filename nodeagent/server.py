@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent import chaos, preflight_bridge
+from nodeagent import chaos, preflight_bridge, proctree
 from nodeagent import validate as v
 from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
@@ -163,6 +163,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         attempt = self.agent.attempts.get(request.run, self.agent.progress.attempt(request.run) or 0)
         sockets = discover_sockets(self.agent.config.fr_socket_dir(request.run, attempt))
         dumps = collect_dumps(sockets, timeout, max_bytes=self.agent.config.max_message_bytes // 2) if sockets else []
+        silent_states = self._process_states(request.run, [d.rank for d in dumps if not d.ok])
         response = agent_pb2.CollectFlightRecorderResponse(node=self.agent.config.node)
         budget = self.agent.config.max_message_bytes - 64 * 1024
         for d in dumps:
@@ -170,8 +171,25 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             budget -= len(data)
             error = d.error if data or not d.ok else "no dump: over the agent's message size limit"
             response.dumps.append(agent_pb2.RankDump(rank=d.rank, ok=d.ok and bool(data), error=error,
-                                                     format=d.format, data=data))
+                                                     format=d.format, data=data,
+                                                     process_state=silent_states.get(d.rank, "")))
         return response
+
+    def _process_states(self, run: str, ranks: list[int]) -> dict[int, str]:
+        """/proc state of the ranks that gave no dump: a stopped ("T") rank is the hang's cause, not a
+        guess. Only pids inside this agent's own worker trees are read (a reused pid says nothing)."""
+        if not ranks:
+            return {}
+        pids = {r.rank: r.pid for r in self.agent.progress.ranks(run) if r.pid > 0}
+        states: dict[int, str] = {}
+        for rank in ranks:
+            pid = pids.get(rank)
+            if pid is None or not self.agent.launcher.owns(pid):
+                continue
+            info = proctree.read_proc(pid)
+            if info is not None:
+                states[rank] = info.state
+        return states
 
     @rpc
     def LaunchWorkers(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.LaunchWorkersResponse:

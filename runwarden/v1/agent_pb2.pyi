@@ -381,6 +381,7 @@ class RankDump(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     FORMAT_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PROCESS_STATE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     ok: _builtins.bool
     """false: "no dump" (the rank could not answer) - evidence too"""
@@ -389,6 +390,10 @@ class RankDump(_message.Message):
     """"json" """
     data: _builtins.bytes
     """the dump bytes, bounded by the agent's limit"""
+    process_state: _builtins.str
+    """When there is no dump: the rank's process state from /proc/PID/stat as the agent read it after
+    the request timed out ("T" stopped, "t" traced, "D" uninterruptible sleep, ...); "" unknown.
+    """
     def __init__(
         self,
         *,
@@ -397,10 +402,11 @@ class RankDump(_message.Message):
         error: _builtins.str = ...,
         format: _builtins.str = ...,
         data: _builtins.bytes = ...,
+        process_state: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "error", b"error", "format", b"format", "ok", b"ok", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "error", b"error", "format", b"format", "ok", b"ok", "process_state", b"process_state", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

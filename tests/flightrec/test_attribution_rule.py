@@ -12,11 +12,15 @@ from controller.attribution import (
     CONFIDENCE_MISMATCH,
     CONFIDENCE_NO_DUMP,
     CONFIDENCE_NO_DUMP_ALONE,
+    CONFIDENCE_STOPPED,
+    CONFIDENCE_VICTIM_OF_STOPPED,
     NodeHeartbeat,
     analyze_flight_recorder,
     attribute,
     dumps_from_rank_dumps,
+    stopped_ranks,
 )
+from controller.policy import SupervisorConfig
 from runwarden.flightrec import FrDump, dump_from_object
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2
 
@@ -139,6 +143,34 @@ def test_missing_dump_ranks_below_a_real_culprit() -> None:
     findings = analyze_flight_recorder(dumps, no_dump={3: "no dump: no answer within 2 s"})
     assert findings.suspects[1][0] == CONFIDENCE_LAGGING
     assert findings.suspects[3] == (CONFIDENCE_NO_DUMP, "gave no dump (no dump: no answer within 2 s)")
+
+
+def test_a_stopped_rank_outranks_ranks_that_lag_behind_it() -> None:
+    # Seen in the e2e test: rank 0 SIGSTOPped inside a gradient all-reduce that gloo's recorder does
+    # not show; ranks 1 and 3 wait in it (their last recorded collective is #4), rank 2 got through
+    # and waits in #5. Without the process state, ranks 1 and 3 look like two culprits.
+    dumps = default_only(4, {1: 4, 2: 5, 3: 4})
+    no_dump = {0: "no dump: no answer within 1.8 s (stopped or wedged)"}
+    findings = analyze_flight_recorder(dumps, no_dump=no_dump, stopped=[0])
+    assert findings.suspects[0][0] == CONFIDENCE_STOPPED and "process is stopped" in findings.suspects[0][1]
+    assert findings.suspects[1][0] == findings.suspects[3][0] == CONFIDENCE_VICTIM_OF_STOPPED
+    assert "blocked by stopped rank(s) [0]" in findings.suspects[1][1]
+    result = attribute(rank_to_node={0: "a", 1: "b", 2: "c", 3: "d"}, dumps=dumps, no_dump=no_dump, stopped=[0])
+    assert result.suspects[0].node == "a"
+    assert all(s.confidence < SupervisorConfig().fr_min_confidence for s in result.suspects if s.node != "a")
+    # without the process state the old reading stands: the laggers lead
+    plain = analyze_flight_recorder(dumps, no_dump=no_dump)
+    assert plain.suspects[1][0] == CONFIDENCE_LAGGING and plain.suspects[0][0] == CONFIDENCE_NO_DUMP
+
+
+def test_only_a_dumpless_rank_seen_stopped_counts_as_stopped() -> None:
+    rank_dumps = [
+        agent_pb2.RankDump(rank=0, ok=False, error="no dump: no answer within 2 s", process_state="T"),
+        agent_pb2.RankDump(rank=1, ok=False, error="no dump: no answer within 2 s", process_state="D"),
+        agent_pb2.RankDump(rank=2, ok=False, error="no dump: connection refused"),
+        agent_pb2.RankDump(rank=3, ok=False, error="no dump", process_state="t"),
+    ]
+    assert stopped_ranks(rank_dumps) == {0, 3}
 
 
 def test_a_dumpless_member_of_a_completed_collective_is_not_awaited() -> None:

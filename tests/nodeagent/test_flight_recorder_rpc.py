@@ -36,6 +36,8 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
         assert sorted(by_rank) == [0, 1, 2]
         assert by_rank[0].ok and by_rank[1].ok and by_rank[0].format == "json"
         assert not by_rank[2].ok and by_rank[2].error.startswith("no dump") and not by_rank[2].data
+        # the agent read the silent rank's /proc state: stopped is a fact, not a timeout's guess
+        assert by_rank[2].process_state == "T" and by_rank[0].process_state == ""
         last = {}
         for r in (0, 1):
             dump = parse_dump(by_rank[r].data, rank=r)
