@@ -267,41 +267,24 @@ def _run_with_saves(d: Driver, save_s: float, saves: int) -> int:
     return step + 10
 
 
-def test_the_save_allowance_is_learned_from_the_run_s_own_saves() -> None:
-    # Saves of this run take 0.5 s: a rank stopped inside the next save is a hang after the
-    # ordinary timeout (10 s), not after the 120 s worst-case barrier.
+@pytest.mark.parametrize(("save_s", "saves", "quiet_s", "fires_by_s"), [
+    (0.5, 3, 9.5, 10.5),     # learned: 3 x 0.5 s is below the ordinary 10 s hang timeout
+    (0.5, 2, 100.0, 121.0),  # fewer than checkpoint_saves_to_learn (3) saves: the 120 s barrier
+    (25.0, 3, 70.0, 76.0),   # slow saves: 3 x 25 = 75 s
+    (50.0, 3, 115.0, 121.0),  # 3 x 50 = 150 s, capped at the 120 s barrier
+])
+def test_the_save_allowance_is_learned_from_the_run_s_own_saves(
+        save_s: float, saves: int, quiet_s: float, fires_by_s: float) -> None:
+    # A rank stops inside the next save: no hang is called for `quiet_s`, one is by `fires_by_s`.
+    # The 25 s and 50 s cases also prove that a commit credits its save to the hang clock (without
+    # that, a 25 s save tripped the 10 s timeout the moment it committed).
     d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
     d.start(2)
-    last = _run_with_saves(d, 0.5, saves=3)
-    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)  # n1's rank stops inside this save
-    det = d.events(E.EVENT_KIND_DETECTION, d.advance(10.5))
+    last = _run_with_saves(d, save_s, saves=saves)
+    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(quiet_s))
+    det = d.events(E.EVENT_KIND_DETECTION, d.advance(fires_by_s - quiet_s))
     assert det and det[0].detection.detector == E.DETECTOR_HANG and "in a checkpoint" in det[0].message
-
-
-def test_the_save_allowance_is_the_barrier_until_enough_saves_were_seen() -> None:
-    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
-    d.start(2)
-    last = _run_with_saves(d, 0.5, saves=2)  # checkpoint_saves_to_learn = 3
-    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
-    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(100.0))
-    assert d.events(E.EVENT_KIND_DETECTION, d.advance(21.0))
-
-
-def test_slow_saves_get_a_multiple_of_the_longest_recent_save_capped_at_the_barrier() -> None:
-    # saves of 25 s: allowance 3 x 25 = 75 s
-    d = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
-    d.start(2)
-    last = _run_with_saves(d, 25.0, saves=3)
-    d.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
-    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(70.0))
-    assert d.events(E.EVENT_KIND_DETECTION, d.advance(6.0))
-    # saves of 50 s: 3 x 50 = 150 s, capped at the 120 s barrier
-    d2 = Driver(cfg=fast(checkpoint_barrier_s=120.0), nodes=2)
-    d2.start(2)
-    last = _run_with_saves(d2, 50.0, saves=3)
-    d2.progress(last, in_checkpoint=("n1", "n2"), dt=0.1)
-    assert not d2.events(E.EVENT_KIND_DETECTION, d2.advance(115.0))
-    assert d2.events(E.EVENT_KIND_DETECTION, d2.advance(6.0))
 
 
 def test_startup_timeout_when_a_node_never_reports() -> None:

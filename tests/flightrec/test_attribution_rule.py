@@ -146,8 +146,8 @@ def test_missing_dump_ranks_below_a_real_culprit() -> None:
 
 
 def test_a_stopped_rank_outranks_ranks_that_lag_behind_it() -> None:
-    # Seen in the e2e test: rank 0 SIGSTOPped inside a gradient all-reduce that gloo's recorder does
-    # not show; ranks 1 and 3 wait in it (their last recorded collective is #4), rank 2 got through
+    # Seen in the e2e test: rank 0 SIGSTOPped, most likely inside DDP's gradient all-reduce, which
+    # did not appear in that run's dumps (inferred, not confirmed); ranks 1 and 3 wait in it (their last recorded collective is #4), rank 2 got through
     # and waits in #5. Without the process state, ranks 1 and 3 look like two culprits.
     dumps = default_only(4, {1: 4, 2: 5, 3: 4})
     no_dump = {0: "no dump: no answer within 1.8 s (stopped or wedged)"}
