@@ -8,7 +8,7 @@ refreshed every TTL/3 with `Store.refresh_lease` from a few threads (`Store.keep
 per lease would be 2,048 threads on 2 cores), and write one `NodeProgress` per node per second.
 The "controller" in this process does what the live shell does on that path: `Store.watch_prefix`
 on the nodes and progress prefixes, decode, translate into core events, and feed a real
-`controller.core.Supervisor` (attempt 1 running on every node but the spares) from one loop thread.
+`controller.supervisor.machine.Supervisor` (attempt 1 running on every node but the spares) from one loop thread.
 
 Measured: watch lag (agent's `written_at` -> the controller's watch callback) p50/p99; CPU of this
 process (the controller side: watch threads + decode + core) as % of one core; node-loss detection
@@ -34,9 +34,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller import types as T
-from controller.core import Supervisor
-from controller.policy import RunPlan, SupervisorConfig
+from controller.supervisor import types as T
+from controller.supervisor.machine import Supervisor
+from controller.supervisor.policy import RunPlan, SupervisorConfig
 from runwarden import store as store_module
 from runwarden.etcd_server import EtcdServer
 from runwarden.store import Store

@@ -31,8 +31,8 @@ BIN = Path(sys.executable).parent
 def _bin(name: str) -> list[str]:
     exe = BIN / name
     return [str(exe)] if exe.exists() else [sys.executable, "-m", {"nodeagent": "nodeagent.cli",
-                                                                     "controller": "controller.cli",
-                                                                     "controllerctl": "controller.ctl"}[name]]
+                                                                     "controller": "controller.live.main",
+                                                                     "controllerctl": "controller.ctl.main"}[name]]
 
 
 def _toml(value: object) -> str:

@@ -1,6 +1,6 @@
 """A small private CA for one runwarden cluster: the CA, server certificates, client certificates.
 
-Used by `controllerctl certs init|issue` (controller/certs_cli.py) and by tests. Keys are ECDSA
+Used by `controllerctl certs init|issue` (controller/ctl/certs.py) and by tests. Keys are ECDSA
 P-256, written PKCS#8 without a passphrase with mode 0600 (the deploy note says where they go and
 who may read them); certificates are PEM. A certificate's role decides its extensions:
 
@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-ADMIN_ORGANIZATION = "runwarden:admin"  # controller/api.py AccessPolicy's default admin organization
+ADMIN_ORGANIZATION = "runwarden:admin"  # controller/api/service.py AccessPolicy's default admin organization
 ROLES = ("server", "admin", "reader")
 CA_STEM = "ca"
 _STEM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

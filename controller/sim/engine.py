@@ -1,11 +1,11 @@
-"""The discrete-event world around the real supervisor core (`controller.core.Supervisor`).
+"""The discrete-event world around the real supervisor core (`controller.supervisor.machine.Supervisor`).
 
 The world owns what the core cannot see: the training job's real progress, the checkpoint
 cadence, the faults (drawn once per seed and shared by every policy), the latencies with which
 each signal reaches the supervisor, and how long each action takes. The core owns every
 decision: detection, blame, quarantine, spares, preflight, backoff, relaunch. Its actions are
 executed with the scenario's latencies and its `AppendEvent`s form the event log, in the live
-controller's format, which the live goodput function (`controller.goodput.compute_goodput`) reads.
+controller's format, which the live goodput function (`controller.goodput.report.compute_goodput`) reads.
 
 What is summarised, and why it does not change the answer:
 
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller import types as T
-from controller.core import RunState, Supervisor
-from controller.policy import RunPlan
 from controller.sim.draws import Draws, Fault
 from controller.sim.scenario import Cause, Costs, Policy, Scenario
+from controller.supervisor import types as T
+from controller.supervisor.machine import RunState, Supervisor
+from controller.supervisor.policy import RunPlan
 from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2

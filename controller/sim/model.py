@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from controller.detectors import hang_timeout
 from controller.sim.scenario import Cause, Policy, Scenario
+from controller.supervisor.detectors import hang_timeout
 
 
 def young_daly_interval_s(mtbf_s: float, stall_s: float) -> float:

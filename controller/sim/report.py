@@ -1,6 +1,6 @@
 """Policies compared on shared draws: ETTR with a confidence interval, lost time by lever, counts.
 
-ETTR (effective training time ratio) here is `controller.goodput.compute_goodput(events).goodput`
+ETTR (effective training time ratio) here is `controller.goodput.report.compute_goodput(events).goodput`
 over the simulated window: the fraction of wall time whose training progress was kept.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from controller.goodput import compute_goodput
+from controller.goodput.report import compute_goodput
 from controller.sim.draws import draw
 from controller.sim.engine import SimResult, simulate
 from controller.sim.model import first_order

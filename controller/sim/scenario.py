@@ -15,7 +15,7 @@ Layout::
     [planned]       planned stops (drain, maintenance windows, preemption): a count over the window
     [policy.NAME]   one per policy: spares, lease TTL, evidence watching, preflight, dumps, the
                     checkpoint interval and save stall, cost overrides, and [policy.NAME.supervisor]:
-                    the real `controller.policy.SupervisorConfig` the core runs with
+                    the real `controller.supervisor.policy.SupervisorConfig` the core runs with
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from controller.policy import SupervisorConfig
+from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError, load_section, read_toml
 
 DAY_S = 86400.0

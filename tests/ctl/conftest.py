@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.api import AccessPolicy, ServerTLS, build_server
-from controller.store_view import StoreBackedView
+from controller.api.service import AccessPolicy, ServerTLS, build_server
+from controller.api.store_view import StoreBackedView
 from runwarden.eventlog import EventLog
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, store_pb2

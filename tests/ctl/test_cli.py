@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controller.ctl import main
-from controller.goodput import compute_goodput
+from controller.ctl.main import main
+from controller.goodput.report import compute_goodput
 from runwarden.eventlog import read_events
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, events_pb2, store_pb2
 
@@ -184,7 +184,7 @@ def test_watch_events_resumes_after_seq_and_follow_streams(live: LiveController)
     stream.cancel()
     # the console entry point in a real process: --follow prints appended events as JSON lines
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/nonexistent"}
-    proc = subprocess.Popen([sys.executable, "-m", "controller.ctl", "--controller", live.address, "events",
+    proc = subprocess.Popen([sys.executable, "-m", "controller.ctl.main", "--controller", live.address, "events",
                              "--follow", "--json", "--kind", "checkpoint-commit", "--limit", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
@@ -246,7 +246,7 @@ def test_colour_only_when_asked(live: LiveController, capsys: pytest.CaptureFixt
 
 def test_optional_subcommands_load_lazily_or_say_what_is_missing(capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import controller.ctl as ctl_module
+    import controller.ctl.main as ctl_module
 
     monkeypatch.setitem(ctl_module.OPTIONAL_SUBCOMMANDS, "frobnicate",
                         ("controller.no_such_module_cli", "a subcommand not installed here"))
@@ -256,7 +256,7 @@ def test_optional_subcommands_load_lazily_or_say_what_is_missing(capsys: pytest.
         main(["--help"])
     out = capsys.readouterr().out
     assert "frobnicate" in out and "attribute" in out and "exit codes:" in out
-    if ctl_module._import_optional("controller.attribution_cli") is not None:
+    if ctl_module._import_optional("controller.ctl.attribute") is not None:
         with pytest.raises(SystemExit) as exc:
             main(["attribute", "--help"])
         assert exc.value.code == 0 and "attribute" in capsys.readouterr().out

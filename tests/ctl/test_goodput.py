@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.goodput import US, compute_goodput, percentile
+from controller.goodput.report import US, compute_goodput, percentile
 from runwarden.eventlog import EventLog, read_events
 from runwarden.v1 import common_pb2, events_pb2
 

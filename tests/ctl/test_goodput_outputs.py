@@ -6,9 +6,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.goodput import compute_goodput
-from controller.goodput_chart import render_png
-from controller.goodput_metrics import register_goodput_metrics
+from controller.goodput.chart import render_png
+from controller.goodput.metrics import register_goodput_metrics
+from controller.goodput.report import compute_goodput
 from runwarden.v1 import common_pb2
 
 from .conftest import incident_log

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.goodput import compute_goodput
+from controller.goodput.report import compute_goodput
 
 from .logbuild import LogBuilder
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.api import AccessPolicy, ServerTLS, build_server
-from controller.ctl import main
+from controller.api.service import AccessPolicy, ServerTLS, build_server
+from controller.ctl.main import main
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, store_pb2
 
@@ -89,7 +89,7 @@ def test_plaintext_client_and_foreign_certificate_are_refused(live_tls: LiveCont
 
 
 def test_plaintext_is_refused_off_loopback(store: Store, tmp_path: Path) -> None:
-    from controller.store_view import StoreBackedView
+    from controller.api.store_view import StoreBackedView
 
     with pytest.raises(ValueError, match="plaintext"):
         build_server(StoreBackedView(store, tmp_path / "e.jsonl"), "0.0.0.0:0")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.goodput import compute_goodput
+from controller.goodput.report import compute_goodput
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
 from runwarden.eventlog import read_events

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.attribution_cli import EXIT_BAD_INPUT, EXIT_NO_SUSPECT, EXIT_SUSPECTS, add_parser, main, run
+from controller.ctl.attribute import EXIT_BAD_INPUT, EXIT_NO_SUSPECT, EXIT_SUSPECTS, add_parser, main, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,7 +101,7 @@ def test_add_parser_plugs_into_a_parent_cli(tmp_path: Path) -> None:
 def test_runs_as_a_module_without_torch_imported(tmp_path: Path) -> None:
     d = _write(tmp_path / "d", {0: 2, 1: 1})
     code = (
-        "import sys; from controller.attribution_cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from controller.ctl.attribute import main; rc = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
     )
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""controller.attribution on hand-made dumps: the rule, cascades, cycles, mismatches, and the evidence order."""
+"""controller.supervisor.flight_recorder on hand-made dumps: the rule, cascades, cycles, mismatches, and the evidence order."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from controller.attribution import (
+from controller.supervisor.flight_recorder import (
     CONFIDENCE_CIRCULAR,
     CONFIDENCE_LAGGING,
     CONFIDENCE_MISMATCH,
@@ -20,7 +20,7 @@ from controller.attribution import (
     dumps_from_rank_dumps,
     stopped_ranks,
 )
-from controller.policy import SupervisorConfig
+from controller.supervisor.policy import SupervisorConfig
 from runwarden.flightrec import FrDump, dump_from_object
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2
 

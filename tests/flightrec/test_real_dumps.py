@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.attribution import analyze_flight_recorder, attribute
-from controller.attribution_cli import EXIT_SUSPECTS, main
+from controller.ctl.attribute import EXIT_SUSPECTS, main
+from controller.supervisor.flight_recorder import analyze_flight_recorder, attribute
 from runwarden.flightrec import TORCH_DEFAULT_PREFIX, read_dump_dir
 from tests.flightrec.conftest import SCENARIOS
 from tests.flightrec.scenarios import PICKLE_PREFIX, ScenarioRun

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.api import ServerTLS
-from controller.ctl import main
+from controller.api.service import ServerTLS
+from controller.ctl.main import main
 from runwarden.etcd_server import EtcdServer, EtcdTls
 from runwarden.store import Store, StoreConfig, StoreError
 from tests.ctl.conftest import RUN, LiveController, _start

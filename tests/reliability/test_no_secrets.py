@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.ctl import main
+from controller.ctl.main import main
 from examples.cluster import write_toml
 from runwarden.etcd_server import EtcdServer, free_port
 from runwarden.eventlog import read_events
@@ -55,7 +55,7 @@ def _controller(tmp: Path, etcd: EtcdServer, pki: Path, password: str) -> tuple[
         "agent_tls": {"cert": str(pki / "controller.pem"), "key": str(pki / "controller.key"), "ca": str(pki / "ca.pem")},
     })
     log = run_dir / "controller.log"
-    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "run", "--config", str(cfg), "--log-level", "DEBUG"],
+    proc = subprocess.Popen([sys.executable, "-m", "controller.live.main", "run", "--config", str(cfg), "--log-level", "DEBUG"],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     return proc, log, run_dir
 

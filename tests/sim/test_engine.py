@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.core import Supervisor
-from controller.goodput import compute_goodput
+from controller.goodput.report import compute_goodput
 from controller.sim.draws import draw
 from controller.sim.engine import World, simulate
 from controller.sim.scenario import load_scenario
+from controller.supervisor.machine import Supervisor
 from runwarden.eventlog import encode_event, read_events
 from runwarden.v1 import events_pb2 as E
 from tests.sim.helpers import tiny

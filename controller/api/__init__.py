@@ -1,0 +1,1 @@
+"""The Controller gRPC API: service, access roles, views."""

@@ -1,0 +1,214 @@
+"""A `ControllerView` read from etcd and the event log, for tools and tests.
+
+It sees what the live controller writes (node records, pool entries, reputation, evidence, attempt
+records, progress, checkpoints) and writes operator requests the way the controller reads them:
+a pool entry with ``operator_hold`` for a quarantine, a pool entry in burn-in for a release, a
+`StopRequest` under the run's stop key. Run phases are inferred (the live shell knows them
+exactly): RUN_END in the event log, a stop key, fresh progress, an attempt record.
+Every pool write is a compare-and-swap, so it never overwrites a concurrent controller update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from controller.api.service import ViewNotFound, ViewRefused, ViewUnavailable
+from runwarden.eventlog import read_events
+from runwarden.store import Store
+from runwarden.store_types import KeyValue, StoreError
+from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
+
+CONTROLLER_ELECTION = "controller"
+FRESH_PROGRESS_S = 60.0  # progress younger than this means the run is training
+CAS_TRIES = 5
+
+M = TypeVar("M", bound=Message)
+
+
+def _parse(cls: type[M], kv: KeyValue | None) -> M | None:
+    if kv is None:
+        return None
+    msg = cls()
+    try:
+        msg.ParseFromString(kv.value)
+    except DecodeError:
+        return None  # a corrupt value is shown as missing rather than failing the whole listing
+    return msg
+
+
+class StoreBackedView:
+    def __init__(self, store: Store, event_log_path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._keys = store.keys
+        self._event_log_path = Path(event_log_path)
+        self._clock = clock
+
+    @property
+    def event_log_path(self) -> Path:
+        return self._event_log_path
+
+    def _prefix(self, prefix: str) -> list[KeyValue]:
+        try:
+            return self._store.get_prefix(prefix)[0]
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+
+    def _get(self, key: str) -> KeyValue | None:
+        try:
+            return self._store.get(key)
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def _run_names(self) -> list[str]:
+        runs_prefix = self._keys.base + "runs/"
+        names = {kv.key[len(runs_prefix):].split("/", 1)[0] for kv in self._prefix(runs_prefix)}
+        return sorted(n for n in names if n)
+
+    def run_statuses(self) -> Sequence[controller_pb2.RunStatus]:
+        ended = {e.run: e for e in read_events(self._event_log_path).events
+                 if e.kind == events_pb2.EVENT_KIND_RUN_END}
+        return [self._run_status(run, ended.get(run)) for run in self._run_names()]
+
+    def _run_status(self, run: str, end: events_pb2.Event | None) -> controller_pb2.RunStatus:
+        now = self._clock()
+        spec = _parse(store_pb2.RunSpec, self._get(self._keys.spec(run)))
+        attempt = _parse(store_pb2.AttemptRecord, self._get(self._keys.attempt(run)))
+        stop = _parse(store_pb2.StopRequest, self._get(self._keys.stop(run)))
+        progress = [p for kv in self._prefix(self._keys.progress_prefix(run))
+                    if (p := _parse(store_pb2.NodeProgress, kv)) is not None]
+        commits = [c for kv in self._prefix(self._keys.checkpoints_prefix(run))
+                   if (c := _parse(store_pb2.CheckpointCommit, kv)) is not None]
+        number = attempt.attempt if attempt else 0
+        current = [p for p in progress if p.attempt == number]
+        steps = [r.step for p in current for r in p.ranks]
+        last_write = max((p.written_at for p in current), default=0.0)
+        status = controller_pb2.RunStatus(
+            run=run, attempt=number, current_step=max(steps, default=-1),
+            last_committed_step=max((c.step for c in commits), default=-1),
+            restart_budget_left=max(0, spec.max_attempts - number) if spec else 0,
+            since_last_progress_s=max(0.0, now - last_write) if last_write else -1.0,
+            nodes=list(attempt.nodes) if attempt else [],
+            rendezvous_id=attempt.rendezvous_id if attempt else "",
+        )
+        status.phase, status.reason = self._phase(end, stop, attempt, last_write, now)
+        return status
+
+    @staticmethod
+    def _phase(end: events_pb2.Event | None, stop: store_pb2.StopRequest | None,
+               attempt: store_pb2.AttemptRecord | None, last_write: float,
+               now: float) -> tuple[controller_pb2.RunPhase.ValueType, str]:
+        if end is not None:
+            outcome = end.run_detail.outcome
+            if outcome in ("completed", "stopped"):
+                return controller_pb2.RUN_PHASE_COMPLETED, outcome
+            return controller_pb2.RUN_PHASE_FAILED, outcome or end.message
+        if stop is not None:
+            return controller_pb2.RUN_PHASE_STOPPING, stop.reason
+        if attempt is None:
+            return controller_pb2.RUN_PHASE_PENDING, ""
+        if last_write and now - last_write <= FRESH_PROGRESS_S:
+            return controller_pb2.RUN_PHASE_RUNNING, ""
+        return controller_pb2.RUN_PHASE_LAUNCHING, "no progress from this attempt yet"
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def node_infos(self) -> Sequence[controller_pb2.NodeInfo]:
+        k = self._keys
+        records = {k.name_under(k.nodes_prefix(), kv.key): r for kv in self._prefix(k.nodes_prefix())
+                   if (r := _parse(store_pb2.NodeRecord, kv)) is not None}
+        pool = {k.name_under(k.pool_prefix(), kv.key): e for kv in self._prefix(k.pool_prefix())
+                if (e := _parse(store_pb2.PoolEntry, kv)) is not None}
+        reps = {k.name_under(k.reputation_prefix(), kv.key): rp for kv in self._prefix(k.reputation_prefix())
+                if (rp := _parse(store_pb2.Reputation, kv)) is not None}
+        evidence: dict[str, list[common_pb2.Evidence]] = {}
+        for kv in self._prefix(k.evidence_prefix()):
+            rec = _parse(store_pb2.EvidenceRecord, kv)
+            if rec is not None:
+                evidence.setdefault(rec.evidence.node, []).append(rec.evidence)
+        now = self._clock()
+        return [self._node_info(n, records.get(n), pool.get(n), reps.get(n), evidence.get(n, []), now)
+                for n in sorted(set(records) | set(pool))]
+
+    @staticmethod
+    def _node_info(name: str, rec: store_pb2.NodeRecord | None, entry: store_pb2.PoolEntry | None,
+                   rep: store_pb2.Reputation | None, evidence: list[common_pb2.Evidence],
+                   now: float) -> controller_pb2.NodeInfo:
+        info = controller_pb2.NodeInfo(node=name, alive=rec is not None, evidence=evidence[-20:])
+        if rec is not None:
+            info.address, info.state, info.gpu_count = rec.address, rec.state, rec.gpu_count
+            info.last_preflight.CopyFrom(rec.last_preflight)
+            info.last_heartbeat_age_s = max(0.0, now - rec.registered_at) if rec.registered_at else -1.0
+        else:
+            info.last_heartbeat_age_s = -1.0
+        if entry is not None:
+            info.pool_state, info.run, info.reason = entry.state, entry.run, entry.reason
+        if rep is not None:
+            info.failures, info.straggler_flags = rep.failures, rep.straggler_flags
+            info.reputation_score = -float(rep.failures * 10 + rep.straggler_flags + rep.preflight_rejections)
+        return info
+
+    # -- operator requests -----------------------------------------------------------------------
+
+    def _update_pool(self, node: str, change: Callable[[store_pb2.PoolEntry], None]) -> store_pb2.PoolEntry:
+        key = self._keys.pool(node)
+        for _ in range(CAS_TRIES):
+            kv = self._get(key)
+            entry = _parse(store_pb2.PoolEntry, kv)
+            if entry is None:
+                if self._get(self._keys.node(node)) is None:
+                    raise ViewNotFound(f"no node named {node!r}")
+                entry = store_pb2.PoolEntry(node=node, state=common_pb2.POOL_STATE_SPARE)
+            change(entry)
+            try:
+                if self._store.cas(key, entry.SerializeToString(), kv.mod_revision if kv else 0):
+                    return entry
+            except StoreError as exc:
+                raise ViewUnavailable(f"etcd: {exc}") from None
+        raise ViewUnavailable(f"pool entry of {node!r} kept changing; try again")
+
+    def quarantine(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
+        def change(entry: store_pb2.PoolEntry) -> None:
+            entry.state = common_pb2.POOL_STATE_QUARANTINED
+            entry.operator_hold = True
+            entry.reason = f"operator {actor}: {reason}"
+            entry.since = self._clock()
+            entry.burn_in_passes = 0
+
+        return self._update_pool(node, change).state
+
+    def release(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
+        def change(entry: store_pb2.PoolEntry) -> None:
+            if entry.state in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED):
+                raise ViewRefused(f"node {node!r} is not quarantined or held; nothing to release")
+            # Like any quarantined node it returns through burn-in, never straight into a run.
+            entry.state = common_pb2.POOL_STATE_BURN_IN
+            entry.operator_hold = False
+            entry.reason = f"released by operator {actor}: {reason}"
+            entry.since = self._clock()
+            entry.burn_in_passes = 0
+
+        return self._update_pool(node, change).state
+
+    def request_stop(self, run: str, reason: str, actor: str) -> bool:
+        if run not in self._run_names():
+            raise ViewNotFound(f"no run named {run!r}")
+        stop = store_pb2.StopRequest(run=run, reason=reason, requested_at=self._clock(), requested_by=actor)
+        try:
+            self._store.put(self._keys.stop(run), stop.SerializeToString())
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+        return True
+
+    def leader(self) -> tuple[str, int]:
+        contenders = self._prefix(self._keys.election(CONTROLLER_ELECTION))
+        if not contenders:
+            return "", 0
+        first = min(contenders, key=lambda kv: kv.create_revision)
+        return first.value.decode("utf-8", "replace"), first.create_revision

@@ -1,0 +1,1 @@
+"""`controllerctl`: one module per subcommand; imports nothing from controller.live."""

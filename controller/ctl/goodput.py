@@ -1,0 +1,107 @@
+"""`controllerctl goodput`: the report from the controller, or offline from an event-log file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from controller.ctl.client import CtlError, ExitCode
+from controller.ctl.commands import since_arg
+from controller.ctl.format import Cell, Painter, print_json, table
+from controller.goodput.report import compute_goodput
+from runwarden.eventlog import read_events
+from runwarden.v1 import controller_pb2, events_pb2
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("goodput", parents=[common], help="goodput, lost time by cause or week, rates, PNG chart",
+                       description="Goodput = time whose training progress was kept / allocated time. "
+                                   "With --log FILE it is computed offline from an event-log file, "
+                                   "with no controller running.")
+    p.add_argument("run", nargs="?", default="", help="one run (default: every run, summed)")
+    p.add_argument("--since", type=since_arg, default=None, help="10m, 2h, 3d, an ISO time, or unix seconds")
+    p.add_argument("--by", choices=["cause", "week"], default="cause", help="break lost time down by (default cause)")
+    p.add_argument("--png", metavar="FILE", help="also draw the postmortem chart (timeline + lost time) to FILE")
+    p.add_argument("--log", metavar="FILE", help="compute offline from this event-log file")
+    p.set_defaults(func=run, offline_ok=True)
+
+
+def _offline_events(path: str) -> list[events_pb2.Event]:
+    p = Path(path)
+    if not p.is_file():
+        raise CtlError(f"no event-log file {path}", ExitCode.USAGE)
+    try:
+        read = read_events(p)
+    except OSError as exc:
+        raise CtlError(f"cannot read {path}: {exc.strerror}", ExitCode.USAGE) from None
+    if read.torn_tail is not None:
+        print(f"controllerctl: {path}: skipped a torn last line (a crash mid-write)", file=sys.stderr)
+    for err in read.errors[:5]:
+        print(f"controllerctl: {path}:{err.line_no}: skipped: {err.reason}", file=sys.stderr)
+    return read.events
+
+
+def run(args: argparse.Namespace) -> int:
+    events: list[events_pb2.Event] | None = None
+    if args.log:
+        events = _offline_events(args.log)
+        if args.run and not any(e.run == args.run for e in events):
+            raise CtlError(f"no events for run {args.run!r} in {args.log}", ExitCode.NOT_FOUND)
+        report = compute_goodput(events, run=args.run, since=args.since).to_proto()
+    else:
+        client = args.client_factory()
+        resp = client.call("GetGoodput", controller_pb2.GetGoodputRequest(run=args.run, since=args.since or 0.0))
+        report = resp.report
+        if args.png:
+            listed = client.call("ListEvents", controller_pb2.ListEventsRequest(run=args.run, limit=100_000))
+            events = list(listed.events)
+    if args.png:
+        _draw(events or [], args)
+    if args.json_out:
+        print_json(report)
+    else:
+        print(render_report(report, args.by, args.paint))
+        if args.png:
+            print(f"\nchart written to {args.png}")
+    return 0
+
+
+def _draw(events: list[events_pb2.Event], args: argparse.Namespace) -> None:
+    from controller.goodput.chart import ChartError, render_png
+
+    try:
+        render_png(compute_goodput(events, run=args.run, since=args.since), args.png)
+    except ChartError as exc:
+        raise CtlError(str(exc), ExitCode.FAILED) from None
+
+
+def _hours(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds / 60:.1f} min"
+
+
+def render_report(r: controller_pb2.GoodputReport, by: str, paint: Painter) -> str:
+    colour = "green" if r.goodput >= 0.9 else "yellow" if r.goodput >= 0.7 else "red"
+    lines = [
+        f"{paint('run', 'bold')}         {r.run or '*'}",
+        f"{paint('goodput', 'bold')}     {paint(f'{100 * r.goodput:.1f}%', colour)}   "
+        f"productive {_hours(r.productive_s)} of {_hours(r.allocated_s)} allocated, lost {_hours(r.lost_s)}",
+        f"{paint('failures', 'bold')}    {r.failures}  ({r.failures_per_1000_node_hours:.2f} per 1,000 node-hours)",
+        f"{paint('detect', 'bold')}      mean {r.detect_mean_min:.2f} min, p90 {r.detect_p90_min:.2f} min",
+        f"{paint('first step', 'bold')}  mean {r.first_step_mean_min:.2f} min from fault to first new step",
+        f"{paint('preflight', 'bold')}   {r.preflight_rejections} rejections",
+        "",
+    ]
+    if by == "week":
+        rows: list[list[Cell]] = [[w.week, _hours(w.allocated_s), _hours(w.productive_s), f"{100 * w.goodput:.1f}%"]
+                                  for w in r.weeks]
+        lines.append(table(["week", "allocated", "productive", "goodput"], rows, paint) if rows else "no weeks")
+    else:
+        lost = r.lost_s or 1.0
+        rows = [[c.cause, _hours(c.seconds), f"{100 * c.seconds / lost:.1f}%"] for c in r.lost_by_cause]
+        lines.append(table(["cause", "lost", "share"], rows, paint) if rows else "no lost time")
+    return "\n".join(lines)
+

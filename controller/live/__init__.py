@@ -1,0 +1,1 @@
+"""The controller daemon: etcd in, actions out, around the supervisor core."""

@@ -1,0 +1,118 @@
+"""The controller daemon's config: one TOML file, validated once, unknown keys refused.
+
+    [store]            runwarden.store.StoreConfig (endpoints, TLS files, user/password, root)
+    [controller]       the run and the shell: run, nodes, command, run_dir, api_address, ...
+    [controller.env]   extra environment for every rank
+    [policy]           controller.supervisor.policy.SupervisorConfig (restart budget, hang timeout, ...)
+    [paging]           controller.live.paging.PagerConfig (webhook_url, command, rate limit)
+    [api_tls]          optional: cert/key/client CA for the Controller API (mTLS)
+    [agent_tls]        optional: CA + client cert/key the controller presents to the agents
+
+Precedence: file < environment (RUNWARDEN_ETCD_ENDPOINTS) < flags (the CLI applies them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.live.agents import AgentTLS
+from controller.live.paging import PagerConfig
+from controller.supervisor.policy import SupervisorConfig
+from runwarden.config import ConfigError, load_section, read_toml
+from runwarden.store import StoreConfig
+from runwarden.store_types import StoreError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSection:
+    run: str
+    nodes: int
+    command: tuple[str, ...]
+    run_dir: Path
+    api_address: str = "127.0.0.1:7070"
+    metrics_address: str = ""            # "host:port" for Prometheus /metrics (goodput); "" = off
+    identity: str = ""
+    procs_per_node: int = 1
+    election_ttl_s: float = 3.0
+    tick_s: float = 0.25
+    rdzv_host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("controller.command: must be a non-empty argv list")
+        if self.nodes < 1 or self.procs_per_node < 1:
+            raise ConfigError("controller.nodes and controller.procs_per_node must be >= 1")
+        if not 1.0 <= self.election_ttl_s <= 60.0:
+            raise ConfigError(f"controller.election_ttl_s: must be within 1..60 s, got {self.election_ttl_s}")
+        if not 0.01 <= self.tick_s <= 10.0:
+            raise ConfigError(f"controller.tick_s: must be within 0.01..10 s, got {self.tick_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreSection:
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout_s: float = 5.0
+    root: str = "/runwarden"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TLSSection:
+    cert: Path
+    key: Path
+    ca: Path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControllerConfig:
+    run: RunSection
+    store: StoreConfig
+    policy: SupervisorConfig
+    paging: PagerConfig
+    api_tls: TLSSection | None = None
+    agent_tls: AgentTLS | None = None
+
+
+_SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls"}
+
+
+def load_controller_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ControllerConfig:
+    """Read the file, apply the environment and then `overrides` ({"controller.run": ...})."""
+    raw: dict[str, Any] = read_toml(path) if path else {}
+    where = str(path) if path else "<flags>"
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECTIONS))}")
+    sections: dict[str, dict[str, Any]] = {name: dict(raw.get(name, {})) for name in _SECTIONS}
+    env_endpoints = os.environ.get("RUNWARDEN_ETCD_ENDPOINTS", "")
+    if env_endpoints:
+        sections["store"]["endpoints"] = [e for e in env_endpoints.split(",") if e]
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in _SECTIONS or not key:
+            raise ConfigError(f"override {dotted!r}: expected <section>.<key>")
+        sections[section][key] = value
+    run = load_section(RunSection, sections["controller"], f"{where} [controller]")
+    store_sec = load_section(StoreSection, sections["store"], f"{where} [store]")
+    try:
+        store = StoreConfig(endpoints=store_sec.endpoints, ca_file=store_sec.ca_file, cert_file=store_sec.cert_file,
+                            key_file=store_sec.key_file, user=store_sec.user, password=store_sec.password,
+                            timeout_s=store_sec.timeout_s, root=store_sec.root)
+    except StoreError as exc:
+        raise ConfigError(f"{where} [store]: {exc}") from None
+    policy = load_section(SupervisorConfig, sections["policy"], f"{where} [policy]")
+    paging = load_section(PagerConfig, sections["paging"], f"{where} [paging]")
+    api_tls = load_section(TLSSection, sections["api_tls"], f"{where} [api_tls]") if sections["api_tls"] else None
+    agent_tls = None
+    if sections["agent_tls"]:
+        tls = load_section(TLSSection, sections["agent_tls"], f"{where} [agent_tls]")
+        agent_tls = AgentTLS(ca=tls.ca, cert=tls.cert, key=tls.key)
+    return ControllerConfig(run=run, store=store, policy=policy, paging=paging, api_tls=api_tls, agent_tls=agent_tls)

@@ -1,0 +1,140 @@
+"""`controller`: the supervisor daemon.
+
+    controller run --config controller.toml [--etcd HOST:PORT] [--api ADDRESS] [--identity NAME]
+
+It campaigns for leadership in etcd (a standby waits), rebuilds its view from etcd, and supervises
+the run; the Controller gRPC API (for `controllerctl`) is served by every replica, and a standby
+answers reads from etcd. SIGTERM/SIGINT stop it cleanly.
+
+Exit codes: 0 stopped cleanly, 2 bad config or etcd unreachable at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from runwarden.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="controller", description="runwarden's run supervisor daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the controller (leader election, supervision, API)")
+    run.add_argument("--config", help="TOML config file (see controller/live/config.py)")
+    run.add_argument("--etcd", help="etcd endpoints, comma-separated (overrides the file and env)")
+    run.add_argument("--api", help="Controller API listen address (host:port)")
+    run.add_argument("--identity", help="this replica's name in the election")
+    run.add_argument("--metrics", help="Prometheus /metrics address (host:port; '' = off)")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from controller.api.service import AccessPolicy, ServerTLS, build_server
+    from controller.live.config import load_controller_config
+    from controller.live.loop import LiveController, ShellConfig
+    from controller.live.paging import Pager
+    from controller.live.view import LiveView
+    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.policy import RunPlan
+    from runwarden.store import Store
+    from runwarden.store_types import StoreError
+
+    overrides: dict[str, Any] = {}
+    if args.etcd:
+        overrides["store.endpoints"] = [e for e in args.etcd.split(",") if e]
+    if args.api:
+        overrides["controller.api_address"] = args.api
+    if args.identity:
+        overrides["controller.identity"] = args.identity
+    if args.metrics is not None:
+        overrides["controller.metrics_address"] = args.metrics
+    try:
+        cfg = load_controller_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store = Store.connect(cfg.store)
+    except StoreError as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    run = cfg.run
+    shell_kwargs: dict[str, Any] = {
+        "run": run.run, "command": tuple(run.command), "run_dir": run.run_dir, "election_ttl_s": run.election_ttl_s,
+        "tick_s": run.tick_s, "env": tuple(sorted(run.env.items())), "procs_per_node": run.procs_per_node,
+        "rdzv_host": run.rdzv_host,
+    }
+    if run.identity:
+        shell_kwargs["identity"] = run.identity
+    from controller.live.agents import AgentClients
+
+    shell = LiveController(
+        ShellConfig(**shell_kwargs), store,
+        lambda: Supervisor(cfg.policy, RunPlan(run=run.run, nodes=run.nodes)),
+        agents=AgentClients(cfg.agent_tls), pager=Pager(cfg.paging),
+    )
+    tls = None
+    if cfg.api_tls is not None:
+        tls = ServerTLS(cert_pem=cfg.api_tls.cert.read_bytes(), key_pem=cfg.api_tls.key.read_bytes(),
+                        client_ca_pem=cfg.api_tls.ca.read_bytes())
+    try:
+        server, port = build_server(LiveView(shell), run.api_address, tls=tls, policy=AccessPolicy())
+    except (ValueError, OSError) as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    server.start()
+    if run.metrics_address:
+        try:
+            _serve_metrics(run.metrics_address, shell.cfg.event_log_path, run.run)
+        except OSError as exc:
+            print(f"controller: cannot serve metrics on {run.metrics_address}: {exc.strerror}", file=sys.stderr)
+            server.stop(grace=None)
+            return 2
+    logging.getLogger("controller").info("Controller API on port %d; identity %s", port, shell.cfg.identity)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        shell.stop()
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker = threading.Thread(target=shell.run, name="supervisor", daemon=True)
+    worker.start()
+    while not done.is_set() and worker.is_alive():
+        done.wait(0.5)
+    shell.close()
+    server.stop(grace=1.0)
+    store.close()
+    return 0
+
+
+def _serve_metrics(address: str, event_log: Any, run: str) -> None:
+    """Prometheus /metrics: the goodput report, computed from the event log at scrape time."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from controller.goodput.metrics import register_goodput_metrics
+    from controller.goodput.report import compute_goodput
+    from runwarden.eventlog import read_events
+
+    registry = CollectorRegistry()
+    register_goodput_metrics(registry, lambda: [compute_goodput(read_events(event_log).events, run=run)])
+    host, _, port = address.rpartition(":")
+    start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    logging.getLogger("controller").info("Prometheus metrics on %s", address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

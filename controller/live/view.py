@@ -1,0 +1,62 @@
+"""The Controller API's view of a live controller.
+
+Nodes, evidence and reputation are read from etcd exactly as any tool would (`StoreBackedView`);
+the run's phase comes from the core itself (the shell publishes a `RunStatus` after every batch);
+operator quarantine and release go *through the core* like every other event, so the pool, the
+event log and the next placement agree. A stop request is written to the run's stop key, the same
+path a Slurm USR1 trap or `controllerctl stop` takes, and the watch delivers it to the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
+
+from controller.api.service import ViewNotFound, ViewRefused, ViewUnavailable
+from controller.api.store_view import StoreBackedView
+from controller.supervisor import types as t
+from runwarden.v1 import common_pb2, controller_pb2
+
+if TYPE_CHECKING:
+    from controller.live.loop import LiveController
+
+OPERATOR_TIMEOUT_S = 10.0
+
+
+class LiveView(StoreBackedView):
+    def __init__(self, shell: LiveController) -> None:
+        super().__init__(shell.store, shell.cfg.event_log_path)
+        self._shell = shell
+
+    def run_statuses(self) -> Sequence[controller_pb2.RunStatus]:
+        status = self._shell.status
+        if status is None:
+            return list(super().run_statuses())
+        return [status]
+
+    def leader(self) -> tuple[str, int]:
+        if self._shell.is_leader.is_set() and self._shell.leadership is not None:
+            return self._shell.cfg.identity, int(self._shell.leadership.fence)
+        return super().leader()
+
+    def _operator(self, event: t.OperatorQuarantine | t.OperatorRelease) -> common_pb2.PoolState.ValueType:
+        if not self._shell.is_leader.is_set():
+            raise ViewUnavailable("this controller is not the leader; ask the leader")
+        fut = self._shell.submit_and_wait(event)
+        try:
+            state = fut.result(timeout=OPERATOR_TIMEOUT_S)
+        except FutureTimeout:
+            raise ViewUnavailable("the controller did not act on the request in time") from None
+        if state is None:
+            raise ViewNotFound(f"no node named {event.node!r}")
+        return state
+
+    def quarantine(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
+        return self._operator(t.OperatorQuarantine(node=node, reason=f"operator {actor}: {reason}"))
+
+    def release(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
+        before = self._shell.pool_state(node)
+        if before in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED):
+            raise ViewRefused(f"node {node!r} is not quarantined or held; nothing to release")
+        return self._operator(t.OperatorRelease(node=node, reason=f"released by operator {actor}: {reason}"))

@@ -1,0 +1,155 @@
+"""The supervisor's policy knobs: one frozen config, validated once (raft's `Config.validate()`).
+
+Load from TOML with `runwarden.config.load_section(SupervisorConfig, mapping, "controller.supervisor.policy")`.
+All durations are seconds as floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runwarden.v1 import store_pb2
+
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorConfig:
+    # Restarts after failures (planned stops and preflight rejections do not count).
+    restart_budget: int = 20
+    restart_budget_window_s: float = DAY_S  # 0: the budget covers the whole run
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    backoff_reset_s: float = 300.0  # an attempt that ran this long resets the backoff exponent
+
+    # Preflight before every attempt, and burn-in for quarantined nodes.
+    preflight_mode: str = "quick"
+    preflight_timeout_s: float = 120.0
+    queue_wait_s: float = 30.0  # before the first attempt: let the allocated nodes join before asking for more
+    burn_in_mode: str = "full"
+    burn_in_passes: int = 3
+    hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
+    hold_window_s: float = 7 * DAY_S
+
+    # Hang: max(floor, multiple x median step time, longest collective); hang_timeout_s overrides
+    # the derived value (still >= longest_collective_s). Inside a checkpoint the timeout is at least
+    # the save allowance: checkpoint_barrier_s until checkpoint_saves_to_learn saves were seen, then
+    # checkpoint_save_multiple x the longest recent save, capped at checkpoint_barrier_s (a job
+    # whose saves take 0.5 s should not wait 120 s for a rank stopped inside one).
+    hang_timeout_s: float | None = None
+    hang_timeout_floor_s: float = 10.0
+    hang_step_multiple: float = 3.0
+    longest_collective_s: float = 0.0
+    checkpoint_barrier_s: float = 120.0
+    checkpoint_save_multiple: float = 3.0
+    checkpoint_saves_to_learn: int = 3
+    startup_timeout_s: float = 300.0  # launch -> first progress of every node
+
+    # Straggler: rank with compute >= compute_ratio x median and wait <= wait_ratio x median wait,
+    # while the median wait is at least min_wait_s; persistent = flagged in >= persistence of the
+    # last window evaluations (one evaluation per job step).
+    straggler_window: int = 20
+    straggler_persistence: float = 0.7
+    straggler_compute_ratio: float = 1.05
+    straggler_wait_ratio: float = 0.5
+    straggler_min_wait_s: float = 0.001
+    straggler_ewma_alpha: float = 0.3
+    kill_stragglers_mid_run: bool = False
+
+    # Crash loop and blame.
+    crash_loop_count: int = 3
+    repeat_offender_count: int = 2  # first-to-exit without evidence at different steps -> quarantine
+    fr_min_confidence: float = 0.5
+    evidence_window_s: float = 600.0
+
+    # Control-plane guard: this many lease expiries within the window is not a hardware fault.
+    mass_expiry_min_nodes: int = 3
+    mass_expiry_fraction: float = 0.25
+    mass_expiry_window_s: float = 2.0
+    control_plane_grace_s: float = 60.0
+
+    # Failure handling.
+    collect_dumps: bool = True
+    dump_timeout_s: float = 20.0
+    stop_grace_s: float = 30.0
+    stop_margin_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        ints = {
+            "restart_budget": 0,
+            "burn_in_passes": 1,
+            "hold_after_failures": 1,
+            "straggler_window": 1,
+            "crash_loop_count": 2,
+            "repeat_offender_count": 1,
+            "mass_expiry_min_nodes": 2,
+            "checkpoint_saves_to_learn": 1,
+        }
+        for name, low in ints.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"SupervisorConfig.{name}: must be an integer >= {low}, got {value!r}")
+        for name in (
+            "restart_budget_window_s",
+            "backoff_base_s",
+            "backoff_max_s",
+            "backoff_reset_s",
+            "preflight_timeout_s",
+            "queue_wait_s",
+            "hold_window_s",
+            "hang_timeout_floor_s",
+            "longest_collective_s",
+            "checkpoint_barrier_s",
+            "startup_timeout_s",
+            "straggler_min_wait_s",
+            "evidence_window_s",
+            "mass_expiry_window_s",
+            "control_plane_grace_s",
+            "dump_timeout_s",
+            "stop_grace_s",
+            "stop_margin_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < 0 or value != value or value == float("inf"):
+                raise ValueError(f"SupervisorConfig.{name}: must be a finite number >= 0, got {value!r}")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("SupervisorConfig: backoff_max_s must be >= backoff_base_s")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ValueError(f"SupervisorConfig.hang_timeout_s: must be > 0, got {self.hang_timeout_s}")
+        for name in (
+            "straggler_persistence",
+            "straggler_wait_ratio",
+            "straggler_ewma_alpha",
+            "mass_expiry_fraction",
+            "fr_min_confidence",
+        ):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"SupervisorConfig.{name}: must be in (0, 1], got {value!r}")
+        if self.straggler_compute_ratio < 1:
+            raise ValueError("SupervisorConfig.straggler_compute_ratio: must be >= 1")
+        if self.hang_step_multiple <= 0:
+            raise ValueError("SupervisorConfig.hang_step_multiple: must be > 0")
+        if not isinstance(self.checkpoint_save_multiple, int | float) or not 1 <= self.checkpoint_save_multiple < float("inf"):
+            raise ValueError(f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
+                             f"got {self.checkpoint_save_multiple!r}")
+        if self.preflight_mode not in ("quick", "full") or self.burn_in_mode not in ("quick", "full"):
+            raise ValueError("SupervisorConfig: preflight_mode and burn_in_mode must be 'quick' or 'full'")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPlan:
+    """What the core supervises: the run's name and how many active nodes each attempt needs."""
+
+    run: str
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if not self.run or any(c.isspace() or c == "/" for c in self.run):
+            raise ValueError(f"RunPlan.run: bad run name {self.run!r}")
+        if self.nodes < 1:
+            raise ValueError(f"RunPlan.nodes: must be >= 1, got {self.nodes}")
+
+    @classmethod
+    def from_proto(cls, spec: store_pb2.RunSpec) -> RunPlan:
+        return cls(run=spec.run, nodes=spec.nodes)

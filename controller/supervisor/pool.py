@@ -1,0 +1,204 @@
+"""The node pool: spare / assigned / quarantined / burn-in / held, and per-node reputation.
+
+Pure bookkeeping (no IO): the core decides *when* to move a node; this module keeps the rules of
+*where* it may go:
+
+* a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
+  passes (a failure restarts the count);
+* a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
+  an operator releases it (operator release puts it into burn-in, like any quarantined node);
+* spares are picked best reputation first (fewest recent failures, straggler flags, preflight
+  rejections; then name, for determinism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.types import NodeRecordView
+from runwarden.v1 import common_pb2
+
+SPARE = common_pb2.POOL_STATE_SPARE
+ASSIGNED = common_pb2.POOL_STATE_ASSIGNED
+QUARANTINED = common_pb2.POOL_STATE_QUARANTINED
+BURN_IN = common_pb2.POOL_STATE_BURN_IN
+HELD = common_pb2.POOL_STATE_HELD
+
+STATE_NAMES: dict[int, str] = {
+    SPARE: "spare",
+    ASSIGNED: "assigned",
+    QUARANTINED: "quarantined",
+    BURN_IN: "burn-in",
+    HELD: "held",
+}
+MAX_FAILURE_TIMES = 32
+
+
+@dataclass(slots=True)
+class PoolNode:
+    name: str
+    alive: bool = False
+    local_ranks: int = 1
+    state: int = SPARE
+    reason: str = ""
+    burn_in_passes: int = 0
+    operator_hold: bool = False
+    failure_times: list[float] = field(default_factory=list)
+    straggler_flags: int = 0
+    preflight_rejections: int = 0
+    evidence: list[tuple[float, common_pb2.Evidence]] = field(default_factory=list)  # (received, ev), bounded
+    quarantine_evidence: list[common_pb2.Evidence] = field(default_factory=list)
+    evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
+
+    def view(self) -> NodeRecordView:
+        return NodeRecordView(
+            node=self.name,
+            pool_state=self.state,
+            reason=self.reason,
+            burn_in_passes=self.burn_in_passes,
+            operator_hold=self.operator_hold,
+            failure_times=tuple(self.failure_times),
+            straggler_flags=self.straggler_flags,
+            preflight_rejections=self.preflight_rejections,
+            evidence=tuple(self.quarantine_evidence),
+            evidence_kinds=tuple(self.evidence_kinds),
+        )
+
+
+class Pool:
+    """All nodes the controller knows, by name."""
+
+    def __init__(self, cfg: SupervisorConfig) -> None:
+        self._cfg = cfg
+        self.nodes: dict[str, PoolNode] = {}
+        self._free: set[str] = set()  # alive and SPARE: O(1) membership for picking
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def get(self, name: str) -> PoolNode:
+        node = self.nodes.get(name)
+        if node is None:
+            node = self.nodes[name] = PoolNode(name=name)
+        return node
+
+    def _sync(self, node: PoolNode) -> None:
+        if node.alive and node.state == SPARE:
+            self._free.add(node.name)
+        else:
+            self._free.discard(node.name)
+
+    def set_alive(self, name: str, alive: bool, local_ranks: int | None = None) -> PoolNode:
+        node = self.get(name)
+        node.alive = alive
+        if local_ranks is not None:
+            node.local_ranks = local_ranks
+        self._sync(node)
+        return node
+
+    def set_state(self, name: str, state: int, reason: str = "") -> PoolNode:
+        node = self.get(name)
+        node.state = state
+        if reason:
+            node.reason = reason
+        self._sync(node)
+        return node
+
+    def load(self, records: Iterable[NodeRecordView]) -> None:
+        for r in records:
+            node = self.get(r.node)
+            # assignment is not durable pool state: the attempt record says which nodes run (see _adopt)
+            node.state = r.pool_state if r.pool_state in STATE_NAMES and r.pool_state != ASSIGNED else SPARE
+            node.reason, node.burn_in_passes, node.operator_hold = r.reason, r.burn_in_passes, r.operator_hold
+            node.failure_times = list(r.failure_times)[-MAX_FAILURE_TIMES:]
+            node.straggler_flags, node.preflight_rejections = r.straggler_flags, r.preflight_rejections
+            node.quarantine_evidence = list(r.evidence)[-8:]
+            node.evidence_kinds = list(r.evidence_kinds)[-MAX_FAILURE_TIMES:]
+            self._sync(node)
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def usable(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return node is not None and node.alive and node.state in (SPARE, ASSIGNED)
+
+    # --- reputation ---------------------------------------------------------------------------
+
+    def recent_failures(self, node: PoolNode, now: float) -> int:
+        return sum(1 for t in node.failure_times if now - t <= self._cfg.hold_window_s)
+
+    def score(self, node: PoolNode, now: float) -> tuple[int, int, int, str]:
+        """Lower is better."""
+        return (
+            self.recent_failures(node, now),
+            len(node.failure_times) + node.straggler_flags,
+            node.preflight_rejections,
+            node.name,
+        )
+
+    def pick_spares(self, count: int, now: float) -> list[str]:
+        """Up to `count` free nodes, best reputation first."""
+        if count <= 0:
+            return []
+        ranked = sorted((self.nodes[n] for n in self._free), key=lambda n: self.score(n, now))
+        return [n.name for n in ranked[:count]]
+
+    def add_evidence(self, name: str, ev: common_pb2.Evidence, now: float) -> None:
+        node = self.get(name)
+        horizon = now - self._cfg.evidence_window_s
+        node.evidence = [(at, e) for at, e in node.evidence[-15:] if at >= horizon] + [(now, ev)]
+
+    # --- quarantine / burn-in / release -------------------------------------------------------
+
+    def quarantine(
+        self, name: str, now: float, reason: str, *, count_failure: bool = True, operator: bool = False,
+        evidence: Iterable[common_pb2.Evidence] = (),
+    ) -> PoolNode:
+        """Quarantine; a second failure within the hold window (or an operator) makes it HELD."""
+        node = self.get(name)
+        node.quarantine_evidence = list(evidence)[-8:]
+        node.evidence_kinds = [*node.evidence_kinds, *(e.kind for e in node.quarantine_evidence)][-MAX_FAILURE_TIMES:]
+        if count_failure:
+            node.failure_times = [*node.failure_times, now][-MAX_FAILURE_TIMES:]
+        held = operator or self.recent_failures(node, now) >= self._cfg.hold_after_failures
+        node.operator_hold = node.operator_hold or operator
+        node.state = HELD if held else QUARANTINED
+        node.reason = reason
+        node.burn_in_passes = 0
+        self._sync(node)
+        return node
+
+    def start_burn_in(self, name: str) -> bool:
+        """QUARANTINED and alive -> BURN_IN. Returns whether a burn-in run should start."""
+        node = self.get(name)
+        if node.state not in (QUARANTINED, BURN_IN) or not node.alive:
+            return False
+        node.state = BURN_IN
+        self._sync(node)
+        return True
+
+    def burn_in_result(self, name: str, passed: bool) -> str:
+        """ "released" (N passes in a row), "again" (passed, more to go) or "failed" (count reset)."""
+        node = self.get(name)
+        if not passed:
+            node.burn_in_passes = 0
+            node.preflight_rejections += 1
+            return "failed"
+        node.burn_in_passes += 1
+        if node.burn_in_passes >= self._cfg.burn_in_passes:
+            node.state, node.reason, node.burn_in_passes = SPARE, "", 0
+            node.quarantine_evidence = []
+            self._sync(node)
+            return "released"
+        return "again"
+
+    def operator_release(self, name: str) -> PoolNode:
+        node = self.get(name)
+        node.operator_hold = False
+        node.failure_times = []
+        node.state = BURN_IN if node.state in (QUARANTINED, HELD, BURN_IN) else node.state
+        node.burn_in_passes = 0
+        self._sync(node)
+        return node

@@ -1,0 +1,197 @@
+"""A tiny shell for the sans-IO core in tests: keeps simulated time, timers and outstanding requests.
+
+`Driver` plays the live shell's part: it feeds events, records every action, delivers `Tick` when a
+`SetTimer` falls due while time advances, and can answer outstanding preflight requests. It also
+renders actions as one line each, for the golden scenario scripts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.supervisor import machine as core
+from controller.supervisor.policy import RunPlan, SupervisorConfig
+from controller.supervisor.types import (
+    Action,
+    AllocateFromQueue,
+    AppendEvent,
+    AttemptExited,
+    CollectDumps,
+    Launch,
+    NodeJoined,
+    Page,
+    PersistNode,
+    PreflightResult,
+    ProgressObserved,
+    Quarantine,
+    RankSample,
+    Release,
+    RunPreflight,
+    SetTimer,
+    StopAttempt,
+    TakeSpare,
+    Tick,
+)
+from runwarden.v1 import events_pb2
+
+
+@dataclass
+class Driver:
+    cfg: SupervisorConfig = field(default_factory=SupervisorConfig)
+    nodes: int = 4
+    run: str = "demo"
+    now: float = 1000.0
+    ranks_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        self.sup = core.Supervisor(self.cfg, RunPlan(run=self.run, nodes=self.nodes))
+        self.actions: list[Action] = []
+        self.batch: list[Action] = []
+        self.timers: dict[str, float] = {}
+        self.preflight_out: list[RunPreflight] = []
+        self.launches: list[Launch] = []
+
+    # --- feeding events -----------------------------------------------------------------------
+
+    def send(self, event: Any, now: float | None = None) -> list[Action]:
+        if now is not None:
+            self.now = max(self.now, now)
+        out = self.sup.handle(event, self.now)
+        self._record(out)
+        self.batch = out
+        return out
+
+    def _record(self, out: list[Action]) -> None:
+        for a in out:
+            self.actions.append(a)
+            if isinstance(a, SetTimer):
+                self.timers[a.key] = a.at
+            elif isinstance(a, RunPreflight):
+                self.preflight_out.append(a)
+            elif isinstance(a, Launch):
+                self.launches.append(a)
+
+    def advance(self, seconds: float) -> list[Action]:
+        """Move time forward, firing due timers in order, then one final tick."""
+        target = self.now + seconds
+        out: list[Action] = []
+        while True:
+            due = [(at, k) for k, at in self.timers.items() if at <= target]
+            if not due:
+                break
+            at, key = min(due)
+            del self.timers[key]
+            out += self.send(Tick(), max(self.now, at))
+        out += self.send(Tick(), target)
+        self.batch = out
+        return out
+
+    def add_nodes(self, count: int, prefix: str = "n", start: int = 1) -> list[str]:
+        names = [f"{prefix}{i}" for i in range(start, start + count)]
+        for n in names:
+            self.send(NodeJoined(node=n, local_ranks=self.ranks_per_node))
+        return names
+
+    def answer_preflight(self, fail: dict[str, tuple[str, ...]] | None = None) -> list[Action]:
+        """Answer every outstanding RunPreflight: pass, except nodes in `fail` (name -> checks)."""
+        fail = fail or {}
+        out: list[Action] = []
+        while self.preflight_out:
+            req = self.preflight_out.pop(0)
+            for n in req.nodes:
+                checks = fail.get(n)
+                out += self.send(PreflightResult(node=n, passed=checks is None, mode=req.mode,
+                                                 failed_checks=checks or ()))
+        return out
+
+    def start(self, nodes: int | None = None) -> Launch:
+        self.add_nodes(nodes if nodes is not None else self.nodes)
+        self.answer_preflight()
+        assert self.sup.state == core.RunState.RUNNING, self.sup.state
+        return self.launches[-1]
+
+    def running_nodes(self) -> list[str]:
+        return list(self.sup.current_nodes)
+
+    def progress(self, step: int, *, dt: float = 1.0, nodes: list[str] | None = None,
+                 compute: dict[str, float] | None = None, in_checkpoint: tuple[str, ...] = (),
+                 loaded: int | None = None) -> list[Action]:
+        """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
+        ranks' `loaded_step` (their load mark, carried on every report after it)."""
+        self.now += dt
+        out: list[Action] = []
+        for node_rank, node in enumerate(self.running_nodes()):
+            if nodes is not None and node not in nodes:
+                continue
+            c = (compute or {}).get(node, 0.8 * dt)
+            wait = max(0.0, dt - c) if node not in (compute or {}) else 0.0005
+            ranks = tuple(RankSample(rank=node_rank * self.ranks_per_node + i, step=step, step_time_s=dt,
+                                     compute_s=c, wait_s=wait, in_checkpoint=node in in_checkpoint,
+                                     reported_at=self.now, loaded_step=loaded) for i in range(self.ranks_per_node))
+            out += self.send(ProgressObserved(node=node, attempt=self.sup.attempt, ranks=ranks))
+        return out
+
+    def steps(self, first: int, last: int, **kw: Any) -> list[Action]:
+        out: list[Action] = []
+        for s in range(first, last + 1):
+            out += self.progress(s, **kw)
+            due = [k for k, at in self.timers.items() if at <= self.now]
+            for k in due:
+                del self.timers[k]
+            if due:
+                out += self.send(Tick())
+        return out
+
+    def exit_all(self, code: int = 0, attempt: int | None = None) -> list[Action]:
+        out: list[Action] = []
+        for node in self.running_nodes():
+            if self.sup.pool.get(node).alive:
+                out += self.send(AttemptExited(node=node, attempt=attempt or self.sup.attempt, exit_code=code))
+        return out
+
+    # --- inspecting ---------------------------------------------------------------------------
+
+    def events(self, kind: int | None = None, actions: list[Action] | None = None) -> list[events_pb2.Event]:
+        src = self.actions if actions is None else actions
+        return [a.event for a in src if isinstance(a, AppendEvent) and (kind is None or a.event.kind == kind)]
+
+    def of(self, cls: type, actions: list[Action] | None = None) -> list[Any]:
+        src = self.actions if actions is None else actions
+        return [a for a in src if isinstance(a, cls)]
+
+
+def render(action: Action) -> str | None:
+    """One line per action for golden scripts; timers and persistence are not shown."""
+    if isinstance(action, SetTimer | PersistNode):
+        return None
+    if isinstance(action, AppendEvent):
+        ev = action.event
+        kind = events_pb2.EventKind.Name(ev.kind).removeprefix("EVENT_KIND_")
+        extra = ""
+        if ev.HasField("detection"):
+            d = ev.detection
+            extra = f" [{events_pb2.Detector.Name(d.detector).removeprefix('DETECTOR_')} latency={d.latency_s:.1f}s]"
+        elif ev.HasField("attribution"):
+            extra = f" [{ev.attribution.method}]"
+        return f"log {kind} a={ev.attempt} step={ev.step}: {ev.message}{extra}"
+    if isinstance(action, Launch):
+        return (f"launch attempt={action.attempt} rdzv={action.rendezvous_id} resume={action.resume_step} "
+                f"nodes={','.join(nr.node for nr in action.nodes)}")
+    if isinstance(action, RunPreflight):
+        return f"preflight {action.mode} ({action.purpose}) {','.join(action.nodes)}"
+    if isinstance(action, StopAttempt):
+        return f"stop attempt={action.attempt} planned={action.planned} grace={action.grace_s:g} {','.join(action.nodes)}"
+    if isinstance(action, CollectDumps):
+        return f"collect-dumps attempt={action.attempt} {','.join(action.nodes)}"
+    if isinstance(action, Quarantine):
+        return f"quarantine {action.node} held={action.held}"
+    if isinstance(action, Release):
+        return f"release {action.node}"
+    if isinstance(action, TakeSpare):
+        return f"take-spare {action.node} replaces={action.replaces}"
+    if isinstance(action, AllocateFromQueue):
+        return f"allocate {action.count}"
+    if isinstance(action, Page):
+        return f"page: {action.reason}"
+    return repr(action)

@@ -1,0 +1,78 @@
+"""Pool rules (burn-in, hold, reputation) and the policy's validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.supervisor.policy import DAY_S, RunPlan, SupervisorConfig
+from controller.supervisor.pool import BURN_IN, HELD, QUARANTINED, SPARE, Pool
+from runwarden.config import ConfigError, load_section
+from runwarden.v1 import store_pb2
+
+
+def _pool(**kw: object) -> Pool:
+    p = Pool(SupervisorConfig(**kw))  # type: ignore[arg-type]  # test knobs only
+    for n in ("a", "b", "c"):
+        p.set_alive(n, True)
+    return p
+
+
+def test_burn_in_needs_n_consecutive_passes_and_a_failure_resets() -> None:
+    p = _pool(burn_in_passes=3)
+    p.quarantine("a", 0.0, "xid")
+    assert p.start_burn_in("a") and p.get("a").state == BURN_IN
+    assert p.burn_in_result("a", True) == "again"
+    assert p.burn_in_result("a", False) == "failed" and p.get("a").burn_in_passes == 0
+    assert [p.burn_in_result("a", True) for _ in range(3)] == ["again", "again", "released"]
+    assert p.get("a").state == SPARE and "a" in p.pick_spares(3, 0.0)
+
+
+def test_second_failure_within_seven_days_holds_the_node() -> None:
+    p = _pool()
+    assert p.quarantine("a", 0.0, "first").state == QUARANTINED
+    assert p.quarantine("a", 6.9 * DAY_S, "second").state == HELD
+    assert not p.start_burn_in("a")
+    p2 = _pool()
+    p2.quarantine("b", 0.0, "first")
+    assert p2.quarantine("b", 7.5 * DAY_S, "second, a week later").state == QUARANTINED
+
+
+def test_operator_release_of_held_node_goes_through_burn_in() -> None:
+    p = _pool()
+    p.quarantine("a", 0.0, "x")
+    p.quarantine("a", 1.0, "y")
+    node = p.operator_release("a")
+    assert node.state == BURN_IN and not node.operator_hold and node.failure_times == []
+
+
+def test_spares_picked_best_reputation_first() -> None:
+    p = _pool()
+    p.get("a").failure_times = [10.0]
+    p.get("b").straggler_flags = 1
+    assert p.pick_spares(3, 100.0) == ["c", "b", "a"]
+    p.set_state("c", QUARANTINED)
+    assert p.pick_spares(3, 100.0) == ["b", "a"]
+    p.set_alive("b", False)
+    assert p.pick_spares(3, 100.0) == ["a"]
+
+
+def test_config_validation_names_the_key() -> None:
+    with pytest.raises(ValueError, match="burn_in_passes"):
+        SupervisorConfig(burn_in_passes=0)
+    with pytest.raises(ValueError, match="backoff_max_s"):
+        SupervisorConfig(backoff_base_s=10.0, backoff_max_s=1.0)
+    with pytest.raises(ValueError, match="straggler_persistence"):
+        SupervisorConfig(straggler_persistence=1.5)
+    with pytest.raises(ValueError, match=r"RunPlan\.nodes"):
+        RunPlan(run="r", nodes=0)
+
+
+def test_config_loads_from_a_toml_section_and_rejects_unknown_keys() -> None:
+    cfg = load_section(SupervisorConfig, {"restart_budget": 5, "hang_timeout_s": 30.0}, "controller.supervisor.policy")
+    assert cfg.restart_budget == 5 and cfg.hang_timeout_s == 30.0
+    with pytest.raises(ConfigError, match="restart_budgett"):
+        load_section(SupervisorConfig, {"restart_budgett": 5}, "controller.supervisor.policy")
+
+
+def test_run_plan_from_proto() -> None:
+    assert RunPlan.from_proto(store_pb2.RunSpec(run="llama", nodes=8)) == RunPlan(run="llama", nodes=8)

@@ -1,0 +1,270 @@
+"""Property tests: random event sequences never break the supervisor's invariants.
+
+Invariants (issue 5): attempts never exceed the restart budget; no launch includes a quarantined
+node; the resume step is always a committed one (the latest); attempt numbers strictly increase;
+a stop request never quarantines. Also: handle() accepts every event in every state, every launched
+node passed preflight since the previous launch, and every Launch/Quarantine is logged first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.types import (
+    AppendEvent,
+    AttemptExited,
+    Attribution,
+    CheckpointCommitted,
+    ControlPlaneLost,
+    ControlPlaneRestored,
+    DumpsCollected,
+    EvidenceObserved,
+    Launch,
+    NodeJoined,
+    NodeLost,
+    OperatorQuarantine,
+    OperatorRelease,
+    PreflightResult,
+    Quarantine,
+    Release,
+    Snapshot,
+    StopRequested,
+    Suspect,
+    Tick,
+)
+from runwarden.v1 import common_pb2, events_pb2
+from tests.supervisor.harness import Driver
+
+NODES = [f"n{i}" for i in range(7)]
+BUDGET = 3
+node = st.sampled_from(NODES)
+
+ops = st.one_of(
+    st.tuples(st.just("join"), node),
+    st.tuples(st.just("lose"), node),
+    st.tuples(st.just("steps"), st.integers(1, 6)),
+    st.tuples(st.just("crash"), node, st.sampled_from([1, 3, -9, 137])),
+    st.tuples(st.just("exit_all"), st.sampled_from([0, 1, -15])),
+    st.tuples(st.just("commit")),
+    st.tuples(st.just("stop"), st.booleans()),
+    st.tuples(st.just("dumps"), st.one_of(st.none(), node)),
+    st.tuples(st.just("preflight_all"), st.one_of(st.none(), node)),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 3.0, 11.0, 40.0, 130.0])),
+    st.tuples(st.just("evidence"), node),
+    st.tuples(st.just("op_quarantine"), node),
+    st.tuples(st.just("op_release"), node),
+    st.tuples(st.just("cp_lost")),
+    st.tuples(st.just("cp_restored")),
+    st.tuples(st.just("stale_exit"), node),
+)
+
+
+def cfg() -> SupervisorConfig:
+    return SupervisorConfig(restart_budget=BUDGET, restart_budget_window_s=0.0, backoff_base_s=1.0,
+                            backoff_max_s=4.0, dump_timeout_s=5.0, stop_grace_s=5.0, stop_margin_s=1.0,
+                            queue_wait_s=0.0, burn_in_passes=2, mass_expiry_min_nodes=3)
+
+
+def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
+    kind = op[0]
+    sup = d.sup
+    if kind == "join":
+        if not sup.pool.get(op[1]).alive:
+            d.send(NodeJoined(node=op[1]))
+    elif kind == "lose":
+        if sup.pool.get(op[1]).alive:
+            d.send(NodeLost(node=op[1]))
+    elif kind == "steps":
+        if sup.current_nodes:
+            d.steps(sup.job_step + 1, sup.job_step + op[1])
+    elif kind == "crash":
+        d.send(AttemptExited(node=op[1], attempt=sup.attempt, exit_code=op[2], ended_at=d.now))
+    elif kind == "exit_all":
+        if sup.current_nodes:
+            d.exit_all(code=op[1])
+    elif kind == "commit":
+        step = max(sup.job_step, 0)
+        committed.append(step)
+        d.send(CheckpointCommitted(step=step))
+    elif kind == "stop":
+        d.send(StopRequested(reason="test", relaunch=op[1]))
+    elif kind == "dumps":
+        suspects = (Suspect(node=op[1], confidence=0.9, reason="never reached"),) if op[1] else ()
+        d.send(DumpsCollected(attempt=sup.attempt, attribution=Attribution(suspects=suspects,
+                                                                          method="flight_recorder")))
+    elif kind == "preflight_all":
+        d.answer_preflight({op[1]: ("gpu.count",)} if op[1] else None)
+    elif kind == "advance":
+        d.advance(op[1])
+    elif kind == "evidence":
+        d.send(EvidenceObserved(evidence=common_pb2.Evidence(
+            node=op[1], kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL)))
+    elif kind == "op_quarantine":
+        d.send(OperatorQuarantine(node=op[1], reason="test"))
+    elif kind == "op_release":
+        d.send(OperatorRelease(node=op[1], reason="test"))
+    elif kind == "cp_lost":
+        d.send(ControlPlaneLost())
+    elif kind == "cp_restored":
+        d.send(ControlPlaneRestored())
+        alive = {n: 1 for n, p in sup.pool.nodes.items() if p.alive}
+        d.send(Snapshot(alive=alive, attempt=sup.attempt, attempt_nodes=sup.current_nodes,
+                        committed_steps=tuple(committed)))
+    elif kind == "crash_running":
+        if sup.current_nodes:
+            victim = sup.current_nodes[op[1] % len(sup.current_nodes)]
+            d.send(AttemptExited(node=victim, attempt=sup.attempt, exit_code=op[2], ended_at=d.now))
+    elif kind == "stale_exit":
+        d.send(AttemptExited(node=op[1], attempt=max(0, sup.attempt - 1), exit_code=1))
+    d.send(Tick())
+
+
+class Recorder(Driver):
+    """A Driver that also records which nodes passed an attempt preflight, in action order."""
+
+    def send(self, event: Any, now: float | None = None) -> list[Any]:
+        out = super().send(event, now)
+        if isinstance(event, PreflightResult) and event.passed and event.mode == "quick":  # attempt, not burn-in
+            self.actions.insert(len(self.actions) - len(out), _Passed(event.node))  # type: ignore[arg-type]  # test marker
+        return out
+
+
+class _Passed:
+    __slots__ = ("node",)
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+
+
+def check_preflight_before_launch(d: Driver) -> None:
+    passed: set[str] = set()
+    for a in d.actions:
+        if isinstance(a, _Passed):
+            passed.add(a.node)
+        elif isinstance(a, Launch):
+            nodes = {nr.node for nr in a.nodes}
+            assert nodes <= passed, f"attempt {a.attempt} launched {nodes - passed} without a passed preflight"
+            passed = set()
+
+
+def check_all(d: Driver, committed: list[int]) -> None:
+    actions = d.actions
+    d.actions = [a for a in actions if not isinstance(a, _Passed)]
+    try:
+        check_core_invariants(d, committed)
+    finally:
+        d.actions = actions
+    check_preflight_before_launch(d)
+
+
+def check_core_invariants(d: Driver, committed: list[int]) -> None:
+    out_quarantined: set[str] = set()
+    last_attempt = 0
+    failure_restarts = 0
+    prev_end: str | None = None
+    commits: list[int] = []
+    for i, a in enumerate(d.actions):
+        if isinstance(a, Quarantine):
+            out_quarantined.add(a.node)
+            prior = d.actions[max(0, i - 3):i]
+            assert any(isinstance(b, AppendEvent) and b.event.kind == events_pb2.EVENT_KIND_QUARANTINE
+                       and b.event.quarantine.node == a.node for b in prior), "quarantine not logged first"
+        elif isinstance(a, Release):
+            out_quarantined.discard(a.node)
+        elif isinstance(a, AppendEvent):
+            ev = a.event
+            if ev.kind == events_pb2.EVENT_KIND_EXIT and ev.exit.classification in (
+                    "stopped", "planned_stop", "control_plane"):
+                prev_end = ev.exit.classification
+            elif ev.kind == events_pb2.EVENT_KIND_CHECKPOINT_COMMIT:
+                commits.append(ev.step)
+        elif isinstance(a, Launch):
+            nodes = {nr.node for nr in a.nodes}
+            assert not nodes & out_quarantined, f"launch {a.attempt} includes quarantined {nodes & out_quarantined}"
+            assert a.attempt > last_attempt, "attempt numbers must strictly increase"
+            assert a.rendezvous_id == f"demo-{a.attempt}"
+            last_log = next(b for b in reversed(d.actions[:i]) if isinstance(b, AppendEvent))
+            assert last_log.event.kind == events_pb2.EVENT_KIND_LAUNCH, "launch not logged first"
+            last_attempt = a.attempt
+            assert a.resume_step == (max(commits) if commits else -1), "resume from the latest committed step"
+            assert a.resume_step == -1 or a.resume_step in committed
+            if prev_end == "stopped":
+                failure_restarts += 1
+            assert failure_restarts <= BUDGET, "restart budget exceeded"
+            prev_end = None
+
+
+# Failures are more frequent than anything else, so that budgets, crash loops and relaunches are reached.
+busy_ops = st.one_of(ops, st.tuples(st.just("crash"), node, st.just(1)), st.tuples(st.just("advance"), st.just(11.0)),
+                     st.tuples(st.just("steps"), st.integers(1, 3)), st.tuples(st.just("lose"), node),
+                     st.tuples(st.just("join"), node))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(busy_ops, min_size=1, max_size=60), st.booleans())
+def test_random_event_sequences_keep_the_invariants(seq: list[tuple[Any, ...]], auto_preflight: bool) -> None:
+    d = Recorder(cfg=cfg(), nodes=3)
+    d.add_nodes(4, start=0)
+    committed: list[int] = []
+    for op in seq:
+        apply(d, op, committed)
+        if auto_preflight:  # the agents answer at once (burn-in too), as on a healthy fleet
+            d.answer_preflight()
+    check_all(d, committed)
+
+
+planned_ops = st.one_of(
+    st.tuples(st.just("join"), node),
+    st.tuples(st.just("steps"), st.integers(1, 4)),
+    st.tuples(st.just("commit")),
+    st.tuples(st.just("stop"), st.booleans()),
+    st.tuples(st.just("exit_all"), st.just(0)),
+    st.tuples(st.just("preflight_all"), st.none()),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 3.0])),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(planned_ops, min_size=1, max_size=30))
+def test_stop_requests_never_quarantine(seq: list[tuple[Any, ...]]) -> None:
+    d = Recorder(cfg=cfg(), nodes=3)
+    d.add_nodes(5, start=0)
+    d.answer_preflight()
+    committed: list[int] = []
+    for op in seq:
+        apply(d, op, committed)
+    assert not d.of(Quarantine)
+    assert not d.events(events_pb2.EVENT_KIND_QUARANTINE)
+    check_all(d, committed)
+
+
+storm_ops = st.one_of(
+    st.tuples(st.just("crash_running"), st.integers(0, 3), st.sampled_from([1, -9])),
+    st.tuples(st.just("crash_running"), st.integers(0, 3), st.sampled_from([1, -9])),
+    st.tuples(st.just("crash"), node, st.sampled_from([1, -9])),
+    st.tuples(st.just("advance"), st.sampled_from([3.0, 11.0])),
+    st.tuples(st.just("steps"), st.integers(1, 5)),
+    st.tuples(st.just("commit")),
+    st.tuples(st.just("lose"), node),
+    st.tuples(st.just("join"), node),
+    st.tuples(st.just("dumps"), st.one_of(st.none(), node)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(storm_ops, min_size=10, max_size=80))
+def test_failure_storms_stay_within_the_budget(seq: list[tuple[Any, ...]]) -> None:
+    """Many failures, agents answering preflight at once: relaunches happen, the budget holds."""
+    d = Recorder(cfg=cfg(), nodes=2)
+    d.add_nodes(7, start=0)
+    committed: list[int] = []
+    for op in seq:
+        apply(d, op, committed)
+        d.answer_preflight()
+    check_all(d, committed)
+    assert len(d.of(Launch)) <= 1 + BUDGET + sum(
+        1 for e in d.events(events_pb2.EVENT_KIND_EXIT) if e.exit.classification == "planned_stop")
