@@ -25,6 +25,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
 from nodeagent.sdnotify import Notifier, watchdog_interval_s
+from runwarden.evidence import is_fatal
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Agent:
         self._state_changed.set()
 
     def _on_evidence(self, evidence: common_pb2.Evidence) -> None:
-        if evidence.severity == common_pb2.SEVERITY_FATAL and not self.unhealthy:
+        if is_fatal(evidence) and not self.unhealthy:
             self.unhealthy = True
             self.state_changed()
 

@@ -20,6 +20,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _EventKind:
@@ -111,6 +116,46 @@ DETECTOR_EVIDENCE: Detector.ValueType  # 5
 """fatal hardware evidence published by an agent"""
 DETECTOR_PREFLIGHT: Detector.ValueType  # 6
 Global___Detector: _TypeAlias = Detector  # noqa: Y015
+
+class _BlameMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BlameMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlameMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BLAME_METHOD_UNSPECIFIED: _BlameMethod.ValueType  # 0
+    """an old log line: read the deprecated `method` string"""
+    BLAME_METHOD_NONE: _BlameMethod.ValueType  # 1
+    """no suspect: software or data (the crash-loop rule decides)"""
+    BLAME_METHOD_HARDWARE: _BlameMethod.ValueType  # 2
+    """fatal Xid / uncorrectable ECC / row-remap failure / GPU lost"""
+    BLAME_METHOD_FLIGHT_RECORDER: _BlameMethod.ValueType  # 3
+    """the rank that never reached the collective the others wait in"""
+    BLAME_METHOD_HEARTBEAT: _BlameMethod.ValueType  # 4
+    """the lease expired, or the node whose progress stopped first"""
+    BLAME_METHOD_STRAGGLER: _BlameMethod.ValueType  # 5
+    """a persistent straggler"""
+    BLAME_METHOD_FIRST_EXIT: _BlameMethod.ValueType  # 6
+    """a crash with no other evidence: not quarantined on a first offence"""
+
+class BlameMethod(_BlameMethod, metaclass=_BlameMethodEnumTypeWrapper):
+    """How the supervisor chose its suspects (controller/supervisor/blame.py), strongest rung first."""
+
+BLAME_METHOD_UNSPECIFIED: BlameMethod.ValueType  # 0
+"""an old log line: read the deprecated `method` string"""
+BLAME_METHOD_NONE: BlameMethod.ValueType  # 1
+"""no suspect: software or data (the crash-loop rule decides)"""
+BLAME_METHOD_HARDWARE: BlameMethod.ValueType  # 2
+"""fatal Xid / uncorrectable ECC / row-remap failure / GPU lost"""
+BLAME_METHOD_FLIGHT_RECORDER: BlameMethod.ValueType  # 3
+"""the rank that never reached the collective the others wait in"""
+BLAME_METHOD_HEARTBEAT: BlameMethod.ValueType  # 4
+"""the lease expired, or the node whose progress stopped first"""
+BLAME_METHOD_STRAGGLER: BlameMethod.ValueType  # 5
+"""a persistent straggler"""
+BLAME_METHOD_FIRST_EXIT: BlameMethod.ValueType  # 6
+"""a crash with no other evidence: not quarantined on a first offence"""
+Global___BlameMethod: _TypeAlias = BlameMethod  # noqa: Y015
 
 @_typing.final
 class LaunchDetail(_message.Message):
@@ -246,12 +291,20 @@ class AttributionDetail(_message.Message):
     SUSPECTS_FIELD_NUMBER: _builtins.int
     METHOD_FIELD_NUMBER: _builtins.int
     EXPLANATION_FIELD_NUMBER: _builtins.int
-    method: _builtins.str
-    """"hardware", "flight_recorder", "heartbeat" (lease expired or the node behind), "straggler",
-    "first_exit" (a crash with no other evidence: not quarantined on a first offence), "none"
-    """
+    BLAME_METHOD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def method(self) -> _builtins.str:
+        """The method as free text ("hardware", "first_exit", ...): kept for readers of old logs."""
+
+    @method.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def method(self, value: _builtins.str) -> None:
+        """The method as free text ("hardware", "first_exit", ...): kept for readers of old logs."""
+
     explanation: _builtins.str
     """a few lines: the evidence behind the suspects, for the operator"""
+    blame_method: Global___BlameMethod.ValueType
     @_builtins.property
     def suspects(self) -> _containers.RepeatedCompositeFieldContainer[Global___Suspect]:
         """strongest first; empty: no suspect (software/data)"""
@@ -262,10 +315,11 @@ class AttributionDetail(_message.Message):
         suspects: _abc.Iterable[Global___Suspect] | None = ...,
         method: _builtins.str = ...,
         explanation: _builtins.str = ...,
+        blame_method: Global___BlameMethod.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation", "method", b"method", "suspects", b"suspects"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blame_method", b"blame_method", "explanation", b"explanation", "method", b"method", "suspects", b"suspects"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
