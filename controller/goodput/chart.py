@@ -37,6 +37,8 @@ def colour_for(label: str) -> str:
     if prefix in ("restart", "startup"):
         i = _PHASE_ORDER.index(rest) if rest in _PHASE_ORDER else 0
         return _RESTART_COLOURS[i] if prefix == "restart" else ["#d9d9d9", "#bdbdbd", "#969696"][i % 3]
+    if prefix == "unattributed":
+        return _FIXED_COLOURS["unattributed"]
     if prefix == "hardware":
         return _HARDWARE_COLOURS[sum(map(ord, rest)) % len(_HARDWARE_COLOURS)]
     return "#17becf"

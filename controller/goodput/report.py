@@ -10,7 +10,8 @@ Definitions (the README's "Goodput" section has the long form and the comparison
 * **Lost** time, by cause:
   - the work since the last committed checkpoint that a failure rolled back goes to the incident's
     cause: ``hardware:<evidence kind>``, ``network``, ``software`` (no suspect, or an application
-    Xid), ``control_plane``, ``unattributed``;
+    Xid), ``control_plane``, ``unattributed`` (``unattributed:first_exit`` when only the first node
+    to exit was named); ``controller.goodput.causes`` maps each blame method to its cause;
   - the time from the fault to the first new step is restart overhead, split at the event that
     ends each phase: ``restart:detect`` (fault -> DETECTION), ``restart:attribute`` (-> ATTRIBUTION),
     ``restart:replace`` (-> SPARE_TAKEN / QUARANTINE), ``restart:preflight`` (-> PREFLIGHT_RESULT),
@@ -32,7 +33,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from runwarden.v1 import common_pb2, controller_pb2, events_pb2
+from controller.goodput.causes import cause_from_attribution
+from runwarden.v1 import controller_pb2, events_pb2
 
 E = events_pb2
 US = 1_000_000  # microseconds per second: every duration is an exact integer of these
@@ -60,21 +62,6 @@ _NEXT_PHASE = {
     "first_step": "first_step",
 }
 PHASES = ("detect", "attribute", "replace", "preflight", "launch", "load", "first_step")
-_HARDWARE_NAMES = {
-    common_pb2.EVIDENCE_KIND_XID: "xid",
-    common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE: "ecc",
-    common_pb2.EVIDENCE_KIND_ROW_REMAP_FAILURE: "row_remap",
-    common_pb2.EVIDENCE_KIND_ROW_REMAP_PENDING: "row_remap",
-    common_pb2.EVIDENCE_KIND_RETIRED_PAGES_PENDING: "retired_pages",
-    common_pb2.EVIDENCE_KIND_GPU_LOST: "gpu_lost",
-    common_pb2.EVIDENCE_KIND_THROTTLE: "throttle",
-    common_pb2.EVIDENCE_KIND_PCIE_DEGRADED: "pcie",
-    common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL: "preflight",
-    common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER: "flight_recorder",
-    common_pb2.EVIDENCE_KIND_HEARTBEAT: "heartbeat",
-    common_pb2.EVIDENCE_KIND_STRAGGLER: "straggler",
-    common_pb2.EVIDENCE_KIND_RECOVERY_ACTION: "recovery_action",
-}
 
 
 def to_us(seconds: float) -> int:
@@ -495,23 +482,6 @@ _HANDLERS = {
     E.EVENT_KIND_EXIT: _RunAccountant.on_exit,
     E.EVENT_KIND_RUN_END: _RunAccountant.on_run_end,
 }
-
-
-def cause_from_attribution(attr: events_pb2.AttributionDetail) -> str:
-    """The lost-time cause an attribution names: the strongest suspect's strongest evidence."""
-    if not attr.suspects:
-        return "software"  # no suspect: the same code and data failed (a crash loop if it repeats)
-    top = attr.suspects[0]
-    for ev in top.evidence:
-        if ev.severity == common_pb2.SEVERITY_APPLICATION:
-            return "software"  # e.g. Xid 13/31/43: the application, not the node
-        if ev.kind == common_pb2.EVIDENCE_KIND_NETWORK:
-            return "network"
-        name = _HARDWARE_NAMES.get(ev.kind)
-        if name is not None:
-            return f"hardware:{name}"
-    method = attr.method or "unknown"
-    return "software" if method == "none" else f"hardware:{method}"
 
 
 def _resolve(label: Label, incident_causes: dict[int, str]) -> str:

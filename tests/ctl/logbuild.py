@@ -62,6 +62,9 @@ class LogBuilder:
             detail = E.AttributionDetail(method="hardware", suspects=[E.Suspect(node=node, evidence=[evidence])])
         self._add(ts, E.EVENT_KIND_ATTRIBUTION, attribution=detail)
 
+    def attribute_detail(self, ts: float, detail: events_pb2.AttributionDetail) -> None:
+        self._add(ts, E.EVENT_KIND_ATTRIBUTION, attribution=detail)
+
     def quarantine(self, ts: float, node: str = "n2") -> None:
         self._add(ts, E.EVENT_KIND_QUARANTINE, quarantine=E.QuarantineDetail(node=node, reason="xid 79"))
 
