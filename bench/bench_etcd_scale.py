@@ -37,11 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller.supervisor import types as T
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
-from runwarden import store as store_module
 from runwarden.etcd_server import EtcdServer
-from runwarden.store import Store
-from runwarden.store_config import StoreConfig
-from runwarden.store_types import Lease, StoreError, WatchEvent
+from runwarden.store import Lease, Store, StoreConfig, StoreError, WatchEvent
+from runwarden.store import client as store_module
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
 
 RUN = "bench"

@@ -22,8 +22,7 @@ from controller.live.agents import AgentTLS
 from controller.live.paging import PagerConfig
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError, load_section, read_toml
-from runwarden.store import StoreConfig
-from runwarden.store_types import StoreError
+from runwarden.store import StoreConfig, StoreError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

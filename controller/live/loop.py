@@ -33,8 +33,7 @@ from controller.live.agents import AgentClients
 from controller.live.paging import Pager
 from controller.supervisor import types as t
 from runwarden.eventlog import EventLog
-from runwarden.store import Store
-from runwarden.store_types import Relisted, StoreError, WatchEvent
+from runwarden.store import Relisted, Store, StoreError, WatchEvent
 from runwarden.v1 import agent_pb2, common_pb2, controller_pb2, events_pb2, store_pb2
 
 log = logging.getLogger(__name__)

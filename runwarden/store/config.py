@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from runwarden.keys import DEFAULT_ROOT, validate_root
-from runwarden.store_types import StoreError
+from runwarden.store.types import StoreError
 
 _ENDPOINT = re.compile(
     r"^(?:(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://)?"

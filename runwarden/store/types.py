@@ -1,4 +1,7 @@
-"""Values and errors of the store interface (see runwarden.store, which re-exports all of them)."""
+"""Values and errors of the store interface (runwarden.store re-exports all of them).
+
+The bottom of the package: it imports nothing else from runwarden.store.
+"""
 
 from __future__ import annotations
 
@@ -73,3 +76,12 @@ class Relisted:
 class Lease:
     id: int
     ttl_s: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatchBatch:
+    """One response of a watch stream: events, or a progress notice (all up to ``revision`` sent)."""
+
+    events: tuple[WatchEvent, ...]
+    revision: int
+    created: bool

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
-from runwarden.store_types import Relisted, RevisionCompacted, StoreError, WatchEvent
-
-if TYPE_CHECKING:
-    from runwarden.store import Store, WatchBatch, WatchStream
+from runwarden.store.config import StoreConfig
+from runwarden.store.types import (
+    KeyValue,
+    Relisted,
+    RevisionCompacted,
+    StoreError,
+    WatchBatch,
+    WatchEvent,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -27,10 +32,35 @@ _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 
 
+class BatchStream(Protocol):
+    """One raw watch stream from ``start_revision`` (the store's gRPC stream is one)."""
+
+    def batches(self) -> Iterator[WatchBatch]:
+        """Yield batches; raise StoreUnavailable on disconnect, RevisionCompacted, or StoreError."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class WatchStore(Protocol):
+    """What a watch needs of its store (``runwarden.store.Store`` is one)."""
+
+    @property
+    def config(self) -> StoreConfig: ...
+
+    def open_watch_stream(self, prefix: str, start_revision: int) -> BatchStream: ...
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]: ...
+
+    def relogin_if_needed(self, err: StoreError) -> None: ...
+
+    def untrack(self, item: Watch) -> None: ...
+
+
 class Watch:
     """See ``Store.watch_prefix``. The callback runs on the watch's own thread, one item at a time."""
 
-    def __init__(self, store: Store, prefix: str, start_revision: int, callback: WatchCallback) -> None:
+    def __init__(self, store: WatchStore, prefix: str, start_revision: int, callback: WatchCallback) -> None:
         self.prefix = prefix
         self.resumes = 0  # streams opened after the first (disconnects survived)
         self.relists = 0
@@ -40,7 +70,7 @@ class Watch:
         self._callback = callback
         self._next_revision = start_revision
         self._lock = threading.Lock()
-        self._stream: WatchStream | None = None
+        self._stream: BatchStream | None = None
         self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch {prefix}", daemon=True)
 

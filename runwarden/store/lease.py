@@ -11,12 +11,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from runwarden.store_types import Lease
-
-if TYPE_CHECKING:
-    from runwarden.store import Store
+from runwarden.store.config import StoreConfig
+from runwarden.store.types import Lease
 
 _log = logging.getLogger(__name__)
 
@@ -24,10 +22,21 @@ _log = logging.getLogger(__name__)
 _RETRY_S = 0.2
 
 
+class LeaseStore(Protocol):
+    """What a keeper needs of its store (``runwarden.store.Store`` is one)."""
+
+    @property
+    def config(self) -> StoreConfig: ...
+
+    def refresh_lease(self, lease: Lease, timeout_s: float | None = None) -> int: ...
+
+    def untrack(self, item: LeaseKeeper) -> None: ...
+
+
 class LeaseKeeper:
     """Keeps one lease alive; see ``Store.keep_alive``. ``stop()`` does not revoke the lease."""
 
-    def __init__(self, store: Store, lease: Lease, on_lost: Callable[[], None] | None) -> None:
+    def __init__(self, store: LeaseStore, lease: Lease, on_lost: Callable[[], None] | None) -> None:
         self.lease = lease
         self.lost = threading.Event()
         self.reason = ""

@@ -14,9 +14,12 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-from runwarden.store_types import (
+from runwarden.keys import KeySchema
+from runwarden.store.lease import LeaseKeeper
+from runwarden.store.types import (
     CampaignTimeout,
     EventType,
     KeyValue,
@@ -25,15 +28,34 @@ from runwarden.store_types import (
     StoreError,
     WatchEvent,
 )
-
-if TYPE_CHECKING:
-    from runwarden.store import Store
-    from runwarden.store_lease import LeaseKeeper
-    from runwarden.store_watch import Watch
+from runwarden.store.watch import Watch, WatchCallback
 
 _log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+
+
+class ElectionStore(Protocol):
+    """What an election needs of its store (``runwarden.store.Store`` is one)."""
+
+    @property
+    def keys(self) -> KeySchema: ...
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]: ...
+
+    def cas(
+        self, key: str, value: bytes, expected_mod_revision: int, lease: Lease | int | None = None
+    ) -> bool: ...
+
+    def grant_lease(self, ttl_s: float) -> Lease: ...
+
+    def revoke(self, lease: Lease | int) -> None: ...
+
+    def keep_alive(self, lease: Lease, on_lost: Callable[[], None] | None = None) -> LeaseKeeper: ...
+
+    def watch_prefix(self, prefix: str, start_revision: int | None, callback: WatchCallback) -> Watch: ...
 
 
 class Leadership:
@@ -42,7 +64,7 @@ class Leadership:
 
     def __init__(
         self,
-        store: Store,
+        store: ElectionStore,
         *,
         name: str,
         key: str,
@@ -95,7 +117,7 @@ class Leadership:
             self._store.revoke(self.lease)
 
 
-def campaign(store: Store, name: str, value: bytes, ttl_s: float, timeout_s: float) -> Leadership:
+def campaign(store: ElectionStore, name: str, value: bytes, ttl_s: float, timeout_s: float) -> Leadership:
     prefix = store.keys.election(name)
     deadline = time.monotonic() + timeout_s
     lease = store.grant_lease(ttl_s)
@@ -129,7 +151,7 @@ def campaign(store: Store, name: str, value: bytes, ttl_s: float, timeout_s: flo
 
 
 def _wait_for_turn(
-    store: Store, name: str, prefix: str, mine: KeyValue, lost: threading.Event, deadline: float
+    store: ElectionStore, name: str, prefix: str, mine: KeyValue, lost: threading.Event, deadline: float
 ) -> None:
     """Return once ``mine`` has the lowest create revision under ``prefix``."""
     while True:
@@ -155,7 +177,7 @@ def _wait_for_turn(
             watch.cancel()
 
 
-def _watch_for_delete(store: Store, key: str, start_revision: int) -> tuple[threading.Event, Watch]:
+def _watch_for_delete(store: ElectionStore, key: str, start_revision: int) -> tuple[threading.Event, Watch]:
     """An Event set when ``key`` is deleted (or a relist means it must be looked up again)."""
     gone = threading.Event()
 

@@ -11,8 +11,10 @@ Semantics worth knowing:
   ``timeout_s``. Writes are not retried (a write cut off mid-flight may or may not have applied):
   they raise ``StoreUnavailable`` and the caller decides.
 * Every failure is a ``StoreError`` whose message is one line and never holds a password or token.
-* Background work (lease keepalive, watches, elections) lives in runwarden.store_lease,
-  runwarden.store_watch and runwarden.store_election; ``Store`` is the front door to all of it.
+* Background work (lease keepalive, watches, elections) lives in runwarden.store.lease,
+  runwarden.store.watch and runwarden.store.election; ``Store`` is the front door to all of it.
+  Those modules know the store only through small protocols, so imports flow one way:
+  types <- config <- lease, watch <- election <- client.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,42 +32,23 @@ from pyetcd import etcdrpc  # the generated etcd v3 API stubs
 from pyetcd.etcdrpc import kv_pb2
 
 from runwarden.keys import KeySchema
-from runwarden.store_config import Endpoint, StoreConfig, parse_endpoint
-from runwarden.store_election import Leadership, campaign
-from runwarden.store_lease import LeaseKeeper
-from runwarden.store_types import (
-    CampaignTimeout,
+from runwarden.store.config import Endpoint, StoreConfig
+from runwarden.store.election import Leadership, campaign
+from runwarden.store.lease import LeaseKeeper
+from runwarden.store.types import (
     EventType,
     KeyValue,
     Lease,
     NotLeader,
-    Relisted,
     RevisionCompacted,
     StoreError,
     StoreUnavailable,
+    WatchBatch,
     WatchEvent,
 )
-from runwarden.store_watch import Watch, WatchCallback
+from runwarden.store.watch import Watch, WatchCallback
 
-__all__ = [
-    "CampaignTimeout",
-    "Endpoint",
-    "EventType",
-    "KeyValue",
-    "Leadership",
-    "Lease",
-    "LeaseKeeper",
-    "NotLeader",
-    "Relisted",
-    "RevisionCompacted",
-    "Store",
-    "StoreConfig",
-    "StoreError",
-    "StoreUnavailable",
-    "Watch",
-    "WatchEvent",
-    "parse_endpoint",
-]
+__all__ = ["Store", "WatchStream"]
 
 _log = logging.getLogger(__name__)
 
@@ -300,17 +282,8 @@ def _watch_event(event: Any) -> WatchEvent:
     )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WatchBatch:
-    """One response of a watch stream: events, or a progress notice (all up to ``revision`` sent)."""
-
-    events: tuple[WatchEvent, ...]
-    revision: int
-    created: bool
-
-
 class WatchStream:
-    """One raw etcd watch stream; runwarden.store_watch.Watch resumes these across disconnects."""
+    """One raw etcd watch stream; runwarden.store.watch.Watch resumes these across disconnects."""
 
     def __init__(self, store: Store, prefix: str, start_revision: int) -> None:
         self._store = store
