@@ -1,8 +1,9 @@
-"""The Controller gRPC API: what `controllerctl`, dashboards and `grpcurl` talk to.
+"""The Controller gRPC servicer: what `controllerctl`, dashboards and `grpcurl` talk to.
 
-The servicer is a thin, validating adapter over a `ControllerView` (the live controller shell
-implements it; `controller.api.store_view.StoreBackedView` implements it from etcd for tools and tests).
-Rules:
+The servicer is a thin, validating adapter over a `ControllerView` (`controller.api.view`; the live
+controller shell implements it, `controller.api.store_view.StoreBackedView` implements it from etcd
+for tools and tests). `controller.api.access` decides roles; `controller.api.server` builds the
+gRPC server. Rules:
 
 * every request field is validated first; a bad one is INVALID_ARGUMENT with a one-line reason;
 * with TLS, the client certificate decides the role (`AccessPolicy`): read-only callers may use
@@ -16,120 +17,32 @@ Rules:
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent import futures
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from controller.api.access import AccessPolicy, Caller, Role, caller_of
+from controller.api.view import ControllerView, ViewNotFound, ViewRefused, ViewUnavailable
 from controller.goodput.report import compute_goodput
 from runwarden.eventlog import decode_line, read_events
 from runwarden.keys import validate_name
-from runwarden.net import is_loopback_address
-from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, events_pb2
+from runwarden.v1 import controller_pb2, controller_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "runwarden.v1.Controller"
 DEFAULT_EVENT_LIMIT = 1000
 MAX_EVENT_LIMIT = 100_000
 MAX_REASON_CHARS = 512
 WATCH_POLL_S = 0.2
 
 T = TypeVar("T")
-
-
-class ViewNotFound(LookupError):
-    """The node or run named in a request does not exist."""
-
-
-class ViewUnavailable(RuntimeError):
-    """The view's backing store did not answer; worth retrying."""
-
-
-class ViewRefused(RuntimeError):
-    """The request is valid but cannot be done in the current state (e.g. releasing a spare)."""
-
-
-class ControllerView(Protocol):
-    """What the API needs from the controller. Methods may raise the View* errors above."""
-
-    @property
-    def event_log_path(self) -> Path: ...
-
-    def run_statuses(self) -> Sequence[controller_pb2.RunStatus]: ...
-
-    def node_infos(self) -> Sequence[controller_pb2.NodeInfo]: ...
-
-    def leader(self) -> tuple[str, int]:
-        """The leader's identity and fencing token ("", 0 when unknown)."""
-        ...
-
-    def quarantine(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType: ...
-
-    def release(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType: ...
-
-    def request_stop(self, run: str, reason: str, actor: str) -> bool: ...
-
-
-class Role(enum.Enum):
-    READ_ONLY = "read-only"
-    ADMIN = "admin"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AccessPolicy:
-    """Who is admin. A verified client certificate is admin when its common name is in
-    `admin_names` or its subject's organization (O=) is in `admin_organizations`; any other
-    certificate the CA signed is read-only. Plaintext callers (loopback only) get `plaintext_role`."""
-
-    admin_names: frozenset[str] = frozenset()
-    admin_organizations: frozenset[str] = frozenset({"runwarden:admin"})
-    plaintext_role: Role = Role.ADMIN
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Caller:
-    role: Role
-    identity: str  # the certificate's CN, or the peer address for plaintext
-
-
-def _first(ctx: Mapping[str, object], key: str) -> str:
-    # grpc-stubs types the values as bytes; at run time each is a list of bytes
-    values = ctx.get(key) or []
-    value = values if isinstance(values, bytes) else next(iter(values), b"")  # type: ignore[call-overload]
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else ""
-
-
-def _subject_organizations(subject: str) -> set[str]:
-    # gRPC's x509_subject is RFC 2253 style ("CN=alice,O=runwarden:admin"); escaped commas are rare
-    # in organization names and would only make a certificate read-only, never admin.
-    out = set()
-    for part in subject.split(","):
-        key, _, value = part.strip().partition("=")
-        if key.strip().upper() == "O":
-            out.add(value.strip())
-    return out
-
-
-def caller_of(context: grpc.ServicerContext, policy: AccessPolicy) -> Caller:
-    ctx = context.auth_context()
-    if _first(ctx, "transport_security_type") != "ssl":
-        return Caller(role=policy.plaintext_role, identity=context.peer())
-    cn = _first(ctx, "x509_common_name")
-    orgs = _subject_organizations(_first(ctx, "x509_subject"))
-    admin = cn in policy.admin_names or bool(orgs & policy.admin_organizations)
-    return Caller(role=Role.ADMIN if admin else Role.READ_ONLY, identity=cn or context.peer())
 
 
 class _Invalid(ValueError):
@@ -411,66 +324,3 @@ def follow_events(
                     yield ev
             continue
         time.sleep(poll_s)
-
-
-# -- server ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerTLS:
-    """PEM bytes for mutual TLS: the server's certificate and key, and the CA that signs clients."""
-
-    cert_pem: bytes
-    key_pem: bytes
-    client_ca_pem: bytes
-
-    @classmethod
-    def from_files(cls, cert: str | Path, key: str | Path, client_ca: str | Path) -> ServerTLS:
-        return cls(
-            cert_pem=Path(cert).read_bytes(),
-            key_pem=Path(key).read_bytes(),
-            client_ca_pem=Path(client_ca).read_bytes(),
-        )
-
-
-def build_server(
-    view: ControllerView,
-    address: str,
-    *,
-    tls: ServerTLS | None = None,
-    policy: AccessPolicy | None = None,
-    max_workers: int = 16,
-    poll_s: float = WATCH_POLL_S,
-) -> tuple[grpc.Server, int]:
-    """A started-ready (not yet started) server with the Controller, health and reflection services.
-
-    Returns the server and the bound port. Plaintext is refused on a non-loopback address.
-    """
-    if tls is None and not is_loopback_address(address):
-        raise ValueError(f"refusing to serve the Controller API in plaintext on {address}: configure TLS")
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="controller-api")
-    )
-    controller_pb2_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(view, policy, poll_s=poll_s, max_watches=max(1, max_workers // 2)), server
-    )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    names = (
-        controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        creds = grpc.ssl_server_credentials(
-            [(tls.key_pem, tls.cert_pem)], root_certificates=tls.client_ca_pem, require_client_auth=True
-        )
-        port = server.add_secure_port(address, creds)
-    if port == 0:
-        raise OSError(f"cannot bind the Controller API to {address}")
-    return server, port

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from controller.api.service import ViewNotFound, ViewRefused, ViewUnavailable
+from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
 from runwarden.eventlog import read_events
 from runwarden.store import KeyValue, Store, StoreError
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2

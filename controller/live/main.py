@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from controller.api.service import AccessPolicy, ServerTLS, build_server
+    from controller.api.access import AccessPolicy
+    from controller.api.server import ServerTLS, build_server
     from controller.live.config import load_controller_config
     from controller.live.loop import LiveController, ShellConfig
     from controller.live.paging import Pager

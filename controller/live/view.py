@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
-from controller.api.service import ViewNotFound, ViewRefused, ViewUnavailable
 from controller.api.store_view import StoreBackedView
+from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
 from controller.supervisor import types as t
 from runwarden.v1 import common_pb2, controller_pb2
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.api.service import AccessPolicy, ServerTLS, build_server
+from controller.api.access import AccessPolicy
+from controller.api.server import ServerTLS, build_server
 from controller.api.store_view import StoreBackedView
 from runwarden.eventlog import EventLog
 from runwarden.store import Store

@@ -9,7 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.api.service import AccessPolicy, ServerTLS, build_server
+from controller.api.access import AccessPolicy
+from controller.api.server import ServerTLS, build_server
 from controller.ctl.main import main
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, store_pb2

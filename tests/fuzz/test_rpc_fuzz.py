@@ -13,7 +13,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from controller.api.service import build_server  # noqa: F401 - the live fixture builds the real server
+from controller.api.server import build_server  # noqa: F401 - the live fixture builds the real server
 from runwarden.v1 import agent_pb2, controller_pb2, controller_pb2_grpc
 from tests.ctl.conftest import LiveController
 from tests.fuzz.protostrat import messages

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.api.service import ServerTLS
+from controller.api.server import ServerTLS
 from controller.ctl.main import main
 from runwarden.etcd_server import EtcdServer, EtcdTls
 from runwarden.store import Store, StoreConfig, StoreError
