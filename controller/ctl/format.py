@@ -12,6 +12,8 @@ from typing import Any, TextIO
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from runwarden.v1 import common_pb2, controller_pb2
+
 _CODES = {"red": "31", "green": "32", "yellow": "33", "blue": "34", "grey": "90", "bold": "1"}
 
 
@@ -93,3 +95,22 @@ def print_json(obj: Any, out: TextIO | None = None) -> None:
 def enum_label(name: str, prefix: str) -> str:
     """RUN_PHASE_RUNNING -> running."""
     return name.removeprefix(prefix).lower().replace("_", "-") if name else "-"
+
+
+def step_label(step: int) -> str:
+    """A step number, or "-" for none yet (-1)."""
+    return "-" if step < 0 else str(step)
+
+
+def pool_label(state: common_pb2.PoolState.ValueType) -> str:
+    return enum_label(common_pb2.PoolState.Name(state), "POOL_STATE_") if state else "-"
+
+
+def print_pool_state(
+    resp: controller_pb2.QuarantineNodeResponse | controller_pb2.ReleaseNodeResponse, node: str, *, json_out: bool
+) -> None:
+    """A quarantine or release answer: the node's pool state now."""
+    if json_out:
+        print_json(resp)
+    else:
+        print(f"node {node}: {pool_label(resp.pool_state)}")

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controller.ctl.args import since_arg
 from controller.ctl.client import CtlError, ExitCode
-from controller.ctl.commands import since_arg
 from controller.ctl.format import Cell, Painter, print_json, table
 from controller.goodput.report import compute_goodput
 from runwarden.eventlog import read_events
@@ -25,7 +25,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--by", choices=["cause", "week"], default="cause", help="break lost time down by (default cause)")
     p.add_argument("--png", metavar="FILE", help="also draw the postmortem chart (timeline + lost time) to FILE")
     p.add_argument("--log", metavar="FILE", help="compute offline from this event-log file")
-    p.set_defaults(func=run, offline_ok=True)
+    p.set_defaults(func=run)
 
 
 def _offline_events(path: str) -> list[events_pb2.Event]:

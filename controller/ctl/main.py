@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from controller.ctl import commands as ctl_commands
-from controller.ctl import goodput as ctl_goodput
+from controller.ctl import events, goodput, node, nodes, quarantine, release, status, stop
 from controller.ctl.client import ENV_ADDRESS, ENV_CONFIG, EXIT_CODE_HELP, Client, CtlError, ExitCode, resolve
 from controller.ctl.format import Painter, colour_wanted
 
 PROG = "controllerctl"
+
+# The built-in subcommands, in --help order: each module exposes add_parser(subparsers, common) and run(args).
+BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (status, nodes, node, events, quarantine, release, stop, goodput)
 
 # name -> (module, one-line help). Each module exposes add_parser(subparsers) and run(args) -> int.
 OPTIONAL_SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -71,12 +73,11 @@ def _add_optional(sub: Any, argv: Sequence[str]) -> None:
             module.add_parser(sub)
             chosen = sub.choices.get(name)
             if chosen is not None:
-                chosen.set_defaults(func=module.run, offline_ok=True)
+                chosen.set_defaults(func=module.run)
             continue
         stub = sub.add_parser(name, help=help_text, add_help=False)
         stub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        stub.set_defaults(func=_missing(name, module_name) if name in argv else None, offline_ok=True,
-                          optional_module=module_name)
+        stub.set_defaults(func=_missing(name, module_name) if name in argv else None, optional_module=module_name)
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -87,11 +88,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", dest="json_cmd", action="store_true", help="JSON output for scripts")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    ctl_commands.add_parsers(sub, common)
-    ctl_goodput.add_parser(sub, common)
+    for module in BUILTIN_SUBCOMMANDS:
+        module.add_parser(sub, common)
     p = sub.add_parser("completion", help="print a shell completion script: eval \"$(controllerctl completion bash)\"")
     p.add_argument("shell", choices=["bash", "zsh"])
-    p.set_defaults(func=_completion, offline_ok=True)
+    p.set_defaults(func=_completion)
     _add_optional(sub, argv)
     return parser
 
