@@ -9,7 +9,7 @@ import math
 import re
 import time
 
-from runwarden.keys import validate_name
+from runwarden.names import check_name
 from runwarden.v1 import agent_pb2
 
 MAX_REPORTS = 4096
@@ -30,9 +30,9 @@ class ValidationError(ValueError):
 
 def run_name(run: str, field: str = "run") -> str:
     try:
-        return validate_name(run, field)
+        return check_name(field, run)
     except ValueError as exc:
-        raise ValidationError(f"{field}: {exc}") from None
+        raise ValidationError(str(exc)) from None
 
 
 def seconds(value: float, field: str, *, low: float = 0.0, high: float = MAX_SECONDS) -> float:

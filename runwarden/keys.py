@@ -22,38 +22,14 @@ Every ``*_prefix()`` ends with "/", so that the prefix of node "a1" never matche
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from runwarden.names import check_name
 
 SCHEMA_VERSION = "v1"
 DEFAULT_ROOT = "/runwarden"
-MAX_NAME_LENGTH = 128
 # 16 digits hold any step or sequence number a run will ever reach and keep keys short.
 NUMBER_DIGITS = 16
-
-_FORBIDDEN_NAME_CHARS = re.compile(r"[/\s\x00-\x1f\x7f]")
-
-
-def validate_name(name: object, what: str = "name") -> str:
-    """Return ``name`` if it is usable as one key segment, else raise ValueError saying why."""
-    if not isinstance(name, str):
-        raise ValueError(f"{what} must be a string, got {type(name).__name__}")
-    if not name:
-        raise ValueError(f"{what} must not be empty")
-    if len(name) > MAX_NAME_LENGTH:
-        raise ValueError(
-            f"{what} {name[:32]!r}... is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
-        )
-    bad = _FORBIDDEN_NAME_CHARS.search(name)
-    if bad is not None:
-        raise ValueError(
-            f"{what} {name!r} contains {bad.group()!r}; "
-            "'/', whitespace and control characters are not allowed"
-        )
-    if name in (".", ".."):
-        raise ValueError(f"{what} must not be {name!r}")
-    return name
-
 
 def validate_number(number: object, what: str) -> int:
     """Return ``number`` if it is a non-negative int that fits the zero-padded key field."""
@@ -69,7 +45,7 @@ def validate_root(root: object) -> str:
     if not isinstance(root, str) or not root.startswith("/") or root == "/" or root.endswith("/"):
         raise ValueError(f"key root must look like '/name' or '/a/b' (no trailing '/'), got {root!r}")
     for segment in root[1:].split("/"):
-        validate_name(segment, "key root segment")
+        check_name("key root segment", segment)
     return root
 
 
@@ -95,17 +71,17 @@ class KeySchema:
         return self._join("nodes", "")
 
     def node(self, name: str) -> str:
-        return self._join("nodes", validate_name(name, "node name"))
+        return self._join("nodes", check_name("node name", name))
 
     # Runs
     def run_prefix(self, run: str) -> str:
-        return self._join("runs", validate_name(run, "run name"), "")
+        return self._join("runs", check_name("run name", run), "")
 
     def progress_prefix(self, run: str) -> str:
         return self.run_prefix(run) + "progress/"
 
     def progress(self, run: str, node: str) -> str:
-        return self.progress_prefix(run) + validate_name(node, "node name")
+        return self.progress_prefix(run) + check_name("node name", node)
 
     def checkpoints_prefix(self, run: str) -> str:
         return self.run_prefix(run) + "checkpoints/"
@@ -127,7 +103,7 @@ class KeySchema:
         """All evidence, or one node's evidence when ``node`` is given."""
         if node is None:
             return self._join("evidence", "")
-        return self._join("evidence", validate_name(node, "node name"), "")
+        return self._join("evidence", check_name("node name", node), "")
 
     def evidence(self, node: str, seq: int) -> str:
         return self.evidence_prefix(node) + _padded(validate_number(seq, "evidence sequence"))
@@ -136,18 +112,18 @@ class KeySchema:
         return self._join("pool", "")
 
     def pool(self, node: str) -> str:
-        return self.pool_prefix() + validate_name(node, "node name")
+        return self.pool_prefix() + check_name("node name", node)
 
     def reputation_prefix(self) -> str:
         return self._join("reputation", "")
 
     def reputation(self, node: str) -> str:
-        return self.reputation_prefix() + validate_name(node, "node name")
+        return self.reputation_prefix() + check_name("node name", node)
 
     # Elections
     def election(self, name: str) -> str:
         """The prefix under which contenders for election ``name`` put their keys (ends with '/')."""
-        return self._join("elections", validate_name(name, "election name"), "")
+        return self._join("elections", check_name("election name", name), "")
 
     # Parsing
     def name_under(self, prefix: str, key: str) -> str:
@@ -157,7 +133,7 @@ class KeySchema:
         """
         if not prefix.endswith("/") or not key.startswith(prefix):
             raise ValueError(f"key {key!r} is not under prefix {prefix!r}")
-        return validate_name(key[len(prefix) :], f"name in key {key!r}")
+        return check_name(f"name in key {key!r}", key[len(prefix) :])
 
     def number_under(self, prefix: str, key: str) -> int:
         """The zero-padded number right under ``prefix`` (a checkpoint step, an evidence sequence)."""

@@ -32,7 +32,7 @@ from controller.api.access import AccessPolicy, Caller, Role, caller_of
 from controller.api.view import ControllerView, ViewNotFound, ViewRefused, ViewUnavailable
 from controller.goodput.report import compute_goodput
 from runwarden.eventlog import decode_line, read_events
-from runwarden.keys import validate_name
+from runwarden.names import check_name
 from runwarden.v1 import controller_pb2, controller_pb2_grpc, events_pb2
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class _Invalid(ValueError):
 
 def _name(value: str, what: str) -> str:
     try:
-        return validate_name(value, what)
+        return check_name(what, value)
     except ValueError as exc:
         raise _Invalid(str(exc)) from None
 

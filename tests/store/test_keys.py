@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runwarden.keys import MAX_NAME_LENGTH, KeySchema, validate_name
+from runwarden.keys import KeySchema
+from runwarden.names import MAX_NAME_LENGTH, check_name
 
 
 def test_layout_under_versioned_default_root() -> None:
@@ -77,7 +78,7 @@ def test_bad_numbers() -> None:
 
 
 def test_names_at_the_limit_and_unicode_are_fine() -> None:
-    assert validate_name("x" * MAX_NAME_LENGTH) == "x" * MAX_NAME_LENGTH
+    assert check_name("name", "x" * MAX_NAME_LENGTH) == "x" * MAX_NAME_LENGTH
     assert KeySchema().node("nœud-ü") == "/runwarden/v1/nodes/nœud-ü"
 
 
