@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -31,8 +31,6 @@ DEFAULT_ADDRESS = "127.0.0.1:7070"
 ENV_ADDRESS = "RUNWARDEN_CONTROLLER"
 ENV_CONFIG = "RUNWARDEN_CTL_CONFIG"
 CONFIG_CANDIDATES = (Path("~/.config/runwarden/controllerctl.toml"), Path("/etc/runwarden/controllerctl.toml"))
-
-T = TypeVar("T")
 
 
 class ExitCode(enum.IntEnum):
