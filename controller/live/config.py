@@ -52,18 +52,6 @@ class RunSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StoreSection:
-    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    timeout_s: float = 5.0
-    root: str = "/runwarden"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class TLSSection:
     cert: Path
     key: Path
@@ -81,6 +69,7 @@ class ControllerConfig:
 
 
 _SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls"}
+DEFAULT_STORE_ENDPOINTS = ("127.0.0.1:2379",)  # [store] endpoints when neither file, environment nor flag says
 
 
 def load_controller_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ControllerConfig:
@@ -100,11 +89,9 @@ def load_controller_config(path: str | Path | None, overrides: dict[str, Any] | 
             raise ConfigError(f"override {dotted!r}: expected <section>.<key>")
         sections[section][key] = value
     run = load_section(RunSection, sections["controller"], f"{where} [controller]")
-    store_sec = load_section(StoreSection, sections["store"], f"{where} [store]")
+    sections["store"].setdefault("endpoints", list(DEFAULT_STORE_ENDPOINTS))
     try:
-        store = StoreConfig(endpoints=store_sec.endpoints, ca_file=store_sec.ca_file, cert_file=store_sec.cert_file,
-                            key_file=store_sec.key_file, user=store_sec.user, password=store_sec.password,
-                            timeout_s=store_sec.timeout_s, root=store_sec.root)
+        store = load_section(StoreConfig, sections["store"], f"{where} [store]")
     except StoreError as exc:
         raise ConfigError(f"{where} [store]: {exc}") from None
     policy = load_section(SupervisorConfig, sections["policy"], f"{where} [policy]")
