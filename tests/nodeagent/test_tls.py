@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
-from tests.store.certs import make_pki
+from tests.support.pki import make_pki
 
 
 def _channel(port: int, pki, *, client_cert: bool) -> agent_pb2_grpc.NodeAgentStub:

@@ -9,7 +9,7 @@ import pytest
 
 from runwarden.etcd_server import EtcdServer, EtcdTls
 from runwarden.store import Store, StoreConfig, StoreError
-from tests.store.certs import Pki, make_pki
+from tests.support.pki import Pki, make_pki
 
 
 @pytest.fixture

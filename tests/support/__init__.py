@@ -1,0 +1,1 @@
+"""Test-only harnesses: helpers the tests share that the shipped packages do not need."""
