@@ -78,6 +78,7 @@ class AttemptSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     resume_step: int = -1
     procs_per_node: int = 1
+    leader_fence: int = 0  # the leader's election fence; an agent refuses a launch from an older leader
 
     def __post_init__(self) -> None:
         validate_run_name(self.run)
@@ -95,6 +96,8 @@ class AttemptSpec:
             raise BackendError(f"resume_step must be >= -1, got {self.resume_step}")
         if self.procs_per_node < 1:
             raise BackendError(f"procs_per_node must be >= 1, got {self.procs_per_node}")
+        if self.leader_fence < 0:
+            raise BackendError(f"leader_fence must be >= 0, got {self.leader_fence}")
         for key, value in self.env.items():
             if not _ENV_NAME.match(key) or "\0" in value:
                 raise BackendError(f"bad environment entry {key!r}")
@@ -158,34 +161,55 @@ class Backend(Protocol):
 
 
 def torchrun_argv(
-    spec: AttemptSpec, *, endpoint: str, torchrun: tuple[str, ...] = ("torchrun",)
+    spec: AttemptSpec,
+    *,
+    endpoint: str,
+    torchrun: tuple[str, ...] = ("torchrun",),
+    node_rank: int | None = None,
+    no_python: bool = True,
 ) -> list[str]:
     """The launcher line every backend uses: one rendezvous per attempt, no in-place restarts.
 
     ``--max-restarts=0`` because every failure goes through the supervisor (which can blame and
     replace a node); torchrun restarting in place would hide the failure and reuse a bad node.
+
+    node_rank: given when the backend starts each node's torchrun itself (the local backend, one
+    agent per node): ``--node-rank`` fixes the node's place, and node rank 0 hosts the c10d store
+    (``--rdzv-conf=is_host=true``; the others connect to it). None when the scheduler starts the
+    same line on every node (srun, a JobSet) and torchrun ranks the nodes at the rendezvous.
+    no_python: ``spec.command`` is a full argv with its own interpreter (``--no-python``); False when
+    it starts at a script that torchrun runs with its own interpreter.
     """
+    placed = [] if node_rank is None else [f"--node-rank={node_rank}"]
+    host = [] if node_rank is None else [f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
     return [
         *torchrun,
         f"--nnodes={len(spec.nodes)}",
         f"--nproc-per-node={spec.procs_per_node}",
+        *placed,
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={spec.rendezvous_id}",
+        *host,
         "--max-restarts=0",
-        "--no-python",  # spec.command is a full argv (its own interpreter), not a script path
+        *(["--no-python"] if no_python else []),
         *spec.command,
     ]
 
 
-def attempt_env(spec: AttemptSpec) -> dict[str, str]:
-    """Environment every rank of an attempt gets on top of ``spec.env``."""
+def attempt_env(spec: AttemptSpec, *, node: str | None = None) -> dict[str, str]:
+    """Environment every rank of an attempt gets on top of ``spec.env``.
+
+    node: the node these ranks run on, when the backend launches each node on its own (the local
+    backend); a scheduler that starts one line everywhere leaves it out.
+    """
     return {
         **spec.env,
         "RUNWARDEN_RUN": spec.run,
         "RUNWARDEN_ATTEMPT": str(spec.attempt),
         "RUNWARDEN_RENDEZVOUS_ID": spec.rendezvous_id,
         "RUNWARDEN_RESUME_STEP": str(spec.resume_step),
+        **({"RUNWARDEN_NODE": node} if node is not None else {}),
         # Fail fast on a dead peer instead of hanging for the collective timeout.
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -1,0 +1,138 @@
+"""The local backend: a static fleet of node agents, one per host, and no scheduler.
+
+Nodes join by starting an agent (its lease registers it in etcd) and leave when it stops; nothing
+is allocated, drained or released here, because the pool state the supervisor decides is persisted
+in etcd and an agent needs no telling. What this backend does is start and stop attempts: `launch`
+builds each node's `LaunchWorkersRequest` -- one torchrun per node with that node's rank
+(`torchrun_argv`), the attempt's environment with the node's name (`attempt_env`) -- and calls
+every agent at once.
+
+The agents retry temporary RPC failures within the launch deadline (controller/live/agents.py).
+A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
+temporary; the other nodes of the attempt keep running (the supervisor decides what happens to
+them, as when a node's workers exit at once).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from controller.backends.base import (
+    Allocation,
+    AttemptHandle,
+    AttemptSpec,
+    AttemptState,
+    AttemptStatus,
+    BackendError,
+    attempt_env,
+    torchrun_argv,
+)
+from controller.live.agents import AgentClients
+from runwarden.v1 import agent_pb2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalConfig:
+    """torchrun: how each agent starts torchrun (argv[0] must be in the agent's allowed executables);
+    the command then starts at the training script, run by torchrun's interpreter. rdzv_host: where
+    node rank 0's c10d store listens; the port is picked free on this host for each attempt."""
+
+    torchrun: tuple[str, ...] = (sys.executable, "-m", "torch.distributed.run")
+    rdzv_host: str = "127.0.0.1"
+    rpc_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.torchrun:
+            raise BackendError("local backend: torchrun must be a non-empty argv")
+        if not self.rpc_timeout_s > 0:
+            raise BackendError(f"local backend: rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeLaunchFailure:
+    node: str
+    temporary: bool  # the agent could not be reached in time (it may answer later)
+    reason: str
+
+
+class LaunchIncomplete(BackendError):
+    """Some nodes of the attempt did not start their workers; the others did."""
+
+    def __init__(self, handle: AttemptHandle, failures: tuple[NodeLaunchFailure, ...]) -> None:
+        super().__init__("; ".join(f"{f.node}: {f.reason}" for f in failures))
+        self.handle = handle
+        self.failures = failures
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, agents: AgentClients, config: LocalConfig | None = None) -> None:
+        self.agents = agents
+        self.config = config or LocalConfig()
+
+    def allocate(self, nodes: int, spares: int) -> Allocation:
+        raise BackendError("the local fleet is static: a node joins when its agent starts")
+
+    def requests(self, spec: AttemptSpec, *, endpoint: str) -> list[tuple[str, agent_pb2.LaunchWorkersRequest]]:
+        """Each node's launch request; node rank = the node's place in `spec.nodes`."""
+        out = []
+        for rank, node in enumerate(spec.nodes):
+            argv = torchrun_argv(spec, endpoint=endpoint, torchrun=self.config.torchrun, node_rank=rank,
+                                 no_python=False)
+            out.append((node, agent_pb2.LaunchWorkersRequest(
+                run=spec.run, attempt=spec.attempt, rendezvous_id=spec.rendezvous_id, argv=argv,
+                env=attempt_env(spec, node=node), node_rank=rank, nnodes=len(spec.nodes),
+                resume_step=spec.resume_step, leader_fence=spec.leader_fence)))
+        return out
+
+    def launch(self, spec: AttemptSpec) -> AttemptHandle:
+        """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did not start."""
+        handle = AttemptHandle(spec=spec, ref=f"local:{spec.rendezvous_id}")
+        reqs = self.requests(spec, endpoint=f"{self.config.rdzv_host}:{_free_port()}")
+        with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
+            outcomes = list(pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs))
+        failures = tuple(NodeLaunchFailure(node=o.node, temporary=o.temporary, reason=o.error)
+                         for o in outcomes if not o.ok)
+        if failures:
+            raise LaunchIncomplete(handle, failures)
+        return handle
+
+    def stop(self, handle: AttemptHandle, grace_s: float) -> AttemptStatus:
+        """SIGTERM every node's workers of the attempt, SIGKILL after `grace_s` (the agent does both)."""
+        spec = handle.spec
+        req = agent_pb2.StopWorkersRequest(run=spec.run, attempt=spec.attempt, grace_s=grace_s)
+        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes)), thread_name_prefix="stop") as pool:
+            outcomes = list(pool.map(lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s),
+                                     spec.nodes))
+        failed = tuple(o.node for o in outcomes if not o.ok)
+        return AttemptStatus(state=AttemptState.UNKNOWN if failed else AttemptState.STOPPED, failed_nodes=failed,
+                             detail="; ".join(f"{o.node}: {o.error}" for o in outcomes if not o.ok))
+
+    def status(self, handle: AttemptHandle) -> AttemptStatus:
+        """Running while any node runs a worker of the attempt; an agent that does not answer is a failed node."""
+        spec = handle.spec
+        running, unreachable = False, []
+        for node in spec.nodes:
+            _, resp = self.agents.status(node, timeout_s=2.0)
+            if resp is None:
+                unreachable.append(node)
+                continue
+            running |= any(w.run == spec.run and w.attempt == spec.attempt and w.running for w in resp.workers)
+        state = AttemptState.RUNNING if running else AttemptState.UNKNOWN
+        return AttemptStatus(state=state, failed_nodes=tuple(unreachable))
+
+    def quarantine(self, node: str, reason: str) -> None:
+        """Nothing to tell: the pool entry in etcd keeps the node out of placements."""
+
+    def release(self, node: str) -> bool:
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
