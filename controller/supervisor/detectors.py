@@ -1,11 +1,11 @@
-"""Detectors: pure functions over observed state. The core (controller/supervisor/machine.py) calls them.
+"""Detectors: pure functions over observed state. The core's rules (controller/supervisor/) call them.
 
 * node lost: the lease DELETE itself (no function needed) — but `is_mass_expiry` decides whether
   many losses at once are a control-plane fault instead;
 * hang: `hang_timeout` + `is_hung` (the slowest rank's step did not advance, outside a checkpoint);
 * straggler: `straggler_candidate` (one evaluation) + `persistent_straggler` (over a window);
 * crash: `classify_exit` (exit code / signal);
-* hardware evidence: `is_fatal_evidence`.
+* hardware evidence: `runwarden.evidence.is_fatal` (one definition for the agent, the core and goodput).
 """
 
 from __future__ import annotations
@@ -17,16 +17,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.supervisor.policy import SupervisorConfig
-from runwarden.v1 import common_pb2
-
-FATAL_KINDS = frozenset(
-    {
-        common_pb2.EVIDENCE_KIND_XID,
-        common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
-        common_pb2.EVIDENCE_KIND_ROW_REMAP_FAILURE,
-        common_pb2.EVIDENCE_KIND_GPU_LOST,
-    }
-)
 
 
 def median(values: Sequence[float]) -> float:
@@ -70,18 +60,6 @@ def classify_exit(exit_code: int | None, signal: int | None, *, stopping: bool) 
     if exit_code < 0:  # subprocess convention: -n = killed by signal n
         return ExitClass(kind="signal", label=f"signal:{_signal_name(-exit_code)}")
     return ExitClass(kind="crash", label=f"exit:{exit_code}")
-
-
-# --- hardware evidence -------------------------------------------------------------------------
-
-
-def is_fatal_evidence(ev: common_pb2.Evidence) -> bool:
-    """Fatal for the node: a fatal-severity Xid/ECC/row-remap/GPU-lost (application Xids are not)."""
-    if ev.severity == common_pb2.SEVERITY_APPLICATION:
-        return False
-    if ev.kind in FATAL_KINDS:
-        return ev.severity == common_pb2.SEVERITY_FATAL or ev.kind != common_pb2.EVIDENCE_KIND_XID
-    return ev.severity == common_pb2.SEVERITY_FATAL
 
 
 # --- hang --------------------------------------------------------------------------------------
@@ -174,19 +152,3 @@ def is_mass_expiry(loss_times: Sequence[float], now: float, fleet_size: int, cfg
     """Many lease expiries within one short window: the control plane, not the hardware."""
     recent = sum(1 for t in loss_times if now - t <= cfg.mass_expiry_window_s)
     return recent >= mass_expiry_threshold(cfg, fleet_size)
-
-
-# --- heartbeat attribution --------------------------------------------------------------------
-
-
-def heartbeat_suspect(steps: dict[str, int]) -> str | None:
-    """The one node whose progress stopped first: its step is behind every other node's.
-
-    None when no single node is behind (in a synchronous job the victims usually report the same
-    step as the culprit; then only the flight recorder can tell them apart).
-    """
-    if len(steps) < 2:
-        return None
-    order = sorted(steps.items(), key=lambda kv: (kv[1], kv[0]))
-    (first, s0), (_, s1) = order[0], order[1]
-    return first if s0 < s1 else None

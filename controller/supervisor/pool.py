@@ -1,10 +1,15 @@
 """The node pool: spare / assigned / quarantined / burn-in / held, and per-node reputation.
 
 Pure bookkeeping (no IO): the core decides *when* to move a node; this module keeps the rules of
-*where* it may go:
+*where* it may go, as the only moves it offers (`LEGAL` is the graph; a move outside it raises):
+
+    SPARE --assign--> ASSIGNED --unassign--> SPARE
+    any --quarantine--> QUARANTINED, or HELD (a second failure within the hold window, or an operator)
+    QUARANTINED --start_burn_in--> BURN_IN --burn_in_result--> SPARE (N passes in a row) | QUARANTINED (a failure)
+    QUARANTINED | HELD | BURN_IN --operator_release--> BURN_IN
 
 * a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
-  passes (a failure restarts the count);
+  passes (a failure restarts the count and waits for a repair: re-registration or an operator);
 * a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
   an operator releases it (operator release puts it into burn-in, like any quarantined node);
 * spares are picked best reputation first (fewest recent failures, straggler flags, preflight
@@ -13,27 +18,48 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from controller.supervisor.events import NodeRecordView
 from controller.supervisor.policy import SupervisorConfig
-from controller.supervisor.types import NodeRecordView
 from runwarden.v1 import common_pb2
 
-SPARE = common_pb2.POOL_STATE_SPARE
-ASSIGNED = common_pb2.POOL_STATE_ASSIGNED
-QUARANTINED = common_pb2.POOL_STATE_QUARANTINED
-BURN_IN = common_pb2.POOL_STATE_BURN_IN
-HELD = common_pb2.POOL_STATE_HELD
-
-STATE_NAMES: dict[int, str] = {
-    SPARE: "spare",
-    ASSIGNED: "assigned",
-    QUARANTINED: "quarantined",
-    BURN_IN: "burn-in",
-    HELD: "held",
-}
 MAX_FAILURE_TIMES = 32
+
+
+class PoolState(enum.Enum):
+    """Where a node is; the value is the wire enum (`runwarden.v1.PoolState`)."""
+
+    SPARE = common_pb2.POOL_STATE_SPARE
+    ASSIGNED = common_pb2.POOL_STATE_ASSIGNED
+    QUARANTINED = common_pb2.POOL_STATE_QUARANTINED
+    BURN_IN = common_pb2.POOL_STATE_BURN_IN
+    HELD = common_pb2.POOL_STATE_HELD
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @property
+    def proto(self) -> common_pb2.PoolState.ValueType:
+        return common_pb2.PoolState.ValueType(self.value)
+
+
+S = PoolState
+LEGAL: dict[PoolState, frozenset[PoolState]] = {
+    S.SPARE: frozenset({S.ASSIGNED, S.QUARANTINED, S.HELD}),
+    S.ASSIGNED: frozenset({S.SPARE, S.QUARANTINED, S.HELD}),
+    S.QUARANTINED: frozenset({S.QUARANTINED, S.HELD, S.BURN_IN}),
+    S.BURN_IN: frozenset({S.BURN_IN, S.SPARE, S.QUARANTINED, S.HELD}),
+    S.HELD: frozenset({S.HELD, S.BURN_IN}),
+}
+OUT_OF_SERVICE = frozenset({S.QUARANTINED, S.BURN_IN, S.HELD})
+
+
+class IllegalPoolMove(RuntimeError):
+    """A move outside `LEGAL`: a bug in the caller, never bad input."""
 
 
 @dataclass(slots=True)
@@ -41,7 +67,7 @@ class PoolNode:
     name: str
     alive: bool = False
     local_ranks: int = 1
-    state: int = SPARE
+    state: PoolState = PoolState.SPARE
     reason: str = ""
     burn_in_passes: int = 0
     operator_hold: bool = False
@@ -55,7 +81,7 @@ class PoolNode:
     def view(self) -> NodeRecordView:
         return NodeRecordView(
             node=self.name,
-            pool_state=self.state,
+            pool_state=self.state.value,
             reason=self.reason,
             burn_in_passes=self.burn_in_passes,
             operator_hold=self.operator_hold,
@@ -84,10 +110,16 @@ class Pool:
         return node
 
     def _sync(self, node: PoolNode) -> None:
-        if node.alive and node.state == SPARE:
+        if node.alive and node.state is PoolState.SPARE:
             self._free.add(node.name)
         else:
             self._free.discard(node.name)
+
+    def _move(self, node: PoolNode, to: PoolState) -> None:
+        if to is not node.state and to not in LEGAL[node.state]:
+            raise IllegalPoolMove(f"{node.name}: {node.state.label} -> {to.label} is not a pool move")
+        node.state = to
+        self._sync(node)
 
     def set_alive(self, name: str, alive: bool, local_ranks: int | None = None) -> PoolNode:
         node = self.get(name)
@@ -97,19 +129,12 @@ class Pool:
         self._sync(node)
         return node
 
-    def set_state(self, name: str, state: int, reason: str = "") -> PoolNode:
-        node = self.get(name)
-        node.state = state
-        if reason:
-            node.reason = reason
-        self._sync(node)
-        return node
-
     def load(self, records: Iterable[NodeRecordView]) -> None:
         for r in records:
             node = self.get(r.node)
-            # assignment is not durable pool state: the attempt record says which nodes run (see _adopt)
-            node.state = r.pool_state if r.pool_state in STATE_NAMES and r.pool_state != ASSIGNED else SPARE
+            # assignment is not durable pool state: the attempt record says which nodes run (see adopt)
+            known = r.pool_state in PoolState._value2member_map_ and r.pool_state != PoolState.ASSIGNED.value
+            node.state = PoolState(r.pool_state) if known else PoolState.SPARE
             node.reason, node.burn_in_passes, node.operator_hold = r.reason, r.burn_in_passes, r.operator_hold
             node.failure_times = list(r.failure_times)[-MAX_FAILURE_TIMES:]
             node.straggler_flags, node.preflight_rejections = r.straggler_flags, r.preflight_rejections
@@ -122,7 +147,23 @@ class Pool:
 
     def usable(self, name: str) -> bool:
         node = self.nodes.get(name)
-        return node is not None and node.alive and node.state in (SPARE, ASSIGNED)
+        return node is not None and node.alive and node.state in (PoolState.SPARE, PoolState.ASSIGNED)
+
+    # --- assignment ---------------------------------------------------------------------------
+
+    def assign(self, name: str) -> None:
+        """SPARE -> ASSIGNED: the node takes a slot of the attempt being prepared (or adopted)."""
+        node = self.get(name)
+        if node.state is not PoolState.ASSIGNED:
+            self._move(node, PoolState.ASSIGNED)
+
+    def unassign(self, name: str) -> bool:
+        """ASSIGNED -> SPARE (the attempt ended or dropped it); False when it was not assigned."""
+        node = self.get(name)
+        if node.state is not PoolState.ASSIGNED:
+            return False
+        self._move(node, PoolState.SPARE)
+        return True
 
     # --- reputation ---------------------------------------------------------------------------
 
@@ -138,17 +179,21 @@ class Pool:
             node.name,
         )
 
-    def pick_spares(self, count: int, now: float) -> list[str]:
-        """Up to `count` free nodes, best reputation first."""
+    def pick_spares(self, count: int, now: float, exclude: Iterable[str] = ()) -> list[str]:
+        """Up to `count` free nodes, best reputation first, none of `exclude`."""
         if count <= 0:
             return []
-        ranked = sorted((self.nodes[n] for n in self._free), key=lambda n: self.score(n, now))
+        skip = set(exclude)
+        ranked = sorted((self.nodes[n] for n in self._free if n not in skip), key=lambda n: self.score(n, now))
         return [n.name for n in ranked[:count]]
 
     def add_evidence(self, name: str, ev: common_pb2.Evidence, now: float) -> None:
         node = self.get(name)
         horizon = now - self._cfg.evidence_window_s
         node.evidence = [(at, e) for at, e in node.evidence[-15:] if at >= horizon] + [(now, ev)]
+
+    def evidence_since(self, name: str, since: float) -> list[common_pb2.Evidence]:
+        return [e for at, e in self.get(name).evidence if at >= since]
 
     # --- quarantine / burn-in / release -------------------------------------------------------
 
@@ -164,33 +209,36 @@ class Pool:
             node.failure_times = [*node.failure_times, now][-MAX_FAILURE_TIMES:]
         held = operator or self.recent_failures(node, now) >= self._cfg.hold_after_failures
         node.operator_hold = node.operator_hold or operator
-        node.state = HELD if held else QUARANTINED
+        self._move(node, PoolState.HELD if held else PoolState.QUARANTINED)
         node.reason = reason
         node.burn_in_passes = 0
-        self._sync(node)
         return node
 
     def start_burn_in(self, name: str) -> bool:
-        """QUARANTINED and alive -> BURN_IN. Returns whether a burn-in run should start."""
+        """QUARANTINED (or BURN_IN) and alive -> BURN_IN. Returns whether a burn-in run should start."""
         node = self.get(name)
-        if node.state not in (QUARANTINED, BURN_IN) or not node.alive:
+        if node.state not in (PoolState.QUARANTINED, PoolState.BURN_IN) or not node.alive:
             return False
-        node.state = BURN_IN
-        self._sync(node)
+        self._move(node, PoolState.BURN_IN)
         return True
 
-    def burn_in_result(self, name: str, passed: bool) -> str:
-        """ "released" (N passes in a row), "again" (passed, more to go) or "failed" (count reset)."""
+    def burn_in_result(self, name: str, passed: bool, failed_checks: Iterable[str] = ()) -> str:
+        """"released" (N passes in a row: SPARE), "again" (passed, more to go), "failed" (QUARANTINED),
+        or "stale" (the node left burn-in meanwhile, e.g. an operator held it: the result means nothing)."""
         node = self.get(name)
+        if node.state is not PoolState.BURN_IN:
+            return "stale"
         if not passed:
             node.burn_in_passes = 0
             node.preflight_rejections += 1
+            self._move(node, PoolState.QUARANTINED)
+            node.reason = f"burn-in failed: {', '.join(failed_checks) or '?'}"
             return "failed"
         node.burn_in_passes += 1
         if node.burn_in_passes >= self._cfg.burn_in_passes:
-            node.state, node.reason, node.burn_in_passes = SPARE, "", 0
+            self._move(node, PoolState.SPARE)
+            node.reason, node.burn_in_passes = "", 0
             node.quarantine_evidence = []
-            self._sync(node)
             return "released"
         return "again"
 
@@ -198,7 +246,7 @@ class Pool:
         node = self.get(name)
         node.operator_hold = False
         node.failure_times = []
-        node.state = BURN_IN if node.state in (QUARANTINED, HELD, BURN_IN) else node.state
+        if node.state in OUT_OF_SERVICE:
+            self._move(node, PoolState.BURN_IN)
         node.burn_in_passes = 0
-        self._sync(node)
         return node

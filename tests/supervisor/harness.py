@@ -1,8 +1,9 @@
 """A tiny shell for the sans-IO core in tests: keeps simulated time, timers and outstanding requests.
 
-`Driver` plays the live shell's part: it feeds events, records every action, delivers `Tick` when a
-`SetTimer` falls due while time advances, and can answer outstanding preflight requests. It also
-renders actions as one line each, for the golden scenario scripts.
+`Driver` plays the live shell's part: it feeds events, records every batch (flattened: log entries,
+then actions), delivers `Tick` when a `SetTimer` falls due while time advances (the shared
+`controller.supervisor.timers.Timers` rules), and can answer outstanding preflight requests. It
+also renders items as one line each, for the golden scenario scripts.
 """
 
 from __future__ import annotations
@@ -11,29 +12,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.supervisor import machine as core
-from controller.supervisor.policy import RunPlan, SupervisorConfig
-from controller.supervisor.types import (
+from controller.supervisor.actions import (
     Action,
     AllocateFromQueue,
-    AppendEvent,
-    AttemptExited,
     CollectDumps,
     Launch,
-    NodeJoined,
     Page,
     PersistNode,
-    PreflightResult,
-    ProgressObserved,
     Quarantine,
-    RankSample,
     Release,
     RunPreflight,
     SetTimer,
     StopAttempt,
     TakeSpare,
+)
+from controller.supervisor.events import (
+    AttemptExited,
+    Event,
+    NodeJoined,
+    PreflightResult,
+    ProgressObserved,
+    RankSample,
     Tick,
 )
+from controller.supervisor.policy import RunPlan, SupervisorConfig
+from controller.supervisor.timers import Timers
 from runwarden.v1 import events_pb2
+
+# What one step of the driver returns: a batch flattened, its log entries first (the order of obligations).
+Item = Action | events_pb2.Event
 
 
 @dataclass
@@ -46,43 +53,43 @@ class Driver:
 
     def __post_init__(self) -> None:
         self.sup = core.Supervisor(self.cfg, RunPlan(run=self.run, nodes=self.nodes))
-        self.actions: list[Action] = []
-        self.batch: list[Action] = []
-        self.timers: dict[str, float] = {}
+        self.actions: list[Item] = []
+        self.batch: list[Item] = []
+        self.timers = Timers()
         self.preflight_out: list[RunPreflight] = []
         self.launches: list[Launch] = []
 
     # --- feeding events -----------------------------------------------------------------------
 
-    def send(self, event: Any, now: float | None = None) -> list[Action]:
+    def send(self, event: Event, now: float | None = None) -> list[Item]:
         if now is not None:
             self.now = max(self.now, now)
-        out = self.sup.handle(event, self.now)
+        batch = self.sup.handle(event, self.now)
+        out: list[Item] = [*batch.entries, *batch.actions]
         self._record(out)
         self.batch = out
         return out
 
-    def _record(self, out: list[Action]) -> None:
+    def _record(self, out: list[Item]) -> None:
         for a in out:
             self.actions.append(a)
             if isinstance(a, SetTimer):
-                self.timers[a.key] = a.at
+                self.timers.set(a.key, a.at)
             elif isinstance(a, RunPreflight):
                 self.preflight_out.append(a)
             elif isinstance(a, Launch):
                 self.launches.append(a)
 
-    def advance(self, seconds: float) -> list[Action]:
+    def advance(self, seconds: float) -> list[Item]:
         """Move time forward, firing due timers in order, then one final tick."""
         target = self.now + seconds
-        out: list[Action] = []
+        out: list[Item] = []
         while True:
-            due = [(at, k) for k, at in self.timers.items() if at <= target]
-            if not due:
+            due = self.timers.next_at()
+            if due is None or due > target:
                 break
-            at, key = min(due)
-            del self.timers[key]
-            out += self.send(Tick(), max(self.now, at))
+            self.timers.pop_due(due)
+            out += self.send(Tick(), max(self.now, due))
         out += self.send(Tick(), target)
         self.batch = out
         return out
@@ -93,10 +100,10 @@ class Driver:
             self.send(NodeJoined(node=n, local_ranks=self.ranks_per_node))
         return names
 
-    def answer_preflight(self, fail: dict[str, tuple[str, ...]] | None = None) -> list[Action]:
+    def answer_preflight(self, fail: dict[str, tuple[str, ...]] | None = None) -> list[Item]:
         """Answer every outstanding RunPreflight: pass, except nodes in `fail` (name -> checks)."""
         fail = fail or {}
-        out: list[Action] = []
+        out: list[Item] = []
         while self.preflight_out:
             req = self.preflight_out.pop(0)
             for n in req.nodes:
@@ -116,11 +123,11 @@ class Driver:
 
     def progress(self, step: int, *, dt: float = 1.0, nodes: list[str] | None = None,
                  compute: dict[str, float] | None = None, in_checkpoint: tuple[str, ...] = (),
-                 loaded: int | None = None) -> list[Action]:
+                 loaded: int | None = None) -> list[Item]:
         """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
         ranks' `loaded_step` (their load mark, carried on every report after it)."""
         self.now += dt
-        out: list[Action] = []
+        out: list[Item] = []
         for node_rank, node in enumerate(self.running_nodes()):
             if nodes is not None and node not in nodes:
                 continue
@@ -132,19 +139,16 @@ class Driver:
             out += self.send(ProgressObserved(node=node, attempt=self.sup.attempt, ranks=ranks))
         return out
 
-    def steps(self, first: int, last: int, **kw: Any) -> list[Action]:
-        out: list[Action] = []
+    def steps(self, first: int, last: int, **kw: Any) -> list[Item]:
+        out: list[Item] = []
         for s in range(first, last + 1):
             out += self.progress(s, **kw)
-            due = [k for k, at in self.timers.items() if at <= self.now]
-            for k in due:
-                del self.timers[k]
-            if due:
+            if self.timers.pop_due(self.now):
                 out += self.send(Tick())
         return out
 
-    def exit_all(self, code: int = 0, attempt: int | None = None) -> list[Action]:
-        out: list[Action] = []
+    def exit_all(self, code: int = 0, attempt: int | None = None) -> list[Item]:
+        out: list[Item] = []
         for node in self.running_nodes():
             if self.sup.pool.get(node).alive:
                 out += self.send(AttemptExited(node=node, attempt=attempt or self.sup.attempt, exit_code=code))
@@ -152,21 +156,21 @@ class Driver:
 
     # --- inspecting ---------------------------------------------------------------------------
 
-    def events(self, kind: int | None = None, actions: list[Action] | None = None) -> list[events_pb2.Event]:
+    def events(self, kind: int | None = None, actions: list[Item] | None = None) -> list[events_pb2.Event]:
         src = self.actions if actions is None else actions
-        return [a.event for a in src if isinstance(a, AppendEvent) and (kind is None or a.event.kind == kind)]
+        return [a for a in src if isinstance(a, events_pb2.Event) and (kind is None or a.kind == kind)]
 
-    def of(self, cls: type, actions: list[Action] | None = None) -> list[Any]:
+    def of(self, cls: type, actions: list[Item] | None = None) -> list[Any]:
         src = self.actions if actions is None else actions
         return [a for a in src if isinstance(a, cls)]
 
 
-def render(action: Action) -> str | None:
-    """One line per action for golden scripts; timers and persistence are not shown."""
+def render(action: Item) -> str | None:
+    """One line per item for golden scripts; timers and persistence are not shown here."""
     if isinstance(action, SetTimer | PersistNode):
         return None
-    if isinstance(action, AppendEvent):
-        ev = action.event
+    if isinstance(action, events_pb2.Event):
+        ev = action
         kind = events_pb2.EventKind.Name(ev.kind).removeprefix("EVENT_KIND_")
         extra = ""
         if ev.HasField("detection"):

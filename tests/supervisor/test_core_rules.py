@@ -2,40 +2,43 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from controller.supervisor import machine as core
-from controller.supervisor.machine import RunState, TransitionError
-from controller.supervisor.policy import SupervisorConfig
-from controller.supervisor.pool import BURN_IN, HELD, QUARANTINED, SPARE
-from controller.supervisor.types import (
+from controller.supervisor.actions import (
     AllocateFromQueue,
-    AppendEvent,
-    AttemptExited,
-    Attribution,
-    CheckpointCommitted,
     CollectDumps,
+    Launch,
+    Page,
+    Quarantine,
+    RunPreflight,
+    StopAttempt,
+    TakeSpare,
+)
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
+from controller.supervisor.events import (
+    AttemptExited,
+    CheckpointCommitted,
     ControlPlaneLost,
     ControlPlaneRestored,
     DumpsCollected,
+    Event,
     EvidenceObserved,
-    Launch,
     NodeJoined,
     NodeLost,
     NodeRecordView,
     OperatorQuarantine,
     OperatorRelease,
-    Page,
     PreflightResult,
-    Quarantine,
-    RunPreflight,
     Snapshot,
-    StopAttempt,
     StopRequested,
-    Suspect,
-    TakeSpare,
     Tick,
 )
+from controller.supervisor.machine import RunState, TransitionError
+from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver
 
@@ -55,7 +58,7 @@ def crash_and_restart(d: Driver, node: str, *, step_to: int, code: int = 1,
     d.steps(d.sup.job_step + 1, step_to)
     attempt = d.sup.attempt
     d.send(AttemptExited(node=node, attempt=attempt, exit_code=code, ended_at=d.now))
-    d.send(DumpsCollected(attempt=attempt, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
     for n in d.running_nodes():
         if n != node and d.sup.pool.get(n).alive:
             d.send(AttemptExited(node=n, attempt=attempt, exit_code=-15))
@@ -95,7 +98,7 @@ def test_preflight_rejection_quarantines_replaces_and_does_not_consume_an_attemp
     out = d.answer_preflight(fail={"n2": ("compute.matmul",)})
     q = d.of(Quarantine, out)
     assert {x.node for x in q} == {"n2"} and "compute.matmul" in q[0].reason
-    assert d.sup.pool.get("n2").state in (QUARANTINED, BURN_IN, HELD)  # HELD: its burn-in failed too
+    assert d.sup.pool.get("n2").state in (PoolState.QUARANTINED, PoolState.BURN_IN, PoolState.HELD)  # PoolState.HELD: its burn-in failed too
     assert [a.node for a in d.of(TakeSpare, out)] == ["n4"]
     d.answer_preflight()
     launch = d.launches[-1]
@@ -118,7 +121,7 @@ def test_spares_first_then_the_queue() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(3)  # n1, n2 active; n3 spare
     out = d.send(NodeLost(node="n1"))
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     d.send(AttemptExited(node="n2", attempt=1, exit_code=-15))
     out = d.advance(10)
     assert [(t.node, t.replaces) for t in d.of(TakeSpare, out)] == [("n3", "n1")]
@@ -126,7 +129,7 @@ def test_spares_first_then_the_queue() -> None:
     d.answer_preflight()
     # no spare left: the next loss goes to the queue, and the queue's node is taken when it joins
     d.send(NodeLost(node="n3"))
-    d.send(DumpsCollected(attempt=2, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=2, verdict=FlightRecorderVerdict()))
     d.send(AttemptExited(node="n2", attempt=2, exit_code=-15))
     out = d.advance(10)
     alloc = d.of(AllocateFromQueue, out)
@@ -300,9 +303,9 @@ def test_hung_rank_is_blamed_by_flight_recorder_not_the_rank_that_timed_out() ->
     d.start(5)
     d.steps(1, 20)
     d.advance(11.0)
-    attribution = Attribution(method="flight_recorder", suspects=(
+    attribution = FlightRecorderVerdict(suspects=(
         Suspect(node="n3", ranks=(2,), confidence=0.95, reason="rank 2 never entered allreduce seq 41"),))
-    d.send(DumpsCollected(attempt=1, attribution=attribution))
+    d.send(DumpsCollected(attempt=1, verdict=attribution))
     out = d.exit_all(code=1)  # rank 0 reports the collective timeout: a victim
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0]
     assert att.attribution.method == "flight_recorder" and [s.node for s in att.attribution.suspects] == ["n3"]
@@ -332,7 +335,7 @@ def test_node_lost_detected_attributed_quarantined_and_replaced() -> None:
     det = d.events(E.EVENT_KIND_DETECTION, out)[0]
     assert det.detection.detector == E.DETECTOR_NODE_LOST and det.detection.latency_s == pytest.approx(4.0)
     assert d.of(CollectDumps, out)[0].nodes == ("n1",)
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     out = d.send(AttemptExited(node="n1", attempt=1, exit_code=-15))
     assert [q.node for q in d.of(Quarantine, out)] == ["n2"]
     d.advance(2)
@@ -350,7 +353,7 @@ def test_hardware_evidence_outranks_the_flight_recorder() -> None:
     out = d.send(EvidenceObserved(evidence=xid))
     det = d.events(E.EVENT_KIND_DETECTION, out)[0]
     assert det.detection.detector == E.DETECTOR_EVIDENCE and det.detection.latency_s == pytest.approx(0.5)
-    d.send(DumpsCollected(attempt=1, attribution=Attribution(method="flight_recorder", suspects=(
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict(suspects=(
         Suspect(node="n2", confidence=0.9, reason="never reached"),))))
     out = d.exit_all(code=1)
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0]
@@ -381,7 +384,7 @@ def test_killed_rank_is_first_to_exit_but_not_quarantined_on_a_first_offence() -
     det = d.events(E.EVENT_KIND_DETECTION, out)[0]
     assert det.detection.detector == E.DETECTOR_CRASH and "signal:SIGKILL" in det.message
     assert det.detection.latency_s == pytest.approx(0.2)
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     out = d.send(AttemptExited(node="n1", attempt=1, exit_code=1))
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0]
     assert att.attribution.method == "first_exit" and att.attribution.suspects[0].node == "n2"
@@ -409,7 +412,7 @@ def test_crash_loop_same_failure_same_step_three_times_stops_and_pages() -> None
     for i, node in enumerate(["n1", "n2", "n1"]):
         attempt = d.sup.attempt
         d.send(AttemptExited(node=node, attempt=attempt, exit_code=3))
-        d.send(DumpsCollected(attempt=attempt, attribution=Attribution()))
+        d.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
         d.exit_all(code=-15)
         if i < 2:
             d.advance(10)
@@ -441,11 +444,11 @@ def test_backoff_doubles_up_to_the_cap_and_budget_ends_the_run_with_a_page() -> 
         d.steps(d.sup.job_step + 1, d.sup.job_step + 1)
         attempt = d.sup.attempt
         d.send(AttemptExited(node="n1", attempt=attempt, exit_code=1))
-        d.send(DumpsCollected(attempt=attempt, attribution=Attribution()))
+        d.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
         if i == 4:
             break
         t0 = d.now
-        delays.append(d.timers["backoff"] - t0)
+        delays.append(d.timers.get("backoff") - t0)
         d.advance(10)
         d.answer_preflight()
     assert delays == [1.0, 2.0, 4.0, 4.0]
@@ -525,10 +528,10 @@ def test_lost_etcd_pauses_and_reconciles_without_quarantine() -> None:
 def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
     d = Driver(cfg=fast(), nodes=2)
     snap = Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=7, attempt_nodes=("n1", "n2"), resume_step=40,
-                    committed_steps=(20, 40), records=(NodeRecordView(node="n3", pool_state=HELD, reason="xid"),))
+                    committed_steps=(20, 40), records=(NodeRecordView(node="n3", pool_state=PoolState.HELD.value, reason="xid"),))
     out = d.send(snap)
     assert d.sup.state == RunState.RUNNING and d.sup.attempt == 7 and not d.of(Launch, out)
-    assert d.sup.pool.get("n3").state == HELD
+    assert d.sup.pool.get("n3").state == PoolState.HELD
     assert not d.of(RunPreflight, out), "a held node gets no burn-in"
     d.steps(41, 43)
     assert d.sup.state == RunState.RUNNING
@@ -578,7 +581,7 @@ def test_straggler_killed_mid_run_when_configured() -> None:
     d.start(5)
     _straggle(d, 1, 50, "n2")
     assert d.sup.state == RunState.COLLECTING
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     out = d.exit_all(code=-15)
     assert [q.node for q in d.of(Quarantine, out)] == ["n2"]
 
@@ -589,29 +592,29 @@ def test_quarantined_node_returns_only_after_burn_in() -> None:
     d = Driver(cfg=fast(burn_in_passes=2), nodes=2)
     d.start(3)
     d.send(NodeLost(node="n2"))
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     d.exit_all(code=-15)
-    assert d.sup.pool.get("n2").state == QUARANTINED
+    assert d.sup.pool.get("n2").state == PoolState.QUARANTINED
     out = d.send(NodeJoined(node="n2"))  # the agent comes back
     burn = d.of(RunPreflight, out)
-    assert burn[0].purpose == "burn_in" and burn[0].mode == "full" and d.sup.pool.get("n2").state == BURN_IN
+    assert burn[0].purpose == "burn_in" and burn[0].mode == "full" and d.sup.pool.get("n2").state == PoolState.BURN_IN
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == BURN_IN
+    assert d.sup.pool.get("n2").state == PoolState.BURN_IN
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == SPARE and [r.node for r in d.of(core.Release, out)] == ["n2"]
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(core.Release, out)] == ["n2"]
 
 
 def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() -> None:
     d = Driver(cfg=fast(burn_in_passes=1), nodes=1)
     d.start(2)
     d.send(OperatorQuarantine(node="n2", reason="bad cable"))
-    assert d.sup.pool.get("n2").state == HELD
+    assert d.sup.pool.get("n2").state == PoolState.HELD
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == HELD and not d.of(core.Release, out)
+    assert d.sup.pool.get("n2").state == PoolState.HELD and not d.of(core.Release, out)
     out = d.send(OperatorRelease(node="n2", reason="cable replaced"))
     assert d.of(RunPreflight, out)[0].purpose == "burn_in"
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == SPARE
+    assert d.sup.pool.get("n2").state == PoolState.SPARE
     # two failures within 7 days -> held
     d2 = Driver(cfg=fast(burn_in_passes=1), nodes=1)
     d2.start(2)
@@ -619,7 +622,7 @@ def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() ->
         ecc = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE)
         d2.send(EvidenceObserved(evidence=ecc))
         d2.answer_preflight()
-    assert d2.sup.pool.get("n2").state == HELD
+    assert d2.sup.pool.get("n2").state == PoolState.HELD
     held = [q for q in d2.of(Quarantine) if q.held]
     assert held and "held" in d2.events(E.EVENT_KIND_QUARANTINE)[-1].message
 
@@ -655,22 +658,22 @@ def test_unknown_state_event_pair_raises_naming_both() -> None:
 
 
 def test_transition_table_covers_every_state_and_event_type() -> None:
-    events = {t for (_, t) in core.TRANSITIONS}
+    events = set(typing.get_args(Event))
     for state in RunState:
-        assert {t for (s, t) in core.TRANSITIONS if s == state} == events
+        assert set(core.TABLE[state]) == events, state
 
 
 def test_events_are_appended_before_the_actions_they_explain() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(3)
     d.send(NodeLost(node="n1"))
-    d.send(DumpsCollected(attempt=1, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     out = d.exit_all(code=-15) + d.advance(3) + d.answer_preflight()
-    kinds = [(type(a).__name__, a.event.kind if isinstance(a, AppendEvent) else None) for a in out]
+    kinds = [(type(a).__name__, a.kind if isinstance(a, E.Event) else None) for a in out]
     for cls, kind in ((Quarantine, E.EVENT_KIND_QUARANTINE), (TakeSpare, E.EVENT_KIND_SPARE_TAKEN),
                       (Launch, E.EVENT_KIND_LAUNCH)):
         i = next(i for i, (n, _) in enumerate(kinds) if n == cls.__name__)
-        assert ("AppendEvent", kind) in kinds[:i], cls.__name__
+        assert ("Event", kind) in kinds[:i], cls.__name__
 
 
 def test_every_detection_event_carries_detector_and_latency() -> None:
@@ -708,7 +711,7 @@ def _noisy_run(slow: str | None, steps: int, seed: int, noise: float = 0.05) -> 
     """4 nodes x 2 ranks; each rank's compute jitters by +-noise; `slow` computes 10% longer."""
     import random
 
-    from controller.supervisor.types import ProgressObserved, RankSample
+    from controller.supervisor.events import ProgressObserved, RankSample
 
     rng = random.Random(seed)
     d = Driver(cfg=fast(), nodes=4)
@@ -751,16 +754,14 @@ def test_preflight_answers_during_a_control_plane_pause_launch_after_it() -> Non
 
 
 def test_attribution_module_result_is_accepted_and_its_explanation_logged() -> None:
-    from controller.supervisor import flight_recorder as fr
-
     d = Driver(cfg=fast(), nodes=3)
     d.start(4)
     d.steps(1, 10)
     d.advance(11.0)
-    result = fr.Attribution(method="flight_recorder", explanation="pg 0: ranks 0,2 wait in allreduce #11; rank 1 never entered",
-                            suspects=(fr.Suspect(node="n2", ranks=(1,), confidence=0.9, reason="never entered #11"),
-                                      fr.Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank")))
-    d.send(DumpsCollected(attempt=1, attribution=result))
+    result = FlightRecorderVerdict(explanation="pg 0: ranks 0,2 wait in allreduce #11; rank 1 never entered",
+                            suspects=(Suspect(node="n2", ranks=(1,), confidence=0.9, reason="never entered #11"),
+                                      Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank")))
+    d.send(DumpsCollected(attempt=1, verdict=result))
     out = d.exit_all(code=1)
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0].attribution
     assert [s.node for s in att.suspects] == ["n2"] and "never entered" in att.explanation
@@ -773,7 +774,7 @@ def test_evidence_from_before_the_attempt_is_not_blamed_for_a_later_crash() -> N
     xid = common_pb2.Evidence(node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL)
     d.send(EvidenceObserved(evidence=xid))  # n3 is a spare: quarantined, burn-in passes, back as a spare
     d.answer_preflight()
-    assert d.sup.pool.get("n3").state == SPARE
+    assert d.sup.pool.get("n3").state == PoolState.SPARE
     crash_and_restart(d, "n1", step_to=4)
     d.steps(0, 3)
     d.send(OperatorQuarantine(node="n2", reason="maintenance"))  # n3 replaces n2
@@ -782,7 +783,7 @@ def test_evidence_from_before_the_attempt_is_not_blamed_for_a_later_crash() -> N
     assert "n3" in d.running_nodes()
     d.steps(0, 6)
     d.send(AttemptExited(node="n1", attempt=d.sup.attempt, exit_code=1))
-    d.send(DumpsCollected(attempt=d.sup.attempt, attribution=Attribution()))
+    d.send(DumpsCollected(attempt=d.sup.attempt, verdict=FlightRecorderVerdict()))
     out = d.exit_all(code=-15)
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0].attribution
     assert att.method == "first_exit" and att.suspects[0].node == "n1"
@@ -835,12 +836,12 @@ def test_crash_while_blind_is_a_crash_not_a_control_plane_fault() -> None:
 
 
 def test_quarantine_persists_reason_and_evidence_for_the_pool_entry() -> None:
-    from controller.supervisor.types import PersistNode
+    from controller.supervisor.actions import PersistNode
 
     d = Driver(cfg=fast(), nodes=1)
     d.start(2)
     ecc = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, detail="DBE on GPU 3")
     out = d.send(EvidenceObserved(evidence=ecc))
     rec = next(a.record for a in d.of(PersistNode, out) if a.record.node == "n2")
-    assert rec.pool_state == QUARANTINED and "ECC" in rec.reason and rec.evidence[0].detail == "DBE on GPU 3"
+    assert rec.pool_state == PoolState.QUARANTINED.value and "ECC" in rec.reason and rec.evidence[0].detail == "DBE on GPU 3"
     assert rec.evidence_kinds == (common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,) and len(rec.failure_times) == 1

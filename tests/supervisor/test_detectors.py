@@ -8,7 +8,9 @@ from collections import deque
 import pytest
 
 from controller.supervisor import detectors as d
+from controller.supervisor.blame import heartbeat_suspect
 from controller.supervisor.policy import SupervisorConfig
+from runwarden.evidence import is_fatal
 from runwarden.v1 import common_pb2
 
 CFG = SupervisorConfig()
@@ -94,20 +96,20 @@ def test_mass_expiry_threshold_and_window() -> None:
 
 def test_fatal_evidence() -> None:
     ev = common_pb2.Evidence
-    assert d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL))
-    assert not d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=13,
+    assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL))
+    assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=13,
                                       severity=common_pb2.SEVERITY_APPLICATION))
-    assert not d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_WARNING))
-    assert d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE))
-    assert d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_GPU_LOST))
-    assert not d.is_fatal_evidence(ev(node="a", kind=common_pb2.EVIDENCE_KIND_THROTTLE,
+    assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_WARNING))
+    assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE))
+    assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_GPU_LOST))
+    assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_THROTTLE,
                                       severity=common_pb2.SEVERITY_WARNING))
 
 
 def test_heartbeat_suspect_is_the_single_node_behind() -> None:
-    assert d.heartbeat_suspect({"a": 10, "b": 9, "c": 10}) == "b"
-    assert d.heartbeat_suspect({"a": 10, "b": 10}) is None
-    assert d.heartbeat_suspect({"a": 10}) is None
+    assert heartbeat_suspect({"a": 10, "b": 9, "c": 10}) == "b"
+    assert heartbeat_suspect({"a": 10, "b": 10}) is None
+    assert heartbeat_suspect({"a": 10}) is None
 
 
 def test_median() -> None:
@@ -120,7 +122,7 @@ def test_median() -> None:
 @pytest.mark.parametrize("bad", [{"rank": -1}, {"step": -5}, {"step_time_s": float("nan")}, {"compute_s": -0.1},
                                  {"wait_s": float("inf")}, {"compute_s": "fast"}])
 def test_rank_sample_rejects_bad_values_with_a_clear_error(bad: dict[str, object]) -> None:
-    from controller.supervisor.types import RankSample
+    from controller.supervisor.events import RankSample
 
     args: dict[str, object] = {"rank": 0, "step": 1, **bad}
     with pytest.raises(ValueError, match="RankSample"):
@@ -129,7 +131,7 @@ def test_rank_sample_rejects_bad_values_with_a_clear_error(bad: dict[str, object
 
 @pytest.mark.parametrize("name", ["", "a b", "x" * 300, "n\n1"])
 def test_event_node_names_are_validated(name: str) -> None:
-    from controller.supervisor.types import NodeLost
+    from controller.supervisor.events import NodeLost
 
     with pytest.raises(ValueError, match="bad name"):
         NodeLost(node=name)

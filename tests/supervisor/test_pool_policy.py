@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.supervisor.policy import DAY_S, RunPlan, SupervisorConfig
-from controller.supervisor.pool import BURN_IN, HELD, QUARANTINED, SPARE, Pool
+from controller.supervisor.pool import IllegalPoolMove, Pool, PoolState
 from runwarden.config import ConfigError, load_section
 from runwarden.v1 import store_pb2
 
@@ -20,21 +20,23 @@ def _pool(**kw: object) -> Pool:
 def test_burn_in_needs_n_consecutive_passes_and_a_failure_resets() -> None:
     p = _pool(burn_in_passes=3)
     p.quarantine("a", 0.0, "xid")
-    assert p.start_burn_in("a") and p.get("a").state == BURN_IN
+    assert p.start_burn_in("a") and p.get("a").state == PoolState.BURN_IN
     assert p.burn_in_result("a", True) == "again"
     assert p.burn_in_result("a", False) == "failed" and p.get("a").burn_in_passes == 0
+    assert p.get("a").state == PoolState.QUARANTINED  # waits for a repair before it burns in again
+    assert p.start_burn_in("a")
     assert [p.burn_in_result("a", True) for _ in range(3)] == ["again", "again", "released"]
-    assert p.get("a").state == SPARE and "a" in p.pick_spares(3, 0.0)
+    assert p.get("a").state == PoolState.SPARE and "a" in p.pick_spares(3, 0.0)
 
 
 def test_second_failure_within_seven_days_holds_the_node() -> None:
     p = _pool()
-    assert p.quarantine("a", 0.0, "first").state == QUARANTINED
-    assert p.quarantine("a", 6.9 * DAY_S, "second").state == HELD
+    assert p.quarantine("a", 0.0, "first").state == PoolState.QUARANTINED
+    assert p.quarantine("a", 6.9 * DAY_S, "second").state == PoolState.HELD
     assert not p.start_burn_in("a")
     p2 = _pool()
     p2.quarantine("b", 0.0, "first")
-    assert p2.quarantine("b", 7.5 * DAY_S, "second, a week later").state == QUARANTINED
+    assert p2.quarantine("b", 7.5 * DAY_S, "second, a week later").state == PoolState.QUARANTINED
 
 
 def test_operator_release_of_held_node_goes_through_burn_in() -> None:
@@ -42,7 +44,7 @@ def test_operator_release_of_held_node_goes_through_burn_in() -> None:
     p.quarantine("a", 0.0, "x")
     p.quarantine("a", 1.0, "y")
     node = p.operator_release("a")
-    assert node.state == BURN_IN and not node.operator_hold and node.failure_times == []
+    assert node.state == PoolState.BURN_IN and not node.operator_hold and node.failure_times == []
 
 
 def test_spares_picked_best_reputation_first() -> None:
@@ -50,7 +52,7 @@ def test_spares_picked_best_reputation_first() -> None:
     p.get("a").failure_times = [10.0]
     p.get("b").straggler_flags = 1
     assert p.pick_spares(3, 100.0) == ["c", "b", "a"]
-    p.set_state("c", QUARANTINED)
+    p.quarantine("c", 100.0, "bad")
     assert p.pick_spares(3, 100.0) == ["b", "a"]
     p.set_alive("b", False)
     assert p.pick_spares(3, 100.0) == ["a"]
@@ -76,3 +78,14 @@ def test_config_loads_from_a_toml_section_and_rejects_unknown_keys() -> None:
 
 def test_run_plan_from_proto() -> None:
     assert RunPlan.from_proto(store_pb2.RunSpec(run="llama", nodes=8)) == RunPlan(run="llama", nodes=8)
+
+
+def test_pool_moves_outside_the_graph_are_refused() -> None:
+    p = _pool()
+    p.quarantine("a", 0.0, "x")
+    p.quarantine("a", 1.0, "y")  # a second failure within the window: held
+    assert p.get("a").state == PoolState.HELD
+    with pytest.raises(IllegalPoolMove, match="held -> assigned"):
+        p.assign("a")
+    assert p.burn_in_result("a", passed=True) == "stale" and p.get("a").state == PoolState.HELD
+    assert not p.unassign("b")  # not assigned: nothing to undo

@@ -13,29 +13,25 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.supervisor.policy import SupervisorConfig
-from controller.supervisor.types import (
-    AppendEvent,
+from controller.supervisor.actions import Launch, Quarantine, Release
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
+from controller.supervisor.events import (
     AttemptExited,
-    Attribution,
     CheckpointCommitted,
     ControlPlaneLost,
     ControlPlaneRestored,
     DumpsCollected,
     EvidenceObserved,
-    Launch,
     NodeJoined,
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
     PreflightResult,
-    Quarantine,
-    Release,
     Snapshot,
     StopRequested,
-    Suspect,
     Tick,
 )
+from controller.supervisor.policy import SupervisorConfig
 from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver
 
@@ -94,8 +90,7 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
         d.send(StopRequested(reason="test", relaunch=op[1]))
     elif kind == "dumps":
         suspects = (Suspect(node=op[1], confidence=0.9, reason="never reached"),) if op[1] else ()
-        d.send(DumpsCollected(attempt=sup.attempt, attribution=Attribution(suspects=suspects,
-                                                                          method="flight_recorder")))
+        d.send(DumpsCollected(attempt=sup.attempt, verdict=FlightRecorderVerdict(suspects=suspects)))
     elif kind == "preflight_all":
         d.answer_preflight({op[1]: ("gpu.count",)} if op[1] else None)
     elif kind == "advance":
@@ -170,13 +165,13 @@ def check_core_invariants(d: Driver, committed: list[int]) -> None:
     for i, a in enumerate(d.actions):
         if isinstance(a, Quarantine):
             out_quarantined.add(a.node)
-            prior = d.actions[max(0, i - 3):i]
-            assert any(isinstance(b, AppendEvent) and b.event.kind == events_pb2.EVENT_KIND_QUARANTINE
-                       and b.event.quarantine.node == a.node for b in prior), "quarantine not logged first"
+            prior = d.actions[:i]
+            assert any(isinstance(b, events_pb2.Event) and b.kind == events_pb2.EVENT_KIND_QUARANTINE
+                       and b.quarantine.node == a.node for b in prior), "quarantine not logged first"
         elif isinstance(a, Release):
             out_quarantined.discard(a.node)
-        elif isinstance(a, AppendEvent):
-            ev = a.event
+        elif isinstance(a, events_pb2.Event):
+            ev = a
             if ev.kind == events_pb2.EVENT_KIND_EXIT and ev.exit.classification in (
                     "stopped", "planned_stop", "control_plane"):
                 prev_end = ev.exit.classification
@@ -187,8 +182,8 @@ def check_core_invariants(d: Driver, committed: list[int]) -> None:
             assert not nodes & out_quarantined, f"launch {a.attempt} includes quarantined {nodes & out_quarantined}"
             assert a.attempt > last_attempt, "attempt numbers must strictly increase"
             assert a.rendezvous_id == f"demo-{a.attempt}"
-            last_log = next(b for b in reversed(d.actions[:i]) if isinstance(b, AppendEvent))
-            assert last_log.event.kind == events_pb2.EVENT_KIND_LAUNCH, "launch not logged first"
+            assert any(isinstance(b, events_pb2.Event) and b.kind == events_pb2.EVENT_KIND_LAUNCH
+                       and b.launch.rendezvous_id == a.rendezvous_id for b in d.actions[:i]), "launch not logged first"
             last_attempt = a.attempt
             assert a.resume_step == (max(commits) if commits else -1), "resume from the latest committed step"
             assert a.resume_step == -1 or a.resume_step in committed

@@ -10,23 +10,21 @@ from __future__ import annotations
 import random
 import time
 
-from controller.supervisor.machine import RunState, Supervisor
-from controller.supervisor.policy import RunPlan, SupervisorConfig
-from controller.supervisor.types import (
+from controller.supervisor.actions import Launch, RunPreflight, SetTimer
+from controller.supervisor.blame import FlightRecorderVerdict
+from controller.supervisor.events import (
     AttemptExited,
-    Attribution,
     CheckpointCommitted,
     DumpsCollected,
-    Launch,
     NodeJoined,
     NodeLost,
     PreflightResult,
     ProgressObserved,
     RankSample,
-    RunPreflight,
-    SetTimer,
     Tick,
 )
+from controller.supervisor.machine import RunState, Supervisor
+from controller.supervisor.policy import RunPlan, SupervisorConfig
 
 NODES, SPARES, FAILURES = 2048, 64, 466
 
@@ -44,7 +42,7 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
     def feed(ev: object) -> None:
         nonlocal events
         events += 1
-        for a in sup.handle(ev, now):
+        for a in sup.handle(ev, now).actions:
             if isinstance(a, RunPreflight):
                 pending.append(a)
             elif isinstance(a, SetTimer):
@@ -78,7 +76,7 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
             feed(NodeLost(node=victim))
         else:
             feed(AttemptExited(node=victim, attempt=attempt, exit_code=1))
-        feed(DumpsCollected(attempt=attempt, attribution=Attribution()))
+        feed(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
         for n in nodes:
             if n != victim and sup.pool.get(n).alive:
                 feed(AttemptExited(node=n, attempt=attempt, exit_code=-15))

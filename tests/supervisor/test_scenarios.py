@@ -29,10 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.supervisor.policy import SupervisorConfig
-from controller.supervisor.types import (
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
+from controller.supervisor.events import (
     AttemptExited,
-    Attribution,
     CheckpointCommitted,
     ControlPlaneLost,
     ControlPlaneRestored,
@@ -44,8 +43,8 @@ from controller.supervisor.types import (
     OperatorRelease,
     Snapshot,
     StopRequested,
-    Suspect,
 )
+from controller.supervisor.policy import SupervisorConfig
 from runwarden.v1 import common_pb2
 from tests.supervisor.harness import Driver, render
 
@@ -134,7 +133,7 @@ class Runner:
             reason = " ".join([args[0].split(":", 2)[2], *args[1:]]) if args[0].count(":") >= 2 else ""
             suspects = (Suspect(node=node, ranks=(int(rank),), confidence=0.95, reason=reason),)
         self.d.send(DumpsCollected(attempt=self.d.sup.attempt,
-                                   attribution=Attribution(suspects=suspects, method="flight_recorder")))
+                                   verdict=FlightRecorderVerdict(suspects=suspects)))
 
     def cmd_evidence(self, args: list[str]) -> None:
         pos, kv = _kv(args)
@@ -193,7 +192,6 @@ def test_scenarios_exist() -> None:
 
 def test_scenario_events_cover_the_log_schema_and_round_trip_through_the_event_log(tmp_path: Path) -> None:
     """Every event kind issue 5 names is emitted somewhere, and every one survives the real log."""
-    from controller.supervisor.types import AppendEvent
     from runwarden.eventlog import EventLog, read_events
     from runwarden.v1 import events_pb2 as E
 
@@ -204,7 +202,7 @@ def test_scenario_events_cover_the_log_schema_and_round_trip_through_the_event_l
             lines = [ln for ln in block.strip("\n").splitlines() if not ln.startswith("#")]
             if lines:
                 runner.run(lines[0])
-        written += [a.event for a in runner.d.actions if isinstance(a, AppendEvent)]
+        written += [a for a in runner.d.actions if isinstance(a, E.Event)]
     log_path = tmp_path / "events.jsonl"
     with EventLog(log_path) as log:
         for ev in written:

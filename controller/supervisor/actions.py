@@ -1,0 +1,160 @@
+"""Actions out of the supervisor core, and the `Batch` that carries them with their log entries.
+
+`Supervisor.handle(event, now)` returns one frozen `Batch`. The order of obligations (raft's `Ready`):
+
+1. Append every entry of `batch.entries` to the event log, in order, and fsync, *before* executing
+   any action. If the append fails, execute no action (the log is the truth: an unlogged action must
+   not happen) except `SetTimer`, keep the entries to append again first, and answer each skipped
+   action with `ActionFailed(temporary=True)`.
+2. Execute `batch.actions` in order. `Launch`: first write the attempt record with a
+   compare-and-swap (attempt fencing, the leader's fence in `leader_fence`), then start the workers;
+   a refused CAS is `ActionFailed(action=launch, temporary=False)`.
+3. `SetTimer(key, at)`: replace any pending timer with the same key; deliver `Tick()` at `at`
+   (late is fine, early is harmless). Extra ticks are always allowed. `controller.supervisor.timers`
+   keeps these rules for every shell.
+4. `PersistNode`: write the node's pool entry and reputation to the store (level-triggered state
+   that `Snapshot` gives back after a controller restart).
+5. An action that fails is answered with `ActionFailed` (temporary or permanent, with its reason);
+   results come back as events (`PreflightResult`, `AttemptExited`, `DumpsCollected`, `NodeJoined`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.supervisor.events import NodeRecordView
+from runwarden.v1 import common_pb2, events_pb2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPreflight:
+    """Run preflight (`mode` "quick" before an attempt, "full" for burn-in) on each node.
+
+    Answer with one `PreflightResult` per node. purpose: "attempt" or "burn_in".
+    """
+
+    nodes: tuple[str, ...]
+    mode: str
+    purpose: str = "attempt"
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRank:
+    node: str
+    node_rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launch:
+    """Start attempt `attempt` on `nodes` (torchrun --max-restarts=0, rdzv id `rendezvous_id`).
+
+    resume_step: the latest *committed* checkpoint step, -1 = from scratch. leader_fence: 0 here;
+    the shell fills in its leadership fence when it writes the attempt record (CAS).
+    """
+
+    run: str
+    attempt: int
+    rendezvous_id: str
+    nodes: tuple[NodeRank, ...]
+    resume_step: int
+    leader_fence: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopAttempt:
+    """Stop `attempt`'s workers on `nodes`: SIGTERM (the trainer saves if planned), SIGKILL after grace."""
+
+    attempt: int
+    nodes: tuple[str, ...]
+    grace_s: float
+    planned: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectDumps:
+    """Ask the live ranks of `attempt` for flight-recorder dumps, analyse, answer `DumpsCollected`."""
+
+    attempt: int
+    nodes: tuple[str, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Quarantine:
+    node: str
+    reason: str
+    evidence: tuple[common_pb2.Evidence, ...] = ()
+    held: bool = False  # failed twice within the window: out until an operator releases it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TakeSpare:
+    node: str
+    replaces: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocateFromQueue:
+    """Ask the scheduler backend for `count` more nodes; they arrive as `NodeJoined`."""
+
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Page:
+    reason: str
+    severity: str = "critical"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetTimer:
+    """Deliver `Tick()` at time `at` (replaces the pending timer with the same key)."""
+
+    key: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistNode:
+    """Write the node's pool entry (pool/<node>) and reputation (reputation/<node>)."""
+
+    record: NodeRecordView
+
+
+Action = (
+    RunPreflight
+    | Launch
+    | StopAttempt
+    | CollectDumps
+    | Quarantine
+    | Release
+    | TakeSpare
+    | AllocateFromQueue
+    | Page
+    | SetTimer
+    | PersistNode
+)
+
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What one `handle` call asks of the shell: log `entries` first, then execute `actions`, in order."""
+
+    entries: tuple[events_pb2.Event, ...] = ()
+    actions: tuple[Action, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.actions)
+
+
+EMPTY = Batch()

@@ -1,0 +1,162 @@
+"""Rules for the control plane: the blind pause (etcd lost, mass lease expiry), and reconciling
+from a store snapshot (level-triggered: list, then watch; adopt a running attempt after a restart)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from controller.supervisor import failure, nodes, prepare
+from controller.supervisor.actions import SetTimer
+from controller.supervisor.attempt import Attempt, Failure
+from controller.supervisor.events import (
+    ControlPlaneLost,
+    ControlPlaneRestored,
+    NodeJoined,
+    NodeLost,
+    Snapshot,
+)
+from controller.supervisor.pool import PoolState
+from controller.supervisor.states import LIVE, RunState
+from runwarden.v1 import events_pb2 as E
+
+if TYPE_CHECKING:
+    from controller.supervisor.machine import Supervisor
+
+
+def on_lost_etcd(sv: Supervisor, ev: ControlPlaneLost) -> None:
+    failure.enter_control_plane(sv, etcd_lost=True, reason="the controller lost etcd: no observation is evidence "
+                                "about nodes now; nothing is quarantined")
+
+
+def on_restored(sv: Supervisor, ev: ControlPlaneRestored) -> None:
+    sv.cp_etcd_lost = False
+    sv.deadline = sv.now + sv.cfg.control_plane_grace_s
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, "etcd reachable again: reconciling from a fresh listing")
+    sv.emit(SetTimer(key="control_plane", at=sv.deadline))
+
+
+def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
+    """CONTROL_PLANE: a node back; when every node of the attempt is, the pause ends."""
+    nodes.on_joined(sv, ev)
+    if not sv.cp_etcd_lost and all(sv.pool.nodes[n].alive for n in sv.cur.node_step):
+        resolve(sv)
+
+
+def on_tick(sv: Supervisor) -> None:
+    if not sv.cp_etcd_lost and sv.now >= sv.deadline:
+        resolve(sv)
+
+
+def resolve(sv: Supervisor) -> None:
+    """Leave CONTROL_PLANE: keep a healthy attempt running; otherwise go on without quarantine."""
+    prev = sv.cp_prev
+    a = sv.cur
+    missing = sorted(n for n in a.node_step if not sv.pool.nodes[n].alive)
+    f = sv.failure
+    if prev in (RunState.RUNNING, RunState.COLLECTING) and (f is None or f.detector == E.DETECTOR_NODE_LOST):
+        sv.failure = None
+        crashed = sorted(n for n, label in a.exited.items() if label not in ("clean", "lost"))
+        if not missing and not crashed:
+            sv.state = RunState.RUNNING
+            a.exited = {n: label for n, label in a.exited.items() if label != "lost"}
+            a.min_advanced_at = sv.now  # hang clock restarts: we were blind, not the job
+            sv.log(E.EVENT_KIND_CONTROL_PLANE, f"control plane recovered: attempt {sv.attempt} kept running on all "
+                   "its nodes, not relaunched")
+            sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.hang_timeout_floor_s))
+        elif missing:
+            failure.begin(sv, Failure(
+                detector=E.DETECTOR_NODE_LOST, nodes=missing, step=sv.job_step, label="control_plane",
+                control_plane=True, reason=f"after the control-plane fault {sv.names(missing)} did not come back: "
+                "relaunching without them, nothing quarantined"), latency=0.0)
+        else:  # a real crash while we were blind: handled like any crash
+            first = crashed[0]
+            label = a.exited[first]
+            failure.begin(sv, Failure(
+                detector=E.DETECTOR_CRASH, nodes=[first], step=sv.job_step, label=label, first_exit=first,
+                reason=f"{first} exited ({label}) during the control-plane fault"), latency=0.0)
+    elif prev is RunState.COLLECTING and f is not None:
+        failure.stop(sv)
+    elif prev is RunState.STOPPING and f is not None:
+        f.control_plane = f.control_plane or f.detector == E.DETECTOR_NODE_LOST
+        sv.state = RunState.STOPPING
+        a.awaiting_exit = {n for n in a.awaiting_exit if n not in a.exited and sv.pool.nodes[n].alive}
+        if not a.awaiting_exit:
+            failure.decide(sv)
+        else:
+            sv.deadline = sv.now + sv.cfg.stop_margin_s
+            sv.emit(SetTimer(key="stop", at=sv.deadline))
+    elif prev is RunState.PREFLIGHT:
+        sv.state = RunState.PREFLIGHT
+        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+        for n in [n for n in sv.slots if n is not None and not sv.pool.get(n).alive]:
+            prepare.drop_from_slots(sv, n, "lost during the control-plane fault")
+        prepare.maybe_launch(sv)
+    else:
+        sv.state = RunState.WAITING_NODES
+    if sv.state is RunState.RUNNING:
+        failure.deliver_pending_stop(sv)
+    elif sv.pending_stop is not None and sv.state not in (RunState.COLLECTING, RunState.STOPPING):
+        held, sv.pending_stop = sv.pending_stop, None
+        if not held.relaunch:
+            sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {held.reason}")
+
+
+def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
+    """Rebuild the view from the store; the same in every state (level-triggered)."""
+    sv.pool.load(snap.records)
+    quiet = sv.state is RunState.CONTROL_PLANE or (sv.attempt == 0 and sv.state is RunState.WAITING_NODES)
+    for name in [n for n, p in sv.pool.nodes.items() if p.alive and n not in snap.alive]:
+        if quiet:
+            sv.pool.set_alive(name, False)
+            sv.burn_in.discard(name)
+        else:
+            sv.apply(NodeLost(node=name))  # a DELETE missed in a watch gap
+    for name, ranks in snap.alive.items():
+        if quiet or sv.pool.get(name).alive:
+            sv.pool.set_alive(name, True, ranks)
+        else:
+            sv.apply(NodeJoined(node=name, local_ranks=ranks))
+    for s in snap.committed_steps:
+        sv.committed.add(s)
+        sv.latest_committed = max(sv.latest_committed, s)
+    sv.job_step = max(sv.job_step, sv.latest_committed)
+    fresh = sv.attempt == 0 and sv.state is RunState.WAITING_NODES
+    sv.attempt = max(sv.attempt, snap.attempt)
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"reconciled from the store: {len(snap.alive)} nodes alive, "
+           f"attempt record {snap.attempt}, latest committed step {sv.latest_committed}")
+    if sv.state is RunState.CONTROL_PLANE:
+        sv.cp_etcd_lost = False
+        resolve(sv)
+    elif fresh and snap.attempt > 0 and snap.attempt_nodes:
+        _adopt(sv, snap)
+    for name, p in sv.pool.nodes.items():
+        if p.alive and p.state in (PoolState.QUARANTINED, PoolState.BURN_IN) and name not in sv.burn_in:
+            sv.begin_burn_in(name)
+    if snap.stop_requested is not None and sv.state in LIVE:
+        sv.apply(snap.stop_requested)
+
+
+def _adopt(sv: Supervisor, snap: Snapshot) -> None:
+    """After a controller restart: keep a healthy running attempt; restart one that lost nodes."""
+    attempt_nodes = tuple(snap.attempt_nodes)
+    sv.prev_slots = list(attempt_nodes)
+    sv.slots = list(attempt_nodes)
+    sv.cur = Attempt.adopted(sv.attempt, attempt_nodes, resume_step=snap.resume_step, now=sv.now,
+                             straggler_window=sv.cfg.straggler_window)
+    missing = []
+    for n in attempt_nodes:
+        if sv.pool.get(n).state in (PoolState.SPARE, PoolState.ASSIGNED):
+            sv.pool.assign(n)
+        if not sv.pool.usable(n):
+            missing.append(n)
+    if missing:
+        failure.begin(sv, Failure(
+            detector=E.DETECTOR_NODE_LOST, nodes=missing, step=sv.job_step, label="reconcile", control_plane=True,
+            reason=f"reconcile: attempt {sv.attempt} lost {sv.names(missing)} while no controller watched; "
+            "relaunching, nothing quarantined"), latency=0.0)
+        return
+    sv.state = RunState.RUNNING
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"reconcile: attempt {sv.attempt} is running on all {len(attempt_nodes)} "
+           "nodes; adopted, not relaunched")
+    sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))

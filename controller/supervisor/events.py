@@ -1,0 +1,311 @@
+"""Events into the supervisor core: what the shell (live controller, simulator, tests) observed.
+
+Every value is a frozen, slotted, keyword-only dataclass, validated on construction, so a bad value
+fails at the boundary (in the shell's translation from etcd or RPC answers) with a clear message,
+never inside `Supervisor.handle`. Results of the core's actions come back as events: `PreflightResult`,
+`AttemptExited`, `DumpsCollected`, `NodeJoined` for a node allocated from the queue, and
+`ActionFailed` for an action the shell could not carry out. Events that arrive late (for an older
+attempt, or for a node no longer in play) are ignored by the core, never an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from controller.supervisor.blame import FlightRecorderVerdict
+from runwarden.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from controller.supervisor.actions import Action
+
+
+_GOOD_NAMES: set[str] = set()  # names already validated: events are built millions of times in simulation
+
+
+def _check_name(what: str, value: str) -> None:
+    if type(value) is str and value in _GOOD_NAMES:
+        return
+    if not isinstance(value, str) or not value or len(value) > 253 or " " in value or not value.isprintable():
+        raise ValueError(f"{what}: bad name {value!r} (non-empty, no whitespace, at most 253 chars)")
+    if len(_GOOD_NAMES) < 1 << 17:
+        _GOOD_NAMES.add(value)
+
+
+def _check_finite(what: str, value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number, got {value!r}")
+
+
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeJoined:
+    """A node agent registered (its node key appeared under its lease)."""
+
+    node: str
+    local_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        _check_name("NodeJoined.node", self.node)
+        if self.local_ranks < 1:
+            raise ValueError(f"NodeJoined.local_ranks: must be >= 1, got {self.local_ranks}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeLost:
+    """The node's key was deleted: its lease expired (or the agent revoked it)."""
+
+    node: str
+
+    def __post_init__(self) -> None:
+        _check_name("NodeLost.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSample:
+    """One rank's latest progress, as aggregated by its node agent (mirrors `RankProgress`)."""
+
+    rank: int
+    step: int
+    step_time_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    in_checkpoint: bool = False
+    reported_at: float = 0.0
+    loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
+
+    def __post_init__(self) -> None:
+        try:  # one chained comparison each: NaN, infinities and negatives all fail it
+            ok = (self.rank >= 0 and self.step >= -1 and 0.0 <= self.step_time_s < math.inf
+                  and 0.0 <= self.compute_s < math.inf and 0.0 <= self.wait_s < math.inf
+                  and (self.loaded_step is None or self.loaded_step >= -1))
+        except TypeError:
+            ok = False
+        if not ok:
+            for name in ("rank", "step", "step_time_s", "compute_s", "wait_s"):
+                _check_finite(f"RankSample.{name}", getattr(self, name))
+            raise ValueError(f"RankSample: rank >= 0, step >= -1, loaded_step >= -1 and times >= 0 required, "
+                             f"got {self!r}")
+
+    @classmethod
+    def from_proto(cls, p: common_pb2.RankProgress) -> RankSample:
+        return cls(
+            rank=p.rank,
+            step=p.step,
+            step_time_s=max(0.0, p.step_time_s),
+            compute_s=max(0.0, p.compute_s),
+            wait_s=max(0.0, p.wait_s),
+            in_checkpoint=p.in_checkpoint,
+            reported_at=p.reported_at,
+            loaded_step=p.loaded_step if p.HasField("loaded_step") else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProgressObserved:
+    """One node's progress put (all its local ranks), for one attempt."""
+
+    node: str
+    attempt: int
+    ranks: tuple[RankSample, ...]
+
+    def __post_init__(self) -> None:
+        _check_name("ProgressObserved.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvidenceObserved:
+    """Hardware/host evidence an agent published (`runwarden.v1.Evidence`)."""
+
+    evidence: common_pb2.Evidence
+
+    def __post_init__(self) -> None:
+        _check_name("EvidenceObserved.evidence.node", self.evidence.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreflightResult:
+    """A node's preflight finished (the answer to `RunPreflight`)."""
+
+    node: str
+    passed: bool
+    mode: str = "quick"
+    failed_checks: tuple[str, ...] = ()
+    duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_name("PreflightResult.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptExited:
+    """A node's worker group for `attempt` ended. Exactly one of exit_code/signal is normally set."""
+
+    node: str
+    attempt: int
+    exit_code: int | None = None
+    signal: int | None = None
+    ended_at: float | None = None
+    rank: int | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("AttemptExited.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """A planned stop (time limit, preemption, drain). relaunch=False ends the run."""
+
+    reason: str
+    requested_by: str = ""
+    relaunch: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointCommitted:
+    """A checkpoint's commit marker was written (after fsync): it may be resumed from."""
+
+    step: int
+    path: str = ""
+    attempt: int = 0
+    save_duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"CheckpointCommitted.step: must be >= 0, got {self.step}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFailed:
+    """A rank reported that saving checkpoint `step` failed: no commit marker, not a resume point."""
+
+    step: int
+    error: str
+    node: str = ""
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DumpsCollected:
+    """Flight-recorder dumps of `attempt` were collected and analysed (answer to `CollectDumps`).
+
+    verdict: the flight-recorder rung of the blame ladder only (controller/supervisor/flight_recorder.py);
+    the core ranks it below hardware evidence and above heartbeats (controller/supervisor/blame.py)."""
+
+    attempt: int
+    verdict: FlightRecorderVerdict
+    missing_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPlaneLost:
+    """The controller cannot reach etcd: nothing observed now is evidence about nodes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPlaneRestored:
+    """etcd is reachable again. The shell relists and sends a `Snapshot` next."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperatorQuarantine:
+    node: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_name("OperatorQuarantine.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OperatorRelease:
+    node: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_name("OperatorRelease.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """Time passed (a `SetTimer` fired, or the shell's periodic tick)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRecordView:
+    """A node's persisted pool entry + reputation, as read back from the store."""
+
+    node: str
+    pool_state: int = common_pb2.POOL_STATE_SPARE
+    reason: str = ""
+    burn_in_passes: int = 0
+    operator_hold: bool = False
+    failure_times: tuple[float, ...] = ()
+    straggler_flags: int = 0
+    preflight_rejections: int = 0
+    evidence: tuple[common_pb2.Evidence, ...] = ()  # why it is quarantined (PoolEntry.evidence)
+    evidence_kinds: tuple[int, ...] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """The store's state, listed by the shell after a (re)start or a watch gap (level-triggered).
+
+    alive: nodes whose keys exist now, with their local rank counts. records: persisted pool/
+    reputation entries. attempt/attempt_nodes: the fenced attempt record (0: none).
+    progress_nodes: nodes whose progress for that attempt was written recently (the shell decides
+    "recently", e.g. within the hang timeout).
+    """
+
+    alive: dict[str, int] = field(default_factory=dict)
+    records: tuple[NodeRecordView, ...] = ()
+    attempt: int = 0
+    attempt_nodes: tuple[str, ...] = ()
+    resume_step: int = -1
+    committed_steps: tuple[int, ...] = ()
+    stop_requested: StopRequested | None = None
+    progress_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActionFailed:
+    """The shell could not carry out `action` (raft's Advance, with the bad news).
+
+    temporary: the cause may pass (UNAVAILABLE, DEADLINE_EXCEEDED, a full disk) and the shell already
+    retried with backoff; permanent: retrying cannot help (the agent refused the request, another
+    leader holds the attempt record). node: the node it failed for when the action names several
+    ("" for the whole action). The core reacts at once (a launch that never happened is relaunched,
+    an unreachable node is replaced without being quarantined), not at a timeout.
+    """
+
+    action: Action
+    temporary: bool
+    reason: str
+    node: str = ""
+
+    def __post_init__(self) -> None:
+        if self.node:
+            _check_name("ActionFailed.node", self.node)
+
+
+Event = (
+    NodeJoined
+    | NodeLost
+    | ProgressObserved
+    | EvidenceObserved
+    | PreflightResult
+    | AttemptExited
+    | StopRequested
+    | CheckpointCommitted
+    | CheckpointFailed
+    | DumpsCollected
+    | ControlPlaneLost
+    | ControlPlaneRestored
+    | OperatorQuarantine
+    | OperatorRelease
+    | Tick
+    | Snapshot
+    | ActionFailed
+)

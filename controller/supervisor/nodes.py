@@ -1,0 +1,208 @@
+"""Rules for pool-level events, in every state: nodes joining and leaving, evidence, checkpoints,
+operators, burn-in. The table (controller/supervisor/machine.py) says which state runs which rule."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from controller.supervisor import detectors, failure, prepare
+from controller.supervisor.attempt import Failure
+from controller.supervisor.events import (
+    CheckpointCommitted,
+    CheckpointFailed,
+    EvidenceObserved,
+    NodeJoined,
+    NodeLost,
+    OperatorQuarantine,
+    OperatorRelease,
+    PreflightResult,
+)
+from controller.supervisor.pool import PoolState
+from controller.supervisor.states import IN_ATTEMPT, RunState
+from runwarden.evidence import is_fatal, kind_name
+from runwarden.v1 import events_pb2 as E
+
+if TYPE_CHECKING:
+    from controller.supervisor.machine import Supervisor
+
+
+def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
+    node = sv.pool.set_alive(ev.node, True, ev.local_ranks)
+    if sv.queue_outstanding > 0 and node.state is PoolState.SPARE:
+        sv.queue_outstanding -= 1
+        sv.from_queue.add(ev.node)
+    sv.log(E.EVENT_KIND_NODE_JOINED, f"node {ev.node} joined ({ev.local_ranks} ranks), pool state {node.state.label}",
+           node=E.NodeDetail(node=ev.node, reason="lease registered"))
+    if node.state in (PoolState.QUARANTINED, PoolState.BURN_IN):
+        sv.begin_burn_in(ev.node)
+    elif not sv.in_attempt(ev.node) and ev.node not in sv.slots:
+        sv.pool.unassign(ev.node)
+
+
+def on_joined_preflight(sv: Supervisor, ev: NodeJoined) -> None:
+    on_joined(sv, ev)
+    prepare.fill_slots(sv)
+
+
+def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
+    """The bookkeeping of every state; True when it was a mass expiry (the control plane, not nodes)."""
+    sv.pool.set_alive(ev.node, False)
+    sv.burn_in.discard(ev.node)
+    sv.loss_times.append(sv.now)
+    while sv.loss_times and sv.now - sv.loss_times[0] > sv.cfg.mass_expiry_window_s:
+        sv.loss_times.popleft()
+    sv.log(E.EVENT_KIND_NODE_LOST, f"node {ev.node} lost: its lease expired",
+           node=E.NodeDetail(node=ev.node, reason="lease expired"))
+    watching = sv.state in IN_ATTEMPT or sv.state in (RunState.WAITING_NODES, RunState.PREFLIGHT, RunState.BACKOFF)
+    if watching and detectors.is_mass_expiry(sv.loss_times, sv.now, len(sv.pool.nodes), sv.cfg):
+        failure.enter_control_plane(sv, etcd_lost=False, reason=(
+            f"{len(sv.loss_times)} leases expired within {sv.cfg.mass_expiry_window_s:g}s: a control-plane "
+            "fault, not hardware; nothing is quarantined for it"))
+        return True
+    return False
+
+
+def _lost_tail(sv: Supervisor, node: str) -> None:
+    if not sv.in_attempt(node) and node not in sv.slots:
+        sv.pool.unassign(node)
+
+
+def on_lost_idle(sv: Supervisor, ev: NodeLost) -> None:
+    """WAITING_NODES, BACKOFF, CONTROL_PLANE and the terminal states: bookkeeping only."""
+    on_lost(sv, ev)
+    _lost_tail(sv, ev.node)
+
+
+def on_lost_preflight(sv: Supervisor, ev: NodeLost) -> None:
+    if on_lost(sv, ev):
+        return
+    if ev.node in sv.slots:
+        prepare.drop_from_slots(sv, ev.node, f"node {ev.node} lost during preflight")
+    _lost_tail(sv, ev.node)
+
+
+def on_lost_running(sv: Supervisor, ev: NodeLost) -> None:
+    if on_lost(sv, ev):
+        return
+    a = sv.cur
+    if ev.node in a.node_step:
+        last = a.node_seen_at.get(ev.node, a.launched_at)
+        failure.begin(sv, Failure(
+            detector=E.DETECTOR_NODE_LOST, nodes=[ev.node], step=sv.job_step, label="node_lost",
+            reason=f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)"),
+            latency=sv.now - last)
+    _lost_tail(sv, ev.node)
+
+
+def on_lost_stopping(sv: Supervisor, ev: NodeLost) -> None:
+    """COLLECTING and STOPPING: a lost node of the attempt counts as exited."""
+    if on_lost(sv, ev):
+        return
+    a = sv.cur
+    if ev.node in a.node_step:
+        a.exited.setdefault(ev.node, "lost")
+        if sv.state is RunState.STOPPING:
+            failure.maybe_stopped(sv, ev.node)
+    _lost_tail(sv, ev.node)
+
+
+def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
+    e = ev.evidence
+    sv.pool.add_evidence(e.node, e, sv.now)
+    if not is_fatal(e):
+        return
+    latency = max(0.0, sv.now - e.observed_at) if e.observed_at > 0 else 0.0
+    reason = f"fatal {kind_name(e.kind)} on {e.node}: {e.detail}".rstrip(": ")
+    if sv.state is RunState.RUNNING and e.node in sv.cur.node_step:
+        failure.begin(sv, Failure(detector=E.DETECTOR_EVIDENCE, nodes=[e.node], step=sv.job_step,
+                                  label="evidence", reason=reason), latency=latency)
+        return
+    sv.log(E.EVENT_KIND_DETECTION, reason, detection=E.DetectionDetail(
+        detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason))
+    if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):
+        return  # blamed by hardware evidence when the attempt's failure is decided
+    state = sv.pool.get(e.node).state
+    if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
+        sv.quarantine(e.node, reason, evidence=[e])
+        if sv.state is RunState.PREFLIGHT and e.node in sv.slots:
+            prepare.drop_from_slots(sv, e.node, reason, logged=True)
+
+
+def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
+    if ev.step in sv.committed:
+        return
+    sv.committed.add(ev.step)
+    sv.latest_committed = max(sv.latest_committed, ev.step)
+    a = sv.cur
+    started = a.save_started.get(ev.step)
+    if ev.save_duration_s > 0:
+        sv.save_times.append(ev.save_duration_s)
+    elif started is not None:
+        sv.save_times.append(sv.now - started)
+    if a.save_started:
+        a.save_started = {s: t for s, t in a.save_started.items() if s > ev.step}
+    sv.log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
+           checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
+
+
+def on_checkpoint_failed(sv: Supervisor, ev: CheckpointFailed) -> None:
+    where = f" on {ev.node}" if ev.node else ""
+    sv.log(E.EVENT_KIND_CHECKPOINT_FAILED,
+           f"checkpoint at step {ev.step} failed{where}: {ev.error}; no commit marker, the latest "
+           f"committed step stays {sv.latest_committed}", step=ev.step, checkpoint=E.CheckpointDetail(error=ev.error))
+
+
+def on_operator_quarantine(sv: Supervisor, ev: OperatorQuarantine) -> None:
+    reason = f"operator: {ev.reason}"
+    sv.quarantine(ev.node, reason, operator=True)
+    if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
+        failure.begin(sv, Failure(detector=E.DETECTOR_UNSPECIFIED, nodes=[ev.node], step=sv.job_step,
+                                  planned=True, reason=f"{reason}: restarting without {ev.node}"), latency=0.0)
+    elif sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
+        prepare.drop_from_slots(sv, ev.node, reason, logged=True)
+
+
+def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
+    node = sv.pool.operator_release(ev.node)
+    sv.log(E.EVENT_KIND_RELEASE, f"operator released {ev.node} ({ev.reason}); it returns after "
+           f"{sv.cfg.burn_in_passes} burn-in passes", release=E.ReleaseDetail(node=ev.node, reason=ev.reason, operator=True))
+    sv.persist(ev.node)
+    if node.alive and node.state is PoolState.BURN_IN:
+        sv.begin_burn_in(ev.node)
+
+
+def on_preflight(sv: Supervisor, ev: PreflightResult) -> None:
+    """Outside PREFLIGHT a result is a burn-in's (or late: ignored)."""
+    if ev.node in sv.burn_in:
+        on_burn_in_result(sv, ev)
+
+
+def on_preflight_preparing(sv: Supervisor, ev: PreflightResult) -> None:
+    """PREFLIGHT (and CONTROL_PLANE paused in it: recorded, launched after the pause)."""
+    if ev.node in sv.burn_in:
+        on_burn_in_result(sv, ev)
+    elif ev.node in sv.pending_preflight and (sv.state is RunState.PREFLIGHT or sv.cp_prev is RunState.PREFLIGHT):
+        prepare.on_attempt_preflight(sv, ev)
+
+
+def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
+    sv.burn_in.discard(ev.node)
+    outcome = sv.pool.burn_in_result(ev.node, ev.passed, ev.failed_checks)
+    if outcome == "stale":
+        return
+    node = sv.pool.get(ev.node)
+    done = node.burn_in_passes if outcome != "released" else sv.cfg.burn_in_passes
+    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"burn-in of {ev.node}: {'passed' if ev.passed else 'failed'} "
+           f"({done}/{sv.cfg.burn_in_passes} in a row)"
+           + (f"; failed {', '.join(ev.failed_checks)}" if ev.failed_checks else ""), preflight=prepare.detail(ev))
+    sv.persist(ev.node)
+    if outcome == "released":
+        reason = f"passed {sv.cfg.burn_in_passes} burn-in preflights in a row"
+        sv.log(E.EVENT_KIND_RELEASE, f"{ev.node} returns to the spare pool: {reason}",
+               release=E.ReleaseDetail(node=ev.node, reason=reason))
+        sv.emit_release(ev.node, reason)
+        if sv.state is RunState.PREFLIGHT:
+            prepare.fill_slots(sv)
+    elif outcome == "again" and node.alive:
+        sv.begin_burn_in(ev.node)
+    # "failed": needs repair; burn-in again when it re-registers or an operator releases it

@@ -1,0 +1,183 @@
+"""Rules for preparing an attempt: WAITING_NODES -> PREFLIGHT -> launch.
+
+The slots (node per node rank) are filled with the previous attempt's usable nodes first, then
+spares by reputation, then the queue; every new node is preflighted; a rejection quarantines it and
+does not consume an attempt; the launch gate admits only nodes that are alive and assigned now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from controller.supervisor import failure
+from controller.supervisor.actions import (
+    AllocateFromQueue,
+    Launch,
+    NodeRank,
+    RunPreflight,
+    SetTimer,
+    TakeSpare,
+)
+from controller.supervisor.attempt import Attempt
+from controller.supervisor.events import PreflightResult
+from controller.supervisor.pool import PoolState
+from controller.supervisor.states import RunState
+from runwarden.v1 import common_pb2, events_pb2
+from runwarden.v1 import events_pb2 as E
+
+if TYPE_CHECKING:
+    from controller.supervisor.machine import Supervisor
+
+
+def detail(ev: PreflightResult) -> events_pb2.PreflightDetail:
+    return E.PreflightDetail(node=ev.node, summary=common_pb2.PreflightSummary(
+        mode=ev.mode, passed=ev.passed, fail_count=len(ev.failed_checks), duration_s=ev.duration_s,
+        failed_checks=list(ev.failed_checks)))
+
+
+def try_start(sv: Supervisor) -> None:
+    """WAITING_NODES (state-triggered): pick nodes (previous attempt's first, then spares); else ask the queue."""
+    need = sv.plan.nodes
+    free = sv.pool.free_count()
+    if free < need:
+        if sv.waiting_since is None:
+            sv.waiting_since = sv.now
+            if sv.attempt == 0 and sv.cfg.queue_wait_s > 0:  # the first nodes are still joining
+                sv.emit(SetTimer(key="queue", at=sv.now + sv.cfg.queue_wait_s))
+        if sv.attempt == 0 and sv.now < sv.waiting_since + sv.cfg.queue_wait_s:
+            return
+        ask = need - free - sv.queue_outstanding
+        if ask > 0:
+            _ask_queue(sv, ask, f"need {need} nodes, {free} usable spares: asking the queue for {ask}")
+        return
+    sv.waiting_since = None
+    prev = sv.prev_slots[:need]
+    sv.slots = [None] * need
+    sv.empty_slots = need
+    sv.unreachable = set()
+    for rank, n in enumerate(prev):
+        if sv.pool.usable(n) and sv.pool.get(n).state is PoolState.SPARE:
+            sv.slots[rank] = n
+            sv.empty_slots -= 1
+            sv.pool.assign(n)
+    sv.vacated = {r: n for r, n in enumerate(prev) if sv.slots[r] != n}
+    sv.state = RunState.PREFLIGHT
+    sv.pending_preflight = set()
+    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+    fill_slots(sv, also=[n for n in sv.slots if n is not None])
+
+
+def _ask_queue(sv: Supervisor, count: int, reason: str) -> None:
+    sv.queue_outstanding += count
+    sv.log(E.EVENT_KIND_ALLOCATE, reason)
+    sv.emit(AllocateFromQueue(count=count, reason=reason))
+
+
+def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
+    """Fill empty slots from spares (queue as fallback), preflight new nodes; launch when done."""
+    empty = [r for r, n in enumerate(sv.slots) if n is None] if sv.empty_slots else []
+    picked = sv.pool.pick_spares(len(empty), sv.now, exclude=sv.unreachable)
+    new = list(also)
+    for rank, n in zip(empty, picked, strict=False):
+        sv.slots[rank] = n
+        sv.empty_slots -= 1
+        sv.pool.assign(n)
+        new.append(n)
+        replaces = sv.vacated.get(rank, "")
+        if replaces:
+            source = "queue" if n in sv.from_queue else "spare"
+            sv.log(E.EVENT_KIND_SPARE_TAKEN, f"{n} ({source}) replaces {replaces} as node rank {rank}",
+                   spare=E.SpareDetail(node=n, replaces=replaces, source=source))
+            sv.emit(TakeSpare(node=n, replaces=replaces))
+        sv.from_queue.discard(n)
+    still_empty = len(empty) - len(picked)
+    if still_empty > sv.queue_outstanding:
+        ask = still_empty - sv.queue_outstanding
+        _ask_queue(sv, ask, f"no spare left for {still_empty} node ranks: asking the queue for {ask}")
+    if new:
+        sv.pending_preflight.update(new)
+        sv.emit(RunPreflight(nodes=tuple(new), mode=sv.cfg.preflight_mode, purpose="attempt",
+                             timeout_s=sv.cfg.preflight_timeout_s))
+        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+    maybe_launch(sv)
+
+
+def drop_from_slots(sv: Supervisor, node: str, reason: str, *, logged: bool = False) -> None:
+    """Take `node` out of the attempt being prepared and refill its slot; `reason` reaches the log
+    here unless the caller's own entry already said it (`logged`)."""
+    rank = sv.slots.index(node)
+    sv.slots[rank] = None
+    sv.empty_slots += 1
+    sv.vacated.setdefault(rank, node)
+    sv.pending_preflight.discard(node)
+    sv.pool.unassign(node)
+    if not logged:
+        sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"{node} leaves node rank {rank} of attempt {sv.attempt + 1}: "
+               f"{reason}", preflight=E.PreflightDetail(node=node))
+    fill_slots(sv)
+
+
+def on_attempt_preflight(sv: Supervisor, ev: PreflightResult) -> None:
+    sv.pending_preflight.discard(ev.node)
+    if ev.passed:
+        maybe_launch(sv)
+        return
+    reason = f"preflight ({ev.mode}) failed: {', '.join(ev.failed_checks) or 'no check named'}"
+    reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.attempt + 1}: {reason}", detail(ev))
+
+
+def reject(sv: Supervisor, node: str, reason: str, message: str, preflight: events_pb2.PreflightDetail,
+           *, counted: bool = True) -> None:
+    """Quarantine a node that failed its attempt preflight; the attempt is not consumed."""
+    sv.pending_preflight.discard(node)
+    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"{message}; quarantined, the attempt is not consumed", preflight=preflight)
+    if counted:
+        sv.pool.get(node).preflight_rejections += 1
+    sv.quarantine(node, reason)
+    drop_from_slots(sv, node, reason, logged=True)
+
+
+def on_tick(sv: Supervisor) -> None:
+    """PREFLIGHT: a node that did not answer within the preflight timeout is rejected."""
+    if not sv.pending_preflight or sv.now < sv.preflight_deadline:
+        return
+    reason = f"no preflight answer within {sv.cfg.preflight_timeout_s:g}s"
+    for n in sorted(sv.pending_preflight):
+        if n in sv.pending_preflight:  # (a refill below never adds a node that is already due)
+            reject(sv, n, reason, f"{n} rejected: {reason}", E.PreflightDetail(node=n), counted=False)
+
+
+def maybe_launch(sv: Supervisor) -> None:
+    if sv.state is not RunState.PREFLIGHT or sv.pending_preflight or sv.empty_slots:
+        return
+    for n in sv.slots:  # the gate: no launch ever includes a node that is not usable now
+        p = sv.pool.get(n) if n is not None else None
+        if p is not None and not (p.alive and p.state is PoolState.ASSIGNED):
+            drop_from_slots(sv, p.name, f"{p.name} is no longer usable ({p.state.label})")
+            return
+    nodes = tuple(n for n in sv.slots if n is not None)
+    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight",
+           preflight=E.PreflightDetail(summary=common_pb2.PreflightSummary(
+               mode=sv.cfg.preflight_mode, passed=True, pass_count=len(nodes))))
+    launch(sv, nodes)
+
+
+def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
+    sv.attempt += 1
+    sv.state = RunState.RUNNING
+    sv.cur = Attempt.launched(sv.attempt, nodes, resume_step=sv.latest_committed, now=sv.now,
+                              straggler_window=sv.cfg.straggler_window)
+    sv.failure = None
+    sv.prev_slots = list(nodes)
+    sv.job_step = sv.cur.resume_step
+    rdzv = f"{sv.plan.run}-{sv.attempt}"
+    resume = f"committed step {sv.cur.resume_step}" if sv.cur.resume_step >= 0 else "scratch"
+    sv.log(E.EVENT_KIND_LAUNCH, f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}",
+           launch=E.LaunchDetail(rendezvous_id=rdzv, nodes=nodes, resume_step=sv.cur.resume_step))
+    sv.emit(Launch(run=sv.plan.run, attempt=sv.attempt, rendezvous_id=rdzv,
+                   nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
+                   resume_step=sv.cur.resume_step))
+    sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))
+    failure.deliver_pending_stop(sv)

@@ -1,0 +1,238 @@
+"""Rules for the running attempt: progress, load marks, the first step, hang and straggler
+detection, worker exits, checkpoints and planned stops."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from controller.supervisor import detectors, failure, nodes
+from controller.supervisor.actions import SetTimer
+from controller.supervisor.attempt import UNREPORTED, Failure
+from controller.supervisor.events import AttemptExited, CheckpointCommitted, ProgressObserved, StopRequested
+from controller.supervisor.states import RunState
+from runwarden.v1 import common_pb2
+from runwarden.v1 import events_pb2 as E
+
+if TYPE_CHECKING:
+    from controller.supervisor.machine import Supervisor
+
+
+def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
+    # the hottest path (one call per node per interval): one pass over the ranks, no generators
+    a = sv.cur
+    old = a.node_step.get(ev.node)
+    if old is None or ev.attempt != a.number or not ev.ranks:
+        return
+    a.node_seen_at[ev.node] = sv.now
+    if not a.load_logged:
+        loaded = True
+        stepped = False
+        resume = a.resume_step if a.resume_step > 0 else 0
+        for r in ev.ranks:
+            loaded = loaded and r.loaded_step is not None
+            stepped = stepped or r.step > resume
+        if loaded:
+            _node_loaded(sv, ev.node)
+            if not stepped:
+                return  # a load mark: no step was taken yet, so no step accounting
+    alpha = sv.cfg.straggler_ewma_alpha
+    loads = a.loads
+    node_step = ev.ranks[0].step
+    step_time = 0.0
+    saving = False
+    for r in ev.ranks:
+        if r.step < node_step:
+            node_step = r.step
+        if r.step_time_s > step_time:
+            step_time = r.step_time_s
+        # "saving step S" after S was committed is stale: every rank finished that save
+        if r.in_checkpoint and r.step > sv.latest_committed:
+            saving = True
+            if r.step not in a.save_started and len(a.save_started) < 64:
+                a.save_started[r.step] = sv.now
+        prev = loads.get(r.rank)
+        if prev is None:
+            loads[r.rank] = (ev.node, r.compute_s, r.wait_s)
+        else:
+            loads[r.rank] = (ev.node, prev[1] + alpha * (r.compute_s - prev[1]), prev[2] + alpha * (r.wait_s - prev[2]))
+    if saving:
+        a.ckpt_nodes.add(ev.node)
+    elif a.ckpt_nodes:
+        a.ckpt_nodes.discard(ev.node)
+    sv.step_times.append(step_time)
+    if node_step <= old:
+        return
+    a.node_step[ev.node] = node_step
+    count = a.step_count
+    count[old] -= 1
+    if not count[old]:
+        del count[old]
+    count[node_step] = count.get(node_step, 0) + 1
+    new_min = min(count)
+    if new_min > a.min_step:
+        startup = a.min_step == UNREPORTED
+        a.min_step = new_min
+        a.min_advanced_at = sv.now
+        sv.job_step = new_min
+        _on_job_step(sv, first=startup)
+
+
+def _node_loaded(sv: Supervisor, node: str) -> None:
+    a = sv.cur
+    a.loaded_nodes.add(node)
+    if len(a.loaded_nodes) < len(a.node_step):
+        return
+    a.load_logged = True
+    loaded = f"checkpoint step {a.resume_step}" if a.resume_step >= 0 else "no checkpoint (scratch)"
+    sv.log(E.EVENT_KIND_LOAD_DONE, f"all {len(a.node_step)} nodes loaded {loaded}, "
+           f"{sv.now - a.launched_at:.1f}s after launch", step=a.resume_step)
+
+
+def hang_timeout(sv: Supervisor) -> float:
+    med = detectors.median(sv.step_times) if sv.step_times else None
+    return detectors.hang_timeout(sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times)
+
+
+def _on_job_step(sv: Supervisor, *, first: bool) -> None:
+    a = sv.cur
+    if first:  # every node reported: hang detection switches from the startup timeout to steps
+        sv.history.launch_failures = 0  # (the launch evidently happened)
+        sv.emit(SetTimer(key="hang", at=sv.now + hang_timeout(sv)))
+    if not a.first_step_logged and a.min_step > a.resume_step:
+        a.first_step_logged = True
+        sv.log(E.EVENT_KIND_FIRST_STEP, f"first step after launch: step {a.min_step} "
+               f"(resumed from {a.resume_step}), {sv.now - a.launched_at:.1f}s after launch")
+    if len(a.loads) < 2:
+        return
+    cand = detectors.straggler_candidate(a.loads, sv.cfg)
+    a.straggler_hist.append((sv.now, cand.rank if cand else None))
+    rank = detectors.persistent_straggler((r for _, r in a.straggler_hist), sv.cfg)
+    if rank is None or cand is None or cand.rank != rank or cand.node in a.straggler_nodes:
+        return
+    node = cand.node
+    a.straggler_nodes.add(node)
+    flagged_at = next(t for t, r in a.straggler_hist if r == rank)
+    sv.pool.get(node).straggler_flags += 1
+    sv.persist(node)
+    kill = sv.cfg.kill_stragglers_mid_run
+    action = "stopping the attempt now" if kill else "quarantine candidate at the next restart; not killed mid-run"
+    reason = f"persistent straggler over {sv.cfg.straggler_window} steps: {cand.reason}; {action}"
+    if kill:
+        failure.begin(sv, Failure(detector=E.DETECTOR_STRAGGLER, nodes=[node], ranks=[rank], step=sv.job_step,
+                                  label="straggler", reason=reason), latency=sv.now - flagged_at)
+    else:
+        sv.log(E.EVENT_KIND_DETECTION, reason, detection=E.DetectionDetail(
+            detector=E.DETECTOR_STRAGGLER, nodes=[node], ranks=[rank], latency_s=sv.now - flagged_at, reason=reason))
+
+
+def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
+    """RUNNING: a commit also credits the observed save to the hang clock."""
+    a = sv.cur
+    fresh = ev.step not in sv.committed
+    started = a.save_started.get(ev.step)
+    nodes.on_checkpoint(sv, ev)
+    if not fresh or a.min_step == UNREPORTED:
+        return
+    if started is not None:
+        # The save, from its first "saving" report to this commit, is not time the step stood still
+        # (else a 25 s save trips a 10 s hang timeout the moment it commits). Only the observed save
+        # is credited: a commit alone must not postpone a hang that began right after it.
+        a.min_advanced_at = min(sv.now, a.min_advanced_at + max(0.0, sv.now - max(started, a.min_advanced_at)))
+    if a.ckpt_nodes:
+        # Every rank finished that save. A node still shown "saving" it is stale (a rank stopped right
+        # after its save): it must not keep the long checkpoint timeout.
+        a.ckpt_nodes = {n for n in a.ckpt_nodes if a.node_step.get(n, UNREPORTED) > ev.step}
+        if not a.ckpt_nodes:
+            check_hang(sv)  # re-arms the hang timer at the ordinary deadline
+
+
+def check_hang(sv: Supervisor) -> None:
+    """RUNNING's tick: the startup timeout until every node reported, then the hang timeout."""
+    a = sv.cur
+    now = sv.now
+    if a.min_step == UNREPORTED:
+        deadline = a.launched_at + sv.cfg.startup_timeout_s
+        if now >= deadline:
+            silent = sorted(n for n, s in a.node_step.items() if s == UNREPORTED)
+            failure.begin(sv, Failure(
+                detector=E.DETECTOR_HANG, nodes=silent, step=sv.job_step, label="hang:startup",
+                reason=f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch"),
+                latency=now - a.launched_at)
+            return
+    else:
+        timeout = hang_timeout(sv)
+        deadline = a.min_advanced_at + timeout
+        if detectors.is_hung(now, a.min_advanced_at, timeout):
+            behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
+            med = detectors.median(sv.step_times) if sv.step_times else None
+            med_txt = f"{med:.3g}s" if med else "unknown"
+            failure.begin(sv, Failure(
+                detector=E.DETECTOR_HANG, nodes=behind, step=a.min_step, label="hang",
+                reason=f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
+                f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
+                f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})"),
+                latency=now - a.min_advanced_at)
+            return
+    sv.emit(SetTimer(key="hang", at=deadline))
+
+
+def classify(sv: Supervisor, ev: AttemptExited) -> str | None:
+    """Record a node's exit of the current attempt; its label, or None when stale or already seen."""
+    a = sv.cur
+    if ev.attempt != a.number or ev.node not in a.node_step or ev.node in a.exited:
+        return None
+    label = detectors.classify_exit(ev.exit_code, ev.signal, stopping=False).label
+    a.exited[ev.node] = label
+    return label
+
+
+def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
+    """RUNNING: a clean exit of every node completes the run; any other exit is a crash."""
+    label = classify(sv, ev)
+    if label is None:
+        return
+    a = sv.cur
+    if label == "clean":
+        if len(a.exited) == len(a.node_step) and all(v == "clean" for v in a.exited.values()):
+            sv.finish(RunState.COMPLETED, "completed", "every node exited 0: the run completed")
+        return
+    latency = max(0.0, sv.now - ev.ended_at) if ev.ended_at else 0.0
+    rank = f" rank {ev.rank}" if ev.rank is not None else ""
+    reason = f"{ev.node}{rank} exited first ({label}{': ' + ev.detail if ev.detail else ''})"
+    status = common_pb2.ExitStatus(ended_at=ev.ended_at or 0.0, detail=ev.detail)
+    if ev.exit_code is not None:
+        status.exit_code = ev.exit_code
+    if ev.signal is not None:
+        status.signal = ev.signal
+    sv.log(E.EVENT_KIND_EXIT, f"{ev.node} exited: {label}",
+           exit=E.ExitDetail(node=ev.node, status=status, classification=label))
+    failure.begin(sv, Failure(detector=E.DETECTOR_CRASH, nodes=[ev.node], step=sv.job_step, label=label,
+                              reason=reason, first_exit=ev.node, ranks=[ev.rank] if ev.rank is not None else []),
+                  latency=latency)
+
+
+def on_exited_stopping(sv: Supervisor, ev: AttemptExited) -> None:
+    """COLLECTING, STOPPING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
+    if classify(sv, ev) is not None and sv.state is RunState.STOPPING:
+        failure.maybe_stopped(sv, ev.node)
+
+
+def on_stop_request_stopping(sv: Supervisor, ev: StopRequested) -> None:
+    """COLLECTING, STOPPING: the attempt is ending anyway; a stop that ends the run ends it after."""
+    failure.log_stop_request(sv, ev)
+    if not ev.relaunch:
+        sv.end_after_stop = True
+
+
+def on_stop_request_idle(sv: Supervisor, ev: StopRequested) -> None:
+    """WAITING_NODES, PREFLIGHT, BACKOFF: nothing runs; a stop that ends the run ends it now."""
+    failure.log_stop_request(sv, ev)
+    if not ev.relaunch:
+        sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {ev.reason}")
+    # a relaunching stop while nothing runs: the next launch is the relaunch
+
+
+def on_stop_request_blind(sv: Supervisor, ev: StopRequested) -> None:
+    """CONTROL_PLANE: held until the control plane is back."""
+    failure.log_stop_request(sv, ev)
+    sv.pending_stop = ev
