@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from controller.api.store_view import StoreBackedView
 from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
-from controller.supervisor import types as t
+from controller.supervisor.events import OperatorQuarantine, OperatorRelease
 from runwarden.v1 import common_pb2, controller_pb2
 
 if TYPE_CHECKING:
@@ -40,23 +40,27 @@ class LiveView(StoreBackedView):
             return self._shell.cfg.identity, int(self._shell.leadership.fence)
         return super().leader()
 
-    def _operator(self, event: t.OperatorQuarantine | t.OperatorRelease) -> common_pb2.PoolState.ValueType:
+    def _operator(self, event: OperatorQuarantine | OperatorRelease) -> common_pb2.PoolState.ValueType:
         if not self._shell.is_leader.is_set():
             raise ViewUnavailable("this controller is not the leader; ask the leader")
         fut = self._shell.submit_and_wait(event)
+        from controller.live.loop import CoreRebuilding
+
         try:
             state = fut.result(timeout=OPERATOR_TIMEOUT_S)
         except FutureTimeout:
             raise ViewUnavailable("the controller did not act on the request in time") from None
+        except CoreRebuilding as exc:
+            raise ViewUnavailable(str(exc)) from None
         if state is None:
             raise ViewNotFound(f"no node named {event.node!r}")
         return state
 
     def quarantine(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
-        return self._operator(t.OperatorQuarantine(node=node, reason=f"operator {actor}: {reason}"))
+        return self._operator(OperatorQuarantine(node=node, reason=f"operator {actor}: {reason}"))
 
     def release(self, node: str, reason: str, actor: str) -> common_pb2.PoolState.ValueType:
         before = self._shell.pool_state(node)
         if before in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED):
             raise ViewRefused(f"node {node!r} is not quarantined or held; nothing to release")
-        return self._operator(t.OperatorRelease(node=node, reason=f"released by operator {actor}: {reason}"))
+        return self._operator(OperatorRelease(node=node, reason=f"released by operator {actor}: {reason}"))

@@ -1,0 +1,321 @@
+"""Executing a `Batch` in the order its contract states (controller/supervisor/actions.py).
+
+1. Append the batch's entries to the event log (fsync), after any entries an earlier failed append
+   left unwritten. If the append fails, the entries are kept (appended first next time: nothing is
+   lost), no action runs except `SetTimer`, and each skipped action is answered at once with
+   `ActionFailed(temporary=True, reason="event log append failed: ...")`.
+2. Execute the actions in order, one `match` over the `Action` union. `Launch` writes the attempt
+   record with a compare-and-swap first; a refused CAS or a failed write is answered at once with
+   `ActionFailed(temporary=False)` and a relist (the Snapshot raises the core's attempt number past
+   the stored record). The workers are then started through the `Backend`, off the loop.
+
+`execute` returns the answers that are due at once; the loop feeds them to the core in the same
+iteration. Slow work (agent RPCs) runs in a thread pool, and its results come back on the queue:
+`PreflightResult`, `DumpsCollected`, `AttemptExited`, or `ActionFailed` for what could not be done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import assert_never
+
+from controller.backends.base import AttemptSpec, BackendError
+from controller.backends.local import LaunchIncomplete, LocalBackend
+from controller.live.agents import AgentClients
+from controller.live.paging import Pager
+from controller.live.translate import Translator, parse
+from controller.supervisor import flight_recorder
+from controller.supervisor.actions import (
+    Action,
+    AllocateFromQueue,
+    Batch,
+    CollectDumps,
+    Launch,
+    Page,
+    PersistNode,
+    Quarantine,
+    Release,
+    RunPreflight,
+    SetTimer,
+    StopAttempt,
+    TakeSpare,
+)
+from controller.supervisor.events import (
+    ActionFailed,
+    DumpsCollected,
+    Event,
+    NodeRecordView,
+    PreflightResult,
+)
+from controller.supervisor.timers import Timers
+from runwarden.eventlog import EventLog, EventLogError
+from runwarden.store import Leadership, Store, StoreError
+from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
+
+log = logging.getLogger(__name__)
+
+# A planned stop waits for the node's exit this often; a node's hard stop gets this long to kill.
+_EXIT_POLL_S = 0.2
+_HARD_STOP_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSettings:
+    """What execution needs to know about the run (from the shell's config)."""
+
+    run: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    procs_per_node: int
+    rpc_timeout_s: float
+
+
+class Executor:
+    """Carries out one leader term's batches. Built anew whenever the shell (re)builds its core."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        store: Store,
+        leadership: Leadership,
+        eventlog: EventLog,
+        timers: Timers,
+        backend: LocalBackend,
+        agents: AgentClients,
+        pager: Pager,
+        translator: Translator,
+        pool: ThreadPoolExecutor,
+        post: Callable[[Event], None],
+        relist: Callable[[], None],
+        listeners: list[Callable[[events_pb2.Event], None]],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.s = settings
+        self.store = store
+        self.keys = store.keys
+        self.leadership = leadership
+        self.eventlog = eventlog
+        self.timers = timers
+        self.backend = backend
+        self.agents = agents
+        self.pager = pager
+        self.translator = translator
+        self.pool = pool
+        self.post = post            # an event for the loop's queue (RPC results, from pool threads)
+        self.relist = relist        # ask the loop to list the store and send a Snapshot
+        self.listeners = listeners
+        self.clock = clock
+        self.unwritten: list[events_pb2.Event] = []   # entries of a batch whose append failed
+        self.attempt = 0
+        self.attempt_nodes: dict[str, int] = {}       # node -> node rank of the current attempt
+
+    # -- the batch -----------------------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> list[Event]:
+        """Log, then act; returns the answers due at once (fed to the core in the same iteration)."""
+        self.unwritten.extend(batch.entries)
+        try:
+            self._append_unwritten()
+        except EventLogError as exc:
+            log.error("event log append failed (%d entries kept for the next append): %s", len(self.unwritten), exc)
+            answers: list[Event] = []
+            for action in batch.actions:
+                if isinstance(action, SetTimer):
+                    self.timers.set(action.key, action.at)
+                else:
+                    answers.append(ActionFailed(action=action, temporary=True, reason=f"event log append failed: {exc}"))
+            return answers
+        answers = []
+        for action in batch.actions:
+            answers.extend(self._execute(action))
+        return answers
+
+    def _append_unwritten(self) -> None:
+        while self.unwritten:
+            written = self.eventlog.append(self.unwritten[0])
+            self.unwritten.pop(0)
+            for listener in list(self.listeners):
+                try:
+                    listener(written)
+                except Exception:  # a subscriber's bug must not stop the log or the batch
+                    log.exception("event listener failed")
+
+    def _execute(self, action: Action) -> list[Event]:
+        match action:
+            case SetTimer():
+                self.timers.set(action.key, action.at)
+            case RunPreflight():
+                for node in action.nodes:
+                    self._submit(self._preflight, action, node)
+            case Launch():
+                return self._launch(action)
+            case StopAttempt():
+                for node in action.nodes:
+                    self._submit(self._stop_node, action, node)
+            case CollectDumps():
+                self._submit(self._collect, action)
+            case PersistNode():
+                self._persist(action.record)
+            case Page():
+                self.pager.page(action.reason, action.severity)
+            case Quarantine() | Release() | TakeSpare() | AllocateFromQueue():
+                # Pool state is persisted by PersistNode; the local fleet has no scheduler to tell.
+                # A scheduler backend (Slurm drain, Kubernetes taint) hooks in here.
+                log.info("%s", action)
+            case _:
+                assert_never(action)
+        return []
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Slow work off the loop. An exception escaping it is a bug: logged with its traceback."""
+
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+
+        self.pool.submit(guarded)
+
+    # -- launch --------------------------------------------------------------------------------
+
+    def _launch(self, action: Launch) -> list[Event]:
+        fence = int(self.leadership.fence)
+        ordered = sorted(action.nodes, key=lambda nr: nr.node_rank)
+        try:
+            spec = AttemptSpec(run=action.run, attempt=action.attempt, nodes=tuple(nr.node for nr in ordered),
+                               command=self.s.command, env=dict(self.s.env), resume_step=action.resume_step,
+                               procs_per_node=self.s.procs_per_node, leader_fence=fence)
+        except BackendError as exc:
+            return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]
+        record = store_pb2.AttemptRecord(
+            run=action.run, attempt=action.attempt, rendezvous_id=action.rendezvous_id, nodes=list(spec.nodes),
+            resume_step=action.resume_step, launched_at=self.clock(), leader_fence=fence)
+        key = self.keys.attempt(action.run)
+        try:
+            cur = self.store.get(key)
+            if cur is not None:
+                prev = _attempt_of(cur.value)
+                if prev >= action.attempt:
+                    self.relist()
+                    return [self._not_launched(action, f"attempt {action.attempt} refused: the store already "
+                                                       f"records attempt {prev} (another leader launched)")]
+            ok = self.store.cas(key, record.SerializeToString(), cur.mod_revision if cur else 0)
+        except StoreError as exc:
+            self.relist()
+            return [self._not_launched(action, f"attempt {action.attempt}: attempt record write failed: {exc}")]
+        if not ok or self.leadership.lost.is_set():
+            self.relist()
+            return [self._not_launched(action, f"attempt {action.attempt} refused by fencing (attempt record changed)")]
+        self.attempt = action.attempt
+        self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
+        self.translator.new_attempt(action.attempt)
+        self._submit(self._start_workers, action, spec)
+        return []
+
+    def _not_launched(self, action: Launch, reason: str) -> ActionFailed:
+        log.error("%s", reason)
+        return ActionFailed(action=action, temporary=False, reason=reason)
+
+    def _start_workers(self, action: Launch, spec: AttemptSpec) -> None:
+        try:
+            self.backend.launch(spec)
+        except LaunchIncomplete as exc:
+            for f in exc.failures:
+                self.translator.mark_exited(f.node, action.attempt)
+                self.post(ActionFailed(action=action, temporary=f.temporary, reason=f"launch failed: {f.reason}",
+                                       node=f.node))
+        except BackendError as exc:
+            self.post(ActionFailed(action=action, temporary=False, reason=f"launch failed: {exc}"))
+
+    # -- agent work ----------------------------------------------------------------------------
+
+    def _preflight(self, action: RunPreflight, node: str) -> None:
+        out = self.agents.run_preflight(node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s)
+        if not out.ok:
+            self.post(ActionFailed(action=action, temporary=out.rpc.temporary, node=node,
+                                   reason=f"preflight rpc ({out.rpc.tries} tries): {out.rpc.error}"))
+            return
+        self.post(PreflightResult(node=node, passed=out.summary.passed, mode=action.mode,
+                                  failed_checks=tuple(r.name for r in out.failed), duration_s=out.summary.duration_s))
+
+    def _stop_node(self, action: StopAttempt, node: str) -> None:
+        if action.planned:
+            self.agents.request_stop(node, agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason))
+            # The stop also reaches the agent through the run's stop key; wait for the exit either way.
+            deadline = time.monotonic() + action.grace_s  # ends as soon as the exit is seen
+            while time.monotonic() < deadline and not self.translator.has_exited(node, action.attempt):
+                time.sleep(_EXIT_POLL_S)
+        grace = _HARD_STOP_GRACE_S if action.planned else action.grace_s
+        out = self.agents.stop(node, agent_pb2.StopWorkersRequest(run=self.s.run, attempt=action.attempt, grace_s=grace),
+                               grace + self.s.rpc_timeout_s)
+        if not out.ok:
+            self.post(ActionFailed(action=action, temporary=out.temporary, node=node,
+                                   reason=f"stop rpc ({out.tries} tries): {out.error}"))
+
+    def _collect(self, action: CollectDumps) -> None:
+        """Dumps from every live rank of the attempt, analysed by the flight-recorder rule only.
+
+        The core ranks this answer below hardware evidence and above heartbeats; a rank that
+        could not answer (stopped, dead) is "no dump", which is itself evidence."""
+        rank_dumps: list[agent_pb2.RankDump] = []
+        missing: list[str] = []
+        rank_to_node = self.translator.ranks()
+        # All nodes at once, each rank given most of the core's deadline: a stopped rank costs its
+        # timeout once, not once per node, and the answer arrives before the core gives up on it.
+        per_rank_s = max(0.5, action.timeout_s * 0.6)
+        req = agent_pb2.CollectFlightRecorderRequest(run=self.s.run, timeout_s=per_rank_s)
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(action.nodes)))) as ex:
+            answers = list(ex.map(lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes))
+        for node, out, resp in answers:
+            if not out.ok or resp is None:
+                missing.append(node)
+                rank_dumps.extend(agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}")
+                                  for rank, n in rank_to_node.items() if n == node)
+                continue
+            for d in resp.dumps:
+                rank_to_node.setdefault(d.rank, node)
+                rank_dumps.append(d)
+        try:
+            verdict = flight_recorder.verdict_from_rank_dumps(rank_dumps, rank_to_node)
+        except ValueError as exc:  # dumps are input from outside
+            self.post(ActionFailed(action=action, temporary=False, reason=f"flight-recorder analysis failed: {exc}"))
+            return
+        self.post(DumpsCollected(attempt=action.attempt, verdict=verdict, missing_nodes=tuple(missing)))
+
+    # -- the store -----------------------------------------------------------------------------
+
+    def _persist(self, rec: NodeRecordView) -> None:
+        now = self.clock()
+        entry = store_pb2.PoolEntry(node=rec.node, state=common_pb2.PoolState.ValueType(rec.pool_state),
+                                    reason=rec.reason, burn_in_passes=rec.burn_in_passes,
+                                    operator_hold=rec.operator_hold, since=now, run=self.s.run,
+                                    evidence=list(rec.evidence[-16:]))
+        rep = store_pb2.Reputation(node=rec.node, failures=len(rec.failure_times),
+                                   failure_times=list(rec.failure_times[-32:]), straggler_flags=rec.straggler_flags,
+                                   preflight_rejections=rec.preflight_rejections, updated_at=now,
+                                   evidence_kinds=[common_pb2.EvidenceKind.ValueType(k)
+                                                   for k in rec.evidence_kinds[-32:]])
+        try:
+            self.store.fenced_put(self.keys.pool(rec.node), entry.SerializeToString(), self.leadership)
+            self.store.fenced_put(self.keys.reputation(rec.node), rep.SerializeToString(), self.leadership)
+        except StoreError as exc:
+            log.warning("persisting %s failed: %s", rec.node, exc)
+
+    def close(self) -> None:
+        with contextlib.suppress(EventLogError):
+            self.eventlog.close()
+
+
+def _attempt_of(value: bytes) -> int:
+    """The attempt number a stored attempt record holds; an unreadable record counts as none."""
+    try:
+        return int(parse(store_pb2.AttemptRecord, value).attempt)
+    except ValueError:
+        return 0

@@ -1,0 +1,237 @@
+"""etcd values -> core events: the shell's one boundary with the store's contents.
+
+Pure given its own memory (the known nodes, the current attempt's rank -> node map, the exits and
+checkpoint outcomes already reported): a value in, events out, no I/O. Bad input from outside (a
+value that does not parse, a name the events refuse) raises `ValueError`; the caller logs it and
+drops that one value, and everything else carries on.
+
+`Translator` is shared by the watch threads and the loop thread; its methods take its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from controller.supervisor.events import (
+    AttemptExited,
+    CheckpointCommitted,
+    CheckpointFailed,
+    Event,
+    EvidenceObserved,
+    NodeJoined,
+    NodeLost,
+    NodeRecordView,
+    ProgressObserved,
+    RankSample,
+    Snapshot,
+    StopRequested,
+)
+from runwarden.keys import KeySchema
+from runwarden.store import KeyValue, WatchEvent
+from runwarden.v1 import common_pb2, store_pb2
+
+# Progress written within this long before a relist counts as the node still working (Snapshot.progress_nodes).
+RECENT_PROGRESS_S = 30.0
+
+_M = TypeVar("_M", bound=Message)
+
+
+def parse(cls: type[_M], data: bytes, what: str = "") -> _M:
+    """Parse one stored value; ValueError (bad input) if it is not a `cls`."""
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except (DecodeError, RuntimeError) as exc:  # RuntimeError: the pure-Python decoder on recursion
+        raise ValueError(f"{what or cls.__name__}: not a {cls.__name__}: {exc}") from None
+    return msg
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Addresses:
+    """Agent channel changes a translation asks for: set (node -> address) and forget (re-created)."""
+
+    set: dict[str, str] = field(default_factory=dict)
+    forget: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Listing:
+    """What a relist read from the store, raw (the loop does the I/O, `Translator.snapshot` the rest)."""
+
+    nodes: tuple[KeyValue, ...]
+    pool: tuple[KeyValue, ...]
+    reputation: tuple[KeyValue, ...]
+    attempt: KeyValue | None
+    checkpoints: tuple[KeyValue, ...]
+    stop: KeyValue | None
+    progress: tuple[KeyValue, ...]
+    now: float
+
+
+class Translator:
+    def __init__(self, keys: KeySchema, run: str, *, procs_per_node: int = 1) -> None:
+        self.keys = keys
+        self.run = run
+        self.procs_per_node = procs_per_node
+        self._lock = threading.Lock()
+        self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
+        self.rank_to_node: dict[int, str] = {}
+        self.exited: set[tuple[str, int]] = set()   # (node, attempt) whose exit was reported
+        self.committed_seen = -1
+        self._ckpt_failures: set[tuple[int, int]] = set()
+
+    # -- relist --------------------------------------------------------------------------------
+
+    def snapshot(self, listing: Listing) -> tuple[Snapshot, Addresses, list[Event], store_pb2.AttemptRecord | None]:
+        """The Snapshot of a listing, the agent addresses it names, the exits written while no
+        leader watched (level-triggered: they follow the Snapshot), and the attempt record."""
+        with self._lock:
+            alive: dict[str, int] = {}
+            addresses: dict[str, str] = {}
+            for kv in listing.nodes:
+                rec = _try(store_pb2.NodeRecord, kv.value)
+                if rec is None or not rec.node:
+                    continue
+                self.known_nodes[rec.node] = rec
+                addresses[rec.node] = rec.address
+                alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
+            reps = {kv.key.rsplit("/", 1)[-1]: _try(store_pb2.Reputation, kv.value) for kv in listing.reputation}
+            records = []
+            for kv in listing.pool:
+                entry = _try(store_pb2.PoolEntry, kv.value)
+                if entry is None or not entry.node:
+                    continue
+                rep = reps.get(entry.node) or store_pb2.Reputation()
+                records.append(NodeRecordView(
+                    node=entry.node, pool_state=entry.state or common_pb2.POOL_STATE_SPARE, reason=entry.reason,
+                    burn_in_passes=entry.burn_in_passes, operator_hold=entry.operator_hold,
+                    failure_times=tuple(rep.failure_times), straggler_flags=rep.straggler_flags,
+                    preflight_rejections=rep.preflight_rejections, evidence=tuple(entry.evidence),
+                    evidence_kinds=tuple(rep.evidence_kinds)))
+            attempt = _try(store_pb2.AttemptRecord, listing.attempt.value) if listing.attempt else None
+            ckpts = [_try(store_pb2.CheckpointCommit, kv.value) for kv in listing.checkpoints]
+            committed = tuple(sorted(c.step for c in ckpts if c is not None))
+            if committed:
+                self.committed_seen = max(self.committed_seen, committed[-1])
+            stop = None
+            if listing.stop is not None:
+                req = _try(store_pb2.StopRequest, listing.stop.value)
+                if req is not None:
+                    stop = _stop_requested(req)
+            progress_nodes, exits = [], []
+            for kv in listing.progress:
+                prog = _try(store_pb2.NodeProgress, kv.value)
+                if prog is None or attempt is None or prog.attempt != attempt.attempt:
+                    continue
+                if prog.HasField("exit"):
+                    exits.extend(self._exit_seen(prog))
+                elif listing.now - prog.written_at < RECENT_PROGRESS_S:
+                    progress_nodes.append(prog.node)
+            snap = Snapshot(
+                alive=alive, records=tuple(records),
+                attempt=attempt.attempt if attempt else 0,
+                attempt_nodes=tuple(attempt.nodes) if attempt else (),
+                resume_step=attempt.resume_step if attempt else -1,
+                committed_steps=committed, stop_requested=stop, progress_nodes=tuple(progress_nodes))
+        return snap, Addresses(set=addresses), exits, attempt
+
+    # -- watch ---------------------------------------------------------------------------------
+
+    def watch_event(self, item: WatchEvent) -> tuple[list[Event], Addresses]:
+        """One watched change -> its events (in order) and any agent address change."""
+        k = self.keys
+        key, deleted = item.key, item.type.name == "DELETE"
+        with self._lock:
+            if key.startswith(k.nodes_prefix()):
+                return self._node(key[len(k.nodes_prefix()):], None if deleted else item.value)
+            if key.startswith(k.progress_prefix(self.run)):
+                if deleted:
+                    return [], Addresses()
+                return self._progress(parse(store_pb2.NodeProgress, item.value, key)), Addresses()
+            if key.startswith(k.base + "evidence/"):
+                if deleted:
+                    return [], Addresses()
+                rec = parse(store_pb2.EvidenceRecord, item.value, key)
+                if not rec.evidence.node:
+                    raise ValueError(f"{key}: evidence without a node")
+                return [EvidenceObserved(evidence=rec.evidence)], Addresses()
+            if key == k.stop(self.run) and not deleted:
+                return [_stop_requested(parse(store_pb2.StopRequest, item.value, key))], Addresses()
+        return [], Addresses()
+
+    def _node(self, node: str, value: bytes | None) -> tuple[list[Event], Addresses]:
+        if value is None:
+            self.known_nodes.pop(node, None)
+            return [NodeLost(node=node)], Addresses(forget=(node,))
+        rec = parse(store_pb2.NodeRecord, value, f"node {node}")
+        fresh = node not in self.known_nodes
+        joined = NodeJoined(node=node, local_ranks=max(1, rec.local_ranks or 1)) if fresh else None
+        self.known_nodes[node] = rec
+        # A re-registered agent gets a new channel: the old one may sit in gRPC's reconnect backoff
+        # after the agent died and fail the next RPC (its burn-in) at once.
+        addresses = Addresses(set={node: rec.address}, forget=(node,) if fresh else ())
+        return ([joined] if joined is not None else []), addresses
+
+    def _progress(self, prog: store_pb2.NodeProgress) -> list[Event]:
+        out: list[Event] = []
+        for r in prog.ranks:
+            self.rank_to_node[r.rank] = prog.node
+            if r.checkpoint_error and (prog.attempt, r.step) not in self._ckpt_failures:
+                self._ckpt_failures.add((prog.attempt, r.step))
+                out.append(CheckpointFailed(step=r.step, error=r.checkpoint_error, node=prog.node,
+                                            attempt=prog.attempt))
+            if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self.committed_seen:
+                self.committed_seen = r.committed_step
+                out.append(CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
+        out.append(ProgressObserved(node=prog.node, attempt=prog.attempt,
+                                    ranks=tuple(RankSample.from_proto(r) for r in prog.ranks)))
+        if prog.HasField("exit"):
+            out.extend(self._exit_seen(prog))  # the node's last progress, then its exit
+        return out
+
+    def _exit_seen(self, prog: store_pb2.NodeProgress) -> list[Event]:
+        """A node's workers of an attempt ended (its agent wrote the exit into its progress)."""
+        if (prog.node, prog.attempt) in self.exited:
+            return []
+        e = prog.exit
+        ev = AttemptExited(
+            node=prog.node, attempt=prog.attempt, exit_code=e.exit_code if e.HasField("exit_code") else None,
+            signal=e.signal if e.HasField("signal") else None, ended_at=e.ended_at or None, detail=e.detail)
+        self.exited.add((prog.node, prog.attempt))
+        return [ev]
+
+    # -- what the RPC side reports -------------------------------------------------------------
+
+    def mark_exited(self, node: str, attempt: int) -> None:
+        """No worker of `attempt` runs on `node` (its launch failed, or it was never launched)."""
+        with self._lock:
+            self.exited.add((node, attempt))
+
+    def has_exited(self, node: str, attempt: int) -> bool:
+        with self._lock:
+            return (node, attempt) in self.exited
+
+    def new_attempt(self, attempt: int) -> None:
+        with self._lock:
+            self.exited = {e for e in self.exited if e[1] >= attempt}
+
+    def ranks(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self.rank_to_node)
+
+
+def _stop_requested(req: store_pb2.StopRequest) -> StopRequested:
+    return StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by, relaunch=req.relaunch)
+
+
+def _try(cls: type[_M], data: bytes) -> _M | None:
+    """Parse for a relist: a bad value is skipped (the watch reports it when it changes)."""
+    try:
+        return parse(cls, data)
+    except ValueError:
+        return None
+
