@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runwarden.etcd_server import EtcdServer, free_port
 from runwarden.eventlog import read_events
+from runwarden.testing.etcd_server import EtcdServer, free_port
 from runwarden.v1 import events_pb2
 
 REPO = Path(__file__).resolve().parent.parent

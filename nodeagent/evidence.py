@@ -30,7 +30,6 @@ class EvidencePublisher:
         self._queue: queue.Queue[tuple[int, common_pb2.Evidence] | None] = queue.Queue(maxsize=queue_max)
         self._seq = time.time_ns() // 1000
         self._lock = threading.Lock()
-        self._published = 0
         self._thread: threading.Thread | None = None
         self._listeners: list[Any] = []
 
@@ -75,10 +74,6 @@ class EvidencePublisher:
         with self._lock:
             return list(self._recent)
 
-    @property
-    def published(self) -> int:
-        return self._published
-
     def _writer(self) -> None:
         while True:
             item = self._queue.get()
@@ -90,7 +85,6 @@ class EvidencePublisher:
             while True:
                 try:
                     self._store.put(self._store.keys.evidence(self._node, seq), value)
-                    self._published += 1
                     break
                 except Exception as exc:
                     log.warning("evidence %d not written yet: %s", seq, exc)

@@ -36,12 +36,9 @@ class XidMonitor:
         self._gpu_index_of = gpu_index_of
         self._closed = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
-        self.source = "none"
-        self.lines_seen = 0
 
     def feed(self, line: str | bytes, source: str) -> common_pb2.Evidence | None:
         """Parse one kernel-log line; publish and return the evidence if it is an Xid."""
-        self.lines_seen += 1
         event = parse_xid_line(line)
         if event is None:
             return None
@@ -60,7 +57,6 @@ class XidMonitor:
         for candidate in ("kmsg", "journalctl", "dmesg") if kind == "auto" else (kind,):
             lines = self._open(candidate, dmesg_interval_s)
             if lines is not None:
-                self.source = candidate
                 threading.Thread(target=self._follow, args=(lines, candidate), name="xid-monitor", daemon=True).start()
                 log.info("Xid monitor following the kernel log via %s", candidate)
                 return candidate
@@ -162,7 +158,6 @@ class NvmlPoller:
         self._publish = publish
         self._last: dict[tuple[int, str], Any] = {}
         self._closed = threading.Event()
-        self.available = False
 
     def start(self, interval_s: float) -> bool:
         try:
@@ -170,7 +165,6 @@ class NvmlPoller:
         except NvmlError as exc:
             log.info("NVML poller off: %s", exc)
             return False
-        self.available = True
         threading.Thread(target=self._loop, args=(interval_s,), name="nvml-poller", daemon=True).start()
         return True
 

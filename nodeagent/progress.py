@@ -70,10 +70,6 @@ class ProgressTable:
             self._dirty.add(run)
             return True
 
-    def exit_of(self, run: str) -> common_pb2.ExitStatus | None:
-        with self._lock:
-            return self._exit.get(run)
-
     def runs(self) -> set[str]:
         with self._lock:
             return set(self._attempt)

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,11 +131,6 @@ def parse_log_bytes(data: bytes) -> EventLogRead:
     return EventLogRead(events=events, torn_tail=torn, errors=errors)
 
 
-def iter_kinds(events: list[events_pb2.Event], *kinds: int) -> Iterator[events_pb2.Event]:
-    wanted = set(kinds)
-    return (e for e in events if e.kind in wanted)
-
-
 class EventLog:
     """The leader's append-only writer. Thread-safe; every append is durable when it returns."""
 
@@ -172,10 +166,6 @@ class EventLog:
             f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
-
-    @property
-    def last_seq(self) -> int:
-        return self._seq
 
     def append(self, event: events_pb2.Event) -> events_pb2.Event:
         """Assign the next seq, write one line, fsync. Returns the event as written."""

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from runwarden.etcd_server import EtcdServer
-from runwarden.etcd_server import free_port as _free_port
 from runwarden.store import Store, StoreConfig
+from runwarden.testing.etcd_server import EtcdServer
+from runwarden.testing.etcd_server import free_port as _free_port
 
 _counter = itertools.count()
 

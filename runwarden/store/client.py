@@ -468,11 +468,6 @@ class Store:
         request = etcdrpc.DeleteRangeRequest(key=_enc(key))
         return bool(self.call(f"delete {key}", "KV", "DeleteRange", request, retry=False).deleted)
 
-    def delete_prefix(self, prefix: str) -> int:
-        key = _enc(prefix)
-        request = etcdrpc.DeleteRangeRequest(key=key, range_end=_prefix_end(key))
-        return int(self.call(f"delete prefix {prefix}", "KV", "DeleteRange", request, retry=False).deleted)
-
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int, lease: Lease | int | None = None
     ) -> bool:

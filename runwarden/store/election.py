@@ -103,10 +103,6 @@ class Leadership:
             _log.warning("leadership of %r (fence %d) lost: %s", self.name, self.fence, reason)
             self.lost.set()
 
-    @property
-    def is_leader(self) -> bool:
-        return not self.lost.is_set()
-
     def resign(self) -> None:
         """Give up leadership: delete the key (by revoking the lease) and stop the background work."""
         self.mark_lost("resigned")

@@ -64,7 +64,6 @@ class Watch:
         self.prefix = prefix
         self.resumes = 0  # streams opened after the first (disconnects survived)
         self.relists = 0
-        self.last_error = ""
         self.established = threading.Event()  # set while a stream is open and created
         self._store = store
         self._callback = callback
@@ -116,7 +115,6 @@ class Watch:
                 self._relist()
                 continue
             except StoreError as err:
-                self.last_error = str(err)
                 _log.info(
                     "watch of %s interrupted, resuming from revision %d: %s",
                     self.prefix,
@@ -149,8 +147,7 @@ class Watch:
     def _relist(self) -> None:
         try:
             kvs, revision = self._store.get_prefix(self.prefix)
-        except StoreError as err:
-            self.last_error = str(err)
+        except StoreError:
             self._cancelled.wait(_MAX_BACKOFF_S)
             return
         self.relists += 1

@@ -15,9 +15,9 @@ import pytest
 
 from controller.ctl.main import main
 from examples.cluster import write_toml
-from runwarden.etcd_server import EtcdServer, free_port
 from runwarden.eventlog import read_events
 from runwarden.store import Store, StoreConfig
+from runwarden.testing.etcd_server import EtcdServer, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 PASSWORD = "pw-7f3a9c-never-in-a-log"

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runwarden.etcd_server import EtcdServer
 from runwarden.store import CampaignTimeout, NotLeader, Store
+from runwarden.testing.etcd_server import EtcdServer
 from tests.store.helpers import Peer
 
 TTL_S = 2

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runwarden.etcd_server import EtcdServer
 from runwarden.store import EventType, Relisted, Store, WatchEvent
+from runwarden.testing.etcd_server import EtcdServer
 from tests.store.helpers import Peer, wait_until
 
 TTL_S = 2

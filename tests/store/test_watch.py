@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from runwarden.etcd_server import EtcdServer
 from runwarden.store import EventType, Relisted, Store, StoreConfig, StoreUnavailable, WatchEvent
+from runwarden.testing.etcd_server import EtcdServer
 from tests.store.helpers import wait_until
 
 
