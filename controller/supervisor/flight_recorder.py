@@ -1,47 +1,35 @@
-"""Attribution: who is to blame for a failed or hung attempt. Pure functions, no I/O.
+"""The flight-recorder rung of the blame ladder: which ranks a hang's dumps point at. Pure, no I/O.
 
-Evidence, strongest first (DESIGN.md, "Blame from evidence"):
+This module reads flight-recorder dumps and says who the dumps blame; where that answer ranks
+against hardware evidence and heartbeats is decided once, in controller/supervisor/blame.py.
 
-1. **hardware** - a fatal Xid, an uncorrectable ECC error, a row-remap failure or a GPU off the bus on
-   a node (its agent's `common_pb2.Evidence`);
-2. **flight_recorder** - per process group, over non-p2p entries: last[r] = the highest
-   collective_seq_id rank r enqueued, S = the highest over the members. Members with last[r] < S never
-   called collective S: they lag. A lagging rank that is itself waiting at the front of another stuck
-   group is a victim of a cascade (it cannot call S because it is blocked elsewhere); the lagging ranks
-   that wait for nobody are the culprits. A member with no dump is a suspect; one whose agent saw its
-   process stopped (/proc state T) is the culprit, and the lagging ranks are then taken for its victims
-   (blocked in an operation the recorder does not see, like gloo's send/recv). If every member reached
-   S, the entries at S are compared (op, sizes, dtypes): the odd one out is a suspect;
-3. **heartbeat** - the node whose progress stopped first, by a clear margin;
-4. otherwise **none**: a software or data problem (which feeds the crash-loop rule).
+The rule, per process group, over non-p2p entries: last[r] = the highest collective_seq_id rank r
+enqueued, S = the highest over the members. Members with last[r] < S never called collective S: they
+lag. A lagging rank that is itself waiting at the front of another stuck group is a victim of a
+cascade (it cannot call S because it is blocked elsewhere); the lagging ranks that wait for nobody
+are the culprits. A member with no dump is a suspect; one whose agent saw its process stopped
+(/proc state T) is the culprit, and the lagging ranks are then taken for its victims (blocked in an
+operation the recorder does not see, like gloo's send/recv). If every member reached S, the entries
+at S are compared (op, sizes, dtypes): the odd one out is a suspect.
 
 The rank that reported the timeout was waiting: it is never blamed for lagging. collective_seq_id is
 used, not op_id or record_id: it is aligned across ranks and survives the ring buffer wrapping.
+
+`analyze_flight_recorder` gives the per-rank findings (groups, suspects by rank, explanation);
+`verdict` turns them into a `blame.FlightRecorderVerdict` (suspects per node, strongest first), and
+`verdict_from_rank_dumps` does the whole path from the agents' `RankDump` answers.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from runwarden.flightrec import FlightRecorderError, FrDump, FrEntry, parse_dump
-from runwarden.v1 import agent_pb2, common_pb2, events_pb2
+from runwarden.v1 import agent_pb2, common_pb2
 
-K = common_pb2.EvidenceKind
-# Kinds that mean the node must not run work, whatever the severity field says (Xid needs FATAL).
-_ALWAYS_FATAL = {
-    K.EVIDENCE_KIND_ECC_UNCORRECTABLE,
-    K.EVIDENCE_KIND_ROW_REMAP_FAILURE,
-    K.EVIDENCE_KIND_GPU_LOST,
-}
-_HARDWARE_KINDS = _ALWAYS_FATAL | {
-    K.EVIDENCE_KIND_XID, K.EVIDENCE_KIND_RECOVERY_ACTION, K.EVIDENCE_KIND_PCIE_DEGRADED, K.EVIDENCE_KIND_NETWORK,
-}  # fmt: skip
-
-CONFIDENCE_HARDWARE = 0.95
-CONFIDENCE_HARDWARE_OTHER = 0.85  # a FATAL network / PCIe / recovery-action record
 CONFIDENCE_STOPPED = 0.95  # no dump, and its agent read its process state as stopped (SIGSTOP, T)
 CONFIDENCE_LAGGING = 0.9
 CONFIDENCE_NO_DUMP_ALONE = 0.8  # no dump, and no dumped rank lags for its own reasons
@@ -49,22 +37,6 @@ CONFIDENCE_NO_DUMP = 0.5
 CONFIDENCE_MISMATCH = 0.6
 CONFIDENCE_CIRCULAR = 0.4
 CONFIDENCE_VICTIM_OF_STOPPED = 0.3  # lagging while another rank is stopped: below fr_min_confidence
-CONFIDENCE_HEARTBEAT = 0.5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Suspect:
-    node: str  # "" when the rank -> node mapping does not know the rank
-    ranks: tuple[int, ...]
-    confidence: float
-    reason: str
-    evidence: tuple[common_pb2.Evidence, ...] = ()
-
-    def to_proto(self) -> events_pb2.Suspect:
-        return events_pb2.Suspect(
-            node=self.node, ranks=list(self.ranks), confidence=self.confidence, reason=self.reason,
-            evidence=list(self.evidence),
-        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,26 +69,6 @@ class FrFindings:
     groups: tuple[GroupLag, ...]
     suspects: Mapping[int, tuple[float, str]]  # rank -> (confidence, reason)
     explanation: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeHeartbeat:
-    node: str
-    last_step: int
-    last_advanced_at: float  # when its slowest rank's step last advanced (seconds, any clock)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Attribution:
-    suspects: tuple[Suspect, ...]  # strongest first; empty: no suspect (software or data)
-    method: str  # "hardware" | "flight_recorder" | "heartbeat" | "none"
-    explanation: str
-    flight_recorder: FrFindings | None = None
-
-    def to_proto(self) -> events_pb2.AttributionDetail:
-        return events_pb2.AttributionDetail(
-            suspects=[s.to_proto() for s in self.suspects], method=self.method, explanation=self.explanation
-        )
 
 
 # --- inputs from the agents ---------------------------------------------------------------------
@@ -346,132 +298,56 @@ def analyze_flight_recorder(
     return FrFindings(groups=tuple(groups), suspects=suspects, explanation=tuple(lines))
 
 
-# --- hardware and heartbeats --------------------------------------------------------------------
+# --- the verdict -------------------------------------------------------------------------------
 
 
-def fatal_hardware(
-    evidence: Iterable[common_pb2.Evidence], *, not_before: float | None = None
-) -> list[common_pb2.Evidence]:
-    """The pieces of evidence that blame a node's hardware (application Xids never do)."""
-    out = []
-    for ev in evidence:
-        if not ev.node or (not_before is not None and ev.observed_at < not_before):
-            continue
-        if ev.severity == common_pb2.SEVERITY_APPLICATION or ev.kind not in _HARDWARE_KINDS:
-            continue
-        if ev.kind in _ALWAYS_FATAL or ev.severity == common_pb2.SEVERITY_FATAL:
-            out.append(ev)
-    return out
-
-
-def heartbeat_suspect(
-    heartbeats: Sequence[NodeHeartbeat], *, margin_s: float
-) -> tuple[NodeHeartbeat, str] | None:
-    """The node whose progress stopped first, if it stopped at least margin_s before every other node."""
-    if len(heartbeats) < 2:
-        return None
-    first, second, *_ = sorted(heartbeats, key=lambda h: h.last_advanced_at)
-    gap = second.last_advanced_at - first.last_advanced_at
-    if gap < margin_s:
-        return None
-    median = statistics.median(h.last_step for h in heartbeats)
-    return first, (f"its progress stopped first, {gap:.1f} s before any other node's "
-                   f"(at step {first.last_step}; median step {median:g})")  # fmt: skip
-
-
-# --- putting it together ------------------------------------------------------------------------
-
-
-def _by_node(rank_to_node: Mapping[int, str], ranks: Iterable[int]) -> dict[str, list[int]]:
-    nodes: dict[str, list[int]] = defaultdict(list)
-    for r in sorted(ranks):
-        nodes[rank_to_node.get(r, "")].append(r)
-    return nodes
-
-
-def _ranks_of(rank_to_node: Mapping[int, str], node: str) -> tuple[int, ...]:
-    return tuple(sorted(r for r, n in rank_to_node.items() if n == node))
-
-
-def attribute(
+def verdict(
     *,
     rank_to_node: Mapping[int, str],
-    evidence: Iterable[common_pb2.Evidence] = (),
-    dumps: Mapping[int, FrDump] | None = None,
+    dumps: Mapping[int, FrDump],
     no_dump: Mapping[int, str] | None = None,
     stopped: Iterable[int] = (),
-    heartbeats: Sequence[NodeHeartbeat] = (),
     reported_timeout: Iterable[int] = (),
-    evidence_not_before: float | None = None,
-    heartbeat_margin_s: float = 3.0,
-) -> Attribution:
-    """Suspects strongest first. `dumps is None` means the flight recorder was not consulted."""
-    suspects: dict[str, Suspect] = {}
-    tier: dict[str, int] = {}  # 0 hardware, 1 flight recorder, 2 heartbeat: the order of the answer
-    methods: list[str] = []
-    lines: list[str] = []
-    for ev in fatal_hardware(evidence, not_before=evidence_not_before):
-        conf = (
-            CONFIDENCE_HARDWARE
-            if ev.kind in _ALWAYS_FATAL or ev.kind == K.EVIDENCE_KIND_XID
-            else CONFIDENCE_HARDWARE_OTHER
-        )
-        kind = K.Name(ev.kind).removeprefix("EVIDENCE_KIND_").lower()
-        reason = f"{kind}" + (f" {ev.xid}" if ev.HasField("xid") else "") + f": {ev.detail}"
-        old = suspects.get(ev.node)
-        if old is None:
-            suspects[ev.node] = Suspect(node=ev.node, ranks=_ranks_of(rank_to_node, ev.node), confidence=conf,
-                                        reason=reason, evidence=(ev,))  # fmt: skip
-        else:
-            suspects[ev.node] = Suspect(node=ev.node, ranks=old.ranks, confidence=max(conf, old.confidence),
-                                        reason=old.reason, evidence=(*old.evidence, ev))  # fmt: skip
-        tier[ev.node] = 0
-        lines.append(f"node {ev.node}: {reason}")
-    if suspects:
-        methods.append("hardware")
-    findings = None
-    if dumps is not None:
-        findings = analyze_flight_recorder(
-            dumps, expected_ranks=rank_to_node, no_dump=no_dump, reported_timeout=reported_timeout,
-            stopped=stopped,
-        )
-        lines.extend(findings.explanation)
-        fr_nodes = _by_node(rank_to_node, findings.suspects)
-        for node, ranks in sorted(
-            fr_nodes.items(), key=lambda kv: -max(findings.suspects[r][0] for r in kv[1])
-        ):
-            conf = max(findings.suspects[r][0] for r in ranks)
-            reason = "; ".join(f"rank {r} {findings.suspects[r][1]}" for r in ranks)
-            ev = common_pb2.Evidence(node=node, kind=K.EVIDENCE_KIND_FLIGHT_RECORDER,
-                                     severity=common_pb2.SEVERITY_WARNING, detail=reason[:1000])  # fmt: skip
-            old = suspects.get(node)
-            if old is None:
-                suspects[node] = Suspect(
-                    node=node, ranks=tuple(ranks), confidence=conf, reason=reason, evidence=(ev,)
-                )
-                tier[node] = 1
-            else:  # the flight recorder agrees with the hardware evidence: keep the stronger reason first
-                suspects[node] = Suspect(node=node, ranks=old.ranks, confidence=old.confidence,
-                                         reason=f"{old.reason}; {reason}", evidence=(*old.evidence, ev))  # fmt: skip
-        if fr_nodes and not methods:
-            methods.append("flight_recorder")
+) -> FlightRecorderVerdict:
+    """The flight recorder's answer for one hang: suspects per node, strongest first.
+
+    Every rank of `rank_to_node` is expected: one without a dump is "no dump". A suspect whose rank
+    the mapping does not know has node "". Each suspect carries one FLIGHT_RECORDER evidence record
+    with its reasons; the explanation is the analysis in lines (one per stuck group or mismatch).
+    """
+    findings = analyze_flight_recorder(dumps, expected_ranks=rank_to_node, no_dump=no_dump,
+                                       reported_timeout=reported_timeout, stopped=stopped)  # fmt: skip
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for r in sorted(findings.suspects):
+        by_node[rank_to_node.get(r, "")].append(r)
+    suspects = []
+    for node, ranks in by_node.items():
+        reason = "; ".join(f"rank {r} {findings.suspects[r][1]}" for r in ranks)
+        ev = common_pb2.Evidence(node=node, kind=common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER,
+                                 severity=common_pb2.SEVERITY_WARNING, detail=reason[:1000])  # fmt: skip
+        suspects.append(Suspect(node=node, ranks=tuple(ranks), confidence=max(findings.suspects[r][0] for r in ranks),
+                                reason=reason, evidence=(ev,)))  # fmt: skip
+    suspects.sort(key=lambda s: -s.confidence)  # stable: ties stay in rank order
+    lines = list(findings.explanation)
     if not suspects:
-        found = heartbeat_suspect(heartbeats, margin_s=heartbeat_margin_s)
-        if found:
-            hb, reason = found
-            ev = common_pb2.Evidence(node=hb.node, kind=K.EVIDENCE_KIND_HEARTBEAT,
-                                     severity=common_pb2.SEVERITY_WARNING, detail=reason)  # fmt: skip
-            suspects[hb.node] = Suspect(node=hb.node, ranks=_ranks_of(rank_to_node, hb.node),
-                                        confidence=CONFIDENCE_HEARTBEAT, reason=reason, evidence=(ev,))  # fmt: skip
-            tier[hb.node] = 2
-            methods.append("heartbeat")
-            lines.append(f"node {hb.node}: {reason}")
-    if not suspects:
-        lines.append("no hardware evidence, no flight-recorder culprit, no node stopped first: "
-                     "a software or data problem")  # fmt: skip
-    return Attribution(
-        suspects=tuple(sorted(suspects.values(), key=lambda s: (tier[s.node], -s.confidence))),
-        method=methods[0] if methods else "none",
-        explanation="\n".join(lines),
-        flight_recorder=findings,
-    )
+        lines.append("flight recorder: no suspect (no rank lags, no rank other than a timeout reporter "
+                     "is missing its dump, no collective differs across ranks)")  # fmt: skip
+    return FlightRecorderVerdict(suspects=tuple(suspects), explanation="\n".join(lines))
+
+
+def verdict_from_rank_dumps(
+    rank_dumps: Iterable[agent_pb2.RankDump],
+    rank_to_node: Mapping[int, str],
+    *,
+    reported_timeout: Iterable[int] = (),
+    max_bytes: int | None = None,
+) -> FlightRecorderVerdict:
+    """The agents' `RankDump` answers -> the verdict (parse, note the stopped ranks, analyse).
+
+    `rank_to_node` should name every rank of the attempt, including those of a node whose agent did
+    not answer (give them a `RankDump(ok=False)` too, or they count as "no dump collected").
+    """
+    rank_dumps = tuple(rank_dumps)
+    dumps, no_dump = dumps_from_rank_dumps(rank_dumps, max_bytes=max_bytes)
+    return verdict(rank_to_node=rank_to_node, dumps=dumps, no_dump=no_dump, stopped=stopped_ranks(rank_dumps),
+                   reported_timeout=reported_timeout)  # fmt: skip

@@ -1,8 +1,10 @@
-"""controller.supervisor.flight_recorder on hand-made dumps: the rule, cascades, cycles, mismatches, and the evidence order."""
+"""controller.supervisor.flight_recorder on hand-made dumps: the rule, cascades, cycles, mismatches, and the verdict.
+
+Where the verdict ranks against hardware evidence and heartbeats: tests/supervisor/test_blame.py."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
 
 import pytest
 
@@ -14,57 +16,16 @@ from controller.supervisor.flight_recorder import (
     CONFIDENCE_NO_DUMP_ALONE,
     CONFIDENCE_STOPPED,
     CONFIDENCE_VICTIM_OF_STOPPED,
-    NodeHeartbeat,
     analyze_flight_recorder,
-    attribute,
     dumps_from_rank_dumps,
     stopped_ranks,
+    verdict,
+    verdict_from_rank_dumps,
 )
 from controller.supervisor.policy import SupervisorConfig
-from runwarden.flightrec import FrDump, dump_from_object
+from runwarden.flightrec import dump_from_object
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2
-
-Op = tuple[str, int] | tuple[str, int, dict[str, object]]  # (group name, collective_seq_id[, overrides])
-
-
-def make_dump(
-    rank: int, ops: Sequence[Op], groups: dict[str, tuple[str, list[int]]], *, first_record: int = 0
-) -> FrDump:
-    """A dump as torch writes it (JSON shape), through the real parser."""
-    entries = []
-    for i, op in enumerate(ops):
-        name, seq = op[0], op[1]
-        extra = op[2] if len(op) == 3 else {}
-        entries.append(
-            {
-                "record_id": first_record + i,
-                "pg_id": 0,
-                "process_group": [name, groups[name][0]],
-                "collective_seq_id": seq,
-                "p2p_seq_id": 0,
-                "op_id": first_record + i,
-                "is_p2p": False,
-                "profiling_name": "gloo:all_reduce",
-                "input_sizes": [[8]],
-                "input_dtypes": ["Float"],
-                "state": "scheduled",
-                "retired": True,
-                **extra,
-            }
-        )
-    pg_config = {
-        name: {"name": name, "desc": desc, "ranks": str(ranks)}
-        for name, (desc, ranks) in groups.items()
-        if rank in ranks
-    }
-    return dump_from_object(
-        {"version": "2.10", "pg_config": pg_config, "entries": entries}, fmt="json", rank=rank
-    )
-
-
-def default_only(world: int, last: dict[int, int]) -> dict[int, FrDump]:
-    groups = {"0": ("default_pg", list(range(world)))}
-    return {r: make_dump(r, [("0", s) for s in range(1, n + 1)], groups) for r, n in last.items()}
+from tests.flightrec.handmade import default_only, make_dump
 
 
 @pytest.mark.parametrize("culprit", [0, 1, 3])
@@ -155,8 +116,9 @@ def test_a_stopped_rank_outranks_ranks_that_lag_behind_it() -> None:
     assert findings.suspects[0][0] == CONFIDENCE_STOPPED and "process is stopped" in findings.suspects[0][1]
     assert findings.suspects[1][0] == findings.suspects[3][0] == CONFIDENCE_VICTIM_OF_STOPPED
     assert "blocked by stopped rank(s) [0]" in findings.suspects[1][1]
-    result = attribute(rank_to_node={0: "a", 1: "b", 2: "c", 3: "d"}, dumps=dumps, no_dump=no_dump, stopped=[0])
-    assert result.suspects[0].node == "a"
+    result = verdict(rank_to_node={0: "a", 1: "b", 2: "c", 3: "d"}, dumps=dumps, no_dump=no_dump, stopped=[0])
+    assert result.suspects[0].node == "a" and result.suspects[0].confidence == CONFIDENCE_STOPPED
+    assert [s.node for s in result.suspects] == ["a", "b", "d"]
     assert all(s.confidence < SupervisorConfig().fr_min_confidence for s in result.suspects if s.node != "a")
     # without the process state the old reading stands: the laggers lead
     plain = analyze_flight_recorder(dumps, no_dump=no_dump)
@@ -227,79 +189,53 @@ def test_mismatched_collective_at_the_same_seq(world: int, odd: int, expected: s
     assert "differs across ranks" in findings.explanation[0]
 
 
-def _evidence(node: str, kind: int, severity: int, **kw: object) -> common_pb2.Evidence:
-    return common_pb2.Evidence(node=node, kind=kind, severity=severity, detail="d", observed_at=100.0, **kw)  # type: ignore[arg-type]
-
-
-K = common_pb2.EvidenceKind
 NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
 
 
-def test_hardware_evidence_comes_first_and_the_flight_recorder_follows() -> None:
-    dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})
-    xid = _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_FATAL, xid=79)
-    result = attribute(rank_to_node=NODES, evidence=[xid], dumps=dumps)
-    assert result.method == "hardware"
-    assert [s.node for s in result.suspects] == ["a", "b"]
-    assert result.suspects[0].ranks == (0, 1) and "xid 79" in result.suspects[0].reason
-    assert result.suspects[1].ranks == (3,)
-    proto = result.to_proto()
-    assert isinstance(proto, events_pb2.AttributionDetail)
-    assert proto.suspects[1].evidence[0].kind == K.EVIDENCE_KIND_FLIGHT_RECORDER
-    assert events_pb2.AttributionDetail.FromString(proto.SerializeToString()) == proto
+def test_the_verdict_groups_suspects_by_node_strongest_first_with_flight_recorder_evidence() -> None:
+    dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})  # rank 3 (node b) lags; rank 4 (node c) gave no dump
+    result = verdict(rank_to_node={**NODES, 4: "c"}, dumps=dumps, no_dump={4: "no dump: agent down"})
+    assert [(s.node, s.ranks, s.confidence) for s in result.suspects] == [
+        ("b", (3,), CONFIDENCE_LAGGING), ("c", (4,), CONFIDENCE_NO_DUMP)]
+    top = result.suspects[0]
+    assert top.reason.startswith("rank 3 never called collective #5") and "(its last there: #4)" in top.reason
+    (ev,) = top.evidence
+    assert ev.node == "b" and ev.kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
+    assert ev.severity == common_pb2.SEVERITY_WARNING and ev.detail == top.reason
+    assert result.explanation.splitlines() == [
+        "group 0 (default_pg, ranks [0, 1, 2, 3]): ranks [0, 1, 2] wait in collective #5 gloo:all_reduce sizes [[8]] "
+        "dtypes [Float]; lagging ['3@#4']; no dump []"]
+    proto = top.to_proto()
+    assert isinstance(proto, events_pb2.Suspect) and proto.evidence[0].kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
+    assert events_pb2.Suspect.FromString(proto.SerializeToString()) == proto
 
 
-def test_application_and_non_fatal_evidence_and_old_evidence_blame_nobody() -> None:
-    evidence = [
-        _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_APPLICATION, xid=13),
-        _evidence("a", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_WARNING, xid=63),
-        _evidence("b", K.EVIDENCE_KIND_THROTTLE, common_pb2.SEVERITY_FATAL),
-        _evidence("b", K.EVIDENCE_KIND_GPU_LOST, common_pb2.SEVERITY_FATAL),  # too old, below
-    ]
-    result = attribute(rank_to_node=NODES, evidence=evidence, evidence_not_before=200.0)
-    assert result.method == "none" and result.suspects == ()
-    assert "software or data" in result.explanation
+def test_two_ranks_of_one_node_make_one_suspect_at_the_stronger_confidence() -> None:
+    dumps = default_only(4, {0: 5, 1: 5})
+    result = verdict(rank_to_node=NODES, dumps=dumps, no_dump={2: "lost", 3: "lost"})
+    (suspect,) = result.suspects
+    assert suspect.node == "b" and suspect.ranks == (2, 3) and suspect.confidence == CONFIDENCE_NO_DUMP_ALONE
+    assert suspect.reason == "rank 2 gave no dump (lost); rank 3 gave no dump (lost)"
 
 
-def test_ecc_is_fatal_whatever_its_severity_says() -> None:
-    ev = _evidence("b", K.EVIDENCE_KIND_ECC_UNCORRECTABLE, common_pb2.SEVERITY_WARNING)
-    result = attribute(rank_to_node=NODES, evidence=[ev])
-    assert (
-        result.method == "hardware" and result.suspects[0].node == "b" and result.suspects[0].ranks == (2, 3)
-    )
+def test_a_rank_the_mapping_does_not_know_is_a_suspect_without_a_node() -> None:
+    dumps = default_only(3, {0: 5, 1: 5, 2: 4})
+    result = verdict(rank_to_node={0: "a", 1: "a"}, dumps=dumps)
+    assert [(s.node, s.ranks) for s in result.suspects] == [("", (2,))]
 
 
-def test_flight_recorder_and_hardware_on_the_same_node_merge() -> None:
-    dumps = default_only(4, {0: 5, 1: 5, 2: 4, 3: 5})
-    ev = _evidence("b", K.EVIDENCE_KIND_ROW_REMAP_FAILURE, common_pb2.SEVERITY_FATAL)
-    (suspect,) = attribute(rank_to_node=NODES, evidence=[ev], dumps=dumps).suspects
-    assert suspect.node == "b" and len(suspect.evidence) == 2 and "never called" in suspect.reason
-
-
-def test_heartbeats_only_when_nothing_stronger() -> None:
-    beats = [
-        NodeHeartbeat(node="a", last_step=100, last_advanced_at=50.0),
-        NodeHeartbeat(node="b", last_step=97, last_advanced_at=40.0),
-        NodeHeartbeat(node="c", last_step=100, last_advanced_at=50.5),
-    ]
-    result = attribute(rank_to_node=NODES, heartbeats=beats)
-    assert result.method == "heartbeat" and [s.node for s in result.suspects] == ["b"]
-    assert "10.0 s before" in result.suspects[0].reason
-    close = [
-        NodeHeartbeat(node="a", last_step=1, last_advanced_at=50.0),
-        NodeHeartbeat(node="b", last_step=1, last_advanced_at=49.0),
-    ]
-    assert attribute(rank_to_node=NODES, heartbeats=close).method == "none"
-    dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})
-    assert attribute(rank_to_node=NODES, heartbeats=beats, dumps=dumps).method == "flight_recorder"
+def test_no_hang_gives_an_empty_verdict_that_says_so() -> None:
+    result = verdict(rank_to_node={0: "a", 1: "b"}, dumps=default_only(2, {0: 5, 1: 5}))
+    assert result.suspects == ()
+    assert result.explanation.startswith("flight recorder: no suspect")
 
 
 def test_the_rank_that_reported_the_timeout_is_never_blamed() -> None:
     dumps = default_only(3, {0: 5, 1: 5, 2: 4})
-    result = attribute(
+    result = verdict(
         rank_to_node={0: "a", 1: "a", 2: "b"}, dumps=dumps, no_dump={}, reported_timeout=[0, 1]
     )
-    assert [s.node for s in result.suspects] == ["b"]
+    assert [(s.node, s.ranks) for s in result.suspects] == [("b", (2,))]
     # even when its own dump is missing, the reporter was alive and waiting
     findings = analyze_flight_recorder(
         default_only(3, {1: 5, 2: 4}), no_dump={0: "lost"}, reported_timeout=[0]
@@ -308,8 +244,6 @@ def test_the_rank_that_reported_the_timeout_is_never_blamed() -> None:
 
 
 def test_rank_dumps_from_agents_become_dumps_and_no_dumps() -> None:
-    import json
-
     data = json.dumps(
         {
             "version": "2.10",
@@ -331,3 +265,22 @@ def test_rank_dumps_from_agents_become_dumps_and_no_dumps() -> None:
     dumps, no_dump = dumps_from_rank_dumps(rank_dumps)
     assert list(dumps) == [0] and dumps[0].entries[0].collective_seq_id == 1 and dumps[0].rank == 0
     assert no_dump[1] == "no dump: no answer within 2 s" and no_dump[2].startswith("unreadable dump")
+
+
+def test_the_live_shells_path_from_rank_dumps_to_the_verdict() -> None:
+    def answer(rank: int, last: int) -> agent_pb2.RankDump:
+        data = json.dumps({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+                           "entries": [{"record_id": i, "process_group": ["0", "default_pg"], "collective_seq_id": i + 1,
+                                        "profiling_name": "gloo:all_reduce"} for i in range(last)]}).encode()
+        return agent_pb2.RankDump(rank=rank, ok=True, format="json", data=data)
+
+    rank_dumps = [
+        answer(1, 4), answer(2, 5), answer(3, 4),
+        agent_pb2.RankDump(rank=0, ok=False, error="no dump: no answer within 2 s", process_state="T"),
+    ]
+    result = verdict_from_rank_dumps(iter(rank_dumps), {0: "a", 1: "b", 2: "c", 3: "d"})
+    assert [(s.node, s.confidence) for s in result.suspects] == [
+        ("a", CONFIDENCE_STOPPED), ("b", CONFIDENCE_VICTIM_OF_STOPPED), ("d", CONFIDENCE_VICTIM_OF_STOPPED)]
+    assert "process is stopped" in result.suspects[0].reason
+    # the rank that reported the timeout is passed through
+    assert verdict_from_rank_dumps(rank_dumps, {0: "a", 1: "b", 2: "c", 3: "d"}, reported_timeout=[0]).suspects[0].node == "b"

@@ -1,4 +1,4 @@
-"""Attribution on REAL flight-recorder dumps from gloo ranks that hang, cross-checked with torch's analyzer."""
+"""The flight-recorder verdict on REAL flight-recorder dumps from gloo ranks that hang, cross-checked with torch's analyzer."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from controller.ctl.attribute import EXIT_SUSPECTS, main
-from controller.supervisor.flight_recorder import analyze_flight_recorder, attribute
+from controller.supervisor.flight_recorder import analyze_flight_recorder, verdict
 from runwarden.flightrec import TORCH_DEFAULT_PREFIX, read_dump_dir
+from runwarden.v1 import common_pb2
 from tests.flightrec.conftest import SCENARIOS
 from tests.flightrec.scenarios import PICKLE_PREFIX, ScenarioRun
 
@@ -36,20 +37,20 @@ def test_collected_json_blames_the_culprit_and_never_a_rank_that_reported_the_ti
         assert run.collect_s < 2.0, f"collect took {run.collect_s:.2f} s"
     read = read_dump_dir(run.json_dir)
     no_dump = {d.rank: d.error for d in run.collected if not d.ok}
-    attribution = attribute(rank_to_node=_rank_to_node(sc.world), dumps=read.dumps, no_dump=no_dump)
+    result = verdict(rank_to_node=_rank_to_node(sc.world), dumps=read.dumps, no_dump=no_dump)
 
-    assert attribution.method == "flight_recorder"
-    top = attribution.suspects[0]
-    assert top.ranks == (sc.culprit,) or sc.culprit in top.ranks, attribution.explanation
+    assert result.suspects, result.explanation
+    top = result.suspects[0]
+    assert top.ranks == (sc.culprit,) or sc.culprit in top.ranks, result.explanation
     assert top.node == f"node{sc.culprit // 2}"
-    blamed = set(attribution.flight_recorder.suspects) if attribution.flight_recorder else set()
-    assert blamed == {sc.culprit}, attribution.explanation
+    blamed = {r for s in result.suspects for r in s.ranks}
+    assert blamed == {sc.culprit}, result.explanation
+    assert blamed == set(analyze_flight_recorder(read.dumps, expected_ranks=range(sc.world), no_dump=no_dump).suspects)
     assert not blamed & set(run.timeouts), "a rank that reported the timeout was blamed"
     assert set(run.timeouts) == set(range(sc.world)) - {sc.culprit}
     assert all("Timed out" in text for text in run.timeouts.values())
-    proto = attribution.to_proto()
-    assert proto.method == "flight_recorder" and proto.suspects[0].node == top.node
-    assert proto.explanation == attribution.explanation
+    proto = top.to_proto()
+    assert proto.node == top.node and proto.evidence[0].kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
 
 
 def test_sigstopped_rank_gives_no_dump_through_the_worker_server_and_is_the_suspect(
