@@ -30,11 +30,31 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.supervisor import types as T
+from controller.supervisor.actions import (
+    AllocateFromQueue,
+    CollectDumps,
+    Launch,
+    Page,
+    PersistNode,
+    Quarantine,
+    Release,
+    RunPreflight,
+    SetTimer,
+    StopAttempt,
+    TakeSpare,
+)
+from controller.supervisor.events import (
+    Event,
+    NodeJoined,
+    NodeLost,
+    PreflightResult,
+    ProgressObserved,
+    RankSample,
+)
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from runwarden.store import Lease, Store, StoreConfig, StoreError, WatchEvent
@@ -233,7 +253,7 @@ class ControllerSide:
         self.store = store
         self.keys = store.keys
         self.core = Supervisor(SupervisorConfig(startup_timeout_s=600.0), RunPlan(run=RUN, nodes=nodes - spares))
-        self.events: queue.Queue[Any] = queue.Queue()
+        self.events: queue.Queue[Event] = queue.Queue()
         self.lags: list[tuple[float, float]] = []  # (seen at, lag s)
         self.deleted: dict[str, float] = {}
         self.handled = 0
@@ -257,17 +277,17 @@ class ControllerSide:
             node = key[len(self.keys.nodes_prefix()):]
             if deleted:
                 self.deleted[node] = now
-                self.events.put(T.NodeLost(node=node))
+                self.events.put(NodeLost(node=node))
             else:
                 rec = store_pb2.NodeRecord.FromString(item.value)
-                self.events.put(T.NodeJoined(node=node, local_ranks=max(1, rec.local_ranks)))
+                self.events.put(NodeJoined(node=node, local_ranks=max(1, rec.local_ranks)))
             return
         if deleted:
             return
         prog = store_pb2.NodeProgress.FromString(item.value)
         self.lags.append((now, now - prog.written_at))
-        self.events.put(T.ProgressObserved(node=prog.node, attempt=prog.attempt,
-                                           ranks=tuple(T.RankSample.from_proto(r) for r in prog.ranks)))
+        self.events.put(ProgressObserved(node=prog.node, attempt=prog.attempt,
+                                           ranks=tuple(RankSample.from_proto(r) for r in prog.ranks)))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -277,17 +297,25 @@ class ControllerSide:
                 continue
             self._feed(ev)
 
-    def _feed(self, ev: Any) -> None:
+    def _feed(self, ev: Event) -> None:
         self.handled += 1
-        for act in self.core.handle(ev, time.time()):
-            if isinstance(act, T.RunPreflight):  # agents answer at once: the bench is about etcd
-                for n in act.nodes:
-                    self.events.put(T.PreflightResult(node=n, passed=True))
-            elif isinstance(act, T.Launch):
-                self.attempt_nodes = {nr.node for nr in act.nodes}
-                self.launched.set()
-            elif isinstance(act, T.AppendEvent) and act.event.kind == events_pb2.EVENT_KIND_DETECTION:
-                self.detections.append(act.event.message[:160])
+        batch = self.core.handle(ev, time.time())
+        for entry in batch.entries:  # no event log here: the detections are what the bench reports
+            if entry.kind == events_pb2.EVENT_KIND_DETECTION:
+                self.detections.append(entry.message[:160])
+        for act in batch.actions:
+            match act:
+                case RunPreflight():  # agents answer at once: the bench is about etcd
+                    for n in act.nodes:
+                        self.events.put(PreflightResult(node=n, passed=True))
+                case Launch():
+                    self.attempt_nodes = {nr.node for nr in act.nodes}
+                    self.launched.set()
+                case (StopAttempt() | CollectDumps() | Quarantine() | Release() | TakeSpare() | AllocateFromQueue()
+                      | Page() | SetTimer() | PersistNode()):
+                    pass  # not carried out: no workers, no scheduler, no timers (the bench is the watch path)
+                case _:
+                    assert_never(act)
 
     def stop(self) -> None:
         for w in self.watches:

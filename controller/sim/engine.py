@@ -3,9 +3,11 @@
 The world owns what the core cannot see: the training job's real progress, the checkpoint
 cadence, the faults (drawn once per seed and shared by every policy), the latencies with which
 each signal reaches the supervisor, and how long each action takes. The core owns every
-decision: detection, blame, quarantine, spares, preflight, backoff, relaunch. Its actions are
-executed with the scenario's latencies and its `AppendEvent`s form the event log, in the live
-controller's format, which the live goodput function (`controller.goodput.report.compute_goodput`) reads.
+decision: detection, blame, quarantine, spares, preflight, backoff, relaunch. Each `handle` call
+returns a `Batch`: its entries are appended to the event log first (in the live controller's format,
+which the live goodput function `controller.goodput.report.compute_goodput` reads), then its actions
+are executed with the scenario's latencies. `SetTimer` follows `controller.supervisor.timers.Timers`,
+the shells' one implementation; the world's heap only delivers (a replaced timer's entry is stale).
 
 What is summarised, and why it does not change the answer:
 
@@ -34,13 +36,42 @@ import random
 import signal as signal_mod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 from controller.sim.draws import Draws, Fault
 from controller.sim.scenario import Cause, Costs, Policy, Scenario
-from controller.supervisor import types as T
+from controller.supervisor.actions import (
+    Action,
+    AllocateFromQueue,
+    CollectDumps,
+    Launch,
+    Page,
+    PersistNode,
+    Quarantine,
+    Release,
+    RunPreflight,
+    SetTimer,
+    StopAttempt,
+    TakeSpare,
+)
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
+from controller.supervisor.events import (
+    AttemptExited,
+    CheckpointCommitted,
+    DumpsCollected,
+    Event,
+    EvidenceObserved,
+    NodeJoined,
+    NodeLost,
+    PreflightResult,
+    ProgressObserved,
+    RankSample,
+    StopRequested,
+    Tick,
+)
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
+from controller.supervisor.timers import Timers
 from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2
@@ -127,7 +158,7 @@ class World:
         self.culprit_cause: Cause | None = None
         self.culprit_u = 0.0
         self.tick_owed = False
-        self.timers: dict[str, float] = {}
+        self.timers = Timers()
         self.ready_at = 0.0         # spares taken: preflight cannot finish before they arrive
         self.keep_log = keep_log
 
@@ -137,10 +168,12 @@ class World:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, fn, args))
 
-    def feed(self, event: Any) -> None:
+    def feed(self, event: Event) -> None:
         self.handle_calls += 1
-        actions = self.core.handle(event, self.t0 + self.now)
-        for act in actions:
+        batch = self.core.handle(event, self.t0 + self.now)
+        for entry in batch.entries:  # the log first, then the actions (actions.py's order of obligations)
+            self.log(entry)
+        for act in batch.actions:
             self.execute(act)
 
     def log(self, ev: events_pb2.Event) -> None:
@@ -164,7 +197,7 @@ class World:
         for tp in self.draws.planned:
             self.at(tp, self._planned_stop)
         for name in self.nodes:
-            self.feed(T.NodeJoined(node=name, local_ranks=1))
+            self.feed(NodeJoined(node=name, local_ranks=1))
         while self.heap:
             t, _, fn, args = heapq.heappop(self.heap)
             if t > self.horizon:
@@ -181,52 +214,53 @@ class World:
 
     # --- actions ------------------------------------------------------------------------------
 
-    def execute(self, act: Any) -> None:
-        if isinstance(act, T.AppendEvent):
-            self.log(act.event)
-        elif isinstance(act, T.SetTimer):
-            if self.timers.get(act.key) != act.at:
-                self.timers[act.key] = act.at
-                self.at(max(act.at - self.t0, self.now), self._timer, act.key, act.at)
-        elif isinstance(act, T.RunPreflight):
-            self._preflight(act)
-        elif isinstance(act, T.Launch):
-            self._launch(act)
-        elif isinstance(act, T.StopAttempt):
-            self._stop(act)
-        elif isinstance(act, T.CollectDumps):
-            self.at(self.now + self.det.dumps_s, self._dumps, act.attempt)
-        elif isinstance(act, T.Quarantine):
-            node = self.nodes.get(act.node)
-            if node is not None and node.broken is not None and node.repaired_at <= self.now:
-                repair = self.sc.causes[node.broken].repair_hours
-                node.repaired_at = self.now + 3600.0 * (repair if repair is not None else self.costs.repair_hours)
-        elif isinstance(act, T.TakeSpare):
-            self.ready_at = max(self.ready_at, self.now + self.costs.allocate_spare_s)
-        elif isinstance(act, T.AllocateFromQueue):
-            for _ in range(act.count):
-                self.queue_serial += 1
-                name = f"q{self.queue_serial:05d}"
-                self.at(self.now + self.costs.allocate_queue_s, self._joined, name)
-        # Release, Page, PersistNode: nothing to do in the world (the core logged them).
+    def execute(self, act: Action) -> None:
+        match act:
+            case SetTimer():
+                if self.timers.set(act.key, act.at):  # a new deadline: one heap entry to deliver it
+                    self.at(max(act.at - self.t0, self.now), self._timer, act.key, act.at)
+            case RunPreflight():
+                self._preflight(act)
+            case Launch():
+                self._launch(act)
+            case StopAttempt():
+                self._stop(act)
+            case CollectDumps():
+                self.at(self.now + self.det.dumps_s, self._dumps, act.attempt)
+            case Quarantine():
+                node = self.nodes.get(act.node)
+                if node is not None and node.broken is not None and node.repaired_at <= self.now:
+                    repair = self.sc.causes[node.broken].repair_hours
+                    node.repaired_at = self.now + 3600.0 * (repair if repair is not None else self.costs.repair_hours)
+            case TakeSpare():
+                self.ready_at = max(self.ready_at, self.now + self.costs.allocate_spare_s)
+            case AllocateFromQueue():
+                for _ in range(act.count):
+                    self.queue_serial += 1
+                    name = f"q{self.queue_serial:05d}"
+                    self.at(self.now + self.costs.allocate_queue_s, self._joined, name)
+            case Release() | Page() | PersistNode():
+                pass  # nothing to do in the world (the core logged them)
+            case _:
+                assert_never(act)
 
     def _joined(self, name: str) -> None:
         node = self.nodes.setdefault(name, SimNode(name=name))
         node.alive = True
         if node.broken is not None and node.repaired_at and self.now >= node.repaired_at:
             node.broken = None  # back from repair
-        self.feed(T.NodeJoined(node=name, local_ranks=1))
+        self.feed(NodeJoined(node=name, local_ranks=1))
 
     def _timer(self, key: str, at: float) -> None:
-        if self.timers.get(key) != at:
-            return  # replaced by a later SetTimer with the same key
-        del self.timers[key]
+        if not self.timers.is_current(key, at):
+            return  # a stale heap entry: replaced by a later SetTimer with the same key
+        self.timers.pop(key)
         if self.training and not self.fault_open:
             self.tick_owed = True  # healthy: the tick is delivered late, after the next progress round
             return
-        self.feed(T.Tick())
+        self.feed(Tick())
 
-    def _preflight(self, act: T.RunPreflight) -> None:
+    def _preflight(self, act: RunPreflight) -> None:
         if act.purpose == "burn_in":
             for name in act.nodes:
                 node = self.nodes[name]
@@ -251,9 +285,9 @@ class World:
             if passed and node.broken is not None and node.repaired_at and self.now >= node.repaired_at:
                 node.broken = None  # burn-in after repair
             failed = () if passed else ("sim.broken_node",)
-            self.feed(T.PreflightResult(node=name, passed=passed, failed_checks=failed))
+            self.feed(PreflightResult(node=name, passed=passed, failed_checks=failed))
 
-    def _launch(self, act: T.Launch) -> None:
+    def _launch(self, act: Launch) -> None:
         self.attempt = act.attempt
         self.attempt_nodes = [nr.node for nr in act.nodes]
         self.resume_step = act.resume_step
@@ -294,13 +328,13 @@ class World:
         in_ckpt = self.in_save
         for rank, name in enumerate(self.attempt_nodes):
             s = step - 1 if behind and name == culprit else step
-            sample = T.RankSample(rank=rank, step=max(s, -1), step_time_s=self.step_time,
+            sample = RankSample(rank=rank, step=max(s, -1), step_time_s=self.step_time,
                                   compute_s=self.step_time * 0.8, wait_s=self.step_time * 0.2,
                                   in_checkpoint=in_ckpt, reported_at=self.t0 + self.now)
-            self.feed(T.ProgressObserved(node=name, attempt=self.attempt, ranks=(sample,)))
+            self.feed(ProgressObserved(node=name, attempt=self.attempt, ranks=(sample,)))
         if self.tick_owed:
             self.tick_owed = False
-            self.feed(T.Tick())
+            self.feed(Tick())
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -323,7 +357,7 @@ class World:
             return
         self.in_save = False
         self.train_base_step, self.train_since = step, self.now
-        self.feed(T.CheckpointCommitted(step=step, attempt=self.attempt, save_duration_s=self.pol.checkpoint_stall_s))
+        self.feed(CheckpointCommitted(step=step, attempt=self.attempt, save_duration_s=self.pol.checkpoint_stall_s))
         self._schedule_checkpoint()
 
     def _halt_training(self) -> None:
@@ -394,10 +428,10 @@ class World:
     def _evidence(self, name: str, cause: Cause, observed_at: float) -> None:
         ev = common_pb2.Evidence(node=name, kind=_EVIDENCE_KIND[cause.evidence], severity=common_pb2.SEVERITY_FATAL,
                                  detail=f"sim: {cause.name}", observed_at=observed_at, source="chaos")
-        self.feed(T.EvidenceObserved(evidence=ev))
+        self.feed(EvidenceObserved(evidence=ev))
 
     def _crashed(self, name: str, attempt: int, ended_at: float) -> None:
-        self.feed(T.AttemptExited(node=name, attempt=attempt, exit_code=1, ended_at=ended_at,
+        self.feed(AttemptExited(node=name, attempt=attempt, exit_code=1, ended_at=ended_at,
                                   detail="sim: process crashed"))
 
     def _lost(self, name: str) -> None:
@@ -406,19 +440,18 @@ class World:
             repair = self.sc.causes[node.broken].repair_hours
             node.repaired_at = self.now + 3600.0 * (repair if repair is not None else self.costs.repair_hours)
             self.at(node.repaired_at, self._joined, name)
-        self.feed(T.NodeLost(node=name))
+        self.feed(NodeLost(node=name))
 
     def _dumps(self, attempt: int) -> None:
-        suspects: tuple[T.Suspect, ...] = ()
+        suspects: tuple[Suspect, ...] = ()
         cause = self.culprit_cause
         if (self.pol.flight_recorder and self.culprit is not None and cause is not None and cause.hardware
                 and cause.symptom == "hang" and self.culprit_u < self.det.flight_recorder_accuracy):
-            suspects = (T.Suspect(node=self.culprit, confidence=0.9,
-                                  reason="never reached the collective the others wait in"),)
-        attribution = T.Attribution(suspects=suspects, method="flight_recorder" if suspects else "none")
-        self.feed(T.DumpsCollected(attempt=attempt, attribution=attribution))
+            suspects = (Suspect(node=self.culprit, confidence=0.9,
+                                reason="never reached the collective the others wait in"),)
+        self.feed(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict(suspects=suspects)))
 
-    def _stop(self, act: T.StopAttempt) -> None:
+    def _stop(self, act: StopAttempt) -> None:
         if act.planned and self.training and act.attempt == self.attempt:
             # The trainer finishes its step, saves and commits, then exits 0.
             step = self.step_now()
@@ -433,20 +466,20 @@ class World:
         self.at(self.now + self.costs.stop_s, self._exits, act, None)
 
     def _planned_commit(self, attempt: int, step: int) -> None:
-        self.feed(T.CheckpointCommitted(step=step, attempt=attempt, save_duration_s=self.pol.checkpoint_stall_s))
+        self.feed(CheckpointCommitted(step=step, attempt=attempt, save_duration_s=self.pol.checkpoint_stall_s))
 
-    def _exits(self, act: T.StopAttempt, code: int | None) -> None:
+    def _exits(self, act: StopAttempt, code: int | None) -> None:
         sig = None if code is not None else int(signal_mod.SIGTERM)
         # Reverse order: the core's "all exited?" check then stops at the first node, not the last.
         for name in reversed(act.nodes):
-            self.feed(T.AttemptExited(node=name, attempt=act.attempt, exit_code=code, signal=sig,
+            self.feed(AttemptExited(node=name, attempt=act.attempt, exit_code=code, signal=sig,
                                       ended_at=self.t0 + self.now))
 
     def _planned_stop(self) -> None:
         if not (self.training and not self.fault_open):
             return
         self.planned_stops += 1
-        self.feed(T.StopRequested(reason="planned maintenance", requested_by="sim"))
+        self.feed(StopRequested(reason="planned maintenance", requested_by="sim"))
 
 
 def simulate(scenario: Scenario, policy: Policy, draws: Draws) -> SimResult:
