@@ -80,7 +80,7 @@ def _fuzz_service(channel: grpc.Channel, service_name: str, service: Any, alive:
         alive()
 
 
-def test_every_agent_rpc_survives_random_requests(agent_factory) -> None:  # type: ignore[no-untyped-def]
+def test_every_agent_rpc_survives_random_requests(agent_factory) -> None:
     agent = agent_factory()
 
     def alive() -> None:

@@ -25,7 +25,7 @@ from preflight.result import CheckStatus
 
 def ctx(**compute: object) -> CheckContext:
     compute.setdefault("isolate", False)  # in-process unless a test asks for the child process
-    config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cpu", **compute))  # type: ignore[arg-type]
+    config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cpu", **compute))
     return CheckContext(config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=float("inf"))
 
 

@@ -32,7 +32,7 @@ def nic(root: Path, name: str, oper: str, carrier: str, physical: bool = True) -
 
 
 def run(root: Path, **kw: object) -> list[CheckResult]:
-    cfg = dataclasses.replace(PreflightConfig(), network=NetworkConfig(sysfs_root=str(root), **kw))  # type: ignore[arg-type]
+    cfg = dataclasses.replace(PreflightConfig(), network=NetworkConfig(sysfs_root=str(root), **kw))
     return list(run_preflight(cfg, "quick", only=("network",)).results)
 
 

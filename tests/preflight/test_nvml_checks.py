@@ -36,7 +36,7 @@ def pick(results: list[CheckResult], name: str, gpu: int | None = None) -> Check
 
 
 def with_inventory(**kw: object) -> PreflightConfig:
-    return dataclasses.replace(PreflightConfig(), inventory=InventoryConfig(**kw))  # type: ignore[arg-type]
+    return dataclasses.replace(PreflightConfig(), inventory=InventoryConfig(**kw))
 
 
 def test_healthy_node_passes_every_nvml_check_fake_nvml() -> None:

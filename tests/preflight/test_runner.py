@@ -26,7 +26,7 @@ def _release_hung_units() -> object:
 
 
 def spec(name: str, fn: object, timeout: float = 5.0, serial: bool = False) -> CheckSpec:
-    return CheckSpec(name=name, run=fn, timeout_s=lambda c, m: timeout,  # type: ignore[arg-type]
+    return CheckSpec(name=name, run=fn, timeout_s=lambda c, m: timeout,
                      modes=lambda c: ("quick", "full"), serial=serial)
 
 

@@ -21,7 +21,7 @@ from preflight.runner import run_preflight
 
 
 def storage(**kw: object) -> StorageConfig:
-    return StorageConfig(**kw)  # type: ignore[arg-type]
+    return StorageConfig(**kw)
 
 
 def _mount(args: list[str]) -> None:

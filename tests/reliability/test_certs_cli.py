@@ -96,7 +96,7 @@ def test_controller_roles_from_cli_certificates(live_tls: LiveController, pki: P
     assert "PRIVATE KEY" not in out.out + out.err
 
 
-def test_agent_with_cli_certificates_refuses_foreign_and_missing_client_certs(agent_factory, pki: Path,  # type: ignore[no-untyped-def]
+def test_agent_with_cli_certificates_refuses_foreign_and_missing_client_certs(agent_factory, pki: Path,
                                                                               tmp_path: Path, free_port: int) -> None:
     import grpc
 

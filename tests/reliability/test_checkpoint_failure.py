@@ -16,7 +16,7 @@ from .helpers import E, assert_log_whole, last_seq, names, since, tail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_failed_save_writes_no_marker_and_the_run_resumes_from_the_previous_commit(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_failed_save_writes_no_marker_and_the_run_resumes_from_the_previous_commit(make_cluster) -> None:
     cluster = make_cluster(active=2, spares=1, ckpt_every=5)
     assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, tail(cluster)
     time.sleep(1)

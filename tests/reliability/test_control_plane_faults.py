@@ -28,7 +28,7 @@ from .helpers import ALARMS, E, assert_log_whole, last_seq, names, since, tail, 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _start(make_cluster, **spec: object) -> LocalCluster:  # type: ignore[no-untyped-def]
+def _start(make_cluster, **spec: object) -> LocalCluster:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5, **spec)
     assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, tail(cluster)
     time.sleep(2)
@@ -39,7 +39,7 @@ def _active(cluster: LocalCluster) -> list[str]:
     return list([e for e in cluster.events() if e.kind == E.EVENT_KIND_LAUNCH][-1].launch.nodes)
 
 
-def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:
     cluster = _start(make_cluster)
     etcd = cluster.etcd
     assert etcd is not None and etcd.pid
@@ -84,7 +84,7 @@ def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:  # type: ignore
     assert_log_whole(cluster)
 
 
-def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
     # A lease TTL long enough that a restarted agent (python start-up on a loaded machine) beats it.
     cluster = _start(make_cluster, lease_ttl_s=10.0)
     victim = _active(cluster)[0]
@@ -110,7 +110,7 @@ def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
 # If the leader dies after logging LAUNCH but before its LaunchWorkers RPCs reach the agents, the
 # standby adopts attempt N from the attempt record; its adopt check then finds no worker of that
 # attempt on the agents and reports it ended, so the core relaunches under N+1 (never N twice).
-def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) -> None:
     cluster = _start(make_cluster)
     cluster.start_standby("controller-b")
     time.sleep(3)

@@ -32,12 +32,12 @@ FR_MIN = SupervisorConfig().fr_min_confidence
 
 
 def _evidence(node: str, kind: int, severity: int, **kw: object) -> common_pb2.Evidence:
-    return common_pb2.Evidence(node=node, kind=kind, severity=severity, detail="d", observed_at=100.0, **kw)  # type: ignore[arg-type]
+    return common_pb2.Evidence(node=node, kind=kind, severity=severity, detail="d", observed_at=100.0, **kw)
 
 
 def _facts(detector: int = events_pb2.DETECTOR_HANG, *, nodes: tuple[str, ...] = (), first_exit: str | None = None,
            label: str = "hang", ranks: tuple[int, ...] = ()) -> FailureFacts:
-    return FailureFacts(detector=detector, nodes=nodes, ranks=ranks, step=100, label=label,  # type: ignore[arg-type]
+    return FailureFacts(detector=detector, nodes=nodes, ranks=ranks, step=100, label=label,
                         first_exit=first_exit)
 
 

@@ -49,7 +49,7 @@ def fast(**kw: object) -> SupervisorConfig:
     base: dict[str, object] = {"backoff_base_s": 1.0, "backoff_max_s": 8.0, "dump_timeout_s": 5.0,
                                "stop_grace_s": 5.0, "stop_margin_s": 2.0, "queue_wait_s": 0.0}
     base.update(kw)
-    return SupervisorConfig(**base)  # type: ignore[arg-type]  # test knobs
+    return SupervisorConfig(**base)  # test knobs
 
 
 def crash_and_restart(d: Driver, node: str, *, step_to: int, code: int = 1,

@@ -126,7 +126,7 @@ def test_rank_sample_rejects_bad_values_with_a_clear_error(bad: dict[str, object
 
     args: dict[str, object] = {"rank": 0, "step": 1, **bad}
     with pytest.raises(ValueError, match="RankSample"):
-        RankSample(**args)  # type: ignore[arg-type]  # deliberately bad
+        RankSample(**args)  # deliberately bad
 
 
 @pytest.mark.parametrize("name", ["", "a b", "x" * 300, "n\n1"])

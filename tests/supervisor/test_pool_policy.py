@@ -11,7 +11,7 @@ from runwarden.v1 import store_pb2
 
 
 def _pool(**kw: object) -> Pool:
-    p = Pool(SupervisorConfig(**kw))  # type: ignore[arg-type]  # test knobs only
+    p = Pool(SupervisorConfig(**kw))  # test knobs only
     for n in ("a", "b", "c"):
         p.set_alive(n, True)
     return p

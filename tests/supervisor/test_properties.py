@@ -124,7 +124,7 @@ class Recorder(Driver):
     def send(self, event: Any, now: float | None = None) -> list[Any]:
         out = super().send(event, now)
         if isinstance(event, PreflightResult) and event.passed and event.mode == "quick":  # attempt, not burn-in
-            self.actions.insert(len(self.actions) - len(out), _Passed(event.node))  # type: ignore[arg-type]  # test marker
+            self.actions.insert(len(self.actions) - len(out), _Passed(event.node))  # test marker
         return out
 
 

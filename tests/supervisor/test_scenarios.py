@@ -20,6 +20,14 @@ Commands (one handler each):
   stop reason [norelaunch]          a planned stop request
   control-plane lost|restored       etcd unreachable / reachable (restored sends a snapshot)
   quarantine n3 reason | release n3 reason   operator commands
+  lose-many n1,n2,n3                leases expiring at once
+  checkpoint-failed 20 [node=n1]    a rank reported that saving step 20 failed
+  fail-launch [node=n2] [temporary=true]   the shell could not carry out the last Launch (ActionFailed)
+  fail-preflight n3 [temporary=false]      the shell could not reach n3 for its preflight (ActionFailed)
+  restart-controller                a new controller: a fresh core reconciles from the store's view
+  send-unknown                      an event with no rule (the error is the output)
+  timers | pool                     print the pending timers / every node's pool state and the run's state
+Errors (an unknown pair, a bad value) are output lines (`error: ...`), never an abort.
 """
 
 from __future__ import annotations
@@ -29,10 +37,13 @@ from pathlib import Path
 
 import pytest
 
+from controller.supervisor.actions import RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
+    ActionFailed,
     AttemptExited,
     CheckpointCommitted,
+    CheckpointFailed,
     ControlPlaneLost,
     ControlPlaneRestored,
     DumpsCollected,
@@ -45,6 +56,7 @@ from controller.supervisor.events import (
     StopRequested,
 )
 from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.states import TransitionError
 from runwarden.v1 import common_pb2
 from tests.supervisor.harness import Driver, render
 
@@ -66,9 +78,70 @@ class Runner:
         handler = getattr(self, "cmd_" + cmd.replace("-", "_"), None)
         if handler is None:
             raise ValueError(f"unknown scenario command {cmd!r}")
-        start = len(self.d.actions)
-        handler(args)
+        driver, start = self.d, len(self.d.actions)
+        try:
+            printed = handler(args)
+            if printed is not None:
+                return printed
+        except (TransitionError, ValueError) as exc:  # an error is output, not an abort
+            return [*(r for a in self.d.actions[start:] if (r := render(a)) is not None),
+                    f"error: {type(exc).__name__}: {exc}"]
+        if self.d is not driver:  # restart-controller: a new driver, all of whose output is new
+            start = 0
         return [r for a in self.d.actions[start:] if (r := render(a)) is not None]
+
+    def cmd_timers(self, args: list[str]) -> list[str]:
+        """Pending timers, relative to now."""
+        return [f"timer {k} in {at - self.d.now:g}s" for k, at in self.d.timers.items()]
+
+    def cmd_pool(self, args: list[str]) -> list[str]:
+        """Every node's pool state (and whether its lease is alive), and the run's state."""
+        sup = self.d.sup
+        rows = [f"pool {n}: {p.state.label}{'' if p.alive else ' (lost)'}"
+                + (f" failures={len(p.failure_times)}" if p.failure_times else "")
+                for n, p in sorted(sup.pool.nodes.items())]
+        return [*rows, f"state {sup.state.name} attempt={sup.attempt} step={sup.job_step}"]
+
+    def cmd_lose_many(self, args: list[str]) -> None:
+        for n in args[0].split(","):
+            self.d.send(NodeLost(node=n))
+
+    def cmd_checkpoint_failed(self, args: list[str]) -> None:
+        pos, kv = _kv(args)
+        self.d.send(CheckpointFailed(step=int(pos[0]), error=kv.get("error", "disk full"), node=kv.get("node", "")))
+
+    def cmd_fail_launch(self, args: list[str]) -> None:
+        """The shell could not carry out the last Launch (a refused CAS: permanent), optionally on one node."""
+        _, kv = _kv(args)
+        self.d.send(ActionFailed(action=self.d.launches[-1], temporary=kv.get("temporary") == "true",
+                                 reason=kv.get("reason", "attempt record CAS refused"), node=kv.get("node", "")))
+
+    def cmd_fail_preflight(self, args: list[str]) -> None:
+        """The shell could not reach a node for its preflight (UNAVAILABLE past every retry)."""
+        pos, kv = _kv(args)
+        req = next(r for r in reversed(self.d.preflight_out) if pos[0] in r.nodes)
+        self.d.preflight_out.remove(req)
+        rest = tuple(n for n in req.nodes if n != pos[0])
+        if rest:
+            self.d.preflight_out.append(RunPreflight(nodes=rest, mode=req.mode, purpose=req.purpose))
+        self.d.send(ActionFailed(action=req, node=pos[0], temporary=kv.get("temporary", "true") == "true",
+                                 reason=kv.get("reason", "UNAVAILABLE: connection refused")))
+
+    def cmd_restart_controller(self, args: list[str]) -> None:
+        """A new controller: a fresh core, fed the store's view (what the old one persisted)."""
+        old = self.d.sup
+        records = tuple(p.view() for p in old.pool.nodes.values())
+        alive = {n: 1 for n, p in old.pool.nodes.items() if p.alive}
+        self.d = Driver(cfg=old.cfg, nodes=old.plan.nodes, now=self.d.now)
+        self.d.send(Snapshot(alive=alive, records=records, attempt=old.attempt, attempt_nodes=old.current_nodes,
+                             resume_step=old.cur.resume_step, committed_steps=tuple(sorted(old.committed))))
+
+    def cmd_send_unknown(self, args: list[str]) -> None:
+        """An event the machine has no rule for (a bug in a shell): the error is the output."""
+        class Unknown:
+            pass
+
+        self.d.send(Unknown())  # deliberately not an Event
 
     def cmd_config(self, args: list[str]) -> None:
         _, kv = _kv(args)
@@ -76,7 +149,7 @@ class Runner:
         fields = SupervisorConfig.__dataclass_fields__
         typed = {k: (fields[k].type in ("bool",) and v == "true") if fields[k].type == "bool" else
                  int(v) if fields[k].type == "int" else float(v) for k, v in kv.items()}
-        self.d = Driver(cfg=SupervisorConfig(**typed), nodes=nodes)  # type: ignore[arg-type]  # typed above
+        self.d = Driver(cfg=SupervisorConfig(**typed), nodes=nodes)  # typed above
 
     def cmd_add_nodes(self, args: list[str]) -> None:
         self.d.add_nodes(int(args[0]))

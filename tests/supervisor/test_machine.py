@@ -1,0 +1,196 @@
+"""The state machine's contract: the graph is data, illegal moves raise, the core is deterministic and
+imports no I/O, and its decisions carry their reasons."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.supervisor import machine, restart
+from controller.supervisor.actions import CollectDumps, Launch
+from controller.supervisor.blame import FlightRecorderVerdict
+from controller.supervisor.events import ActionFailed, AttemptExited, DumpsCollected, NodeLost
+from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.states import IllegalTransition, RunState, TransitionError
+from runwarden.v1 import events_pb2 as E
+from tests.supervisor.harness import Driver
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "controller" / "supervisor"
+
+
+def fast(**kw: object) -> SupervisorConfig:
+    return SupervisorConfig(hang_timeout_floor_s=10.0, startup_timeout_s=60.0, **kw)  # test knobs
+
+
+def test_the_docstring_diagram_is_generated_from_the_table() -> None:
+    doc = machine.__doc__ or ""
+    assert machine.diagram() in doc, (
+        "controller/supervisor/machine.py's diagram drifted from TABLE: paste machine.diagram() into the docstring")
+
+
+def test_every_table_move_is_an_edge_and_every_state_has_a_row() -> None:
+    assert set(machine.TABLE) == set(RunState)
+    for s, row in machine.TABLE.items():
+        for rule in row.values():
+            assert all((s, t) in machine.EDGES for t in rule.to if t is not s)
+
+
+def test_an_unknown_pair_raises_naming_both_before_anything_changes() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+
+    class Bogus:
+        pass
+
+    before = (d.sup.state, d.sup.attempt, len(d.actions))
+    with pytest.raises(TransitionError, match=r"Bogus.*RUNNING"):
+        d.send(Bogus())  # deliberately not an Event
+    assert (d.sup.state, d.sup.attempt, len(d.actions)) == before
+
+
+def test_the_setter_refuses_a_move_the_table_does_not_allow() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+    with pytest.raises(IllegalTransition, match="RUNNING -> PREFLIGHT"):
+        d.sup.state = RunState.PREFLIGHT  # a running attempt is never preflighted again
+    with pytest.raises(IllegalTransition, match="RUNNING -> CRASH_LOOP"):
+        d.sup.state = RunState.CRASH_LOOP  # only a stopped attempt's decision ends the run
+    assert d.sup.state is RunState.RUNNING
+
+
+def _script() -> str:
+    """A run with every kind of failure, its batches rendered (entries and actions, in order)."""
+    d = Driver(cfg=fast(kill_stragglers_mid_run=True), nodes=3)
+    d.start(5)
+    d.steps(0, 12)
+    d.send(AttemptExited(node="n2", attempt=1, exit_code=1))
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
+    d.exit_all(code=1)
+    d.advance(5)
+    d.answer_preflight()
+    d.steps(0, 8)
+    d.send(NodeLost(node=d.running_nodes()[0]))
+    d.exit_all(code=-15)
+    d.advance(30)
+    d.answer_preflight()
+    d.steps(0, 30, compute={d.running_nodes()[1]: 3.0})
+    d.advance(60)
+    return "\n".join(repr(a) for a in d.actions)
+
+
+def test_the_same_events_give_the_same_batches_under_two_hash_seeds() -> None:
+    code = "from tests.supervisor.test_machine import _script; print(_script())"
+    outs = []
+    for seed in ("1", "31337"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.append(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                                   text=True, check=True, timeout=120).stdout)
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) > 50
+
+
+FORBIDDEN_DIRECT = {"grpc", "pyetcd", "threading", "socket", "time", "subprocess", "os", "asyncio", "random"}
+FORBIDDEN_PACKAGES = ("controller.live", "controller.api", "controller.ctl", "controller.backends",
+                      "controller.sim", "controller.goodput", "runwarden.store", "nodeagent", "preflight")
+
+
+def test_the_supervisor_package_imports_no_io() -> None:
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN_DIRECT, f"{path.name} imports {name}"
+                assert not name.startswith(FORBIDDEN_PACKAGES), f"{path.name} imports {name}"
+    # and nothing below it pulls a daemon module or a network client in
+    code = ("import sys, importlib, pkgutil, controller.supervisor as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('controller.supervisor.' + m.name)\n"
+            "print('\\n'.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.split()
+    bad = [m for m in loaded if m.split(".")[0] in ("grpc", "pyetcd") or m.startswith(FORBIDDEN_PACKAGES)]
+    assert not bad, bad
+
+
+def test_restart_decisions_carry_their_reason() -> None:
+    cfg = SupervisorConfig(restart_budget=2, crash_loop_count=3, backoff_base_s=1.0, backoff_max_s=4.0)
+    h = restart.RestartHistory()
+    kw = dict(label="exit:1", step=7, suspects_quarantined=False, attempt_ran_s=10.0)
+    d1 = restart.restart_decision(cfg, h, now=100.0, planned=False, control_plane=False, **kw)  # test kwargs
+    assert d1 == restart.Relaunch(delay=1.0, counted=True, reason="restart 1/2 after exit:1; backoff 1s")
+    restart.record(cfg, h, d1, now=100.0, **kw)  # test kwargs
+    d2 = restart.restart_decision(cfg, h, now=101.0, planned=False, control_plane=False, **kw)  # test kwargs
+    assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s"
+    restart.record(cfg, h, d2, now=101.0, **kw)  # test kwargs
+    d3 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **kw)  # test kwargs
+    assert d3 == restart.CrashLoop(reason="crash loop: the same failure (exit:1) at step 7 3 times in a row with no "
+                                   "suspect; stopped and paged")
+    other = dict(kw, step=8)
+    d4 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **other)  # test kwargs
+    assert isinstance(d4, restart.BudgetExhausted) and d4.reason == "restart budget of 2 exhausted; not relaunching"
+    assert "2 restarts within 86400s" in d4.page
+    planned = restart.restart_decision(cfg, h, now=102.0, planned=True, control_plane=False, **kw)  # test kwargs
+    assert planned == restart.Relaunch(delay=0.0, counted=False,
+                                       reason="planned stop: relaunching without consuming the restart budget")
+
+
+def test_a_launch_never_carried_out_is_relaunched_at_once_with_a_new_attempt() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    launch = d.start(3)
+    out = d.send(ActionFailed(action=launch, temporary=False, reason="attempt record CAS refused"))
+    msgs = [e.message for e in d.events(actions=out)]
+    assert any("attempt 1 was not launched" in m and "CAS refused" in m for m in msgs), msgs
+    assert d.sup.state == RunState.BACKOFF and not d.events(E.EVENT_KIND_QUARANTINE)
+    assert d.sup.status(d.now).restarts_used == 0
+    d.advance(1.0)
+    d.answer_preflight()
+    assert d.launches[-1].attempt == 2 and d.launches[-1].rendezvous_id == "demo-2"
+
+
+def test_an_append_that_failed_before_a_launch_is_the_same_reaction() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    launch = d.start(2)
+    d.send(ActionFailed(action=launch, temporary=True, reason="event log append failed: ENOSPC"))
+    assert d.sup.state == RunState.BACKOFF
+    d.advance(1.0)
+    d.answer_preflight()
+    again = d.launches[-1]
+    d.send(ActionFailed(action=again, temporary=True, reason="event log append failed: ENOSPC"))
+    assert d.timers.get("backoff") == pytest.approx(d.now + 2.0), "the backoff grows while launches keep failing"
+
+
+def test_a_node_preflight_cannot_reach_is_replaced_not_quarantined() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.add_nodes(3)
+    req = d.preflight_out.pop(0)
+    out = d.send(ActionFailed(action=req, node="n1", temporary=True, reason="UNAVAILABLE: connection refused"))
+    assert not d.events(E.EVENT_KIND_QUARANTINE) and d.sup.pool.get("n1").preflight_rejections == 0
+    assert "n1" not in d.sup.current_nodes and "n3" in d.sup.current_nodes
+    assert any("not quarantined" in e.message for e in d.events(actions=out))
+    permanent = d.preflight_out[-1]
+    d.send(ActionFailed(action=permanent, node="n3", temporary=False, reason="PERMISSION_DENIED"))
+    assert [e.quarantine.node for e in d.events(E.EVENT_KIND_QUARANTINE)] == ["n3"]
+
+
+def test_dumps_that_cannot_be_collected_stop_the_attempt_at_once() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+    d.steps(0, 5)
+    d.send(AttemptExited(node="n1", attempt=1, exit_code=1))
+    collect = d.of(CollectDumps)[-1]
+    assert d.sup.state == RunState.COLLECTING
+    d.send(ActionFailed(action=collect, temporary=True, reason="agent unreachable"))
+    assert d.sup.state == RunState.STOPPING
+
+
+def test_a_stale_action_failure_is_only_recorded() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+    old = Launch(run="demo", attempt=0, rendezvous_id="demo-0", nodes=(), resume_step=-1)
+    d.send(ActionFailed(action=old, temporary=False, reason="late"))
+    assert d.sup.state == RunState.RUNNING
