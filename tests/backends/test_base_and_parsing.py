@@ -68,7 +68,7 @@ def test_attempt_spec_rejects_bad_values(bad: dict) -> None:
 def test_attempt_spec_env_is_frozen() -> None:
     s = spec(env={"A": "1"})
     with pytest.raises(TypeError):
-        s.env["A"] = "2"  # type: ignore[index]
+        s.env["A"] = "2"
 
 
 def _conforms(slurm: SlurmBackend, kube: KubernetesBackend) -> list[Backend]:

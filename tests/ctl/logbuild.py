@@ -19,7 +19,7 @@ class LogBuilder:
 
     def _add(self, ts: float, kind: int, **detail: object) -> events_pb2.Event:
         ev = events_pb2.Event(seq=len(self.events) + 1, ts=ts, run=self.run, attempt=self.attempt, step=self.step,
-                              kind=kind, **detail)  # type: ignore[arg-type]
+                              kind=kind, **detail)
         self.events.append(ev)
         return ev
 
@@ -58,7 +58,7 @@ class LogBuilder:
         if node is None:
             detail = E.AttributionDetail(method="none")
         else:
-            evidence = common_pb2.Evidence(node=node, kind=kind, severity=severity)  # type: ignore[arg-type]
+            evidence = common_pb2.Evidence(node=node, kind=kind, severity=severity)
             detail = E.AttributionDetail(method="hardware", suspects=[E.Suspect(node=node, evidence=[evidence])])
         self._add(ts, E.EVENT_KIND_ATTRIBUTION, attribution=detail)
 

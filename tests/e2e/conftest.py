@@ -15,7 +15,7 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     made: list[LocalCluster] = []
 
     def make(**spec: object) -> LocalCluster:
-        cluster = LocalCluster(tmp_path / f"cluster{len(made)}", ClusterSpec(**spec))  # type: ignore[arg-type]
+        cluster = LocalCluster(tmp_path / f"cluster{len(made)}", ClusterSpec(**spec))
         made.append(cluster)
         return cluster.start()
 

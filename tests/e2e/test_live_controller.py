@@ -34,7 +34,7 @@ def _wait_first_step(cluster: LocalCluster, after_seq: int = 0, timeout_s: float
     return ev
 
 
-def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -> None:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
     _wait_first_step(cluster)
     time.sleep(2)
@@ -78,7 +78,7 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
     assert 'runwarden_goodput_failures{run="demo"} 1.0' in text
 
 
-def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
     _wait_first_step(cluster)  # controller-a leads this attempt
     cluster.start_standby("controller-b")

@@ -42,7 +42,7 @@ def _dump_pickle_on_request(rec: FlightRecording, work: Path, rank: int) -> None
 def _set_op_timeout(group: object, seconds: float) -> None:
     import torch
 
-    group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=seconds))  # type: ignore[attr-defined]
+    group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=seconds))
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ def test_answering_rank_gets_its_pg_config_repaired(sockets: tuple[Path, list[Fa
     (dump,) = collect_dumps({0: path}, timeout_s=2.0)
     assert dump.ok and dump.format == "json" and dump.error == ""
     parsed = parse_dump(dump.data)
-    assert parsed.group("0") is not None and parsed.group("0").ranks == (0, 1)  # type: ignore[union-attr]
+    assert parsed.group("0") is not None and parsed.group("0").ranks == (0, 1)
     assert discover_sockets(base) == {0: path}
 
 

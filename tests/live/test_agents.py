@@ -43,7 +43,7 @@ class FakeTime:
         self.now += s
 
 
-def scripted(codes: list[str], t: FakeTime, cost_s: float = 0.0):  # type: ignore[no-untyped-def]
+def scripted(codes: list[str], t: FakeTime, cost_s: float = 0.0):
     timeouts: list[float] = []
 
     def call(timeout: float) -> tuple[RpcOutcome, str | None]:
@@ -92,12 +92,12 @@ class FlakyAgent(agent_pb2_grpc.NodeAgentServicer):
         if self.calls[name] <= self.fail:
             context.abort(self.code, f"{name} refused by the test")
 
-    def RunPreflight(self, request, context):  # type: ignore[no-untyped-def]
+    def RunPreflight(self, request, context):
         self._maybe_fail("RunPreflight", context)
         yield agent_pb2.RunPreflightResponse(result=common_pb2.CheckResult(name="x", status=common_pb2.CHECK_STATUS_PASS))
         yield agent_pb2.RunPreflightResponse(summary=common_pb2.PreflightSummary(mode=request.mode, passed=True))
 
-    def StopWorkers(self, request, context):  # type: ignore[no-untyped-def]
+    def StopWorkers(self, request, context):
         self._maybe_fail("StopWorkers", context)
         return agent_pb2.StopWorkersResponse()
 
@@ -125,28 +125,28 @@ def flaky() -> Iterator[tuple[AgentClients, Callable[[int, grpc.StatusCode], Fla
         s.stop(grace=None)
 
 
-def test_preflight_unavailable_once_is_retried_and_passes(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_preflight_unavailable_once_is_retried_and_passes(flaky) -> None:
     agents, start = flaky
     servicer = start(1, grpc.StatusCode.UNAVAILABLE)
     out = agents.run_preflight("n1", agent_pb2.RunPreflightRequest(mode="quick"), timeout_s=10.0)
     assert out.ok and out.summary.passed and out.rpc.tries == 2 and servicer.calls["RunPreflight"] == 2
 
 
-def test_preflight_permission_denied_is_permanent_after_one_try(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_preflight_permission_denied_is_permanent_after_one_try(flaky) -> None:
     agents, start = flaky
     servicer = start(100, grpc.StatusCode.PERMISSION_DENIED)
     out = agents.run_preflight("n1", agent_pb2.RunPreflightRequest(mode="quick"), timeout_s=10.0)
     assert not out.ok and not out.rpc.temporary and servicer.calls["RunPreflight"] == 1
 
 
-def test_preflight_still_unavailable_at_its_deadline_is_temporary(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_preflight_still_unavailable_at_its_deadline_is_temporary(flaky) -> None:
     agents, start = flaky
     start(10_000, grpc.StatusCode.UNAVAILABLE)
     out = agents.run_preflight("n1", agent_pb2.RunPreflightRequest(mode="quick"), timeout_s=1.0)
     assert not out.ok and out.rpc.temporary and out.rpc.tries > 2
 
 
-def test_stop_of_a_node_with_nothing_running_is_a_success(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_stop_of_a_node_with_nothing_running_is_a_success(flaky) -> None:
     agents, start = flaky
     start(1, grpc.StatusCode.NOT_FOUND)
     assert agents.stop("n1", agent_pb2.StopWorkersRequest(run="r", attempt=1, grace_s=1.0), timeout_s=5.0).ok

@@ -58,7 +58,7 @@ def test_a_refused_attempt_cas_is_answered_within_one_tick_and_relaunched_past_t
             while not agent.launches and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert [r.attempt for r in agent.launches] == [8]  # attempt 1 never reached an agent
-            stored = store_pb2.AttemptRecord.FromString(store.get(store.keys.attempt(RUN)).value)  # type: ignore[union-attr]
+            stored = store_pb2.AttemptRecord.FromString(store.get(store.keys.attempt(RUN)).value)
             assert stored.attempt == 8 and list(stored.nodes) == ["n1"]
             print(f"refused CAS -> core reaction {reaction_s * 1000:.1f} ms, relaunch after "
                   f"{relaunched_at - reacted_at:.2f} s")
@@ -182,7 +182,7 @@ class Forward(grpc.GenericRpcHandler):
             return grpc.unary_stream_rpc_method_handler(stream)
 
         def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
-            return self.channel.unary_unary(method)(request, timeout=context.time_remaining())  # type: ignore[no-any-return]
+            return self.channel.unary_unary(method)(request, timeout=context.time_remaining())
         return grpc.unary_unary_rpc_method_handler(unary)
 
 

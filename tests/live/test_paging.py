@@ -20,7 +20,7 @@ class _Clock:
         return self.now
 
 
-def _wait(pred, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+def _wait(pred, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():

@@ -16,7 +16,7 @@ def agent_factory(tmp_path: Path) -> Iterator[object]:
     agents: list[AgentProc] = []
 
     def make(**kwargs: object) -> AgentProc:
-        a = AgentProc(tmp_path / f"agent{len(agents)}", **kwargs)  # type: ignore[arg-type]
+        a = AgentProc(tmp_path / f"agent{len(agents)}", **kwargs)
         agents.append(a)
         return a
 

@@ -107,7 +107,7 @@ class FakeNvml:
 def test_nvml_poller_reports_changes_only_fake_nvml():
     nv = FakeNvml()
     seen: list[common_pb2.Evidence] = []
-    poller = NvmlPoller(node="n1", nvml=nv, publish=seen.append)  # type: ignore[arg-type]
+    poller = NvmlPoller(node="n1", nvml=nv, publish=seen.append)
     nv.ecc = 2
     assert poller.poll_once() == []  # the first reading is the baseline
     nv.ecc, nv.reasons = 3, 0x8 | 0x1  # one more uncorrectable error; HW slowdown (and idle, ignored)

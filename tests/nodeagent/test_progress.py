@@ -26,7 +26,7 @@ def test_eight_ranks_at_high_rate_one_etcd_write_per_interval(etcd, store, agent
     def on_event(event: object) -> None:
         if getattr(event, "key", None) == key:
             with lock:
-                puts.append((time.monotonic(), event.mod_revision))  # type: ignore[attr-defined]
+                puts.append((time.monotonic(), event.mod_revision))
 
     start_rev = store.revision() + 1
     watch = store.watch_prefix(store.keys.progress_prefix("r1"), start_rev, on_event)

@@ -82,7 +82,7 @@ def test_chaos_bad_input_when_enabled(agent_factory):
     agent = agent_factory(flags=["--chaos"])
     for request, code, words in [
         (agent_pb2.InjectFaultRequest(), INVALID, "kind"),
-        (agent_pb2.InjectFaultRequest(kind=99), INVALID, "kind"),  # type: ignore[arg-type]
+        (agent_pb2.InjectFaultRequest(kind=99), INVALID, "kind"),
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID), INVALID, "line"),
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID, line="hello"), INVALID, "not an Xid"),
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_SLOW_RANK, value=1e9), INVALID, "value"),

@@ -39,7 +39,7 @@ def _assert_one_clear_line(err: StoreError, *words: str) -> None:
 )
 def test_malformed_endpoints(endpoints: tuple[object, ...], words: list[str]) -> None:
     with pytest.raises(StoreError) as caught:
-        StoreConfig(endpoints=endpoints)  # type: ignore[arg-type]  # deliberately wrong types too
+        StoreConfig(endpoints=endpoints)  # deliberately wrong types too
     _assert_one_clear_line(caught.value, *words)
 
 
@@ -55,13 +55,13 @@ def test_other_bad_config_values() -> None:
     for kwargs, word in cases:
         kwargs.setdefault("endpoints", ("127.0.0.1:2379",))
         with pytest.raises(StoreError) as caught:
-            StoreConfig(**kwargs)  # type: ignore[arg-type]
+            StoreConfig(**kwargs)
         _assert_one_clear_line(caught.value, word)
 
 
 def test_accepted_endpoint_forms() -> None:
     endpoints = ["http://127.0.0.1:2379", "[::1]:2380", "etcd-0.etcd.svc:2379/"]
-    config = StoreConfig(endpoints=endpoints)  # type: ignore[arg-type]  # a TOML list is accepted
+    config = StoreConfig(endpoints=endpoints)  # a TOML list is accepted
     assert [e.address for e in config.parsed_endpoints()] == [
         "127.0.0.1:2379",
         "[::1]:2380",

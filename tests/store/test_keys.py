@@ -65,7 +65,7 @@ def test_numbers_sort_lexically_in_numeric_order() -> None:
 def test_bad_names_raise_clear_value_errors(name: object, message: str) -> None:
     keys = KeySchema()
     with pytest.raises(ValueError, match="node name") as caught:
-        keys.node(name)  # type: ignore[arg-type]  # deliberately wrong types too
+        keys.node(name)  # deliberately wrong types too
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
 
@@ -74,7 +74,7 @@ def test_bad_numbers() -> None:
     keys = KeySchema()
     for bad in (-1, 10**16, True, 1.5, "3"):
         with pytest.raises(ValueError, match="checkpoint step"):
-            keys.checkpoint("r", bad)  # type: ignore[arg-type]
+            keys.checkpoint("r", bad)
 
 
 def test_names_at_the_limit_and_unicode_are_fine() -> None:
