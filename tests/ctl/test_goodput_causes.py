@@ -19,11 +19,11 @@ def _suspect(*evidence: common_pb2.Evidence) -> events_pb2.Suspect:
 
 
 def _xid(severity: int = common_pb2.SEVERITY_FATAL) -> common_pb2.Evidence:
-    return common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_XID, severity=severity)  # type: ignore[arg-type]
+    return common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_XID, severity=severity)
 
 
 def _new(method: int, *suspects: events_pb2.Suspect) -> events_pb2.AttributionDetail:
-    return events_pb2.AttributionDetail(blame_method=method, suspects=list(suspects))  # type: ignore[arg-type]
+    return events_pb2.AttributionDetail(blame_method=method, suspects=list(suspects))
 
 
 def _old(method: str, *suspects: events_pb2.Suspect) -> events_pb2.AttributionDetail:
@@ -69,7 +69,7 @@ def test_the_enum_wins_over_the_deprecated_string() -> None:
 
 
 @pytest.mark.parametrize("detail", [
-    events_pb2.AttributionDetail(blame_method=99, suspects=[_suspect(_xid())]),  # type: ignore[arg-type]
+    events_pb2.AttributionDetail(blame_method=99, suspects=[_suspect(_xid())]),
     events_pb2.AttributionDetail(method="telepathy", suspects=[_suspect(_xid())]),
     events_pb2.AttributionDetail(),
 ], ids=["unknown-enum", "unknown-string", "empty"])
@@ -98,7 +98,7 @@ def test_an_unknown_enum_in_a_log_still_gives_a_report() -> None:
     b = LogBuilder()
     b.startup(T0)
     b.detect(T0 + 60, latency_s=0)
-    b.attribute_detail(T0 + 61, events_pb2.AttributionDetail(blame_method=42))  # type: ignore[arg-type]
+    b.attribute_detail(T0 + 61, events_pb2.AttributionDetail(blame_method=42))
     b.end(T0 + 70, outcome="crash_loop")
     r = compute_goodput(b.events)
     assert r.lost_by_cause_us[UNKNOWN_METHOD] == 20 * US
