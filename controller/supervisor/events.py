@@ -15,22 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.supervisor.blame import FlightRecorderVerdict
+from runwarden.names import check_name as _check_name
 from runwarden.v1 import common_pb2
 
 if TYPE_CHECKING:
     from controller.supervisor.actions import Action
-
-
-_GOOD_NAMES: set[str] = set()  # names already validated: events are built millions of times in simulation
-
-
-def _check_name(what: str, value: str) -> None:
-    if type(value) is str and value in _GOOD_NAMES:
-        return
-    if not isinstance(value, str) or not value or len(value) > 253 or " " in value or not value.isprintable():
-        raise ValueError(f"{what}: bad name {value!r} (non-empty, no whitespace, at most 253 chars)")
-    if len(_GOOD_NAMES) < 1 << 17:
-        _GOOD_NAMES.add(value)
 
 
 def _check_finite(what: str, value: float) -> None:
