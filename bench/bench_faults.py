@@ -121,7 +121,7 @@ def report(samples: dict[str, list[dict[str, float]]], failures: dict[str, int],
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         det = sorted(r["time_to_detect"] for r in rows)
         p99 = det[min(len(det) - 1, round(0.99 * (len(det) - 1)))]
-        result["faults"][fault] = {"n": len(rows), "unrecovered": failures[fault], "median": med,  # type: ignore[index]
+        result["faults"][fault] = {"n": len(rows), "unrecovered": failures[fault], "median": med,  # type: ignore[index]  # result["faults"] is the dict made above; result is typed as dict[str, object]
                                    "detect_p99": p99, "samples": rows}
         print(f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
               + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES), flush=True)

@@ -18,11 +18,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(mode: str, config: Path) -> tuple[float, dict[str, object]]:
+def one_run(mode: str, config: Path) -> tuple[float, dict[str, Any]]:  # the report as JSON
     cmd = [sys.executable, "-m", "preflight", "run", f"--{mode}", "--json", "--config", str(config)]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
@@ -48,11 +49,11 @@ def main() -> int:
             for _ in range(args.runs):
                 wall, report = one_run(mode, config)
                 walls.append(wall)
-                inside.append(float(report["duration_s"]))  # type: ignore[arg-type]
+                inside.append(float(report["duration_s"]))
             counts = report["counts"]
-            results: list[dict[str, object]] = report["results"]  # type: ignore[assignment]
-            slowest = sorted(results, key=lambda r: -float(r["duration_s"]))[:3]  # type: ignore[arg-type]
-            slow_text = ", ".join(f"{r['name']} {float(r['duration_s']):.2f}s" for r in slowest)  # type: ignore[arg-type]
+            results: list[dict[str, Any]] = report["results"]
+            slowest = sorted(results, key=lambda r: -float(r["duration_s"]))[:3]
+            slow_text = ", ".join(f"{r['name']} {float(r['duration_s']):.2f}s" for r in slowest)
             print(f"preflight run --{mode}: wall median {statistics.median(walls):.2f} s "
                   f"(min {min(walls):.2f}, max {max(walls):.2f}, n={len(walls)}); "
                   f"runner median {statistics.median(inside):.2f} s; last counts {counts}; "

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,11 +249,11 @@ class LocalCluster:
         return read_events(self.event_log).events
 
     def wait_for_event(self, kind: int, after_seq: int, timeout_s: float,
-                       pred: object = None) -> events_pb2.Event | None:
+                       pred: Callable[[events_pb2.Event], bool] | None = None) -> events_pb2.Event | None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for ev in self.events():
-                if ev.seq > after_seq and ev.kind == kind and (pred is None or pred(ev)):  # type: ignore[operator]
+                if ev.seq > after_seq and ev.kind == kind and (pred is None or pred(ev)):
                     return ev
             time.sleep(0.2)
         return None

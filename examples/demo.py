@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.goodput.report import compute_goodput
+from controller.goodput.report import GoodputReport, compute_goodput
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.eventlog import read_events
 from runwarden.v1 import events_pb2
@@ -233,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     return rc if not left else 1
 
 
-def print_goodput(report: object) -> None:
+def print_goodput(report: GoodputReport) -> None:
     from controller.ctl.format import Painter, colour_wanted
     from controller.ctl.goodput import render_report
 
     print("\n=== goodput (computed from the event log) ===")
-    print(render_report(report.to_proto(), "cause", Painter(enabled=colour_wanted("auto", sys.stdout))))  # type: ignore[attr-defined]
+    print(render_report(report.to_proto(), "cause", Painter(enabled=colour_wanted("auto", sys.stdout))))
 
 
 if __name__ == "__main__":

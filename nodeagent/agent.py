@@ -74,7 +74,7 @@ class Agent:
 
     # --- state ---------------------------------------------------------------------------------
 
-    def node_state(self) -> int:
+    def node_state(self) -> common_pb2.NodeState.ValueType:
         if self.unhealthy:
             return common_pb2.NODE_STATE_UNHEALTHY
         if self.preflight_running.locked():
@@ -90,7 +90,7 @@ class Agent:
             address=self.advertise,
             gpu_count=self.gpu_count,
             agent_version=runwarden.__version__,
-            state=self.node_state(),  # type: ignore[arg-type]
+            state=self.node_state(),
             local_ranks=self.config.local_ranks,
         )
         if self.last_preflight is not None:

@@ -39,7 +39,7 @@ class Caller:
 def _first(ctx: Mapping[str, object], key: str) -> str:
     # grpc-stubs types the values as bytes; at run time each is a list of bytes
     values = ctx.get(key) or []
-    value = values if isinstance(values, bytes) else next(iter(values), b"")  # type: ignore[call-overload]
+    value = values if isinstance(values, bytes) else next(iter(values), b"")  # type: ignore[call-overload]  # grpc-stubs says bytes; it is a list
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else ""
 
 
