@@ -64,10 +64,21 @@ def one_agent_run(tmp: Path, etcd: EtcdServer, window_s: float) -> tuple[float, 
     try:
         time.sleep(3)
         rss, torch_in = rss_mb(agent.pid), torch_mapped(agent.pid)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RUNWARDEN_RUN": "bench", "RUNWARDEN_ATTEMPT": "1",
-               "RUNWARDEN_AGENT_SOCKET": agent.socket, "WORLD_SIZE": "8"}
-        ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(window_s + 8)],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(8)]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RUNWARDEN_RUN": "bench",
+            "RUNWARDEN_ATTEMPT": "1",
+            "RUNWARDEN_AGENT_SOCKET": agent.socket,
+            "WORLD_SIZE": "8",
+        }
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, str(window_s + 8)],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(8)
+        ]
         time.sleep(5)  # ranks imported and reporting
         c0, t0 = cpu_s(agent.pid), time.monotonic()
         time.sleep(window_s)
@@ -84,8 +95,9 @@ def report_cost_us(tmp: Path, etcd: EtcdServer, repeats: int) -> list[float]:
 
     agent = AgentProc(tmp, node="bench2", etcd=etcd.endpoint)
     try:
-        reporter = ProgressReporter(run="bench", attempt=1, rank=0, local_rank=0, world_size=1,
-                                    agent_socket=agent.socket)
+        reporter = ProgressReporter(
+            run="bench", attempt=1, rank=0, local_rank=0, world_size=1, agent_socket=agent.socket
+        )
         medians = []
         for _ in range(repeats):
             per_call = []
@@ -119,12 +131,18 @@ def main() -> int:
     rss = [r[0] for r in runs]
     cpu = [r[2] for r in runs]
     print("| metric | goal | median | runs |\n|---|---|---|---|")
-    print(f"| idle agent RSS (MB) | <= 80 | {statistics.median(rss):.1f} | {', '.join(f'{x:.1f}' for x in rss)} |")
+    print(
+        f"| idle agent RSS (MB) | <= 80 | {statistics.median(rss):.1f} | {', '.join(f'{x:.1f}' for x in rss)} |"
+    )
     print(f"| torch mapped in the agent | no | {'yes' if any(r[1] for r in runs) else 'no'} | |")
-    print(f"| agent CPU, 1 Hz interval, 8 ranks (% of a core) | <= 1 | {statistics.median(cpu):.2f} | "
-          f"{', '.join(f'{x:.2f}' for x in cpu)} |")
-    print(f"| one report() call (us) | <= 20 | {statistics.median(costs):.2f} | "
-          f"{', '.join(f'{x:.2f}' for x in costs)} |")
+    print(
+        f"| agent CPU, 1 Hz interval, 8 ranks (% of a core) | <= 1 | {statistics.median(cpu):.2f} | "
+        f"{', '.join(f'{x:.2f}' for x in cpu)} |"
+    )
+    print(
+        f"| one report() call (us) | <= 20 | {statistics.median(costs):.2f} | "
+        f"{', '.join(f'{x:.2f}' for x in costs)} |"
+    )
     return 0
 
 

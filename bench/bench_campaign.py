@@ -41,8 +41,13 @@ E = events_pb2
 RANK_FAULTS = ("crash", "hang", "node-lost", "straggler", "xid")
 INFRA_FAULTS = ("etcd-blip", "controller-kill")
 FAULT_KINDS = RANK_FAULTS + INFRA_FAULTS
-CHAOS_ARGS = {"crash": ["kill-rank"], "hang": ["stop-rank"], "node-lost": ["kill-agent"],
-              "straggler": ["slow-rank", "--seconds", "0.5"], "xid": ["xid"]}
+CHAOS_ARGS = {
+    "crash": ["kill-rank"],
+    "hang": ["stop-rank"],
+    "node-lost": ["kill-agent"],
+    "straggler": ["slow-rank", "--seconds", "0.5"],
+    "xid": ["xid"],
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +104,16 @@ def _inject(cluster: LocalCluster, fault: str, victim: str, rng: random.Random) 
     return "controller SIGKILLed, replacement started"
 
 
-def _judge_rank(cluster: LocalCluster, rnd: int, fault: str, victim: str, at: float, mark: int,
-                timeout_s: float, note: str) -> FaultResult:
+def _judge_rank(
+    cluster: LocalCluster,
+    rnd: int,
+    fault: str,
+    victim: str,
+    at: float,
+    mark: int,
+    timeout_s: float,
+    note: str,
+) -> FaultResult:
     first = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, timeout_s)
     time.sleep(1.0)
     events = cluster.events()
@@ -114,14 +127,25 @@ def _judge_rank(cluster: LocalCluster, rnd: int, fault: str, victim: str, at: fl
     launches = [e for e in window if e.kind == E.EVENT_KIND_LAUNCH]
     resumed = False
     if launches:
-        commits = [e.step for e in events if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < launches[0].seq]
+        commits = [
+            e.step for e in events if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < launches[0].seq
+        ]
         resumed = launches[0].launch.resume_step == (max(commits) if commits else -1)
     return FaultResult(
-        round=rnd, fault=fault, node=victim, detected=det is not None, attributed=blamed == victim,
-        resumed_from_commit=resumed, launches=len(launches), storm=len(launches) > 2,
-        recovered=first is not None, survived=first is not None,
-        detect_s=round(det.ts - at, 2) if det else -1.0, recover_s=round(first.ts - at, 2) if first else -1.0,
-        note=note)
+        round=rnd,
+        fault=fault,
+        node=victim,
+        detected=det is not None,
+        attributed=blamed == victim,
+        resumed_from_commit=resumed,
+        launches=len(launches),
+        storm=len(launches) > 2,
+        recovered=first is not None,
+        survived=first is not None,
+        detect_s=round(det.ts - at, 2) if det else -1.0,
+        recover_s=round(first.ts - at, 2) if first else -1.0,
+        note=note,
+    )
 
 
 def _judge_infra(cluster: LocalCluster, rnd: int, fault: str, at: float, mark: int, note: str) -> FaultResult:
@@ -129,23 +153,44 @@ def _judge_infra(cluster: LocalCluster, rnd: int, fault: str, at: float, mark: i
     deadline = time.monotonic() + 45
     commit = None
     while time.monotonic() < deadline and commit is None:
-        commit = next((e for e in cluster.events() if e.seq > mark and e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT
-                       and e.ts > at + 2.0), None)
+        commit = next(
+            (
+                e
+                for e in cluster.events()
+                if e.seq > mark and e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.ts > at + 2.0
+            ),
+            None,
+        )
         time.sleep(0.5)
     time.sleep(1.0)
     window = [e for e in cluster.events() if e.seq > mark]
-    bad = [E.EventKind.Name(e.kind) for e in window
-           if e.kind in (E.EVENT_KIND_DETECTION, E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_LAUNCH)]
+    bad = [
+        E.EventKind.Name(e.kind)
+        for e in window
+        if e.kind in (E.EVENT_KIND_DETECTION, E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_LAUNCH)
+    ]
     launches = sum(e.kind == E.EVENT_KIND_LAUNCH for e in window)
     ok = commit is not None and not bad
     return FaultResult(
-        round=rnd, fault=fault, node="", detected=True, attributed=True, resumed_from_commit=True,
-        launches=launches, storm=launches > 2, recovered=commit is not None, survived=ok, detect_s=-1.0,
-        recover_s=round(commit.ts - at, 2) if commit else -1.0, note=note + (f"; unexpected {bad}" if bad else ""))
+        round=rnd,
+        fault=fault,
+        node="",
+        detected=True,
+        attributed=True,
+        resumed_from_commit=True,
+        launches=launches,
+        storm=launches > 2,
+        recovered=commit is not None,
+        survived=ok,
+        detect_s=-1.0,
+        recover_s=round(commit.ts - at, 2) if commit else -1.0,
+        note=note + (f"; unexpected {bad}" if bad else ""),
+    )
 
 
-def run_round(rnd: int, root: Path, faults: list[str], rng: random.Random, timeout_s: float,
-              sink: Path) -> list[FaultResult]:
+def run_round(
+    rnd: int, root: Path, faults: list[str], rng: random.Random, timeout_s: float, sink: Path
+) -> list[FaultResult]:
     spec = ClusterSpec(active=2, spares=4, ckpt_every=10, policy={"kill_stragglers_mid_run": True})
     cluster = LocalCluster(root / f"round{rnd}", spec)
     results: list[FaultResult] = []
@@ -167,9 +212,12 @@ def run_round(rnd: int, root: Path, faults: list[str], rng: random.Random, timeo
             results.append(r)
             with sink.open("a") as f:
                 f.write(json.dumps(asdict(r)) + "\n")
-            print(f"round {rnd} {fault:<16} {victim or '-':<6} det={r.detected} blame={r.attributed} "
-                  f"resume={r.resumed_from_commit} launches={r.launches} ok={r.survived} "
-                  f"detect={r.detect_s}s recover={r.recover_s}s", flush=True)
+            print(
+                f"round {rnd} {fault:<16} {victim or '-':<6} det={r.detected} blame={r.attributed} "
+                f"resume={r.resumed_from_commit} launches={r.launches} ok={r.survived} "
+                f"detect={r.detect_s}s recover={r.recover_s}s",
+                flush=True,
+            )
             time.sleep(2.0)
     finally:
         cluster.stop()
@@ -193,7 +241,10 @@ def summarize(results: list[FaultResult], wall_s: float) -> dict[str, object]:
         return round(n / d, 4) if d else float("nan")
 
     return {
-        "faults": len(results), "rank_faults": len(rank), "infra_faults": len(infra), "wall_s": round(wall_s) if wall_s == wall_s else None,
+        "faults": len(results),
+        "rank_faults": len(rank),
+        "infra_faults": len(infra),
+        "wall_s": round(wall_s) if wall_s == wall_s else None,
         "detection_rate": rate(sum(r.detected for r in rank), len(rank)),
         "attribution_correct": rate(sum(r.attributed for r in rank), len(rank)),
         "resumed_from_commit": rate(sum(r.resumed_from_commit for r in relaunched), len(relaunched)),
@@ -201,8 +252,11 @@ def summarize(results: list[FaultResult], wall_s: float) -> dict[str, object]:
         "infra_survived": rate(sum(r.survived for r in infra), len(infra)),
         "restart_storms": sum(r.storm for r in results),
         "by_kind": by_kind,
-        "detect_s_median": sorted(r.detect_s for r in rank if r.detected)[len([r for r in rank if r.detected]) // 2]
-        if any(r.detected for r in rank) else None,
+        "detect_s_median": sorted(r.detect_s for r in rank if r.detected)[
+            len([r for r in rank if r.detected]) // 2
+        ]
+        if any(r.detected for r in rank)
+        else None,
     }
 
 
@@ -214,10 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for recovery per fault")
     p.add_argument("--out", type=Path, default=Path("bench/results/campaign"))
     p.add_argument("--workdir", type=Path, default=Path("/tmp/runwarden-campaign"))
-    p.add_argument("--summarize", action="store_true", help="only summarize <out>/faults.jsonl (e.g. a cut-short run)")
+    p.add_argument(
+        "--summarize", action="store_true", help="only summarize <out>/faults.jsonl (e.g. a cut-short run)"
+    )
     args = p.parse_args(argv)
     if args.summarize:
-        rows = [FaultResult(**json.loads(line)) for line in (args.out / "faults.jsonl").read_text().splitlines() if line]
+        rows = [
+            FaultResult(**json.loads(line))
+            for line in (args.out / "faults.jsonl").read_text().splitlines()
+            if line
+        ]
         summary = summarize(rows, float("nan"))
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2))
@@ -230,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: list[FaultResult] = []
     for rnd, start in enumerate(range(0, len(plan), args.per_run)):
-        results += run_round(rnd, args.workdir, plan[start:start + args.per_run], rng, args.timeout, sink)
+        results += run_round(rnd, args.workdir, plan[start : start + args.per_run], rng, args.timeout, sink)
     summary = summarize(results, time.monotonic() - t0)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -75,15 +75,23 @@ def pct(values: list[float], p: float) -> float:
 
 def progress_value(node: str, step: int) -> bytes:
     now = time.time()
-    ranks = [common_pb2.RankProgress(rank=r, local_rank=r, step=step, step_time_s=1.0, compute_s=0.8, wait_s=0.2,
-                                     reported_at=now) for r in range(RANKS_PER_NODE)]
-    return store_pb2.NodeProgress(node=node, run=RUN, attempt=1, ranks=ranks, written_at=now).SerializeToString()
+    ranks = [
+        common_pb2.RankProgress(
+            rank=r, local_rank=r, step=step, step_time_s=1.0, compute_s=0.8, wait_s=0.2, reported_at=now
+        )
+        for r in range(RANKS_PER_NODE)
+    ]
+    return store_pb2.NodeProgress(
+        node=node, run=RUN, attempt=1, ranks=ranks, written_at=now
+    ).SerializeToString()
 
 
 # --- load generator process ------------------------------------------------------------------------
 
-def _stream_refreshers(store: Store, leases: dict[str, Lease], ttl: float, dead: set[str], lost: set[str],
-                       stop: threading.Event) -> list[threading.Thread]:
+
+def _stream_refreshers(
+    store: Store, leases: dict[str, Lease], ttl: float, dead: set[str], lost: set[str], stop: threading.Event
+) -> list[threading.Thread]:
     """One persistent LeaseKeepAlive stream for all of this process's leases (what etcd's own
     clients do), over the store's connection; each lease still refreshed every TTL/3."""
     etcdrpc = store_module.etcdrpc  # the request type: runwarden.store stays the only pyetcd importer
@@ -123,8 +131,17 @@ def _stream_refreshers(store: Store, leases: dict[str, Lease], ttl: float, dead:
     return [threading.Thread(target=reader, daemon=True), threading.Thread(target=sender, daemon=True)]
 
 
-def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int, refresh_threads: int,
-            keepalive: str, inbox: Any, outbox: Any) -> None:
+def loadgen(
+    idx: int,
+    endpoint: str,
+    names: list[str],
+    ttl: float,
+    threads: int,
+    refresh_threads: int,
+    keepalive: str,
+    inbox: Any,
+    outbox: Any,
+) -> None:
     store = Store.connect(StoreConfig(endpoints=(endpoint,), timeout_s=5.0))
     keys = store.keys
     # One LeaseKeeper thread per lease (Store.keep_alive) is 2,048 threads here: on 2 shared cores
@@ -159,8 +176,10 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
     if keepalive == "stream":
         refreshers = _stream_refreshers(store, leases, ttl, dead, lost, stop_refresh)
     else:
-        refreshers = [threading.Thread(target=refresher, args=(names[i::refresh_threads],), daemon=True)
-                      for i in range(refresh_threads)]
+        refreshers = [
+            threading.Thread(target=refresher, args=(names[i::refresh_threads],), daemon=True)
+            for i in range(refresh_threads)
+        ]
     for r in refreshers:
         r.start()
     outbox.put(("ready", idx))
@@ -206,7 +225,9 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
             dead.add(name)  # its refreshes stop: the lease expires after TTL
             outbox.put(("killed", name, time.time()))
 
-    workers = [threading.Thread(target=writer, args=(names[i::threads],), daemon=True) for i in range(threads)]
+    workers = [
+        threading.Thread(target=writer, args=(names[i::threads],), daemon=True) for i in range(threads)
+    ]
     kt = threading.Thread(target=killer, daemon=True)
     for w in workers:
         w.start()
@@ -239,12 +260,24 @@ def loadgen(idx: int, endpoint: str, names: list[str], ttl: float, threads: int,
     for r in refreshers:
         r.join(timeout=ttl + 5)
     cpu = os.times()
-    outbox.put(("stats", idx, {**stats, "blast_puts": sum(counts), "leases_lost": len(lost), "leases_lost_by_window_end": lost_in_window,
-                               "cpu_s": cpu.user + cpu.system}))
+    outbox.put(
+        (
+            "stats",
+            idx,
+            {
+                **stats,
+                "blast_puts": sum(counts),
+                "leases_lost": len(lost),
+                "leases_lost_by_window_end": lost_in_window,
+                "cpu_s": cpu.user + cpu.system,
+            },
+        )
+    )
     store.close()
 
 
 # --- the controller side ---------------------------------------------------------------------------
+
 
 class ControllerSide:
     """The live shell's watch path: watch -> decode -> core event -> one loop thread -> Supervisor."""
@@ -252,7 +285,9 @@ class ControllerSide:
     def __init__(self, store: Store, nodes: int, spares: int) -> None:
         self.store = store
         self.keys = store.keys
-        self.core = Supervisor(SupervisorConfig(startup_timeout_s=600.0), RunPlan(run=RUN, nodes=nodes - spares))
+        self.core = Supervisor(
+            SupervisorConfig(startup_timeout_s=600.0), RunPlan(run=RUN, nodes=nodes - spares)
+        )
         self.events: queue.Queue[Event] = queue.Queue()
         self.lags: list[tuple[float, float]] = []  # (seen at, lag s)
         self.deleted: dict[str, float] = {}
@@ -265,8 +300,10 @@ class ControllerSide:
 
     def start(self) -> None:
         self._loop.start()
-        self.watches = [self.store.watch_prefix(self.keys.nodes_prefix(), None, self._on_watch),
-                        self.store.watch_prefix(self.keys.progress_prefix(RUN), None, self._on_watch)]
+        self.watches = [
+            self.store.watch_prefix(self.keys.nodes_prefix(), None, self._on_watch),
+            self.store.watch_prefix(self.keys.progress_prefix(RUN), None, self._on_watch),
+        ]
 
     def _on_watch(self, item: Any) -> None:
         if not isinstance(item, WatchEvent):
@@ -274,7 +311,7 @@ class ControllerSide:
         now = time.time()
         key, deleted = item.key, item.type.name == "DELETE"
         if key.startswith(self.keys.nodes_prefix()):
-            node = key[len(self.keys.nodes_prefix()):]
+            node = key[len(self.keys.nodes_prefix()) :]
             if deleted:
                 self.deleted[node] = now
                 self.events.put(NodeLost(node=node))
@@ -286,8 +323,13 @@ class ControllerSide:
             return
         prog = store_pb2.NodeProgress.FromString(item.value)
         self.lags.append((now, now - prog.written_at))
-        self.events.put(ProgressObserved(node=prog.node, attempt=prog.attempt,
-                                           ranks=tuple(RankSample.from_proto(r) for r in prog.ranks)))
+        self.events.put(
+            ProgressObserved(
+                node=prog.node,
+                attempt=prog.attempt,
+                ranks=tuple(RankSample.from_proto(r) for r in prog.ranks),
+            )
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -311,8 +353,17 @@ class ControllerSide:
                 case Launch():
                     self.attempt_nodes = {nr.node for nr in act.nodes}
                     self.launched.set()
-                case (StopAttempt() | CollectDumps() | Quarantine() | Release() | TakeSpare() | AllocateFromQueue()
-                      | Page() | SetTimer() | PersistNode()):
+                case (
+                    StopAttempt()
+                    | CollectDumps()
+                    | Quarantine()
+                    | Release()
+                    | TakeSpare()
+                    | AllocateFromQueue()
+                    | Page()
+                    | SetTimer()
+                    | PersistNode()
+                ):
                     pass  # not carried out: no workers, no scheduler, no timers (the bench is the watch path)
                 case _:
                     assert_never(act)
@@ -334,15 +385,23 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=2048)
     ap.add_argument("--procs", type=int, default=4, help="load-generator processes")
     ap.add_argument("--threads", type=int, default=16, help="writer threads per load-generator process")
-    ap.add_argument("--keepalive", choices=["stream", "store"], default="stream",
-                    help="stream: one persistent keepalive stream per process (default); store: "
-                         "Store.refresh_lease per lease from --refresh-threads threads (a stream per refresh)")
-    ap.add_argument("--refresh-threads", type=int, default=4, help="lease refresher threads per process (store mode)")
+    ap.add_argument(
+        "--keepalive",
+        choices=["stream", "store"],
+        default="stream",
+        help="stream: one persistent keepalive stream per process (default); store: "
+        "Store.refresh_lease per lease from --refresh-threads threads (a stream per refresh)",
+    )
+    ap.add_argument(
+        "--refresh-threads", type=int, default=4, help="lease refresher threads per process (store mode)"
+    )
     ap.add_argument("--ttl", type=float, default=5.0, help="node lease TTL (the agent's default is 5 s)")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured window")
     ap.add_argument("--kills", type=int, default=20, help="spare nodes whose keepalive is stopped under load")
     ap.add_argument("--blast-seconds", type=float, default=5.0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "bench_etcd_scale.json"))
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "results" / "bench_etcd_scale.json")
+    )
     args = ap.parse_args()
     if not (1 <= args.procs <= 16 and 1 <= args.threads <= 64 and 0 <= args.kills < args.nodes):
         ap.error("bad --procs/--threads/--kills")
@@ -360,9 +419,21 @@ def main() -> int:
         inboxes = [ctx.Queue() for _ in range(args.procs)]
         t_setup = time.time()
         for i in range(args.procs):
-            p = ctx.Process(target=loadgen, args=(i, etcd.endpoint, names[i::args.procs], args.ttl, args.threads, args.refresh_threads,
-                                                  args.keepalive,
-                                                  inboxes[i], outbox), daemon=True)
+            p = ctx.Process(
+                target=loadgen,
+                args=(
+                    i,
+                    etcd.endpoint,
+                    names[i :: args.procs],
+                    args.ttl,
+                    args.threads,
+                    args.refresh_threads,
+                    args.keepalive,
+                    inboxes[i],
+                    outbox,
+                ),
+                daemon=True,
+            )
             p.start()
             procs.append(p)
         for _ in range(args.procs):
@@ -372,7 +443,7 @@ def main() -> int:
         out["setup_s"] = time.time() - t_setup
         # Kill only nodes outside the running attempt (spares): the attempt keeps running, so the
         # controller's per-progress cost stays that of a live 2,048-node run while losses arrive.
-        spares = [n for n in names if n not in ctl.attempt_nodes][:args.kills]
+        spares = [n for n in names if n not in ctl.attempt_nodes][: args.kills]
         warm = 5.0
         start_at = time.time() + 2.0
         write_until = start_at + warm + args.seconds
@@ -380,8 +451,13 @@ def main() -> int:
         kill_span = args.seconds / 3
         kills = {n: kill_from + kill_span * j / max(1, len(spares)) for j, n in enumerate(spares)}
         blast_from = write_until + args.ttl + 3.0
-        plan = {"start_at": start_at, "write_until": write_until, "kills": kills,
-                "blast_from": blast_from, "blast_until": blast_from + args.blast_seconds}
+        plan = {
+            "start_at": start_at,
+            "write_until": write_until,
+            "kills": kills,
+            "blast_from": blast_from,
+            "blast_until": blast_from + args.blast_seconds,
+        }
         for q in inboxes:
             q.put(plan)
         time.sleep(max(0.0, start_at + warm - time.time()))
@@ -412,31 +488,50 @@ def main() -> int:
         raw_rate = blast / args.blast_seconds
         write_rate = puts_in_window / window
         put_ms = [x for s in stats.values() for x in s["put_ms"]]
-        out.update({
-            "window_s": window, "watched_progress_events": puts_in_window,
-            "progress_write_rate_per_s": write_rate, "target_rate_per_s": args.nodes,
-            "watch_lag_ms": {"p50": 1000 * pct(lags, 50), "p99": 1000 * pct(lags, 99), "max": 1000 * max(lags or [0])},
-            "controller_cpu_pct_of_one_core": 100 * ((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
-            / window,
-            "core_events_per_s": (handled1 - handled0) / window, "core_launched": ctl.launched.is_set(),
-            "core_state": ctl.core.state.value, "core_detections": ctl.detections[:5],
-            "unexpected_deletes": {"before_window": sum(1 for n, t in ctl.deleted.items() if n not in killed and t < w0),
-                                   "in_window": sum(1 for n, t in ctl.deleted.items() if n not in killed
-                                                    and w0 <= t <= w1),
-                                   "after_window": sum(1 for n, t in ctl.deleted.items() if n not in killed
-                                                       and t > w1)},
-            "etcd_cpu_pct_of_one_core": 100 * (e1 - e0) / window,
-            "node_loss_detect_s": {"n": len(detect), "p50": pct(detect, 50), "p99": pct(detect, 99),
-                                   "max": max(detect or [0]), "missing": missing, "goal_s": args.ttl + 1},
-            "raw_put_rate_per_s": raw_rate, "used_fraction_of_raw": write_rate / raw_rate if raw_rate else None,
-            "put_latency_ms": {"p50": pct(put_ms, 50), "p99": pct(put_ms, 99)},
-            "late_rounds": sum(s["late_rounds"] for s in stats.values()),
-            "rounds": sum(s["rounds"] for s in stats.values()),
-            "leases_lost_unexpectedly": sum(s["leases_lost"] for s in stats.values()),
-            "leases_lost_by_window_end": sum(s["leases_lost_by_window_end"] for s in stats.values()),
-            "loadgen_cpu_s": sum(s["cpu_s"] for s in stats.values()),
-            "load_after": os.getloadavg(), "cpus": os.cpu_count(),
-        })
+        out.update(
+            {
+                "window_s": window,
+                "watched_progress_events": puts_in_window,
+                "progress_write_rate_per_s": write_rate,
+                "target_rate_per_s": args.nodes,
+                "watch_lag_ms": {
+                    "p50": 1000 * pct(lags, 50),
+                    "p99": 1000 * pct(lags, 99),
+                    "max": 1000 * max(lags or [0]),
+                },
+                "controller_cpu_pct_of_one_core": 100
+                * ((ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
+                / window,
+                "core_events_per_s": (handled1 - handled0) / window,
+                "core_launched": ctl.launched.is_set(),
+                "core_state": ctl.core.state.value,
+                "core_detections": ctl.detections[:5],
+                "unexpected_deletes": {
+                    "before_window": sum(1 for n, t in ctl.deleted.items() if n not in killed and t < w0),
+                    "in_window": sum(1 for n, t in ctl.deleted.items() if n not in killed and w0 <= t <= w1),
+                    "after_window": sum(1 for n, t in ctl.deleted.items() if n not in killed and t > w1),
+                },
+                "etcd_cpu_pct_of_one_core": 100 * (e1 - e0) / window,
+                "node_loss_detect_s": {
+                    "n": len(detect),
+                    "p50": pct(detect, 50),
+                    "p99": pct(detect, 99),
+                    "max": max(detect or [0]),
+                    "missing": missing,
+                    "goal_s": args.ttl + 1,
+                },
+                "raw_put_rate_per_s": raw_rate,
+                "used_fraction_of_raw": write_rate / raw_rate if raw_rate else None,
+                "put_latency_ms": {"p50": pct(put_ms, 50), "p99": pct(put_ms, 99)},
+                "late_rounds": sum(s["late_rounds"] for s in stats.values()),
+                "rounds": sum(s["rounds"] for s in stats.values()),
+                "leases_lost_unexpectedly": sum(s["leases_lost"] for s in stats.values()),
+                "leases_lost_by_window_end": sum(s["leases_lost_by_window_end"] for s in stats.values()),
+                "loadgen_cpu_s": sum(s["cpu_s"] for s in stats.values()),
+                "load_after": os.getloadavg(),
+                "cpus": os.cpu_count(),
+            }
+        )
         ctl.stop()
         store.close()
     finally:

@@ -37,7 +37,9 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
     window = [e for e in events if inj.after_seq < e.seq <= end_seq]
     launch = next((e for e in window if e.kind == E.EVENT_KIND_LAUNCH), None)
     detect = next((e for e in window if e.kind == E.EVENT_KIND_DETECTION), None)
-    first = next((e for e in window if e.kind == E.EVENT_KIND_FIRST_STEP and launch and e.seq > launch.seq), None)
+    first = next(
+        (e for e in window if e.kind == E.EVENT_KIND_FIRST_STEP and launch and e.seq > launch.seq), None
+    )
     if launch is None or detect is None or first is None:
         return None
     before = [e for e in window if e.seq < launch.seq]
@@ -51,7 +53,10 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
         ("replace", (ev.ts if (ev := last(E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_SPARE_TAKEN)) else None)),
         ("preflight", (ev.ts if (ev := last(E.EVENT_KIND_PREFLIGHT_RESULT)) else None)),
         ("launch", launch.ts),
-        ("load", next((e.ts for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None)),
+        (
+            "load",
+            next((e.ts for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None),
+        ),
         ("first_step", first.ts),
     ]
     out: dict[str, float] = {}
@@ -86,7 +91,10 @@ def one_run(faults: list[str], rounds: int, timeout_s: float) -> list[tuple[str,
             cluster.stop()
         events = cluster.events()
     ends = [i.after_seq for i in injections[1:]] + [10**12]
-    return [(i.fault, phases(events, i, end) if i.recovered else None) for i, end in zip(injections, ends, strict=True)]
+    return [
+        (i.fault, phases(events, i, end) if i.recovered else None)
+        for i, end in zip(injections, ends, strict=True)
+    ]
 
 
 def main() -> int:
@@ -107,24 +115,38 @@ def main() -> int:
                 failures[fault] += 1
             else:
                 samples[fault].append(ph)
-        report(samples, failures, time.time() - t0, args.out)  # after every cluster: a cut-off run keeps its data
+        report(
+            samples, failures, time.time() - t0, args.out
+        )  # after every cluster: a cut-off run keeps its data
     return 0
 
 
-def report(samples: dict[str, list[dict[str, float]]], failures: dict[str, int], wall_s: float,
-           out: Path | None) -> None:
+def report(
+    samples: dict[str, list[dict[str, float]]], failures: dict[str, int], wall_s: float, out: Path | None
+) -> None:
     result: dict[str, object] = {"wall_s": wall_s, "faults": {}}
-    print(f"{'fault':<10} {'n':>3} {'detect':>7} {'p99':>6} {'1st step':>8} " + " ".join(f"{ph:>10}" for ph in PHASES))
+    print(
+        f"{'fault':<10} {'n':>3} {'detect':>7} {'p99':>6} {'1st step':>8} "
+        + " ".join(f"{ph:>10}" for ph in PHASES)
+    )
     for fault, rows in samples.items():
         if not rows:
             continue
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         det = sorted(r["time_to_detect"] for r in rows)
         p99 = det[min(len(det) - 1, round(0.99 * (len(det) - 1)))]
-        result["faults"][fault] = {"n": len(rows), "unrecovered": failures[fault], "median": med,  # type: ignore[index]  # result["faults"] is the dict made above; result is typed as dict[str, object]
-                                   "detect_p99": p99, "samples": rows}
-        print(f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
-              + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES), flush=True)
+        result["faults"][fault] = {
+            "n": len(rows),
+            "unrecovered": failures[fault],
+            "median": med,  # type: ignore[index]  # result["faults"] is the dict made above; result is typed as dict[str, object]
+            "detect_p99": p99,
+            "samples": rows,
+        }
+        print(
+            f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
+            + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES),
+            flush=True,
+        )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))

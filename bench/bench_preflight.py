@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def one_run(mode: str, config: Path) -> tuple[float, dict[str, Any]]:  # the report as JSON
     cmd = [sys.executable, "-m", "preflight", "run", f"--{mode}", "--json", "--config", str(config)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, check=False, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     wall = time.perf_counter() - started
     if proc.returncode not in (0, 1):
         raise SystemExit(f"preflight could not run (exit {proc.returncode}): {proc.stderr.strip()}")
@@ -42,8 +43,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         config = Path(tmp) / "preflight.toml"
         config.write_text(f"[storage]\ncheckpoint_path = '{tmp}'\nfree_space_floor_gb = 1.0\n")
-        print(f"host cpus={os.cpu_count()} python={sys.version.split()[0]}; config: storage at a tmp dir, "
-              "else defaults")
+        print(
+            f"host cpus={os.cpu_count()} python={sys.version.split()[0]}; config: storage at a tmp dir, "
+            "else defaults"
+        )
         for mode in args.modes:
             walls, inside = [], []
             for _ in range(args.runs):
@@ -54,10 +57,12 @@ def main() -> int:
             results: list[dict[str, Any]] = report["results"]
             slowest = sorted(results, key=lambda r: -float(r["duration_s"]))[:3]
             slow_text = ", ".join(f"{r['name']} {float(r['duration_s']):.2f}s" for r in slowest)
-            print(f"preflight run --{mode}: wall median {statistics.median(walls):.2f} s "
-                  f"(min {min(walls):.2f}, max {max(walls):.2f}, n={len(walls)}); "
-                  f"runner median {statistics.median(inside):.2f} s; last counts {counts}; "
-                  f"slowest: {slow_text}")
+            print(
+                f"preflight run --{mode}: wall median {statistics.median(walls):.2f} s "
+                f"(min {min(walls):.2f}, max {max(walls):.2f}, n={len(walls)}); "
+                f"runner median {statistics.median(inside):.2f} s; last counts {counts}; "
+                f"slowest: {slow_text}"
+            )
     return 0
 
 

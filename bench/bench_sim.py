@@ -41,8 +41,9 @@ def window(sc: Scenario, days: float) -> Scenario:
     """The same failure rates over a shorter window (counts keep their 54-day denominator)."""
     causes = tuple(dataclasses.replace(c, over_days=c.over_days or sc.run.duration_days) for c in sc.causes)
     planned = dataclasses.replace(sc.planned, over_days=sc.planned.over_days or sc.run.duration_days)
-    return dataclasses.replace(sc, causes=causes, planned=planned,
-                               run=dataclasses.replace(sc.run, duration_days=days))
+    return dataclasses.replace(
+        sc, causes=causes, planned=planned, run=dataclasses.replace(sc.run, duration_days=days)
+    )
 
 
 def counts_section(sc: Scenario, summaries: list) -> tuple[str, dict]:
@@ -52,29 +53,45 @@ def counts_section(sc: Scenario, summaries: list) -> tuple[str, dict]:
         for f in draw(sc, 10_000 + s).faults:
             drawn[sc.causes[f.cause].name] += 1
     seen = {s.policy: s.mean_counts("seen") for s in summaries}
-    lines = ["| cause | paper | drawn (mean of 200 seeds) | error | " +
-             " | ".join(f"seen by job: {s.policy}" for s in summaries) + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(summaries)]
+    lines = [
+        "| cause | paper | drawn (mean of 200 seeds) | error | "
+        + " | ".join(f"seen by job: {s.policy}" for s in summaries)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(summaries),
+    ]
     for c in sc.causes:
         mean = drawn[c.name] / n
         err = (mean - (c.count or 0)) / (c.count or 1)
-        lines.append(f"| {c.name} | {c.count:g} | {mean:.1f} | {100 * err:+.1f}% | " +
-                     " | ".join(f"{seen[s.policy].get(c.name, 0.0):.1f}" for s in summaries) + " |")
+        lines.append(
+            f"| {c.name} | {c.count:g} | {mean:.1f} | {100 * err:+.1f}% | "
+            + " | ".join(f"{seen[s.policy].get(c.name, 0.0):.1f}" for s in summaries)
+            + " |"
+        )
     total = sum(drawn.values()) / n
-    lines.append(f"| **total** | 419 | {total:.1f} | {100 * (total - 419) / 419:+.1f}% | " +
-                 " | ".join(f"{sum(seen[s.policy].values()):.1f}" for s in summaries) + " |")
+    lines.append(
+        f"| **total** | 419 | {total:.1f} | {100 * (total - 419) / 419:+.1f}% | "
+        + " | ".join(f"{sum(seen[s.policy].values()):.1f}" for s in summaries)
+        + " |"
+    )
     return "\n".join(lines), {"drawn_mean": {k: v / n for k, v in drawn.items()}, "seen": seen}
 
 
 def policy_section(sc: Scenario, summaries: list) -> str:
-    lines = ["| policy | ETTR (mean) | 95% CI | first-order model | checkpoint interval | Young/Daly | " +
-             " | ".join(LEVERS) + " |", "|---|---:|---:|---:|---:|---:|" + "---:|" * len(LEVERS)]
+    lines = [
+        "| policy | ETTR (mean) | 95% CI | first-order model | checkpoint interval | Young/Daly | "
+        + " | ".join(LEVERS)
+        + " |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(LEVERS),
+    ]
     for s in summaries:
         m, ci = s.ettr
         lev = s.lever_means()
-        lines.append(f"| {s.policy} | {100 * m:.2f}% | ±{100 * ci:.2f} | {100 * s.model_ettr:.2f}% | "
-                     f"{s.checkpoint_interval_s:g} s | {s.young_daly_s:.0f} s | " +
-                     " | ".join(f"{100 * lev.get(k, 0.0):.2f}" for k in LEVERS) + " |")
+        lines.append(
+            f"| {s.policy} | {100 * m:.2f}% | ±{100 * ci:.2f} | {100 * s.model_ettr:.2f}% | "
+            f"{s.checkpoint_interval_s:g} s | {s.young_daly_s:.0f} s | "
+            + " | ".join(f"{100 * lev.get(k, 0.0):.2f}" for k in LEVERS)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -86,8 +103,11 @@ def main() -> int:
     ap.add_argument("--sens-seeds", type=int, default=3)
     ap.add_argument("--sens-days", type=float, default=14.0)
     ap.add_argument("--skip-sensitivity", action="store_true")
-    ap.add_argument("--parts", default="speed,compare,sensitivity,levers",
-                    help="comma-separated subset of speed,compare,sensitivity,levers")
+    ap.add_argument(
+        "--parts",
+        default="speed,compare,sensitivity,levers",
+        help="comma-separated subset of speed,compare,sensitivity,levers",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_sim.json"))
     args = ap.parse_args()
     sc = load_scenario(args.scenario)
@@ -113,8 +133,9 @@ def levers_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
     """From the defaults toward 97%: one lever at a time, on the same draws."""
     short = window(sc, args.sens_days)
     base, tuned = short.policy("defaults"), short.policy("tuned")
-    ckpt = dataclasses.replace(base, checkpoint_interval_s=tuned.checkpoint_interval_s,
-                               checkpoint_stall_s=tuned.checkpoint_stall_s)
+    ckpt = dataclasses.replace(
+        base, checkpoint_interval_s=tuned.checkpoint_interval_s, checkpoint_stall_s=tuned.checkpoint_stall_s
+    )
     path = dataclasses.replace(base, costs={**base.costs, **tuned.costs})
     variants = [
         ("defaults", base),
@@ -122,20 +143,30 @@ def levers_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
         ("+ lease TTL 3 s", dataclasses.replace(base, lease_ttl_s=tuned.lease_ttl_s)),
         (f"+ checkpoint {tuned.checkpoint_interval_s:g} s / {tuned.checkpoint_stall_s:g} s stall", ckpt),
         ("+ fast restart path", path),
-        ("+ checkpoint + restart path", dataclasses.replace(path, checkpoint_interval_s=tuned.checkpoint_interval_s,
-                                                            checkpoint_stall_s=tuned.checkpoint_stall_s)),
+        (
+            "+ checkpoint + restart path",
+            dataclasses.replace(
+                path,
+                checkpoint_interval_s=tuned.checkpoint_interval_s,
+                checkpoint_stall_s=tuned.checkpoint_stall_s,
+            ),
+        ),
         ("tuned (all)", tuned),
     ]
     variants = [(label, dataclasses.replace(p, name=f"v{i}")) for i, (label, p) in enumerate(variants)]
     sseeds = list(range(1, args.sens_seeds + 1))
     rows = sweep(short, variants, sseeds, args.workers)
-    out["levers"] = [{**dataclasses.asdict(r), "model": first_order(short, p).ettr}
-                     for r, (_, p) in zip(rows, variants, strict=True)]
+    out["levers"] = [
+        {**dataclasses.asdict(r), "model": first_order(short, p).ettr}
+        for r, (_, p) in zip(rows, variants, strict=True)
+    ]
     print(f"\n### Levers from the defaults toward 97% ({args.sens_days:g}-day window, {len(sseeds)} seeds)\n")
     print("| variant | ETTR | 95% CI | gain vs defaults (paired) | model |\n|---|---:|---:|---:|---:|")
     for r in out["levers"]:
-        print(f"| {r['label']} | {100 * r['ettr']:.2f}% | ±{100 * r['ci']:.2f} | "
-              f"{100 * r['delta']:+.2f} ±{100 * r['delta_ci']:.2f} | {100 * r['model']:.2f}% |")
+        print(
+            f"| {r['label']} | {100 * r['ettr']:.2f}% | ±{100 * r['ci']:.2f} | "
+            f"{100 * r['delta']:+.2f} ±{100 * r['delta_ci']:.2f} | {100 * r['model']:.2f}% |"
+        )
     print(flush=True)
 
 
@@ -143,10 +174,18 @@ def speed_section(sc: Scenario, out: dict) -> None:
     t = time.perf_counter()
     res = simulate(sc, sc.policy("defaults"), draw(sc, 1))
     speed = time.perf_counter() - t
-    out["speed"] = {"wall_s": speed, "handle_calls": res.handle_calls, "events": len(res.events),
-                    "us_per_call": 1e6 * speed / res.handle_calls, "load": os.getloadavg()}
-    print(f"speed: 54-day 2,048-node defaults run in {speed:.1f}s wall, {res.handle_calls} core calls, "
-          f"{len(res.events)} events (load {os.getloadavg()[0]:.1f})", flush=True)
+    out["speed"] = {
+        "wall_s": speed,
+        "handle_calls": res.handle_calls,
+        "events": len(res.events),
+        "us_per_call": 1e6 * speed / res.handle_calls,
+        "load": os.getloadavg(),
+    }
+    print(
+        f"speed: 54-day 2,048-node defaults run in {speed:.1f}s wall, {res.handle_calls} core calls, "
+        f"{len(res.events)} events (load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
 
 
 def compare_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
@@ -158,10 +197,19 @@ def compare_section(sc: Scenario, args: argparse.Namespace, out: dict) -> None:
     for s in summaries:
         for note in s.notes:
             print(f"\nnote ({s.policy}): {note}")
-    out["policies"] = {s.policy: {"ettr": s.ettr[0], "ci95": s.ettr[1], "model": s.model_ettr,
-                                  "by_seed": [o.ettr for o in s.outcomes], "levers": s.lever_means(),
-                                  "model_levers": s.model_by_lever, "young_daly_s": s.young_daly_s,
-                                  "wall_s": [o.wall_s for o in s.outcomes]} for s in summaries}
+    out["policies"] = {
+        s.policy: {
+            "ettr": s.ettr[0],
+            "ci95": s.ettr[1],
+            "model": s.model_ettr,
+            "by_seed": [o.ettr for o in s.outcomes],
+            "levers": s.lever_means(),
+            "model_levers": s.model_by_lever,
+            "young_daly_s": s.young_daly_s,
+            "wall_s": [o.wall_s for o in s.outcomes],
+        }
+        for s in summaries
+    }
     text, counts = counts_section(sc, summaries)
     print("\n### Interruptions by cause\n\n" + text, flush=True)
     out["counts"] = counts
@@ -176,26 +224,37 @@ def sensitivity_section(sc: Scenario, args: argparse.Namespace, out: dict) -> No
     no_evidence = dataclasses.replace(base, name="defaults-no-evidence", use_evidence=False)
     sens = {
         "checkpoint_interval_s": sweep(short, interval_variants(base, intervals), sseeds, args.workers),
-        "spare_fraction": sweep(short, spare_variants(base, [0.0, 0.0025, 0.005, 0.01, 0.02, 0.05]),
-                                sseeds, args.workers),
-        "hang_timeout_s (evidence off)": sweep(short, hang_variants(no_evidence, [18, 60, 180, 600]),
-                                               sseeds, args.workers),
+        "spare_fraction": sweep(
+            short, spare_variants(base, [0.0, 0.0025, 0.005, 0.01, 0.02, 0.05]), sseeds, args.workers
+        ),
+        "hang_timeout_s (evidence off)": sweep(
+            short, hang_variants(no_evidence, [18, 60, 180, 600]), sseeds, args.workers
+        ),
     }
     out["sensitivity"] = {k: [dataclasses.asdict(r) for r in rows] for k, rows in sens.items()}
-    print(f"\n### Sensitivity (defaults; {args.sens_days:g}-day window at the same rates, "
-          f"{len(sseeds)} seeds, shared draws)\n")
-    print(f"Young/Daly for the defaults' {base.checkpoint_interval_s:g} s interval and "
-          f"{base.checkpoint_stall_s:g} s stall: sqrt(2 x {mtbf:.0f} s x {base.checkpoint_stall_s:g} s) = "
-          f"{young_daly_interval_s(mtbf, base.checkpoint_stall_s):.0f} s\n")
+    print(
+        f"\n### Sensitivity (defaults; {args.sens_days:g}-day window at the same rates, "
+        f"{len(sseeds)} seeds, shared draws)\n"
+    )
+    print(
+        f"Young/Daly for the defaults' {base.checkpoint_interval_s:g} s interval and "
+        f"{base.checkpoint_stall_s:g} s stall: sqrt(2 x {mtbf:.0f} s x {base.checkpoint_stall_s:g} s) = "
+        f"{young_daly_interval_s(mtbf, base.checkpoint_stall_s):.0f} s\n"
+    )
     for name, rows in sens.items():
         print(f"| {name} | " + " | ".join(r.label for r in rows) + " |")
         print("|---|" + "---:|" * len(rows))
         print("| ETTR | " + " | ".join(f"{100 * r.ettr:.2f}%" for r in rows) + " |")
-        print(f"| vs {rows[0].label} (paired, 95% CI) | " +
-              " | ".join(f"{100 * r.delta:+.2f} ±{100 * r.delta_ci:.2f}" for r in rows) + " |")
+        print(
+            f"| vs {rows[0].label} (paired, 95% CI) | "
+            + " | ".join(f"{100 * r.delta:+.2f} ±{100 * r.delta_ci:.2f}" for r in rows)
+            + " |"
+        )
         if name == "checkpoint_interval_s":
-            model = [first_order(short, dataclasses.replace(base, checkpoint_interval_s=float(i))).ettr
-                     for i in intervals]
+            model = [
+                first_order(short, dataclasses.replace(base, checkpoint_interval_s=float(i))).ettr
+                for i in intervals
+            ]
             print("| model | " + " | ".join(f"{100 * m:.2f}%" for m in model) + " |")
         print()
 

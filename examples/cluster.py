@@ -30,9 +30,19 @@ BIN = Path(sys.executable).parent
 
 def _bin(name: str) -> list[str]:
     exe = BIN / name
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", {"nodeagent": "nodeagent.cli",
-                                                                     "controller": "controller.live.main",
-                                                                     "controllerctl": "controller.ctl.main"}[name]]
+    return (
+        [str(exe)]
+        if exe.exists()
+        else [
+            sys.executable,
+            "-m",
+            {
+                "nodeagent": "nodeagent.cli",
+                "controller": "controller.live.main",
+                "controllerctl": "controller.ctl.main",
+            }[name],
+        ]
+    )
 
 
 def _toml(value: object) -> str:
@@ -118,60 +128,96 @@ class LocalCluster:
         # Before every attempt the quick preflight checks the kernel log, the counters, storage and
         # network; compute and the all-reduce run in the full preflight (burn-in). On a GPU node the
         # quick mode includes the matmul too: here 2 CPU cores would spend seconds on it per node.
-        write_toml(self.root / "preflight.toml", {
-            "compute": {"modes": ["full"], "size_cpu": 128, "iterations_cpu": 2},
-            "collective": {"modes": ["full"], "size_bytes_cpu": 1 << 20, "iterations": 3, "cpu_processes": 2},
-            "storage": {"checkpoint_path": str(self.ckpt_dir), "free_space_floor_gb": 0.1},
-        })
+        write_toml(
+            self.root / "preflight.toml",
+            {
+                "compute": {"modes": ["full"], "size_cpu": 128, "iterations_cpu": 2},
+                "collective": {
+                    "modes": ["full"],
+                    "size_bytes_cpu": 1 << 20,
+                    "iterations": 3,
+                    "cpu_processes": 2,
+                },
+                "storage": {"checkpoint_path": str(self.ckpt_dir), "free_space_floor_gb": 0.1},
+            },
+        )
 
     def agent_config(self, node: str) -> Path:
         assert self.etcd is not None
         state = self.root / "nodes" / node
         state.mkdir(parents=True, exist_ok=True)
         path = state / "nodeagent.toml"
-        write_toml(path, {"": {
-            "node": node,
-            # port 0: the agent binds a port of the kernel's choosing and advertises it in its node
-            # record (a port picked here could be taken by the time a slow-starting agent binds it)
-            "listen": "127.0.0.1:0",
-            "unix_socket": str(state / "agent.sock"),
-            "etcd_endpoints": [self.etcd.endpoint],
-            "lease_ttl_s": self.spec.lease_ttl_s,
-            "progress_interval_s": 0.5,
-            "kernel_log": "none",
-            "nvml_interval_s": 0.0,
-            "allowed_executables": [sys.executable],
-            "chaos_enabled": True,
-            "metrics_listen": "",
-            "run_dir": str(state / "run"),
-            "local_ranks": 1,
-            "preflight_config": str(self.root / "preflight.toml"),
-            "stop_grace_s": 5.0,
-        }})
+        write_toml(
+            path,
+            {
+                "": {
+                    "node": node,
+                    # port 0: the agent binds a port of the kernel's choosing and advertises it in its node
+                    # record (a port picked here could be taken by the time a slow-starting agent binds it)
+                    "listen": "127.0.0.1:0",
+                    "unix_socket": str(state / "agent.sock"),
+                    "etcd_endpoints": [self.etcd.endpoint],
+                    "lease_ttl_s": self.spec.lease_ttl_s,
+                    "progress_interval_s": 0.5,
+                    "kernel_log": "none",
+                    "nvml_interval_s": 0.0,
+                    "allowed_executables": [sys.executable],
+                    "chaos_enabled": True,
+                    "metrics_listen": "",
+                    "run_dir": str(state / "run"),
+                    "local_ranks": 1,
+                    "preflight_config": str(self.root / "preflight.toml"),
+                    "stop_grace_s": 5.0,
+                }
+            },
+        )
         return path
 
     def start_agent(self, node: str) -> None:
         cfg = self.agent_config(node)
         log = (self.root / "nodes" / node / "agent.log").open("ab")
         self.agents[node] = subprocess.Popen(
-            [*_bin("nodeagent"), "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-            cwd=REPO, start_new_session=True)
+            [*_bin("nodeagent"), "--config", str(cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
 
     def _start_controller(self) -> None:
         self.api_port = free_port()
         cfg = self._controller_config()
         log = (self.run_dir / "controller.log").open("ab")
         self.controller = subprocess.Popen(
-            [*_bin("controller"), "run", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-            cwd=REPO, start_new_session=True)
+            [*_bin("controller"), "run", "--config", str(cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
 
     def start_standby(self, identity: str) -> int:
         """A second controller replica on the same config (its own API port); returns the port."""
         port = free_port()
         log = (self.run_dir / f"{identity}.log").open("ab")
         self.standbys[identity] = subprocess.Popen(
-            [*_bin("controller"), "run", "--config", str(self.run_dir / "controller.toml"), "--identity", identity,
-             "--api", f"127.0.0.1:{port}", "--metrics", ""], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            [
+                *_bin("controller"),
+                "run",
+                "--config",
+                str(self.run_dir / "controller.toml"),
+                "--identity",
+                identity,
+                "--api",
+                f"127.0.0.1:{port}",
+                "--metrics",
+                "",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
         return port
 
     def _controller_config(self) -> Path:
@@ -180,27 +226,49 @@ class LocalCluster:
         # torchrun runs the script with its own interpreter: the command starts at the script.
         command = [
             str(REPO / "examples" / "train.py"),
-            "--steps", str(self.spec.steps), "--ckpt-dir", str(self.ckpt_dir), "--ckpt-every",
-            str(self.spec.ckpt_every), "--out", str(self.loss_dir), "--seed", str(self.spec.seed),
-            "--step-sleep", str(self.spec.step_sleep), *self.spec.train_args,
+            "--steps",
+            str(self.spec.steps),
+            "--ckpt-dir",
+            str(self.ckpt_dir),
+            "--ckpt-every",
+            str(self.spec.ckpt_every),
+            "--out",
+            str(self.loss_dir),
+            "--seed",
+            str(self.spec.seed),
+            "--step-sleep",
+            str(self.spec.step_sleep),
+            *self.spec.train_args,
         ]
         policy: dict[str, object] = {
-            "burn_in_passes": 1, "backoff_base_s": 0.5, "backoff_max_s": 5.0, "stop_grace_s": 5.0,
-            "dump_timeout_s": 3.0, "queue_wait_s": 5.0, "startup_timeout_s": 120.0,
+            "burn_in_passes": 1,
+            "backoff_base_s": 0.5,
+            "backoff_max_s": 5.0,
+            "stop_grace_s": 5.0,
+            "dump_timeout_s": 3.0,
+            "queue_wait_s": 5.0,
+            "startup_timeout_s": 120.0,
         }
         policy.update(self.spec.policy)
         cfg = self.run_dir / "controller.toml"
-        write_toml(cfg, {
-            "store": {"endpoints": [self.etcd.endpoint]},
-            "controller": {
-                "run": self.spec.run, "nodes": self.spec.active, "command": command,
-                "run_dir": str(self.run_dir), "api_address": self.controller_address,
-                "identity": "controller-a", "election_ttl_s": 3.0,
-                "metrics_address": f"127.0.0.1:{self.metrics_port}",
+        write_toml(
+            cfg,
+            {
+                "store": {"endpoints": [self.etcd.endpoint]},
+                "controller": {
+                    "run": self.spec.run,
+                    "nodes": self.spec.active,
+                    "command": command,
+                    "run_dir": str(self.run_dir),
+                    "api_address": self.controller_address,
+                    "identity": "controller-a",
+                    "election_ttl_s": 3.0,
+                    "metrics_address": f"127.0.0.1:{self.metrics_port}",
+                },
+                "controller.env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                "policy": policy,
             },
-            "controller.env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-            "policy": policy,
-        })
+        )
         return cfg
 
     def stop(self) -> None:
@@ -234,8 +302,13 @@ class LocalCluster:
     # -- operating it -------------------------------------------------------------------------
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*_bin("controllerctl"), "--controller", self.controller_address, *args],
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            [*_bin("controllerctl"), "--controller", self.controller_address, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
 
     def status(self) -> dict[str, object]:
         out = self.ctl("status", "--json")
@@ -248,8 +321,13 @@ class LocalCluster:
     def events(self) -> list[events_pb2.Event]:
         return read_events(self.event_log).events
 
-    def wait_for_event(self, kind: int, after_seq: int, timeout_s: float,
-                       pred: Callable[[events_pb2.Event], bool] | None = None) -> events_pb2.Event | None:
+    def wait_for_event(
+        self,
+        kind: int,
+        after_seq: int,
+        timeout_s: float,
+        pred: Callable[[events_pb2.Event], bool] | None = None,
+    ) -> events_pb2.Event | None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for ev in self.events():

@@ -47,9 +47,18 @@ def describe(ev: events_pb2.Event, t0: float) -> str | None:
         s = ev.attribution.suspects
         who = ", ".join(f"{x.node} ({x.confidence:.0%}: {x.reason})" for x in s[:2]) or "no suspect"
         return f"{at} blame     [{ev.attribution.method}] {who}"
-    if ev.kind in (E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_RELEASE, E.EVENT_KIND_SPARE_TAKEN,
-                   E.EVENT_KIND_FIRST_STEP, E.EVENT_KIND_STOP_REQUEST, E.EVENT_KIND_PAGE, E.EVENT_KIND_RUN_END,
-                   E.EVENT_KIND_NODE_LOST, E.EVENT_KIND_CONTROL_PLANE, E.EVENT_KIND_EXIT):
+    if ev.kind in (
+        E.EVENT_KIND_QUARANTINE,
+        E.EVENT_KIND_RELEASE,
+        E.EVENT_KIND_SPARE_TAKEN,
+        E.EVENT_KIND_FIRST_STEP,
+        E.EVENT_KIND_STOP_REQUEST,
+        E.EVENT_KIND_PAGE,
+        E.EVENT_KIND_RUN_END,
+        E.EVENT_KIND_NODE_LOST,
+        E.EVENT_KIND_CONTROL_PLANE,
+        E.EVENT_KIND_EXIT,
+    ):
         return f"{at} {kind:<9} {ev.message}"
     if ev.kind == E.EVENT_KIND_PREFLIGHT_RESULT and not ev.preflight.summary.passed:
         return f"{at} preflight {ev.message}"
@@ -164,27 +173,43 @@ def recoveries(events: list[events_pb2.Event], injections: list[Injection]) -> l
             return next((e for e in window if e.kind == kind), None)
 
         spare = first(E.EVENT_KIND_SPARE_TAKEN)
-        out.append(Recovery(
-            injection=inj, detection=first(E.EVENT_KIND_DETECTION), attribution=first(E.EVENT_KIND_ATTRIBUTION),
-            quarantined=any(e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == inj.node for e in window),
-            spare=spare.spare.node if spare else "", launch=first(E.EVENT_KIND_LAUNCH),
-            first_step=first(E.EVENT_KIND_FIRST_STEP)))
+        out.append(
+            Recovery(
+                injection=inj,
+                detection=first(E.EVENT_KIND_DETECTION),
+                attribution=first(E.EVENT_KIND_ATTRIBUTION),
+                quarantined=any(
+                    e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == inj.node for e in window
+                ),
+                spare=spare.spare.node if spare else "",
+                launch=first(E.EVENT_KIND_LAUNCH),
+                first_step=first(E.EVENT_KIND_FIRST_STEP),
+            )
+        )
     return out
 
 
 def print_recoveries(rs: list[Recovery]) -> None:
     print("\n=== per fault ===")
-    head = f"{'fault':<10} {'node':<6} {'detector':<10} {'detect':>7} {'blamed':<8} {'method':<16} {'quar':<5} " \
-           f"{'spare':<6} {'attempt':>7} {'resumed':>7} {'1st step':>8} {'after':>7}"
+    head = (
+        f"{'fault':<10} {'node':<6} {'detector':<10} {'detect':>7} {'blamed':<8} {'method':<16} {'quar':<5} "
+        f"{'spare':<6} {'attempt':>7} {'resumed':>7} {'1st step':>8} {'after':>7}"
+    )
     print(head)
     for r in rs:
-        det = E.Detector.Name(r.detection.detection.detector).removeprefix("DETECTOR_").lower() if r.detection else "-"
+        det = (
+            E.Detector.Name(r.detection.detection.detector).removeprefix("DETECTOR_").lower()
+            if r.detection
+            else "-"
+        )
         sus = r.attribution.attribution.suspects if r.attribution else []
-        print(f"{r.injection.fault:<10} {r.injection.node:<6} {det:<10} {r.detect_s:6.1f}s "
-              f"{sus[0].node if sus else '-':<8} {r.attribution.attribution.method if r.attribution else '-':<16} "
-              f"{'yes' if r.quarantined else 'no':<5} {r.spare or '-':<6} "
-              f"{r.launch.attempt if r.launch else '-':>7} {r.launch.launch.resume_step if r.launch else '-':>7} "
-              f"{r.first_step.step if r.first_step else '-':>8} {r.first_step_s:6.1f}s")
+        print(
+            f"{r.injection.fault:<10} {r.injection.node:<6} {det:<10} {r.detect_s:6.1f}s "
+            f"{sus[0].node if sus else '-':<8} {r.attribution.attribution.method if r.attribution else '-':<16} "
+            f"{'yes' if r.quarantined else 'no':<5} {r.spare or '-':<6} "
+            f"{r.launch.attempt if r.launch else '-':>7} {r.launch.launch.resume_step if r.launch else '-':>7} "
+            f"{r.first_step.step if r.first_step else '-':>8} {r.first_step_s:6.1f}s"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
     cluster = LocalCluster(args.dir, spec)
     t0 = time.time()
-    print(f"runwarden demo: etcd, {spec.active + spec.spares} node agents ({spec.spares} spares), controller; "
-          f"state in {cluster.root}", flush=True)
+    print(
+        f"runwarden demo: etcd, {spec.active + spec.spares} node agents ({spec.spares} spares), controller; "
+        f"state in {cluster.root}",
+        flush=True,
+    )
     stop = threading.Event()
     follower = threading.Thread(target=follow, args=(cluster, t0, stop), daemon=True)
     rc = 0
@@ -212,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         follower.start()
         if not wait_training(cluster, 0, 120):
-            print("demo: the run did not start training within 120 s; see", cluster.run_dir / "controller.log")
+            print(
+                "demo: the run did not start training within 120 s; see", cluster.run_dir / "controller.log"
+            )
             return 1
         time.sleep(1)
         injections = run_faults(cluster, faults, args.fault_timeout)

@@ -44,16 +44,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--step-sleep", type=float, default=0.05, help="simulated extra compute per step (s)")
-    p.add_argument("--collective-timeout", type=float, default=600.0,
-                   help="per-collective timeout (PyTorch's default is 10 minutes)")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        help="per-collective timeout (PyTorch's default is 10 minutes)",
+    )
     return p.parse_args(argv)
 
 
 class MLP(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                                 nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -120,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
             try:
-                commit = trainer.save_checkpoint(args.ckpt_dir, done, model=model, optimizer=opt,
-                                                 data_state={"next_step": done}, rank=rank, world_size=world)
+                commit = trainer.save_checkpoint(
+                    args.ckpt_dir,
+                    done,
+                    model=model,
+                    optimizer=opt,
+                    data_state={"next_step": done},
+                    rank=rank,
+                    world_size=world,
+                )
             except (OSError, CheckpointError) as exc:
                 # No marker was written: the supervisor resumes from the previous commit. Say why, then
                 # fail this attempt (the other ranks would wait in the save's barrier).

@@ -45,15 +45,25 @@ class Agent:
         self.progress = ProgressTable()
         self.launcher = Launcher(allowed_executables=config.allowed_executables, on_exit=self._on_worker_exit)
         self._flush_lock = threading.Lock()  # one flush at a time: an older snapshot never lands last
-        self.evidence = EvidencePublisher(store=store, node=config.node, metrics=self.metrics,
-                                          recent=config.evidence_recent)
+        self.evidence = EvidencePublisher(
+            store=store, node=config.node, metrics=self.metrics, recent=config.evidence_recent
+        )
         self.evidence.add_listener(self._on_evidence)
         self.xid = XidMonitor(node=config.node, publish=self.evidence.publish)
-        self.nvml = NvmlPoller(node=config.node, nvml=nvml, publish=self.evidence.publish) if nvml is not None else None
+        self.nvml = (
+            NvmlPoller(node=config.node, nvml=nvml, publish=self.evidence.publish)
+            if nvml is not None
+            else None
+        )
         self.registration: Registration | None = None
         if store is not None:
-            self.registration = Registration(store=store, node=config.node, ttl_s=config.lease_ttl_s,
-                                             make_record=self.node_record, metrics=self.metrics)
+            self.registration = Registration(
+                store=store,
+                node=config.node,
+                ttl_s=config.lease_ttl_s,
+                make_record=self.node_record,
+                metrics=self.metrics,
+            )
             self.metrics.track_heartbeat(self.registration.last_heartbeat_at)
         self.notifier = Notifier()
         self.lock = threading.Lock()
@@ -138,7 +148,9 @@ class Agent:
             try:
                 kvs, revision = self.store.get_prefix(key)
                 self._apply_stop_key(run, kvs[0].value if kvs else None)
-                self._stop_watches[run] = self.store.watch_prefix(key, revision + 1, lambda ev: self._on_stop_event(run, ev))
+                self._stop_watches[run] = self.store.watch_prefix(
+                    key, revision + 1, lambda ev: self._on_stop_event(run, ev)
+                )
                 return
             except Exception as exc:
                 log.warning("cannot watch the stop key of run %s yet (retrying): %s", run, exc)
@@ -185,7 +197,11 @@ class Agent:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.nvml is not None and self.config.nvml_interval_s > 0 and self.nvml.start(self.config.nvml_interval_s):
+        if (
+            self.nvml is not None
+            and self.config.nvml_interval_s > 0
+            and self.nvml.start(self.config.nvml_interval_s)
+        ):
             try:
                 self.gpu_count = self.nvml._nvml.device_count()
             except Exception as exc:

@@ -29,8 +29,10 @@ def _rank_pid(agent: Any, local_rank: int) -> int:
     if pid is None:
         raise ChaosError(grpc.StatusCode.NOT_FOUND, f"local rank {local_rank} has not reported a pid")
     if not agent.launcher.owns(pid):
-        raise ChaosError(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"pid {pid} of local rank {local_rank} is not in a worker tree this agent launched")
+        raise ChaosError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pid {pid} of local rank {local_rank} is not in a worker tree this agent launched",
+        )
     return pid
 
 
@@ -50,7 +52,9 @@ def inject(agent: Any, req: agent_pb2.InjectFaultRequest) -> str:
     elif kind == agent_pb2.FAULT_KIND_XID:
         evidence = agent.xid.feed(req.line, "chaos")
         if evidence is None:
-            raise ChaosError(grpc.StatusCode.INVALID_ARGUMENT, "line: not an Xid line (NVRM: Xid (PCI:...): N, ...)")
+            raise ChaosError(
+                grpc.StatusCode.INVALID_ARGUMENT, "line: not an Xid line (NVRM: Xid (PCI:...): N, ...)"
+            )
         detail = f"fed Xid {evidence.xid} to the monitor"
     elif kind == agent_pb2.FAULT_KIND_KILL_AGENT:
         # After the response is on its way; the lease is not revoked, so it expires like a crash.

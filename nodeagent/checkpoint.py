@@ -81,11 +81,19 @@ class CheckpointWriter:
         with self.open(name) as f:
             f.write(data)
 
-    def commit(self, *, files: list[str] | None = None, meta: Mapping[str, Any] | None = None) -> CommittedCheckpoint:
+    def commit(
+        self, *, files: list[str] | None = None, meta: Mapping[str, Any] | None = None
+    ) -> CommittedCheckpoint:
         """Write the marker listing `files` (default: every file in the step dir) with sizes."""
         fsync_dir(self.path)
-        names = sorted(files) if files is not None else sorted(
-            p.name for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != MARKER
+        names = (
+            sorted(files)
+            if files is not None
+            else sorted(
+                p.name
+                for p in self.path.iterdir()
+                if p.is_file() and not p.name.startswith(".") and p.name != MARKER
+            )
         )
         sizes: dict[str, int] = {}
         for name in names:
@@ -102,7 +110,9 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.path / MARKER)
         fsync_dir(self.path)
-        return CommittedCheckpoint(step=self.step, path=self.path, files=sizes, committed_at=now, meta=dict(meta or {}))
+        return CommittedCheckpoint(
+            step=self.step, path=self.path, files=sizes, committed_at=now, meta=dict(meta or {})
+        )
 
 
 def read_commit(path: Path) -> CommittedCheckpoint | None:

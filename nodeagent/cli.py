@@ -34,18 +34,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", metavar="HOST:PORT", help="TCP listener for the controller ('' = none)")
     p.add_argument("--unix-socket", dest="unix_socket", metavar="PATH", help="unix socket for local ranks")
     p.add_argument("--advertise", metavar="HOST:PORT", help="address written into the node record")
-    p.add_argument("--etcd", dest="etcd_endpoints", action="append", metavar="HOST:PORT",
-                   help="etcd endpoint (repeatable); none = standalone, no etcd")
-    p.add_argument("--etcd-root", dest="etcd_root", metavar="PREFIX", help="etcd key root (default /runwarden)")
-    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="node lease TTL (default 5)")
-    p.add_argument("--progress-interval", dest="progress_interval_s", type=float, metavar="S",
-                   help="progress write interval (default 1)")
+    p.add_argument(
+        "--etcd",
+        dest="etcd_endpoints",
+        action="append",
+        metavar="HOST:PORT",
+        help="etcd endpoint (repeatable); none = standalone, no etcd",
+    )
+    p.add_argument(
+        "--etcd-root", dest="etcd_root", metavar="PREFIX", help="etcd key root (default /runwarden)"
+    )
+    p.add_argument(
+        "--lease-ttl", dest="lease_ttl_s", type=float, metavar="S", help="node lease TTL (default 5)"
+    )
+    p.add_argument(
+        "--progress-interval",
+        dest="progress_interval_s",
+        type=float,
+        metavar="S",
+        help="progress write interval (default 1)",
+    )
     p.add_argument("--kernel-log", dest="kernel_log", choices=config_mod.KERNEL_LOG_SOURCES)
     p.add_argument("--nvml-interval", dest="nvml_interval_s", type=float, metavar="S", help="0 = off")
-    p.add_argument("--allow-exec", dest="allowed_executables", action="append", metavar="PATH",
-                   help="an executable LaunchWorkers may start (repeatable)")
-    p.add_argument("--chaos", dest="chaos_enabled", action="store_const", const=True,
-                   help="allow InjectFault (drills and demos only)")
+    p.add_argument(
+        "--allow-exec",
+        dest="allowed_executables",
+        action="append",
+        metavar="PATH",
+        help="an executable LaunchWorkers may start (repeatable)",
+    )
+    p.add_argument(
+        "--chaos",
+        dest="chaos_enabled",
+        action="store_const",
+        const=True,
+        help="allow InjectFault (drills and demos only)",
+    )
     p.add_argument("--tls-cert", dest="tls_cert", metavar="FILE")
     p.add_argument("--tls-key", dest="tls_key", metavar="FILE")
     p.add_argument("--tls-client-ca", dest="tls_client_ca", metavar="FILE")
@@ -109,8 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         log.error("cannot start: %s", exc)
         return 1
-    log.info("node agent %s serving: tcp %s (port %d), unix %s, pid %d", cfg.node, cfg.listen or "-",
-             server.tcp_port, cfg.unix_socket or "-", os.getpid())
+    log.info(
+        "node agent %s serving: tcp %s (port %d), unix %s, pid %d",
+        cfg.node,
+        cfg.listen or "-",
+        server.tcp_port,
+        cfg.unix_socket or "-",
+        os.getpid(),
+    )
     agent.ready()
     stop.wait()
     log.info("shutting down: stopping workers, revoking the lease")

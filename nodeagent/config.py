@@ -95,10 +95,19 @@ class AgentConfig:
             max_message_bytes=self.max_message_bytes,
             evidence_recent=self.evidence_recent,
         )
-        if self.nvml_interval_s < 0 or self.stop_grace_s < 0 or self.fr_buffer_size < 0 or self.local_ranks < 0:
-            raise ConfigError(f"{where}: nvml_interval_s, stop_grace_s, fr_buffer_size, local_ranks must be >= 0")
+        if (
+            self.nvml_interval_s < 0
+            or self.stop_grace_s < 0
+            or self.fr_buffer_size < 0
+            or self.local_ranks < 0
+        ):
+            raise ConfigError(
+                f"{where}: nvml_interval_s, stop_grace_s, fr_buffer_size, local_ranks must be >= 0"
+            )
         if self.kernel_log not in KERNEL_LOG_SOURCES:
-            raise ConfigError(f"{where}.kernel_log: one of {', '.join(KERNEL_LOG_SOURCES)}, got {self.kernel_log!r}")
+            raise ConfigError(
+                f"{where}.kernel_log: one of {', '.join(KERNEL_LOG_SOURCES)}, got {self.kernel_log!r}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"{where}.log_level: one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not self.listen and not self.unix_socket:
@@ -149,7 +158,10 @@ def env_mapping(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def from_sources(
-    *, file: str | Path | None, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+    *,
+    file: str | Path | None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
 ) -> AgentConfig:
     """Merge file < environment < flags (flags that are None are absent) and validate once."""
     merged: dict[str, Any] = {}

@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class EvidencePublisher:
-    def __init__(self, *, store: Any, node: str, metrics: AgentMetrics, recent: int = 50, queue_max: int = 10_000):
+    def __init__(
+        self, *, store: Any, node: str, metrics: AgentMetrics, recent: int = 50, queue_max: int = 10_000
+    ):
         self._store = store
         self._node = node
         self._metrics = metrics

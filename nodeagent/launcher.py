@@ -133,8 +133,9 @@ def resolve_allowed(argv0: str, allowed: tuple[str, ...], path: str) -> str:
 
 
 class Launcher:
-    def __init__(self, *, allowed_executables: tuple[str, ...],
-                 on_exit: Callable[[Worker], None] | None = None) -> None:
+    def __init__(
+        self, *, allowed_executables: tuple[str, ...], on_exit: Callable[[Worker], None] | None = None
+    ) -> None:
         self._allowed = allowed_executables
         self._on_exit = on_exit  # called on the reaper thread once a worker has ended
         self._lock = threading.Lock()
@@ -158,7 +159,9 @@ class Launcher:
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
-        worker = Worker(run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen)
+        worker = Worker(
+            run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen
+        )
         with self._lock:
             self._workers = [w for w in self._workers if w.running or w.run != spec.run] + [worker]
         threading.Thread(target=self._reap, args=(worker,), name=f"reap-{popen.pid}", daemon=True).start()
@@ -181,7 +184,13 @@ class Launcher:
             detail=f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}",
         )
         worker.done.set()
-        log.info("worker %s attempt %d pid %d ended: %s", worker.run, worker.attempt, worker.pid, worker.exit.detail)
+        log.info(
+            "worker %s attempt %d pid %d ended: %s",
+            worker.run,
+            worker.attempt,
+            worker.pid,
+            worker.exit.detail,
+        )
         if self._on_exit is not None:
             try:
                 self._on_exit(worker)

@@ -18,7 +18,9 @@ class AgentMetrics:
         self.heartbeat_age = Gauge(
             "runwarden_agent_last_heartbeat_age_seconds", "seconds since the last lease keepalive", registry=r
         )
-        self.registrations = Counter("runwarden_agent_registrations", "node registrations (incl. re-)", registry=r)
+        self.registrations = Counter(
+            "runwarden_agent_registrations", "node registrations (incl. re-)", registry=r
+        )
         self.evidence = Counter("runwarden_agent_evidence", "evidence published", ["kind"], registry=r)
         self.progress_writes = Counter("runwarden_agent_progress_writes", "progress puts to etcd", registry=r)
         self.rpc_latency = Histogram(

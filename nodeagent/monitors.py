@@ -30,7 +30,9 @@ MAX_LINE_BYTES = 8192
 
 
 class XidMonitor:
-    def __init__(self, *, node: str, publish: Publish, gpu_index_of: Callable[[str], int | None] = lambda _: None):
+    def __init__(
+        self, *, node: str, publish: Publish, gpu_index_of: Callable[[str], int | None] = lambda _: None
+    ):
         self._node = node
         self._publish = publish
         self._gpu_index_of = gpu_index_of
@@ -57,11 +59,15 @@ class XidMonitor:
         for candidate in ("kmsg", "journalctl", "dmesg") if kind == "auto" else (kind,):
             lines = self._open(candidate, dmesg_interval_s)
             if lines is not None:
-                threading.Thread(target=self._follow, args=(lines, candidate), name="xid-monitor", daemon=True).start()
+                threading.Thread(
+                    target=self._follow, args=(lines, candidate), name="xid-monitor", daemon=True
+                ).start()
                 log.info("Xid monitor following the kernel log via %s", candidate)
                 return candidate
         if kind != "none":
-            log.warning("Xid monitor: no kernel log source works here (%s); Xid evidence only by injection", kind)
+            log.warning(
+                "Xid monitor: no kernel log source works here (%s); Xid evidence only by injection", kind
+            )
         return "none"
 
     def stop(self) -> None:
@@ -187,8 +193,14 @@ class NvmlPoller:
             try:
                 out += self._poll_gpu(index)
             except GpuLost as exc:
-                out += self._changed(index, "lost", True, common_pb2.EVIDENCE_KIND_GPU_LOST,
-                                     common_pb2.SEVERITY_FATAL, f"GPU {index} is lost: {exc}")
+                out += self._changed(
+                    index,
+                    "lost",
+                    True,
+                    common_pb2.EVIDENCE_KIND_GPU_LOST,
+                    common_pb2.SEVERITY_FATAL,
+                    f"GPU {index} is lost: {exc}",
+                )
         for evidence in out:
             self._publish(evidence)
         return out
@@ -198,42 +210,83 @@ class NvmlPoller:
         fatal, warn = common_pb2.SEVERITY_FATAL, common_pb2.SEVERITY_WARNING
         ecc = _optional(lambda: self._nvml.ecc_uncorrected(i, volatile=True))
         if ecc is not None:
-            out += self._increased(i, "ecc", ecc, common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, fatal,
-                                   f"GPU {i}: uncorrectable ECC errors now {ecc}")
+            out += self._increased(
+                i,
+                "ecc",
+                ecc,
+                common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
+                fatal,
+                f"GPU {i}: uncorrectable ECC errors now {ecc}",
+            )
         rows = _optional(lambda: self._nvml.remapped_rows(i))
         if rows is not None:
-            out += self._changed(i, "remap_failure", rows.failure, common_pb2.EVIDENCE_KIND_ROW_REMAP_FAILURE,
-                                 fatal, f"GPU {i}: row remapping failed")
-            out += self._changed(i, "remap_pending", rows.pending, common_pb2.EVIDENCE_KIND_ROW_REMAP_PENDING,
-                                 warn, f"GPU {i}: row remap pending (reset needed)")
+            out += self._changed(
+                i,
+                "remap_failure",
+                rows.failure,
+                common_pb2.EVIDENCE_KIND_ROW_REMAP_FAILURE,
+                fatal,
+                f"GPU {i}: row remapping failed",
+            )
+            out += self._changed(
+                i,
+                "remap_pending",
+                rows.pending,
+                common_pb2.EVIDENCE_KIND_ROW_REMAP_PENDING,
+                warn,
+                f"GPU {i}: row remap pending (reset needed)",
+            )
         pending = _optional(lambda: self._nvml.retired_pages_pending(i))
         if pending is not None:
-            out += self._changed(i, "pages_pending", pending, common_pb2.EVIDENCE_KIND_RETIRED_PAGES_PENDING,
-                                 warn, f"GPU {i}: retired pages pending")
+            out += self._changed(
+                i,
+                "pages_pending",
+                pending,
+                common_pb2.EVIDENCE_KIND_RETIRED_PAGES_PENDING,
+                warn,
+                f"GPU {i}: retired pages pending",
+            )
         reasons = _optional(lambda: self._nvml.throttle_reasons(i))
         if reasons is not None:
             for name in SLOWDOWN_BITS:
-                out += self._changed(i, f"throttle_{name}", bool(reasons & THROTTLE_BITS[name]),
-                                     common_pb2.EVIDENCE_KIND_THROTTLE, warn, f"GPU {i}: clocks throttled ({name})")
+                out += self._changed(
+                    i,
+                    f"throttle_{name}",
+                    bool(reasons & THROTTLE_BITS[name]),
+                    common_pb2.EVIDENCE_KIND_THROTTLE,
+                    warn,
+                    f"GPU {i}: clocks throttled ({name})",
+                )
         action = _optional(lambda: self._nvml.recovery_action(i))
         if action is not None:
-            out += self._changed(i, "recovery_action", action != 0, common_pb2.EVIDENCE_KIND_RECOVERY_ACTION,
-                                 fatal, f"GPU {i}: NVML recovery action {action}")
+            out += self._changed(
+                i,
+                "recovery_action",
+                action != 0,
+                common_pb2.EVIDENCE_KIND_RECOVERY_ACTION,
+                fatal,
+                f"GPU {i}: NVML recovery action {action}",
+            )
         return out
 
     def _evidence(self, i: int, kind: int, severity: int, detail: str) -> common_pb2.Evidence:
-        evidence = common_pb2.Evidence(node=self._node, gpu_index=i, detail=detail, raw=detail,
-                                       observed_at=time.time(), source="nvml")
+        evidence = common_pb2.Evidence(
+            node=self._node, gpu_index=i, detail=detail, raw=detail, observed_at=time.time(), source="nvml"
+        )
         evidence.kind = kind  # type: ignore[assignment]  # plain ints from the EvidenceKind enum
         evidence.severity = severity  # type: ignore[assignment]  # plain ints from the Severity enum
         return evidence
 
-    def _changed(self, i: int, key: str, on: bool, kind: int, sev: int, detail: str) -> list[common_pb2.Evidence]:
+    def _changed(
+        self, i: int, key: str, on: bool, kind: int, sev: int, detail: str
+    ) -> list[common_pb2.Evidence]:
         was = self._last.get((i, key), False)
         self._last[(i, key)] = on
         return [self._evidence(i, kind, sev, detail)] if on and not was else []
 
-    def _increased(self, i: int, key: str, value: int, kind: int, sev: int, detail: str) -> list[common_pb2.Evidence]:
+    def _increased(
+        self, i: int, key: str, value: int, kind: int, sev: int, detail: str
+    ) -> list[common_pb2.Evidence]:
         was = self._last.get((i, key))
         self._last[(i, key)] = value
         # The first reading is the baseline: preflight judged it; the monitor reports increases.

@@ -42,11 +42,19 @@ def _config(agent: Any) -> Any:
     return load_config(agent.config.preflight_config or None)
 
 
-def summarize(mode: str, results: list[common_pb2.CheckResult], duration_s: float) -> common_pb2.PreflightSummary:
+def summarize(
+    mode: str, results: list[common_pb2.CheckResult], duration_s: float
+) -> common_pb2.PreflightSummary:
     count = {s: sum(1 for r in results if r.status == s) for s in (1, 2, 3, 4)}
     return common_pb2.PreflightSummary(
-        mode=mode, passed=count[3] == 0, pass_count=count[1], warn_count=count[2], fail_count=count[3],
-        skip_count=count[4], finished_at=time.time(), duration_s=duration_s,
+        mode=mode,
+        passed=count[3] == 0,
+        pass_count=count[1],
+        warn_count=count[2],
+        fail_count=count[3],
+        skip_count=count[4],
+        finished_at=time.time(),
+        duration_s=duration_s,
         failed_checks=[r.name for r in results if r.status == common_pb2.CHECK_STATUS_FAIL],
     )
 
@@ -55,10 +63,14 @@ def _as_proto(result: Any) -> common_pb2.CheckResult:
     return result if isinstance(result, common_pb2.CheckResult) else result.to_proto()
 
 
-def stream(agent: Any, request: agent_pb2.RunPreflightRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+def stream(
+    agent: Any, request: agent_pb2.RunPreflightRequest, context: grpc.ServicerContext
+) -> Iterator[Any]:
     run = _runner()
     if run is None:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the preflight library (preflight.run_preflight) is not installed")
+        context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "the preflight library (preflight.run_preflight) is not installed"
+        )
     if not agent.preflight_running.acquire(blocking=False):
         context.abort(grpc.StatusCode.ABORTED, "a preflight is already running on this node")
     try:
@@ -101,7 +113,12 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
     summary = summarize(request.mode, seen, time.monotonic() - start)
     agent.last_preflight = summary
     if not summary.passed:
-        agent.evidence.publish(common_pb2.Evidence(
-            kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL, severity=common_pb2.SEVERITY_WARNING,
-            detail=f"preflight {request.mode} failed: {', '.join(summary.failed_checks)}"[:500], source="preflight"))
+        agent.evidence.publish(
+            common_pb2.Evidence(
+                kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL,
+                severity=common_pb2.SEVERITY_WARNING,
+                detail=f"preflight {request.mode} failed: {', '.join(summary.failed_checks)}"[:500],
+                source="preflight",
+            )
+        )
     yield agent_pb2.RunPreflightResponse(summary=summary)

@@ -51,7 +51,9 @@ def all_procs() -> list[ProcInfo]:
     return out
 
 
-def tree_of(leader: int, procs: list[ProcInfo] | None = None, adopted: set[int] | frozenset[int] = frozenset()) -> list[ProcInfo]:
+def tree_of(
+    leader: int, procs: list[ProcInfo] | None = None, adopted: set[int] | frozenset[int] = frozenset()
+) -> list[ProcInfo]:
     """The leader's session/group members and all their descendants (zombies included).
 
     `adopted`: pids seen in this tree earlier; they still count while they are our children
@@ -60,7 +62,9 @@ def tree_of(leader: int, procs: list[ProcInfo] | None = None, adopted: set[int] 
     procs = all_procs() if procs is None else procs
     me = os.getpid()
     # Not `pid == leader`: once the leader is reaped its pid may be reused by a stranger.
-    members = {p.pid for p in procs if p.session == leader or p.pgrp == leader or (p.pid in adopted and p.ppid == me)}
+    members = {
+        p.pid for p in procs if p.session == leader or p.pgrp == leader or (p.pid in adopted and p.ppid == me)
+    }
     children: dict[int, list[int]] = {}
     for p in procs:
         children.setdefault(p.ppid, []).append(p.pid)

@@ -87,7 +87,11 @@ class ProgressTable:
         """The pid reported most recently by this local rank (any run)."""
         best: common_pb2.RankProgress | None = None
         for r in self.ranks():
-            if r.local_rank == local_rank and r.pid > 0 and (best is None or r.reported_at > best.reported_at):
+            if (
+                r.local_rank == local_rank
+                and r.pid > 0
+                and (best is None or r.reported_at > best.reported_at)
+            ):
                 best = r
         return best.pid if best is not None else None
 

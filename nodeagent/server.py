@@ -77,8 +77,11 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         tls = self.agent.config.tls_enabled
         if context.peer().startswith("unix:"):
             if tls:
-                _abort(context, grpc.StatusCode.PERMISSION_DENIED,
-                       "mutating RPCs are refused on the unix socket when TLS is on; use TCP with a client cert")
+                _abort(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "mutating RPCs are refused on the unix socket when TLS is on; use TCP with a client cert",
+                )
             return
         if not tls:
             return  # plain TCP is bound to loopback only (config refuses anything else)
@@ -88,11 +91,17 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     def _require_known(self, run: str, context: grpc.ServicerContext) -> None:
         if not self.agent.knows_run(run):
-            _abort(context, grpc.StatusCode.NOT_FOUND, f"run {run!r} is not known on node {self.agent.config.node}")
+            _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"run {run!r} is not known on node {self.agent.config.node}",
+            )
 
     # --- RPCs ----------------------------------------------------------------------------------------
 
-    def RunPreflight(self, request: Any, context: grpc.ServicerContext) -> Iterator[agent_pb2.RunPreflightResponse]:
+    def RunPreflight(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[agent_pb2.RunPreflightResponse]:
         start = time.perf_counter()
         code = "OK"
         try:
@@ -111,7 +120,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             log.exception("RunPreflight failed")
             _abort(context, grpc.StatusCode.INTERNAL, f"RunPreflight: {type(exc).__name__}: {exc}"[:500])
         finally:
-            self.agent.metrics.rpc_latency.labels(method="RunPreflight", code=code).observe(time.perf_counter() - start)
+            self.agent.metrics.rpc_latency.labels(method="RunPreflight", code=code).observe(
+                time.perf_counter() - start
+            )
 
     @rpc
     def GetNodeStatus(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.GetNodeStatusResponse:
@@ -153,16 +164,26 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         v.run_name(request.run)
         self._require_known(request.run, context)
         stop = self.agent.stops.get(request.run)
-        return agent_pb2.GetStopStateResponse(stop_requested=stop is not None, reason=stop.reason if stop else "")
+        return agent_pb2.GetStopStateResponse(
+            stop_requested=stop is not None, reason=stop.reason if stop else ""
+        )
 
     @rpc
-    def CollectFlightRecorder(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.CollectFlightRecorderResponse:
+    def CollectFlightRecorder(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> agent_pb2.CollectFlightRecorderResponse:
         v.run_name(request.run)
-        timeout = v.seconds(request.timeout_s, "timeout_s", high=300) or self.agent.config.flight_recorder_timeout_s
+        timeout = (
+            v.seconds(request.timeout_s, "timeout_s", high=300) or self.agent.config.flight_recorder_timeout_s
+        )
         self._require_known(request.run, context)
         attempt = self.agent.attempts.get(request.run, self.agent.progress.attempt(request.run) or 0)
         sockets = discover_sockets(self.agent.config.fr_socket_dir(request.run, attempt))
-        dumps = collect_dumps(sockets, timeout, max_bytes=self.agent.config.max_message_bytes // 2) if sockets else []
+        dumps = (
+            collect_dumps(sockets, timeout, max_bytes=self.agent.config.max_message_bytes // 2)
+            if sockets
+            else []
+        )
         silent_states = self._process_states(request.run, [d.rank for d in dumps if not d.ok])
         response = agent_pb2.CollectFlightRecorderResponse(node=self.agent.config.node)
         budget = self.agent.config.max_message_bytes - 64 * 1024
@@ -170,9 +191,16 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             data = d.data if len(d.data) <= budget else b""
             budget -= len(data)
             error = d.error if data or not d.ok else "no dump: over the agent's message size limit"
-            response.dumps.append(agent_pb2.RankDump(rank=d.rank, ok=d.ok and bool(data), error=error,
-                                                     format=d.format, data=data,
-                                                     process_state=silent_states.get(d.rank, "")))
+            response.dumps.append(
+                agent_pb2.RankDump(
+                    rank=d.rank,
+                    ok=d.ok and bool(data),
+                    error=error,
+                    format=d.format,
+                    data=data,
+                    process_state=silent_states.get(d.rank, ""),
+                )
+            )
         return response
 
     def _process_states(self, run: str, ranks: list[int]) -> dict[int, str]:
@@ -198,13 +226,21 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         a, run = self.agent, request.run
         with a.lock:
             if request.leader_fence < a.fences.get(run, 0):
-                _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                       f"leader_fence {request.leader_fence} is older than {a.fences[run]}: stale leader")
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"leader_fence {request.leader_fence} is older than {a.fences[run]}: stale leader",
+                )
             if request.attempt < a.attempts.get(run, 0):
-                _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                       f"attempt {request.attempt} is older than attempt {a.attempts[run]} already launched")
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"attempt {request.attempt} is older than attempt {a.attempts[run]} already launched",
+                )
             if any(w.running for w in a.launcher.workers(run)):
-                _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"run {run!r} already has running workers here")
+                _abort(
+                    context, grpc.StatusCode.ALREADY_EXISTS, f"run {run!r} already has running workers here"
+                )
             a.fences[run] = request.leader_fence
             a.attempts[run] = request.attempt
         a.clear_stop(run)
@@ -213,17 +249,26 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         a.slow_s.clear()
         a.follow_run(run)
         spec = LaunchSpec(
-            run=run, attempt=request.attempt,
+            run=run,
+            attempt=request.attempt,
             rendezvous_id=request.rendezvous_id or f"{run}-{request.attempt}",
-            argv=tuple(request.argv), env=dict(request.env), cwd=request.cwd,
-            node_rank=request.node_rank, nnodes=request.nnodes or 1, resume_step=request.resume_step,
-            stop_file=a.config.stop_file(run), fr_socket_dir=a.config.fr_socket_dir(run, request.attempt),
-            agent_socket=a.config.unix_socket, fr_buffer_size=a.config.fr_buffer_size,
+            argv=tuple(request.argv),
+            env=dict(request.env),
+            cwd=request.cwd,
+            node_rank=request.node_rank,
+            nnodes=request.nnodes or 1,
+            resume_step=request.resume_step,
+            stop_file=a.config.stop_file(run),
+            fr_socket_dir=a.config.fr_socket_dir(run, request.attempt),
+            agent_socket=a.config.unix_socket,
+            fr_buffer_size=a.config.fr_buffer_size,
         )
         try:
             worker = a.launcher.launch(spec)
         except LaunchError as exc:
-            code = grpc.StatusCode.PERMISSION_DENIED if exc.permission else grpc.StatusCode.FAILED_PRECONDITION
+            code = (
+                grpc.StatusCode.PERMISSION_DENIED if exc.permission else grpc.StatusCode.FAILED_PRECONDITION
+            )
             _abort(context, code, str(exc))
         a.state_changed()
         return agent_pb2.LaunchWorkersResponse(pid=worker.pid)
@@ -244,7 +289,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     def InjectFault(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.InjectFaultResponse:
         self._require_admin(context)
         if not self.agent.config.chaos_enabled:
-            _abort(context, grpc.StatusCode.PERMISSION_DENIED, "fault injection is off (chaos_enabled = false)")
+            _abort(
+                context, grpc.StatusCode.PERMISSION_DENIED, "fault injection is off (chaos_enabled = false)"
+            )
         v.fault_request(request)
         try:
             detail = chaos.inject(self.agent, request)
@@ -254,7 +301,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
 
 def _worker_status(w: Any) -> agent_pb2.WorkerStatus:
-    status = agent_pb2.WorkerStatus(run=w.run, attempt=w.attempt, pid=w.pid, running=w.running, started_at=w.started_at)
+    status = agent_pb2.WorkerStatus(
+        run=w.run, attempt=w.attempt, pid=w.pid, running=w.running, started_at=w.started_at
+    )
     if w.exit is not None:
         status.exit.CopyFrom(w.exit.to_proto())
     return status
@@ -268,14 +317,19 @@ class AgentServer:
         limit = cfg.max_message_bytes
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
             maximum_concurrent_rpcs=64,
         )
         agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
         self.tcp_port = 0
         if cfg.listen:
             if cfg.tls_enabled:
@@ -301,8 +355,10 @@ class AgentServer:
         if self.unix_socket:
             latency = agent.metrics.rpc_latency
             self.progress_dgram = ProgressDatagramServer(
-                progress_socket_path(self.unix_socket), agent.report_progress,
-                lambda code, s: latency.labels(method="ReportProgressDatagram", code=code).observe(s))
+                progress_socket_path(self.unix_socket),
+                agent.report_progress,
+                lambda code, s: latency.labels(method="ReportProgressDatagram", code=code).observe(s),
+            )
 
     def start(self) -> None:
         self.server.start()

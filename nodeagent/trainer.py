@@ -67,7 +67,13 @@ class ProgressReporter:
         flush_interval_s: float = 1.0,
         answer_timeout_s: float = 0.2,
     ) -> None:
-        self.run, self.attempt, self.rank, self.local_rank, self.world_size = run, attempt, rank, local_rank, world_size
+        self.run, self.attempt, self.rank, self.local_rank, self.world_size = (
+            run,
+            attempt,
+            rank,
+            local_rank,
+            world_size,
+        )
         self._stop_file = stop_file
         self._agent_socket = agent_socket
         self._flush_interval_s = flush_interval_s
@@ -361,7 +367,9 @@ def load_checkpoint(
         optimizer.load_state_dict(payload["optimizer"])
     if restore_rng:
         _restore_rng(payload["rng"])
-    return LoadedCheckpoint(step=checkpoint.step, path=checkpoint.path, data_state=payload["data_state"], extra=payload["extra"])
+    return LoadedCheckpoint(
+        step=checkpoint.step, path=checkpoint.path, data_state=payload["data_state"], extra=payload["extra"]
+    )
 
 
 def setup_flight_recording(**kwargs: Any) -> Any:

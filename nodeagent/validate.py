@@ -128,4 +128,3 @@ def fault_request(req: agent_pb2.InjectFaultRequest) -> None:
         seconds(req.value, "value", high=3600)
     if req.kind == agent_pb2.FAULT_KIND_XID and not 0 < len(req.line) <= 4096:
         raise ValidationError("line: the kernel-log line is required (at most 4096 characters)")
-

@@ -18,8 +18,8 @@ from preflight.runner import run_preflight
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Baseline:
-    config: PreflightConfig          # the input config with the new floors
-    tflops: float | None             # slowest device's measured TFLOP/s
+    config: PreflightConfig  # the input config with the new floors
+    tflops: float | None  # slowest device's measured TFLOP/s
     busbw_gbps: float | None
     report: PreflightReport
 
@@ -48,8 +48,12 @@ def measure_baseline(config: PreflightConfig, margin: float = 0.2) -> Baseline:
         compute_cfg = dataclasses.replace(compute_cfg, tflops_floor=_sig(min(tflops) * (1 - margin)))
     if busbw:
         collective_cfg = dataclasses.replace(collective_cfg, busbw_floor_gbps=_sig(busbw[0] * (1 - margin)))
-    return Baseline(config=dataclasses.replace(config, compute=compute_cfg, collective=collective_cfg),
-                    tflops=min(tflops) if tflops else None, busbw_gbps=busbw[0] if busbw else None, report=report)
+    return Baseline(
+        config=dataclasses.replace(config, compute=compute_cfg, collective=collective_cfg),
+        tflops=min(tflops) if tflops else None,
+        busbw_gbps=busbw[0] if busbw else None,
+        report=report,
+    )
 
 
 def _sig(value: float) -> float:
@@ -58,6 +62,8 @@ def _sig(value: float) -> float:
 
 def baseline_header(b: Baseline, margin: float) -> str:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return (f"preflight config written by `preflight baseline` on {b.report.host} at {stamp}\n"
-            f"measured: matmul {b.tflops} TFLOP/s (slowest device), all-reduce bus bandwidth {b.busbw_gbps} GB/s;\n"
-            f"floors = measured x (1 - {margin})")
+    return (
+        f"preflight config written by `preflight baseline` on {b.report.host} at {stamp}\n"
+        f"measured: matmul {b.tflops} TFLOP/s (slowest device), all-reduce bus bandwidth {b.busbw_gbps} GB/s;\n"
+        f"floors = measured x (1 - {margin})"
+    )

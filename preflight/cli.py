@@ -19,23 +19,38 @@ from preflight.runner import ALL_SPECS, run_preflight
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="preflight", description="Node checks before a GPU training launch.")
+    parser = argparse.ArgumentParser(
+        prog="preflight", description="Node checks before a GPU training launch."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the checks and print a table or a JSON report")
     mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the default; <= 15 s")
-    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="adds the collective; <= 120 s")
+    mode.add_argument(
+        "--quick", dest="mode", action="store_const", const="quick", help="the default; <= 15 s"
+    )
+    mode.add_argument(
+        "--full", dest="mode", action="store_const", const="full", help="adds the collective; <= 120 s"
+    )
     run.add_argument("--json", action="store_true", help="print the versioned JSON report instead of a table")
     run.add_argument("--config", type=Path, help="TOML thresholds (see preflight/defaults.toml)")
-    run.add_argument("--only", action="append", default=[], metavar="CHECK",
-                     help=f"run only this unit (repeatable): {', '.join(s.name for s in ALL_SPECS)}")
-    run.add_argument("--budget", type=float, default=None, help="total budget in seconds (default: the mode's)")
+    run.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help=f"run only this unit (repeatable): {', '.join(s.name for s in ALL_SPECS)}",
+    )
+    run.add_argument(
+        "--budget", type=float, default=None, help="total budget in seconds (default: the mode's)"
+    )
     run.add_argument("--stream", action="store_true", help="print each result as it finishes (to stderr)")
     run.add_argument("-v", "--verbose", action="store_true", help="show the evidence of every check")
     base = sub.add_parser("baseline", help="measure this known-good node and write the floors to the config")
     base.add_argument("--config", type=Path, help="the config to start from (and to update, unless --out)")
     base.add_argument("--out", type=Path, help="where to write the config (default: --config, else stdout)")
-    base.add_argument("--margin", type=float, default=0.2, help="floor = measured x (1 - margin); default 0.2")
+    base.add_argument(
+        "--margin", type=float, default=0.2, help="floor = measured x (1 - margin); default 0.2"
+    )
     return parser
 
 
@@ -46,8 +61,13 @@ def _stream(result: CheckResult) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    report = run_preflight(config, args.mode or "quick", only=args.only, budget_s=args.budget,
-                           on_result=_stream if args.stream else None)
+    report = run_preflight(
+        config,
+        args.mode or "quick",
+        only=args.only,
+        budget_s=args.budget,
+        on_result=_stream if args.stream else None,
+    )
     print(report.dumps() if args.json else report.render_table(verbose=args.verbose), flush=True)
     if report.abandoned:
         # A timed-out check may sit in a driver call forever; exiting normally could wait on it.
@@ -82,8 +102,11 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         _write_atomically(out, text)
-        print(f"preflight baseline: wrote {out} (tflops_floor={baseline.config.compute.tflops_floor}, "
-              f"busbw_floor_gbps={baseline.config.collective.busbw_floor_gbps})", file=sys.stderr)
+        print(
+            f"preflight baseline: wrote {out} (tflops_floor={baseline.config.compute.tflops_floor}, "
+            f"busbw_floor_gbps={baseline.config.collective.busbw_floor_gbps})",
+            file=sys.stderr,
+        )
     return EXIT_PASS
 
 

@@ -29,8 +29,8 @@ class AllReduceResult:
     backend: str
     size_bytes: int
     iterations: int
-    time_s: float        # mean time of one all-reduce, slowest rank
-    algbw_gbps: float    # GB/s, 1e9 bytes
+    time_s: float  # mean time of one all-reduce, slowest rank
+    algbw_gbps: float  # GB/s, 1e9 bytes
     busbw_gbps: float
     correct: bool
 
@@ -46,7 +46,9 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int) -> tuple[flo
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None or not value.strip().isdigit():
-        raise SystemExit(f"preflight.collective: environment variable {name} must be a non-negative integer, got {value!r}")
+        raise SystemExit(
+            f"preflight.collective: environment variable {name} must be a non-negative integer, got {value!r}"
+        )
     return int(value)
 
 
@@ -84,13 +86,21 @@ def measure(size_bytes: int, iterations: int, warmup: int) -> AllReduceResult:
     correct = correct and _check_sum(dist, torch, tensor, rank, world, device)
     seconds = float(elapsed.item())
     algbw, busbw = bus_bandwidth(tensor.numel() * 4, seconds, world)
-    return AllReduceResult(world_size=world, backend=backend, size_bytes=tensor.numel() * 4,
-                           iterations=iterations, time_s=seconds, algbw_gbps=algbw, busbw_gbps=busbw,
-                           correct=correct)
+    return AllReduceResult(
+        world_size=world,
+        backend=backend,
+        size_bytes=tensor.numel() * 4,
+        iterations=iterations,
+        time_s=seconds,
+        algbw_gbps=algbw,
+        busbw_gbps=busbw,
+        correct=correct,
+    )
 
 
-def run_from_env(size_bytes: int, iterations: int, warmup: int, backend: str = "auto",
-                 timeout_s: float = 60.0) -> AllReduceResult:
+def run_from_env(
+    size_bytes: int, iterations: int, warmup: int, backend: str = "auto", timeout_s: float = 60.0
+) -> AllReduceResult:
     """Joins the group described by torchrun-style environment variables, measures, leaves."""
     import torch
     import torch.distributed as dist
@@ -101,8 +111,9 @@ def run_from_env(size_bytes: int, iterations: int, warmup: int, backend: str = "
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     try:
         return measure(size_bytes, iterations, warmup)
     finally:
@@ -110,7 +121,9 @@ def run_from_env(size_bytes: int, iterations: int, warmup: int, backend: str = "
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m preflight.collective", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m preflight.collective", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--size-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)

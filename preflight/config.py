@@ -26,19 +26,19 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
-    quick_budget_s: float = 15.0      # total wall-clock budget of `preflight run --quick`
-    full_budget_s: float = 120.0      # total wall-clock budget of `preflight run --full`
+    quick_budget_s: float = 15.0  # total wall-clock budget of `preflight run --quick`
+    full_budget_s: float = 120.0  # total wall-clock budget of `preflight run --full`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InventoryConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 10.0
-    expected_gpu_count: int = 0       # 0: not checked (the count is still reported)
-    driver_version: str = ""          # e.g. "550.127.05"; "": not checked
-    cuda_version: str = ""            # the driver's CUDA version, e.g. "12.4"; "": not checked
-    persistence_mode: str = "any"     # "on" | "off" | "any"
-    mig_mode: str = "any"             # "on" | "off" | "any"
+    expected_gpu_count: int = 0  # 0: not checked (the count is still reported)
+    driver_version: str = ""  # e.g. "550.127.05"; "": not checked
+    cuda_version: str = ""  # the driver's CUDA version, e.g. "12.4"; "": not checked
+    persistence_mode: str = "any"  # "on" | "off" | "any"
+    mig_mode: str = "any"  # "on" | "off" | "any"
     pcie_width_below_max: str = "fail"  # "fail" | "warn" | "ignore": x4 instead of x16 is a real fault
     # Idle GPUs lower their PCIe generation to save power, so a lower current generation is a warning.
     pcie_gen_below_max: str = "warn"
@@ -49,7 +49,7 @@ class InventoryConfig:
 class ErrorsConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 10.0
-    ecc_volatile_uncorrectable_max: int = 0   # above: FAIL (errors since the last driver load)
+    ecc_volatile_uncorrectable_max: int = 0  # above: FAIL (errors since the last driver load)
     ecc_aggregate_uncorrectable_max: int = 0  # above: WARN (lifetime count, includes repaired history)
     fail_throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "hw_power_brake")
     warn_throttle_reasons: tuple[str, ...] = ("sw_thermal",)
@@ -59,16 +59,16 @@ class ErrorsConfig:
 class XidConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 10.0
-    window_s: float = 3600.0          # Xid lines older than this (by kernel timestamp) are ignored
-    source: str = "auto"              # "auto" (kmsg, then dmesg) | "kmsg" | "dmesg" | a file path
+    window_s: float = 3600.0  # Xid lines older than this (by kernel timestamp) are ignored
+    source: str = "auto"  # "auto" (kmsg, then dmesg) | "kmsg" | "dmesg" | a file path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DcgmConfig:
     modes: tuple[str, ...] = MODES
-    dcgmi: str = "dcgmi"              # the dcgmi binary; absent: the check is skipped
-    quick_level: int = 1              # `dcgmi diag -r 1` in quick mode
-    full_level: int = 2               # `dcgmi diag -r 2` in full mode
+    dcgmi: str = "dcgmi"  # the dcgmi binary; absent: the check is skipped
+    quick_level: int = 1  # `dcgmi diag -r 1` in quick mode
+    full_level: int = 2  # `dcgmi diag -r 2` in full mode
     quick_timeout_s: float = 12.0
     full_timeout_s: float = 90.0
 
@@ -77,17 +77,17 @@ class DcgmConfig:
 class ComputeConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 60.0
-    device: str = "auto"              # "auto" (cuda if available) | "cuda" | "cpu"
-    isolate: bool = True              # in a child process: no torch, CUDA context or GPU memory stays in the caller
-    dtype: str = "auto"               # timed pass: "auto" (bfloat16 on cuda, float32 on cpu) | a torch dtype
-    size_quick: int = 4096            # matrix side on a GPU, quick mode
-    size_full: int = 8192             # matrix side on a GPU, full mode
-    size_cpu: int = 384               # matrix side on CPU (tests, CPU-only hosts)
+    device: str = "auto"  # "auto" (cuda if available) | "cuda" | "cpu"
+    isolate: bool = True  # in a child process: no torch, CUDA context or GPU memory stays in the caller
+    dtype: str = "auto"  # timed pass: "auto" (bfloat16 on cuda, float32 on cpu) | a torch dtype
+    size_quick: int = 4096  # matrix side on a GPU, quick mode
+    size_full: int = 8192  # matrix side on a GPU, full mode
+    size_cpu: int = 384  # matrix side on CPU (tests, CPU-only hosts)
     iterations_quick: int = 5
     iterations_full: int = 20
     iterations_cpu: int = 3
-    tflops_floor: float = 0.0         # per device; 0: not checked (set by `preflight baseline`)
-    gpu_spread_max: float = 0.15      # a GPU slower than the median by more than this fraction: FAIL
+    tflops_floor: float = 0.0  # per device; 0: not checked (set by `preflight baseline`)
+    gpu_spread_max: float = 0.15  # a GPU slower than the median by more than this fraction: FAIL
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,18 +98,18 @@ class CollectiveConfig:
     size_bytes_cpu: int = 4 * 1024 * 1024
     iterations: int = 10
     warmup: int = 2
-    cpu_processes: int = 2            # gloo ranks on a CPU-only host
-    busbw_floor_gbps: float = 0.0     # GB/s; 0: not checked (set by `preflight baseline`)
+    cpu_processes: int = 2  # gloo ranks on a CPU-only host
+    busbw_floor_gbps: float = 0.0  # GB/s; 0: not checked (set by `preflight baseline`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StorageConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 20.0
-    checkpoint_path: str = ""         # "": not checked
+    checkpoint_path: str = ""  # "": not checked
     free_space_floor_gb: float = 10.0
-    require_mount: bool = False       # the checkpoint path must be on its own mount, not the root fs
-    dataset_index: str = ""           # a file listing dataset shards; "": not checked
+    require_mount: bool = False  # the checkpoint path must be on its own mount, not the root fs
+    dataset_index: str = ""  # a file listing dataset shards; "": not checked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,8 +117,8 @@ class NetworkConfig:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 5.0
     sysfs_root: str = "/sys"
-    require_ib: bool = False          # no /sys/class/infiniband: FAIL instead of SKIP
-    nics: tuple[str, ...] = ()        # interfaces that must be up; (): every physical NIC found
+    require_ib: bool = False  # no /sys/class/infiniband: FAIL instead of SKIP
+    nics: tuple[str, ...] = ()  # interfaces that must be up; (): every physical NIC found
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,15 +194,19 @@ def config_from_mapping(data: dict[str, Any], where: str = "<config>") -> Prefli
     sections = {f.name: f for f in dataclasses.fields(PreflightConfig)}
     unknown = sorted(set(data) - set(sections))
     if unknown:
-        raise ConfigError(f"{where}: unknown section(s) [{'], ['.join(unknown)}]; known: {', '.join(sections)}")
+        raise ConfigError(
+            f"{where}: unknown section(s) [{'], ['.join(unknown)}]; known: {', '.join(sections)}"
+        )
     hints = typing.get_type_hints(PreflightConfig)
     built = {name: _load_section(hints[name], data[name], f"{where}: [{name}]") for name in data}
     config = PreflightConfig(**built)
     for key in ("fail_throttle_reasons", "warn_throttle_reasons"):
         bad = sorted(set(getattr(config.errors, key)) - set(THROTTLE_BITS))
         if bad:
-            raise ConfigError(f"{where}: [errors].{key}: unknown reason(s) {', '.join(bad)}; "
-                              f"known: {', '.join(THROTTLE_BITS)}")
+            raise ConfigError(
+                f"{where}: [errors].{key}: unknown reason(s) {', '.join(bad)}; "
+                f"known: {', '.join(THROTTLE_BITS)}"
+            )
     if config.run.quick_budget_s <= 0 or config.run.full_budget_s <= 0:
         raise ConfigError(f"{where}: [run] budgets must be positive")
     return config
@@ -224,7 +228,10 @@ def load_config(path: str | Path | None) -> PreflightConfig:
 
 def config_to_mapping(config: PreflightConfig) -> dict[str, dict[str, Any]]:
     return {
-        f.name: {k.name: getattr(getattr(config, f.name), k.name) for k in dataclasses.fields(getattr(config, f.name))}
+        f.name: {
+            k.name: getattr(getattr(config, f.name), k.name)
+            for k in dataclasses.fields(getattr(config, f.name))
+        }
         for f in dataclasses.fields(config)
     }
 

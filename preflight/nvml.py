@@ -165,16 +165,23 @@ class PynvmlAdapter:
     def ecc_uncorrected(self, index: int, *, volatile: bool) -> int:
         nv = self._nvml
         counter = nv.NVML_VOLATILE_ECC if volatile else nv.NVML_AGGREGATE_ECC
-        return int(self._call(nv.nvmlDeviceGetTotalEccErrors, self._handle(index),
-                              nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter))
+        return int(
+            self._call(
+                nv.nvmlDeviceGetTotalEccErrors,
+                self._handle(index),
+                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                counter,
+            )
+        )
 
     def retired_pages_pending(self, index: int) -> bool:
         return bool(self._call(self._nvml.nvmlDeviceGetRetiredPagesPendingStatus, self._handle(index)))
 
     def remapped_rows(self, index: int) -> RemappedRows:
         corr, unc, pending, failure = self._call(self._nvml.nvmlDeviceGetRemappedRows, self._handle(index))
-        return RemappedRows(correctable=int(corr), uncorrectable=int(unc), pending=bool(pending),
-                            failure=bool(failure))
+        return RemappedRows(
+            correctable=int(corr), uncorrectable=int(unc), pending=bool(pending), failure=bool(failure)
+        )
 
     def recovery_action(self, index: int) -> int:
         nv = self._nvml
@@ -201,12 +208,17 @@ class PynvmlAdapter:
 
     def throttle_reasons(self, index: int) -> int:
         nv = self._nvml
-        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        fn = (
+            getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         return int(self._call(fn, self._handle(index)))
 
     def persistence_mode(self, index: int) -> bool:
         nv = self._nvml
-        return int(self._call(nv.nvmlDeviceGetPersistenceMode, self._handle(index))) == nv.NVML_FEATURE_ENABLED
+        return (
+            int(self._call(nv.nvmlDeviceGetPersistenceMode, self._handle(index))) == nv.NVML_FEATURE_ENABLED
+        )
 
     def mig_mode(self, index: int) -> tuple[bool, bool]:
         current, pending = self._call(self._nvml.nvmlDeviceGetMigMode, self._handle(index))

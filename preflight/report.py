@@ -12,8 +12,8 @@ from runwarden.v1 import common_pb2
 REPORT_SCHEMA = "runwarden.preflight.report"
 REPORT_VERSION = 1
 
-EXIT_PASS = 0        # no FAIL (WARN and SKIP do not fail a node)
-EXIT_FAIL = 1        # at least one FAIL
+EXIT_PASS = 0  # no FAIL (WARN and SKIP do not fail a node)
+EXIT_FAIL = 1  # at least one FAIL
 EXIT_CANNOT_RUN = 2  # bad config or arguments, or the runner itself could not run
 
 
@@ -25,7 +25,7 @@ def result_label(result: CheckResult) -> str:
 class PreflightReport:
     mode: str
     host: str
-    started_at: float            # wall clock, seconds since the epoch
+    started_at: float  # wall clock, seconds since the epoch
     duration_s: float
     budget_s: float
     results: tuple[CheckResult, ...]
@@ -86,10 +86,15 @@ class PreflightReport:
         if data.get("version") != REPORT_VERSION:
             raise ValueError(f"preflight report version {data.get('version')!r} is not {REPORT_VERSION}")
         try:
-            return cls(mode=str(data["mode"]), host=str(data["host"]), started_at=float(data["started_at"]),
-                       duration_s=float(data["duration_s"]), budget_s=float(data["budget_s"]),
-                       results=tuple(CheckResult.from_json(r) for r in data["results"]),
-                       abandoned=tuple(str(a) for a in data.get("abandoned", ())))
+            return cls(
+                mode=str(data["mode"]),
+                host=str(data["host"]),
+                started_at=float(data["started_at"]),
+                duration_s=float(data["duration_s"]),
+                budget_s=float(data["budget_s"]),
+                results=tuple(CheckResult.from_json(r) for r in data["results"]),
+                abandoned=tuple(str(a) for a in data.get("abandoned", ())),
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed preflight report: {exc}") from exc
 
@@ -101,7 +106,9 @@ class PreflightReport:
                 value += f" (limit {r.threshold:.4g})"
             rows.append((r.status.value, result_label(r), value, f"{r.duration_s:.2f}s", r.message))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4] for row in rows]
+        lines = [
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4] for row in rows
+        ]
         for r in self.results:
             if r.status in (CheckStatus.FAIL, CheckStatus.WARN) and r.remedy:
                 lines.append(f"  remedy for {result_label(r)}: {r.remedy}")
@@ -109,6 +116,8 @@ class PreflightReport:
                 lines += [f"    {result_label(r)}: {e}" for e in r.evidence]
         verdict = "PASSED" if self.passed else "FAILED"
         counts = ", ".join(f"{self.count(s)} {s.value}" for s in CheckStatus)
-        lines.append(f"preflight {self.mode} on {self.host}: {verdict} ({counts}) in {self.duration_s:.1f} s "
-                     f"of a {self.budget_s:.0f} s budget")
+        lines.append(
+            f"preflight {self.mode} on {self.host}: {verdict} ({counts}) in {self.duration_s:.1f} s "
+            f"of a {self.budget_s:.0f} s budget"
+        )
         return "\n".join(lines)

@@ -75,8 +75,13 @@ class _Run:
         try:
             results = spec.run(self.ctx)
         except Exception as exc:  # a check's bug is a result, never a crashed runner
-            results = [failed(spec.name, f"check crashed: {type(exc).__name__}: {exc}",
-                              remedy="a preflight bug or an unexpected node state: read the message")]
+            results = [
+                failed(
+                    spec.name,
+                    f"check crashed: {type(exc).__name__}: {exc}",
+                    remedy="a preflight bug or an unexpected node state: read the message",
+                )
+            ]
         self.done.put((spec.name, results, self.clock() - started))
 
     def finish(self, name: str, results: list[CheckResult], duration: float) -> None:
@@ -91,20 +96,28 @@ class _Run:
         for r in expired:
             del self.running[r.spec.name]
             self.abandoned.append(r.spec.name)
-            self.emit(failed(r.spec.name, f"timed out after {now - r.started:.1f} s; its results are unknown",
-                             duration_s=now - r.started,
-                             remedy="a hung check usually means a hung GPU, driver or mount: inspect the node"))
+            self.emit(
+                failed(
+                    r.spec.name,
+                    f"timed out after {now - r.started:.1f} s; its results are unknown",
+                    duration_s=now - r.started,
+                    remedy="a hung check usually means a hung GPU, driver or mount: inspect the node",
+                )
+            )
         return [r.spec for r in expired]
 
 
-def select_specs(config: PreflightConfig, mode: str, only: Iterable[str] = (),
-                 specs: Sequence[CheckSpec] = ALL_SPECS) -> list[CheckSpec]:
+def select_specs(
+    config: PreflightConfig, mode: str, only: Iterable[str] = (), specs: Sequence[CheckSpec] = ALL_SPECS
+) -> list[CheckSpec]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     wanted = set(only)
     unknown = wanted - {s.name for s in specs}
     if unknown:
-        raise ValueError(f"unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(s.name for s in specs)}")
+        raise ValueError(
+            f"unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(s.name for s in specs)}"
+        )
     return [s for s in specs if (s.name in wanted if wanted else mode in s.modes(config))]
 
 
@@ -128,8 +141,11 @@ def run_preflight(
     budget = budget_s if budget_s and budget_s > 0 else config.budget_s(mode)
     started_wall, started = time.time(), clock()
     nvml = NvmlSession(nvml_factory)
-    run = _Run(ctx=CheckContext(config=config, mode=mode, nvml=nvml, deadline=started + budget),
-               clock=clock, on_result=on_result)
+    run = _Run(
+        ctx=CheckContext(config=config, mode=mode, nvml=nvml, deadline=started + budget),
+        clock=clock,
+        on_result=on_result,
+    )
     serial = [s for s in chosen if s.serial]
     for spec in chosen:
         if not spec.serial:
@@ -151,6 +167,12 @@ def run_preflight(
         next_serial()
     if not run.abandoned:
         nvml.close()  # an abandoned NVML call may still be running; leave the library loaded then
-    return PreflightReport(mode=mode, host=socket.gethostname(), started_at=started_wall,
-                           duration_s=clock() - started, budget_s=budget, results=tuple(run.results),
-                           abandoned=tuple(run.abandoned))
+    return PreflightReport(
+        mode=mode,
+        host=socket.gethostname(),
+        started_at=started_wall,
+        duration_s=clock() - started,
+        budget_s=budget,
+        results=tuple(run.results),
+        abandoned=tuple(run.abandoned),
+    )

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from runwarden.v1 import common_pb2
 
-MAX_LINE_CHARS = 4096   # longer input is cut before matching: bounded work per line
-MAX_RAW_CHARS = 512     # what an XidEvent keeps of its line
+MAX_LINE_CHARS = 4096  # longer input is cut before matching: bounded work per line
+MAX_RAW_CHARS = 512  # what an XidEvent keeps of its line
 
 
 class XidSeverity(enum.Enum):
@@ -45,25 +45,37 @@ F, W, A = XidSeverity.FATAL, XidSeverity.WARNING, XidSeverity.APPLICATION
 # code -> (severity, short description). Source: NVIDIA Xid catalog (docs.nvidia.com/deploy/xid-errors),
 # "Xid Error Listing" table and the per-Xid sections on recommended actions.
 XID_TABLE: dict[int, tuple[XidSeverity, str]] = {
-    13: (A, "Graphics Engine Exception"),                     # catalog: usually an application bug (e.g. out-of-range access)
-    31: (A, "GPU memory page fault"),                         # catalog: illegal memory access by the application
-    43: (A, "GPU stopped processing"),                        # catalog: the application hit a software-induced fault
-    45: (A, "Preemptive cleanup, due to previous errors"),    # catalog: seen when a process is killed / exits after errors
-    48: (F, "Double Bit ECC Error"),                          # catalog: DBE; reset the GPU; RMA if it recurs
-    61: (W, "Internal micro-controller breakpoint/warning"),  # catalog: firmware warning; report if persistent
-    62: (F, "Internal micro-controller halt"),                # catalog: firmware halt; GPU reset required
-    63: (W, "ECC page retirement or row remapping recording event"),  # catalog: recorded; takes effect at next reset
-    64: (F, "ECC page retirement or row remapper recording failure"),  # catalog: recording failed; drain + diagnose
-    74: (F, "NVLink Error"),                                  # catalog: NVLink hardware error; reset, check the link
-    79: (F, "GPU has fallen off the bus"),                    # catalog: GPU no longer reachable; node reboot / reseat
-    92: (W, "High single-bit ECC error rate"),                # catalog: SBE rate high; watch, RMA if it persists
-    94: (F, "Contained ECC error"),                           # catalog: uncorrectable error contained to one app;
-                                                              # row remap pending until a GPU reset, so drain + reset
-    95: (F, "Uncontained ECC error"),                         # catalog: all apps on the GPU affected; GPU reset required
-    119: (F, "GSP RPC timeout"),                              # catalog: GPU System Processor timed out; reset the GPU
-    120: (F, "GSP error"),                                    # catalog: GSP firmware error; reset the GPU
-    140: (F, "Unrecovered ECC error"),                        # catalog: ECC error the driver could not recover
-    154: (F, "GPU recovery action changed"),                  # catalog (R550+): NVML recovery action set (reset/reboot/drain)
+    13: (A, "Graphics Engine Exception"),  # catalog: usually an application bug (e.g. out-of-range access)
+    31: (A, "GPU memory page fault"),  # catalog: illegal memory access by the application
+    43: (A, "GPU stopped processing"),  # catalog: the application hit a software-induced fault
+    45: (
+        A,
+        "Preemptive cleanup, due to previous errors",
+    ),  # catalog: seen when a process is killed / exits after errors
+    48: (F, "Double Bit ECC Error"),  # catalog: DBE; reset the GPU; RMA if it recurs
+    61: (
+        W,
+        "Internal micro-controller breakpoint/warning",
+    ),  # catalog: firmware warning; report if persistent
+    62: (F, "Internal micro-controller halt"),  # catalog: firmware halt; GPU reset required
+    63: (
+        W,
+        "ECC page retirement or row remapping recording event",
+    ),  # catalog: recorded; takes effect at next reset
+    64: (
+        F,
+        "ECC page retirement or row remapper recording failure",
+    ),  # catalog: recording failed; drain + diagnose
+    74: (F, "NVLink Error"),  # catalog: NVLink hardware error; reset, check the link
+    79: (F, "GPU has fallen off the bus"),  # catalog: GPU no longer reachable; node reboot / reseat
+    92: (W, "High single-bit ECC error rate"),  # catalog: SBE rate high; watch, RMA if it persists
+    94: (F, "Contained ECC error"),  # catalog: uncorrectable error contained to one app;
+    # row remap pending until a GPU reset, so drain + reset
+    95: (F, "Uncontained ECC error"),  # catalog: all apps on the GPU affected; GPU reset required
+    119: (F, "GSP RPC timeout"),  # catalog: GPU System Processor timed out; reset the GPU
+    120: (F, "GSP error"),  # catalog: GSP firmware error; reset the GPU
+    140: (F, "Unrecovered ECC error"),  # catalog: ECC error the driver could not recover
+    154: (F, "GPU recovery action changed"),  # catalog (R550+): NVML recovery action set (reset/reboot/drain)
 }
 
 # `NVRM: Xid (PCI:0000:3b:00): 79, rest` ; PCI id as the driver prints it (domain optional).
@@ -79,13 +91,13 @@ _KMSG_RE = re.compile(r"^(?P<pri>\d{1,4}),(?P<seq>\d{1,20}),(?P<usec>\d{1,20}),[
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XidEvent:
     xid: int
-    pci_bus_id: str            # as printed by the driver, e.g. "0000:3b:00"
+    pci_bus_id: str  # as printed by the driver, e.g. "0000:3b:00"
     severity: XidSeverity
     description: str
-    detail: str                # the driver's text after the code, bounded
+    detail: str  # the driver's text after the code, bounded
     pid: int | None
     timestamp_s: float | None  # seconds since boot from the dmesg/kmsg prefix, when the line has one
-    raw: str                   # the line, bounded
+    raw: str  # the line, bounded
 
 
 def classify_xid(code: int) -> tuple[XidSeverity, str]:

@@ -52,8 +52,9 @@ def _name(cn: str, org: str = "") -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     # Created 0600 from the start: never world-readable, not even for a moment.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -65,8 +66,9 @@ def _check_stem(stem: str) -> None:
         raise CertError(f"name {stem!r}: use letters, digits, '.', '_' or '-' (at most 64)")
 
 
-def create_ca(directory: Path, *, name: str = "runwarden cluster CA", days: int = 3650,
-              overwrite: bool = False) -> IssuedFiles:
+def create_ca(
+    directory: Path, *, name: str = "runwarden cluster CA", days: int = 3650, overwrite: bool = False
+) -> IssuedFiles:
     """Write ca.pem and ca.key into `directory`; refuses to replace an existing CA unless asked."""
     directory.mkdir(parents=True, exist_ok=True)
     files = IssuedFiles(cert=directory / f"{CA_STEM}.pem", key=directory / f"{CA_STEM}.key")
@@ -78,13 +80,28 @@ def create_ca(directory: Path, *, name: str = "runwarden cluster CA", days: int 
     now = dt.datetime.now(dt.UTC)
     subject = _name(name)
     cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(key, hashes.SHA256())
     )
     _write_key(files.key, key)
@@ -98,7 +115,9 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     except FileNotFoundError as exc:
-        raise CertError(f"no CA in {directory} ({Path(exc.filename).name} missing); run `certs init` first") from None
+        raise CertError(
+            f"no CA in {directory} ({Path(exc.filename).name} missing); run `certs init` first"
+        ) from None
     except (ValueError, TypeError):
         # never echo the file's bytes: it is a private key
         raise CertError(f"{cert_path} / {key_path}: not a PEM CA certificate and unencrypted key") from None
@@ -119,8 +138,16 @@ def _san(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def issue(ca_dir: Path, stem: str, *, role: str, common_name: str = "", hosts: Sequence[str] = (),
-          days: int = 365, out_dir: Path | None = None) -> IssuedFiles:
+def issue(
+    ca_dir: Path,
+    stem: str,
+    *,
+    role: str,
+    common_name: str = "",
+    hosts: Sequence[str] = (),
+    days: int = 365,
+    out_dir: Path | None = None,
+) -> IssuedFiles:
     """Sign a new key for `role` with the CA in `ca_dir`; writes <stem>.pem and <stem>.key."""
     _check_stem(stem)
     if role not in ROLES:
@@ -134,12 +161,17 @@ def issue(ca_dir: Path, stem: str, *, role: str, common_name: str = "", hosts: S
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
-    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if role == "server" else [])
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + (
+        [ExtendedKeyUsageOID.SERVER_AUTH] if role == "server" else []
+    )
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name or stem, ADMIN_ORGANIZATION if role == "admin" else ""))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )

@@ -53,12 +53,12 @@ class EventLogRead:
 
 def encode_event(event: events_pb2.Event) -> bytes:
     """One event as one JSON line (protobuf JSON mapping, field names as in the .proto)."""
-    text = json_format.MessageToJson(
-        event, preserving_proto_field_name=True, indent=None, sort_keys=True
-    )
+    text = json_format.MessageToJson(event, preserving_proto_field_name=True, indent=None, sort_keys=True)
     data = text.encode() + b"\n"
     if len(data) > MAX_LINE_BYTES:
-        raise EventLogError(f"event seq={event.seq} is {len(data)} bytes, over the {MAX_LINE_BYTES}-byte limit")
+        raise EventLogError(
+            f"event seq={event.seq} is {len(data)} bytes, over the {MAX_LINE_BYTES}-byte limit"
+        )
     return data
 
 
@@ -117,7 +117,9 @@ def parse_log_bytes(data: bytes) -> EventLogRead:
                 # An invalid final line is a torn write that happened to end on a newline byte.
                 torn = raw[:200].decode("utf-8", "replace")
             else:
-                errors.append(LineError(line_no=i, reason=str(exc), excerpt=raw[:120].decode("utf-8", "replace")))
+                errors.append(
+                    LineError(line_no=i, reason=str(exc), excerpt=raw[:120].decode("utf-8", "replace"))
+                )
             continue
         if ev.seq <= last_seq:
             errors.append(
@@ -140,7 +142,9 @@ class EventLog:
         self._lock = threading.Lock()
         existing = read_events(self.path)
         if existing.torn_tail is not None:
-            log.warning("event log %s: torn last line from a crash skipped: %r", self.path, existing.torn_tail[:80])
+            log.warning(
+                "event log %s: torn last line from a crash skipped: %r", self.path, existing.torn_tail[:80]
+            )
             self._truncate_torn_tail()
         for err in existing.errors:
             log.warning("event log %s: line %d unreadable: %s", self.path, err.line_no, err.reason)

@@ -31,6 +31,7 @@ DEFAULT_ROOT = "/runwarden"
 # 16 digits hold any step or sequence number a run will ever reach and keep keys short.
 NUMBER_DIGITS = 16
 
+
 def validate_number(number: object, what: str) -> int:
     """Return ``number`` if it is a non-negative int that fits the zero-padded key field."""
     if isinstance(number, bool) or not isinstance(number, int):

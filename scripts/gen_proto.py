@@ -57,7 +57,10 @@ def main() -> int:
                 if not (target / p.name).exists() or not filecmp.cmp(p, target / p.name, shallow=False)
             ]
             if stale:
-                print(f"stubs out of date with proto/: {', '.join(stale)}; run scripts/gen_proto.py", file=sys.stderr)
+                print(
+                    f"stubs out of date with proto/: {', '.join(stale)}; run scripts/gen_proto.py",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"stubs match proto/ ({len(generated)} files)")
             return 0

@@ -6,7 +6,7 @@ RUNWARDEN_WITH_SLURM=1 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== proto stubs"; python scripts/gen_proto.py --check
-echo "== ruff";        ruff check .
+echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== pytest"
 set +e

@@ -92,7 +92,11 @@ def _matches(ev: events_pb2.Event, run: str, kinds: frozenset[int]) -> bool:
 
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(
-        self, view: ControllerView, policy: AccessPolicy | None = None, *, poll_s: float = WATCH_POLL_S,
+        self,
+        view: ControllerView,
+        policy: AccessPolicy | None = None,
+        *,
+        poll_s: float = WATCH_POLL_S,
         max_watches: int = 8,
     ) -> None:
         self._view = view
@@ -196,8 +200,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
         run, kinds = self._call(context, check)
         if not self._watches.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self._max_watches} event streams are open already; try again later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_watches} event streams are open already; try again later",
+            )
         try:
             for ev in follow_events(
                 self._view.event_log_path,

@@ -41,7 +41,9 @@ def _parse(cls: type[M], kv: KeyValue | None) -> M | None:
 
 
 class StoreBackedView:
-    def __init__(self, store: Store, event_log_path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, store: Store, event_log_path: str | Path, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self._store = store
         self._keys = store.keys
         self._event_log_path = Path(event_log_path)
@@ -67,12 +69,15 @@ class StoreBackedView:
 
     def _run_names(self) -> list[str]:
         runs_prefix = self._keys.base + "runs/"
-        names = {kv.key[len(runs_prefix):].split("/", 1)[0] for kv in self._prefix(runs_prefix)}
+        names = {kv.key[len(runs_prefix) :].split("/", 1)[0] for kv in self._prefix(runs_prefix)}
         return sorted(n for n in names if n)
 
     def run_statuses(self) -> Sequence[controller_pb2.RunStatus]:
-        ended = {e.run: e for e in read_events(self._event_log_path).events
-                 if e.kind == events_pb2.EVENT_KIND_RUN_END}
+        ended = {
+            e.run: e
+            for e in read_events(self._event_log_path).events
+            if e.kind == events_pb2.EVENT_KIND_RUN_END
+        }
         return [self._run_status(run, ended.get(run)) for run in self._run_names()]
 
     def _run_status(self, run: str, end: events_pb2.Event | None) -> controller_pb2.RunStatus:
@@ -80,16 +85,24 @@ class StoreBackedView:
         spec = _parse(store_pb2.RunSpec, self._get(self._keys.spec(run)))
         attempt = _parse(store_pb2.AttemptRecord, self._get(self._keys.attempt(run)))
         stop = _parse(store_pb2.StopRequest, self._get(self._keys.stop(run)))
-        progress = [p for kv in self._prefix(self._keys.progress_prefix(run))
-                    if (p := _parse(store_pb2.NodeProgress, kv)) is not None]
-        commits = [c for kv in self._prefix(self._keys.checkpoints_prefix(run))
-                   if (c := _parse(store_pb2.CheckpointCommit, kv)) is not None]
+        progress = [
+            p
+            for kv in self._prefix(self._keys.progress_prefix(run))
+            if (p := _parse(store_pb2.NodeProgress, kv)) is not None
+        ]
+        commits = [
+            c
+            for kv in self._prefix(self._keys.checkpoints_prefix(run))
+            if (c := _parse(store_pb2.CheckpointCommit, kv)) is not None
+        ]
         number = attempt.attempt if attempt else 0
         current = [p for p in progress if p.attempt == number]
         steps = [r.step for p in current for r in p.ranks]
         last_write = max((p.written_at for p in current), default=0.0)
         status = controller_pb2.RunStatus(
-            run=run, attempt=number, current_step=max(steps, default=-1),
+            run=run,
+            attempt=number,
+            current_step=max(steps, default=-1),
             last_committed_step=max((c.step for c in commits), default=-1),
             restart_budget_left=max(0, spec.max_attempts - number) if spec else 0,
             since_last_progress_s=max(0.0, now - last_write) if last_write else -1.0,
@@ -100,9 +113,13 @@ class StoreBackedView:
         return status
 
     @staticmethod
-    def _phase(end: events_pb2.Event | None, stop: store_pb2.StopRequest | None,
-               attempt: store_pb2.AttemptRecord | None, last_write: float,
-               now: float) -> tuple[controller_pb2.RunPhase.ValueType, str]:
+    def _phase(
+        end: events_pb2.Event | None,
+        stop: store_pb2.StopRequest | None,
+        attempt: store_pb2.AttemptRecord | None,
+        last_write: float,
+        now: float,
+    ) -> tuple[controller_pb2.RunPhase.ValueType, str]:
         if end is not None:
             outcome = end.run_detail.outcome
             if outcome in ("completed", "stopped"):
@@ -120,25 +137,41 @@ class StoreBackedView:
 
     def node_infos(self) -> Sequence[controller_pb2.NodeInfo]:
         k = self._keys
-        records = {k.name_under(k.nodes_prefix(), kv.key): r for kv in self._prefix(k.nodes_prefix())
-                   if (r := _parse(store_pb2.NodeRecord, kv)) is not None}
-        pool = {k.name_under(k.pool_prefix(), kv.key): e for kv in self._prefix(k.pool_prefix())
-                if (e := _parse(store_pb2.PoolEntry, kv)) is not None}
-        reps = {k.name_under(k.reputation_prefix(), kv.key): rp for kv in self._prefix(k.reputation_prefix())
-                if (rp := _parse(store_pb2.Reputation, kv)) is not None}
+        records = {
+            k.name_under(k.nodes_prefix(), kv.key): r
+            for kv in self._prefix(k.nodes_prefix())
+            if (r := _parse(store_pb2.NodeRecord, kv)) is not None
+        }
+        pool = {
+            k.name_under(k.pool_prefix(), kv.key): e
+            for kv in self._prefix(k.pool_prefix())
+            if (e := _parse(store_pb2.PoolEntry, kv)) is not None
+        }
+        reps = {
+            k.name_under(k.reputation_prefix(), kv.key): rp
+            for kv in self._prefix(k.reputation_prefix())
+            if (rp := _parse(store_pb2.Reputation, kv)) is not None
+        }
         evidence: dict[str, list[common_pb2.Evidence]] = {}
         for kv in self._prefix(k.evidence_prefix()):
             rec = _parse(store_pb2.EvidenceRecord, kv)
             if rec is not None:
                 evidence.setdefault(rec.evidence.node, []).append(rec.evidence)
         now = self._clock()
-        return [self._node_info(n, records.get(n), pool.get(n), reps.get(n), evidence.get(n, []), now)
-                for n in sorted(set(records) | set(pool))]
+        return [
+            self._node_info(n, records.get(n), pool.get(n), reps.get(n), evidence.get(n, []), now)
+            for n in sorted(set(records) | set(pool))
+        ]
 
     @staticmethod
-    def _node_info(name: str, rec: store_pb2.NodeRecord | None, entry: store_pb2.PoolEntry | None,
-                   rep: store_pb2.Reputation | None, evidence: list[common_pb2.Evidence],
-                   now: float) -> controller_pb2.NodeInfo:
+    def _node_info(
+        name: str,
+        rec: store_pb2.NodeRecord | None,
+        entry: store_pb2.PoolEntry | None,
+        rep: store_pb2.Reputation | None,
+        evidence: list[common_pb2.Evidence],
+        now: float,
+    ) -> controller_pb2.NodeInfo:
         info = controller_pb2.NodeInfo(node=name, alive=rec is not None, evidence=evidence[-20:])
         if rec is not None:
             info.address, info.state, info.gpu_count = rec.address, rec.state, rec.gpu_count

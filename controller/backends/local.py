@@ -77,16 +77,31 @@ class LocalBackend:
     def allocate(self, nodes: int, spares: int) -> Allocation:
         raise BackendError("the local fleet is static: a node joins when its agent starts")
 
-    def requests(self, spec: AttemptSpec, *, endpoint: str) -> list[tuple[str, agent_pb2.LaunchWorkersRequest]]:
+    def requests(
+        self, spec: AttemptSpec, *, endpoint: str
+    ) -> list[tuple[str, agent_pb2.LaunchWorkersRequest]]:
         """Each node's launch request; node rank = the node's place in `spec.nodes`."""
         out = []
         for rank, node in enumerate(spec.nodes):
-            argv = torchrun_argv(spec, endpoint=endpoint, torchrun=self.config.torchrun, node_rank=rank,
-                                 no_python=False)
-            out.append((node, agent_pb2.LaunchWorkersRequest(
-                run=spec.run, attempt=spec.attempt, rendezvous_id=spec.rendezvous_id, argv=argv,
-                env=attempt_env(spec, node=node), node_rank=rank, nnodes=len(spec.nodes),
-                resume_step=spec.resume_step, leader_fence=spec.leader_fence)))
+            argv = torchrun_argv(
+                spec, endpoint=endpoint, torchrun=self.config.torchrun, node_rank=rank, no_python=False
+            )
+            out.append(
+                (
+                    node,
+                    agent_pb2.LaunchWorkersRequest(
+                        run=spec.run,
+                        attempt=spec.attempt,
+                        rendezvous_id=spec.rendezvous_id,
+                        argv=argv,
+                        env=attempt_env(spec, node=node),
+                        node_rank=rank,
+                        nnodes=len(spec.nodes),
+                        resume_step=spec.resume_step,
+                        leader_fence=spec.leader_fence,
+                    ),
+                )
+            )
         return out
 
     def launch(self, spec: AttemptSpec) -> AttemptHandle:
@@ -94,9 +109,14 @@ class LocalBackend:
         handle = AttemptHandle(spec=spec, ref=f"local:{spec.rendezvous_id}")
         reqs = self.requests(spec, endpoint=f"{self.config.rdzv_host}:{_free_port()}")
         with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
-            outcomes = list(pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs))
-        failures = tuple(NodeLaunchFailure(node=o.node, temporary=o.temporary, reason=o.error)
-                         for o in outcomes if not o.ok)
+            outcomes = list(
+                pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs)
+            )
+        failures = tuple(
+            NodeLaunchFailure(node=o.node, temporary=o.temporary, reason=o.error)
+            for o in outcomes
+            if not o.ok
+        )
         if failures:
             raise LaunchIncomplete(handle, failures)
         return handle
@@ -106,11 +126,15 @@ class LocalBackend:
         spec = handle.spec
         req = agent_pb2.StopWorkersRequest(run=spec.run, attempt=spec.attempt, grace_s=grace_s)
         with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes)), thread_name_prefix="stop") as pool:
-            outcomes = list(pool.map(lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s),
-                                     spec.nodes))
+            outcomes = list(
+                pool.map(lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes)
+            )
         failed = tuple(o.node for o in outcomes if not o.ok)
-        return AttemptStatus(state=AttemptState.UNKNOWN if failed else AttemptState.STOPPED, failed_nodes=failed,
-                             detail="; ".join(f"{o.node}: {o.error}" for o in outcomes if not o.ok))
+        return AttemptStatus(
+            state=AttemptState.UNKNOWN if failed else AttemptState.STOPPED,
+            failed_nodes=failed,
+            detail="; ".join(f"{o.node}: {o.error}" for o in outcomes if not o.ok),
+        )
 
     def status(self, handle: AttemptHandle) -> AttemptStatus:
         """Running while any node runs a worker of the attempt; an agent that does not answer is a failed node."""
@@ -121,7 +145,9 @@ class LocalBackend:
             if resp is None:
                 unreachable.append(node)
                 continue
-            running |= any(w.run == spec.run and w.attempt == spec.attempt and w.running for w in resp.workers)
+            running |= any(
+                w.run == spec.run and w.attempt == spec.attempt and w.running for w in resp.workers
+            )
         state = AttemptState.RUNNING if running else AttemptState.UNKNOWN
         return AttemptStatus(state=state, failed_nodes=tuple(unreachable))
 

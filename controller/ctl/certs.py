@@ -42,8 +42,15 @@ def run(args: argparse.Namespace) -> int:
         if args.certs_verb == "init":
             files = create_ca(args.dir, name=args.name, days=args.days, overwrite=args.force)
         else:
-            files = issue(args.dir, args.stem, role=args.role, common_name=args.cn, hosts=args.host,
-                          days=args.days, out_dir=args.out)
+            files = issue(
+                args.dir,
+                args.stem,
+                role=args.role,
+                common_name=args.cn,
+                hosts=args.host,
+                days=args.days,
+                out_dir=args.out,
+            )
     except (CertError, OSError) as exc:
         print(f"controllerctl certs: {exc}", file=sys.stderr)
         return 1

@@ -41,8 +41,11 @@ _KINDS = {
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "chaos", help="inject a fault into a node (drills, demos, tests)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "chaos",
+        help="inject a fault into a node (drills, demos, tests)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("node", help="the node's name")
     p.add_argument("fault", choices=sorted(_KINDS), help="what to break")
     p.add_argument("--local-rank", type=int, default=0, help="which local rank (default 0)")
@@ -59,8 +62,12 @@ def _request(args: argparse.Namespace) -> agent_pb2.InjectFaultRequest:
         raise CtlError(f"--local-rank must be within 0..4096, got {args.local_rank}", ExitCode.USAGE)
     if args.fault == "slow-rank" and not 0 < args.seconds <= 3600:
         raise CtlError("slow-rank needs --seconds within (0, 3600]", ExitCode.USAGE)
-    return agent_pb2.InjectFaultRequest(kind=_KINDS[args.fault], local_rank=args.local_rank,
-                                        value=args.seconds, line=args.line if args.fault == "xid" else "")
+    return agent_pb2.InjectFaultRequest(
+        kind=_KINDS[args.fault],
+        local_rank=args.local_rank,
+        value=args.seconds,
+        line=args.line if args.fault == "xid" else "",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             resp = agent_pb2_grpc.NodeAgentStub(channel).InjectFault(req, timeout=cfg.timeout_s)
         except grpc.RpcError as err:
-            if args.fault == "kill-agent" and isinstance(err, grpc.Call) \
-                    and err.code() == grpc.StatusCode.UNAVAILABLE:
+            if (
+                args.fault == "kill-agent"
+                and isinstance(err, grpc.Call)
+                and err.code() == grpc.StatusCode.UNAVAILABLE
+            ):
                 resp = agent_pb2.InjectFaultResponse(detail="agent exited")  # it died answering: the point
             else:
                 raise rpc_error(err, agent_address) from None
@@ -92,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"controllerctl chaos: {exc}", file=sys.stderr)
         return int(exc.code)
     if args.json:
-        print(json.dumps({"node": args.node, "fault": args.fault, "agent": agent_address, "detail": resp.detail}))
+        print(
+            json.dumps(
+                {"node": args.node, "fault": args.fault, "agent": agent_address, "detail": resp.detail}
+            )
+        )
     else:
         print(f"{args.node}: {args.fault} injected via {agent_address}: {resp.detail}")
     return 0

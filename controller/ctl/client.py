@@ -30,30 +30,36 @@ from runwarden.v1 import controller_pb2_grpc
 DEFAULT_ADDRESS = "127.0.0.1:7070"
 ENV_ADDRESS = "RUNWARDEN_CONTROLLER"
 ENV_CONFIG = "RUNWARDEN_CTL_CONFIG"
-CONFIG_CANDIDATES = (Path("~/.config/runwarden/controllerctl.toml"), Path("/etc/runwarden/controllerctl.toml"))
+CONFIG_CANDIDATES = (
+    Path("~/.config/runwarden/controllerctl.toml"),
+    Path("/etc/runwarden/controllerctl.toml"),
+)
 
 
 class ExitCode(enum.IntEnum):
     """controllerctl's exit codes (also in `controllerctl --help`)."""
 
     OK = 0
-    FAILED = 1          # the controller refused or failed the request
-    USAGE = 2           # bad arguments or configuration (also argparse's code)
-    UNREACHABLE = 3     # no controller answered at the address
-    PERMISSION = 4      # the certificate is not allowed to do this (read-only), or was rejected
-    NOT_FOUND = 5       # the node or run does not exist
-    INTERRUPTED = 130   # Ctrl-C
+    FAILED = 1  # the controller refused or failed the request
+    USAGE = 2  # bad arguments or configuration (also argparse's code)
+    UNREACHABLE = 3  # no controller answered at the address
+    PERMISSION = 4  # the certificate is not allowed to do this (read-only), or was rejected
+    NOT_FOUND = 5  # the node or run does not exist
+    INTERRUPTED = 130  # Ctrl-C
 
 
-EXIT_CODE_HELP = "\n".join(f"  {int(c):>3}  {c.name.lower().replace('_', ' ')}: {_doc}" for c, _doc in [
-    (ExitCode.OK, "success"),
-    (ExitCode.FAILED, "the controller refused or failed the request"),
-    (ExitCode.USAGE, "bad arguments, config file or input file"),
-    (ExitCode.UNREACHABLE, "no controller answered at the address"),
-    (ExitCode.PERMISSION, "permission denied (a read-only certificate, or TLS rejected)"),
-    (ExitCode.NOT_FOUND, "no such node or run"),
-    (ExitCode.INTERRUPTED, "interrupted"),
-])
+EXIT_CODE_HELP = "\n".join(
+    f"  {int(c):>3}  {c.name.lower().replace('_', ' ')}: {_doc}"
+    for c, _doc in [
+        (ExitCode.OK, "success"),
+        (ExitCode.FAILED, "the controller refused or failed the request"),
+        (ExitCode.USAGE, "bad arguments, config file or input file"),
+        (ExitCode.UNREACHABLE, "no controller answered at the address"),
+        (ExitCode.PERMISSION, "permission denied (a read-only certificate, or TLS rejected)"),
+        (ExitCode.NOT_FOUND, "no such node or run"),
+        (ExitCode.INTERRUPTED, "interrupted"),
+    ]
+)
 
 
 class CtlError(Exception):
@@ -111,7 +117,9 @@ def resolve(args: Any, env: Mapping[str, str] | None = None) -> tuple[str, CtlCo
     overrides = {name: getattr(args, name, None) for name in ("ca", "cert", "key", "server_name")}
     merged = {f: (overrides.get(f) or getattr(cfg, f)) for f in ("ca", "cert", "key", "server_name")}
     try:
-        cfg = CtlConfig(address=cfg.address, timeout_s=getattr(args, "timeout", None) or cfg.timeout_s, **merged)
+        cfg = CtlConfig(
+            address=cfg.address, timeout_s=getattr(args, "timeout", None) or cfg.timeout_s, **merged
+        )
     except ConfigError as exc:
         raise CtlError(str(exc), ExitCode.USAGE) from None
     address = getattr(args, "controller", None) or env.get(ENV_ADDRESS) or cfg.address or DEFAULT_ADDRESS
@@ -164,8 +172,9 @@ def rpc_error(err: grpc.RpcError, address: str) -> CtlError:
         hint = f"; set --controller or ${ENV_ADDRESS}" if address == DEFAULT_ADDRESS else ""
         if "handshake" in details.lower() or "ssl" in details.lower() or "certificate" in details.lower():
             return CtlError(f"TLS with the controller at {address} failed: {details}", ExitCode.PERMISSION)
-        return CtlError(f"cannot reach the controller at {address}: {details or code}{hint}",
-                        ExitCode.UNREACHABLE)
+        return CtlError(
+            f"cannot reach the controller at {address}: {details or code}{hint}", ExitCode.UNREACHABLE
+        )
     if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
         return CtlError(f"permission denied: {details}", ExitCode.PERMISSION)
     if code == grpc.StatusCode.NOT_FOUND:

@@ -16,9 +16,18 @@ from controller.ctl.client import Client, CtlError, ExitCode, rpc_error
 from controller.ctl.format import Cell, ago, enum_label, message_to_json, print_json, step_label, table
 from runwarden.v1 import controller_pb2, events_pb2
 
-_KIND_COLOUR = {"detection": "red", "attribution": "red", "quarantine": "red", "page": "red",
-                "first-step": "green", "checkpoint-commit": "green", "launch": "blue", "stop-request": "yellow",
-                "checkpoint-failed": "yellow", "control-plane": "yellow"}
+_KIND_COLOUR = {
+    "detection": "red",
+    "attribution": "red",
+    "quarantine": "red",
+    "page": "red",
+    "first-step": "green",
+    "checkpoint-commit": "green",
+    "launch": "blue",
+    "stop-request": "yellow",
+    "checkpoint-failed": "yellow",
+    "control-plane": "yellow",
+}
 EVENT_HEADERS = ["when", "seq", "run", "attempt", "step", "kind", "message"]
 
 
@@ -39,8 +48,13 @@ def kind_arg(text: str) -> list[int]:
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("events", parents=[common], help="the event log, filtered; --follow to stream")
     p.add_argument("--run", default="", help="only this run")
-    p.add_argument("--kind", type=kind_arg, action="extend", default=[],
-                   help="only these kinds, comma-separated (detection,attribution,...)")
+    p.add_argument(
+        "--kind",
+        type=kind_arg,
+        action="extend",
+        default=[],
+        help="only these kinds, comma-separated (detection,attribution,...)",
+    )
     p.add_argument("--since", type=since_arg, default=0.0, help="10m, 2h, 3d, an ISO time, or unix seconds")
     p.add_argument("--limit", type=int, default=50, help="the last N events (default 50; 0: server default)")
     p.add_argument("--follow", "-f", action="store_true", help="keep streaming new events (Ctrl-C to stop)")
@@ -49,8 +63,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def event_row(ev: events_pb2.Event, now: float) -> list[Cell]:
     kind = enum_label(events_pb2.EventKind.Name(ev.kind), "EVENT_KIND_")
-    return [ago(ev.ts, now), str(ev.seq), ev.run or "-", str(ev.attempt), step_label(ev.step),
-            (kind, _KIND_COLOUR.get(kind)), ev.message or _detail_summary(ev)]
+    return [
+        ago(ev.ts, now),
+        str(ev.seq),
+        ev.run or "-",
+        str(ev.attempt),
+        step_label(ev.step),
+        (kind, _KIND_COLOUR.get(kind)),
+        ev.message or _detail_summary(ev),
+    ]
 
 
 def _detail_summary(ev: events_pb2.Event) -> str:
@@ -73,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     client = client_of(args)
     if args.limit < 0:
         raise CtlError("--limit must be >= 0", ExitCode.USAGE)
-    resp = client.call("ListEvents", controller_pb2.ListEventsRequest(
-        run=args.run, kinds=args.kind, since=args.since, limit=args.limit))
+    resp = client.call(
+        "ListEvents",
+        controller_pb2.ListEventsRequest(run=args.run, kinds=args.kind, since=args.since, limit=args.limit),
+    )
     events = list(resp.events)
     if args.json_out and not args.follow:
         print_json({"events": [message_to_json(e) for e in events]})
@@ -85,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
             print_json_line(e)
     elif events or not args.follow:
         now = time.time()
-        print(table(EVENT_HEADERS, [event_row(e, now) for e in events], args.paint) if events else "no events")
+        print(
+            table(EVENT_HEADERS, [event_row(e, now) for e in events], args.paint) if events else "no events"
+        )
     if not args.follow:
         return 0
     if not events:
@@ -113,8 +138,10 @@ def follow(client: Client, args: argparse.Namespace, after_seq: int, *, max_outa
                 if args.json_out:
                     print_json_line(ev)
                 else:
-                    print(table(EVENT_HEADERS, [event_row(ev, time.time())], args.paint).split("\n", 1)[1],
-                          flush=True)
+                    print(
+                        table(EVENT_HEADERS, [event_row(ev, time.time())], args.paint).split("\n", 1)[1],
+                        flush=True,
+                    )
             return 0
         except grpc.RpcError as err:
             failure = rpc_error(err, client.address)
@@ -123,7 +150,9 @@ def follow(client: Client, args: argparse.Namespace, after_seq: int, *, max_outa
             outage_started = outage_started or time.monotonic()
             if time.monotonic() - outage_started > max_outage_s:
                 raise failure from None
-            print(f"controllerctl: connection lost ({failure}); resuming after seq {after_seq}", file=sys.stderr)
+            print(
+                f"controllerctl: connection lost ({failure}); resuming after seq {after_seq}", file=sys.stderr
+            )
             time.sleep(1.0)
 
 

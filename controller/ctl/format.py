@@ -81,7 +81,9 @@ def ago(ts: float, now: float) -> str:
 
 
 def message_to_json(msg: Message) -> dict[str, Any]:
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def print_json(obj: Any, out: TextIO | None = None) -> None:
@@ -107,7 +109,10 @@ def pool_label(state: common_pb2.PoolState.ValueType) -> str:
 
 
 def print_pool_state(
-    resp: controller_pb2.QuarantineNodeResponse | controller_pb2.ReleaseNodeResponse, node: str, *, json_out: bool
+    resp: controller_pb2.QuarantineNodeResponse | controller_pb2.ReleaseNodeResponse,
+    node: str,
+    *,
+    json_out: bool,
 ) -> None:
     """A quarantine or release answer: the node's pool state now."""
     if json_out:

@@ -16,14 +16,22 @@ from runwarden.v1 import controller_pb2, events_pb2
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("goodput", parents=[common], help="goodput, lost time by cause or week, rates, PNG chart",
-                       description="Goodput = time whose training progress was kept / allocated time. "
-                                   "With --log FILE it is computed offline from an event-log file, "
-                                   "with no controller running.")
+    p = sub.add_parser(
+        "goodput",
+        parents=[common],
+        help="goodput, lost time by cause or week, rates, PNG chart",
+        description="Goodput = time whose training progress was kept / allocated time. "
+        "With --log FILE it is computed offline from an event-log file, "
+        "with no controller running.",
+    )
     p.add_argument("run", nargs="?", default="", help="one run (default: every run, summed)")
     p.add_argument("--since", type=since_arg, default=None, help="10m, 2h, 3d, an ISO time, or unix seconds")
-    p.add_argument("--by", choices=["cause", "week"], default="cause", help="break lost time down by (default cause)")
-    p.add_argument("--png", metavar="FILE", help="also draw the postmortem chart (timeline + lost time) to FILE")
+    p.add_argument(
+        "--by", choices=["cause", "week"], default="cause", help="break lost time down by (default cause)"
+    )
+    p.add_argument(
+        "--png", metavar="FILE", help="also draw the postmortem chart (timeline + lost time) to FILE"
+    )
     p.add_argument("--log", metavar="FILE", help="compute offline from this event-log file")
     p.set_defaults(func=run)
 
@@ -52,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         report = compute_goodput(events, run=args.run, since=args.since).to_proto()
     else:
         client = args.client_factory()
-        resp = client.call("GetGoodput", controller_pb2.GetGoodputRequest(run=args.run, since=args.since or 0.0))
+        resp = client.call(
+            "GetGoodput", controller_pb2.GetGoodputRequest(run=args.run, since=args.since or 0.0)
+        )
         report = resp.report
         if args.png:
             listed = client.call("ListEvents", controller_pb2.ListEventsRequest(run=args.run, limit=100_000))
@@ -96,12 +106,15 @@ def render_report(r: controller_pb2.GoodputReport, by: str, paint: Painter) -> s
         "",
     ]
     if by == "week":
-        rows: list[list[Cell]] = [[w.week, _hours(w.allocated_s), _hours(w.productive_s), f"{100 * w.goodput:.1f}%"]
-                                  for w in r.weeks]
-        lines.append(table(["week", "allocated", "productive", "goodput"], rows, paint) if rows else "no weeks")
+        rows: list[list[Cell]] = [
+            [w.week, _hours(w.allocated_s), _hours(w.productive_s), f"{100 * w.goodput:.1f}%"]
+            for w in r.weeks
+        ]
+        lines.append(
+            table(["week", "allocated", "productive", "goodput"], rows, paint) if rows else "no weeks"
+        )
     else:
         lost = r.lost_s or 1.0
         rows = [[c.cause, _hours(c.seconds), f"{100 * c.seconds / lost:.1f}%"] for c in r.lost_by_cause]
         lines.append(table(["cause", "lost", "share"], rows, paint) if rows else "no lost time")
     return "\n".join(lines)
-

@@ -22,7 +22,16 @@ from controller.ctl.format import Painter, colour_wanted
 PROG = "controllerctl"
 
 # The built-in subcommands, in --help order: each module exposes add_parser(subparsers, common) and run(args).
-BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (status, nodes, node, events, quarantine, release, stop, goodput)
+BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (
+    status,
+    nodes,
+    node,
+    events,
+    quarantine,
+    release,
+    stop,
+    goodput,
+)
 
 # name -> (module, one-line help). Each module exposes add_parser(subparsers) and run(args) -> int.
 OPTIONAL_SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -35,17 +44,30 @@ OPTIONAL_SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _global_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("connection")
-    g.add_argument("--controller", metavar="HOST:PORT",
-                   help=f"controller address (default: ${ENV_ADDRESS}, then the config file, then 127.0.0.1:7070)")
-    g.add_argument("--config", metavar="FILE", help=f"config file (default: ${ENV_CONFIG}, "
-                                                   "~/.config/runwarden/controllerctl.toml, /etc/runwarden/...)")
+    g.add_argument(
+        "--controller",
+        metavar="HOST:PORT",
+        help=f"controller address (default: ${ENV_ADDRESS}, then the config file, then 127.0.0.1:7070)",
+    )
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"config file (default: ${ENV_CONFIG}, "
+        "~/.config/runwarden/controllerctl.toml, /etc/runwarden/...)",
+    )
     g.add_argument("--ca", metavar="PEM", help="CA certificate: turns on TLS (with --cert and --key)")
-    g.add_argument("--cert", metavar="PEM", help="client certificate (its subject decides read-only or admin)")
+    g.add_argument(
+        "--cert", metavar="PEM", help="client certificate (its subject decides read-only or admin)"
+    )
     g.add_argument("--key", metavar="PEM", help="client private key")
     g.add_argument("--server-name", dest="server_name", help="the name in the controller's certificate")
     g.add_argument("--timeout", type=float, metavar="SECONDS", help="per-call deadline (default 10)")
-    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                        help="colour the tables (default: only on a terminal)")
+    parser.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the tables (default: only on a terminal)",
+    )
     parser.add_argument("--json", dest="json_global", action="store_true", help="JSON output for scripts")
 
 
@@ -60,7 +82,9 @@ def _import_optional(module: str) -> ModuleType | None:
 
 def _missing(name: str, module: str) -> Any:
     def run(args: argparse.Namespace) -> int:
-        print(f"{PROG} {name}: not available in this installation ({module} is not installed)", file=sys.stderr)
+        print(
+            f"{PROG} {name}: not available in this installation ({module} is not installed)", file=sys.stderr
+        )
         return int(ExitCode.FAILED)
 
     return run
@@ -77,20 +101,27 @@ def _add_optional(sub: Any, argv: Sequence[str]) -> None:
             continue
         stub = sub.add_parser(name, help=help_text, add_help=False)
         stub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        stub.set_defaults(func=_missing(name, module_name) if name in argv else None, optional_module=module_name)
+        stub.set_defaults(
+            func=_missing(name, module_name) if name in argv else None, optional_module=module_name
+        )
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Look at and steer the runwarden controller.",
-        epilog=f"exit codes:\n{EXIT_CODE_HELP}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog=PROG,
+        description="Look at and steer the runwarden controller.",
+        epilog=f"exit codes:\n{EXIT_CODE_HELP}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _global_options(parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", dest="json_cmd", action="store_true", help="JSON output for scripts")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in BUILTIN_SUBCOMMANDS:
         module.add_parser(sub, common)
-    p = sub.add_parser("completion", help="print a shell completion script: eval \"$(controllerctl completion bash)\"")
+    p = sub.add_parser(
+        "completion", help='print a shell completion script: eval "$(controllerctl completion bash)"'
+    )
     p.add_argument("shell", choices=["bash", "zsh"])
     p.set_defaults(func=_completion)
     _add_optional(sub, argv)

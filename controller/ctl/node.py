@@ -25,14 +25,26 @@ def run(args: argparse.Namespace) -> int:
     paint: Painter = args.paint
     now = time.time()
     pf = n.last_preflight
-    preflight = (f"{'passed' if pf.passed else 'FAILED'} ({pf.mode}, {pf.pass_count} pass, {pf.warn_count} warn, "
-                 f"{pf.fail_count} fail, {pf.skip_count} skip) {ago(pf.finished_at, now)}"
-                 if pf.finished_at else "never")
-    fields = [("node", n.node), ("address", n.address or "-"), ("pool", pool_label(n.pool_state)),
-              ("state", enum_label(common_pb2.NodeState.Name(n.state), "NODE_STATE_") if n.state else "-"),
-              ("alive", "yes" if n.alive else "no"), ("run", n.run or "-"), ("gpus", str(n.gpu_count)),
-              ("failures", str(n.failures)), ("straggler flags", str(n.straggler_flags)),
-              ("reputation", f"{n.reputation_score:g}"), ("reason", n.reason or "-"), ("last preflight", preflight)]
+    preflight = (
+        f"{'passed' if pf.passed else 'FAILED'} ({pf.mode}, {pf.pass_count} pass, {pf.warn_count} warn, "
+        f"{pf.fail_count} fail, {pf.skip_count} skip) {ago(pf.finished_at, now)}"
+        if pf.finished_at
+        else "never"
+    )
+    fields = [
+        ("node", n.node),
+        ("address", n.address or "-"),
+        ("pool", pool_label(n.pool_state)),
+        ("state", enum_label(common_pb2.NodeState.Name(n.state), "NODE_STATE_") if n.state else "-"),
+        ("alive", "yes" if n.alive else "no"),
+        ("run", n.run or "-"),
+        ("gpus", str(n.gpu_count)),
+        ("failures", str(n.failures)),
+        ("straggler flags", str(n.straggler_flags)),
+        ("reputation", f"{n.reputation_score:g}"),
+        ("reason", n.reason or "-"),
+        ("last preflight", preflight),
+    ]
     width = max(len(k) for k, _ in fields)
     for k, v in fields:
         print(f"{paint(k.ljust(width), 'bold')}  {v}")
@@ -43,8 +55,14 @@ def run(args: argparse.Namespace) -> int:
         rows: list[list[Cell]] = []
         for e in n.evidence:
             sev = enum_label(common_pb2.Severity.Name(e.severity), "SEVERITY_")
-            rows.append([ago(e.observed_at, now), enum_label(common_pb2.EvidenceKind.Name(e.kind), "EVIDENCE_KIND_"),
-                         (sev, "red" if sev == "fatal" else None),
-                         str(e.gpu_index) if e.HasField("gpu_index") else "-", e.detail or "-"])
+            rows.append(
+                [
+                    ago(e.observed_at, now),
+                    enum_label(common_pb2.EvidenceKind.Name(e.kind), "EVIDENCE_KIND_"),
+                    (sev, "red" if sev == "fatal" else None),
+                    str(e.gpu_index) if e.HasField("gpu_index") else "-",
+                    e.detail or "-",
+                ]
+            )
         print(table(["seen", "evidence", "severity", "gpu", "detail"], rows, paint))
     return 0

@@ -9,7 +9,13 @@ from controller.ctl.args import client_of
 from controller.ctl.format import Cell, Painter, duration, enum_label, pool_label, print_json, table
 from runwarden.v1 import common_pb2, controller_pb2
 
-_POOL_COLOUR = {"spare": "green", "assigned": "blue", "quarantined": "red", "held": "red", "burn-in": "yellow"}
+_POOL_COLOUR = {
+    "spare": "green",
+    "assigned": "blue",
+    "quarantined": "red",
+    "held": "red",
+    "burn-in": "yellow",
+}
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -29,14 +35,39 @@ def run(args: argparse.Namespace) -> int:
         alive = ("yes", "green") if n.alive else ("no", "red")
         fatal = sum(1 for e in n.evidence if e.severity == common_pb2.SEVERITY_FATAL)
         evidence = f"{len(n.evidence)} ({fatal} fatal)" if n.evidence else "-"
-        rows.append([n.node, (pool, _POOL_COLOUR.get(pool)), enum_label(common_pb2.NodeState.Name(n.state),
-                     "NODE_STATE_") if n.state else "-", alive,
-                     duration(n.last_heartbeat_age_s) if n.last_heartbeat_age_s >= 0 else "-",
-                     str(n.failures), f"{n.reputation_score:g}", n.run or "-",
-                     (evidence, "red" if fatal else None), n.reason or "-"])
+        rows.append(
+            [
+                n.node,
+                (pool, _POOL_COLOUR.get(pool)),
+                enum_label(common_pb2.NodeState.Name(n.state), "NODE_STATE_") if n.state else "-",
+                alive,
+                duration(n.last_heartbeat_age_s) if n.last_heartbeat_age_s >= 0 else "-",
+                str(n.failures),
+                f"{n.reputation_score:g}",
+                n.run or "-",
+                (evidence, "red" if fatal else None),
+                n.reason or "-",
+            ]
+        )
     if not rows:
         print("no nodes")
         return 0
-    print(table(["node", "pool", "state", "alive", "heartbeat", "failures", "reputation", "run", "evidence",
-                 "reason"], rows, paint))
+    print(
+        table(
+            [
+                "node",
+                "pool",
+                "state",
+                "alive",
+                "heartbeat",
+                "failures",
+                "reputation",
+                "run",
+                "evidence",
+                "reason",
+            ],
+            rows,
+            paint,
+        )
+    )
     return 0

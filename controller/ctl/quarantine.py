@@ -18,7 +18,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resp = client_of(args).call("QuarantineNode",
-                                controller_pb2.QuarantineNodeRequest(node=args.name, reason=args.reason))
+    resp = client_of(args).call(
+        "QuarantineNode", controller_pb2.QuarantineNodeRequest(node=args.name, reason=args.reason)
+    )
     print_pool_state(resp, args.name, json_out=args.json_out)
     return 0

@@ -29,8 +29,11 @@ from runwarden.eventlog import encode_event
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "simulate", help="replay a fleet scenario through the supervisor core (ETTR per policy)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "simulate",
+        help="replay a fleet scenario through the supervisor core (ETTR per policy)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     configure(p)
     p.set_defaults(func=run)
     return p
@@ -40,23 +43,41 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", help="scenario TOML file (format: the README's 'The fleet simulator')")
     p.add_argument("--seeds", type=int, default=5, help="seeds (failure draws) per policy (default 5)")
     p.add_argument("--seed-base", type=int, default=1, help="first seed (default 1)")
-    p.add_argument("--policy", action="append", default=None,
-                   help="policy to run (repeatable; default: every policy in the file)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="policy to run (repeatable; default: every policy in the file)",
+    )
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--events-out", metavar="DIR", default=None,
-                   help="write each run's event log to DIR/<policy>-seed<N>.jsonl")
+    p.add_argument(
+        "--events-out",
+        metavar="DIR",
+        default=None,
+        help="write each run's event log to DIR/<policy>-seed<N>.jsonl",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _summary_json(s: PolicySummary) -> dict[str, Any]:
     m, ci = s.ettr
-    return {"policy": s.policy, "ettr": m, "ettr_ci95": ci, "model_ettr": s.model_ettr,
-            "seeds": [o.seed for o in s.outcomes], "ettr_by_seed": [o.ettr for o in s.outcomes],
-            "lost_by_lever": s.lever_means(), "model_lost_by_lever": s.model_by_lever,
-            "checkpoint_interval_s": s.checkpoint_interval_s, "young_daly_s": s.young_daly_s,
-            "interruptions_seen": s.mean_counts("seen"), "interruptions_drawn": s.mean_counts("drawn"),
-            "final_states": [o.final_state for o in s.outcomes], "notes": s.notes,
-            "wall_s_per_run": [o.wall_s for o in s.outcomes]}
+    return {
+        "policy": s.policy,
+        "ettr": m,
+        "ettr_ci95": ci,
+        "model_ettr": s.model_ettr,
+        "seeds": [o.seed for o in s.outcomes],
+        "ettr_by_seed": [o.ettr for o in s.outcomes],
+        "lost_by_lever": s.lever_means(),
+        "model_lost_by_lever": s.model_by_lever,
+        "checkpoint_interval_s": s.checkpoint_interval_s,
+        "young_daly_s": s.young_daly_s,
+        "interruptions_seen": s.mean_counts("seen"),
+        "interruptions_drawn": s.mean_counts("drawn"),
+        "final_states": [o.final_state for o in s.outcomes],
+        "notes": s.notes,
+        "wall_s_per_run": [o.wall_s for o in s.outcomes],
+    }
 
 
 def write_event_logs(scenario: Scenario, policies: list[str], seeds: list[int], out_dir: Path) -> None:
@@ -94,20 +115,39 @@ def run(args: argparse.Namespace) -> int:
     if args.events_out:
         write_event_logs(scenario, policies, seeds, Path(args.events_out))
     if getattr(args, "json", False) or getattr(args, "json_global", False):
-        print(json.dumps({"scenario": scenario.run.name, "mtbf_s": scenario.mtbf_s(), "wall_s": wall,
-                          "policies": [_summary_json(s) for s in summaries]}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "scenario": scenario.run.name,
+                    "mtbf_s": scenario.mtbf_s(),
+                    "wall_s": wall,
+                    "policies": [_summary_json(s) for s in summaries],
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
         return 0
     print(format_summary(scenario, summaries))
     print()
-    print(format_counts(scenario, summaries[-1] if len(summaries) == 1 else
-                        next((s for s in summaries if s.policy == "defaults"), summaries[0])))
+    print(
+        format_counts(
+            scenario,
+            summaries[-1]
+            if len(summaries) == 1
+            else next((s for s in summaries if s.policy == "defaults"), summaries[0]),
+        )
+    )
     print(f"\n{len(policies)} policies x {len(seeds)} seeds in {wall:.1f}s")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="controllerctl simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="controllerctl simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     configure(parser)
     return run(parser.parse_args(argv))
 

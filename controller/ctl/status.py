@@ -9,8 +9,16 @@ from controller.ctl.args import client_of
 from controller.ctl.format import Cell, Painter, duration, enum_label, print_json, step_label, table
 from runwarden.v1 import controller_pb2
 
-_PHASE_COLOUR = {"running": "green", "recovering": "yellow", "preflight": "yellow", "launching": "yellow",
-                 "stopping": "yellow", "waiting": "yellow", "failed": "red", "completed": "blue"}
+_PHASE_COLOUR = {
+    "running": "green",
+    "recovering": "yellow",
+    "preflight": "yellow",
+    "launching": "yellow",
+    "stopping": "yellow",
+    "waiting": "yellow",
+    "failed": "red",
+    "completed": "blue",
+}
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -28,15 +36,29 @@ def run(args: argparse.Namespace) -> int:
     rows: list[list[Cell]] = []
     for r in resp.runs:
         phase = enum_label(controller_pb2.RunPhase.Name(r.phase), "RUN_PHASE_")
-        rows.append([r.run, (phase, _PHASE_COLOUR.get(phase)), str(r.attempt), step_label(r.current_step),
-                     step_label(r.last_committed_step), str(r.restart_budget_left),
-                     duration(r.since_last_progress_s) if r.since_last_progress_s >= 0 else "-",
-                     str(len(r.nodes)), r.reason or "-"])
+        rows.append(
+            [
+                r.run,
+                (phase, _PHASE_COLOUR.get(phase)),
+                str(r.attempt),
+                step_label(r.current_step),
+                step_label(r.last_committed_step),
+                str(r.restart_budget_left),
+                duration(r.since_last_progress_s) if r.since_last_progress_s >= 0 else "-",
+                str(len(r.nodes)),
+                r.reason or "-",
+            ]
+        )
     leader = f"{resp.leader} (fence {resp.fence})" if resp.leader else "unknown"
     print(f"leader: {leader}")
     if not rows:
         print("no runs")
         return 0
-    print(table(["run", "phase", "attempt", "step", "committed", "budget", "last progress", "nodes", "reason"],
-                rows, paint))
+    print(
+        table(
+            ["run", "phase", "attempt", "step", "committed", "budget", "last progress", "nodes", "reason"],
+            rows,
+            paint,
+        )
+    )
     return 0

@@ -12,15 +12,18 @@ from runwarden.v1 import controller_pb2
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("stop", parents=[common], help="ask a run to stop: finish the step, save, commit (admin)")
+    p = sub.add_parser(
+        "stop", parents=[common], help="ask a run to stop: finish the step, save, commit (admin)"
+    )
     p.add_argument("run")
     p.add_argument("--reason", default="", help="why (time limit, drain, ...)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    resp = client_of(args).call("RequestStop", controller_pb2.ControllerRequestStopRequest(run=args.run,
-                                                                                           reason=args.reason))
+    resp = client_of(args).call(
+        "RequestStop", controller_pb2.ControllerRequestStopRequest(run=args.run, reason=args.reason)
+    )
     if args.json_out:
         print_json(resp)
     else:

@@ -177,7 +177,9 @@ class AgentClients:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def run_preflight(self, node: str, request: agent_pb2.RunPreflightRequest, timeout_s: float) -> PreflightOutcome:
+    def run_preflight(
+        self, node: str, request: agent_pb2.RunPreflightRequest, timeout_s: float
+    ) -> PreflightOutcome:
         """Stream the checks; a failed check is in `failed`, an RPC failure in `rpc` (retried if temporary)."""
         found: list[tuple[common_pb2.PreflightSummary | None, tuple[common_pb2.CheckResult, ...]]] = []
 
@@ -203,8 +205,12 @@ class AgentClients:
 
         out, summary = with_retries(once, deadline_s=timeout_s)
         failed = found[-1][1] if found else ()
-        return PreflightOutcome(node=node, rpc=out, summary=summary or common_pb2.PreflightSummary(mode=request.mode),
-                                failed=failed)
+        return PreflightOutcome(
+            node=node,
+            rpc=out,
+            summary=summary or common_pb2.PreflightSummary(mode=request.mode),
+            failed=failed,
+        )
 
     def launch(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> RpcOutcome:
         """Start the node's workers; retried while temporary. A retry refused with ALREADY_EXISTS
@@ -222,10 +228,14 @@ class AgentClients:
         return with_retries(once, deadline_s=timeout_s)[0]
 
     def _runs_attempt(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> bool:
-        _, status = self._call(node, "GetNodeStatus", lambda s: s.GetNodeStatus(
-            agent_pb2.GetNodeStatusRequest(), timeout=min(timeout_s, 5.0)))
+        _, status = self._call(
+            node,
+            "GetNodeStatus",
+            lambda s: s.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=min(timeout_s, 5.0)),
+        )
         return status is not None and any(
-            w.run == request.run and w.attempt == request.attempt and w.running for w in status.workers)
+            w.run == request.run and w.attempt == request.attempt and w.running for w in status.workers
+        )
 
     def stop(self, node: str, request: agent_pb2.StopWorkersRequest, timeout_s: float) -> RpcOutcome:
         """Stop the node's workers; NOT_FOUND (nothing of the run runs there) counts as stopped."""
@@ -236,7 +246,9 @@ class AgentClients:
 
         return with_retries(once, deadline_s=timeout_s)[0]
 
-    def request_stop(self, node: str, request: agent_pb2.RequestStopRequest, timeout_s: float = 5.0) -> RpcOutcome:
+    def request_stop(
+        self, node: str, request: agent_pb2.RequestStopRequest, timeout_s: float = 5.0
+    ) -> RpcOutcome:
         def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.RequestStopResponse | None]:
             return self._call(node, "RequestStop", lambda s: s.RequestStop(request, timeout=timeout))
 
@@ -246,9 +258,13 @@ class AgentClients:
         self, node: str, request: agent_pb2.CollectFlightRecorderRequest, timeout_s: float
     ) -> tuple[RpcOutcome, agent_pb2.CollectFlightRecorderResponse | None]:
         """One try: a rank that cannot answer in time is itself evidence; a retry would spend the deadline."""
-        return self._call(node, "CollectFlightRecorder", lambda s: s.CollectFlightRecorder(request, timeout=timeout_s))
+        return self._call(
+            node, "CollectFlightRecorder", lambda s: s.CollectFlightRecorder(request, timeout=timeout_s)
+        )
 
-    def inject_fault(self, node: str, request: agent_pb2.InjectFaultRequest, timeout_s: float = 5.0) -> RpcOutcome:
+    def inject_fault(
+        self, node: str, request: agent_pb2.InjectFaultRequest, timeout_s: float = 5.0
+    ) -> RpcOutcome:
         return self._call(node, "InjectFault", lambda s: s.InjectFault(request, timeout=timeout_s))[0]
 
     def status(

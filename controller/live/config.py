@@ -32,7 +32,7 @@ class RunSection:
     command: tuple[str, ...]
     run_dir: Path
     api_address: str = "127.0.0.1:7070"
-    metrics_address: str = ""            # "host:port" for Prometheus /metrics (goodput); "" = off
+    metrics_address: str = ""  # "host:port" for Prometheus /metrics (goodput); "" = off
     identity: str = ""
     procs_per_node: int = 1
     election_ttl_s: float = 3.0
@@ -69,16 +69,22 @@ class ControllerConfig:
 
 
 _SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls"}
-DEFAULT_STORE_ENDPOINTS = ("127.0.0.1:2379",)  # [store] endpoints when neither file, environment nor flag says
+DEFAULT_STORE_ENDPOINTS = (
+    "127.0.0.1:2379",
+)  # [store] endpoints when neither file, environment nor flag says
 
 
-def load_controller_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ControllerConfig:
+def load_controller_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None
+) -> ControllerConfig:
     """Read the file, apply the environment and then `overrides` ({"controller.run": ...})."""
     raw: dict[str, Any] = read_toml(path) if path else {}
     where = str(path) if path else "<flags>"
     unknown = sorted(set(raw) - _SECTIONS)
     if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECTIONS))}")
+        raise ConfigError(
+            f"{where}: unknown section(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECTIONS))}"
+        )
     sections: dict[str, dict[str, Any]] = {name: dict(raw.get(name, {})) for name in _SECTIONS}
     env_endpoints = os.environ.get("RUNWARDEN_ETCD_ENDPOINTS", "")
     if env_endpoints:
@@ -96,9 +102,13 @@ def load_controller_config(path: str | Path | None, overrides: dict[str, Any] | 
         raise ConfigError(f"{where} [store]: {exc}") from None
     policy = load_section(SupervisorConfig, sections["policy"], f"{where} [policy]")
     paging = load_section(PagerConfig, sections["paging"], f"{where} [paging]")
-    api_tls = load_section(TLSSection, sections["api_tls"], f"{where} [api_tls]") if sections["api_tls"] else None
+    api_tls = (
+        load_section(TLSSection, sections["api_tls"], f"{where} [api_tls]") if sections["api_tls"] else None
+    )
     agent_tls = None
     if sections["agent_tls"]:
         tls = load_section(TLSSection, sections["agent_tls"], f"{where} [agent_tls]")
         agent_tls = AgentTLS(ca=tls.ca, cert=tls.cert, key=tls.key)
-    return ControllerConfig(run=run, store=store, policy=policy, paging=paging, api_tls=api_tls, agent_tls=agent_tls)
+    return ControllerConfig(
+        run=run, store=store, policy=policy, paging=paging, api_tls=api_tls, agent_tls=agent_tls
+    )

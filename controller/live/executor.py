@@ -107,13 +107,13 @@ class Executor:
         self.pager = pager
         self.translator = translator
         self.pool = pool
-        self.post = post            # an event for the loop's queue (RPC results, from pool threads)
-        self.relist = relist        # ask the loop to list the store and send a Snapshot
+        self.post = post  # an event for the loop's queue (RPC results, from pool threads)
+        self.relist = relist  # ask the loop to list the store and send a Snapshot
         self.listeners = listeners
         self.clock = clock
-        self.unwritten: list[events_pb2.Event] = []   # entries of a batch whose append failed
+        self.unwritten: list[events_pb2.Event] = []  # entries of a batch whose append failed
         self.attempt = 0
-        self.attempt_nodes: dict[str, int] = {}       # node -> node rank of the current attempt
+        self.attempt_nodes: dict[str, int] = {}  # node -> node rank of the current attempt
 
     # -- the batch -----------------------------------------------------------------------------
 
@@ -123,13 +123,17 @@ class Executor:
         try:
             self._append_unwritten()
         except EventLogError as exc:
-            log.error("event log append failed (%d entries kept for the next append): %s", len(self.unwritten), exc)
+            log.error(
+                "event log append failed (%d entries kept for the next append): %s", len(self.unwritten), exc
+            )
             answers: list[Event] = []
             for action in batch.actions:
                 if isinstance(action, SetTimer):
                     self.timers.set(action.key, action.at)
                 else:
-                    answers.append(ActionFailed(action=action, temporary=True, reason=f"event log append failed: {exc}"))
+                    answers.append(
+                        ActionFailed(action=action, temporary=True, reason=f"event log append failed: {exc}")
+                    )
             return answers
         answers = []
         for action in batch.actions:
@@ -189,14 +193,27 @@ class Executor:
         fence = int(self.leadership.fence)
         ordered = sorted(action.nodes, key=lambda nr: nr.node_rank)
         try:
-            spec = AttemptSpec(run=action.run, attempt=action.attempt, nodes=tuple(nr.node for nr in ordered),
-                               command=self.s.command, env=dict(self.s.env), resume_step=action.resume_step,
-                               procs_per_node=self.s.procs_per_node, leader_fence=fence)
+            spec = AttemptSpec(
+                run=action.run,
+                attempt=action.attempt,
+                nodes=tuple(nr.node for nr in ordered),
+                command=self.s.command,
+                env=dict(self.s.env),
+                resume_step=action.resume_step,
+                procs_per_node=self.s.procs_per_node,
+                leader_fence=fence,
+            )
         except BackendError as exc:
             return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]
         record = store_pb2.AttemptRecord(
-            run=action.run, attempt=action.attempt, rendezvous_id=action.rendezvous_id, nodes=list(spec.nodes),
-            resume_step=action.resume_step, launched_at=self.clock(), leader_fence=fence)
+            run=action.run,
+            attempt=action.attempt,
+            rendezvous_id=action.rendezvous_id,
+            nodes=list(spec.nodes),
+            resume_step=action.resume_step,
+            launched_at=self.clock(),
+            leader_fence=fence,
+        )
         key = self.keys.attempt(action.run)
         try:
             cur = self.store.get(key)
@@ -204,15 +221,26 @@ class Executor:
                 prev = _attempt_of(cur.value)
                 if prev >= action.attempt:
                     self.relist()
-                    return [self._not_launched(action, f"attempt {action.attempt} refused: the store already "
-                                                       f"records attempt {prev} (another leader launched)")]
+                    return [
+                        self._not_launched(
+                            action,
+                            f"attempt {action.attempt} refused: the store already "
+                            f"records attempt {prev} (another leader launched)",
+                        )
+                    ]
             ok = self.store.cas(key, record.SerializeToString(), cur.mod_revision if cur else 0)
         except StoreError as exc:
             self.relist()
-            return [self._not_launched(action, f"attempt {action.attempt}: attempt record write failed: {exc}")]
+            return [
+                self._not_launched(action, f"attempt {action.attempt}: attempt record write failed: {exc}")
+            ]
         if not ok or self.leadership.lost.is_set():
             self.relist()
-            return [self._not_launched(action, f"attempt {action.attempt} refused by fencing (attempt record changed)")]
+            return [
+                self._not_launched(
+                    action, f"attempt {action.attempt} refused by fencing (attempt record changed)"
+                )
+            ]
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
@@ -229,21 +257,39 @@ class Executor:
         except LaunchIncomplete as exc:
             for f in exc.failures:
                 self.translator.mark_exited(f.node, action.attempt)
-                self.post(ActionFailed(action=action, temporary=f.temporary, reason=f"launch failed: {f.reason}",
-                                       node=f.node))
+                self.post(
+                    ActionFailed(
+                        action=action, temporary=f.temporary, reason=f"launch failed: {f.reason}", node=f.node
+                    )
+                )
         except BackendError as exc:
             self.post(ActionFailed(action=action, temporary=False, reason=f"launch failed: {exc}"))
 
     # -- agent work ----------------------------------------------------------------------------
 
     def _preflight(self, action: RunPreflight, node: str) -> None:
-        out = self.agents.run_preflight(node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s)
+        out = self.agents.run_preflight(
+            node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s
+        )
         if not out.ok:
-            self.post(ActionFailed(action=action, temporary=out.rpc.temporary, node=node,
-                                   reason=f"preflight rpc ({out.rpc.tries} tries): {out.rpc.error}"))
+            self.post(
+                ActionFailed(
+                    action=action,
+                    temporary=out.rpc.temporary,
+                    node=node,
+                    reason=f"preflight rpc ({out.rpc.tries} tries): {out.rpc.error}",
+                )
+            )
             return
-        self.post(PreflightResult(node=node, passed=out.summary.passed, mode=action.mode,
-                                  failed_checks=tuple(r.name for r in out.failed), duration_s=out.summary.duration_s))
+        self.post(
+            PreflightResult(
+                node=node,
+                passed=out.summary.passed,
+                mode=action.mode,
+                failed_checks=tuple(r.name for r in out.failed),
+                duration_s=out.summary.duration_s,
+            )
+        )
 
     def _stop_node(self, action: StopAttempt, node: str) -> None:
         if action.planned:
@@ -253,11 +299,20 @@ class Executor:
             while time.monotonic() < deadline and not self.translator.has_exited(node, action.attempt):
                 time.sleep(_EXIT_POLL_S)
         grace = _HARD_STOP_GRACE_S if action.planned else action.grace_s
-        out = self.agents.stop(node, agent_pb2.StopWorkersRequest(run=self.s.run, attempt=action.attempt, grace_s=grace),
-                               grace + self.s.rpc_timeout_s)
+        out = self.agents.stop(
+            node,
+            agent_pb2.StopWorkersRequest(run=self.s.run, attempt=action.attempt, grace_s=grace),
+            grace + self.s.rpc_timeout_s,
+        )
         if not out.ok:
-            self.post(ActionFailed(action=action, temporary=out.temporary, node=node,
-                                   reason=f"stop rpc ({out.tries} tries): {out.error}"))
+            self.post(
+                ActionFailed(
+                    action=action,
+                    temporary=out.temporary,
+                    node=node,
+                    reason=f"stop rpc ({out.tries} tries): {out.error}",
+                )
+            )
 
     def _collect(self, action: CollectDumps) -> None:
         """Dumps from every live rank of the attempt, analysed by the flight-recorder rule only.
@@ -272,12 +327,17 @@ class Executor:
         per_rank_s = max(0.5, action.timeout_s * 0.6)
         req = agent_pb2.CollectFlightRecorderRequest(run=self.s.run, timeout_s=per_rank_s)
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(action.nodes)))) as ex:
-            answers = list(ex.map(lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes))
+            answers = list(
+                ex.map(lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes)
+            )
         for node, out, resp in answers:
             if not out.ok or resp is None:
                 missing.append(node)
-                rank_dumps.extend(agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}")
-                                  for rank, n in rank_to_node.items() if n == node)
+                rank_dumps.extend(
+                    agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}")
+                    for rank, n in rank_to_node.items()
+                    if n == node
+                )
                 continue
             for d in resp.dumps:
                 rank_to_node.setdefault(d.rank, node)
@@ -285,7 +345,9 @@ class Executor:
         try:
             verdict = flight_recorder.verdict_from_rank_dumps(rank_dumps, rank_to_node)
         except ValueError as exc:  # dumps are input from outside
-            self.post(ActionFailed(action=action, temporary=False, reason=f"flight-recorder analysis failed: {exc}"))
+            self.post(
+                ActionFailed(action=action, temporary=False, reason=f"flight-recorder analysis failed: {exc}")
+            )
             return
         self.post(DumpsCollected(attempt=action.attempt, verdict=verdict, missing_nodes=tuple(missing)))
 
@@ -293,15 +355,25 @@ class Executor:
 
     def _persist(self, rec: NodeRecordView) -> None:
         now = self.clock()
-        entry = store_pb2.PoolEntry(node=rec.node, state=common_pb2.PoolState.ValueType(rec.pool_state),
-                                    reason=rec.reason, burn_in_passes=rec.burn_in_passes,
-                                    operator_hold=rec.operator_hold, since=now, run=self.s.run,
-                                    evidence=list(rec.evidence[-16:]))
-        rep = store_pb2.Reputation(node=rec.node, failures=len(rec.failure_times),
-                                   failure_times=list(rec.failure_times[-32:]), straggler_flags=rec.straggler_flags,
-                                   preflight_rejections=rec.preflight_rejections, updated_at=now,
-                                   evidence_kinds=[common_pb2.EvidenceKind.ValueType(k)
-                                                   for k in rec.evidence_kinds[-32:]])
+        entry = store_pb2.PoolEntry(
+            node=rec.node,
+            state=common_pb2.PoolState.ValueType(rec.pool_state),
+            reason=rec.reason,
+            burn_in_passes=rec.burn_in_passes,
+            operator_hold=rec.operator_hold,
+            since=now,
+            run=self.s.run,
+            evidence=list(rec.evidence[-16:]),
+        )
+        rep = store_pb2.Reputation(
+            node=rec.node,
+            failures=len(rec.failure_times),
+            failure_times=list(rec.failure_times[-32:]),
+            straggler_flags=rec.straggler_flags,
+            preflight_rejections=rec.preflight_rejections,
+            updated_at=now,
+            evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]],
+        )
         try:
             self.store.fenced_put(self.keys.pool(rec.node), entry.SerializeToString(), self.leadership)
             self.store.fenced_put(self.keys.reputation(rec.node), rep.SerializeToString(), self.leadership)

@@ -69,8 +69,8 @@ class ShellConfig:
     """What the shell needs beyond the core's policy."""
 
     run: str
-    command: tuple[str, ...]             # what each rank runs (torchrun wraps it)
-    run_dir: Path                        # event log, checkpoints for the local backend
+    command: tuple[str, ...]  # what each rank runs (torchrun wraps it)
+    run_dir: Path  # event log, checkpoints for the local backend
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{time.time_ns() % 10**6}")
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
@@ -173,8 +173,10 @@ class LiveController:
         self.restart_budget = int(probe.cfg.restart_budget)
         self.core: Core | None = None
         self.agents = agents or AgentClients()
-        self.backend = backend or LocalBackend(self.agents, LocalConfig(
-            torchrun=cfg.torchrun, rdzv_host=cfg.rdzv_host, rpc_timeout_s=cfg.rpc_timeout_s))
+        self.backend = backend or LocalBackend(
+            self.agents,
+            LocalConfig(torchrun=cfg.torchrun, rdzv_host=cfg.rdzv_host, rpc_timeout_s=cfg.rpc_timeout_s),
+        )
         self.pager = pager or Pager()
         self._eventlog_factory = eventlog_factory
         self.clock = clock
@@ -266,12 +268,27 @@ class LiveController:
         self.translator = Translator(self.keys, self.cfg.run, procs_per_node=self.cfg.procs_per_node)
         unwritten = self.executor.unwritten if self.executor is not None else []
         self.executor = Executor(
-            RunSettings(run=self.cfg.run, command=self.cfg.command, env=self.cfg.env,
-                        procs_per_node=self.cfg.procs_per_node, rpc_timeout_s=self.cfg.rpc_timeout_s),
-            store=self.store, leadership=self.leadership, eventlog=self.eventlog, timers=self.timers,
-            backend=self.backend, agents=self.agents, pager=self.pager, translator=self.translator, pool=self.pool,
-            post=lambda ev: self.events.put(ev), relist=lambda: self.events.put(_Relist()),
-            listeners=self.listeners, clock=self.clock)
+            RunSettings(
+                run=self.cfg.run,
+                command=self.cfg.command,
+                env=self.cfg.env,
+                procs_per_node=self.cfg.procs_per_node,
+                rpc_timeout_s=self.cfg.rpc_timeout_s,
+            ),
+            store=self.store,
+            leadership=self.leadership,
+            eventlog=self.eventlog,
+            timers=self.timers,
+            backend=self.backend,
+            agents=self.agents,
+            pager=self.pager,
+            translator=self.translator,
+            pool=self.pool,
+            post=lambda ev: self.events.put(ev),
+            relist=lambda: self.events.put(_Relist()),
+            listeners=self.listeners,
+            clock=self.clock,
+        )
         self.executor.unwritten.extend(unwritten)  # entries of a failed append are still owed to the log
         revision = self._relist()
         # An attempt found in the store was launched by an earlier leader; it may never have reached
@@ -280,8 +297,9 @@ class LiveController:
         self._adopted = (attempt, time.monotonic()) if attempt else None
         self._start_watches(revision + 1)
         self.is_leader.set()
-        threading.Thread(target=self._check_adopted, args=(self.executor, self.translator),
-                         name="adopt-check", daemon=True).start()
+        threading.Thread(
+            target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
+        ).start()
 
     def _drive(self) -> None:
         assert self.leadership is not None
@@ -363,17 +381,25 @@ class LiveController:
         assert self.core is not None
         st = self.core.status(now)
         self.status = controller_pb2.RunStatus(
-            run=self.cfg.run, phase=_PHASES.get(st.state.name, controller_pb2.RUN_PHASE_UNSPECIFIED),
-            attempt=st.attempt, current_step=st.job_step, last_committed_step=st.latest_committed,
+            run=self.cfg.run,
+            phase=_PHASES.get(st.state.name, controller_pb2.RUN_PHASE_UNSPECIFIED),
+            attempt=st.attempt,
+            current_step=st.job_step,
+            last_committed_step=st.latest_committed,
             restart_budget_left=max(0, st.restart_budget - st.restarts_used),
-            since_last_progress_s=st.since_last_progress_s, nodes=list(st.nodes), rendezvous_id=st.rendezvous_id,
-            reason=st.failure or st.state.value)
+            since_last_progress_s=st.since_last_progress_s,
+            nodes=list(st.nodes),
+            rendezvous_id=st.rendezvous_id,
+            reason=st.failure or st.state.value,
+        )
 
     def pool_state(self, node: str) -> common_pb2.PoolState.ValueType:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None
         return pn.state.proto if pn is not None else common_pb2.POOL_STATE_UNSPECIFIED
 
-    def submit_and_wait(self, event: OperatorQuarantine | OperatorRelease) -> Future[common_pb2.PoolState.ValueType | None]:
+    def submit_and_wait(
+        self, event: OperatorQuarantine | OperatorRelease
+    ) -> Future[common_pb2.PoolState.ValueType | None]:
         """Queue an operator event; the future gets the node's pool state after the core acted."""
         fut: Future[common_pb2.PoolState.ValueType | None] = Future()
         self.events.put(_Operator(event=event, future=fut))
@@ -385,17 +411,30 @@ class LiveController:
 
     def _write_spec(self) -> None:
         assert self.leadership is not None
-        spec = store_pb2.RunSpec(run=self.cfg.run, nodes=self.nodes, command=list(self.cfg.command),
-                                 env=dict(self.cfg.env), max_attempts=self.restart_budget, created_at=self.clock())
+        spec = store_pb2.RunSpec(
+            run=self.cfg.run,
+            nodes=self.nodes,
+            command=list(self.cfg.command),
+            env=dict(self.cfg.env),
+            max_attempts=self.restart_budget,
+            created_at=self.clock(),
+        )
         self.store.fenced_put(self.keys.spec(self.cfg.run), spec.SerializeToString(), self.leadership)
 
     def _record_commit(self, event: CheckpointCommitted, now: float) -> None:
         assert self.leadership is not None
-        rec = store_pb2.CheckpointCommit(run=self.cfg.run, step=event.step, path=event.path, committed_at=now,
-                                         attempt=event.attempt, save_duration_s=event.save_duration_s)
+        rec = store_pb2.CheckpointCommit(
+            run=self.cfg.run,
+            step=event.step,
+            path=event.path,
+            committed_at=now,
+            attempt=event.attempt,
+            save_duration_s=event.save_duration_s,
+        )
         try:
-            self.store.fenced_put(self.keys.checkpoint(self.cfg.run, event.step), rec.SerializeToString(),
-                                  self.leadership)
+            self.store.fenced_put(
+                self.keys.checkpoint(self.cfg.run, event.step), rec.SerializeToString(), self.leadership
+            )
         except StoreError as exc:
             log.warning("recording checkpoint %d failed: %s", event.step, exc)
 
@@ -407,11 +446,15 @@ class LiveController:
         k, run = self.keys, self.cfg.run
         nodes, rev = self.store.get_prefix(k.nodes_prefix())
         listing = Listing(
-            nodes=tuple(nodes), pool=tuple(self.store.get_prefix(k.base + "pool/")[0]),
+            nodes=tuple(nodes),
+            pool=tuple(self.store.get_prefix(k.base + "pool/")[0]),
             reputation=tuple(self.store.get_prefix(k.base + "reputation/")[0]),
-            attempt=self.store.get(k.attempt(run)), checkpoints=tuple(self.store.get_prefix(k.checkpoints_prefix(run))[0]),
-            stop=self.store.get(k.stop(run)), progress=tuple(self.store.get_prefix(k.progress_prefix(run))[0]),
-            now=self.clock())
+            attempt=self.store.get(k.attempt(run)),
+            checkpoints=tuple(self.store.get_prefix(k.checkpoints_prefix(run))[0]),
+            stop=self.store.get(k.stop(run)),
+            progress=tuple(self.store.get_prefix(k.progress_prefix(run))[0]),
+            now=self.clock(),
+        )
         snap, addresses, exits, attempt = self.translator.snapshot(listing)
         self._apply(addresses)
         if attempt is not None:
@@ -430,8 +473,12 @@ class LiveController:
 
     def _start_watches(self, start_revision: int) -> None:
         k = self.keys
-        for prefix in (k.nodes_prefix(), k.progress_prefix(self.cfg.run), k.base + "evidence/",
-                       k.run_prefix(self.cfg.run)):
+        for prefix in (
+            k.nodes_prefix(),
+            k.progress_prefix(self.cfg.run),
+            k.base + "evidence/",
+            k.run_prefix(self.cfg.run),
+        ):
             self._watches.append(self.store.watch_prefix(prefix, start_revision, self._on_watch))
 
     def _cancel_watches(self) -> None:
@@ -473,8 +520,13 @@ class LiveController:
         self.stopping.wait(max(0.0, since + ADOPT_GRACE_S - time.monotonic()))
         pending = set(executor.attempt_nodes)
         give_up = time.monotonic() + ADOPT_CHECK_S
-        while (pending and self.is_leader.is_set() and not self.stopping.is_set() and executor is self.executor
-               and executor.attempt == attempt):
+        while (
+            pending
+            and self.is_leader.is_set()
+            and not self.stopping.is_set()
+            and executor is self.executor
+            and executor.attempt == attempt
+        ):
             for node in sorted(pending):
                 if translator.has_exited(node, attempt) or node not in executor.attempt_nodes:
                     pending.discard(node)
@@ -485,12 +537,20 @@ class LiveController:
                 pending.discard(node)
                 if not any(w.run == self.cfg.run and w.attempt == attempt for w in resp.workers):
                     translator.mark_exited(node, attempt)
-                    self.events.put(AttemptExited(
-                        node=node, attempt=attempt, detail="no worker of this attempt on the node: adopted at "
-                        "takeover, but the previous leader's launch never reached it"))
+                    self.events.put(
+                        AttemptExited(
+                            node=node,
+                            attempt=attempt,
+                            detail="no worker of this attempt on the node: adopted at "
+                            "takeover, but the previous leader's launch never reached it",
+                        )
+                    )
             if pending and time.monotonic() > give_up:
-                log.warning("adopted attempt %d: nodes %s never answered; their leases or the hang "
-                            "detector decide", attempt, sorted(pending))
+                log.warning(
+                    "adopted attempt %d: nodes %s never answered; their leases or the hang detector decide",
+                    attempt,
+                    sorted(pending),
+                )
                 return
             if pending:
                 self.stopping.wait(0.5)

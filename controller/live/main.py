@@ -72,8 +72,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     run = cfg.run
     shell_kwargs: dict[str, Any] = {
-        "run": run.run, "command": tuple(run.command), "run_dir": run.run_dir, "election_ttl_s": run.election_ttl_s,
-        "tick_s": run.tick_s, "env": tuple(sorted(run.env.items())), "procs_per_node": run.procs_per_node,
+        "run": run.run,
+        "command": tuple(run.command),
+        "run_dir": run.run_dir,
+        "election_ttl_s": run.election_ttl_s,
+        "tick_s": run.tick_s,
+        "env": tuple(sorted(run.env.items())),
+        "procs_per_node": run.procs_per_node,
         "rdzv_host": run.rdzv_host,
     }
     if run.identity:
@@ -81,14 +86,19 @@ def _run(args: argparse.Namespace) -> int:
     from controller.live.agents import AgentClients
 
     shell = LiveController(
-        ShellConfig(**shell_kwargs), store,
+        ShellConfig(**shell_kwargs),
+        store,
         lambda: Supervisor(cfg.policy, RunPlan(run=run.run, nodes=run.nodes)),
-        agents=AgentClients(cfg.agent_tls), pager=Pager(cfg.paging),
+        agents=AgentClients(cfg.agent_tls),
+        pager=Pager(cfg.paging),
     )
     tls = None
     if cfg.api_tls is not None:
-        tls = ServerTLS(cert_pem=cfg.api_tls.cert.read_bytes(), key_pem=cfg.api_tls.key.read_bytes(),
-                        client_ca_pem=cfg.api_tls.ca.read_bytes())
+        tls = ServerTLS(
+            cert_pem=cfg.api_tls.cert.read_bytes(),
+            key_pem=cfg.api_tls.key.read_bytes(),
+            client_ca_pem=cfg.api_tls.ca.read_bytes(),
+        )
     try:
         server, port = build_server(LiveView(shell), run.api_address, tls=tls, policy=AccessPolicy())
     except (ValueError, OSError) as exc:
@@ -99,7 +109,9 @@ def _run(args: argparse.Namespace) -> int:
         try:
             _serve_metrics(run.metrics_address, shell.cfg.event_log_path, run.run)
         except OSError as exc:
-            print(f"controller: cannot serve metrics on {run.metrics_address}: {exc.strerror}", file=sys.stderr)
+            print(
+                f"controller: cannot serve metrics on {run.metrics_address}: {exc.strerror}", file=sys.stderr
+            )
             server.stop(grace=None)
             return 2
     logging.getLogger("controller").info("Controller API on port %d; identity %s", port, shell.cfg.identity)

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PagerConfig:
-    webhook_url: str = ""                 # POSTed a JSON body {"reason", "severity", "ts"}
-    command: tuple[str, ...] = ()         # run with the reason as the last argument
+    webhook_url: str = ""  # POSTed a JSON body {"reason", "severity", "ts"}
+    command: tuple[str, ...] = ()  # run with the reason as the last argument
     min_interval_s: float = 300.0
     burst: int = 3
     timeout_s: float = 5.0
@@ -43,7 +43,9 @@ class Pager:
         with self._lock:
             last = self._last_by_reason.get(reason)
             self._window = [t for t in self._window if now - t < self.cfg.min_interval_s]
-            if (last is not None and now - last < self.cfg.min_interval_s) or len(self._window) >= self.cfg.burst:
+            if (last is not None and now - last < self.cfg.min_interval_s) or len(
+                self._window
+            ) >= self.cfg.burst:
                 self.suppressed += 1
                 log.info("page suppressed by rate limit: %s", reason)
                 return False
@@ -57,8 +59,9 @@ class Pager:
     def _deliver(self, reason: str, severity: str) -> None:
         if self.cfg.webhook_url:
             body = json.dumps({"reason": reason, "severity": severity, "ts": time.time()}).encode()
-            req = urllib.request.Request(self.cfg.webhook_url, data=body,
-                                         headers={"Content-Type": "application/json"}, method="POST")
+            req = urllib.request.Request(
+                self.cfg.webhook_url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+            )
             try:
                 with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
                     resp.read(1024)
@@ -66,7 +69,12 @@ class Pager:
                 log.warning("page webhook failed: %s", type(exc).__name__)
         if self.cfg.command:
             try:
-                subprocess.run([*self.cfg.command, reason], timeout=self.cfg.timeout_s, check=False,
-                               stdin=subprocess.DEVNULL, capture_output=True)
+                subprocess.run(
+                    [*self.cfg.command, reason],
+                    timeout=self.cfg.timeout_s,
+                    check=False,
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                )
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("page command failed: %s", type(exc).__name__)

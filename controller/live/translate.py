@@ -80,13 +80,15 @@ class Translator:
         self._lock = threading.Lock()
         self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
         self.rank_to_node: dict[int, str] = {}
-        self.exited: set[tuple[str, int]] = set()   # (node, attempt) whose exit was reported
+        self.exited: set[tuple[str, int]] = set()  # (node, attempt) whose exit was reported
         self.committed_seen = -1
         self._ckpt_failures: set[tuple[int, int]] = set()
 
     # -- relist --------------------------------------------------------------------------------
 
-    def snapshot(self, listing: Listing) -> tuple[Snapshot, Addresses, list[Event], store_pb2.AttemptRecord | None]:
+    def snapshot(
+        self, listing: Listing
+    ) -> tuple[Snapshot, Addresses, list[Event], store_pb2.AttemptRecord | None]:
         """The Snapshot of a listing, the agent addresses it names, the exits written while no
         leader watched (level-triggered: they follow the Snapshot), and the attempt record."""
         with self._lock:
@@ -99,19 +101,29 @@ class Translator:
                 self.known_nodes[rec.node] = rec
                 addresses[rec.node] = rec.address
                 alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
-            reps = {kv.key.rsplit("/", 1)[-1]: _try(store_pb2.Reputation, kv.value) for kv in listing.reputation}
+            reps = {
+                kv.key.rsplit("/", 1)[-1]: _try(store_pb2.Reputation, kv.value) for kv in listing.reputation
+            }
             records = []
             for kv in listing.pool:
                 entry = _try(store_pb2.PoolEntry, kv.value)
                 if entry is None or not entry.node:
                     continue
                 rep = reps.get(entry.node) or store_pb2.Reputation()
-                records.append(NodeRecordView(
-                    node=entry.node, pool_state=entry.state or common_pb2.POOL_STATE_SPARE, reason=entry.reason,
-                    burn_in_passes=entry.burn_in_passes, operator_hold=entry.operator_hold,
-                    failure_times=tuple(rep.failure_times), straggler_flags=rep.straggler_flags,
-                    preflight_rejections=rep.preflight_rejections, evidence=tuple(entry.evidence),
-                    evidence_kinds=tuple(rep.evidence_kinds)))
+                records.append(
+                    NodeRecordView(
+                        node=entry.node,
+                        pool_state=entry.state or common_pb2.POOL_STATE_SPARE,
+                        reason=entry.reason,
+                        burn_in_passes=entry.burn_in_passes,
+                        operator_hold=entry.operator_hold,
+                        failure_times=tuple(rep.failure_times),
+                        straggler_flags=rep.straggler_flags,
+                        preflight_rejections=rep.preflight_rejections,
+                        evidence=tuple(entry.evidence),
+                        evidence_kinds=tuple(rep.evidence_kinds),
+                    )
+                )
             attempt = _try(store_pb2.AttemptRecord, listing.attempt.value) if listing.attempt else None
             ckpts = [_try(store_pb2.CheckpointCommit, kv.value) for kv in listing.checkpoints]
             committed = tuple(sorted(c.step for c in ckpts if c is not None))
@@ -132,11 +144,15 @@ class Translator:
                 elif listing.now - prog.written_at < RECENT_PROGRESS_S:
                     progress_nodes.append(prog.node)
             snap = Snapshot(
-                alive=alive, records=tuple(records),
+                alive=alive,
+                records=tuple(records),
                 attempt=attempt.attempt if attempt else 0,
                 attempt_nodes=tuple(attempt.nodes) if attempt else (),
                 resume_step=attempt.resume_step if attempt else -1,
-                committed_steps=committed, stop_requested=stop, progress_nodes=tuple(progress_nodes))
+                committed_steps=committed,
+                stop_requested=stop,
+                progress_nodes=tuple(progress_nodes),
+            )
         return snap, Addresses(set=addresses), exits, attempt
 
     # -- watch ---------------------------------------------------------------------------------
@@ -147,7 +163,7 @@ class Translator:
         key, deleted = item.key, item.type.name == "DELETE"
         with self._lock:
             if key.startswith(k.nodes_prefix()):
-                return self._node(key[len(k.nodes_prefix()):], None if deleted else item.value)
+                return self._node(key[len(k.nodes_prefix()) :], None if deleted else item.value)
             if key.startswith(k.progress_prefix(self.run)):
                 if deleted:
                     return [], Addresses()
@@ -182,13 +198,21 @@ class Translator:
             self.rank_to_node[r.rank] = prog.node
             if r.checkpoint_error and (prog.attempt, r.step) not in self._ckpt_failures:
                 self._ckpt_failures.add((prog.attempt, r.step))
-                out.append(CheckpointFailed(step=r.step, error=r.checkpoint_error, node=prog.node,
-                                            attempt=prog.attempt))
+                out.append(
+                    CheckpointFailed(
+                        step=r.step, error=r.checkpoint_error, node=prog.node, attempt=prog.attempt
+                    )
+                )
             if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self.committed_seen:
                 self.committed_seen = r.committed_step
                 out.append(CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
-        out.append(ProgressObserved(node=prog.node, attempt=prog.attempt,
-                                    ranks=tuple(RankSample.from_proto(r) for r in prog.ranks)))
+        out.append(
+            ProgressObserved(
+                node=prog.node,
+                attempt=prog.attempt,
+                ranks=tuple(RankSample.from_proto(r) for r in prog.ranks),
+            )
+        )
         if prog.HasField("exit"):
             out.extend(self._exit_seen(prog))  # the node's last progress, then its exit
         return out
@@ -199,8 +223,13 @@ class Translator:
             return []
         e = prog.exit
         ev = AttemptExited(
-            node=prog.node, attempt=prog.attempt, exit_code=e.exit_code if e.HasField("exit_code") else None,
-            signal=e.signal if e.HasField("signal") else None, ended_at=e.ended_at or None, detail=e.detail)
+            node=prog.node,
+            attempt=prog.attempt,
+            exit_code=e.exit_code if e.HasField("exit_code") else None,
+            signal=e.signal if e.HasField("signal") else None,
+            ended_at=e.ended_at or None,
+            detail=e.detail,
+        )
         self.exited.add((prog.node, prog.attempt))
         return [ev]
 
@@ -225,7 +254,9 @@ class Translator:
 
 
 def _stop_requested(req: store_pb2.StopRequest) -> StopRequested:
-    return StopRequested(reason=req.reason or "stop requested", requested_by=req.requested_by, relaunch=req.relaunch)
+    return StopRequested(
+        reason=req.reason or "stop requested", requested_by=req.requested_by, relaunch=req.relaunch
+    )
 
 
 def _try(cls: type[_M], data: bytes) -> _M | None:
@@ -234,4 +265,3 @@ def _try(cls: type[_M], data: bytes) -> _M | None:
         return parse(cls, data)
     except ValueError:
         return None
-

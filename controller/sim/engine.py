@@ -87,8 +87,8 @@ _EVIDENCE_KIND = {
 @dataclass(slots=True)
 class SimNode:
     name: str
-    broken: int | None = None      # cause index while broken
-    repaired_at: float = 0.0       # when a broken node's repair is done (set when it is taken out)
+    broken: int | None = None  # cause index while broken
+    repaired_at: float = 0.0  # when a broken node's repair is done (set when it is taken out)
     alive: bool = True
 
 
@@ -131,9 +131,11 @@ class World:
         self.rng = random.Random(f"{draws.seed}:{policy.name}:world")
         startup = self.costs.launch_s + self.costs.load_s + self.costs.first_step_s
         if policy.supervisor.startup_timeout_s <= startup:
-            raise ValueError(f"policy {policy.name}: supervisor.startup_timeout_s "
-                             f"({policy.supervisor.startup_timeout_s:g}s) must exceed launch + load + first step "
-                             f"({startup:g}s), or every launch is declared hung")
+            raise ValueError(
+                f"policy {policy.name}: supervisor.startup_timeout_s "
+                f"({policy.supervisor.startup_timeout_s:g}s) must exceed launch + load + first step "
+                f"({startup:g}s), or every launch is declared hung"
+            )
         self.core = Supervisor(policy.supervisor, RunPlan(run=scenario.run.name, nodes=scenario.run.nodes))
         self.heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.seq = 0
@@ -148,18 +150,18 @@ class World:
         self.attempt = 0
         self.attempt_nodes: list[str] = []
         self.resume_step = -1
-        self.training = False       # making progress right now
-        self.epoch = 0              # bumped whenever training stops: cancels its scheduled events
-        self.train_base_step = 0    # step at the start of the current training stretch
-        self.train_since = 0.0      # when the current training stretch (after a stall) began
+        self.training = False  # making progress right now
+        self.epoch = 0  # bumped whenever training stops: cancels its scheduled events
+        self.train_base_step = 0  # step at the start of the current training stretch
+        self.train_since = 0.0  # when the current training stretch (after a stall) began
         self.in_save = False
-        self.fault_open = False     # a fault hit the current attempt and the core has not stopped it
+        self.fault_open = False  # a fault hit the current attempt and the core has not stopped it
         self.culprit: str | None = None
         self.culprit_cause: Cause | None = None
         self.culprit_u = 0.0
         self.tick_owed = False
         self.timers = Timers()
-        self.ready_at = 0.0         # spares taken: preflight cannot finish before they arrive
+        self.ready_at = 0.0  # spares taken: preflight cannot finish before they arrive
         self.keep_log = keep_log
 
     # --- plumbing ---------------------------------------------------------------------------------
@@ -204,13 +206,24 @@ class World:
                 break
             self.now = t
             fn(*args)
-            if self.core.state in (RunState.CRASH_LOOP, RunState.BUDGET_EXHAUSTED, RunState.STOPPED,
-                                   RunState.COMPLETED):
+            if self.core.state in (
+                RunState.CRASH_LOOP,
+                RunState.BUDGET_EXHAUSTED,
+                RunState.STOPPED,
+                RunState.COMPLETED,
+            ):
                 break
-        return SimResult(policy=self.pol.name, seed=self.draws.seed, events=self.events,
-                         interruptions=self.interruptions, start_ts=self.t0, end_ts=self.t0 + self.horizon,
-                         handle_calls=self.handle_calls, final_state=self.core.state.value,
-                         planned_stops=self.planned_stops)
+        return SimResult(
+            policy=self.pol.name,
+            seed=self.draws.seed,
+            events=self.events,
+            interruptions=self.interruptions,
+            start_ts=self.t0,
+            end_ts=self.t0 + self.horizon,
+            handle_calls=self.handle_calls,
+            final_state=self.core.state.value,
+            planned_stops=self.planned_stops,
+        )
 
     # --- actions ------------------------------------------------------------------------------
 
@@ -231,7 +244,9 @@ class World:
                 node = self.nodes.get(act.node)
                 if node is not None and node.broken is not None and node.repaired_at <= self.now:
                     repair = self.sc.causes[node.broken].repair_hours
-                    node.repaired_at = self.now + 3600.0 * (repair if repair is not None else self.costs.repair_hours)
+                    node.repaired_at = self.now + 3600.0 * (
+                        repair if repair is not None else self.costs.repair_hours
+                    )
             case TakeSpare():
                 self.ready_at = max(self.ready_at, self.now + self.costs.allocate_spare_s)
             case AllocateFromQueue():
@@ -264,7 +279,9 @@ class World:
         if act.purpose == "burn_in":
             for name in act.nodes:
                 node = self.nodes[name]
-                done = max(self.now, node.repaired_at) + self.costs.burn_in_s / max(1, self.pol.supervisor.burn_in_passes)
+                done = max(self.now, node.repaired_at) + self.costs.burn_in_s / max(
+                    1, self.pol.supervisor.burn_in_passes
+                )
                 self.at(done, self._preflight_results, ((name, True),))
             return
         start = max(self.now, self.ready_at)
@@ -305,8 +322,16 @@ class World:
         # Live, the core logs LOAD_DONE once every node has sent its ranks' load mark (`loaded_step`).
         # Here that would be one more ProgressObserved per node per restart (2,048 calls) to learn a
         # time the scenario already fixes, so the world logs it at the modelled moment instead.
-        self.log(E.Event(ts=self.t0 + self.now, run=self.sc.run.name, attempt=attempt, step=self.resume_step,
-                         kind=E.EVENT_KIND_LOAD_DONE, message=f"attempt {attempt} loaded step {self.resume_step}"))
+        self.log(
+            E.Event(
+                ts=self.t0 + self.now,
+                run=self.sc.run.name,
+                attempt=attempt,
+                step=self.resume_step,
+                kind=E.EVENT_KIND_LOAD_DONE,
+                message=f"attempt {attempt} loaded step {self.resume_step}",
+            )
+        )
 
     def _first_step(self, attempt: int, epoch: int) -> None:
         if epoch != self.epoch or self.fault_open:
@@ -320,7 +345,9 @@ class World:
             node = self.nodes[name]
             if node.broken is not None:  # put back into a run while broken: it fails again soon
                 cause = self.sc.causes[node.broken]
-                self.at(self.now + self.rng.random() * self.det.refail_s, self._refail, name, self.epoch, cause)
+                self.at(
+                    self.now + self.rng.random() * self.det.refail_s, self._refail, name, self.epoch, cause
+                )
                 break
 
     def _progress_round(self, culprit: str | None = None, behind: bool = False) -> None:
@@ -328,9 +355,15 @@ class World:
         in_ckpt = self.in_save
         for rank, name in enumerate(self.attempt_nodes):
             s = step - 1 if behind and name == culprit else step
-            sample = RankSample(rank=rank, step=max(s, -1), step_time_s=self.step_time,
-                                  compute_s=self.step_time * 0.8, wait_s=self.step_time * 0.2,
-                                  in_checkpoint=in_ckpt, reported_at=self.t0 + self.now)
+            sample = RankSample(
+                rank=rank,
+                step=max(s, -1),
+                step_time_s=self.step_time,
+                compute_s=self.step_time * 0.8,
+                wait_s=self.step_time * 0.2,
+                in_checkpoint=in_ckpt,
+                reported_at=self.t0 + self.now,
+            )
             self.feed(ProgressObserved(node=name, attempt=self.attempt, ranks=(sample,)))
         if self.tick_owed:
             self.tick_owed = False
@@ -357,7 +390,9 @@ class World:
             return
         self.in_save = False
         self.train_base_step, self.train_since = step, self.now
-        self.feed(CheckpointCommitted(step=step, attempt=self.attempt, save_duration_s=self.pol.checkpoint_stall_s))
+        self.feed(
+            CheckpointCommitted(step=step, attempt=self.attempt, save_duration_s=self.pol.checkpoint_stall_s)
+        )
         self._schedule_checkpoint()
 
     def _halt_training(self) -> None:
@@ -377,20 +412,28 @@ class World:
             name = f"n{f.slot:05d}"
         node = self.nodes[name]
         if self.training and not self.fault_open and name in self.attempt_nodes:
-            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome="interrupted"))
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="interrupted")
+            )
             self._strike(name, cause, f.u)
             return
         # Not training: nothing running to crash; hardware still breaks, hosts still die.
         if cause.symptom == "node_lost" and node.alive:
-            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome="node_down"))
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="node_down")
+            )
             self._break(node, cause, f.cause)
             node.alive = False
             self.at(self.now + self.pol.lease_ttl_s + f.u * self.det.lease_check_s, self._lost, name)
         elif cause.hardware and node.broken is None:
-            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome="broke_idle_node"))
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="broke_idle_node")
+            )
             self._break(node, cause, f.cause)
         else:
-            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed"))
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed")
+            )
 
     def _break(self, node: SimNode, cause: Cause, index: int) -> None:
         if cause.hardware and node.broken is None:
@@ -426,13 +469,22 @@ class World:
         # hang: nothing is sent; the core's hang timer fires.
 
     def _evidence(self, name: str, cause: Cause, observed_at: float) -> None:
-        ev = common_pb2.Evidence(node=name, kind=_EVIDENCE_KIND[cause.evidence], severity=common_pb2.SEVERITY_FATAL,
-                                 detail=f"sim: {cause.name}", observed_at=observed_at, source="chaos")
+        ev = common_pb2.Evidence(
+            node=name,
+            kind=_EVIDENCE_KIND[cause.evidence],
+            severity=common_pb2.SEVERITY_FATAL,
+            detail=f"sim: {cause.name}",
+            observed_at=observed_at,
+            source="chaos",
+        )
         self.feed(EvidenceObserved(evidence=ev))
 
     def _crashed(self, name: str, attempt: int, ended_at: float) -> None:
-        self.feed(AttemptExited(node=name, attempt=attempt, exit_code=1, ended_at=ended_at,
-                                  detail="sim: process crashed"))
+        self.feed(
+            AttemptExited(
+                node=name, attempt=attempt, exit_code=1, ended_at=ended_at, detail="sim: process crashed"
+            )
+        )
 
     def _lost(self, name: str) -> None:
         node = self.nodes[name]
@@ -445,10 +497,21 @@ class World:
     def _dumps(self, attempt: int) -> None:
         suspects: tuple[Suspect, ...] = ()
         cause = self.culprit_cause
-        if (self.pol.flight_recorder and self.culprit is not None and cause is not None and cause.hardware
-                and cause.symptom == "hang" and self.culprit_u < self.det.flight_recorder_accuracy):
-            suspects = (Suspect(node=self.culprit, confidence=0.9,
-                                reason="never reached the collective the others wait in"),)
+        if (
+            self.pol.flight_recorder
+            and self.culprit is not None
+            and cause is not None
+            and cause.hardware
+            and cause.symptom == "hang"
+            and self.culprit_u < self.det.flight_recorder_accuracy
+        ):
+            suspects = (
+                Suspect(
+                    node=self.culprit,
+                    confidence=0.9,
+                    reason="never reached the collective the others wait in",
+                ),
+            )
         self.feed(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict(suspects=suspects)))
 
     def _stop(self, act: StopAttempt) -> None:
@@ -466,14 +529,19 @@ class World:
         self.at(self.now + self.costs.stop_s, self._exits, act, None)
 
     def _planned_commit(self, attempt: int, step: int) -> None:
-        self.feed(CheckpointCommitted(step=step, attempt=attempt, save_duration_s=self.pol.checkpoint_stall_s))
+        self.feed(
+            CheckpointCommitted(step=step, attempt=attempt, save_duration_s=self.pol.checkpoint_stall_s)
+        )
 
     def _exits(self, act: StopAttempt, code: int | None) -> None:
         sig = None if code is not None else int(signal_mod.SIGTERM)
         # Reverse order: the core's "all exited?" check then stops at the first node, not the last.
         for name in reversed(act.nodes):
-            self.feed(AttemptExited(node=name, attempt=act.attempt, exit_code=code, signal=sig,
-                                      ended_at=self.t0 + self.now))
+            self.feed(
+                AttemptExited(
+                    node=name, attempt=act.attempt, exit_code=code, signal=sig, ended_at=self.t0 + self.now
+                )
+            )
 
     def _planned_stop(self) -> None:
         if not (self.training and not self.fault_open):

@@ -21,11 +21,44 @@ from controller.sim.model import first_order
 from controller.sim.scenario import Policy, Scenario
 
 # Two-sided 95% Student t quantiles by degrees of freedom (df > 30: normal).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
-LEVERS = ("checkpoint_stall", "rework", "detect", "attribute", "replace", "preflight", "launch", "load",
-          "first_step", "planned", "startup", "ended_early")
+_T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    25: 2.060,
+    30: 2.042,
+}
+LEVERS = (
+    "checkpoint_stall",
+    "rework",
+    "detect",
+    "attribute",
+    "replace",
+    "preflight",
+    "launch",
+    "load",
+    "first_step",
+    "planned",
+    "startup",
+    "ended_early",
+)
 SEEN = ("interrupted", "refail")  # outcomes in which the running job was interrupted
 
 
@@ -62,9 +95,9 @@ def lever_of(cause: str) -> str:
 class SeedOutcome:
     seed: int
     ettr: float
-    lost_by_lever: dict[str, float]      # fraction of wall time
-    lost_by_cause: dict[str, float]      # goodput's own causes, fraction of wall time
-    seen_by_cause: dict[str, int]        # interruptions the running job saw, by root cause
+    lost_by_lever: dict[str, float]  # fraction of wall time
+    lost_by_cause: dict[str, float]  # goodput's own causes, fraction of wall time
+    seen_by_cause: dict[str, int]  # interruptions the running job saw, by root cause
     drawn_by_cause: dict[str, int]
     incidents: int
     handle_calls: int
@@ -113,10 +146,18 @@ def outcome_of(result: SimResult, wall_s: float) -> SeedOutcome:
         by_lever["ended_early"] = (alloc - report.allocated_us) / alloc
     seen = Counter(i.cause for i in result.interruptions if i.outcome in SEEN)
     drawn = Counter(i.cause for i in result.interruptions if i.outcome != "refail")
-    return SeedOutcome(seed=result.seed, ettr=report.productive_us / alloc, lost_by_lever=dict(by_lever),
-                       lost_by_cause=by_cause,
-                       seen_by_cause=dict(seen), drawn_by_cause=dict(drawn), incidents=len(report.incidents),
-                       handle_calls=result.handle_calls, wall_s=wall_s, final_state=result.final_state)
+    return SeedOutcome(
+        seed=result.seed,
+        ettr=report.productive_us / alloc,
+        lost_by_lever=dict(by_lever),
+        lost_by_cause=by_cause,
+        seen_by_cause=dict(seen),
+        drawn_by_cause=dict(drawn),
+        incidents=len(report.incidents),
+        handle_calls=result.handle_calls,
+        wall_s=wall_s,
+        final_state=result.final_state,
+    )
 
 
 def run_one(scenario: Scenario, policy: Policy, seed: int) -> SeedOutcome:
@@ -138,21 +179,34 @@ def run_many(jobs: Iterable[tuple[Scenario, Policy, int]], workers: int = 1) -> 
         return list(pool.map(_job, job_list))
 
 
-def compare(scenario: Scenario, policies: Sequence[str], seeds: Sequence[int], workers: int = 1,
-            progress: Callable[[str], None] | None = None) -> list[PolicySummary]:
+def compare(
+    scenario: Scenario,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    workers: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> list[PolicySummary]:
     """Every policy on the same seeds' draws."""
     jobs = [(scenario, scenario.policy(p), s) for p in policies for s in seeds]
     outcomes = run_many(jobs, workers)
     out = []
     for i, name in enumerate(policies):
         pol = scenario.policy(name)
-        mine = tuple(outcomes[i * len(seeds):(i + 1) * len(seeds)])
+        mine = tuple(outcomes[i * len(seeds) : (i + 1) * len(seeds)])
         model = first_order(scenario, pol)
-        summary = PolicySummary(policy=name, outcomes=mine, model_ettr=model.ettr, model_by_lever=model.by_lever,
-                                young_daly_s=model.young_daly_s, checkpoint_interval_s=pol.checkpoint_interval_s)
+        summary = PolicySummary(
+            policy=name,
+            outcomes=mine,
+            model_ettr=model.ettr,
+            model_by_lever=model.by_lever,
+            young_daly_s=model.young_daly_s,
+            checkpoint_interval_s=pol.checkpoint_interval_s,
+        )
         ended = [o for o in mine if o.final_state != "running"]
         if ended:
-            summary.notes.append(f"{len(ended)} seed(s) ended early: {sorted({o.final_state for o in ended})}")
+            summary.notes.append(
+                f"{len(ended)} seed(s) ended early: {sorted({o.final_state for o in ended})}"
+            )
         out.append(summary)
         if progress is not None:
             progress(f"{name}: done")
@@ -164,17 +218,18 @@ class SweepRow:
     label: str
     ettr: float
     ci: float
-    delta: float      # mean paired difference from the first variant (same draws, seed by seed)
+    delta: float  # mean paired difference from the first variant (same draws, seed by seed)
     delta_ci: float
     by_seed: tuple[float, ...]
 
 
-def sweep(scenario: Scenario, variants: Sequence[tuple[str, Policy]], seeds: Sequence[int],
-          workers: int = 1) -> list[SweepRow]:
+def sweep(
+    scenario: Scenario, variants: Sequence[tuple[str, Policy]], seeds: Sequence[int], workers: int = 1
+) -> list[SweepRow]:
     """ETTR of policy variants on the same draws, with the paired difference from the first variant."""
     jobs = [(scenario, pol, s) for _, pol in variants for s in seeds]
     outcomes = run_many(jobs, workers)
-    per = [[o.ettr for o in outcomes[i * len(seeds):(i + 1) * len(seeds)]] for i in range(len(variants))]
+    per = [[o.ettr for o in outcomes[i * len(seeds) : (i + 1) * len(seeds)]] for i in range(len(variants))]
     rows = []
     for (label, _), values in zip(variants, per, strict=True):
         m, ci = mean_ci(values)
@@ -184,32 +239,50 @@ def sweep(scenario: Scenario, variants: Sequence[tuple[str, Policy]], seeds: Seq
 
 
 def interval_variants(policy: Policy, intervals: Iterable[float]) -> list[tuple[str, Policy]]:
-    return [(f"{i:g}", replace(policy, name=f"{policy.name}@I={i:g}", checkpoint_interval_s=float(i)))
-            for i in intervals]
+    return [
+        (f"{i:g}", replace(policy, name=f"{policy.name}@I={i:g}", checkpoint_interval_s=float(i)))
+        for i in intervals
+    ]
 
 
 def spare_variants(policy: Policy, fractions: Iterable[float]) -> list[tuple[str, Policy]]:
-    return [(f"{f:g}", replace(policy, name=f"{policy.name}@spares={f:g}", spares=None, spare_fraction=float(f)))
-            for f in fractions]
+    return [
+        (f"{f:g}", replace(policy, name=f"{policy.name}@spares={f:g}", spares=None, spare_fraction=float(f)))
+        for f in fractions
+    ]
 
 
 def hang_variants(policy: Policy, timeouts: Iterable[float]) -> list[tuple[str, Policy]]:
-    return [(f"{h:g}", replace(policy, name=f"{policy.name}@hang={h:g}",
-                               supervisor=replace(policy.supervisor, hang_timeout_s=float(h))))
-            for h in timeouts]
+    return [
+        (
+            f"{h:g}",
+            replace(
+                policy,
+                name=f"{policy.name}@hang={h:g}",
+                supervisor=replace(policy.supervisor, hang_timeout_s=float(h)),
+            ),
+        )
+        for h in timeouts
+    ]
 
 
 def format_summary(scenario: Scenario, summaries: Sequence[PolicySummary]) -> str:
-    lines = [f"scenario {scenario.run.name}: {scenario.run.nodes} nodes x {scenario.run.gpus_per_node} GPUs, "
-             f"{scenario.run.duration_days:g} days, MTBF {scenario.mtbf_s() / 3600:.2f} h "
-             f"({scenario.interruption_rate_s() * scenario.run.duration_s:.0f} unplanned interruptions expected)"]
-    lines.append(f"{'policy':<12} {'ETTR':>8} {'95% CI':>8} {'model':>7} {'seeds':>5}  lost by lever (% of wall time)")
+    lines = [
+        f"scenario {scenario.run.name}: {scenario.run.nodes} nodes x {scenario.run.gpus_per_node} GPUs, "
+        f"{scenario.run.duration_days:g} days, MTBF {scenario.mtbf_s() / 3600:.2f} h "
+        f"({scenario.interruption_rate_s() * scenario.run.duration_s:.0f} unplanned interruptions expected)"
+    ]
+    lines.append(
+        f"{'policy':<12} {'ETTR':>8} {'95% CI':>8} {'model':>7} {'seeds':>5}  lost by lever (% of wall time)"
+    )
     for s in summaries:
         m, ci = s.ettr
         levers = s.lever_means()
         lever_txt = ", ".join(f"{k} {100 * levers[k]:.2f}" for k in LEVERS if levers.get(k, 0) >= 0.0005)
-        lines.append(f"{s.policy:<12} {100 * m:7.2f}% {100 * ci:7.2f} {100 * s.model_ettr:6.2f}% {len(s.outcomes):>5}  "
-                     f"{lever_txt}")
+        lines.append(
+            f"{s.policy:<12} {100 * m:7.2f}% {100 * ci:7.2f} {100 * s.model_ettr:6.2f}% {len(s.outcomes):>5}  "
+            f"{lever_txt}"
+        )
         for note in s.notes:
             lines.append(f"{'':<12} note: {note}")
     return "\n".join(lines)
@@ -218,19 +291,22 @@ def format_summary(scenario: Scenario, summaries: Sequence[PolicySummary]) -> st
 def format_counts(scenario: Scenario, summary: PolicySummary) -> str:
     seen = summary.mean_counts("seen")
     drawn = summary.mean_counts("drawn")
-    lines = [f"interruptions by cause, mean over {len(summary.outcomes)} seeds ({summary.policy}): "
-             "scenario count / drawn / seen by the running job (incl. relapses of unrepaired nodes)"]
+    lines = [
+        f"interruptions by cause, mean over {len(summary.outcomes)} seeds ({summary.policy}): "
+        "scenario count / drawn / seen by the running job (incl. relapses of unrepaired nodes)"
+    ]
     total_c = total_d = total_s = 0.0
     for c in scenario.causes:
         expected = c.fleet_rate_s(scenario.run) * scenario.run.duration_s
         total_c += expected
         total_d += drawn.get(c.name, 0.0)
         total_s += seen.get(c.name, 0.0)
-        lines.append(f"  {c.name:<30} {expected:7.1f} {drawn.get(c.name, 0.0):7.1f} {seen.get(c.name, 0.0):7.1f}")
+        lines.append(
+            f"  {c.name:<30} {expected:7.1f} {drawn.get(c.name, 0.0):7.1f} {seen.get(c.name, 0.0):7.1f}"
+        )
     lines.append(f"  {'total':<30} {total_c:7.1f} {total_d:7.1f} {total_s:7.1f}")
     return "\n".join(lines)
 
 
 def lost_hours(outcome: SeedOutcome, scenario: Scenario) -> dict[str, float]:
     return {k: v * scenario.run.duration_s / 3600 for k, v in outcome.lost_by_lever.items()}
-

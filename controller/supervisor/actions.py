@@ -145,7 +145,6 @@ Action = (
 )
 
 
-
 @dataclass(frozen=True, slots=True)
 class Batch:
     """What one `handle` call asks of the shell: log `entries` first, then execute `actions`, in order."""

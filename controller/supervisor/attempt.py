@@ -35,7 +35,9 @@ class Attempt:
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load
     load_logged: bool = False
-    loads: dict[int, tuple[str, float, float]] = field(default_factory=dict)  # rank -> (node, ewma compute, wait)
+    loads: dict[int, tuple[str, float, float]] = field(
+        default_factory=dict
+    )  # rank -> (node, ewma compute, wait)
     straggler_hist: deque[tuple[float, int | None]] = field(default_factory=deque)
     straggler_nodes: set[str] = field(default_factory=set)  # flagged: quarantined at the next restart
     exited: dict[str, str] = field(default_factory=dict)  # node -> exit label
@@ -46,15 +48,24 @@ class Attempt:
         return cls(number=0, nodes=(), resume_step=-1, launched_at=0.0, node_step={}, step_count={})
 
     @classmethod
-    def launched(cls, number: int, nodes: tuple[str, ...], *, resume_step: int, now: float,
-                 straggler_window: int) -> Attempt:
-        return cls(number=number, nodes=nodes, resume_step=resume_step, launched_at=now,
-                   node_step=dict.fromkeys(nodes, UNREPORTED), step_count={UNREPORTED: len(nodes)},
-                   min_advanced_at=now, straggler_hist=deque(maxlen=straggler_window))
+    def launched(
+        cls, number: int, nodes: tuple[str, ...], *, resume_step: int, now: float, straggler_window: int
+    ) -> Attempt:
+        return cls(
+            number=number,
+            nodes=nodes,
+            resume_step=resume_step,
+            launched_at=now,
+            node_step=dict.fromkeys(nodes, UNREPORTED),
+            step_count={UNREPORTED: len(nodes)},
+            min_advanced_at=now,
+            straggler_hist=deque(maxlen=straggler_window),
+        )
 
     @classmethod
-    def adopted(cls, number: int, nodes: tuple[str, ...], *, resume_step: int, now: float,
-                straggler_window: int) -> Attempt:
+    def adopted(
+        cls, number: int, nodes: tuple[str, ...], *, resume_step: int, now: float, straggler_window: int
+    ) -> Attempt:
         """Found running after a controller restart: its load and first step happened unwatched."""
         a = cls.launched(number, nodes, resume_step=resume_step, now=now, straggler_window=straggler_window)
         a.first_step_logged = a.load_logged = True
@@ -78,5 +89,11 @@ class Failure:
     verdict: FlightRecorderVerdict | None = None
 
     def facts(self) -> FailureFacts:
-        return FailureFacts(detector=self.detector, nodes=tuple(self.nodes), ranks=tuple(self.ranks),
-                            step=self.step, label=self.label, first_exit=self.first_exit)
+        return FailureFacts(
+            detector=self.detector,
+            nodes=tuple(self.nodes),
+            ranks=tuple(self.ranks),
+            step=self.step,
+            label=self.label,
+            first_exit=self.first_exit,
+        )

@@ -62,8 +62,13 @@ class Suspect:
     evidence: tuple[common_pb2.Evidence, ...] = ()
 
     def to_proto(self) -> events_pb2.Suspect:
-        return events_pb2.Suspect(node=self.node, ranks=list(self.ranks), confidence=self.confidence,
-                                  reason=self.reason, evidence=list(self.evidence))
+        return events_pb2.Suspect(
+            node=self.node,
+            ranks=list(self.ranks),
+            confidence=self.confidence,
+            reason=self.reason,
+            evidence=list(self.evidence),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,8 +88,11 @@ class Blame:
 
     def to_proto(self) -> events_pb2.AttributionDetail:
         return events_pb2.AttributionDetail(
-            blame_method=self.method.proto, method=self.method.label, explanation=self.explanation,
-            suspects=[s.to_proto() for s in self.suspects])
+            blame_method=self.method.proto,
+            method=self.method.label,
+            explanation=self.explanation,
+            suspects=[s.to_proto() for s in self.suspects],
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,28 +121,55 @@ def blame(
         fatal = tuple(e for e in evidence.get(node, ()) if is_fatal(e))
         if fatal:
             why = fatal[-1].detail or kind_name(fatal[-1].kind)
-            hw.append(Suspect(node=node, confidence=1.0, reason=f"fatal hardware evidence: {why}", evidence=fatal))
+            hw.append(
+                Suspect(node=node, confidence=1.0, reason=f"fatal hardware evidence: {why}", evidence=fatal)
+            )
     if hw:
         return _blamed(BlameMethod.HARDWARE, tuple(hw), f)
     if f.detector == events_pb2.DETECTOR_NODE_LOST:
-        return _blamed(BlameMethod.HEARTBEAT, tuple(
-            Suspect(node=n, confidence=0.9, reason="its lease expired: heartbeats stopped") for n in f.nodes), f)
+        return _blamed(
+            BlameMethod.HEARTBEAT,
+            tuple(
+                Suspect(node=n, confidence=0.9, reason="its lease expired: heartbeats stopped")
+                for n in f.nodes
+            ),
+            f,
+        )
     if f.detector == events_pb2.DETECTOR_STRAGGLER:
-        return _blamed(BlameMethod.STRAGGLER, tuple(
-            Suspect(node=n, ranks=f.ranks, confidence=0.8, reason="persistent straggler") for n in f.nodes), f)
+        return _blamed(
+            BlameMethod.STRAGGLER,
+            tuple(
+                Suspect(node=n, ranks=f.ranks, confidence=0.8, reason="persistent straggler") for n in f.nodes
+            ),
+            f,
+        )
     if f.detector == events_pb2.DETECTOR_HANG:
         if verdict is not None:
-            fr = tuple(s for s in verdict.suspects if s.confidence >= fr_min_confidence and s.node in node_steps)
+            fr = tuple(
+                s for s in verdict.suspects if s.confidence >= fr_min_confidence and s.node in node_steps
+            )
             if fr:
                 return _blamed(BlameMethod.FLIGHT_RECORDER, fr, f, verdict.explanation)
         behind = heartbeat_suspect(node_steps)
         if behind is not None:
-            return _blamed(BlameMethod.HEARTBEAT, (Suspect(
-                node=behind, confidence=0.6, reason=f"its progress stopped first (step {node_steps[behind]})"),),
-                f, verdict.explanation if verdict else "")
+            return _blamed(
+                BlameMethod.HEARTBEAT,
+                (
+                    Suspect(
+                        node=behind,
+                        confidence=0.6,
+                        reason=f"its progress stopped first (step {node_steps[behind]})",
+                    ),
+                ),
+                f,
+                verdict.explanation if verdict else "",
+            )
     if f.first_exit is not None:
-        return _blamed(BlameMethod.FIRST_EXIT, (Suspect(
-            node=f.first_exit, ranks=f.ranks, confidence=0.5, reason=f"first to exit ({f.label})"),), f)
+        return _blamed(
+            BlameMethod.FIRST_EXIT,
+            (Suspect(node=f.first_exit, ranks=f.ranks, confidence=0.5, reason=f"first to exit ({f.label})"),),
+            f,
+        )
     return _blamed(BlameMethod.NONE, (), f, verdict.explanation if verdict else "")
 
 
@@ -151,15 +186,22 @@ def heartbeat_suspect(steps: Mapping[str, int]) -> str | None:
     return first if s0 < s1 else None
 
 
-def _blamed(method: BlameMethod, suspects: tuple[Suspect, ...], f: FailureFacts, explanation: str = "") -> Blame:
-    return Blame(method=method, suspects=suspects, reason=_sentence(method, suspects, f), explanation=explanation)
+def _blamed(
+    method: BlameMethod, suspects: tuple[Suspect, ...], f: FailureFacts, explanation: str = ""
+) -> Blame:
+    return Blame(
+        method=method, suspects=suspects, reason=_sentence(method, suspects, f), explanation=explanation
+    )
 
 
 def _sentence(method: BlameMethod, suspects: tuple[Suspect, ...], f: FailureFacts) -> str:
     if not suspects:
         return f"no suspect for {f.label or 'the failure'} at step {f.step}: software or data (crash-loop rule decides)"
-    top = "; ".join(f"{s.node}{' ranks ' + str(list(s.ranks)) if s.ranks else ''}: {s.reason} "
-                    f"(confidence {s.confidence:.2f})" for s in suspects)
+    top = "; ".join(
+        f"{s.node}{' ranks ' + str(list(s.ranks)) if s.ranks else ''}: {s.reason} "
+        f"(confidence {s.confidence:.2f})"
+        for s in suspects
+    )
     if method is BlameMethod.FIRST_EXIT:
         return f"blamed by first exit: {top}; no hardware evidence, so not quarantined on a first offence"
     return f"blamed by {method.label.replace('_', ' ')}: {top}"

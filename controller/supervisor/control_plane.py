@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 
 
 def on_lost_etcd(sv: Supervisor, ev: ControlPlaneLost) -> None:
-    failure.enter_control_plane(sv, etcd_lost=True, reason="the controller lost etcd: no observation is evidence "
-                                "about nodes now; nothing is quarantined")
+    failure.enter_control_plane(
+        sv,
+        etcd_lost=True,
+        reason="the controller lost etcd: no observation is evidence about nodes now; nothing is quarantined",
+    )
 
 
 def on_restored(sv: Supervisor, ev: ControlPlaneRestored) -> None:
@@ -60,20 +63,41 @@ def resolve(sv: Supervisor) -> None:
             sv.state = RunState.RUNNING
             a.exited = {n: label for n, label in a.exited.items() if label != "lost"}
             a.min_advanced_at = sv.now  # hang clock restarts: we were blind, not the job
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, f"control plane recovered: attempt {sv.attempt} kept running on all "
-                   "its nodes, not relaunched")
+            sv.log(
+                E.EVENT_KIND_CONTROL_PLANE,
+                f"control plane recovered: attempt {sv.attempt} kept running on all "
+                "its nodes, not relaunched",
+            )
             sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.hang_timeout_floor_s))
         elif missing:
-            failure.begin(sv, Failure(
-                detector=E.DETECTOR_NODE_LOST, nodes=missing, step=sv.job_step, label="control_plane",
-                control_plane=True, reason=f"after the control-plane fault {sv.names(missing)} did not come back: "
-                "relaunching without them, nothing quarantined"), latency=0.0)
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_NODE_LOST,
+                    nodes=missing,
+                    step=sv.job_step,
+                    label="control_plane",
+                    control_plane=True,
+                    reason=f"after the control-plane fault {sv.names(missing)} did not come back: "
+                    "relaunching without them, nothing quarantined",
+                ),
+                latency=0.0,
+            )
         else:  # a real crash while we were blind: handled like any crash
             first = crashed[0]
             label = a.exited[first]
-            failure.begin(sv, Failure(
-                detector=E.DETECTOR_CRASH, nodes=[first], step=sv.job_step, label=label, first_exit=first,
-                reason=f"{first} exited ({label}) during the control-plane fault"), latency=0.0)
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_CRASH,
+                    nodes=[first],
+                    step=sv.job_step,
+                    label=label,
+                    first_exit=first,
+                    reason=f"{first} exited ({label}) during the control-plane fault",
+                ),
+                latency=0.0,
+            )
     elif prev is RunState.COLLECTING and f is not None:
         failure.stop(sv)
     elif prev is RunState.STOPPING and f is not None:
@@ -123,8 +147,11 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     sv.job_step = max(sv.job_step, sv.latest_committed)
     fresh = sv.attempt == 0 and sv.state is RunState.WAITING_NODES
     sv.attempt = max(sv.attempt, snap.attempt)
-    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"reconciled from the store: {len(snap.alive)} nodes alive, "
-           f"attempt record {snap.attempt}, latest committed step {sv.latest_committed}")
+    sv.log(
+        E.EVENT_KIND_CONTROL_PLANE,
+        f"reconciled from the store: {len(snap.alive)} nodes alive, "
+        f"attempt record {snap.attempt}, latest committed step {sv.latest_committed}",
+    )
     if sv.state is RunState.CONTROL_PLANE:
         sv.cp_etcd_lost = False
         resolve(sv)
@@ -142,8 +169,13 @@ def _adopt(sv: Supervisor, snap: Snapshot) -> None:
     attempt_nodes = tuple(snap.attempt_nodes)
     sv.prev_slots = list(attempt_nodes)
     sv.slots = list(attempt_nodes)
-    sv.cur = Attempt.adopted(sv.attempt, attempt_nodes, resume_step=snap.resume_step, now=sv.now,
-                             straggler_window=sv.cfg.straggler_window)
+    sv.cur = Attempt.adopted(
+        sv.attempt,
+        attempt_nodes,
+        resume_step=snap.resume_step,
+        now=sv.now,
+        straggler_window=sv.cfg.straggler_window,
+    )
     missing = []
     for n in attempt_nodes:
         if sv.pool.get(n).state in (PoolState.SPARE, PoolState.ASSIGNED):
@@ -151,12 +183,24 @@ def _adopt(sv: Supervisor, snap: Snapshot) -> None:
         if not sv.pool.usable(n):
             missing.append(n)
     if missing:
-        failure.begin(sv, Failure(
-            detector=E.DETECTOR_NODE_LOST, nodes=missing, step=sv.job_step, label="reconcile", control_plane=True,
-            reason=f"reconcile: attempt {sv.attempt} lost {sv.names(missing)} while no controller watched; "
-            "relaunching, nothing quarantined"), latency=0.0)
+        failure.begin(
+            sv,
+            Failure(
+                detector=E.DETECTOR_NODE_LOST,
+                nodes=missing,
+                step=sv.job_step,
+                label="reconcile",
+                control_plane=True,
+                reason=f"reconcile: attempt {sv.attempt} lost {sv.names(missing)} while no controller watched; "
+                "relaunching, nothing quarantined",
+            ),
+            latency=0.0,
+        )
         return
     sv.state = RunState.RUNNING
-    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"reconcile: attempt {sv.attempt} is running on all {len(attempt_nodes)} "
-           "nodes; adopted, not relaunched")
+    sv.log(
+        E.EVENT_KIND_CONTROL_PLANE,
+        f"reconcile: attempt {sv.attempt} is running on all {len(attempt_nodes)} "
+        "nodes; adopted, not relaunched",
+    )
     sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))

@@ -65,8 +65,13 @@ def classify_exit(exit_code: int | None, signal: int | None, *, stopping: bool) 
 # --- hang --------------------------------------------------------------------------------------
 
 
-def hang_timeout(cfg: SupervisorConfig, median_step_s: float | None, *, in_checkpoint: bool,
-                 recent_saves_s: Sequence[float] = ()) -> float:
+def hang_timeout(
+    cfg: SupervisorConfig,
+    median_step_s: float | None,
+    *,
+    in_checkpoint: bool,
+    recent_saves_s: Sequence[float] = (),
+) -> float:
     """max(floor, k x median step, longest collective); >= the save allowance while saving.
 
     The save allowance is `checkpoint_barrier_s` until `checkpoint_saves_to_learn` saves were
@@ -101,8 +106,9 @@ class StragglerCandidate:
     reason: str
 
 
-def straggler_candidate(loads: Mapping[int, tuple[str, float, float]],
-                        cfg: SupervisorConfig) -> StragglerCandidate | None:
+def straggler_candidate(
+    loads: Mapping[int, tuple[str, float, float]], cfg: SupervisorConfig
+) -> StragglerCandidate | None:
     """The rank with high compute and low wait while the others show the reverse, if any.
 
     loads: rank -> (node, compute seconds, collective-wait seconds), e.g. smoothed per step.
@@ -120,9 +126,13 @@ def straggler_candidate(loads: Mapping[int, tuple[str, float, float]],
     if wait > cfg.straggler_wait_ratio * med_wait:
         return None
     return StragglerCandidate(
-        rank=top, node=node,
-        reason=(f"rank {top} on {node}: compute {compute:.4g}s vs median {med_compute:.4g}s, "
-                f"wait {wait:.4g}s vs median {med_wait:.4g}s"))
+        rank=top,
+        node=node,
+        reason=(
+            f"rank {top} on {node}: compute {compute:.4g}s vs median {med_compute:.4g}s, "
+            f"wait {wait:.4g}s vs median {med_wait:.4g}s"
+        ),
+    )
 
 
 def persistent_straggler(history: Iterable[int | None], cfg: SupervisorConfig) -> int | None:

@@ -27,8 +27,6 @@ def _check_finite(what: str, value: float) -> None:
         raise ValueError(f"{what}: expected a finite number, got {value!r}")
 
 
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeJoined:
     """A node agent registered (its node key appeared under its lease)."""
@@ -67,16 +65,22 @@ class RankSample:
 
     def __post_init__(self) -> None:
         try:  # one chained comparison each: NaN, infinities and negatives all fail it
-            ok = (self.rank >= 0 and self.step >= -1 and 0.0 <= self.step_time_s < math.inf
-                  and 0.0 <= self.compute_s < math.inf and 0.0 <= self.wait_s < math.inf
-                  and (self.loaded_step is None or self.loaded_step >= -1))
+            ok = (
+                self.rank >= 0
+                and self.step >= -1
+                and 0.0 <= self.step_time_s < math.inf
+                and 0.0 <= self.compute_s < math.inf
+                and 0.0 <= self.wait_s < math.inf
+                and (self.loaded_step is None or self.loaded_step >= -1)
+            )
         except TypeError:
             ok = False
         if not ok:
             for name in ("rank", "step", "step_time_s", "compute_s", "wait_s"):
                 _check_finite(f"RankSample.{name}", getattr(self, name))
-            raise ValueError(f"RankSample: rank >= 0, step >= -1, loaded_step >= -1 and times >= 0 required, "
-                             f"got {self!r}")
+            raise ValueError(
+                f"RankSample: rank >= 0, step >= -1, loaded_step >= -1 and times >= 0 required, got {self!r}"
+            )
 
     @classmethod
     def from_proto(cls, p: common_pb2.RankProgress) -> RankSample:
@@ -235,7 +239,9 @@ class NodeRecordView:
     straggler_flags: int = 0
     preflight_rejections: int = 0
     evidence: tuple[common_pb2.Evidence, ...] = ()  # why it is quarantined (PoolEntry.evidence)
-    evidence_kinds: tuple[int, ...] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
+    evidence_kinds: tuple[
+        int, ...
+    ] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

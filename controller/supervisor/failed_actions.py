@@ -28,7 +28,11 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
         case Launch() if act.attempt == sv.attempt and sv.state in IN_ATTEMPT and ev.node:
             # that node's workers never started: as if they exited at once
             sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
-            sv.apply(AttemptExited(node=ev.node, attempt=act.attempt, exit_code=127, detail=f"launch failed: {ev.reason}"))
+            sv.apply(
+                AttemptExited(
+                    node=ev.node, attempt=act.attempt, exit_code=127, detail=f"launch failed: {ev.reason}"
+                )
+            )
         case Launch() if act.attempt == sv.attempt and sv.state is RunState.RUNNING:
             _not_launched(sv, act, what)
         case RunPreflight(purpose="attempt") if sv.state is RunState.PREFLIGHT:
@@ -37,12 +41,21 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
                     continue
                 if ev.temporary:
                     sv.unreachable.add(node)
-                    prepare.drop_from_slots(sv, node, f"preflight could not reach it ({ev.reason}); replaced for "
-                                            "this attempt, not quarantined")
+                    prepare.drop_from_slots(
+                        sv,
+                        node,
+                        f"preflight could not reach it ({ev.reason}); replaced for "
+                        "this attempt, not quarantined",
+                    )
                 else:
-                    prepare.reject(sv, node, f"preflight could not run: {ev.reason}",
-                                   f"{node} rejected before attempt {sv.attempt + 1}: preflight could not run: "
-                                   f"{ev.reason}", E.PreflightDetail(node=node))
+                    prepare.reject(
+                        sv,
+                        node,
+                        f"preflight could not run: {ev.reason}",
+                        f"{node} rejected before attempt {sv.attempt + 1}: preflight could not run: "
+                        f"{ev.reason}",
+                        E.PreflightDetail(node=node),
+                    )
         case RunPreflight(purpose="burn_in"):
             for node in (ev.node,) if ev.node else act.nodes:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
@@ -62,10 +75,16 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
 def _not_launched(sv: Supervisor, act: Launch, what: str) -> None:
     sv.history.launch_failures += 1
     delay = restart.launch_retry_delay(sv.cfg, sv.history)
-    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"attempt {act.attempt} was not launched: {what}; nothing is quarantined "
-           "and no restart is consumed")
+    sv.log(
+        E.EVENT_KIND_CONTROL_PLANE,
+        f"attempt {act.attempt} was not launched: {what}; nothing is quarantined and no restart is consumed",
+    )
     sv.release_slots()
     sv.failure = None
-    failure.begin_backoff(sv, delay, f"relaunching as attempt {sv.attempt + 1} after {delay:g}s "
-                          f"({sv.history.launch_failures} launch{'es' if sv.history.launch_failures > 1 else ''} "
-                          "in a row not carried out)")
+    failure.begin_backoff(
+        sv,
+        delay,
+        f"relaunching as attempt {sv.attempt + 1} after {delay:g}s "
+        f"({sv.history.launch_failures} launch{'es' if sv.history.launch_failures > 1 else ''} "
+        "in a row not carried out)",
+    )

@@ -27,8 +27,17 @@ def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
     """A failure of the running attempt (or a planned stop) was detected: collect dumps, or stop."""
     sv.failure = f
     if not f.planned:
-        sv.log(E.EVENT_KIND_DETECTION, f.reason, detection=E.DetectionDetail(
-            detector=f.detector, nodes=f.nodes, ranks=f.ranks, latency_s=max(0.0, latency), reason=f.reason))
+        sv.log(
+            E.EVENT_KIND_DETECTION,
+            f.reason,
+            detection=E.DetectionDetail(
+                detector=f.detector,
+                nodes=f.nodes,
+                ranks=f.ranks,
+                latency_s=max(0.0, latency),
+                reason=f.reason,
+            ),
+        )
     live = sv.live_nodes()
     if sv.cfg.collect_dumps and not f.planned and not f.control_plane and live:
         sv.state = RunState.COLLECTING
@@ -75,7 +84,9 @@ def stop(sv: Supervisor) -> None:
     # legitimate barrier (a synchronous save), not the short grace a failed attempt gets.
     grace = max(sv.cfg.stop_grace_s, sv.cfg.checkpoint_barrier_s) if f.planned else sv.cfg.stop_grace_s
     sv.deadline = sv.now + grace + sv.cfg.stop_margin_s
-    sv.emit(StopAttempt(attempt=sv.attempt, nodes=tuple(live), grace_s=grace, planned=f.planned, reason=f.reason))
+    sv.emit(
+        StopAttempt(attempt=sv.attempt, nodes=tuple(live), grace_s=grace, planned=f.planned, reason=f.reason)
+    )
     sv.emit(SetTimer(key="stop", at=sv.deadline))
 
 
@@ -92,9 +103,13 @@ def _exit_summary(sv: Supervisor, f: Failure) -> None:
         label = a.exited.get(n, "lost" if not sv.pool.nodes[n].alive else "no exit confirmed")
         labels[label] = labels.get(label, 0) + 1
     summary = ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
-    sv.log(E.EVENT_KIND_EXIT, f"attempt {sv.attempt} ended on {len(a.node_step)} nodes: {summary}",
-           exit=E.ExitDetail(classification="planned_stop" if f.planned else
-                             "control_plane" if f.control_plane else "stopped"))
+    sv.log(
+        E.EVENT_KIND_EXIT,
+        f"attempt {sv.attempt} ended on {len(a.node_step)} nodes: {summary}",
+        exit=E.ExitDetail(
+            classification="planned_stop" if f.planned else "control_plane" if f.control_plane else "stopped"
+        ),
+    )
 
 
 def _to_quarantine(sv: Supervisor, f: Failure) -> list[tuple[str, str, list[common_pb2.Evidence]]]:
@@ -103,8 +118,13 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> list[tuple[str, str, list[comm
     out: list[tuple[str, str, list[common_pb2.Evidence]]] = []
     if not f.planned and not f.control_plane:
         evidence = {n: sv.pool.evidence_since(n, a.launched_at) for n in a.node_step}
-        b = blame(f.facts(), evidence=evidence, verdict=f.verdict, node_steps=a.node_step,
-                  fr_min_confidence=sv.cfg.fr_min_confidence)
+        b = blame(
+            f.facts(),
+            evidence=evidence,
+            verdict=f.verdict,
+            node_steps=a.node_step,
+            fr_min_confidence=sv.cfg.fr_min_confidence,
+        )
         sv.log(E.EVENT_KIND_ATTRIBUTION, b.reason, attribution=b.to_proto())
         if b.method.quarantines:
             out = [(s.node, f"{b.method.label}: {s.reason}", list(s.evidence)) for s in b.suspects]
@@ -112,11 +132,20 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> list[tuple[str, str, list[comm
             steps = sv.offences.setdefault(f.first_exit, set())
             steps.add(f.step)
             if len(steps) >= sv.cfg.repeat_offender_count:
-                out = [(f.first_exit, f"first to exit at {len(steps)} different steps ({sorted(steps)}) with no "
-                        "hardware evidence", [])]
+                out = [
+                    (
+                        f.first_exit,
+                        f"first to exit at {len(steps)} different steps ({sorted(steps)}) with no "
+                        "hardware evidence",
+                        [],
+                    )
+                ]
     if not f.control_plane:
-        out += [(n, "persistent straggler (quarantined at restart)", [])
-                for n in sorted(a.straggler_nodes) if n in a.node_step]
+        out += [
+            (n, "persistent straggler (quarantined at restart)", [])
+            for n in sorted(a.straggler_nodes)
+            if n in a.node_step
+        ]
     return out
 
 
@@ -136,11 +165,27 @@ def decide(sv: Supervisor) -> None:
         sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {f.reason}")
         return
     ran = sv.now - sv.cur.launched_at
-    decision = restart.restart_decision(sv.cfg, sv.history, now=sv.now, label=f.label, step=f.step,
-                                        suspects_quarantined=bool(seen), planned=f.planned,
-                                        control_plane=f.control_plane, attempt_ran_s=ran)
-    restart.record(sv.cfg, sv.history, decision, now=sv.now, label=f.label, step=f.step,
-                   suspects_quarantined=bool(seen), attempt_ran_s=ran)
+    decision = restart.restart_decision(
+        sv.cfg,
+        sv.history,
+        now=sv.now,
+        label=f.label,
+        step=f.step,
+        suspects_quarantined=bool(seen),
+        planned=f.planned,
+        control_plane=f.control_plane,
+        attempt_ran_s=ran,
+    )
+    restart.record(
+        sv.cfg,
+        sv.history,
+        decision,
+        now=sv.now,
+        label=f.label,
+        step=f.step,
+        suspects_quarantined=bool(seen),
+        attempt_ran_s=ran,
+    )
     match decision:
         case restart.CrashLoop(reason=reason):
             sv.page(f"crash loop: {f.label} at step {f.step} {sv.history.loop_count} times with no suspect")
@@ -181,15 +226,28 @@ def enter_control_plane(sv: Supervisor, *, etcd_lost: bool, reason: str) -> None
 
 def log_stop_request(sv: Supervisor, ev: StopRequested) -> None:
     what = "stop and relaunch" if ev.relaunch else "stop the run"
-    sv.log(E.EVENT_KIND_STOP_REQUEST, f"planned stop requested ({ev.reason}): {what}; nothing is quarantined",
-           stop=E.StopDetail(reason=ev.reason, requested_by=ev.requested_by))
+    sv.log(
+        E.EVENT_KIND_STOP_REQUEST,
+        f"planned stop requested ({ev.reason}): {what}; nothing is quarantined",
+        stop=E.StopDetail(reason=ev.reason, requested_by=ev.requested_by),
+    )
 
 
 def on_stop_request(sv: Supervisor, ev: StopRequested) -> None:
     """RUNNING: finish the step, save, commit, exit 0 (the planned-stop path of this pipeline)."""
     log_stop_request(sv, ev)
-    begin(sv, Failure(detector=E.DETECTOR_UNSPECIFIED, nodes=[], step=sv.job_step, planned=True,
-                      relaunch=ev.relaunch, reason=f"planned stop: {ev.reason}"), latency=0.0)
+    begin(
+        sv,
+        Failure(
+            detector=E.DETECTOR_UNSPECIFIED,
+            nodes=[],
+            step=sv.job_step,
+            planned=True,
+            relaunch=ev.relaunch,
+            reason=f"planned stop: {ev.reason}",
+        ),
+        latency=0.0,
+    )
 
 
 def deliver_pending_stop(sv: Supervisor) -> None:

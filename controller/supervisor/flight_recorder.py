@@ -273,8 +273,11 @@ def analyze_flight_recorder(
         if stopped_set:
             # A stopped process blocks everyone; a rank that merely never called S is far more likely
             # its victim, waiting in an operation the recorder does not see, than a second culprit.
-            suspects[r] = (CONFIDENCE_VICTIM_OF_STOPPED, f"never called {_lag_text(r, lags_in[r])}; probably "
-                           f"blocked by stopped rank(s) {sorted(stopped_set)}")
+            suspects[r] = (
+                CONFIDENCE_VICTIM_OF_STOPPED,
+                f"never called {_lag_text(r, lags_in[r])}; probably "
+                f"blocked by stopped rank(s) {sorted(stopped_set)}",
+            )
             continue
         suspects[r] = (CONFIDENCE_LAGGING, "never called " + _lag_text(r, lags_in[r]))
     for r in circular:

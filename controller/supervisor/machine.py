@@ -115,7 +115,15 @@ from controller.supervisor.states import IN_ATTEMPT, TERMINAL, IllegalTransition
 from runwarden.v1 import common_pb2, events_pb2
 from runwarden.v1 import events_pb2 as E
 
-__all__ = ["EDGES", "STATE_TRIGGERED", "TABLE", "RunState", "Supervisor", "SupervisorStatus", "TransitionError"]
+__all__ = [
+    "EDGES",
+    "STATE_TRIGGERED",
+    "TABLE",
+    "RunState",
+    "Supervisor",
+    "SupervisorStatus",
+    "TransitionError",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,7 +167,13 @@ IGNORE = Rule(_ignore, frozenset())
 S = RunState
 _FAIL = (S.COLLECTING, S.STOPPING)  # a failure detected: collect dumps, or stop at once
 _BLIND = (S.CONTROL_PLANE,)
-_DECIDED = (S.BACKOFF, S.WAITING_NODES, S.STOPPED, S.CRASH_LOOP, S.BUDGET_EXHAUSTED)  # a stopped attempt's fate
+_DECIDED = (
+    S.BACKOFF,
+    S.WAITING_NODES,
+    S.STOPPED,
+    S.CRASH_LOOP,
+    S.BUDGET_EXHAUSTED,
+)  # a stopped attempt's fate
 _AFTER_CP = (S.RUNNING, S.COLLECTING, S.STOPPING, S.PREFLIGHT, S.WAITING_NODES, S.STOPPED)
 
 
@@ -171,15 +185,42 @@ def _tick(fn: Callable[[Any], None]) -> Handler:
     return on_tick
 
 
-def _row(*, joined: Rule, lost: Rule, preflight: Rule, progress: Rule, exited: Rule, dumps: Rule,
-         stop: Rule, tick: Rule, checkpoint: Rule, evidence: Rule, operator_q: Rule, cp_lost: Rule,
-         cp_restored: Rule, snapshot: Rule, failed: Rule) -> dict[type, Rule]:
+def _row(
+    *,
+    joined: Rule,
+    lost: Rule,
+    preflight: Rule,
+    progress: Rule,
+    exited: Rule,
+    dumps: Rule,
+    stop: Rule,
+    tick: Rule,
+    checkpoint: Rule,
+    evidence: Rule,
+    operator_q: Rule,
+    cp_lost: Rule,
+    cp_restored: Rule,
+    snapshot: Rule,
+    failed: Rule,
+) -> dict[type, Rule]:
     return {
-        NodeJoined: joined, NodeLost: lost, PreflightResult: preflight, ProgressObserved: progress,
-        AttemptExited: exited, DumpsCollected: dumps, StopRequested: stop, Tick: tick,
-        CheckpointCommitted: checkpoint, CheckpointFailed: _on(nodes.on_checkpoint_failed),
-        EvidenceObserved: evidence, OperatorQuarantine: operator_q, OperatorRelease: _on(nodes.on_operator_release),
-        ControlPlaneLost: cp_lost, ControlPlaneRestored: cp_restored, Snapshot: snapshot, ActionFailed: failed,
+        NodeJoined: joined,
+        NodeLost: lost,
+        PreflightResult: preflight,
+        ProgressObserved: progress,
+        AttemptExited: exited,
+        DumpsCollected: dumps,
+        StopRequested: stop,
+        Tick: tick,
+        CheckpointCommitted: checkpoint,
+        CheckpointFailed: _on(nodes.on_checkpoint_failed),
+        EvidenceObserved: evidence,
+        OperatorQuarantine: operator_q,
+        OperatorRelease: _on(nodes.on_operator_release),
+        ControlPlaneLost: cp_lost,
+        ControlPlaneRestored: cp_restored,
+        Snapshot: snapshot,
+        ActionFailed: failed,
     }
 
 
@@ -188,64 +229,145 @@ _FAILED = _on(failed_actions.on_action_failed)  # recorded, or a refill of the a
 
 TABLE: dict[RunState, dict[type, Rule]] = {
     S.WAITING_NODES: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_idle, *_BLIND), preflight=_on(nodes.on_preflight),
-        progress=IGNORE, exited=IGNORE, dumps=IGNORE, stop=_on(running.on_stop_request_idle, S.STOPPED),
-        tick=IGNORE, checkpoint=_on(nodes.on_checkpoint), evidence=_on(nodes.on_evidence),
-        operator_q=_on(nodes.on_operator_quarantine), cp_lost=_CP_LOST, cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED), failed=_FAILED),
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_idle, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=IGNORE,
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
     S.PREFLIGHT: _row(
-        joined=_on(nodes.on_joined_preflight, S.RUNNING), lost=_on(nodes.on_lost_preflight, S.RUNNING, *_BLIND),
-        preflight=_on(nodes.on_preflight_preparing, S.RUNNING), progress=IGNORE, exited=IGNORE, dumps=IGNORE,
-        stop=_on(running.on_stop_request_idle, S.STOPPED), tick=_on(_tick(prepare.on_tick), S.RUNNING),
-        checkpoint=_on(nodes.on_checkpoint), evidence=_on(nodes.on_evidence, S.RUNNING),
-        operator_q=_on(nodes.on_operator_quarantine, S.RUNNING), cp_lost=_CP_LOST, cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED), failed=_FAILED),
+        joined=_on(nodes.on_joined_preflight, S.RUNNING),
+        lost=_on(nodes.on_lost_preflight, S.RUNNING, *_BLIND),
+        preflight=_on(nodes.on_preflight_preparing, S.RUNNING),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=_on(_tick(prepare.on_tick), S.RUNNING),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence, S.RUNNING),
+        operator_q=_on(nodes.on_operator_quarantine, S.RUNNING),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
     S.RUNNING: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_running, *_FAIL, *_BLIND),
-        preflight=_on(nodes.on_preflight), progress=_on(running.on_progress, *_FAIL),
-        exited=_on(running.on_exited, *_FAIL, S.COMPLETED), dumps=IGNORE,
-        stop=_on(failure.on_stop_request, *_FAIL), tick=_on(_tick(running.check_hang), *_FAIL),
-        checkpoint=_on(running.on_checkpoint, *_FAIL), evidence=_on(nodes.on_evidence, *_FAIL),
-        operator_q=_on(nodes.on_operator_quarantine, *_FAIL), cp_lost=_CP_LOST, cp_restored=IGNORE,
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_running, *_FAIL, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=_on(running.on_progress, *_FAIL),
+        exited=_on(running.on_exited, *_FAIL, S.COMPLETED),
+        dumps=IGNORE,
+        stop=_on(failure.on_stop_request, *_FAIL),
+        tick=_on(_tick(running.check_hang), *_FAIL),
+        checkpoint=_on(running.on_checkpoint, *_FAIL),
+        evidence=_on(nodes.on_evidence, *_FAIL),
+        operator_q=_on(nodes.on_operator_quarantine, *_FAIL),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_FAIL, *_BLIND),
-        failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES)),
+        failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
+    ),
     S.COLLECTING: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_stopping, *_BLIND), preflight=_on(nodes.on_preflight),
-        progress=IGNORE, exited=_on(running.on_exited_stopping), dumps=_on(failure.on_dumps, S.STOPPING),
-        stop=_on(running.on_stop_request_stopping), tick=_on(_tick(failure.on_tick_collecting), S.STOPPING),
-        checkpoint=_on(nodes.on_checkpoint), evidence=_on(nodes.on_evidence),
-        operator_q=_on(nodes.on_operator_quarantine), cp_lost=_CP_LOST, cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, *_BLIND), failed=_on(failed_actions.on_action_failed, S.STOPPING)),
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_stopping, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping),
+        dumps=_on(failure.on_dumps, S.STOPPING),
+        stop=_on(running.on_stop_request_stopping),
+        tick=_on(_tick(failure.on_tick_collecting), S.STOPPING),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_BLIND),
+        failed=_on(failed_actions.on_action_failed, S.STOPPING),
+    ),
     S.STOPPING: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_stopping, *_DECIDED, *_BLIND),
-        preflight=_on(nodes.on_preflight), progress=IGNORE,
-        exited=_on(running.on_exited_stopping, *_DECIDED), dumps=IGNORE,
-        stop=_on(running.on_stop_request_stopping), tick=_on(_tick(failure.on_tick_stopping), *_DECIDED),
-        checkpoint=_on(nodes.on_checkpoint), evidence=_on(nodes.on_evidence),
-        operator_q=_on(nodes.on_operator_quarantine), cp_lost=_CP_LOST, cp_restored=IGNORE,
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_stopping, *_DECIDED, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping, *_DECIDED),
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_stopping),
+        tick=_on(_tick(failure.on_tick_stopping), *_DECIDED),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_DECIDED, *_BLIND),
-        failed=_on(failed_actions.on_action_failed, *_DECIDED)),
+        failed=_on(failed_actions.on_action_failed, *_DECIDED),
+    ),
     S.BACKOFF: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_idle, *_BLIND), preflight=_on(nodes.on_preflight),
-        progress=IGNORE, exited=IGNORE, dumps=IGNORE, stop=_on(running.on_stop_request_idle, S.STOPPED),
-        tick=_on(_tick(failure.on_tick_backoff), S.WAITING_NODES), checkpoint=_on(nodes.on_checkpoint),
-        evidence=_on(nodes.on_evidence), operator_q=_on(nodes.on_operator_quarantine), cp_lost=_CP_LOST,
-        cp_restored=IGNORE, snapshot=_on(control_plane.on_snapshot, *_BLIND, S.STOPPED), failed=_FAILED),
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_idle, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=_on(_tick(failure.on_tick_backoff), S.WAITING_NODES),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
     # blind: exits are recorded (reconciled later), progress and dumps are not evidence now
     S.CONTROL_PLANE: _row(
-        joined=_on(control_plane.on_joined, *_AFTER_CP), lost=_on(nodes.on_lost_idle),
-        preflight=_on(nodes.on_preflight_preparing), progress=IGNORE, exited=_on(running.on_exited_stopping),
-        dumps=IGNORE, stop=_on(running.on_stop_request_blind), tick=_on(_tick(control_plane.on_tick), *_AFTER_CP),
-        checkpoint=_on(nodes.on_checkpoint), evidence=_on(nodes.on_evidence),
-        operator_q=_on(nodes.on_operator_quarantine), cp_lost=_CP_LOST,
-        cp_restored=_on(control_plane.on_restored), snapshot=_on(control_plane.on_snapshot, *_AFTER_CP),
-        failed=_on(failed_actions.on_action_failed)),
-    **{s: _row(
-        joined=_on(nodes.on_joined), lost=_on(nodes.on_lost_idle), preflight=_on(nodes.on_preflight),
-        progress=IGNORE, exited=IGNORE, dumps=IGNORE, stop=IGNORE, tick=IGNORE, checkpoint=_on(nodes.on_checkpoint),
-        evidence=_on(nodes.on_evidence), operator_q=_on(nodes.on_operator_quarantine), cp_lost=IGNORE,
-        cp_restored=IGNORE, snapshot=_on(control_plane.on_snapshot), failed=_on(failed_actions.on_action_failed))
-       for s in TERMINAL},
+        joined=_on(control_plane.on_joined, *_AFTER_CP),
+        lost=_on(nodes.on_lost_idle),
+        preflight=_on(nodes.on_preflight_preparing),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping),
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_blind),
+        tick=_on(_tick(control_plane.on_tick), *_AFTER_CP),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=_on(control_plane.on_restored),
+        snapshot=_on(control_plane.on_snapshot, *_AFTER_CP),
+        failed=_on(failed_actions.on_action_failed),
+    ),
+    **{
+        s: _row(
+            joined=_on(nodes.on_joined),
+            lost=_on(nodes.on_lost_idle),
+            preflight=_on(nodes.on_preflight),
+            progress=IGNORE,
+            exited=IGNORE,
+            dumps=IGNORE,
+            stop=IGNORE,
+            tick=IGNORE,
+            checkpoint=_on(nodes.on_checkpoint),
+            evidence=_on(nodes.on_evidence),
+            operator_q=_on(nodes.on_operator_quarantine),
+            cp_lost=IGNORE,
+            cp_restored=IGNORE,
+            snapshot=_on(control_plane.on_snapshot),
+            failed=_on(failed_actions.on_action_failed),
+        )
+        for s in TERMINAL
+    },
 }
 
 # The moves the machine makes on its own, inside whatever event it handles.
@@ -257,7 +379,8 @@ STATE_TRIGGERED: dict[RunState, frozenset[RunState]] = {
 
 EDGES: frozenset[tuple[RunState, RunState]] = frozenset(
     {(s, t) for s, row in TABLE.items() for rule in row.values() for t in rule.to if t is not s}
-    | {(s, t) for s, ts in STATE_TRIGGERED.items() for t in ts})
+    | {(s, t) for s, ts in STATE_TRIGGERED.items() for t in ts}
+)
 
 
 def diagram() -> str:
@@ -379,12 +502,17 @@ class Supervisor:
         a = self.cur
         progressing = self._state is RunState.RUNNING and a.min_step != UNREPORTED
         return SupervisorStatus(
-            state=self._state, attempt=self.attempt,
-            rendezvous_id=f"{self.plan.run}-{self.attempt}" if self.attempt else "", job_step=self.job_step,
-            latest_committed=self.latest_committed, restarts_used=self.history.used(self.cfg, now),
+            state=self._state,
+            attempt=self.attempt,
+            rendezvous_id=f"{self.plan.run}-{self.attempt}" if self.attempt else "",
+            job_step=self.job_step,
+            latest_committed=self.latest_committed,
+            restarts_used=self.history.used(self.cfg, now),
             restart_budget=self.cfg.restart_budget,
             since_last_progress_s=max(0.0, now - a.min_advanced_at) if progressing else -1.0,
-            nodes=self.current_nodes, failure=self.failure.reason if self.failure else "")
+            nodes=self.current_nodes,
+            failure=self.failure.reason if self.failure else "",
+        )
 
     @property
     def current_nodes(self) -> tuple[str, ...]:
@@ -393,10 +521,20 @@ class Supervisor:
 
     # --- effects (the rules' shared vocabulary) -----------------------------------------------
 
-    def log(self, kind: events_pb2.EventKind.ValueType, message: str, step: int | None = None, **detail: Any) -> None:
-        self._entries.append(E.Event(ts=self.now, run=self.plan.run, attempt=self.attempt,
-                                     step=self.job_step if step is None else step, kind=kind, message=message,
-                                     **detail))
+    def log(
+        self, kind: events_pb2.EventKind.ValueType, message: str, step: int | None = None, **detail: Any
+    ) -> None:
+        self._entries.append(
+            E.Event(
+                ts=self.now,
+                run=self.plan.run,
+                attempt=self.attempt,
+                step=self.job_step if step is None else step,
+                kind=kind,
+                message=message,
+                **detail,
+            )
+        )
 
     def emit(self, action: Action) -> None:
         self._actions.append(action)
@@ -427,20 +565,28 @@ class Supervisor:
         self.pending_preflight.clear()
         self.slots = []
 
-    def quarantine(self, node: str, reason: str, evidence: Iterable[common_pb2.Evidence] = (),
-                   operator: bool = False) -> None:
+    def quarantine(
+        self, node: str, reason: str, evidence: Iterable[common_pb2.Evidence] = (), operator: bool = False
+    ) -> None:
         evs = list(evidence)
-        p = self.pool.quarantine(node, self.now, reason, count_failure=not operator, operator=operator, evidence=evs)
+        p = self.pool.quarantine(
+            node, self.now, reason, count_failure=not operator, operator=operator, evidence=evs
+        )
         held = p.state is PoolState.HELD
         if held and not operator:
-            why = (f"{reason}; held: {self.pool.recent_failures(p, self.now)} failures within "
-                   f"{self.cfg.hold_window_s / 86400:g} days, out until an operator releases it")
+            why = (
+                f"{reason}; held: {self.pool.recent_failures(p, self.now)} failures within "
+                f"{self.cfg.hold_window_s / 86400:g} days, out until an operator releases it"
+            )
         elif held:
             why = f"{reason}; held until an operator releases it"
         else:
             why = f"{reason}; returns after {self.cfg.burn_in_passes} burn-in passes"
-        self.log(E.EVENT_KIND_QUARANTINE, f"quarantined {node}: {why}", quarantine=E.QuarantineDetail(
-            node=node, reason=reason, evidence=evs, operator=operator))
+        self.log(
+            E.EVENT_KIND_QUARANTINE,
+            f"quarantined {node}: {why}",
+            quarantine=E.QuarantineDetail(node=node, reason=reason, evidence=evs, operator=operator),
+        )
         self.persist(node)
         self.emit(Quarantine(node=node, reason=reason, evidence=tuple(evs), held=held))
         if not held and p.alive:
@@ -451,8 +597,14 @@ class Supervisor:
             return
         self.burn_in.add(node)
         self.persist(node)
-        self.emit(RunPreflight(nodes=(node,), mode=self.cfg.burn_in_mode, purpose="burn_in",
-                               timeout_s=self.cfg.preflight_timeout_s))
+        self.emit(
+            RunPreflight(
+                nodes=(node,),
+                mode=self.cfg.burn_in_mode,
+                purpose="burn_in",
+                timeout_s=self.cfg.preflight_timeout_s,
+            )
+        )
 
     def page(self, reason: str) -> None:
         self.log(E.EVENT_KIND_PAGE, reason, page=E.PageDetail(reason=reason, severity="critical"))

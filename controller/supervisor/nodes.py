@@ -31,8 +31,11 @@ def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
     if sv.queue_outstanding > 0 and node.state is PoolState.SPARE:
         sv.queue_outstanding -= 1
         sv.from_queue.add(ev.node)
-    sv.log(E.EVENT_KIND_NODE_JOINED, f"node {ev.node} joined ({ev.local_ranks} ranks), pool state {node.state.label}",
-           node=E.NodeDetail(node=ev.node, reason="lease registered"))
+    sv.log(
+        E.EVENT_KIND_NODE_JOINED,
+        f"node {ev.node} joined ({ev.local_ranks} ranks), pool state {node.state.label}",
+        node=E.NodeDetail(node=ev.node, reason="lease registered"),
+    )
     if node.state in (PoolState.QUARANTINED, PoolState.BURN_IN):
         sv.begin_burn_in(ev.node)
     elif not sv.in_attempt(ev.node) and ev.node not in sv.slots:
@@ -51,13 +54,25 @@ def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
     sv.loss_times.append(sv.now)
     while sv.loss_times and sv.now - sv.loss_times[0] > sv.cfg.mass_expiry_window_s:
         sv.loss_times.popleft()
-    sv.log(E.EVENT_KIND_NODE_LOST, f"node {ev.node} lost: its lease expired",
-           node=E.NodeDetail(node=ev.node, reason="lease expired"))
-    watching = sv.state in IN_ATTEMPT or sv.state in (RunState.WAITING_NODES, RunState.PREFLIGHT, RunState.BACKOFF)
+    sv.log(
+        E.EVENT_KIND_NODE_LOST,
+        f"node {ev.node} lost: its lease expired",
+        node=E.NodeDetail(node=ev.node, reason="lease expired"),
+    )
+    watching = sv.state in IN_ATTEMPT or sv.state in (
+        RunState.WAITING_NODES,
+        RunState.PREFLIGHT,
+        RunState.BACKOFF,
+    )
     if watching and detectors.is_mass_expiry(sv.loss_times, sv.now, len(sv.pool.nodes), sv.cfg):
-        failure.enter_control_plane(sv, etcd_lost=False, reason=(
-            f"{len(sv.loss_times)} leases expired within {sv.cfg.mass_expiry_window_s:g}s: a control-plane "
-            "fault, not hardware; nothing is quarantined for it"))
+        failure.enter_control_plane(
+            sv,
+            etcd_lost=False,
+            reason=(
+                f"{len(sv.loss_times)} leases expired within {sv.cfg.mass_expiry_window_s:g}s: a control-plane "
+                "fault, not hardware; nothing is quarantined for it"
+            ),
+        )
         return True
     return False
 
@@ -87,10 +102,17 @@ def on_lost_running(sv: Supervisor, ev: NodeLost) -> None:
     a = sv.cur
     if ev.node in a.node_step:
         last = a.node_seen_at.get(ev.node, a.launched_at)
-        failure.begin(sv, Failure(
-            detector=E.DETECTOR_NODE_LOST, nodes=[ev.node], step=sv.job_step, label="node_lost",
-            reason=f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)"),
-            latency=sv.now - last)
+        failure.begin(
+            sv,
+            Failure(
+                detector=E.DETECTOR_NODE_LOST,
+                nodes=[ev.node],
+                step=sv.job_step,
+                label="node_lost",
+                reason=f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)",
+            ),
+            latency=sv.now - last,
+        )
     _lost_tail(sv, ev.node)
 
 
@@ -114,11 +136,25 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
     latency = max(0.0, sv.now - e.observed_at) if e.observed_at > 0 else 0.0
     reason = f"fatal {kind_name(e.kind)} on {e.node}: {e.detail}".rstrip(": ")
     if sv.state is RunState.RUNNING and e.node in sv.cur.node_step:
-        failure.begin(sv, Failure(detector=E.DETECTOR_EVIDENCE, nodes=[e.node], step=sv.job_step,
-                                  label="evidence", reason=reason), latency=latency)
+        failure.begin(
+            sv,
+            Failure(
+                detector=E.DETECTOR_EVIDENCE,
+                nodes=[e.node],
+                step=sv.job_step,
+                label="evidence",
+                reason=reason,
+            ),
+            latency=latency,
+        )
         return
-    sv.log(E.EVENT_KIND_DETECTION, reason, detection=E.DetectionDetail(
-        detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason))
+    sv.log(
+        E.EVENT_KIND_DETECTION,
+        reason,
+        detection=E.DetectionDetail(
+            detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason
+        ),
+    )
     if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):
         return  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
@@ -141,31 +177,51 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
         sv.save_times.append(sv.now - started)
     if a.save_started:
         a.save_started = {s: t for s, t in a.save_started.items() if s > ev.step}
-    sv.log(E.EVENT_KIND_CHECKPOINT_COMMIT, f"checkpoint at step {ev.step} committed", step=ev.step,
-           checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s))
+    sv.log(
+        E.EVENT_KIND_CHECKPOINT_COMMIT,
+        f"checkpoint at step {ev.step} committed",
+        step=ev.step,
+        checkpoint=E.CheckpointDetail(path=ev.path, save_duration_s=ev.save_duration_s),
+    )
 
 
 def on_checkpoint_failed(sv: Supervisor, ev: CheckpointFailed) -> None:
     where = f" on {ev.node}" if ev.node else ""
-    sv.log(E.EVENT_KIND_CHECKPOINT_FAILED,
-           f"checkpoint at step {ev.step} failed{where}: {ev.error}; no commit marker, the latest "
-           f"committed step stays {sv.latest_committed}", step=ev.step, checkpoint=E.CheckpointDetail(error=ev.error))
+    sv.log(
+        E.EVENT_KIND_CHECKPOINT_FAILED,
+        f"checkpoint at step {ev.step} failed{where}: {ev.error}; no commit marker, the latest "
+        f"committed step stays {sv.latest_committed}",
+        step=ev.step,
+        checkpoint=E.CheckpointDetail(error=ev.error),
+    )
 
 
 def on_operator_quarantine(sv: Supervisor, ev: OperatorQuarantine) -> None:
     reason = f"operator: {ev.reason}"
     sv.quarantine(ev.node, reason, operator=True)
     if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
-        failure.begin(sv, Failure(detector=E.DETECTOR_UNSPECIFIED, nodes=[ev.node], step=sv.job_step,
-                                  planned=True, reason=f"{reason}: restarting without {ev.node}"), latency=0.0)
+        failure.begin(
+            sv,
+            Failure(
+                detector=E.DETECTOR_UNSPECIFIED,
+                nodes=[ev.node],
+                step=sv.job_step,
+                planned=True,
+                reason=f"{reason}: restarting without {ev.node}",
+            ),
+            latency=0.0,
+        )
     elif sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
         prepare.drop_from_slots(sv, ev.node, reason, logged=True)
 
 
 def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
     node = sv.pool.operator_release(ev.node)
-    sv.log(E.EVENT_KIND_RELEASE, f"operator released {ev.node} ({ev.reason}); it returns after "
-           f"{sv.cfg.burn_in_passes} burn-in passes", release=E.ReleaseDetail(node=ev.node, reason=ev.reason, operator=True))
+    sv.log(
+        E.EVENT_KIND_RELEASE,
+        f"operator released {ev.node} ({ev.reason}); it returns after {sv.cfg.burn_in_passes} burn-in passes",
+        release=E.ReleaseDetail(node=ev.node, reason=ev.reason, operator=True),
+    )
     sv.persist(ev.node)
     if node.alive and node.state is PoolState.BURN_IN:
         sv.begin_burn_in(ev.node)
@@ -181,7 +237,9 @@ def on_preflight_preparing(sv: Supervisor, ev: PreflightResult) -> None:
     """PREFLIGHT (and CONTROL_PLANE paused in it: recorded, launched after the pause)."""
     if ev.node in sv.burn_in:
         on_burn_in_result(sv, ev)
-    elif ev.node in sv.pending_preflight and (sv.state is RunState.PREFLIGHT or sv.cp_prev is RunState.PREFLIGHT):
+    elif ev.node in sv.pending_preflight and (
+        sv.state is RunState.PREFLIGHT or sv.cp_prev is RunState.PREFLIGHT
+    ):
         prepare.on_attempt_preflight(sv, ev)
 
 
@@ -192,14 +250,21 @@ def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
         return
     node = sv.pool.get(ev.node)
     done = node.burn_in_passes if outcome != "released" else sv.cfg.burn_in_passes
-    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"burn-in of {ev.node}: {'passed' if ev.passed else 'failed'} "
-           f"({done}/{sv.cfg.burn_in_passes} in a row)"
-           + (f"; failed {', '.join(ev.failed_checks)}" if ev.failed_checks else ""), preflight=prepare.detail(ev))
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"burn-in of {ev.node}: {'passed' if ev.passed else 'failed'} "
+        f"({done}/{sv.cfg.burn_in_passes} in a row)"
+        + (f"; failed {', '.join(ev.failed_checks)}" if ev.failed_checks else ""),
+        preflight=prepare.detail(ev),
+    )
     sv.persist(ev.node)
     if outcome == "released":
         reason = f"passed {sv.cfg.burn_in_passes} burn-in preflights in a row"
-        sv.log(E.EVENT_KIND_RELEASE, f"{ev.node} returns to the spare pool: {reason}",
-               release=E.ReleaseDetail(node=ev.node, reason=reason))
+        sv.log(
+            E.EVENT_KIND_RELEASE,
+            f"{ev.node} returns to the spare pool: {reason}",
+            release=E.ReleaseDetail(node=ev.node, reason=reason),
+        )
         sv.emit_release(ev.node, reason)
         if sv.state is RunState.PREFLIGHT:
             prepare.fill_slots(sv)

@@ -25,7 +25,9 @@ class SupervisorConfig:
     # Preflight before every attempt, and burn-in for quarantined nodes.
     preflight_mode: str = "quick"
     preflight_timeout_s: float = 120.0
-    queue_wait_s: float = 30.0  # before the first attempt: let the allocated nodes join before asking for more
+    queue_wait_s: float = (
+        30.0  # before the first attempt: let the allocated nodes join before asking for more
+    )
     burn_in_mode: str = "full"
     burn_in_passes: int = 3
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
@@ -130,9 +132,13 @@ class SupervisorConfig:
             raise ValueError("SupervisorConfig.straggler_compute_ratio: must be >= 1")
         if self.hang_step_multiple <= 0:
             raise ValueError("SupervisorConfig.hang_step_multiple: must be > 0")
-        if not isinstance(self.checkpoint_save_multiple, int | float) or not 1 <= self.checkpoint_save_multiple < float("inf"):
-            raise ValueError(f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
-                             f"got {self.checkpoint_save_multiple!r}")
+        if not isinstance(
+            self.checkpoint_save_multiple, int | float
+        ) or not 1 <= self.checkpoint_save_multiple < float("inf"):
+            raise ValueError(
+                f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
+                f"got {self.checkpoint_save_multiple!r}"
+            )
         if self.preflight_mode not in ("quick", "full") or self.burn_in_mode not in ("quick", "full"):
             raise ValueError("SupervisorConfig: preflight_mode and burn_in_mode must be 'quick' or 'full'")
 

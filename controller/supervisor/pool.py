@@ -184,7 +184,9 @@ class Pool:
         if count <= 0:
             return []
         skip = set(exclude)
-        ranked = sorted((self.nodes[n] for n in self._free if n not in skip), key=lambda n: self.score(n, now))
+        ranked = sorted(
+            (self.nodes[n] for n in self._free if n not in skip), key=lambda n: self.score(n, now)
+        )
         return [n.name for n in ranked[:count]]
 
     def add_evidence(self, name: str, ev: common_pb2.Evidence, now: float) -> None:
@@ -198,13 +200,21 @@ class Pool:
     # --- quarantine / burn-in / release -------------------------------------------------------
 
     def quarantine(
-        self, name: str, now: float, reason: str, *, count_failure: bool = True, operator: bool = False,
+        self,
+        name: str,
+        now: float,
+        reason: str,
+        *,
+        count_failure: bool = True,
+        operator: bool = False,
         evidence: Iterable[common_pb2.Evidence] = (),
     ) -> PoolNode:
         """Quarantine; a second failure within the hold window (or an operator) makes it HELD."""
         node = self.get(name)
         node.quarantine_evidence = list(evidence)[-8:]
-        node.evidence_kinds = [*node.evidence_kinds, *(e.kind for e in node.quarantine_evidence)][-MAX_FAILURE_TIMES:]
+        node.evidence_kinds = [*node.evidence_kinds, *(e.kind for e in node.quarantine_evidence)][
+            -MAX_FAILURE_TIMES:
+        ]
         if count_failure:
             node.failure_times = [*node.failure_times, now][-MAX_FAILURE_TIMES:]
         held = operator or self.recent_failures(node, now) >= self._cfg.hold_after_failures
@@ -223,7 +233,7 @@ class Pool:
         return True
 
     def burn_in_result(self, name: str, passed: bool, failed_checks: Iterable[str] = ()) -> str:
-        """"released" (N passes in a row: SPARE), "again" (passed, more to go), "failed" (QUARANTINED),
+        """ "released" (N passes in a row: SPARE), "again" (passed, more to go), "failed" (QUARANTINED),
         or "stale" (the node left burn-in meanwhile, e.g. an operator held it: the result means nothing)."""
         node = self.get(name)
         if node.state is not PoolState.BURN_IN:

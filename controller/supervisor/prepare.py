@@ -31,9 +31,16 @@ if TYPE_CHECKING:
 
 
 def detail(ev: PreflightResult) -> events_pb2.PreflightDetail:
-    return E.PreflightDetail(node=ev.node, summary=common_pb2.PreflightSummary(
-        mode=ev.mode, passed=ev.passed, fail_count=len(ev.failed_checks), duration_s=ev.duration_s,
-        failed_checks=list(ev.failed_checks)))
+    return E.PreflightDetail(
+        node=ev.node,
+        summary=common_pb2.PreflightSummary(
+            mode=ev.mode,
+            passed=ev.passed,
+            fail_count=len(ev.failed_checks),
+            duration_s=ev.duration_s,
+            failed_checks=list(ev.failed_checks),
+        ),
+    )
 
 
 def try_start(sv: Supervisor) -> None:
@@ -87,8 +94,11 @@ def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
         replaces = sv.vacated.get(rank, "")
         if replaces:
             source = "queue" if n in sv.from_queue else "spare"
-            sv.log(E.EVENT_KIND_SPARE_TAKEN, f"{n} ({source}) replaces {replaces} as node rank {rank}",
-                   spare=E.SpareDetail(node=n, replaces=replaces, source=source))
+            sv.log(
+                E.EVENT_KIND_SPARE_TAKEN,
+                f"{n} ({source}) replaces {replaces} as node rank {rank}",
+                spare=E.SpareDetail(node=n, replaces=replaces, source=source),
+            )
             sv.emit(TakeSpare(node=n, replaces=replaces))
         sv.from_queue.discard(n)
     still_empty = len(empty) - len(picked)
@@ -97,8 +107,14 @@ def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
         _ask_queue(sv, ask, f"no spare left for {still_empty} node ranks: asking the queue for {ask}")
     if new:
         sv.pending_preflight.update(new)
-        sv.emit(RunPreflight(nodes=tuple(new), mode=sv.cfg.preflight_mode, purpose="attempt",
-                             timeout_s=sv.cfg.preflight_timeout_s))
+        sv.emit(
+            RunPreflight(
+                nodes=tuple(new),
+                mode=sv.cfg.preflight_mode,
+                purpose="attempt",
+                timeout_s=sv.cfg.preflight_timeout_s,
+            )
+        )
         sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
         sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
     maybe_launch(sv)
@@ -114,8 +130,11 @@ def drop_from_slots(sv: Supervisor, node: str, reason: str, *, logged: bool = Fa
     sv.pending_preflight.discard(node)
     sv.pool.unassign(node)
     if not logged:
-        sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"{node} leaves node rank {rank} of attempt {sv.attempt + 1}: "
-               f"{reason}", preflight=E.PreflightDetail(node=node))
+        sv.log(
+            E.EVENT_KIND_PREFLIGHT_RESULT,
+            f"{node} leaves node rank {rank} of attempt {sv.attempt + 1}: {reason}",
+            preflight=E.PreflightDetail(node=node),
+        )
     fill_slots(sv)
 
 
@@ -128,11 +147,22 @@ def on_attempt_preflight(sv: Supervisor, ev: PreflightResult) -> None:
     reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.attempt + 1}: {reason}", detail(ev))
 
 
-def reject(sv: Supervisor, node: str, reason: str, message: str, preflight: events_pb2.PreflightDetail,
-           *, counted: bool = True) -> None:
+def reject(
+    sv: Supervisor,
+    node: str,
+    reason: str,
+    message: str,
+    preflight: events_pb2.PreflightDetail,
+    *,
+    counted: bool = True,
+) -> None:
     """Quarantine a node that failed its attempt preflight; the attempt is not consumed."""
     sv.pending_preflight.discard(node)
-    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"{message}; quarantined, the attempt is not consumed", preflight=preflight)
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"{message}; quarantined, the attempt is not consumed",
+        preflight=preflight,
+    )
     if counted:
         sv.pool.get(node).preflight_rejections += 1
     sv.quarantine(node, reason)
@@ -158,26 +188,46 @@ def maybe_launch(sv: Supervisor) -> None:
             drop_from_slots(sv, p.name, f"{p.name} is no longer usable ({p.state.label})")
             return
     nodes = tuple(n for n in sv.slots if n is not None)
-    sv.log(E.EVENT_KIND_PREFLIGHT_RESULT, f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight",
-           preflight=E.PreflightDetail(summary=common_pb2.PreflightSummary(
-               mode=sv.cfg.preflight_mode, passed=True, pass_count=len(nodes))))
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight",
+        preflight=E.PreflightDetail(
+            summary=common_pb2.PreflightSummary(
+                mode=sv.cfg.preflight_mode, passed=True, pass_count=len(nodes)
+            )
+        ),
+    )
     launch(sv, nodes)
 
 
 def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
     sv.attempt += 1
     sv.state = RunState.RUNNING
-    sv.cur = Attempt.launched(sv.attempt, nodes, resume_step=sv.latest_committed, now=sv.now,
-                              straggler_window=sv.cfg.straggler_window)
+    sv.cur = Attempt.launched(
+        sv.attempt,
+        nodes,
+        resume_step=sv.latest_committed,
+        now=sv.now,
+        straggler_window=sv.cfg.straggler_window,
+    )
     sv.failure = None
     sv.prev_slots = list(nodes)
     sv.job_step = sv.cur.resume_step
     rdzv = f"{sv.plan.run}-{sv.attempt}"
     resume = f"committed step {sv.cur.resume_step}" if sv.cur.resume_step >= 0 else "scratch"
-    sv.log(E.EVENT_KIND_LAUNCH, f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}",
-           launch=E.LaunchDetail(rendezvous_id=rdzv, nodes=nodes, resume_step=sv.cur.resume_step))
-    sv.emit(Launch(run=sv.plan.run, attempt=sv.attempt, rendezvous_id=rdzv,
-                   nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
-                   resume_step=sv.cur.resume_step))
+    sv.log(
+        E.EVENT_KIND_LAUNCH,
+        f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}",
+        launch=E.LaunchDetail(rendezvous_id=rdzv, nodes=nodes, resume_step=sv.cur.resume_step),
+    )
+    sv.emit(
+        Launch(
+            run=sv.plan.run,
+            attempt=sv.attempt,
+            rendezvous_id=rdzv,
+            nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
+            resume_step=sv.cur.resume_step,
+        )
+    )
     sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))
     failure.deliver_pending_stop(sv)

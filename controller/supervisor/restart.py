@@ -53,34 +53,58 @@ class RestartHistory:
 
 
 def restart_decision(
-    cfg: SupervisorConfig, history: RestartHistory, *, now: float, label: str, step: int,
-    suspects_quarantined: bool, planned: bool, control_plane: bool, attempt_ran_s: float,
+    cfg: SupervisorConfig,
+    history: RestartHistory,
+    *,
+    now: float,
+    label: str,
+    step: int,
+    suspects_quarantined: bool,
+    planned: bool,
+    control_plane: bool,
+    attempt_ran_s: float,
 ) -> RestartDecision:
     """The decision for a stopped attempt; `RestartHistory.record(decision)` must follow it."""
     if planned or control_plane:
         what = "planned stop" if planned else "control-plane fault"
-        return Relaunch(delay=0.0, counted=False,
-                        reason=f"{what}: relaunching without consuming the restart budget")
+        return Relaunch(
+            delay=0.0, counted=False, reason=f"{what}: relaunching without consuming the restart budget"
+        )
     if not suspects_quarantined:
         sig = (label, step)
         count = history.loop_count + 1 if sig == history.loop_signature else 1
         if count >= cfg.crash_loop_count:
-            return CrashLoop(reason=f"crash loop: the same failure ({label}) at step {step} {count} times in a "
-                             "row with no suspect; stopped and paged")
+            return CrashLoop(
+                reason=f"crash loop: the same failure ({label}) at step {step} {count} times in a "
+                "row with no suspect; stopped and paged"
+            )
     window = cfg.restart_budget_window_s
     used = history.used(cfg, now)
     if used >= cfg.restart_budget:
         return BudgetExhausted(
             reason=f"restart budget of {cfg.restart_budget} exhausted; not relaunching",
-            page=f"restart budget exhausted: {used} restarts" + (f" within {window:g}s" if window else ""))
+            page=f"restart budget exhausted: {used} restarts" + (f" within {window:g}s" if window else ""),
+        )
     k = 1 if attempt_ran_s >= cfg.backoff_reset_s else history.consecutive_failures + 1
     delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (k - 1))
-    return Relaunch(delay=delay, counted=True,
-                    reason=f"restart {used + 1}/{cfg.restart_budget} after {label or 'failure'}; backoff {delay:g}s")
+    return Relaunch(
+        delay=delay,
+        counted=True,
+        reason=f"restart {used + 1}/{cfg.restart_budget} after {label or 'failure'}; backoff {delay:g}s",
+    )
 
 
-def record(cfg: SupervisorConfig, history: RestartHistory, decision: RestartDecision, *, now: float, label: str,
-           step: int, suspects_quarantined: bool, attempt_ran_s: float) -> None:
+def record(
+    cfg: SupervisorConfig,
+    history: RestartHistory,
+    decision: RestartDecision,
+    *,
+    now: float,
+    label: str,
+    step: int,
+    suspects_quarantined: bool,
+    attempt_ran_s: float,
+) -> None:
     """Apply a decision to the history (the only place the history changes after a stop)."""
     if isinstance(decision, Relaunch) and not decision.counted:
         history.loop_signature, history.loop_count = None, 0

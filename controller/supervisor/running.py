@@ -54,7 +54,11 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
         if prev is None:
             loads[r.rank] = (ev.node, r.compute_s, r.wait_s)
         else:
-            loads[r.rank] = (ev.node, prev[1] + alpha * (r.compute_s - prev[1]), prev[2] + alpha * (r.wait_s - prev[2]))
+            loads[r.rank] = (
+                ev.node,
+                prev[1] + alpha * (r.compute_s - prev[1]),
+                prev[2] + alpha * (r.wait_s - prev[2]),
+            )
     if saving:
         a.ckpt_nodes.add(ev.node)
     elif a.ckpt_nodes:
@@ -84,13 +88,18 @@ def _node_loaded(sv: Supervisor, node: str) -> None:
         return
     a.load_logged = True
     loaded = f"checkpoint step {a.resume_step}" if a.resume_step >= 0 else "no checkpoint (scratch)"
-    sv.log(E.EVENT_KIND_LOAD_DONE, f"all {len(a.node_step)} nodes loaded {loaded}, "
-           f"{sv.now - a.launched_at:.1f}s after launch", step=a.resume_step)
+    sv.log(
+        E.EVENT_KIND_LOAD_DONE,
+        f"all {len(a.node_step)} nodes loaded {loaded}, {sv.now - a.launched_at:.1f}s after launch",
+        step=a.resume_step,
+    )
 
 
 def hang_timeout(sv: Supervisor) -> float:
     med = detectors.median(sv.step_times) if sv.step_times else None
-    return detectors.hang_timeout(sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times)
+    return detectors.hang_timeout(
+        sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times
+    )
 
 
 def _on_job_step(sv: Supervisor, *, first: bool) -> None:
@@ -100,8 +109,11 @@ def _on_job_step(sv: Supervisor, *, first: bool) -> None:
         sv.emit(SetTimer(key="hang", at=sv.now + hang_timeout(sv)))
     if not a.first_step_logged and a.min_step > a.resume_step:
         a.first_step_logged = True
-        sv.log(E.EVENT_KIND_FIRST_STEP, f"first step after launch: step {a.min_step} "
-               f"(resumed from {a.resume_step}), {sv.now - a.launched_at:.1f}s after launch")
+        sv.log(
+            E.EVENT_KIND_FIRST_STEP,
+            f"first step after launch: step {a.min_step} "
+            f"(resumed from {a.resume_step}), {sv.now - a.launched_at:.1f}s after launch",
+        )
     if len(a.loads) < 2:
         return
     cand = detectors.straggler_candidate(a.loads, sv.cfg)
@@ -115,14 +127,35 @@ def _on_job_step(sv: Supervisor, *, first: bool) -> None:
     sv.pool.get(node).straggler_flags += 1
     sv.persist(node)
     kill = sv.cfg.kill_stragglers_mid_run
-    action = "stopping the attempt now" if kill else "quarantine candidate at the next restart; not killed mid-run"
+    action = (
+        "stopping the attempt now" if kill else "quarantine candidate at the next restart; not killed mid-run"
+    )
     reason = f"persistent straggler over {sv.cfg.straggler_window} steps: {cand.reason}; {action}"
     if kill:
-        failure.begin(sv, Failure(detector=E.DETECTOR_STRAGGLER, nodes=[node], ranks=[rank], step=sv.job_step,
-                                  label="straggler", reason=reason), latency=sv.now - flagged_at)
+        failure.begin(
+            sv,
+            Failure(
+                detector=E.DETECTOR_STRAGGLER,
+                nodes=[node],
+                ranks=[rank],
+                step=sv.job_step,
+                label="straggler",
+                reason=reason,
+            ),
+            latency=sv.now - flagged_at,
+        )
     else:
-        sv.log(E.EVENT_KIND_DETECTION, reason, detection=E.DetectionDetail(
-            detector=E.DETECTOR_STRAGGLER, nodes=[node], ranks=[rank], latency_s=sv.now - flagged_at, reason=reason))
+        sv.log(
+            E.EVENT_KIND_DETECTION,
+            reason,
+            detection=E.DetectionDetail(
+                detector=E.DETECTOR_STRAGGLER,
+                nodes=[node],
+                ranks=[rank],
+                latency_s=sv.now - flagged_at,
+                reason=reason,
+            ),
+        )
 
 
 def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
@@ -137,7 +170,9 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
         # The save, from its first "saving" report to this commit, is not time the step stood still
         # (else a 25 s save trips a 10 s hang timeout the moment it commits). Only the observed save
         # is credited: a commit alone must not postpone a hang that began right after it.
-        a.min_advanced_at = min(sv.now, a.min_advanced_at + max(0.0, sv.now - max(started, a.min_advanced_at)))
+        a.min_advanced_at = min(
+            sv.now, a.min_advanced_at + max(0.0, sv.now - max(started, a.min_advanced_at))
+        )
     if a.ckpt_nodes:
         # Every rank finished that save. A node still shown "saving" it is stale (a rank stopped right
         # after its save): it must not keep the long checkpoint timeout.
@@ -154,10 +189,17 @@ def check_hang(sv: Supervisor) -> None:
         deadline = a.launched_at + sv.cfg.startup_timeout_s
         if now >= deadline:
             silent = sorted(n for n, s in a.node_step.items() if s == UNREPORTED)
-            failure.begin(sv, Failure(
-                detector=E.DETECTOR_HANG, nodes=silent, step=sv.job_step, label="hang:startup",
-                reason=f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch"),
-                latency=now - a.launched_at)
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_HANG,
+                    nodes=silent,
+                    step=sv.job_step,
+                    label="hang:startup",
+                    reason=f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch",
+                ),
+                latency=now - a.launched_at,
+            )
             return
     else:
         timeout = hang_timeout(sv)
@@ -166,12 +208,19 @@ def check_hang(sv: Supervisor) -> None:
             behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
             med = detectors.median(sv.step_times) if sv.step_times else None
             med_txt = f"{med:.3g}s" if med else "unknown"
-            failure.begin(sv, Failure(
-                detector=E.DETECTOR_HANG, nodes=behind, step=a.min_step, label="hang",
-                reason=f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
-                f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
-                f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})"),
-                latency=now - a.min_advanced_at)
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_HANG,
+                    nodes=behind,
+                    step=a.min_step,
+                    label="hang",
+                    reason=f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
+                    f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
+                    f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})",
+                ),
+                latency=now - a.min_advanced_at,
+            )
             return
     sv.emit(SetTimer(key="hang", at=deadline))
 
@@ -204,11 +253,24 @@ def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
         status.exit_code = ev.exit_code
     if ev.signal is not None:
         status.signal = ev.signal
-    sv.log(E.EVENT_KIND_EXIT, f"{ev.node} exited: {label}",
-           exit=E.ExitDetail(node=ev.node, status=status, classification=label))
-    failure.begin(sv, Failure(detector=E.DETECTOR_CRASH, nodes=[ev.node], step=sv.job_step, label=label,
-                              reason=reason, first_exit=ev.node, ranks=[ev.rank] if ev.rank is not None else []),
-                  latency=latency)
+    sv.log(
+        E.EVENT_KIND_EXIT,
+        f"{ev.node} exited: {label}",
+        exit=E.ExitDetail(node=ev.node, status=status, classification=label),
+    )
+    failure.begin(
+        sv,
+        Failure(
+            detector=E.DETECTOR_CRASH,
+            nodes=[ev.node],
+            step=sv.job_step,
+            label=label,
+            reason=reason,
+            first_exit=ev.node,
+            ranks=[ev.rank] if ev.rank is not None else [],
+        ),
+        latency=latency,
+    )
 
 
 def on_exited_stopping(sv: Supervisor, ev: AttemptExited) -> None:

@@ -53,7 +53,7 @@ class CheckContext:
     config: PreflightConfig
     mode: str
     nvml: NvmlSession
-    deadline: float           # time.monotonic() by which the whole run must end
+    deadline: float  # time.monotonic() by which the whole run must end
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,9 +74,16 @@ def nvml_query(name: str, gpu: int | None, fn: Callable[[], T]) -> T | CheckResu
     except NvmlNotSupported as exc:
         return skipped(name, f"not supported by this GPU/driver: {exc}", gpu_index=gpu)
     except GpuLost as exc:
-        return failed(name, str(exc), gpu_index=gpu, remedy="GPU fell off the bus: drain the node, reset or reseat the GPU")
+        return failed(
+            name,
+            str(exc),
+            gpu_index=gpu,
+            remedy="GPU fell off the bus: drain the node, reset or reseat the GPU",
+        )
     except NvmlError as exc:
-        return failed(name, f"NVML query failed: {exc}", gpu_index=gpu, remedy="check `nvidia-smi -q` on the node")
+        return failed(
+            name, f"NVML query failed: {exc}", gpu_index=gpu, remedy="check `nvidia-smi -q` on the node"
+        )
 
 
 def own_process_tree() -> frozenset[int]:

@@ -40,8 +40,9 @@ def _local_world(ctx: CheckContext) -> tuple[str, int]:
     return "gloo", ctx.config.collective.cpu_processes
 
 
-def launch_local(world: int, backend: str, size_bytes: int, iterations: int, warmup: int,
-                 timeout_s: float) -> AllReduceResult:
+def launch_local(
+    world: int, backend: str, size_bytes: int, iterations: int, warmup: int, timeout_s: float
+) -> AllReduceResult:
     """Starts `world` ranks of preflight.collective on this host and returns rank 0's result.
 
     Raises TimeoutError (ranks killed) or RuntimeError (a rank failed) with the ranks' last words.
@@ -51,16 +52,40 @@ def launch_local(world: int, backend: str, size_bytes: int, iterations: int, war
         out = os.path.join(tmp, "result.json")
         procs = []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p),
+            )
             if backend == "gloo":
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            cmd = [sys.executable, "-m", "preflight.collective", "--backend", backend, "--size-bytes",
-                   str(size_bytes), "--iterations", str(iterations), "--warmup", str(warmup),
-                   "--timeout", str(max(5.0, timeout_s)), "--out", out]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          start_new_session=True))
+            cmd = [
+                sys.executable,
+                "-m",
+                "preflight.collective",
+                "--backend",
+                backend,
+                "--size-bytes",
+                str(size_bytes),
+                "--iterations",
+                str(iterations),
+                "--warmup",
+                str(warmup),
+                "--timeout",
+                str(max(5.0, timeout_s)),
+                "--out",
+                out,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+                )
+            )
         deadline = time.monotonic() + timeout_s
         errors = _wait_all(procs, deadline)
         if errors is None:
@@ -96,17 +121,31 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[str
 
 def evaluate(result: AllReduceResult, floor_gbps: float) -> CheckResult:
     name = "collective.all_reduce"
-    kw = {"value": result.busbw_gbps, "unit": "GB/s", "threshold": floor_gbps or None,
-          "evidence": (f"backend={result.backend} ranks={result.world_size} bytes={result.size_bytes} "
-                       f"iters={result.iterations} time={result.time_s * 1e3:.3f} ms "
-                       f"algbw={result.algbw_gbps:.3f} GB/s busbw={result.busbw_gbps:.3f} GB/s",)}
+    kw = {
+        "value": result.busbw_gbps,
+        "unit": "GB/s",
+        "threshold": floor_gbps or None,
+        "evidence": (
+            f"backend={result.backend} ranks={result.world_size} bytes={result.size_bytes} "
+            f"iters={result.iterations} time={result.time_s * 1e3:.3f} ms "
+            f"algbw={result.algbw_gbps:.3f} GB/s busbw={result.busbw_gbps:.3f} GB/s",
+        ),
+    }
     if not result.correct:
-        return failed(name, "all-reduce returned a wrong sum", remedy="drain the node; check NVLink/NCCL", **kw)
+        return failed(
+            name, "all-reduce returned a wrong sum", remedy="drain the node; check NVLink/NCCL", **kw
+        )
     if floor_gbps and result.busbw_gbps < floor_gbps:
-        return failed(name, f"bus bandwidth {result.busbw_gbps:.2f} GB/s below the floor {floor_gbps:.2f}",
-                      remedy="check NVLink/NVSwitch (nvidia-smi nvlink -s), PCIe and NCCL settings", **kw)
+        return failed(
+            name,
+            f"bus bandwidth {result.busbw_gbps:.2f} GB/s below the floor {floor_gbps:.2f}",
+            remedy="check NVLink/NVSwitch (nvidia-smi nvlink -s), PCIe and NCCL settings",
+            **kw,
+        )
     note = "" if floor_gbps else " (no floor configured)"
-    return passed(name, f"bus bandwidth {result.busbw_gbps:.3g} GB/s over {result.world_size} ranks{note}", **kw)
+    return passed(
+        name, f"bus bandwidth {result.busbw_gbps:.3g} GB/s over {result.world_size} ranks{note}", **kw
+    )
 
 
 def run_collective(ctx: CheckContext) -> list[CheckResult]:

@@ -88,8 +88,14 @@ def _tolerance(dtype: Any) -> tuple[float, float]:
     return (2.0**-6, 1.0) if dtype in (torch.bfloat16, torch.float16) else (0.0, 0.0)
 
 
-def run_matmul(device_name: str, size: int, iterations: int, dtype_name: str,
-               matmul: MatmulFn | None = None, gpu_index: int | None = None) -> MatmulOutcome:
+def run_matmul(
+    device_name: str,
+    size: int,
+    iterations: int,
+    dtype_name: str,
+    matmul: MatmulFn | None = None,
+    gpu_index: int | None = None,
+) -> MatmulOutcome:
     """One device's known-answer check and throughput. `matmul` is the seam tests use to inject corruption."""
     torch = _torch()
     mm = matmul or torch.matmul
@@ -118,10 +124,17 @@ def run_matmul(device_name: str, size: int, iterations: int, dtype_name: str,
     error = (out.double() - exact.double()).abs()
     timed_ok = bool((error <= rtol * exact.double().abs() + atol).all())
     return MatmulOutcome(
-        device=device_name, gpu_index=gpu_index, size=size, dtype=dtype_name,
-        exact_ok=bad_rows == 0 and bad_cols == 0, bad_rows=bad_rows, bad_cols=bad_cols,
-        timed_ok=timed_ok, max_abs_error=float(error.max()),
-        tflops=2.0 * size**3 * iterations / elapsed / 1e12, digest=digest,
+        device=device_name,
+        gpu_index=gpu_index,
+        size=size,
+        dtype=dtype_name,
+        exact_ok=bad_rows == 0 and bad_cols == 0,
+        bad_rows=bad_rows,
+        bad_cols=bad_cols,
+        timed_ok=timed_ok,
+        max_abs_error=float(error.max()),
+        tflops=2.0 * size**3 * iterations / elapsed / 1e12,
+        digest=digest,
     )
 
 
@@ -140,19 +153,38 @@ def _plan(cfg: ComputeConfig, mode: str) -> tuple[list[tuple[str, int | None]], 
 
 
 def outcome_result(o: MatmulOutcome, floor: float) -> CheckResult:
-    kw = {"gpu_index": o.gpu_index, "value": o.tflops, "unit": "TFLOP/s", "threshold": floor or None,
-          "evidence": (f"device={o.device} n={o.size} dtype={o.dtype} digest={o.digest}",
-                       f"bad_row_sums={o.bad_rows} bad_col_sums={o.bad_cols} max_abs_error={o.max_abs_error:g}")}
+    kw = {
+        "gpu_index": o.gpu_index,
+        "value": o.tflops,
+        "unit": "TFLOP/s",
+        "threshold": floor or None,
+        "evidence": (
+            f"device={o.device} n={o.size} dtype={o.dtype} digest={o.digest}",
+            f"bad_row_sums={o.bad_rows} bad_col_sums={o.bad_cols} max_abs_error={o.max_abs_error:g}",
+        ),
+    }
     name = "compute.matmul"
     if not o.exact_ok:
-        return failed(name, f"{o.device}: wrong matmul result ({o.bad_rows} row / {o.bad_cols} column checksums differ)",
-                      remedy="silent data corruption: drain the node and run the vendor diagnostics", **kw)
+        return failed(
+            name,
+            f"{o.device}: wrong matmul result ({o.bad_rows} row / {o.bad_cols} column checksums differ)",
+            remedy="silent data corruption: drain the node and run the vendor diagnostics",
+            **kw,
+        )
     if not o.timed_ok:
-        return failed(name, f"{o.device}: {o.dtype} result outside tolerance (max error {o.max_abs_error:g})",
-                      remedy="silent data corruption: drain the node and run the vendor diagnostics", **kw)
+        return failed(
+            name,
+            f"{o.device}: {o.dtype} result outside tolerance (max error {o.max_abs_error:g})",
+            remedy="silent data corruption: drain the node and run the vendor diagnostics",
+            **kw,
+        )
     if floor and o.tflops < floor:
-        return failed(name, f"{o.device}: {o.tflops:.2f} TFLOP/s below the floor {floor:.2f}",
-                      remedy="check clocks, throttle reasons and power; compare with `preflight baseline`", **kw)
+        return failed(
+            name,
+            f"{o.device}: {o.tflops:.2f} TFLOP/s below the floor {floor:.2f}",
+            remedy="check clocks, throttle reasons and power; compare with `preflight baseline`",
+            **kw,
+        )
     note = "" if floor else " (no floor configured)"
     return passed(name, f"{o.device}: exact result, {o.tflops:.3g} TFLOP/s{note}", **kw)
 
@@ -163,15 +195,22 @@ def compare_devices(outcomes: list[MatmulOutcome], spread_max: float) -> CheckRe
     median = statistics.median(o.tflops for o in outcomes)
     evidence = tuple(f"{o.device}: digest={o.digest} tflops={o.tflops:.3f}" for o in outcomes)
     if len(digests) > 1:
-        return failed(name, f"devices disagree on the same product ({len(digests)} distinct digests)",
-                      evidence=evidence, remedy="silent data corruption on the odd GPU out: drain the node")
+        return failed(
+            name,
+            f"devices disagree on the same product ({len(digests)} distinct digests)",
+            evidence=evidence,
+            remedy="silent data corruption on the odd GPU out: drain the node",
+        )
     slow = [o for o in outcomes if o.tflops < median * (1.0 - spread_max)]
     worst_ratio = min(o.tflops for o in outcomes) / median if median > 0 else 0.0
     kw = {"value": worst_ratio, "unit": "ratio", "threshold": 1.0 - spread_max, "evidence": evidence}
     if slow:
-        return failed(name, "slower than the median by more than "
-                      f"{spread_max:.0%}: " + ", ".join(o.device for o in slow),
-                      remedy="a throttled or degraded GPU: check clocks, power and PCIe", **kw)
+        return failed(
+            name,
+            f"slower than the median by more than {spread_max:.0%}: " + ", ".join(o.device for o in slow),
+            remedy="a throttled or degraded GPU: check clocks, power and PCIe",
+            **kw,
+        )
     return passed(name, f"{len(outcomes)} devices agree; slowest at {worst_ratio:.0%} of the median", **kw)
 
 
@@ -184,10 +223,21 @@ def device_outcomes(cfg: ComputeConfig, mode: str, matmul: MatmulFn | None = Non
 def outcomes_in_subprocess(cfg: ComputeConfig, mode: str, timeout_s: float) -> list[MatmulOutcome]:
     """`device_outcomes` in a child process: neither torch nor the CUDA contexts (and their GPU
     memory) stay in the caller, a long-lived agent. Raises TimeoutError or RuntimeError."""
-    cmd = [sys.executable, "-m", "preflight.checks.compute", "--mode", mode,
-           "--compute", json.dumps(dataclasses.asdict(cfg))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "preflight.checks.compute",
+        "--mode",
+        mode,
+        "--compute",
+        json.dumps(dataclasses.asdict(cfg)),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

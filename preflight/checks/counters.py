@@ -38,13 +38,24 @@ def _ecc(cfg: ErrorsConfig, nvml: Nvml, gpu: int) -> CheckResult:
         return volatile  # ECC disabled or unsupported: SKIP with NVML's reason
     aggregate = nvml_query(name, gpu, lambda: nvml.ecc_uncorrected(gpu, volatile=False))
     evidence = (f"volatile={volatile}", f"aggregate={aggregate if isinstance(aggregate, int) else 'n/a'}")
-    kw = {"gpu_index": gpu, "value": float(volatile), "unit": "count",
-          "threshold": float(cfg.ecc_volatile_uncorrectable_max), "evidence": evidence}
+    kw = {
+        "gpu_index": gpu,
+        "value": float(volatile),
+        "unit": "count",
+        "threshold": float(cfg.ecc_volatile_uncorrectable_max),
+        "evidence": evidence,
+    }
     if volatile > cfg.ecc_volatile_uncorrectable_max:
-        return failed(name, f"{volatile} uncorrectable ECC error(s) since the driver loaded", remedy=_DRAIN, **kw)
+        return failed(
+            name, f"{volatile} uncorrectable ECC error(s) since the driver loaded", remedy=_DRAIN, **kw
+        )
     if isinstance(aggregate, int) and aggregate > cfg.ecc_aggregate_uncorrectable_max:
-        return warned(name, f"{aggregate} uncorrectable ECC error(s) in the GPU's lifetime",
-                      remedy="watch this GPU; check retired pages / row remapping", **kw)
+        return warned(
+            name,
+            f"{aggregate} uncorrectable ECC error(s) in the GPU's lifetime",
+            remedy="watch this GPU; check retired pages / row remapping",
+            **kw,
+        )
     return passed(name, "no uncorrectable ECC errors", **kw)
 
 
@@ -54,8 +65,13 @@ def _retired_pages(nvml: Nvml, gpu: int) -> CheckResult:
     if isinstance(pending, CheckResult):
         return pending  # GPUs with row remapping (A100 and later) do not retire pages
     if pending:
-        return failed(name, "page retirement pending until the GPU is reset", gpu_index=gpu,
-                      evidence=("retired_pages_pending=1",), remedy="reset the GPU (or reboot) before reuse")
+        return failed(
+            name,
+            "page retirement pending until the GPU is reset",
+            gpu_index=gpu,
+            evidence=("retired_pages_pending=1",),
+            remedy="reset the GPU (or reboot) before reuse",
+        )
     return passed(name, "no page retirement pending", gpu_index=gpu)
 
 
@@ -64,14 +80,26 @@ def _row_remap(nvml: Nvml, gpu: int) -> CheckResult:
     rows = nvml_query(name, gpu, lambda: nvml.remapped_rows(gpu))
     if isinstance(rows, CheckResult):
         return rows
-    evidence = (f"correctable={rows.correctable} uncorrectable={rows.uncorrectable} "
-                f"pending={int(rows.pending)} failure={int(rows.failure)}",)
+    evidence = (
+        f"correctable={rows.correctable} uncorrectable={rows.uncorrectable} "
+        f"pending={int(rows.pending)} failure={int(rows.failure)}",
+    )
     if rows.failure:
-        return failed(name, "row remapping failed (no spare rows left)", gpu_index=gpu, evidence=evidence,
-                      remedy="the GPU needs replacement (RMA): drain the node")
+        return failed(
+            name,
+            "row remapping failed (no spare rows left)",
+            gpu_index=gpu,
+            evidence=evidence,
+            remedy="the GPU needs replacement (RMA): drain the node",
+        )
     if rows.pending:
-        return failed(name, "row remapping pending until the GPU is reset", gpu_index=gpu, evidence=evidence,
-                      remedy="reset the GPU (nvidia-smi -r) or reboot the node before reuse")
+        return failed(
+            name,
+            "row remapping pending until the GPU is reset",
+            gpu_index=gpu,
+            evidence=evidence,
+            remedy="reset the GPU (nvidia-smi -r) or reboot the node before reuse",
+        )
     return passed(name, "no row remapping pending or failed", gpu_index=gpu, evidence=evidence)
 
 
@@ -83,8 +111,14 @@ def _recovery_action(nvml: Nvml, gpu: int) -> CheckResult:
     label = RECOVERY_ACTIONS.get(action, f"unknown({action})")
     if action == 0:
         return passed(name, "NVML recovery action: none", gpu_index=gpu, value=0)
-    return failed(name, f"NVML asks for recovery action {label}", gpu_index=gpu, value=float(action),
-                  evidence=(f"recovery_action={action} ({label})",), remedy=f"perform {label} before reuse")
+    return failed(
+        name,
+        f"NVML asks for recovery action {label}",
+        gpu_index=gpu,
+        value=float(action),
+        evidence=(f"recovery_action={action} ({label})",),
+        remedy=f"perform {label} before reuse",
+    )
 
 
 def _throttle(cfg: ErrorsConfig, nvml: Nvml, gpu: int) -> CheckResult:
@@ -96,12 +130,22 @@ def _throttle(cfg: ErrorsConfig, nvml: Nvml, gpu: int) -> CheckResult:
     evidence = (f"clocks_event_reasons=0x{mask:x} ({', '.join(active) or 'none'})",)
     bad = [r for r in active if r in cfg.fail_throttle_reasons]
     if bad:
-        return failed(name, "clocks throttled: " + ", ".join(bad), gpu_index=gpu, evidence=evidence,
-                      remedy="check cooling, power supply and the BMC event log; drain the node")
+        return failed(
+            name,
+            "clocks throttled: " + ", ".join(bad),
+            gpu_index=gpu,
+            evidence=evidence,
+            remedy="check cooling, power supply and the BMC event log; drain the node",
+        )
     meh = [r for r in active if r in cfg.warn_throttle_reasons]
     if meh:
-        return warned(name, "clocks throttled: " + ", ".join(meh), gpu_index=gpu, evidence=evidence,
-                      remedy="check the GPU's temperature and airflow")
+        return warned(
+            name,
+            "clocks throttled: " + ", ".join(meh),
+            gpu_index=gpu,
+            evidence=evidence,
+            remedy="check the GPU's temperature and airflow",
+        )
     return passed(name, "no harmful throttling", gpu_index=gpu, evidence=evidence)
 
 

@@ -89,8 +89,14 @@ def _test_result(category: str, test: dict[str, Any]) -> CheckResult | None:
     message = f"DCGM {category}/{name}: {status.value}" + (f" on {len(gpus)} entity(ies)" if gpus else "")
     if status is CheckStatus.SKIP and not evidence:
         evidence = ["dcgmi did not run this test"]
-    return CheckResult(name=check, status=status, message=message, evidence=tuple(evidence),
-                       gpu_index=gpu_index, remedy=_REMEDY if status is CheckStatus.FAIL else "")
+    return CheckResult(
+        name=check,
+        status=status,
+        message=message,
+        evidence=tuple(evidence),
+        gpu_index=gpu_index,
+        remedy=_REMEDY if status is CheckStatus.FAIL else "",
+    )
 
 
 def parse_dcgm_diag(text: str, returncode: int = 0) -> list[CheckResult]:
@@ -105,8 +111,15 @@ def parse_dcgm_diag(text: str, returncode: int = 0) -> list[CheckResult]:
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         status = failed if returncode != 0 else warned
         head = text.strip().splitlines()[:5]
-        return [status("dcgm.diag", f"dcgmi output is not the expected JSON ({type(exc).__name__}: {exc}); "
-                       f"dcgmi exit code {returncode}", evidence=tuple(head), remedy=_REMEDY)]
+        return [
+            status(
+                "dcgm.diag",
+                f"dcgmi output is not the expected JSON ({type(exc).__name__}: {exc}); "
+                f"dcgmi exit code {returncode}",
+                evidence=tuple(head),
+                remedy=_REMEDY,
+            )
+        ]
     results = []
     for category in categories:
         if not isinstance(category, dict) or not isinstance(category.get("tests"), list):
@@ -117,9 +130,13 @@ def parse_dcgm_diag(text: str, returncode: int = 0) -> list[CheckResult]:
                 results.append(result)
     if not results:
         status = failed if returncode != 0 else warned
-        return [status("dcgm.diag", f"dcgmi reported no test results (exit code {returncode})", remedy=_REMEDY)]
+        return [
+            status("dcgm.diag", f"dcgmi reported no test results (exit code {returncode})", remedy=_REMEDY)
+        ]
     if returncode != 0 and all(r.status is not CheckStatus.FAIL for r in results):
-        results.append(failed("dcgm.diag", f"dcgmi exited {returncode} without a failing test", remedy=_REMEDY))
+        results.append(
+            failed("dcgm.diag", f"dcgmi exited {returncode} without a failing test", remedy=_REMEDY)
+        )
     return results
 
 
@@ -129,11 +146,17 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     if binary is None:
         return [skipped("dcgm.diag", f"{cfg.dcgmi} not found on PATH (DCGM not installed)")]
     level = cfg.quick_level if ctx.mode == "quick" else cfg.full_level
-    timeout = min(cfg.quick_timeout_s if ctx.mode == "quick" else cfg.full_timeout_s,
-                  max(1.0, ctx.deadline - time.monotonic() - 0.5))
+    timeout = min(
+        cfg.quick_timeout_s if ctx.mode == "quick" else cfg.full_timeout_s,
+        max(1.0, ctx.deadline - time.monotonic() - 0.5),
+    )
     try:
-        proc = subprocess.Popen([binary, "diag", "-r", str(level), "-j"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [binary, "diag", "-r", str(level), "-j"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as exc:
         return [skipped("dcgm.diag", f"cannot run {binary}: {exc.strerror}")]
     try:
@@ -141,8 +164,13 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: a child holding the pipe must not block us
         proc.communicate()
-        return [failed("dcgm.diag", f"dcgmi diag -r {level} did not finish in {timeout:.0f} s (killed)",
-                       remedy="check nv-hostengine; a hung diag often means a hung GPU")]
+        return [
+            failed(
+                "dcgm.diag",
+                f"dcgmi diag -r {level} did not finish in {timeout:.0f} s (killed)",
+                remedy="check nv-hostengine; a hung diag often means a hung GPU",
+            )
+        ]
     return parse_dcgm_diag(out.decode("utf-8", "replace"), proc.returncode)
 
 

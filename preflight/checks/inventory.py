@@ -19,8 +19,11 @@ def run_inventory(ctx: CheckContext) -> list[CheckResult]:
     count = nvml_query("inventory.gpu_count", None, nvml.device_count)
     if isinstance(count, CheckResult):
         return [count]
-    results = [_gpu_count(cfg, count), _version("inventory.driver_version", cfg.driver_version, nvml.driver_version),
-               _version("inventory.cuda_version", cfg.cuda_version, nvml.cuda_driver_version)]
+    results = [
+        _gpu_count(cfg, count),
+        _version("inventory.driver_version", cfg.driver_version, nvml.driver_version),
+        _version("inventory.cuda_version", cfg.cuda_version, nvml.cuda_driver_version),
+    ]
     own = own_process_tree()  # now, so that children started by the compute/collective checks count as ours
     for gpu in range(count):
         results.append(_gpu_processes(cfg, nvml, gpu, own))
@@ -33,11 +36,17 @@ def run_inventory(ctx: CheckContext) -> list[CheckResult]:
 def _gpu_count(cfg: InventoryConfig, count: int) -> CheckResult:
     name = "inventory.gpu_count"
     if cfg.expected_gpu_count == 0:
-        return skipped(name, f"found {count} GPU(s); expected_gpu_count is not configured", value=count, unit="count")
+        return skipped(
+            name, f"found {count} GPU(s); expected_gpu_count is not configured", value=count, unit="count"
+        )
     kw = {"value": float(count), "unit": "count", "threshold": float(cfg.expected_gpu_count)}
     if count != cfg.expected_gpu_count:
-        return failed(name, f"found {count} GPU(s), expected {cfg.expected_gpu_count}",
-                      remedy="a GPU is missing (off the bus or not enumerated): drain the node and inspect", **kw)
+        return failed(
+            name,
+            f"found {count} GPU(s), expected {cfg.expected_gpu_count}",
+            remedy="a GPU is missing (off the bus or not enumerated): drain the node and inspect",
+            **kw,
+        )
     return passed(name, f"{count} GPU(s) as expected", **kw)
 
 
@@ -48,8 +57,12 @@ def _version(name: str, expected: str, read: Callable[[], str]) -> CheckResult:
     if not expected:
         return skipped(name, f"found {found}; no expected version configured", evidence=(f"found={found}",))
     if str(found) != expected:
-        return failed(name, f"found {found}, expected {expected}", evidence=(f"found={found}", f"expected={expected}"),
-                      remedy="reimage the node with the configured driver")
+        return failed(
+            name,
+            f"found {found}, expected {expected}",
+            evidence=(f"found={found}", f"expected={expected}"),
+            remedy="reimage the node with the configured driver",
+        )
     return passed(name, f"{found} as configured")
 
 
@@ -66,10 +79,19 @@ def _gpu_processes(cfg: InventoryConfig, nvml: Nvml, gpu: int, own: frozenset[in
         used = "unknown" if proc.used_bytes is None else f"{proc.used_bytes / 2**20:.0f} MiB"
         stray.append(f"pid={proc.pid} name={comm} used={used}")
     if stray:
-        return failed(name, f"{len(stray)} process(es) hold GPU memory", gpu_index=gpu, value=len(stray),
-                      unit="count", threshold=0, evidence=tuple(stray),
-                      remedy="kill the leftover processes (a previous attempt's zombies) or drain the node")
-    return passed(name, "no other process holds GPU memory", gpu_index=gpu, value=0, unit="count", threshold=0)
+        return failed(
+            name,
+            f"{len(stray)} process(es) hold GPU memory",
+            gpu_index=gpu,
+            value=len(stray),
+            unit="count",
+            threshold=0,
+            evidence=tuple(stray),
+            remedy="kill the leftover processes (a previous attempt's zombies) or drain the node",
+        )
+    return passed(
+        name, "no other process holds GPU memory", gpu_index=gpu, value=0, unit="count", threshold=0
+    )
 
 
 def _pcie_link(cfg: InventoryConfig, nvml: Nvml, gpu: int) -> CheckResult:
@@ -78,11 +100,18 @@ def _pcie_link(cfg: InventoryConfig, nvml: Nvml, gpu: int) -> CheckResult:
     if isinstance(link, CheckResult):
         return link
     evidence = (f"gen {link.current_gen}/{link.max_gen} width x{link.current_width}/x{link.max_width}",)
-    kw = {"gpu_index": gpu, "value": float(link.current_width), "unit": "lanes",
-          "threshold": float(link.max_width), "evidence": evidence}
+    kw = {
+        "gpu_index": gpu,
+        "value": float(link.current_width),
+        "unit": "lanes",
+        "threshold": float(link.max_width),
+        "evidence": evidence,
+    }
     problems: list[tuple[str, str]] = []
     if link.current_width < link.max_width:
-        problems.append((cfg.pcie_width_below_max, f"PCIe width x{link.current_width} below max x{link.max_width}"))
+        problems.append(
+            (cfg.pcie_width_below_max, f"PCIe width x{link.current_width} below max x{link.max_width}")
+        )
     if link.current_gen < link.max_gen:
         problems.append((cfg.pcie_gen_below_max, f"PCIe gen {link.current_gen} below max {link.max_gen}"))
     remedy = "reseat the GPU / riser or replace the cable; a degraded link cuts host<->GPU bandwidth"
@@ -104,7 +133,9 @@ def _mig(nvml: Nvml, gpu: int) -> bool:
     return current
 
 
-def _mode_check(name: str, wanted: str, nvml: Nvml, count: int, read: Callable[[Nvml, int], bool]) -> CheckResult:
+def _mode_check(
+    name: str, wanted: str, nvml: Nvml, count: int, read: Callable[[Nvml, int], bool]
+) -> CheckResult:
     evidence: list[str] = []
     statuses: list[bool] = []
     for gpu in range(count):
@@ -122,8 +153,12 @@ def _mode_check(name: str, wanted: str, nvml: Nvml, count: int, read: Callable[[
     if wanted == "any":
         return skipped(name, "not configured (any); found: " + ", ".join(evidence), evidence=tuple(evidence))
     if not all(statuses):
-        return failed(name, f"not {wanted} on every GPU", evidence=tuple(evidence),
-                      remedy=f"set the mode to {wanted} (nvidia-smi) and reset the GPUs, or fix the config")
+        return failed(
+            name,
+            f"not {wanted} on every GPU",
+            evidence=tuple(evidence),
+            remedy=f"set the mode to {wanted} (nvidia-smi) and reset the GPUs, or fix the config",
+        )
     return passed(name, f"{wanted} on every GPU", evidence=tuple(evidence))
 
 

@@ -46,12 +46,25 @@ def ib_port_results(sysfs: Path) -> list[CheckResult]:
             evidence += [f"{label}: {k}={v}" for k, v in errors.items()]
             name = "network.ib_port"
             if "ACTIVE" not in state.upper() or "LINKUP" not in phys.upper().replace(" ", ""):
-                results.append(failed(name, f"{label} is not up ({state or '?'}, {phys or '?'})",
-                                      evidence=tuple(evidence), remedy="check the cable, switch port and subnet manager"))
+                results.append(
+                    failed(
+                        name,
+                        f"{label} is not up ({state or '?'}, {phys or '?'})",
+                        evidence=tuple(evidence),
+                        remedy="check the cable, switch port and subnet manager",
+                    )
+                )
             elif errors:
-                results.append(warned(name, f"{label} is up but has error counters: {', '.join(errors)}",
-                                      evidence=tuple(evidence), value=float(sum(errors.values())), unit="count",
-                                      remedy="watch the link; reseat or replace the cable if the counters grow"))
+                results.append(
+                    warned(
+                        name,
+                        f"{label} is up but has error counters: {', '.join(errors)}",
+                        evidence=tuple(evidence),
+                        value=float(sum(errors.values())),
+                        unit="count",
+                        remedy="watch the link; reseat or replace the cable if the counters grow",
+                    )
+                )
             else:
                 results.append(passed(name, f"{label} up at {rate or '?'}", evidence=tuple(evidence)))
     return results
@@ -70,13 +83,21 @@ def nic_results(cfg: NetworkConfig, sysfs: Path) -> list[CheckResult]:
     for nic in names:
         base = net / nic
         if not base.exists():
-            results.append(failed("network.nic_link", f"{nic} does not exist", remedy="check the NIC and its driver"))
+            results.append(
+                failed("network.nic_link", f"{nic} does not exist", remedy="check the NIC and its driver")
+            )
             continue
         oper, carrier, speed = _read(base / "operstate"), _read(base / "carrier"), _read(base / "speed")
         evidence = (f"{nic}: operstate={oper!r} carrier={carrier!r} speed={speed!r}",)
         if oper != "up" or carrier != "1":
-            results.append(failed("network.nic_link", f"{nic} link is down ({oper or '?'})", evidence=evidence,
-                                  remedy="check the cable and switch port"))
+            results.append(
+                failed(
+                    "network.nic_link",
+                    f"{nic} link is down ({oper or '?'})",
+                    evidence=evidence,
+                    remedy="check the cable and switch port",
+                )
+            )
         else:
             results.append(passed("network.nic_link", f"{nic} up at {speed or '?'} Mb/s", evidence=evidence))
     return results
@@ -89,8 +110,13 @@ def run_network(ctx: CheckContext) -> list[CheckResult]:
     if (sysfs / "class" / "infiniband").is_dir() and os.listdir(sysfs / "class" / "infiniband"):
         results += ib_port_results(sysfs)
     elif cfg.require_ib:
-        results.append(failed("network.ib_port", "no InfiniBand device in sysfs, but require_ib is set",
-                              remedy="check the HCA and its driver (mlx5_core)"))
+        results.append(
+            failed(
+                "network.ib_port",
+                "no InfiniBand device in sysfs, but require_ib is set",
+                remedy="check the HCA and its driver (mlx5_core)",
+            )
+        )
     else:
         results.append(skipped("network.ib_port", "no InfiniBand device on this node"))
     return results + nic_results(cfg, sysfs)

@@ -52,13 +52,15 @@ def write_probe(directory: str) -> str:
     """Writes, fsyncs, reads back, verifies and deletes a probe file; returns a one-line account.
     Raises OSError (with the step that failed in its message) or ValueError on a mismatch."""
     payload = secrets.token_bytes(PROBE_BYTES)
-    probe = os.path.join(directory, f".preflight-probe-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    probe = os.path.join(
+        directory, f".preflight-probe-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    )
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             view = memoryview(payload)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -87,13 +89,19 @@ def check_writable(cfg: StorageConfig) -> CheckResult:
     point, fstype = mount_of(path)
     evidence = (f"mount={point} fstype={fstype}",)
     if cfg.require_mount and point == "/":
-        return failed(name, f"{path} is on the root filesystem, not on its own mount", evidence=evidence, remedy=remedy)
+        return failed(
+            name, f"{path} is on the root filesystem, not on its own mount", evidence=evidence, remedy=remedy
+        )
     try:
         account = write_probe(path)
     except OSError as exc:
-        return failed(name, f"{path} is not writable: {exc.strerror or exc}", evidence=evidence, remedy=remedy)
+        return failed(
+            name, f"{path} is not writable: {exc.strerror or exc}", evidence=evidence, remedy=remedy
+        )
     except ValueError as exc:
-        return failed(name, f"{path}: {exc}", evidence=evidence, remedy="the storage returns corrupt data: escalate")
+        return failed(
+            name, f"{path}: {exc}", evidence=evidence, remedy="the storage returns corrupt data: escalate"
+        )
     return passed(name, account, evidence=evidence)
 
 
@@ -102,13 +110,23 @@ def check_free_space(cfg: StorageConfig) -> CheckResult:
     try:
         st = os.statvfs(cfg.checkpoint_path)
     except OSError as exc:
-        return failed(name, f"cannot stat {cfg.checkpoint_path}: {exc.strerror}", remedy="fix the checkpoint mount")
+        return failed(
+            name, f"cannot stat {cfg.checkpoint_path}: {exc.strerror}", remedy="fix the checkpoint mount"
+        )
     free_gb = st.f_bavail * st.f_frsize / 1e9
-    kw = {"value": free_gb, "unit": "GB", "threshold": cfg.free_space_floor_gb,
-          "evidence": (f"free={free_gb:.3f} GB total={st.f_blocks * st.f_frsize / 1e9:.3f} GB",)}
+    kw = {
+        "value": free_gb,
+        "unit": "GB",
+        "threshold": cfg.free_space_floor_gb,
+        "evidence": (f"free={free_gb:.3f} GB total={st.f_blocks * st.f_frsize / 1e9:.3f} GB",),
+    }
     if free_gb < cfg.free_space_floor_gb:
-        return failed(name, f"{free_gb:.3g} GB free, below the floor {cfg.free_space_floor_gb:g} GB",
-                      remedy="free space or prune old checkpoints (keep the last committed one)", **kw)
+        return failed(
+            name,
+            f"{free_gb:.3g} GB free, below the floor {cfg.free_space_floor_gb:g} GB",
+            remedy="free space or prune old checkpoints (keep the last committed one)",
+            **kw,
+        )
     return passed(name, f"{free_gb:.3g} GB free", **kw)
 
 

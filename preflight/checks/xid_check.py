@@ -54,7 +54,9 @@ def read_dmesg(timeout_s: float) -> list[str]:
     except subprocess.TimeoutExpired as exc:
         raise KernelLogUnavailable("dmesg timed out") from exc
     if proc.returncode != 0:
-        raise KernelLogUnavailable(f"dmesg exited {proc.returncode}: {proc.stderr[:200].decode(errors='replace')}")
+        raise KernelLogUnavailable(
+            f"dmesg exited {proc.returncode}: {proc.stderr[:200].decode(errors='replace')}"
+        )
     return proc.stdout.decode("utf-8", "replace").splitlines()[-MAX_RECORDS:]
 
 
@@ -105,8 +107,13 @@ def evaluate_xids(events: list[XidEvent], window_s: float, source: str) -> Check
     window = f"in the last {window_s:.0f} s ({source})"
     if fatal:
         codes = sorted({e.xid for e in fatal})
-        return failed(name, f"fatal Xid {', '.join(map(str, codes))} {window}", threshold=0.0,
-                      remedy="drain the node; reset the GPU or reboot, then run `preflight run --full`", **kw)
+        return failed(
+            name,
+            f"fatal Xid {', '.join(map(str, codes))} {window}",
+            threshold=0.0,
+            remedy="drain the node; reset the GPU or reboot, then run `preflight run --full`",
+            **kw,
+        )
     if warning:
         codes = sorted({e.xid for e in warning})
         return warned(name, f"Xid {', '.join(map(str, codes))} {window}", remedy="watch this node", **kw)

@@ -38,8 +38,9 @@ def test_rendezvous_id_is_run_and_attempt_and_torchrun_never_restarts_in_place()
 
 def test_a_backend_that_places_each_node_itself_gives_its_rank_and_host() -> None:
     s = spec(procs_per_node=2)
-    argv = torchrun_argv(s, endpoint="h:1", torchrun=("python", "-m", "torch.distributed.run"), node_rank=1,
-                         no_python=False)
+    argv = torchrun_argv(
+        s, endpoint="h:1", torchrun=("python", "-m", "torch.distributed.run"), node_rank=1, no_python=False
+    )
     assert "--node-rank=1" in argv and "--rdzv-conf=is_host=false" in argv and "--no-python" not in argv
     assert "--rdzv-conf=is_host=true" in torchrun_argv(s, endpoint="h:1", node_rank=0)
     assert argv[-2:] == ["python", "train.py"] and argv[:3] == ["python", "-m", "torch.distributed.run"]

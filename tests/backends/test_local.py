@@ -15,8 +15,16 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
 
 def spec() -> AttemptSpec:
-    return AttemptSpec(run="demo", attempt=3, nodes=("node2", "node5"), command=("/repo/examples/train.py", "--steps", "9"),
-                       env={"PYTHONPATH": "/repo"}, resume_step=40, procs_per_node=2, leader_fence=17)
+    return AttemptSpec(
+        run="demo",
+        attempt=3,
+        nodes=("node2", "node5"),
+        command=("/repo/examples/train.py", "--steps", "9"),
+        env={"PYTHONPATH": "/repo"},
+        resume_step=40,
+        procs_per_node=2,
+        leader_fence=17,
+    )
 
 
 def test_each_node_gets_its_rank_and_the_rank_zero_node_hosts_the_rendezvous() -> None:
@@ -26,9 +34,18 @@ def test_each_node_gets_its_rank_and_the_rank_zero_node_hosts_the_rendezvous() -
     # The line the live shell has always launched (its own copy is gone): the script runs under torchrun's
     # interpreter, so no --no-python.
     assert list(r0.argv) == [
-        *TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--node-rank=0", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=demo-3", "--rdzv-conf=is_host=true", "--max-restarts=0",
-        "/repo/examples/train.py", "--steps", "9",
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--node-rank=0",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29400",
+        "--rdzv-id=demo-3",
+        "--rdzv-conf=is_host=true",
+        "--max-restarts=0",
+        "/repo/examples/train.py",
+        "--steps",
+        "9",
     ]
     assert "--node-rank=1" in r1.argv and "--rdzv-conf=is_host=false" in r1.argv
     assert (r0.node_rank, r1.node_rank, r0.nnodes, r0.resume_step, r0.leader_fence) == (0, 1, 2, 40, 17)
@@ -51,10 +68,14 @@ class ScriptedAgents(AgentClients):
 
 
 def test_a_launch_names_each_node_that_did_not_start_and_whether_it_was_temporary() -> None:
-    agents = ScriptedAgents({
-        "node2": RpcOutcome(node="node2", ok=True),
-        "node5": RpcOutcome(node="node5", ok=False, code="UNAVAILABLE", error="UNAVAILABLE: gone", tries=4),
-    })
+    agents = ScriptedAgents(
+        {
+            "node2": RpcOutcome(node="node2", ok=True),
+            "node5": RpcOutcome(
+                node="node5", ok=False, code="UNAVAILABLE", error="UNAVAILABLE: gone", tries=4
+            ),
+        }
+    )
     backend = LocalBackend(agents)
     assert isinstance(backend, Backend)
     with pytest.raises(LaunchIncomplete) as err:

@@ -50,26 +50,51 @@ def populate(store: Store, now: float) -> None:
     k = store.keys
     for i in range(5):
         node = f"n{i}"
-        rec = store_pb2.NodeRecord(node=node, host=f"host{i}", address=f"10.0.0.{i}:7071", gpu_count=8,
-                                   state=common_pb2.NODE_STATE_RUNNING if i < 4 else common_pb2.NODE_STATE_READY,
-                                   registered_at=now - 30,
-                                   last_preflight=common_pb2.PreflightSummary(mode="quick", passed=True, pass_count=9,
-                                                                              finished_at=now - 60))
+        rec = store_pb2.NodeRecord(
+            node=node,
+            host=f"host{i}",
+            address=f"10.0.0.{i}:7071",
+            gpu_count=8,
+            state=common_pb2.NODE_STATE_RUNNING if i < 4 else common_pb2.NODE_STATE_READY,
+            registered_at=now - 30,
+            last_preflight=common_pb2.PreflightSummary(
+                mode="quick", passed=True, pass_count=9, finished_at=now - 60
+            ),
+        )
         if i != 2:  # n2 lost its lease: its node key is gone, only its pool entry remains
             store.put(k.node(node), rec.SerializeToString())
-        state = common_pb2.POOL_STATE_ASSIGNED if i not in (2, 4) else (
-            common_pb2.POOL_STATE_QUARANTINED if i == 2 else common_pb2.POOL_STATE_SPARE)
-        entry = store_pb2.PoolEntry(node=node, state=state, run=RUN if i < 4 else "",
-                                    reason="xid 79" if i == 2 else "", since=now - 100)
+        state = (
+            common_pb2.POOL_STATE_ASSIGNED
+            if i not in (2, 4)
+            else (common_pb2.POOL_STATE_QUARANTINED if i == 2 else common_pb2.POOL_STATE_SPARE)
+        )
+        entry = store_pb2.PoolEntry(
+            node=node,
+            state=state,
+            run=RUN if i < 4 else "",
+            reason="xid 79" if i == 2 else "",
+            since=now - 100,
+        )
         store.put(k.pool(node), entry.SerializeToString())
-    xid = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_FATAL,
-                              gpu_index=3, xid=79, detail="Xid 79: GPU has fallen off the bus", observed_at=now - 90)
+    xid = common_pb2.Evidence(
+        node="n2",
+        kind=common_pb2.EVIDENCE_KIND_XID,
+        severity=common_pb2.SEVERITY_FATAL,
+        gpu_index=3,
+        xid=79,
+        detail="Xid 79: GPU has fallen off the bus",
+        observed_at=now - 90,
+    )
     store.put(k.evidence("n2", 1), store_pb2.EvidenceRecord(evidence=xid).SerializeToString())
     store.put(k.reputation("n2"), store_pb2.Reputation(node="n2", failures=1).SerializeToString())
     store.put(k.spec(RUN), store_pb2.RunSpec(run=RUN, nodes=4, max_attempts=5).SerializeToString())
     nodes = ["n0", "n1", "n3", "n4"]
-    store.put(k.attempt(RUN), store_pb2.AttemptRecord(run=RUN, attempt=2, rendezvous_id=f"{RUN}-2", nodes=nodes,
-                                                      resume_step=100).SerializeToString())
+    store.put(
+        k.attempt(RUN),
+        store_pb2.AttemptRecord(
+            run=RUN, attempt=2, rendezvous_id=f"{RUN}-2", nodes=nodes, resume_step=100
+        ).SerializeToString(),
+    )
     for i, node in enumerate(nodes):
         ranks = [common_pb2.RankProgress(rank=8 * i + r, step=140 + (r % 2)) for r in range(8)]
         prog = store_pb2.NodeProgress(node=node, run=RUN, attempt=2, ranks=ranks, written_at=now - 2)
@@ -77,8 +102,14 @@ def populate(store: Store, now: float) -> None:
     store.put(k.checkpoint(RUN, 100), store_pb2.CheckpointCommit(run=RUN, step=100).SerializeToString())
 
 
-def _start(store: Store, tmp_path: Path, *, tls: ServerTLS | None = None,
-           policy: AccessPolicy | None = None, with_end: bool = False) -> Iterator[LiveController]:
+def _start(
+    store: Store,
+    tmp_path: Path,
+    *,
+    tls: ServerTLS | None = None,
+    policy: AccessPolicy | None = None,
+    with_end: bool = False,
+) -> Iterator[LiveController]:
     log_path = tmp_path / "events.jsonl"
     log = EventLog(log_path)
     events = incident_log().events

@@ -18,8 +18,15 @@ class LogBuilder:
         self.nodes = nodes
 
     def _add(self, ts: float, kind: int, **detail: object) -> events_pb2.Event:
-        ev = events_pb2.Event(seq=len(self.events) + 1, ts=ts, run=self.run, attempt=self.attempt, step=self.step,
-                              kind=kind, **detail)
+        ev = events_pb2.Event(
+            seq=len(self.events) + 1,
+            ts=ts,
+            run=self.run,
+            attempt=self.attempt,
+            step=self.step,
+            kind=kind,
+            **detail,
+        )
         self.events.append(ev)
         return ev
 
@@ -33,8 +40,13 @@ class LogBuilder:
     def launch(self, ts: float, resume_step: int = -1) -> None:
         self.attempt += 1
         nodes = [f"n{i}" for i in range(self.nodes)]
-        self._add(ts, E.EVENT_KIND_LAUNCH, launch=E.LaunchDetail(
-            rendezvous_id=f"{self.run}-{self.attempt}", nodes=nodes, resume_step=resume_step))
+        self._add(
+            ts,
+            E.EVENT_KIND_LAUNCH,
+            launch=E.LaunchDetail(
+                rendezvous_id=f"{self.run}-{self.attempt}", nodes=nodes, resume_step=resume_step
+            ),
+        )
 
     def load_done(self, ts: float) -> None:
         self._add(ts, E.EVENT_KIND_LOAD_DONE)
@@ -44,22 +56,33 @@ class LogBuilder:
 
     def commit(self, ts: float, step: int, save_s: float) -> None:
         self.step = step
-        self._add(ts, E.EVENT_KIND_CHECKPOINT_COMMIT,
-                  checkpoint=E.CheckpointDetail(path=f"/ckpt/{step}", save_duration_s=save_s))
+        self._add(
+            ts,
+            E.EVENT_KIND_CHECKPOINT_COMMIT,
+            checkpoint=E.CheckpointDetail(path=f"/ckpt/{step}", save_duration_s=save_s),
+        )
 
-    def detect(self, ts: float, latency_s: float, node: str = "n2",
-               detector: int = E.DETECTOR_HANG) -> None:
-        self._add(ts, E.EVENT_KIND_DETECTION, detection=E.DetectionDetail(
-            detector=detector, nodes=[node], latency_s=latency_s, reason="test"))
+    def detect(self, ts: float, latency_s: float, node: str = "n2", detector: int = E.DETECTOR_HANG) -> None:
+        self._add(
+            ts,
+            E.EVENT_KIND_DETECTION,
+            detection=E.DetectionDetail(detector=detector, nodes=[node], latency_s=latency_s, reason="test"),
+        )
 
-    def attribute(self, ts: float, node: str | None = "n2",
-                  kind: int = common_pb2.EVIDENCE_KIND_XID,
-                  severity: int = common_pb2.SEVERITY_FATAL) -> None:
+    def attribute(
+        self,
+        ts: float,
+        node: str | None = "n2",
+        kind: int = common_pb2.EVIDENCE_KIND_XID,
+        severity: int = common_pb2.SEVERITY_FATAL,
+    ) -> None:
         if node is None:
             detail = E.AttributionDetail(method="none")
         else:
             evidence = common_pb2.Evidence(node=node, kind=kind, severity=severity)
-            detail = E.AttributionDetail(method="hardware", suspects=[E.Suspect(node=node, evidence=[evidence])])
+            detail = E.AttributionDetail(
+                method="hardware", suspects=[E.Suspect(node=node, evidence=[evidence])]
+            )
         self._add(ts, E.EVENT_KIND_ATTRIBUTION, attribution=detail)
 
     def attribute_detail(self, ts: float, detail: events_pb2.AttributionDetail) -> None:
@@ -69,7 +92,9 @@ class LogBuilder:
         self._add(ts, E.EVENT_KIND_QUARANTINE, quarantine=E.QuarantineDetail(node=node, reason="xid 79"))
 
     def spare(self, ts: float, node: str = "n4", replaces: str = "n2") -> None:
-        self._add(ts, E.EVENT_KIND_SPARE_TAKEN, spare=E.SpareDetail(node=node, replaces=replaces, source="spare"))
+        self._add(
+            ts, E.EVENT_KIND_SPARE_TAKEN, spare=E.SpareDetail(node=node, replaces=replaces, source="spare")
+        )
 
     def stop(self, ts: float) -> None:
         self._add(ts, E.EVENT_KIND_STOP_REQUEST, stop=E.StopDetail(reason="drain", requested_by="op"))

@@ -42,8 +42,18 @@ def test_status_table_and_json(live: LiveController, capsys: pytest.CaptureFixtu
     rc, out, _ = ctl(capsys, live, "status")
     assert rc == 0
     header, row = out.splitlines()[1:3]
-    assert header.split() == ["RUN", "PHASE", "ATTEMPT", "STEP", "COMMITTED", "BUDGET", "LAST", "PROGRESS", "NODES",
-                              "REASON"]
+    assert header.split() == [
+        "RUN",
+        "PHASE",
+        "ATTEMPT",
+        "STEP",
+        "COMMITTED",
+        "BUDGET",
+        "LAST",
+        "PROGRESS",
+        "NODES",
+        "REASON",
+    ]
     # aligned: every column starts where its header starts
     assert row.split()[:6] == ["llm", "running", "2", "141", "100", "3"]
     assert row.index("running") == header.index("PHASE")
@@ -84,7 +94,11 @@ def test_events_filters(live: LiveController, capsys: pytest.CaptureFixture[str]
     rc, out, _ = ctl(capsys, live, "events", "--limit", "3")
     lines = out.splitlines()
     assert rc == 0 and len(lines) == 4 and lines[0].split()[0] == "WHEN"
-    assert [line.split()[6] for line in lines[1:]] == ["launch", "load-done", "first-step"]  # "when" is 2 words
+    assert [line.split()[6] for line in lines[1:]] == [
+        "launch",
+        "load-done",
+        "first-step",
+    ]  # "when" is 2 words
     rc, out, _ = ctl(capsys, live, "events", "--since", str(T0 + 250), "--json")
     assert [e["kind"] for e in json.loads(out)["events"]] == ["EVENT_KIND_LOAD_DONE", "EVENT_KIND_FIRST_STEP"]
     with pytest.raises(SystemExit) as exc:
@@ -116,8 +130,9 @@ def test_quarantine_release_stop_write_etcd(live: LiveController, capsys: pytest
     assert json.loads(out)["runs"][0]["phase"] == "RUN_PHASE_STOPPING"
 
 
-def test_goodput_online_matches_offline(live_ended: LiveController, capsys: pytest.CaptureFixture[str],
-                                        tmp_path: Path) -> None:
+def test_goodput_online_matches_offline(
+    live_ended: LiveController, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     rc, online, _ = ctl(capsys, live_ended, "goodput", RUN, "--json")
     assert rc == 0
     rc, offline, _ = ctl(capsys, None, "goodput", RUN, "--log", str(live_ended.log_path), "--json")
@@ -136,8 +151,9 @@ def test_goodput_online_matches_offline(live_ended: LiveController, capsys: pyte
     assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
-def test_offline_goodput_torn_tail_png_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                        live_ended: LiveController) -> None:
+def test_offline_goodput_torn_tail_png_and_missing_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], live_ended: LiveController
+) -> None:
     log = tmp_path / "copy.jsonl"
     log.write_bytes(live_ended.log_path.read_bytes() + b'{"seq": 50, "ts": 1.0, "ki')
     png = tmp_path / "postmortem.png"
@@ -150,23 +166,30 @@ def test_offline_goodput_torn_tail_png_and_missing_file(tmp_path: Path, capsys: 
     assert rc == 5
 
 
-def test_unreachable_controller_is_exit_3(free_port: int, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_controller_is_exit_3(
+    free_port: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RUNWARDEN_CONTROLLER", f"127.0.0.1:{free_port}")
     rc, out, err = ctl(capsys, None, "--timeout", "1", "status")
     assert rc == 3 and out == ""
     assert f"cannot reach the controller at 127.0.0.1:{free_port}" in err
 
 
-def test_address_precedence_flag_env_config(live: LiveController, tmp_path: Path, free_port: int,
-                                            capsys: pytest.CaptureFixture[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_address_precedence_flag_env_config(
+    live: LiveController,
+    tmp_path: Path,
+    free_port: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cfg = tmp_path / "ctl.toml"
     cfg.write_text(f'[controllerctl]\naddress = "{live.address}"\ntimeout_s = 2.0\n')
     assert ctl(capsys, None, "--config", str(cfg), "status")[0] == 0  # config file
     monkeypatch.setenv("RUNWARDEN_CONTROLLER", f"127.0.0.1:{free_port}")
     assert ctl(capsys, None, "--config", str(cfg), "status")[0] == 3  # env beats the file
-    assert ctl(capsys, None, "--config", str(cfg), "--controller", live.address, "status")[0] == 0  # flag beats env
+    assert (
+        ctl(capsys, None, "--config", str(cfg), "--controller", live.address, "status")[0] == 0
+    )  # flag beats env
     cfg.write_text('[controllerctl]\nadress = "typo"\n')
     rc, _, err = ctl(capsys, None, "--config", str(cfg), "status")
     assert rc == 2 and "unknown key(s) adress" in err
@@ -184,14 +207,34 @@ def test_watch_events_resumes_after_seq_and_follow_streams(live: LiveController)
     stream.cancel()
     # the console entry point in a real process: --follow prints appended events as JSON lines
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/nonexistent"}
-    proc = subprocess.Popen([sys.executable, "-m", "controller.ctl.main", "--controller", live.address, "events",
-                             "--follow", "--json", "--kind", "checkpoint-commit", "--limit", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "controller.ctl.main",
+            "--controller",
+            live.address,
+            "events",
+            "--follow",
+            "--json",
+            "--kind",
+            "checkpoint-commit",
+            "--limit",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())
         assert first["kind"] == "EVENT_KIND_CHECKPOINT_COMMIT" and first["seq"] == "6"
-        live.log.append(events_pb2.Event(ts=T0 + 500, run=RUN, step=200, kind=events_pb2.EVENT_KIND_CHECKPOINT_COMMIT))
+        live.log.append(
+            events_pb2.Event(ts=T0 + 500, run=RUN, step=200, kind=events_pb2.EVENT_KIND_CHECKPOINT_COMMIT)
+        )
         second = json.loads(proc.stdout.readline())
         assert second["seq"] == "16" and second["step"] == "200"
     finally:
@@ -209,7 +252,12 @@ def test_watch_rejects_bad_input_and_health_reflection(live: LiveController) -> 
     with pytest.raises(grpc.RpcError) as exc:
         stub.GetGoodput(controller_pb2.GetGoodputRequest(by="month"), timeout=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "by must be" in exc.value.details()
-    for since in (-1.0, 1.7976931348623158e302, math.inf, math.nan):  # the last finite ones overflowed microseconds
+    for since in (
+        -1.0,
+        1.7976931348623158e302,
+        math.inf,
+        math.nan,
+    ):  # the last finite ones overflowed microseconds
         with pytest.raises(grpc.RpcError) as exc:
             stub.GetGoodput(controller_pb2.GetGoodputRequest(since=since), timeout=5)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "since must be" in exc.value.details()
@@ -220,7 +268,9 @@ def test_watch_rejects_bad_input_and_health_reflection(live: LiveController) -> 
     resp = health.Check(health_pb2.HealthCheckRequest(service="runwarden.v1.Controller"), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    answers = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
     names = {s.name for a in answers for s in a.list_services_response.service}
     assert "runwarden.v1.Controller" in names and "grpc.health.v1.Health" in names
     channel.close()
@@ -231,8 +281,10 @@ def test_completion_scripts_are_valid_shell(capsys: pytest.CaptureFixture[str], 
     assert rc == 0 and "complete -o default -F _controllerctl controllerctl" in out
     assert "goodput)" in out and "--png" in out and "cause week" in out
     script = tmp_path / "c.bash"
-    script.write_text(out + '\nCOMP_WORDS=(controllerctl goodput --b); COMP_CWORD=2; _controllerctl; '
-                            'echo "${COMPREPLY[@]}"\n')
+    script.write_text(
+        out + "\nCOMP_WORDS=(controllerctl goodput --b); COMP_CWORD=2; _controllerctl; "
+        'echo "${COMPREPLY[@]}"\n'
+    )
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["--by"]
     rc, out, _ = ctl(capsys, None, "completion", "zsh")
@@ -244,12 +296,16 @@ def test_colour_only_when_asked(live: LiveController, capsys: pytest.CaptureFixt
     assert rc == 0 and "\x1b[31mquarantined" in out
 
 
-def test_optional_subcommands_load_lazily_or_say_what_is_missing(capsys: pytest.CaptureFixture[str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_optional_subcommands_load_lazily_or_say_what_is_missing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import controller.ctl.main as ctl_module
 
-    monkeypatch.setitem(ctl_module.OPTIONAL_SUBCOMMANDS, "frobnicate",
-                        ("controller.no_such_module_cli", "a subcommand not installed here"))
+    monkeypatch.setitem(
+        ctl_module.OPTIONAL_SUBCOMMANDS,
+        "frobnicate",
+        ("controller.no_such_module_cli", "a subcommand not installed here"),
+    )
     rc, _, err = ctl(capsys, None, "frobnicate", "--anything")
     assert rc == 1 and "controller.no_such_module_cli is not installed" in err
     with pytest.raises(SystemExit):

@@ -44,17 +44,19 @@ def test_single_hardware_incident_splits_every_second() -> None:
     assert r.productive_us == (55 + 40) * US
     assert r.allocated_us == 300 * US
     assert r.lost_by_cause_us == {
-        "startup:preflight": 10 * US, "startup:launch": 10 * US, "startup:load": 10 * US,
+        "startup:preflight": 10 * US,
+        "startup:launch": 10 * US,
+        "startup:load": 10 * US,
         "startup:first_step": 10 * US,
         "checkpoint_stall": 5 * US,
-        "hardware:xid": 90 * US,           # rolled back: commit at +100 to the fault at +190
-        "restart:detect": 10 * US,         # fault +190 -> DETECTION +200
-        "restart:attribute": 3 * US,       # -> ATTRIBUTION +203
-        "restart:replace": 8 * US,         # -> QUARANTINE +210 -> SPARE_TAKEN +211
-        "restart:preflight": 19 * US,      # -> PREFLIGHT_RESULT +230
-        "restart:launch": 5 * US,          # -> LAUNCH +235
-        "restart:load": 15 * US,           # -> LOAD_DONE +250
-        "restart:first_step": 10 * US,     # -> FIRST_STEP +260
+        "hardware:xid": 90 * US,  # rolled back: commit at +100 to the fault at +190
+        "restart:detect": 10 * US,  # fault +190 -> DETECTION +200
+        "restart:attribute": 3 * US,  # -> ATTRIBUTION +203
+        "restart:replace": 8 * US,  # -> QUARANTINE +210 -> SPARE_TAKEN +211
+        "restart:preflight": 19 * US,  # -> PREFLIGHT_RESULT +230
+        "restart:launch": 5 * US,  # -> LAUNCH +235
+        "restart:load": 15 * US,  # -> LOAD_DONE +250
+        "restart:first_step": 10 * US,  # -> FIRST_STEP +260
     }
     assert r.productive_us + r.lost_us == r.allocated_us
     assert r.goodput == pytest.approx(95 / 300)
@@ -92,8 +94,15 @@ def test_overlapping_faults_are_one_incident() -> None:
     (inc,) = r.incidents
     assert inc.rollback_us == 90 * US and inc.cause == "hardware:xid"
     # detect 10; the second DETECTION does not end a phase: +200 -> ATTRIBUTION +206 is attribute (6)
-    assert inc.phases_us == {"detect": 10 * US, "attribute": 6 * US, "replace": 6 * US, "preflight": 18 * US,
-                             "launch": 5 * US, "load": 15 * US, "first_step": 10 * US}
+    assert inc.phases_us == {
+        "detect": 10 * US,
+        "attribute": 6 * US,
+        "replace": 6 * US,
+        "preflight": 18 * US,
+        "launch": 5 * US,
+        "load": 15 * US,
+        "first_step": 10 * US,
+    }
     assert r.productive_us == 95 * US
     assert r.productive_us + r.lost_us == r.allocated_us == 300 * US
 
@@ -102,13 +111,13 @@ def test_fault_during_restart_opens_a_second_incident_with_no_rollback() -> None
     b = LogBuilder()
     b.startup(T0)
     b.commit(T0 + 100, step=100, save_s=0)
-    b.detect(T0 + 150, latency_s=0)            # fault at +150: 50 s rolled back
+    b.detect(T0 + 150, latency_s=0)  # fault at +150: 50 s rolled back
     b.attribute(T0 + 152)
     b.spare(T0 + 155)
     b.preflight(T0 + 165, node="n4")
     b.launch(T0 + 170, resume_step=100)
-    b.detect(T0 + 185, latency_s=5)            # during loading: fault at +180
-    b.attribute(T0 + 186, node=None)           # no suspect: software
+    b.detect(T0 + 185, latency_s=5)  # during loading: fault at +180
+    b.attribute(T0 + 186, node=None)  # no suspect: software
     b.preflight(T0 + 196)
     b.launch(T0 + 200, resume_step=100)
     b.load_done(T0 + 210)
@@ -117,11 +126,25 @@ def test_fault_during_restart_opens_a_second_incident_with_no_rollback() -> None
     r = compute_goodput(b.events)
     first, second = r.incidents
     assert first.cause == "hardware:xid" and first.rollback_us == 50 * US
-    assert first.phases_us == {"detect": 0, "attribute": 2 * US, "replace": 3 * US, "preflight": 10 * US,
-                               "launch": 5 * US, "load": 10 * US, "first_step": 0}  # load ends at the second fault (+180)
+    assert first.phases_us == {
+        "detect": 0,
+        "attribute": 2 * US,
+        "replace": 3 * US,
+        "preflight": 10 * US,
+        "launch": 5 * US,
+        "load": 10 * US,
+        "first_step": 0,
+    }  # load ends at the second fault (+180)
     assert second.cause == "software" and second.rollback_us == 0
-    assert second.phases_us == {"detect": 5 * US, "attribute": 1 * US, "replace": 0, "preflight": 10 * US, "launch": 4 * US,
-                                "load": 10 * US, "first_step": 10 * US}
+    assert second.phases_us == {
+        "detect": 5 * US,
+        "attribute": 1 * US,
+        "replace": 0,
+        "preflight": 10 * US,
+        "launch": 4 * US,
+        "load": 10 * US,
+        "first_step": 10 * US,
+    }
     assert "software" not in r.lost_by_cause_us  # nothing was rolled back by the second fault
     assert r.productive_us == (60 + 30) * US
     assert first.first_step_ts == second.first_step_ts == T0 + 220
@@ -133,7 +156,7 @@ def test_planned_stop_is_not_a_failure() -> None:
     b = LogBuilder()
     b.startup(T0)
     b.stop(T0 + 100)
-    b.commit(T0 + 110, step=70, save_s=4)     # finish the step, save 4 s, commit
+    b.commit(T0 + 110, step=70, save_s=4)  # finish the step, save 4 s, commit
     b.exit(T0 + 112)
     b.launch(T0 + 130, resume_step=70)
     b.load_done(T0 + 140)
@@ -179,7 +202,9 @@ def test_since_clips_the_window_and_weeks_split_at_monday() -> None:
     b.end(sunday_late + 200)
     r = compute_goodput(b.events)
     assert [(w.week, secs(w.allocated_us), secs(w.productive_us)) for w in r.weeks] == [
-        ("2025-W48", 100.0, 60.0), ("2025-W49", 100.0, 100.0)]
+        ("2025-W48", 100.0, 60.0),
+        ("2025-W49", 100.0, 100.0),
+    ]
     clipped = compute_goodput(b.events, since=T0 + 50)
     assert clipped.allocated_us == 50 * US and clipped.productive_us == 50 * US
     assert dt.datetime.fromtimestamp(T0, tz=dt.UTC).isocalendar()[1] == 49
@@ -230,11 +255,14 @@ def test_percentile_nearest_rank() -> None:
 def test_stop_without_commit_and_failed_save() -> None:
     b = LogBuilder()
     b.startup(T0)
-    b.commit(T0 + 100, step=50, save_s=10)       # productive 40..90, stall 90..100
-    b._add(T0 + 130, events_pb2.EVENT_KIND_CHECKPOINT_FAILED,
-           checkpoint=events_pb2.CheckpointDetail(save_duration_s=6, error="disk full"))  # stall 124..130
+    b.commit(T0 + 100, step=50, save_s=10)  # productive 40..90, stall 90..100
+    b._add(
+        T0 + 130,
+        events_pb2.EVENT_KIND_CHECKPOINT_FAILED,
+        checkpoint=events_pb2.CheckpointDetail(save_duration_s=6, error="disk full"),
+    )  # stall 124..130
     b.stop(T0 + 150)
-    b.exit(T0 + 160)                              # exited without a commit: 100..124 and 130..160 are lost
+    b.exit(T0 + 160)  # exited without a commit: 100..124 and 130..160 are lost
     b.launch(T0 + 170, resume_step=50)
     b.first_step(T0 + 180)
     b.end(T0 + 200)

@@ -35,11 +35,22 @@ CASES = [
     (B.BLAME_METHOD_NONE, "none", (), "software"),
     (B.BLAME_METHOD_HARDWARE, "hardware", (_suspect(_xid()),), "hardware:xid"),
     (B.BLAME_METHOD_HARDWARE, "hardware", (_suspect(_xid(common_pb2.SEVERITY_APPLICATION)),), "software"),
-    (B.BLAME_METHOD_HARDWARE, "hardware",
-     (_suspect(common_pb2.Evidence(kind=common_pb2.EVIDENCE_KIND_NETWORK, severity=common_pb2.SEVERITY_FATAL)),),
-     "network"),
-    (B.BLAME_METHOD_HARDWARE, "hardware",
-     (_suspect(common_pb2.Evidence(kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE)),), "hardware:ecc"),
+    (
+        B.BLAME_METHOD_HARDWARE,
+        "hardware",
+        (
+            _suspect(
+                common_pb2.Evidence(kind=common_pb2.EVIDENCE_KIND_NETWORK, severity=common_pb2.SEVERITY_FATAL)
+            ),
+        ),
+        "network",
+    ),
+    (
+        B.BLAME_METHOD_HARDWARE,
+        "hardware",
+        (_suspect(common_pb2.Evidence(kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE)),),
+        "hardware:ecc",
+    ),
     (B.BLAME_METHOD_HARDWARE, "hardware", (_suspect(),), "hardware:unknown"),
     (B.BLAME_METHOD_FLIGHT_RECORDER, "flight_recorder", (_suspect(),), "hardware:flight_recorder"),
     (B.BLAME_METHOD_HEARTBEAT, "heartbeat", (_suspect(),), "hardware:heartbeat"),
@@ -63,25 +74,36 @@ def test_the_table_covers_every_method_but_unspecified() -> None:
 
 
 def test_the_enum_wins_over_the_deprecated_string() -> None:
-    both = events_pb2.AttributionDetail(method="hardware", blame_method=B.BLAME_METHOD_FIRST_EXIT,
-                                        suspects=[_suspect(_xid())])
+    both = events_pb2.AttributionDetail(
+        method="hardware", blame_method=B.BLAME_METHOD_FIRST_EXIT, suspects=[_suspect(_xid())]
+    )
     assert cause_from_attribution(both) == "unattributed:first_exit"
 
 
-@pytest.mark.parametrize("detail", [
-    events_pb2.AttributionDetail(blame_method=99, suspects=[_suspect(_xid())]),
-    events_pb2.AttributionDetail(method="telepathy", suspects=[_suspect(_xid())]),
-    events_pb2.AttributionDetail(),
-], ids=["unknown-enum", "unknown-string", "empty"])
+@pytest.mark.parametrize(
+    "detail",
+    [
+        events_pb2.AttributionDetail(blame_method=99, suspects=[_suspect(_xid())]),
+        events_pb2.AttributionDetail(method="telepathy", suspects=[_suspect(_xid())]),
+        events_pb2.AttributionDetail(),
+    ],
+    ids=["unknown-enum", "unknown-string", "empty"],
+)
 def test_an_unknown_method_is_a_named_cause_not_a_crash(detail: events_pb2.AttributionDetail) -> None:
     assert cause_from_attribution(detail) == UNKNOWN_METHOD
 
 
-@pytest.mark.parametrize("detail", [
-    _new(B.BLAME_METHOD_FIRST_EXIT, _suspect()),
-    _old("first_exit", _suspect()),
-    _old("first_exit", _suspect(_xid())),  # even with evidence attached, "first to exit" claims no hardware
-], ids=["enum", "string", "string-with-evidence"])
+@pytest.mark.parametrize(
+    "detail",
+    [
+        _new(B.BLAME_METHOD_FIRST_EXIT, _suspect()),
+        _old("first_exit", _suspect()),
+        _old(
+            "first_exit", _suspect(_xid())
+        ),  # even with evidence attached, "first to exit" claims no hardware
+    ],
+    ids=["enum", "string", "string-with-evidence"],
+)
 def test_first_exit_never_counts_as_hardware(detail: events_pb2.AttributionDetail) -> None:
     b = LogBuilder()
     b.startup(T0)

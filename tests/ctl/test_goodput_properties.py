@@ -9,8 +9,22 @@ from controller.goodput.report import compute_goodput
 
 from .logbuild import LogBuilder
 
-ACTIONS = ["preflight", "launch", "load_done", "first_step", "commit", "detect", "attribute", "attribute_none",
-           "spare", "quarantine", "stop", "exit", "end", "start"]
+ACTIONS = [
+    "preflight",
+    "launch",
+    "load_done",
+    "first_step",
+    "commit",
+    "detect",
+    "attribute",
+    "attribute_none",
+    "spare",
+    "quarantine",
+    "stop",
+    "exit",
+    "end",
+    "start",
+]
 
 
 @st.composite

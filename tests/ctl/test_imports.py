@@ -50,8 +50,13 @@ def test_no_ctl_module_imports_the_live_controller(path: Path) -> None:
 
 
 def test_the_walker_sees_every_spelling() -> None:
-    for source in ("import controller.live", "import controller.live.loop as x", "from controller import live",
-                   "from controller.live.view import LiveView", "def f():\n    from controller import live\n"):
+    for source in (
+        "import controller.live",
+        "import controller.live.loop as x",
+        "from controller import live",
+        "from controller.live.view import LiveView",
+        "def f():\n    from controller import live\n",
+    ):
         assert any(_forbidden(n) for n in _imported_names(ast.parse(source))), source
     assert not any(_forbidden(n) for n in _imported_names(ast.parse("from controller import livestock")))
 
@@ -69,8 +74,13 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 
 
 def test_status_imports_no_optional_subcommand() -> None:
-    proc = subprocess.run([sys.executable, "-c", _STATUS_PROBE], capture_output=True, text=True, timeout=60,
-                          cwd=CTL_DIR.parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _STATUS_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=CTL_DIR.parent.parent,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["code"] == 3  # nobody listens on port 1: unreachable, after parsing and connecting

@@ -26,8 +26,14 @@ def ca(tmp_path: Path) -> IssuedFiles:
 
 @pytest.fixture
 def live_tls(store: Store, tmp_path: Path, ca: IssuedFiles) -> Iterator[LiveController]:
-    server = issue(ca.cert.parent, "server", role="server", common_name="controller",
-                   hosts=("localhost", "127.0.0.1"), days=1)
+    server = issue(
+        ca.cert.parent,
+        "server",
+        role="server",
+        common_name="controller",
+        hosts=("localhost", "127.0.0.1"),
+        days=1,
+    )
     tls = ServerTLS.from_files(server.cert, server.key, ca.cert)
     yield from _start(store, tmp_path, tls=tls, policy=AccessPolicy(admin_names=frozenset({"ops-robot"})))
 
@@ -37,14 +43,17 @@ def _tls_args(ca: IssuedFiles, stem: str, cn: str, role: str) -> list[str]:
     return ["--ca", str(ca.cert), "--cert", str(pem.cert), "--key", str(pem.key)]
 
 
-def test_read_only_certificate_can_read_but_not_mutate(live_tls: LiveController, ca: IssuedFiles,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_read_only_certificate_can_read_but_not_mutate(
+    live_tls: LiveController, ca: IssuedFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
     base = ["--controller", live_tls.address, *_tls_args(ca, "viewer", "viewer", "reader")]
     assert main([*base, "status"]) == 0
     assert "llm" in capsys.readouterr().out
     assert main([*base, "quarantine", "n1", "--reason", "looks slow"]) == 4
     err = capsys.readouterr().err
-    assert "permission denied" in err and "QuarantineNode needs an admin certificate" in err and "viewer" in err
+    assert (
+        "permission denied" in err and "QuarantineNode needs an admin certificate" in err and "viewer" in err
+    )
     assert main([*base, "stop", RUN]) == 4
     assert main([*base, "release", "n2"]) == 4
     capsys.readouterr()
@@ -54,8 +63,9 @@ def test_read_only_certificate_can_read_but_not_mutate(live_tls: LiveController,
     assert live_tls.store.get(live_tls.store.keys.stop(RUN)) is None
 
 
-def test_admin_by_organization_and_by_name(live_tls: LiveController, ca: IssuedFiles,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_admin_by_organization_and_by_name(
+    live_tls: LiveController, ca: IssuedFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
     by_org = ["--controller", live_tls.address, *_tls_args(ca, "alice", "alice", "admin")]
     assert main([*by_org, "quarantine", "n1", "--reason", "ECC errors", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pool_state"] == "POOL_STATE_QUARANTINED"
@@ -67,8 +77,9 @@ def test_admin_by_organization_and_by_name(live_tls: LiveController, ca: IssuedF
     assert stop.requested_by == "ops-robot"
 
 
-def test_plaintext_client_and_foreign_certificate_are_refused(live_tls: LiveController, ca: IssuedFiles,
-                                                              tmp_path: Path) -> None:
+def test_plaintext_client_and_foreign_certificate_are_refused(
+    live_tls: LiveController, ca: IssuedFiles, tmp_path: Path
+) -> None:
     channel = grpc.insecure_channel(live_tls.address)
     with pytest.raises(grpc.RpcError) as exc:
         controller_pb2_grpc.ControllerStub(channel).GetStatus(controller_pb2.GetStatusRequest(), timeout=3)
@@ -77,12 +88,14 @@ def test_plaintext_client_and_foreign_certificate_are_refused(live_tls: LiveCont
     other = create_ca(tmp_path / "other", name="another cluster CA", days=1)
     # an admin certificate (O=runwarden:admin), but not signed by our CA
     mallory = issue(other.cert.parent, "mallory", role="admin", common_name="mallory", days=1)
-    creds = grpc.ssl_channel_credentials(ca.cert.read_bytes(), mallory.key.read_bytes(),
-                                         mallory.cert.read_bytes())
+    creds = grpc.ssl_channel_credentials(
+        ca.cert.read_bytes(), mallory.key.read_bytes(), mallory.cert.read_bytes()
+    )
     channel = grpc.secure_channel(live_tls.address, creds)
     with pytest.raises(grpc.RpcError) as exc:
         controller_pb2_grpc.ControllerStub(channel).QuarantineNode(
-            controller_pb2.QuarantineNodeRequest(node="n1", reason="x"), timeout=3)
+            controller_pb2.QuarantineNodeRequest(node="n1", reason="x"), timeout=3
+        )
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
 

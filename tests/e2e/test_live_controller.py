@@ -30,7 +30,9 @@ def _launches(cluster: LocalCluster) -> list[events_pb2.Event]:
 
 def _wait_first_step(cluster: LocalCluster, after_seq: int = 0, timeout_s: float = 120) -> events_pb2.Event:
     ev = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, after_seq, timeout_s)
-    assert ev is not None, f"no first step; controller log:\n{(cluster.run_dir / 'controller.log').read_text()[-3000:]}"
+    assert ev is not None, (
+        f"no first step; controller log:\n{(cluster.run_dir / 'controller.log').read_text()[-3000:]}"
+    )
     return ev
 
 
@@ -60,7 +62,9 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
     assert spare.spare.replaces == victim and spare.spare.node == spare_node
     assert victim not in relaunch.launch.nodes and spare_node in relaunch.launch.nodes
     assert relaunch.attempt == 2 and relaunch.launch.rendezvous_id == "demo-2"
-    committed = [e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < relaunch.seq]
+    committed = [
+        e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < relaunch.seq
+    ]
     assert relaunch.launch.resume_step == (max(committed) if committed else -1)
     # What an operator sees: controllerctl against this live controller (tables and --json).
     status = json.loads(cluster.ctl("status", "--json").stdout)["runs"][0]
@@ -89,8 +93,7 @@ def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:
     killed_at = time.time()
     # The standby wins the election once the leader's election lease (TTL 3 s) expires; it relists,
     # sees a healthy attempt with fresh progress and does NOT relaunch it.
-    took_over = cluster.wait_for_event(E.EVENT_KIND_CONTROL_PLANE, 0, 30,
-                                       pred=lambda e: e.ts > killed_at)
+    took_over = cluster.wait_for_event(E.EVENT_KIND_CONTROL_PLANE, 0, 30, pred=lambda e: e.ts > killed_at)
     assert took_over is not None, (cluster.run_dir / "controller-b.log").read_text()[-3000:]
     assert took_over.ts - killed_at <= 3.0 + 2.0
     time.sleep(5)

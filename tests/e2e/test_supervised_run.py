@@ -61,8 +61,13 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     finally:
         cluster.stop()
     read = read_events(cluster.event_log)
-    yield FaultedRun(cluster=cluster, events=read.events, recoveries=recoveries(read.events, injections),
-                     torn_tail=read.torn_tail, log_errors=len(read.errors))
+    yield FaultedRun(
+        cluster=cluster,
+        events=read.events,
+        recoveries=recoveries(read.events, injections),
+        torn_tail=read.torn_tail,
+        log_errors=len(read.errors),
+    )
     assert leftover_processes(cluster.root) == []
 
 
@@ -98,8 +103,12 @@ def test_every_fault_was_detected_attributed_and_recovered(faulted: FaultedRun) 
         else:
             assert r.quarantined, f"{fault}: {node} was not quarantined"
             # Back in the next attempt only if it passed its burn-in (and was released) first.
-            released = any(e.kind == E.EVENT_KIND_RELEASE and e.release.node == node
-                           and r.injection.after_seq < e.seq < r.launch.seq for e in faulted.events)
+            released = any(
+                e.kind == E.EVENT_KIND_RELEASE
+                and e.release.node == node
+                and r.injection.after_seq < e.seq < r.launch.seq
+                for e in faulted.events
+            )
             assert node not in r.launch.launch.nodes or released
 
 
@@ -131,7 +140,9 @@ def test_resumes_only_from_committed_checkpoints_with_fresh_rendezvous(faulted: 
             rdzv.append(ev.launch.rendezvous_id)
             assert ev.launch.rendezvous_id == f"{ev.run}-{ev.attempt}"
             assert ev.launch.resume_step == (max(committed) if committed else -1), ev.message
-            assert not quarantined & set(ev.launch.nodes), f"launched quarantined {quarantined & set(ev.launch.nodes)}"
+            assert not quarantined & set(ev.launch.nodes), (
+                f"launched quarantined {quarantined & set(ev.launch.nodes)}"
+            )
     assert len(rdzv) == len(set(rdzv)) >= 1 + len(FAULTS)
     assert committed, "no checkpoint was ever committed"
 
@@ -157,16 +168,39 @@ def test_losses_equal_an_uninterrupted_run_of_the_same_seed(faulted: FaultedRun,
     for k in [k for k in env if k.startswith("RUNWARDEN_")]:
         del env[k]
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.active}",
-         "--max-restarts=0", str(REPO / "examples" / "train.py"), "--steps", str(last + 1),
-         "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(spec.ckpt_every), "--out", str(ref_dir),
-         "--seed", str(spec.seed), "--step-sleep", "0"],
-        check=True, env=env, timeout=300, capture_output=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.active}",
+            "--max-restarts=0",
+            str(REPO / "examples" / "train.py"),
+            "--steps",
+            str(last + 1),
+            "--ckpt-dir",
+            str(tmp_path / "ckpt"),
+            "--ckpt-every",
+            str(spec.ckpt_every),
+            "--out",
+            str(ref_dir),
+            "--seed",
+            str(spec.seed),
+            "--step-sleep",
+            "0",
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
     want = _losses(ref_dir)
     replayed = 0
     for step, values in got.items():
         replayed += len(values) > 1
         for value in values:
             # gloo's reduction order can differ between process layouts: within 1e-6, else bitwise.
-            assert value == pytest.approx(want[step][0], rel=1e-6, abs=1e-6), f"step {step}: {value} vs {want[step]}"
+            assert value == pytest.approx(want[step][0], rel=1e-6, abs=1e-6), (
+                f"step {step}: {value} vs {want[step]}"
+            )
     assert replayed > 0, "no step was ever replayed after a resume: the faults did not roll anything back"

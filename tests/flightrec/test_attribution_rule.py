@@ -196,7 +196,9 @@ def test_the_verdict_groups_suspects_by_node_strongest_first_with_flight_recorde
     dumps = default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})  # rank 3 (node b) lags; rank 4 (node c) gave no dump
     result = verdict(rank_to_node={**NODES, 4: "c"}, dumps=dumps, no_dump={4: "no dump: agent down"})
     assert [(s.node, s.ranks, s.confidence) for s in result.suspects] == [
-        ("b", (3,), CONFIDENCE_LAGGING), ("c", (4,), CONFIDENCE_NO_DUMP)]
+        ("b", (3,), CONFIDENCE_LAGGING),
+        ("c", (4,), CONFIDENCE_NO_DUMP),
+    ]
     top = result.suspects[0]
     assert top.reason.startswith("rank 3 never called collective #5") and "(its last there: #4)" in top.reason
     (ev,) = top.evidence
@@ -204,9 +206,13 @@ def test_the_verdict_groups_suspects_by_node_strongest_first_with_flight_recorde
     assert ev.severity == common_pb2.SEVERITY_WARNING and ev.detail == top.reason
     assert result.explanation.splitlines() == [
         "group 0 (default_pg, ranks [0, 1, 2, 3]): ranks [0, 1, 2] wait in collective #5 gloo:all_reduce sizes [[8]] "
-        "dtypes [Float]; lagging ['3@#4']; no dump []"]
+        "dtypes [Float]; lagging ['3@#4']; no dump []"
+    ]
     proto = top.to_proto()
-    assert isinstance(proto, events_pb2.Suspect) and proto.evidence[0].kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
+    assert (
+        isinstance(proto, events_pb2.Suspect)
+        and proto.evidence[0].kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
+    )
     assert events_pb2.Suspect.FromString(proto.SerializeToString()) == proto
 
 
@@ -232,9 +238,7 @@ def test_no_hang_gives_an_empty_verdict_that_says_so() -> None:
 
 def test_the_rank_that_reported_the_timeout_is_never_blamed() -> None:
     dumps = default_only(3, {0: 5, 1: 5, 2: 4})
-    result = verdict(
-        rank_to_node={0: "a", 1: "a", 2: "b"}, dumps=dumps, no_dump={}, reported_timeout=[0, 1]
-    )
+    result = verdict(rank_to_node={0: "a", 1: "a", 2: "b"}, dumps=dumps, no_dump={}, reported_timeout=[0, 1])
     assert [(s.node, s.ranks) for s in result.suspects] == [("b", (2,))]
     # even when its own dump is missing, the reporter was alive and waiting
     findings = analyze_flight_recorder(
@@ -269,18 +273,40 @@ def test_rank_dumps_from_agents_become_dumps_and_no_dumps() -> None:
 
 def test_the_live_shells_path_from_rank_dumps_to_the_verdict() -> None:
     def answer(rank: int, last: int) -> agent_pb2.RankDump:
-        data = json.dumps({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
-                           "entries": [{"record_id": i, "process_group": ["0", "default_pg"], "collective_seq_id": i + 1,
-                                        "profiling_name": "gloo:all_reduce"} for i in range(last)]}).encode()
+        data = json.dumps(
+            {
+                "version": "2.10",
+                "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+                "entries": [
+                    {
+                        "record_id": i,
+                        "process_group": ["0", "default_pg"],
+                        "collective_seq_id": i + 1,
+                        "profiling_name": "gloo:all_reduce",
+                    }
+                    for i in range(last)
+                ],
+            }
+        ).encode()
         return agent_pb2.RankDump(rank=rank, ok=True, format="json", data=data)
 
     rank_dumps = [
-        answer(1, 4), answer(2, 5), answer(3, 4),
+        answer(1, 4),
+        answer(2, 5),
+        answer(3, 4),
         agent_pb2.RankDump(rank=0, ok=False, error="no dump: no answer within 2 s", process_state="T"),
     ]
     result = verdict_from_rank_dumps(iter(rank_dumps), {0: "a", 1: "b", 2: "c", 3: "d"})
     assert [(s.node, s.confidence) for s in result.suspects] == [
-        ("a", CONFIDENCE_STOPPED), ("b", CONFIDENCE_VICTIM_OF_STOPPED), ("d", CONFIDENCE_VICTIM_OF_STOPPED)]
+        ("a", CONFIDENCE_STOPPED),
+        ("b", CONFIDENCE_VICTIM_OF_STOPPED),
+        ("d", CONFIDENCE_VICTIM_OF_STOPPED),
+    ]
     assert "process is stopped" in result.suspects[0].reason
     # the rank that reported the timeout is passed through
-    assert verdict_from_rank_dumps(rank_dumps, {0: "a", 1: "b", 2: "c", 3: "d"}, reported_timeout=[0]).suspects[0].node == "b"
+    assert (
+        verdict_from_rank_dumps(rank_dumps, {0: "a", 1: "b", 2: "c", 3: "d"}, reported_timeout=[0])
+        .suspects[0]
+        .node
+        == "b"
+    )

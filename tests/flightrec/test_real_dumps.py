@@ -45,7 +45,9 @@ def test_collected_json_blames_the_culprit_and_never_a_rank_that_reported_the_ti
     assert top.node == f"node{sc.culprit // 2}"
     blamed = {r for s in result.suspects for r in s.ranks}
     assert blamed == {sc.culprit}, result.explanation
-    assert blamed == set(analyze_flight_recorder(read.dumps, expected_ranks=range(sc.world), no_dump=no_dump).suspects)
+    assert blamed == set(
+        analyze_flight_recorder(read.dumps, expected_ranks=range(sc.world), no_dump=no_dump).suspects
+    )
     assert not blamed & set(run.timeouts), "a rank that reported the timeout was blamed"
     assert set(run.timeouts) == set(range(sc.world)) - {sc.culprit}
     assert all("Timed out" in text for text in run.timeouts.values())

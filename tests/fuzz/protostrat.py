@@ -14,11 +14,17 @@ _INT32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, -1, 1, 
 _INT64 = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, 10**12]))
 _UINT32 = st.integers(0, 2**32 - 1)
 _UINT64 = st.integers(0, 2**64 - 1)
-_FLOAT = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, -1.0, 1e30]))
-_DOUBLE = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 1e300, 5e-324]))
+_FLOAT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, -1.0, 1e30])
+)
+_DOUBLE = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 1e300, 5e-324])
+)
 _TEXT = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["", "..", "../../etc/passwd", "a/b", "node1", "demo", "\x00", "$(touch /tmp/pwned)", "x" * 5000]),
+    st.sampled_from(
+        ["", "..", "../../etc/passwd", "a/b", "node1", "demo", "\x00", "$(touch /tmp/pwned)", "x" * 5000]
+    ),
 )
 
 
@@ -55,7 +61,8 @@ def message_dicts(desc: Descriptor, depth: int = 2) -> st.SearchStrategy[dict[st
             vfield = field.message_type.fields_by_name["value"]
             value = _scalar(vfield) if vfield.message_type is None else st.just(None)
             fields[field.name] = st.dictionaries(key, value, max_size=4).map(
-                lambda d: {k: v for k, v in d.items() if v is not None})
+                lambda d: {k: v for k, v in d.items() if v is not None}
+            )
             continue
         if field.message_type is not None:
             if depth <= 0 or field.message_type.full_name.startswith("google.protobuf."):

@@ -61,6 +61,8 @@ def test_malicious_pickle_from_a_rank_socket_is_refused_and_never_run(tmp_path: 
             server.server_close()
         assert not got.ok and "invalid dump" in got.error and got.data == b""
         # the same bytes reaching the controller in an agent's reply
-        dumps, no_dump = dumps_from_rank_dumps([agent_pb2.RankDump(rank=3, ok=True, format="json", data=evil)])
+        dumps, no_dump = dumps_from_rank_dumps(
+            [agent_pb2.RankDump(rank=3, ok=True, format="json", data=evil)]
+        )
         assert dumps == {} and "unreadable dump" in no_dump[3]
     assert not marker.exists(), "the pickle's command ran"

@@ -21,21 +21,44 @@ from runwarden.eventlog import parse_log_bytes
 from runwarden.flightrec import FlightRecorderError, parse_dump
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-                         st.text(max_size=20))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda kids: st.one_of(
-    st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=12), kids, max_size=4)), max_leaves=30)
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=12), kids, max_size=4)
+    ),
+    max_leaves=30,
+)
 
 
 def _dcgm_doc() -> st.SearchStrategy[object]:
-    test = st.fixed_dictionaries({}, optional={
-        "name": JSON_VALUES, "results": st.lists(st.dictionaries(
-            st.sampled_from(["gpu_id", "status", "info", "warnings", "entity_id"]), JSON_VALUES, max_size=4), max_size=3),
-        "status": JSON_VALUES})
-    category = st.fixed_dictionaries({}, optional={"category": JSON_VALUES, "tests": st.one_of(
-        st.lists(test, max_size=3), JSON_VALUES)})
-    return st.fixed_dictionaries({"DCGM GPU Diagnostic": st.fixed_dictionaries(
-        {"test_categories": st.one_of(st.lists(category, max_size=3), JSON_VALUES)})})
+    test = st.fixed_dictionaries(
+        {},
+        optional={
+            "name": JSON_VALUES,
+            "results": st.lists(
+                st.dictionaries(
+                    st.sampled_from(["gpu_id", "status", "info", "warnings", "entity_id"]),
+                    JSON_VALUES,
+                    max_size=4,
+                ),
+                max_size=3,
+            ),
+            "status": JSON_VALUES,
+        },
+    )
+    category = st.fixed_dictionaries(
+        {}, optional={"category": JSON_VALUES, "tests": st.one_of(st.lists(test, max_size=3), JSON_VALUES)}
+    )
+    return st.fixed_dictionaries(
+        {
+            "DCGM GPU Diagnostic": st.fixed_dictionaries(
+                {"test_categories": st.one_of(st.lists(category, max_size=3), JSON_VALUES)}
+            )
+        }
+    )
 
 
 @FUZZ
@@ -63,7 +86,11 @@ def test_dcgm_parser_huge_and_deeply_nested_output() -> None:
 
 
 @FUZZ
-@given(line=st.one_of(st.binary(max_size=600), st.text(max_size=600).map(lambda t: "NVRM: Xid (PCI:0000:3b:00): " + t)))
+@given(
+    line=st.one_of(
+        st.binary(max_size=600), st.text(max_size=600).map(lambda t: "NVRM: Xid (PCI:0000:3b:00): " + t)
+    )
+)
 def test_xid_parser_random_bytes_and_prefixed_text(line: bytes | str) -> None:
     ev = parse_xid_line(line)
     assert ev is None or len(ev.raw) <= MAX_RAW_CHARS
@@ -78,27 +105,58 @@ def test_xid_parser_huge_line_is_bounded() -> None:
 
 
 def _plain_pickles() -> st.SearchStrategy[bytes]:
-    return st.tuples(JSON_VALUES, st.integers(2, pickle.HIGHEST_PROTOCOL)).map(lambda v: pickle.dumps(v[0], v[1]))
+    return st.tuples(JSON_VALUES, st.integers(2, pickle.HIGHEST_PROTOCOL)).map(
+        lambda v: pickle.dumps(v[0], v[1])
+    )
 
 
 def _dump_like() -> st.SearchStrategy[object]:
-    entry = st.dictionaries(st.sampled_from([
-        "record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id", "profiling_name",
-        "time_created_ns", "state", "input_sizes", "output_sizes", "frames", "timeout_ms", "is_p2p",
-        "time_discovered_started_ns", "time_discovered_completed_ns", "retired"]), JSON_VALUES, max_size=10)
-    return st.fixed_dictionaries({"version": JSON_VALUES}, optional={
-        "entries": st.one_of(st.lists(entry, max_size=4), JSON_VALUES), "pg_config": JSON_VALUES,
-        "rank": JSON_VALUES, "pg_status": JSON_VALUES})
+    entry = st.dictionaries(
+        st.sampled_from(
+            [
+                "record_id",
+                "pg_id",
+                "process_group",
+                "collective_seq_id",
+                "p2p_seq_id",
+                "op_id",
+                "profiling_name",
+                "time_created_ns",
+                "state",
+                "input_sizes",
+                "output_sizes",
+                "frames",
+                "timeout_ms",
+                "is_p2p",
+                "time_discovered_started_ns",
+                "time_discovered_completed_ns",
+                "retired",
+            ]
+        ),
+        JSON_VALUES,
+        max_size=10,
+    )
+    return st.fixed_dictionaries(
+        {"version": JSON_VALUES},
+        optional={
+            "entries": st.one_of(st.lists(entry, max_size=4), JSON_VALUES),
+            "pg_config": JSON_VALUES,
+            "rank": JSON_VALUES,
+            "pg_status": JSON_VALUES,
+        },
+    )
 
 
 @FUZZ
-@given(data=st.one_of(
-    st.binary(max_size=300),
-    st.binary(max_size=300).map(lambda b: b"\x80" + b),
-    _plain_pickles(),
-    _dump_like().map(lambda d: json.dumps(d).encode()),
-    st.tuples(_dump_like(), st.integers(2, 5)).map(lambda v: pickle.dumps(v[0], v[1])),
-))
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        st.binary(max_size=300).map(lambda b: b"\x80" + b),
+        _plain_pickles(),
+        _dump_like().map(lambda d: json.dumps(d).encode()),
+        st.tuples(_dump_like(), st.integers(2, 5)).map(lambda v: pickle.dumps(v[0], v[1])),
+    )
+)
 def test_flight_recorder_loader_random_input(data: bytes) -> None:
     try:
         parse_dump(data)
@@ -108,8 +166,12 @@ def test_flight_recorder_loader_random_input(data: bytes) -> None:
 
 def test_flight_recorder_loader_huge_and_nested_input_bounded() -> None:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for data, limit in ((b"{" + b" " * (64 << 20), 1 << 20), (b'{"entries":' + b"[" * 500_000, 16 << 20),
-                        (b"\x80\x04" + b"(" * 1_000_000, 16 << 20), (pickle.dumps([[]] * 2_000_000, 4), 1 << 20)):
+    for data, limit in (
+        (b"{" + b" " * (64 << 20), 1 << 20),
+        (b'{"entries":' + b"[" * 500_000, 16 << 20),
+        (b"\x80\x04" + b"(" * 1_000_000, 16 << 20),
+        (pickle.dumps([[]] * 2_000_000, 4), 1 << 20),
+    ):
         t0 = time.monotonic()
         with contextlib.suppress(FlightRecorderError):
             parse_dump(data, max_bytes=limit)
@@ -118,15 +180,29 @@ def test_flight_recorder_loader_huge_and_nested_input_bounded() -> None:
     assert grown_mib < 600, f"parsing grew the peak RSS by {grown_mib:.0f} MiB"
 
 
-EVENT_LINE = st.fixed_dictionaries({}, optional={
-    "seq": st.one_of(st.integers(-5, 2**64), st.text(max_size=5)), "kind": st.one_of(st.integers(-1, 40), JSON_VALUES),
-    "run": JSON_VALUES, "ts": JSON_VALUES, "attempt": JSON_VALUES, "message": JSON_VALUES,
-    "launch": st.one_of(st.dictionaries(st.sampled_from(["nodes", "resumeStep", "rendezvousId"]), JSON_VALUES), JSON_VALUES),
-    "detection": JSON_VALUES, "bogus": JSON_VALUES})
+EVENT_LINE = st.fixed_dictionaries(
+    {},
+    optional={
+        "seq": st.one_of(st.integers(-5, 2**64), st.text(max_size=5)),
+        "kind": st.one_of(st.integers(-1, 40), JSON_VALUES),
+        "run": JSON_VALUES,
+        "ts": JSON_VALUES,
+        "attempt": JSON_VALUES,
+        "message": JSON_VALUES,
+        "launch": st.one_of(
+            st.dictionaries(st.sampled_from(["nodes", "resumeStep", "rendezvousId"]), JSON_VALUES),
+            JSON_VALUES,
+        ),
+        "detection": JSON_VALUES,
+        "bogus": JSON_VALUES,
+    },
+)
 
 
 @FUZZ
-@given(lines=st.lists(EVENT_LINE.map(lambda d: json.dumps(d).encode()), max_size=6), tail=st.binary(max_size=40))
+@given(
+    lines=st.lists(EVENT_LINE.map(lambda d: json.dumps(d).encode()), max_size=6), tail=st.binary(max_size=40)
+)
 def test_event_log_reader_random_structured_lines(lines: list[bytes], tail: bytes) -> None:
     read = parse_log_bytes(b"\n".join(lines) + b"\n" + tail)
     assert len(read.events) + len(read.errors) <= len(lines) + 2
@@ -134,7 +210,15 @@ def test_event_log_reader_random_structured_lines(lines: list[bytes], tail: byte
 
 def test_event_log_reader_huge_and_nested_lines() -> None:
     ok = b'{"seq":"1","kind":"EVENT_KIND_RUN_START","run":"r","ts":1.0}\n'
-    data = ok + b'{"message":"' + b"m" * (4 << 20) + b'"}\n' + b'{"launch":' * 200_000 + b"\n" + ok.replace(b'"1"', b'"2"')
+    data = (
+        ok
+        + b'{"message":"'
+        + b"m" * (4 << 20)
+        + b'"}\n'
+        + b'{"launch":' * 200_000
+        + b"\n"
+        + ok.replace(b'"1"', b'"2"')
+    )
     t0 = time.monotonic()
     read = parse_log_bytes(data)
     assert [e.seq for e in read.events] == [1, 2]

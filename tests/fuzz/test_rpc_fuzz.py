@@ -20,8 +20,13 @@ from tests.fuzz.protostrat import messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXAMPLES = int(os.environ.get("RUNWARDEN_FUZZ_EXAMPLES", "80"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 FUZZED: dict[str, int] = {}  # inputs actually sent, per service (printed for the README's figures)
 
 
@@ -32,6 +37,7 @@ def _service_methods(service: Any) -> list[tuple[str, Any, Any, bool]]:
         req_cls = getattr(module, m.input_type.name, None)
         if req_cls is None:
             from google.protobuf import message_factory
+
             req_cls = message_factory.GetMessageClass(m.input_type)
         out.append((m.name, req_cls, m.output_type, m.server_streaming))
     return out
@@ -39,18 +45,25 @@ def _service_methods(service: Any) -> list[tuple[str, Any, Any, bool]]:
 
 def _call(channel: grpc.Channel, path: str, req: Any, resp_desc: Any, streaming: bool) -> grpc.StatusCode:
     from google.protobuf import message_factory
+
     resp_cls = message_factory.GetMessageClass(resp_desc)
     try:
         if streaming:
-            stream = channel.unary_stream(path, request_serializer=lambda m: m.SerializeToString(),
-                                          response_deserializer=resp_cls.FromString)(req, timeout=1.5)
+            stream = channel.unary_stream(
+                path,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=resp_cls.FromString,
+            )(req, timeout=1.5)
             for i, _ in enumerate(stream):
                 if i >= 3:
                     stream.cancel()
                     break
         else:
-            channel.unary_unary(path, request_serializer=lambda m: m.SerializeToString(),
-                                response_deserializer=resp_cls.FromString)(req, timeout=10)
+            channel.unary_unary(
+                path,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=resp_cls.FromString,
+            )(req, timeout=10)
     except grpc.RpcError as err:
         code = err.code()
         if code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -61,8 +74,9 @@ def _call(channel: grpc.Channel, path: str, req: Any, resp_desc: Any, streaming:
     return grpc.StatusCode.OK
 
 
-def _fuzz_method(channel: grpc.Channel, service_name: str, path: str, req_cls: Any, resp_desc: Any,
-                 streaming: bool) -> None:
+def _fuzz_method(
+    channel: grpc.Channel, service_name: str, path: str, req_cls: Any, resp_desc: Any, streaming: bool
+) -> None:
     @FUZZ
     @given(req=messages(req_cls))
     def one(req: Any) -> None:
@@ -87,7 +101,9 @@ def test_every_agent_rpc_survives_random_requests(agent_factory) -> None:
         assert agent.proc.poll() is None, agent.log()[-2000:]
         assert agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5).node == "n1"
 
-    _fuzz_service(agent.channel, "runwarden.v1.NodeAgent", agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"], alive)
+    _fuzz_service(
+        agent.channel, "runwarden.v1.NodeAgent", agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"], alive
+    )
     print(f"agent RPC inputs fuzzed: {FUZZED['runwarden.v1.NodeAgent']}")
     assert "Traceback" not in agent.log()
 
@@ -99,12 +115,14 @@ def test_every_controller_rpc_survives_random_requests(live: LiveController) -> 
     def alive() -> None:
         assert stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=5).runs
 
-    _fuzz_service(channel, "runwarden.v1.Controller",
-                  controller_pb2.DESCRIPTOR.services_by_name["Controller"], alive)
+    _fuzz_service(
+        channel, "runwarden.v1.Controller", controller_pb2.DESCRIPTOR.services_by_name["Controller"], alive
+    )
     print(f"controller RPC inputs fuzzed: {FUZZED['runwarden.v1.Controller']}")
     # An oversized request is refused by grpc's receive limit (default 4 MiB) before any handler runs.
-    raw = channel.unary_unary("/runwarden.v1.Controller/QuarantineNode", request_serializer=None,
-                              response_deserializer=None)
+    raw = channel.unary_unary(
+        "/runwarden.v1.Controller/QuarantineNode", request_serializer=None, response_deserializer=None
+    )
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\x0a\x80\x80\x80\x03" + b"n" * (6 << 20), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

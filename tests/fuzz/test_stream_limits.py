@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.timeout(120)]
 
 def test_idle_watch_streams_do_not_starve_other_rpcs(live: LiveController) -> None:
     channels = [grpc.insecure_channel(live.address) for _ in range(16)]
-    streams = [controller_pb2_grpc.ControllerStub(c).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=60)
-               for c in channels]
+    streams = [
+        controller_pb2_grpc.ControllerStub(c).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=60)
+        for c in channels
+    ]
     try:
         for s in streams:  # each is being served (or was refused with a clear status)
             try:
@@ -26,7 +28,9 @@ def test_idle_watch_streams_do_not_starve_other_rpcs(live: LiveController) -> No
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         channel = grpc.insecure_channel(live.address)
-        reply = controller_pb2_grpc.ControllerStub(channel).GetStatus(controller_pb2.GetStatusRequest(), timeout=5)
+        reply = controller_pb2_grpc.ControllerStub(channel).GetStatus(
+            controller_pb2.GetStatusRequest(), timeout=5
+        )
         assert reply.runs
         channel.close()
     finally:

@@ -65,11 +65,18 @@ def nvml_paths() -> int:
 
     report = run_preflight(PreflightConfig(), "quick", only=("inventory", "errors"))
     for r in report.results:
-        print(f"  {r.status.value:4} {r.name}{'' if r.gpu_index is None else f'[gpu{r.gpu_index}]'}: {r.message}")
+        print(
+            f"  {r.status.value:4} {r.name}{'' if r.gpu_index is None else f'[gpu{r.gpu_index}]'}: {r.message}"
+        )
     assert not any("no NVML" in r.message for r in report.results), "NVML checks skipped on a GPU host"
     assert not any("crashed" in r.message or "timed out" in r.message for r in report.results)
     names = {r.name for r in report.results}
-    assert {"inventory.gpu_processes", "inventory.pcie_link", "errors.ecc_uncorrectable", "errors.throttle"} <= names
+    assert {
+        "inventory.gpu_processes",
+        "inventory.pcie_link",
+        "errors.ecc_uncorrectable",
+        "errors.throttle",
+    } <= names
     return count
 
 
@@ -77,11 +84,15 @@ def cuda_matmul(count: int) -> None:
     step("CUDA known-answer matmul on every GPU")
     import torch
 
-    assert torch.cuda.is_available() and torch.cuda.device_count() == count, "torch does not see the GPUs NVML sees"
+    assert torch.cuda.is_available() and torch.cuda.device_count() == count, (
+        "torch does not see the GPUs NVML sees"
+    )
     # isolate=True runs the GPUs in a child process (the agent's path); False in this process.
     for mode, isolate in (("quick", True), ("full", True), ("quick", False)):
         config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cuda", isolate=isolate))
-        ctx = CheckContext(config=config, mode=mode, nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 120)
+        ctx = CheckContext(
+            config=config, mode=mode, nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 120
+        )
         results = run_compute(ctx)
         for r in results:
             print(f"  {mode}/{isolate}: {r.status.value} {r.message} | {' | '.join(r.evidence)}")
@@ -94,9 +105,13 @@ def cuda_matmul(count: int) -> None:
         out[123, 45] += 1.0
         return out
 
-    ctx = CheckContext(config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60)
+    ctx = CheckContext(
+        config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60
+    )
     caught = run_compute(ctx, matmul=flip)
-    assert all(r.status is CheckStatus.FAIL for r in caught if r.name == "compute.matmul"), "corruption not caught"
+    assert all(r.status is CheckStatus.FAIL for r in caught if r.name == "compute.matmul"), (
+        "corruption not caught"
+    )
     print("  injected corruption caught on every GPU")
 
 
@@ -113,9 +128,14 @@ def full_cli() -> None:
         cfg = Path(ckpt) / "preflight.toml"
         cfg.write_text(f"[storage]\ncheckpoint_path = '{ckpt}'\nfree_space_floor_gb = 1.0\n")
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "preflight", "run", "--full", "--json", "--config", str(cfg)],
-                              capture_output=True, text=True, timeout=200, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.run(
+            [sys.executable, "-m", "preflight", "run", "--full", "--json", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         wall = time.monotonic() - started
     print(proc.stderr[-2000:])
     assert proc.returncode in (0, 1), f"preflight could not run (exit {proc.returncode})"

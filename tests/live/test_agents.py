@@ -15,16 +15,23 @@ from controller.live.agents import AgentClients, RpcOutcome, is_temporary, with_
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 
-@pytest.mark.parametrize(("code", "error", "temporary"), [
-    ("UNAVAILABLE", "", True),
-    ("DEADLINE_EXCEEDED", "", True),
-    ("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: concurrent RPC limit exceeded", True),
-    ("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: Received message larger than max (70000000 vs. 67108864)", False),
-    ("PERMISSION_DENIED", "", False),
-    ("FAILED_PRECONDITION", "", False),
-    ("INVALID_ARGUMENT", "", False),
-    ("UNKNOWN", "", False),
-])
+@pytest.mark.parametrize(
+    ("code", "error", "temporary"),
+    [
+        ("UNAVAILABLE", "", True),
+        ("DEADLINE_EXCEEDED", "", True),
+        ("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED: concurrent RPC limit exceeded", True),
+        (
+            "RESOURCE_EXHAUSTED",
+            "RESOURCE_EXHAUSTED: Received message larger than max (70000000 vs. 67108864)",
+            False,
+        ),
+        ("PERMISSION_DENIED", "", False),
+        ("FAILED_PRECONDITION", "", False),
+        ("INVALID_ARGUMENT", "", False),
+        ("UNKNOWN", "", False),
+    ],
+)
 def test_grpc_codes_are_temporary_or_permanent(code: str, error: str, temporary: bool) -> None:
     assert is_temporary(code, error) is temporary
     assert RpcOutcome(node="n1", ok=False, code=code, error=error).temporary is temporary
@@ -50,8 +57,11 @@ def scripted(codes: list[str], t: FakeTime, cost_s: float = 0.0):
         timeouts.append(timeout)
         t.now += cost_s
         code = codes.pop(0) if codes else "OK"
-        return (RpcOutcome(node="n1", ok=True), "answer") if code == "OK" else (
-            RpcOutcome(node="n1", ok=False, code=code, error=f"{code}: x"), None)
+        return (
+            (RpcOutcome(node="n1", ok=True), "answer")
+            if code == "OK"
+            else (RpcOutcome(node="n1", ok=False, code=code, error=f"{code}: x"), None)
+        )
 
     return call, timeouts
 
@@ -94,8 +104,12 @@ class FlakyAgent(agent_pb2_grpc.NodeAgentServicer):
 
     def RunPreflight(self, request, context):
         self._maybe_fail("RunPreflight", context)
-        yield agent_pb2.RunPreflightResponse(result=common_pb2.CheckResult(name="x", status=common_pb2.CHECK_STATUS_PASS))
-        yield agent_pb2.RunPreflightResponse(summary=common_pb2.PreflightSummary(mode=request.mode, passed=True))
+        yield agent_pb2.RunPreflightResponse(
+            result=common_pb2.CheckResult(name="x", status=common_pb2.CHECK_STATUS_PASS)
+        )
+        yield agent_pb2.RunPreflightResponse(
+            summary=common_pb2.PreflightSummary(mode=request.mode, passed=True)
+        )
 
     def StopWorkers(self, request, context):
         self._maybe_fail("StopWorkers", context)

@@ -31,7 +31,9 @@ def _write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def test_a_good_file_loads_with_env_and_flag_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_good_file_loads_with_env_and_flag_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RUNWARDEN_ETCD_ENDPOINTS", "10.0.0.1:2379,10.0.0.2:2379")
     cfg = load_controller_config(_write(tmp_path, GOOD), {"controller.api_address": "127.0.0.1:9999"})
     assert cfg.run.run == "llm" and cfg.run.nodes == 4 and cfg.run.command == ("train.py",)
@@ -59,7 +61,7 @@ def test_bad_values_are_named(tmp_path: Path, patch: str, match: str) -> None:
             head, _, rest = text.partition(section)
             tail = rest.split("\n[", 1)
             keep = ("\n[" + tail[1]) if len(tail) > 1 else ""
-            body = patch[len(section):]
+            body = patch[len(section) :]
             if section == "[controller]":
                 body = '\nrun = "llm"\ncommand = ["t"]\nrun_dir = "/tmp"\n' + body
             text = head + section + body + keep

@@ -46,8 +46,12 @@ def test_webhook_and_command_receive_the_page(tmp_path: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     out = tmp_path / "paged.txt"
     script = f"import sys; open({str(out)!r}, 'a').write(sys.argv[1] + '\\n')"
-    pager = Pager(PagerConfig(webhook_url=f"http://127.0.0.1:{server.server_address[1]}/hook",
-                              command=(sys.executable, "-c", script)))
+    pager = Pager(
+        PagerConfig(
+            webhook_url=f"http://127.0.0.1:{server.server_address[1]}/hook",
+            command=(sys.executable, "-c", script),
+        )
+    )
     try:
         assert pager.page("crash loop: exit:1 at step 40 3 times", "critical")
         # the file exists as soon as the command opens it; wait for what it writes
@@ -73,7 +77,8 @@ def test_the_same_reason_is_paged_once_per_interval_and_bursts_are_capped() -> N
 
 
 def test_an_unreachable_webhook_never_raises() -> None:
-    pager = Pager(PagerConfig(webhook_url="http://127.0.0.1:9/nothing", command=("/nonexistent/pager",),
-                              timeout_s=0.5))
+    pager = Pager(
+        PagerConfig(webhook_url="http://127.0.0.1:9/nothing", command=("/nonexistent/pager",), timeout_s=0.5)
+    )
     assert pager.page("budget exhausted")
     time.sleep(1.0)  # delivery runs in a daemon thread; it logs and gives up

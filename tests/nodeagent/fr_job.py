@@ -47,8 +47,10 @@ def main() -> None:
         rank_main(work, int(sys.argv[3]), steps)
         return
     procs = [
-        subprocess.Popen([sys.executable, __file__, str(work), str(steps), str(r)],
-                         env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(WORLD)})
+        subprocess.Popen(
+            [sys.executable, __file__, str(work), str(steps), str(r)],
+            env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(WORLD)},
+        )
         for r in range(WORLD)
     ]
     for p in procs:

@@ -33,16 +33,42 @@ def wait_for(cond: Callable[[], object], timeout_s: float, what: str, interval_s
 class AgentProc:
     """`nodeagent` in its own process, talking on a unix socket in tmp (and TCP on loopback)."""
 
-    def __init__(self, tmp: Path, *, node: str = "n1", etcd: str | None = None, etcd_root: str | None = None, flags: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        node: str = "n1",
+        etcd: str | None = None,
+        etcd_root: str | None = None,
+        flags: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp = tmp
         self.node = node
         self.socket = str(tmp / f"{node}.sock")
         self.log_path = tmp / f"{node}.log"
-        argv = [PYTHON, "-m", "nodeagent.cli", "--node", node, "--listen", "127.0.0.1:0",
-                "--unix-socket", self.socket, "--run-dir", str(tmp / "run"), "--metrics-listen", "",
-                "--nvml-interval", "0", "--kernel-log", "none", "--log-level", "info"]
+        argv = [
+            PYTHON,
+            "-m",
+            "nodeagent.cli",
+            "--node",
+            node,
+            "--listen",
+            "127.0.0.1:0",
+            "--unix-socket",
+            self.socket,
+            "--run-dir",
+            str(tmp / "run"),
+            "--metrics-listen",
+            "",
+            "--nvml-interval",
+            "0",
+            "--kernel-log",
+            "none",
+            "--log-level",
+            "info",
+        ]
         if etcd:
             argv += ["--etcd", etcd] + (["--etcd-root", etcd_root] if etcd_root else [])
         argv += flags or []

@@ -13,11 +13,17 @@ from nodeagent import checkpoint
 from tests.nodeagent.helpers import PYTHON, ROOT
 
 
-@pytest.mark.parametrize(("point", "expected"), [("mid_file", 1), ("after_files", 1), ("marker_tmp", 1),
-                                                 ("after_commit", 2), ("none", 2)])
+@pytest.mark.parametrize(
+    ("point", "expected"),
+    [("mid_file", 1), ("after_files", 1), ("marker_tmp", 1), ("after_commit", 2), ("none", 2)],
+)
 def test_crash_between_write_and_marker_keeps_previous_commit(tmp_path, point, expected):
-    proc = subprocess.run([PYTHON, str(ROOT / "tests/nodeagent/ckpt_crash.py"), str(tmp_path), point],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "tests/nodeagent/ckpt_crash.py"), str(tmp_path), point],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=60,
+    )
     assert proc.returncode == (0 if point == "none" else -signal.SIGKILL), proc.stderr
     assert checkpoint.step_dir(tmp_path, 2).is_dir()  # the newer directory exists in every case
     latest = checkpoint.latest_committed(tmp_path)

@@ -21,16 +21,24 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
     agent = agent_factory(flags=["--allow-exec", sys.executable])
     work = tmp_path / "work"
     work.mkdir()
-    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
-        run="fr", attempt=1, argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
-        env={"PYTHONPATH": str(ROOT)}))
+    agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run="fr",
+            attempt=1,
+            argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
+            env={"PYTHONPATH": str(ROOT)},
+        )
+    )
     try:
-        wait_for(lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps")
+        wait_for(
+            lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps"
+        )
         stopped = int((work / "ready2").read_text())
         os.kill(stopped, signal.SIGSTOP)
 
-        reply = agent.stub.CollectFlightRecorder(agent_pb2.CollectFlightRecorderRequest(run="fr", timeout_s=2),
-                                                 timeout=30)
+        reply = agent.stub.CollectFlightRecorder(
+            agent_pb2.CollectFlightRecorderRequest(run="fr", timeout_s=2), timeout=30
+        )
         assert reply.node == "n1"
         by_rank = {d.rank: d for d in reply.dumps}
         assert sorted(by_rank) == [0, 1, 2]

@@ -23,8 +23,11 @@ def _agent(agent_factory):
 
 
 def _launch(agent, run: str, argv: list[str], attempt: int = 1, env: dict[str, str] | None = None) -> int:
-    reply = agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
-        run=run, attempt=attempt, argv=argv, env=env or {"PYTHONPATH": str(ROOT)}, leader_fence=7))
+    reply = agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run=run, attempt=attempt, argv=argv, env=env or {"PYTHONPATH": str(ROOT)}, leader_fence=7
+        )
+    )
     return reply.pid
 
 
@@ -37,8 +40,9 @@ def _gone(pids: list[int]) -> bool:
     return not [p for p in pids if os.path.exists(f"/proc/{p}")]
 
 
-@pytest.mark.parametrize(("mode", "grace", "signal_seen"), [("obedient", 5.0, signal.SIGTERM),
-                                                           ("stubborn", 0.5, signal.SIGKILL)])
+@pytest.mark.parametrize(
+    ("mode", "grace", "signal_seen"), [("obedient", 5.0, signal.SIGTERM), ("stubborn", 0.5, signal.SIGKILL)]
+)
 def test_stop_process_tree_leaves_nothing_in_proc(agent_factory, tmp_path, mode, grace, signal_seen):
     agent = _agent(agent_factory)
     pidfile = tmp_path / "pids"
@@ -68,8 +72,10 @@ def test_exit_code_reported_and_leftovers_cleaned(agent_factory, tmp_path):
     agent = _agent(agent_factory)
     pidfile = tmp_path / "pids"
     # The leader leaves a sleeping child behind and exits 3: the child must not survive it.
-    code = ("import os,sys,time\nif os.fork()==0:\n  open(sys.argv[1],'w').write(str(os.getpid()))\n"
-            "  time.sleep(1000)\ntime.sleep(0.5)\nsys.exit(3)")
+    code = (
+        "import os,sys,time\nif os.fork()==0:\n  open(sys.argv[1],'w').write(str(os.getpid()))\n"
+        "  time.sleep(1000)\ntime.sleep(0.5)\nsys.exit(3)"
+    )
     leader = _launch(agent, "r2", [sys.executable, "-c", code, str(pidfile)])
     child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's pid"))
 
@@ -86,9 +92,17 @@ def test_worker_env_has_the_contract(agent_factory, tmp_path):
     agent = _agent(agent_factory)
     out = tmp_path / "env"
     code = "import os,sys,json\njson.dump(dict(os.environ), open(sys.argv[1],'w'))"
-    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
-        run="r3", attempt=4, argv=[sys.executable, "-c", code, str(out)], env={"FOO": "bar"},
-        node_rank=1, nnodes=2, resume_step=120))
+    agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run="r3",
+            attempt=4,
+            argv=[sys.executable, "-c", code, str(out)],
+            env={"FOO": "bar"},
+            node_rank=1,
+            nnodes=2,
+            resume_step=120,
+        )
+    )
     import json
 
     env = json.loads(wait_for(lambda: out.exists() and out.read_text(), 10, "the env dump"))
@@ -118,6 +132,7 @@ def test_stale_fence_and_old_attempt_refused(agent_factory):
     agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(run="r5", attempt=2, argv=argv, leader_fence=10))
     for attempt, fence in ((3, 9), (1, 10)):
         with pytest.raises(grpc.RpcError) as err:
-            agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(run="r5", attempt=attempt, argv=argv,
-                                                                    leader_fence=fence))
+            agent.stub.LaunchWorkers(
+                agent_pb2.LaunchWorkersRequest(run="r5", attempt=attempt, argv=argv, leader_fence=fence)
+            )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -39,8 +39,11 @@ def test_lost_lease_reregisters_at_once_and_logs_it(etcd, store, agent_factory):
     agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--lease-ttl", str(TTL_S)])
     kv = wait_for(lambda: store.get(key), 10, "the node key")
     store.revoke(kv.lease)  # what an etcd-side expiry looks like to the agent: the lease is gone
-    kv2 = wait_for(lambda: (k := store.get(key)) is not None and k.lease != kv.lease and k, TTL_S + 3,
-                   "re-registration under a new lease")
+    kv2 = wait_for(
+        lambda: (k := store.get(key)) is not None and k.lease != kv.lease and k,
+        TTL_S + 3,
+        "re-registration under a new lease",
+    )
     assert kv2.lease != 0
     assert "re-registering" in agent.log()
 

@@ -11,8 +11,11 @@ from tests.nodeagent.helpers import wait_for
 
 def test_run_preflight_streams_results_then_summary_into_node_record(etcd, store, agent_factory):
     agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root)
-    items = list(agent.stub.RunPreflight(agent_pb2.RunPreflightRequest(mode="quick", only=["inventory", "xid"]),
-                                         timeout=120))
+    items = list(
+        agent.stub.RunPreflight(
+            agent_pb2.RunPreflightRequest(mode="quick", only=["inventory", "xid"]), timeout=120
+        )
+    )
     results = [i.result for i in items if i.HasField("result")]
     assert items[-1].HasField("summary") and all(i.HasField("result") for i in items[:-1])
     assert results and any(r.name.startswith("inventory") for r in results)
@@ -33,5 +36,7 @@ def test_run_preflight_streams_results_then_summary_into_node_record(etcd, store
 def test_run_preflight_unknown_check_is_invalid_argument(agent_factory):
     agent = agent_factory()
     with pytest.raises(grpc.RpcError) as err:
-        list(agent.stub.RunPreflight(agent_pb2.RunPreflightRequest(mode="quick", only=["nosuch"]), timeout=60))
+        list(
+            agent.stub.RunPreflight(agent_pb2.RunPreflightRequest(mode="quick", only=["nosuch"]), timeout=60)
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nosuch" in err.value.details()

@@ -33,10 +33,24 @@ def test_eight_ranks_at_high_rate_one_etcd_write_per_interval(etcd, store, agent
     procs = []
     t0 = time.monotonic()
     for r in range(RANKS):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(RANKS),
-               "RUNWARDEN_RUN": "r1", "RUNWARDEN_ATTEMPT": "3", "RUNWARDEN_AGENT_SOCKET": agent.socket}
-        procs.append(subprocess.Popen([PYTHON, str(ROOT / "tests/nodeagent/rank_progress.py"), "3", str(1000 + r)],
-                                      env=env, stdout=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(RANKS),
+            "RUNWARDEN_RUN": "r1",
+            "RUNWARDEN_ATTEMPT": "3",
+            "RUNWARDEN_AGENT_SOCKET": agent.socket,
+        }
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, str(ROOT / "tests/nodeagent/rank_progress.py"), "3", str(1000 + r)],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0 and "flushed" in out
@@ -67,11 +81,21 @@ def test_stale_rank_keeps_its_timestamp_and_old_attempt_is_dropped(etcd, store, 
 
     agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--progress-interval", "0.2"])
     now = time.time()
-    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=2, reports=[
-        common_pb2.RankProgress(rank=0, step=10, reported_at=now - 30),
-        common_pb2.RankProgress(rank=1, step=12, reported_at=now)]))
-    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=1, reports=[
-        common_pb2.RankProgress(rank=0, step=99, reported_at=now)]))  # an older attempt: dropped
+    agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(
+            run="r1",
+            attempt=2,
+            reports=[
+                common_pb2.RankProgress(rank=0, step=10, reported_at=now - 30),
+                common_pb2.RankProgress(rank=1, step=12, reported_at=now),
+            ],
+        )
+    )
+    agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(
+            run="r1", attempt=1, reports=[common_pb2.RankProgress(rank=0, step=99, reported_at=now)]
+        )
+    )  # an older attempt: dropped
     key = store.keys.progress("r1", "n1")
     kv = wait_for(lambda: store.get(key), 5, "progress in etcd")
     value = store_pb2.NodeProgress.FromString(kv.value)
@@ -84,11 +108,16 @@ def test_stop_key_in_etcd_reaches_the_ranks(etcd, store, agent_factory, tmp_path
     from runwarden.v1 import agent_pb2, common_pb2
 
     agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root)
-    reply = agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(
-        run="r1", attempt=1, reports=[common_pb2.RankProgress(rank=0, step=1)]))
+    reply = agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(
+            run="r1", attempt=1, reports=[common_pb2.RankProgress(rank=0, step=1)]
+        )
+    )
     assert not reply.stop_requested
-    store.put(store.keys.stop("r1"), store_pb2.StopRequest(run="r1", reason="preempted",
-                                                            requested_at=time.time()).SerializeToString())
+    store.put(
+        store.keys.stop("r1"),
+        store_pb2.StopRequest(run="r1", reason="preempted", requested_at=time.time()).SerializeToString(),
+    )
 
     def stopped():
         return agent.stub.GetStopState(agent_pb2.GetStopStateRequest(run="r1")).stop_requested
@@ -110,14 +139,26 @@ def test_worker_exit_is_written_into_the_nodes_progress_at_once(etcd, store, age
     from runwarden.v1 import agent_pb2, common_pb2
     from tests.nodeagent.helpers import ROOT
 
-    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root,
-                          flags=["--allow-exec", sys.executable, "--progress-interval", "30"])
+    agent = agent_factory(
+        etcd=etcd.endpoint,
+        etcd_root=store.keys.root,
+        flags=["--allow-exec", sys.executable, "--progress-interval", "30"],
+    )
     key = store.keys.progress("r1", "n1")
-    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=4, reports=[
-        common_pb2.RankProgress(rank=0, step=7)]))
-    agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(
-        run="r1", attempt=4, argv=[sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"],
-        env={"PYTHONPATH": str(ROOT)}, leader_fence=1))
+    agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(
+            run="r1", attempt=4, reports=[common_pb2.RankProgress(rank=0, step=7)]
+        )
+    )
+    agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run="r1",
+            attempt=4,
+            argv=[sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"],
+            env={"PYTHONPATH": str(ROOT)},
+            leader_fence=1,
+        )
+    )
     t0 = time.monotonic()
 
     def exited() -> store_pb2.NodeProgress | None:
@@ -140,23 +181,29 @@ def test_progress_table_exit_belongs_to_its_attempt():
     table = ProgressTable()
     table.record("r", 2, [common_pb2.RankProgress(rank=0, step=5)])
     assert table.record_exit("r", 2, common_pb2.ExitStatus(exit_code=1, detail="exit code 1"))
-    (run, value), = table.take_dirty("n1")
+    ((run, value),) = table.take_dirty("n1")
     assert run == "r" and value.attempt == 2 and value.exit.exit_code == 1 and len(value.ranks) == 1
     assert not table.record_exit("r", 1, common_pb2.ExitStatus(exit_code=0))  # an older attempt: dropped
     table.record("r", 2, [common_pb2.RankProgress(rank=0, step=6)])  # a late report keeps the exit
-    (_, value), = table.take_dirty("n1")
+    ((_, value),) = table.take_dirty("n1")
     assert value.exit.exit_code == 1 and value.ranks[0].step == 6
     table.record("r", 3, [common_pb2.RankProgress(rank=0, step=6)])  # a newer attempt: clean slate
-    (_, value), = table.take_dirty("n1")
+    ((_, value),) = table.take_dirty("n1")
     assert value.attempt == 3 and not value.HasField("exit")
     # The first report in which a rank says "loaded" is counted once (the agent flushes it at once).
     assert table.take_new_load_marks() == 0
-    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=6, loaded_step=6),
-                          common_pb2.RankProgress(rank=1, step=6, loaded_step=6)])
+    table.record(
+        "r",
+        3,
+        [
+            common_pb2.RankProgress(rank=0, step=6, loaded_step=6),
+            common_pb2.RankProgress(rank=1, step=6, loaded_step=6),
+        ],
+    )
     table.record("r", 3, [common_pb2.RankProgress(rank=0, step=7, loaded_step=6)])
     assert table.take_new_load_marks() == 2 and table.take_new_load_marks() == 0
     table.take_dirty("n1")
     # A worker that died before any report still gets its exit written (no ranks).
     assert table.record_exit("q", 1, common_pb2.ExitStatus(signal=9))
-    (run, value), = table.take_dirty("n1")
+    ((run, value),) = table.take_dirty("n1")
     assert run == "q" and value.exit.signal == 9 and not value.ranks

@@ -28,45 +28,107 @@ CASES = [
     ("RunPreflight", agent_pb2.RunPreflightRequest(mode="quick", budget_s=math.nan), INVALID, "budget_s"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(attempt=1, reports=[RP(step=1)]), INVALID, "run"),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="a/b", reports=[RP(step=1)]), INVALID, "run"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", attempt=-1, reports=[RP()]), INVALID, "attempt"),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", attempt=-1, reports=[RP()]),
+        INVALID,
+        "attempt",
+    ),
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r"), INVALID, "reports"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]), INVALID, "reports[0].rank"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]), INVALID, "reports[0].step"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(wait_s=math.inf)]), INVALID, "wait_s"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(loaded_step=-2)]), INVALID,
-     "reports[0].loaded_step"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP(reported_at=4e10)]), INVALID,
-     "reported_at"),
-    ("ReportProgress", agent_pb2.ReportProgressRequest(run="r", reports=[RP()] * 5000), INVALID, "at most 4096"),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]),
+        INVALID,
+        "reports[0].rank",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]),
+        INVALID,
+        "reports[0].step",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(wait_s=math.inf)]),
+        INVALID,
+        "wait_s",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(loaded_step=-2)]),
+        INVALID,
+        "reports[0].loaded_step",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(reported_at=4e10)]),
+        INVALID,
+        "reported_at",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP()] * 5000),
+        INVALID,
+        "at most 4096",
+    ),
     ("RequestStop", agent_pb2.RequestStopRequest(), INVALID, "run"),
     ("RequestStop", agent_pb2.RequestStopRequest(run="nope"), NOT_FOUND, "nope"),
     ("RequestStop", agent_pb2.RequestStopRequest(run="known", reason="x" * 5000), INVALID, "reason"),
     ("GetStopState", agent_pb2.GetStopStateRequest(run="nope"), NOT_FOUND, "nope"),
     ("GetStopState", agent_pb2.GetStopStateRequest(run="x" * 500), INVALID, "run"),
     ("CollectFlightRecorder", agent_pb2.CollectFlightRecorderRequest(run="nope"), NOT_FOUND, "nope"),
-    ("CollectFlightRecorder", agent_pb2.CollectFlightRecorderRequest(run="known", timeout_s=-1), INVALID, "timeout_s"),
-    ("CollectFlightRecorder", agent_pb2.CollectFlightRecorderRequest(run="known", timeout_s=1e6), INVALID, "timeout_s"),
+    (
+        "CollectFlightRecorder",
+        agent_pb2.CollectFlightRecorderRequest(run="known", timeout_s=-1),
+        INVALID,
+        "timeout_s",
+    ),
+    (
+        "CollectFlightRecorder",
+        agent_pb2.CollectFlightRecorderRequest(run="known", timeout_s=1e6),
+        INVALID,
+        "timeout_s",
+    ),
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", attempt=1), INVALID, "argv"),
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(argv=["x"]), INVALID, "run"),
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x\0y"]), INVALID, "argv[0]"),
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], env={"1BAD": "v"}), INVALID, "env"),
-    ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], nnodes=2, node_rank=2), INVALID,
-     "node_rank"),
-    ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], resume_step=-5), INVALID, "resume_step"),
+    (
+        "LaunchWorkers",
+        agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], nnodes=2, node_rank=2),
+        INVALID,
+        "node_rank",
+    ),
+    (
+        "LaunchWorkers",
+        agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], resume_step=-5),
+        INVALID,
+        "resume_step",
+    ),
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x"] * 5000), INVALID, "argv"),
-    ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["/no/such/exe"]), grpc.StatusCode.PERMISSION_DENIED,
-     "allowed_executables"),
+    (
+        "LaunchWorkers",
+        agent_pb2.LaunchWorkersRequest(run="r", argv=["/no/such/exe"]),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "allowed_executables",
+    ),
     ("StopWorkers", agent_pb2.StopWorkersRequest(run="nope"), NOT_FOUND, "nope"),
     ("StopWorkers", agent_pb2.StopWorkersRequest(run="r", grace_s=-1), INVALID, "grace_s"),
     ("StopWorkers", agent_pb2.StopWorkersRequest(), INVALID, "run"),
-    ("InjectFault", agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_KILL_RANK), grpc.StatusCode.PERMISSION_DENIED,
-     "chaos_enabled"),
+    (
+        "InjectFault",
+        agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_KILL_RANK),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "chaos_enabled",
+    ),
 ]
 
 
 def test_bad_input_on_every_rpc_gets_a_clear_status(agent_factory):
     agent = agent_factory()
-    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="known", attempt=1, reports=[RP(rank=0, step=1)]))
+    agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(run="known", attempt=1, reports=[RP(rank=0, step=1)])
+    )
     covered = set()
     for method, request, code, words in CASES:
         got_code, details = _status(getattr(agent.stub, method), request)
@@ -86,8 +148,16 @@ def test_chaos_bad_input_when_enabled(agent_factory):
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID), INVALID, "line"),
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID, line="hello"), INVALID, "not an Xid"),
         (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_SLOW_RANK, value=1e9), INVALID, "value"),
-        (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_KILL_RANK, local_rank=3), NOT_FOUND, "local rank 3"),
-        (agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_STOP_RANK, local_rank=-1), INVALID, "local_rank"),
+        (
+            agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_KILL_RANK, local_rank=3),
+            NOT_FOUND,
+            "local rank 3",
+        ),
+        (
+            agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_STOP_RANK, local_rank=-1),
+            INVALID,
+            "local_rank",
+        ),
     ]:
         got, details = _status(agent.stub.InjectFault, request)
         assert (got, words in details) == (code, True), f"{request}: {got} {details!r}"
@@ -104,7 +174,10 @@ def test_wrong_types_garbage_and_huge_messages(agent_factory):
     code, details = _status(raw["GetStopState"], b"\x08\x05")
     assert code == INVALID and "run" in details
     # field 3 (reports) holding bytes that are not a RankProgress: undecodable request.
-    for method, payload in (("ReportProgress", b"\x1a\x03\xff\xff\xff"), ("GetNodeStatus", b"\xff\xff\xff\xff")):
+    for method, payload in (
+        ("ReportProgress", b"\x1a\x03\xff\xff\xff"),
+        ("GetNodeStatus", b"\xff\xff\xff\xff"),
+    ):
         code, _ = _status(raw[method], payload)
         assert code in (grpc.StatusCode.INTERNAL, INVALID), method
     # over the agent's message limit: refused by grpc before any handler runs.
@@ -122,8 +195,12 @@ def test_bad_progress_datagrams_are_dropped_and_good_ones_answered(agent_factory
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind("")
     sock.settimeout(0.3)
-    bad = [b"\xff\xff\xff", agent_pb2.ReportProgressRequest(run="r").SerializeToString(),
-           agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]).SerializeToString(), b"x" * 60_000]
+    bad = [
+        b"\xff\xff\xff",
+        agent_pb2.ReportProgressRequest(run="r").SerializeToString(),
+        agent_pb2.ReportProgressRequest(run="r", reports=[RP(step=-1)]).SerializeToString(),
+        b"x" * 60_000,
+    ]
     for payload in bad:
         sock.sendto(payload, path)
         with pytest.raises(TimeoutError):

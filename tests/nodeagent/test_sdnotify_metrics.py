@@ -23,7 +23,9 @@ def test_agent_sends_ready_and_watchdog_on_notify_socket(agent_factory, tmp_path
     sock.bind(path)
     sock.settimeout(20)
     try:
-        agent_factory(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})  # WatchdogSec=0.4 -> ping every 0.2 s
+        agent_factory(
+            env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
+        )  # WatchdogSec=0.4 -> ping every 0.2 s
         messages: list[tuple[float, str]] = []
         while sum(1 for _, m in messages if m == "WATCHDOG=1") < 3:
             messages.append((time.monotonic(), sock.recv(4096).decode()))
@@ -55,10 +57,17 @@ def test_notifier_abstract_socket_and_absent_socket():
 def test_metrics_endpoint_counts_rpcs_and_evidence(agent_factory):
     port = _free_port()
     agent = agent_factory(flags=["--metrics-listen", f"127.0.0.1:{port}", "--chaos"])
-    agent.stub.ReportProgress(agent_pb2.ReportProgressRequest(run="r1", attempt=1,
-                                                              reports=[common_pb2.RankProgress(rank=0, step=1)]))
-    agent.stub.InjectFault(agent_pb2.InjectFaultRequest(
-        kind=agent_pb2.FAULT_KIND_XID, line="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus."))
+    agent.stub.ReportProgress(
+        agent_pb2.ReportProgressRequest(
+            run="r1", attempt=1, reports=[common_pb2.RankProgress(rank=0, step=1)]
+        )
+    )
+    agent.stub.InjectFault(
+        agent_pb2.InjectFaultRequest(
+            kind=agent_pb2.FAULT_KIND_XID,
+            line="NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.",
+        )
+    )
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     assert 'runwarden_agent_rpc_seconds_count{code="OK",method="ReportProgress"} 1.0' in text

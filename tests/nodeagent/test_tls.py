@@ -29,10 +29,22 @@ def _code(fn, request):
 BAD_LAUNCH = agent_pb2.LaunchWorkersRequest(run="r1")  # passes auth, then fails validation
 
 
-def test_client_certificate_required_on_tcp_and_mutations_refused_on_unix_socket(agent_factory, tmp_path, free_port):
+def test_client_certificate_required_on_tcp_and_mutations_refused_on_unix_socket(
+    agent_factory, tmp_path, free_port
+):
     pki = make_pki(tmp_path / "pki")
-    agent = agent_factory(flags=["--listen", f"127.0.0.1:{free_port}", "--tls-cert", pki.server_cert,
-                                 "--tls-key", pki.server_key, "--tls-client-ca", pki.ca_file])
+    agent = agent_factory(
+        flags=[
+            "--listen",
+            f"127.0.0.1:{free_port}",
+            "--tls-cert",
+            pki.server_cert,
+            "--tls-key",
+            pki.server_key,
+            "--tls-client-ca",
+            pki.ca_file,
+        ]
+    )
     admin = _channel(free_port, pki, client_cert=True)
     assert admin.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=10).node == "n1"
     assert _code(admin.LaunchWorkers, BAD_LAUNCH) == grpc.StatusCode.INVALID_ARGUMENT  # authorised
@@ -46,9 +58,19 @@ def test_client_certificate_required_on_tcp_and_mutations_refused_on_unix_socket
 
 def test_tls_without_client_ca_refuses_mutations(agent_factory, tmp_path, free_port):
     pki = make_pki(tmp_path / "pki")
-    agent_factory(flags=["--listen", f"127.0.0.1:{free_port}", "--tls-cert", pki.server_cert,
-                         "--tls-key", pki.server_key])
+    agent_factory(
+        flags=[
+            "--listen",
+            f"127.0.0.1:{free_port}",
+            "--tls-cert",
+            pki.server_cert,
+            "--tls-key",
+            pki.server_key,
+        ]
+    )
     anonymous = _channel(free_port, pki, client_cert=False)
     assert anonymous.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=10).node == "n1"
     assert _code(anonymous.LaunchWorkers, BAD_LAUNCH) == grpc.StatusCode.UNAUTHENTICATED
-    assert _code(anonymous.StopWorkers, agent_pb2.StopWorkersRequest(run="r")) == grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        _code(anonymous.StopWorkers, agent_pb2.StopWorkersRequest(run="r")) == grpc.StatusCode.UNAUTHENTICATED
+    )

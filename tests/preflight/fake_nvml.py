@@ -18,11 +18,14 @@ class FakeGpu:
     ecc_volatile: Any = 0
     ecc_aggregate: Any = 0
     retired_pending: Any = False
-    remapped: Any = field(default_factory=lambda: RemappedRows(correctable=0, uncorrectable=0, pending=False,
-                                                               failure=False))
+    remapped: Any = field(
+        default_factory=lambda: RemappedRows(correctable=0, uncorrectable=0, pending=False, failure=False)
+    )
     recovery_action: Any = 0
     processes: Any = field(default_factory=list)
-    pcie: Any = field(default_factory=lambda: PcieLink(current_gen=5, max_gen=5, current_width=16, max_width=16))
+    pcie: Any = field(
+        default_factory=lambda: PcieLink(current_gen=5, max_gen=5, current_width=16, max_width=16)
+    )
     throttle: Any = 0x1  # idle
     persistence: Any = True
     mig: Any = (False, False)
@@ -36,8 +39,9 @@ def _get(value: Any) -> Any:
 
 @dataclass
 class FakeNvml:
-    gpus: list[FakeGpu] = field(default_factory=lambda: [FakeGpu(pci_bus_id=f"00000000:{0x18 + i:02X}:00.0")
-                                                         for i in range(8)])
+    gpus: list[FakeGpu] = field(
+        default_factory=lambda: [FakeGpu(pci_bus_id=f"00000000:{0x18 + i:02X}:00.0") for i in range(8)]
+    )
     driver: Any = "550.127.05"
     cuda: Any = "12.4"
     init_error: NvmlUnavailable | None = None

@@ -17,8 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def preflight(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "preflight", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "preflight", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def write_config(tmp_path: Path, body: str) -> Path:
@@ -28,8 +35,10 @@ def write_config(tmp_path: Path, body: str) -> Path:
 
 
 def test_quick_json_passes_on_a_healthy_cpu_host(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, f"[storage]\ncheckpoint_path = '{tmp_path}'\nfree_space_floor_gb = 0.0\n"
-                                 "[compute]\nsize_cpu = 128\n")
+    cfg = write_config(
+        tmp_path,
+        f"[storage]\ncheckpoint_path = '{tmp_path}'\nfree_space_floor_gb = 0.0\n[compute]\nsize_cpu = 128\n",
+    )
     proc = preflight("run", "--quick", "--json", "--config", str(cfg))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
@@ -62,23 +71,31 @@ def test_bad_config_key_exits_2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_baseline_writes_floors_into_the_config(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, "[compute]\nsize_cpu = 128\n[collective]\nsize_bytes_cpu = 65536\niterations = 3\n")
+    cfg = write_config(
+        tmp_path, "[compute]\nsize_cpu = 128\n[collective]\nsize_bytes_cpu = 65536\niterations = 3\n"
+    )
     proc = preflight("baseline", "--config", str(cfg), "--margin", "0.5", timeout=180)
     assert proc.returncode == 0, proc.stderr
     config = load_config(cfg)
     assert config.compute.tflops_floor > 0 and config.collective.busbw_floor_gbps > 0
     assert config.compute.size_cpu == 128  # the rest of the file is kept
     assert "written by `preflight baseline`" in cfg.read_text()
-    again = preflight("run", "--full", "--json", "--config", str(cfg), "--only", "compute", "--only", "collective")
+    again = preflight(
+        "run", "--full", "--json", "--config", str(cfg), "--only", "compute", "--only", "collective"
+    )
     assert again.returncode in (0, 1), again.stderr  # 1 only if this shared CPU got 2x slower meanwhile
     thresholds = {r["name"]: r["threshold"] for r in json.loads(again.stdout)["results"]}
-    assert thresholds == {"compute.matmul": config.compute.tflops_floor,
-                          "collective.all_reduce": config.collective.busbw_floor_gbps}
+    assert thresholds == {
+        "compute.matmul": config.compute.tflops_floor,
+        "collective.all_reduce": config.collective.busbw_floor_gbps,
+    }
 
 
 @pytest.mark.slow
 def test_the_library_never_imports_torch_into_the_caller(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, "[compute]\nsize_cpu = 64\n[collective]\nsize_bytes_cpu = 4096\niterations = 1\n")
+    cfg = write_config(
+        tmp_path, "[compute]\nsize_cpu = 64\n[collective]\nsize_bytes_cpu = 4096\niterations = 1\n"
+    )
     code = f"""
 import sys
 import preflight
@@ -91,6 +108,13 @@ assert len(seen) == len(report.results)
 assert "torch" not in sys.modules, "torch was imported into the caller"
 print("ok", report.summary().pass_count)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr

@@ -39,8 +39,12 @@ def test_gloo_all_reduce_across_processes(world: int) -> None:
 @pytest.mark.slow
 def test_collective_check_through_the_runner_with_floor() -> None:
     config = dataclasses.replace(
-        PreflightConfig(), compute=ComputeConfig(device="cpu"),
-        collective=CollectiveConfig(cpu_processes=3, size_bytes_cpu=1 << 18, iterations=3, busbw_floor_gbps=1e6))
+        PreflightConfig(),
+        compute=ComputeConfig(device="cpu"),
+        collective=CollectiveConfig(
+            cpu_processes=3, size_bytes_cpu=1 << 18, iterations=3, busbw_floor_gbps=1e6
+        ),
+    )
     report = run_preflight(config, "full", only=("collective",))
     [r] = report.results
     assert r.status is CheckStatus.FAIL and "below the floor" in r.message and r.unit == "GB/s"
@@ -58,6 +62,14 @@ def test_hung_rank_is_killed_within_the_timeout() -> None:
 
 
 def test_wrong_sum_fails() -> None:
-    bad = AllReduceResult(world_size=2, backend="gloo", size_bytes=4, iterations=1, time_s=1.0,
-                          algbw_gbps=1.0, busbw_gbps=1.0, correct=False)
+    bad = AllReduceResult(
+        world_size=2,
+        backend="gloo",
+        size_bytes=4,
+        iterations=1,
+        time_s=1.0,
+        algbw_gbps=1.0,
+        busbw_gbps=1.0,
+        correct=False,
+    )
     assert evaluate(bad, 0.0).status is CheckStatus.FAIL

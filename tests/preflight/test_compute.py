@@ -81,15 +81,29 @@ def test_throughput_below_floor_fails() -> None:
 
 
 def _outcome(device: str, tflops: float, digest: str = "d") -> MatmulOutcome:
-    return MatmulOutcome(device=device, gpu_index=int(device[-1]), size=8, dtype="bfloat16", exact_ok=True,
-                         bad_rows=0, bad_cols=0, timed_ok=True, max_abs_error=0.0, tflops=tflops, digest=digest)
+    return MatmulOutcome(
+        device=device,
+        gpu_index=int(device[-1]),
+        size=8,
+        dtype="bfloat16",
+        exact_ok=True,
+        bad_rows=0,
+        bad_cols=0,
+        timed_ok=True,
+        max_abs_error=0.0,
+        tflops=tflops,
+        digest=digest,
+    )
 
 
-@pytest.mark.parametrize(("tflops", "digests", "status"), [
-    ([700.0, 710.0, 690.0], ["d", "d", "d"], CheckStatus.PASS),
-    ([700.0, 710.0, 400.0], ["d", "d", "d"], CheckStatus.FAIL),   # a throttled GPU
-    ([700.0, 710.0, 690.0], ["d", "d", "x"], CheckStatus.FAIL),   # one GPU computes something else
-])
+@pytest.mark.parametrize(
+    ("tflops", "digests", "status"),
+    [
+        ([700.0, 710.0, 690.0], ["d", "d", "d"], CheckStatus.PASS),
+        ([700.0, 710.0, 400.0], ["d", "d", "d"], CheckStatus.FAIL),  # a throttled GPU
+        ([700.0, 710.0, 690.0], ["d", "d", "x"], CheckStatus.FAIL),  # one GPU computes something else
+    ],
+)
 def test_devices_are_compared(tflops: list[float], digests: list[str], status: CheckStatus) -> None:
     outcomes = [_outcome(f"cuda:{i}", t, d) for i, (t, d) in enumerate(zip(tflops, digests, strict=True))]
     assert compare_devices(outcomes, 0.15).status is status
@@ -105,6 +119,8 @@ def test_isolated_in_a_child_process_gives_the_same_answer() -> None:
 
 def test_isolated_child_that_overruns_is_killed() -> None:
     config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cpu", isolate=True))
-    short = CheckContext(config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 1.2)
+    short = CheckContext(
+        config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 1.2
+    )
     [result] = run_compute(short)  # 1 s is less than the child needs to import torch
     assert result.status is CheckStatus.FAIL and "killed" in result.message

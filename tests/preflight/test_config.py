@@ -22,18 +22,21 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     assert load_config(path) == PreflightConfig()
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("[inventory]\nexpected_gpus = 8\n", "unknown key(s) expected_gpus"),
-    ("[inventroy]\nexpected_gpu_count = 8\n", "unknown section(s) [inventroy]"),
-    ("[inventory]\nexpected_gpu_count = '8'\n", "expected an integer"),
-    ("[inventory]\nexpected_gpu_count = -1\n", "must not be negative"),
-    ("[inventory]\nmig_mode = 'maybe'\n", "not one of on, off, any"),
-    ("[compute]\nmodes = ['fast']\n", "may contain only quick, full"),
-    ("[errors]\nfail_throttle_reasons = ['hw_slow']\n", "unknown reason(s) hw_slow"),
-    ("[storage]\nrequire_mount = 1\n", "expected true/false"),
-    ("[run]\nquick_budget_s = 0\n", "budgets must be positive"),
-    ("[run\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[inventory]\nexpected_gpus = 8\n", "unknown key(s) expected_gpus"),
+        ("[inventroy]\nexpected_gpu_count = 8\n", "unknown section(s) [inventroy]"),
+        ("[inventory]\nexpected_gpu_count = '8'\n", "expected an integer"),
+        ("[inventory]\nexpected_gpu_count = -1\n", "must not be negative"),
+        ("[inventory]\nmig_mode = 'maybe'\n", "not one of on, off, any"),
+        ("[compute]\nmodes = ['fast']\n", "may contain only quick, full"),
+        ("[errors]\nfail_throttle_reasons = ['hw_slow']\n", "unknown reason(s) hw_slow"),
+        ("[storage]\nrequire_mount = 1\n", "expected true/false"),
+        ("[run]\nquick_budget_s = 0\n", "budgets must be positive"),
+        ("[run\n", "not valid TOML"),
+    ],
+)
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)

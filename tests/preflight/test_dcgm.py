@@ -39,8 +39,17 @@ def test_failing_r2_diag_names_the_gpu_and_the_reason() -> None:
     assert "dcgm.diag" not in by_name  # the nonzero exit is explained by the failing test
 
 
-@pytest.mark.parametrize("text", ['{"DCGM GPU Diagnostic": {"test_categories": [', "", "Error: unable to connect to "
-                                  "host engine", '{"other": 1}', "[1, 2]", '{"DCGM Diagnostic": {"test_categories": 5}}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"DCGM GPU Diagnostic": {"test_categories": [',
+        "",
+        "Error: unable to connect to host engine",
+        '{"other": 1}',
+        "[1, 2]",
+        '{"DCGM Diagnostic": {"test_categories": 5}}',
+    ],
+)
 def test_malformed_output(text: str) -> None:
     [failing] = parse_dcgm_diag(text, returncode=255)
     assert failing.name == "dcgm.diag" and failing.status is CheckStatus.FAIL

@@ -60,7 +60,9 @@ def test_nic_link_state(tmp_path: Path) -> None:
     nic(tmp_path, "veth9", "up", "1", physical=False)
     results = [r for r in run(tmp_path) if r.name == "network.nic_link"]
     assert [(r.status, r.evidence[0].split(":")[0]) for r in results] == [
-        (CheckStatus.PASS, "eth0"), (CheckStatus.FAIL, "eth1")]
+        (CheckStatus.PASS, "eth0"),
+        (CheckStatus.FAIL, "eth1"),
+    ]
     configured = [r for r in run(tmp_path, nics=("veth9", "ib9")) if r.name == "network.nic_link"]
     assert [r.status for r in configured] == [CheckStatus.PASS, CheckStatus.FAIL]
 

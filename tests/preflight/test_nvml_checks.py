@@ -24,8 +24,9 @@ from tests.preflight.fake_nvml import FakeGpu, FakeNvml
 
 
 def run_nvml(fake: FakeNvml, config: PreflightConfig | None = None) -> list[CheckResult]:
-    report = run_preflight(config or PreflightConfig(), "quick", only=("inventory", "errors"),
-                           nvml_factory=lambda: fake)
+    report = run_preflight(
+        config or PreflightConfig(), "quick", only=("inventory", "errors"), nvml_factory=lambda: fake
+    )
     return list(report.results)
 
 
@@ -40,8 +41,13 @@ def with_inventory(**kw: object) -> PreflightConfig:
 
 
 def test_healthy_node_passes_every_nvml_check_fake_nvml() -> None:
-    cfg = with_inventory(expected_gpu_count=8, driver_version="550.127.05", cuda_version="12.4",
-                         persistence_mode="on", mig_mode="off")
+    cfg = with_inventory(
+        expected_gpu_count=8,
+        driver_version="550.127.05",
+        cuda_version="12.4",
+        persistence_mode="on",
+        mig_mode="off",
+    )
     results = run_nvml(FakeNvml(), cfg)
     bad = [(r.name, r.gpu_index, r.status, r.message) for r in results if r.status is not CheckStatus.PASS]
     assert bad == []
@@ -88,14 +94,19 @@ def test_retired_pages_pending_fails_fake_nvml() -> None:
 
 @pytest.mark.parametrize(("pending", "failure", "word"), [(True, False, "pending"), (False, True, "failed")])
 def test_row_remap_pending_or_failed_fails_fake_nvml(pending: bool, failure: bool, word: str) -> None:
-    fake = FakeNvml(gpus=[FakeGpu(remapped=RemappedRows(correctable=0, uncorrectable=1, pending=pending,
-                                                        failure=failure))])
+    fake = FakeNvml(
+        gpus=[
+            FakeGpu(remapped=RemappedRows(correctable=0, uncorrectable=1, pending=pending, failure=failure))
+        ]
+    )
     r = pick(run_nvml(fake), "errors.row_remap", 0)
     assert r.status is CheckStatus.FAIL and word in r.message
 
 
 def test_recovery_action_fails_and_unsupported_field_skips_fake_nvml() -> None:
-    fake = FakeNvml(gpus=[FakeGpu(recovery_action=2), FakeGpu(recovery_action=NvmlNotSupported("Function Not Found"))])
+    fake = FakeNvml(
+        gpus=[FakeGpu(recovery_action=2), FakeGpu(recovery_action=NvmlNotSupported("Function Not Found"))]
+    )
     results = run_nvml(fake)
     r0 = pick(results, "errors.recovery_action", 0)
     assert r0.status is CheckStatus.FAIL and "node_reboot" in r0.message
@@ -103,16 +114,26 @@ def test_recovery_action_fails_and_unsupported_field_skips_fake_nvml() -> None:
 
 
 def test_stray_process_holding_gpu_memory_fails_own_process_does_not_fake_nvml() -> None:
-    fake = FakeNvml(gpus=[FakeGpu(processes=[GpuProcess(pid=os.getpid(), used_bytes=2**30),
-                                             GpuProcess(pid=999_999_999, used_bytes=40 * 2**30)])])
+    fake = FakeNvml(
+        gpus=[
+            FakeGpu(
+                processes=[
+                    GpuProcess(pid=os.getpid(), used_bytes=2**30),
+                    GpuProcess(pid=999_999_999, used_bytes=40 * 2**30),
+                ]
+            )
+        ]
+    )
     r = pick(run_nvml(fake), "inventory.gpu_processes", 0)
     assert r.status is CheckStatus.FAIL and r.value == 1
     assert r.evidence == ("pid=999999999 name=? used=40960 MiB",)
 
 
 def test_wrong_driver_and_cuda_version_fail_fake_nvml() -> None:
-    results = run_nvml(FakeNvml(driver="535.54.03", cuda="12.2"),
-                       with_inventory(driver_version="550.127.05", cuda_version="12.4"))
+    results = run_nvml(
+        FakeNvml(driver="535.54.03", cuda="12.2"),
+        with_inventory(driver_version="550.127.05", cuda_version="12.4"),
+    )
     driver = pick(results, "inventory.driver_version")
     assert driver.status is CheckStatus.FAIL and "535.54.03" in driver.message
     assert pick(results, "inventory.cuda_version").status is CheckStatus.FAIL
@@ -124,17 +145,28 @@ def test_unconfigured_versions_are_skip_not_pass_fake_nvml() -> None:
 
 
 def test_pcie_x4_instead_of_x16_fails_lower_gen_warns_fake_nvml() -> None:
-    fake = FakeNvml(gpus=[FakeGpu(pcie=PcieLink(current_gen=5, max_gen=5, current_width=4, max_width=16)),
-                          FakeGpu(pcie=PcieLink(current_gen=1, max_gen=5, current_width=16, max_width=16))])
+    fake = FakeNvml(
+        gpus=[
+            FakeGpu(pcie=PcieLink(current_gen=5, max_gen=5, current_width=4, max_width=16)),
+            FakeGpu(pcie=PcieLink(current_gen=1, max_gen=5, current_width=16, max_width=16)),
+        ]
+    )
     results = run_nvml(fake)
     x4 = pick(results, "inventory.pcie_link", 0)
     assert x4.status is CheckStatus.FAIL and x4.value == 4 and x4.threshold == 16
     assert pick(results, "inventory.pcie_link", 1).status is CheckStatus.WARN
 
 
-@pytest.mark.parametrize(("mask", "status"), [(0x8, CheckStatus.FAIL), (0x40, CheckStatus.FAIL),
-                                              (0x80, CheckStatus.FAIL), (0x20, CheckStatus.WARN),
-                                              (0x1 | 0x4, CheckStatus.PASS)])
+@pytest.mark.parametrize(
+    ("mask", "status"),
+    [
+        (0x8, CheckStatus.FAIL),
+        (0x40, CheckStatus.FAIL),
+        (0x80, CheckStatus.FAIL),
+        (0x20, CheckStatus.WARN),
+        (0x1 | 0x4, CheckStatus.PASS),
+    ],
+)
 def test_throttle_reasons_fake_nvml(mask: int, status: CheckStatus) -> None:
     r = pick(run_nvml(FakeNvml(gpus=[FakeGpu(throttle=mask)])), "errors.throttle", 0)
     assert r.status is status, r.message
@@ -174,11 +206,14 @@ def test_nvml_is_initialised_once_and_shut_down_fake_nvml() -> None:
     assert (fake.inits, fake.shutdowns) == (1, 1)
 
 
-@pytest.mark.parametrize(("code", "expected"), [
-    (pynvml.NVML_ERROR_NOT_SUPPORTED, NvmlNotSupported),
-    (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, NvmlNotSupported),
-    (pynvml.NVML_ERROR_GPU_IS_LOST, GpuLost),
-])
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (pynvml.NVML_ERROR_NOT_SUPPORTED, NvmlNotSupported),
+        (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, NvmlNotSupported),
+        (pynvml.NVML_ERROR_GPU_IS_LOST, GpuLost),
+    ],
+)
 def test_adapter_maps_real_pynvml_errors(code: int, expected: type) -> None:
     adapter = PynvmlAdapter()
     adapter._nvml = pynvml  # the real module; only its exception classes are used here

@@ -26,8 +26,9 @@ def _release_hung_units() -> object:
 
 
 def spec(name: str, fn: object, timeout: float = 5.0, serial: bool = False) -> CheckSpec:
-    return CheckSpec(name=name, run=fn, timeout_s=lambda c, m: timeout,
-                     modes=lambda c: ("quick", "full"), serial=serial)
+    return CheckSpec(
+        name=name, run=fn, timeout_s=lambda c, m: timeout, modes=lambda c: ("quick", "full"), serial=serial
+    )
 
 
 def sleeper(name: str, seconds: float, log: list[str] | None = None) -> object:
@@ -38,6 +39,7 @@ def sleeper(name: str, seconds: float, log: list[str] | None = None) -> object:
         if log is not None:
             log.append(f"end {name}")
         return [passed(f"{name}.done", f"slept {seconds}")]
+
     return run
 
 
@@ -48,11 +50,17 @@ def hang(ctx: CheckContext) -> list[CheckResult]:
 
 def test_parallel_units_overlap_and_serial_units_do_not() -> None:
     log: list[str] = []
-    specs = [spec("p1", sleeper("p1", 0.5)), spec("p2", sleeper("p2", 0.5)),
-             spec("s1", sleeper("s1", 0.2, log), serial=True), spec("s2", sleeper("s2", 0.2, log), serial=True)]
+    specs = [
+        spec("p1", sleeper("p1", 0.5)),
+        spec("p2", sleeper("p2", 0.5)),
+        spec("s1", sleeper("s1", 0.2, log), serial=True),
+        spec("s2", sleeper("s2", 0.2, log), serial=True),
+    ]
     started = time.monotonic()
     report = run_preflight(PreflightConfig(), "quick", specs=specs)
-    assert time.monotonic() - started < 0.5 + 0.5 + 0.4 + 1.0  # parallel lane overlaps; generous for 2 shared CPUs
+    assert (
+        time.monotonic() - started < 0.5 + 0.5 + 0.4 + 1.0
+    )  # parallel lane overlaps; generous for 2 shared CPUs
     assert log == ["start s1", "end s1", "start s2", "end s2"]
     assert sorted(r.name for r in report.results) == ["p1.done", "p2.done", "s1.done", "s2.done"]
     assert all(r.duration_s > 0 for r in report.results)
@@ -92,8 +100,12 @@ def test_results_are_streamed_as_units_finish() -> None:
     seen: list[tuple[str, float]] = []
     specs = [spec("fast", sleeper("fast", 0.0)), spec("slow", sleeper("slow", 0.6))]
     started = time.monotonic()
-    report = run_preflight(PreflightConfig(), "quick", specs=specs,
-                           on_result=lambda r: seen.append((r.name, time.monotonic() - started)))
+    report = run_preflight(
+        PreflightConfig(),
+        "quick",
+        specs=specs,
+        on_result=lambda r: seen.append((r.name, time.monotonic() - started)),
+    )
     assert [name for name, _ in seen] == ["fast.done", "slow.done"]
     assert seen[0][1] < seen[1][1] - 0.3  # the fast one arrived before the slow one was done
     assert [r.name for r in report.results] == ["fast.done", "slow.done"]
@@ -101,21 +113,30 @@ def test_results_are_streamed_as_units_finish() -> None:
 
 def test_summary_and_versioned_json_round_trip() -> None:
     def mixed(ctx: CheckContext) -> list[CheckResult]:
-        return [passed("a", "ok", value=1.5, unit="GB/s", threshold=1.0),
-                failed("b", "bad", gpu_index=3, evidence=("x=1",), remedy="fix it"),
-                skipped("c", "no NVML")]
+        return [
+            passed("a", "ok", value=1.5, unit="GB/s", threshold=1.0),
+            failed("b", "bad", gpu_index=3, evidence=("x=1",), remedy="fix it"),
+            skipped("c", "no NVML"),
+        ]
 
     report = run_preflight(PreflightConfig(), "full", specs=[spec("mixed", mixed)])
     summary = report.summary()
     assert isinstance(summary, common_pb2.PreflightSummary)
     assert (summary.mode, summary.passed, summary.pass_count, summary.fail_count, summary.skip_count) == (
-        "full", False, 1, 1, 1)
+        "full",
+        False,
+        1,
+        1,
+        1,
+    )
     assert list(summary.failed_checks) == ["b[gpu3]"]
     doc = json.loads(report.dumps())
     assert doc["schema"] == "runwarden.preflight.report" and doc["version"] == 1
     assert PreflightReport.from_json(doc) == report
     proto = report.results[1].to_proto()
-    assert proto.status == common_pb2.CHECK_STATUS_FAIL and proto.gpu_index == 3 and not proto.HasField("value")
+    assert (
+        proto.status == common_pb2.CHECK_STATUS_FAIL and proto.gpu_index == 3 and not proto.HasField("value")
+    )
     assert report.results[0].to_proto().threshold == 1.0
     with pytest.raises(ValueError):
         PreflightReport.from_json({**doc, "version": 2})

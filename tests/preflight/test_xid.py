@@ -18,17 +18,27 @@ from preflight.xid import (
 from runwarden.v1 import common_pb2
 
 FALLEN_OFF = "[ 2371.012345] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
-SM_EXCEPTION = ("[ 1234.567890] NVRM: Xid (PCI:0000:18:00): 13, Graphics SM Warp Exception on "
-                "(GPC 0, TPC 0, SM 0): Out Of Range Address")
-PAGE_FAULT = ("[12345.000001] NVRM: Xid (PCI:0000:b3:00): 31, pid=2437, name=python3, Ch 00000008, intr 10000000. "
-              "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f20_b4000000. Fault is of type FAULT_PDE "
-              "ACCESS_TYPE_VIRT_READ")
-KMSG_DBE = ("4,1523,98765432100,-;NVRM: Xid (PCI:0000:1b:00): 48, pid=1234, name=python, An uncorrectable double "
-            "bit error (DBE) has been detected on GPU in the framebuffer at partition 6, subpartition 0.")
-JOURNAL_CONTAINED = ("Dec 01 00:00:00 gpu-node-07 kernel: NVRM: Xid (PCI:0000:9b:00): 94, pid=5121, "
-                     "name=pt_main_thread, Contained: SM (0x1). RST: No, D-RST: No")
-ROW_REMAP = ("[  500.1] NVRM: Xid (PCI:0000:9b:00): 63, pid='<unknown>', name=<unknown>, Row Remapper: New row "
-             "(0x0000000000123456) Marked for Remapping, reset gpu to activate.")
+SM_EXCEPTION = (
+    "[ 1234.567890] NVRM: Xid (PCI:0000:18:00): 13, Graphics SM Warp Exception on "
+    "(GPC 0, TPC 0, SM 0): Out Of Range Address"
+)
+PAGE_FAULT = (
+    "[12345.000001] NVRM: Xid (PCI:0000:b3:00): 31, pid=2437, name=python3, Ch 00000008, intr 10000000. "
+    "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f20_b4000000. Fault is of type FAULT_PDE "
+    "ACCESS_TYPE_VIRT_READ"
+)
+KMSG_DBE = (
+    "4,1523,98765432100,-;NVRM: Xid (PCI:0000:1b:00): 48, pid=1234, name=python, An uncorrectable double "
+    "bit error (DBE) has been detected on GPU in the framebuffer at partition 6, subpartition 0."
+)
+JOURNAL_CONTAINED = (
+    "Dec 01 00:00:00 gpu-node-07 kernel: NVRM: Xid (PCI:0000:9b:00): 94, pid=5121, "
+    "name=pt_main_thread, Contained: SM (0x1). RST: No, D-RST: No"
+)
+ROW_REMAP = (
+    "[  500.1] NVRM: Xid (PCI:0000:9b:00): 63, pid='<unknown>', name=<unknown>, Row Remapper: New row "
+    "(0x0000000000123456) Marked for Remapping, reset gpu to activate."
+)
 
 
 def test_fallen_off_the_bus_is_fatal_with_pci_and_timestamp() -> None:
@@ -66,7 +76,9 @@ def test_table_covers_the_issue_codes() -> None:
         event = parse_xid_line(f"NVRM: Xid (PCI:0000:01:00): {code}, something")
         assert event is not None and event.severity is XidSeverity.APPLICATION, code
     unknown = parse_xid_line("NVRM: Xid (PCI:0000:01:00): 999, new in some driver")
-    assert unknown is not None and unknown.severity is XidSeverity.WARNING and "unknown" in unknown.description
+    assert (
+        unknown is not None and unknown.severity is XidSeverity.WARNING and "unknown" in unknown.description
+    )
 
 
 def test_malformed_and_truncated_lines_are_none() -> None:

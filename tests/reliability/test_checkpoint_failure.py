@@ -36,7 +36,9 @@ def test_failed_save_writes_no_marker_and_the_run_resumes_from_the_previous_comm
     launch = cluster.wait_for_event(E.EVENT_KIND_LAUNCH, mark, 90)
     assert launch is not None, tail(cluster)
     assert read_commit(step_dir(cluster.ckpt_dir, doomed)) is None, "a commit marker for the failed save"
-    commits = [e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < launch.seq]
+    commits = [
+        e.step for e in cluster.events() if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < launch.seq
+    ]
     assert commits and max(commits) < doomed
     # the newest commit the controller had recorded (it learns commits from progress reports, so a
     # commit made in the last report interval before the failure may not be among them)

@@ -70,10 +70,17 @@ def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:
     assert wait_commit_after(cluster, back_at + 1.0, 60) is not None, tail(cluster)
     time.sleep(cluster.spec.lease_ttl_s + 2)
     after = since(cluster, mark)
-    wrong = [e for e in after if e.kind in (E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_LAUNCH, E.EVENT_KIND_DETECTION)
-             and spare not in e.message and not (e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == spare)]
+    wrong = [
+        e
+        for e in after
+        if e.kind in (E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_LAUNCH, E.EVENT_KIND_DETECTION)
+        and spare not in e.message
+        and not (e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == spare)
+    ]
     assert wrong == [], names(wrong)
-    assert not any(e.kind == E.EVENT_KIND_NODE_LOST and n in e.message for e in after for n in active), names(after)
+    assert not any(e.kind == E.EVENT_KIND_NODE_LOST and n in e.message for e in after for n in active), names(
+        after
+    )
     # the live agents re-registered: their node keys are back in etcd with a lease
     with Store.connect(StoreConfig(endpoints=(etcd.endpoint,), timeout_s=5.0)) as store:
         for node in active:

@@ -25,8 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _etcdctl(etcd: EtcdServer, *args: str) -> None:
-    subprocess.run(["etcdctl", f"--endpoints={etcd.client_url}", *args], check=True, capture_output=True,
-                   timeout=30, env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"})
+    subprocess.run(
+        ["etcdctl", f"--endpoints={etcd.client_url}", *args],
+        check=True,
+        capture_output=True,
+        timeout=30,
+        env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def _secrets(pki: Path) -> list[str]:
@@ -42,26 +47,50 @@ def _assert_clean(text: str, secrets: list[str], where: str) -> None:
         assert s not in text, f"a secret ({s[:6]}...) appears in {where}"
 
 
-def _controller(tmp: Path, etcd: EtcdServer, pki: Path, password: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def _controller(
+    tmp: Path, etcd: EtcdServer, pki: Path, password: str
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
     run_dir = tmp / f"ctl-{password[:5]}"
     run_dir.mkdir()
     cfg = run_dir / "controller.toml"
-    write_toml(cfg, {
-        "store": {"endpoints": [etcd.endpoint], "user": "root", "password": password, "timeout_s": 3.0},
-        "controller": {"run": "secretrun", "nodes": 1, "command": [sys.executable, "-c", "pass"],
-                       "run_dir": str(run_dir), "api_address": f"127.0.0.1:{free_port()}", "identity": "c1",
-                       "metrics_address": ""},
-        "api_tls": {"cert": str(pki / "controller.pem"), "key": str(pki / "controller.key"), "ca": str(pki / "ca.pem")},
-        "agent_tls": {"cert": str(pki / "controller.pem"), "key": str(pki / "controller.key"), "ca": str(pki / "ca.pem")},
-    })
+    write_toml(
+        cfg,
+        {
+            "store": {"endpoints": [etcd.endpoint], "user": "root", "password": password, "timeout_s": 3.0},
+            "controller": {
+                "run": "secretrun",
+                "nodes": 1,
+                "command": [sys.executable, "-c", "pass"],
+                "run_dir": str(run_dir),
+                "api_address": f"127.0.0.1:{free_port()}",
+                "identity": "c1",
+                "metrics_address": "",
+            },
+            "api_tls": {
+                "cert": str(pki / "controller.pem"),
+                "key": str(pki / "controller.key"),
+                "ca": str(pki / "ca.pem"),
+            },
+            "agent_tls": {
+                "cert": str(pki / "controller.pem"),
+                "key": str(pki / "controller.key"),
+                "ca": str(pki / "ca.pem"),
+            },
+        },
+    )
     log = run_dir / "controller.log"
-    proc = subprocess.Popen([sys.executable, "-m", "controller.live.main", "run", "--config", str(cfg), "--log-level", "DEBUG"],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.live.main", "run", "--config", str(cfg), "--log-level", "DEBUG"],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     return proc, log, run_dir
 
 
-def test_no_secret_in_controller_logs_events_or_errors(etcd: EtcdServer, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_secret_in_controller_logs_events_or_errors(
+    etcd: EtcdServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pki = tmp_path / "pki"
     assert main(["certs", "init", str(pki)]) == 0
     assert main(["certs", "issue", str(pki), "controller", "--role", "server", "--host", "127.0.0.1"]) == 0
@@ -75,8 +104,11 @@ def test_no_secret_in_controller_logs_events_or_errors(etcd: EtcdServer, tmp_pat
     proc, log, run_dir = _controller(tmp_path, etcd, pki, PASSWORD)
     with Store.connect(StoreConfig(endpoints=(etcd.endpoint,), user="root", password=PASSWORD)) as store:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not store.get_prefix(store.keys.election("controller"))[0] \
-                and proc.poll() is None:
+        while (
+            time.monotonic() < deadline
+            and not store.get_prefix(store.keys.election("controller"))[0]
+            and proc.poll() is None
+        ):
             time.sleep(0.3)
     time.sleep(2)
     assert proc.poll() is None, log.read_text()[-2000:]
@@ -100,8 +132,19 @@ def test_no_secret_in_controller_logs_events_or_errors(etcd: EtcdServer, tmp_pat
 
     # controllerctl with a key that does not match its certificate: refused, key not echoed
     capsys.readouterr()
-    rc = main(["--controller", "127.0.0.1:1", "--ca", str(pki / "ca.pem"), "--cert", str(pki / "alice.pem"),
-               "--key", str(pki / "other.key"), "status"])
+    rc = main(
+        [
+            "--controller",
+            "127.0.0.1:1",
+            "--ca",
+            str(pki / "ca.pem"),
+            "--cert",
+            str(pki / "alice.pem"),
+            "--key",
+            str(pki / "other.key"),
+            "status",
+        ]
+    )
     out = capsys.readouterr()
     assert rc != 0
     _assert_clean(out.out + out.err, secrets, "controllerctl's error")

@@ -58,7 +58,11 @@ def test_read_toml_errors_name_the_file(tmp_path: Path) -> None:
         read_toml(tmp_path / "missing.toml")
 
 
-@given(st.dictionaries(st.text(max_size=10), st.one_of(st.integers(), st.text(max_size=10), st.none(), st.booleans())))
+@given(
+    st.dictionaries(
+        st.text(max_size=10), st.one_of(st.integers(), st.text(max_size=10), st.none(), st.booleans())
+    )
+)
 def test_loader_only_raises_config_error(mapping: dict[str, object]) -> None:
     with contextlib.suppress(ConfigError):
         load_section(_Cfg, mapping, "agent")

@@ -11,10 +11,12 @@ SEEDS = range(1, 9)
 
 def test_simulated_ettr_agrees_with_first_order_model() -> None:
     # Mixed causes, every one blamed by evidence or a lease: spares never run out, nodes repaired.
-    causes = [{"name": "gpu", "share": 6, "symptom": "crash", "evidence": "xid"},
-              {"name": "sw", "share": 2, "symptom": "crash", "hardware": False},
-              {"name": "host", "share": 1, "symptom": "node_lost"},
-              {"name": "link", "share": 1, "symptom": "hang", "evidence": "network"}]
+    causes = [
+        {"name": "gpu", "share": 6, "symptom": "crash", "evidence": "xid"},
+        {"name": "sw", "share": 2, "symptom": "crash", "hardware": False},
+        {"name": "host", "share": 1, "symptom": "node_lost"},
+        {"name": "link", "share": 1, "symptom": "hang", "evidence": "network"},
+    ]
     for interval, stall, mtbf_h in ((600.0, 30.0, 4.0), (1800.0, 60.0, 3.0)):
         sc = tiny(mtbf_h=mtbf_h, interval_s=interval, stall_s=stall, causes=causes, days=15)
         outcomes = run_many([(sc, sc.policy("p"), s) for s in SEEDS])
@@ -44,8 +46,12 @@ def test_optimal_interval_agrees_with_young_daly() -> None:
 
 def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float]:
     def det(x: list[list[float]]) -> float:
-        return (x[0][0] * (x[1][1] * x[2][2] - x[1][2] * x[2][1]) - x[0][1] * (x[1][0] * x[2][2] - x[1][2] * x[2][0])
-                + x[0][2] * (x[1][0] * x[2][1] - x[1][1] * x[2][0]))
+        return (
+            x[0][0] * (x[1][1] * x[2][2] - x[1][2] * x[2][1])
+            - x[0][1] * (x[1][0] * x[2][2] - x[1][2] * x[2][0])
+            + x[0][2] * (x[1][0] * x[2][1] - x[1][1] * x[2][0])
+        )
+
     d = det(m)
     out = []
     for col in range(3):

@@ -27,8 +27,15 @@ def test_the_world_drives_the_real_core(small) -> None:
     result = world.run()
     assert result.handle_calls > 1000
     kinds = {e.kind for e in result.events}
-    for k in (E.EVENT_KIND_LAUNCH, E.EVENT_KIND_DETECTION, E.EVENT_KIND_ATTRIBUTION, E.EVENT_KIND_QUARANTINE,
-              E.EVENT_KIND_SPARE_TAKEN, E.EVENT_KIND_CHECKPOINT_COMMIT, E.EVENT_KIND_FIRST_STEP):
+    for k in (
+        E.EVENT_KIND_LAUNCH,
+        E.EVENT_KIND_DETECTION,
+        E.EVENT_KIND_ATTRIBUTION,
+        E.EVENT_KIND_QUARANTINE,
+        E.EVENT_KIND_SPARE_TAKEN,
+        E.EVENT_KIND_CHECKPOINT_COMMIT,
+        E.EVENT_KIND_FIRST_STEP,
+    ):
         assert k in kinds, E.EventKind.Name(k)
 
 
@@ -78,16 +85,24 @@ def test_same_seed_same_log_and_draws_shared_across_policies(small) -> None:
     assert [encode_event(e) for e in a.events] == [encode_event(e) for e in b.events]
     naive = simulate(small, small.policy("naive"), d)
     # Every drawn fault reaches both worlds at the same instant (refails are the policy's own doing).
-    assert [i.t for i in a.interruptions if i.outcome != "refail"] == \
-           [i.t for i in naive.interruptions if i.outcome != "refail"] == [f.t for f in d.faults]
+    assert (
+        [i.t for i in a.interruptions if i.outcome != "refail"]
+        == [i.t for i in naive.interruptions if i.outcome != "refail"]
+        == [f.t for f in d.faults]
+    )
 
 
 def test_hang_is_detected_one_timeout_after_the_fault() -> None:
-    sc = tiny(causes=[{"name": "h", "share": 1, "symptom": "hang", "hardware": True}],
-              supervisor={"hang_timeout_s": 45.0})
+    sc = tiny(
+        causes=[{"name": "h", "share": 1, "symptom": "hang", "hardware": True}],
+        supervisor={"hang_timeout_s": 45.0},
+    )
     result = simulate(sc, sc.policy("p"), draw(sc, 1))
-    hangs = [e for e in result.events if e.kind == E.EVENT_KIND_DETECTION
-             and e.detection.detector == E.DETECTOR_HANG]
+    hangs = [
+        e
+        for e in result.events
+        if e.kind == E.EVENT_KIND_DETECTION and e.detection.detector == E.DETECTOR_HANG
+    ]
     faults = [i for i in result.interruptions if i.outcome in ("interrupted", "refail")]
     assert len(hangs) == len(faults) > 20
     in_save = 0
@@ -109,8 +124,11 @@ def test_hang_is_detected_one_timeout_after_the_fault() -> None:
 def test_node_loss_is_detected_after_the_lease_ttl() -> None:
     sc = tiny(causes=[{"name": "host", "share": 1, "symptom": "node_lost"}], lease_ttl_s=7.0)
     result = simulate(sc, sc.policy("p"), draw(sc, 2))
-    lost = [e for e in result.events if e.kind == E.EVENT_KIND_DETECTION
-            and e.detection.detector == E.DETECTOR_NODE_LOST]
+    lost = [
+        e
+        for e in result.events
+        if e.kind == E.EVENT_KIND_DETECTION and e.detection.detector == E.DETECTOR_NODE_LOST
+    ]
     assert len(lost) > 20
     deaths = [i.t for i in result.interruptions if i.outcome in ("interrupted", "node_down")]
     for ev in lost:

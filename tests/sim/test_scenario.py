@@ -31,23 +31,29 @@ def test_every_shipped_scenario_loads() -> None:
 
 
 def _base() -> dict:
-    return {"run": {"nodes": 4, "duration_days": 1}, "cause": [{"name": "a", "count": 1}],
-            "policy": {"p": {}}}
+    return {
+        "run": {"nodes": 4, "duration_days": 1},
+        "cause": [{"name": "a", "count": 1}],
+        "policy": {"p": {}},
+    }
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda d: d["run"].update(nodez=3), "unknown key(s) nodez"),
-    (lambda d: d.update(extra={}), "unknown section(s) extra"),
-    (lambda d: d["cause"][0].update(node_mtbf_hours=10), "exactly one of count"),
-    (lambda d: d["cause"][0].update(symptom="explode"), "symptom"),
-    (lambda d: d["cause"][0].update(evidence="vibes"), "evidence"),
-    (lambda d: d["cause"].append({"name": "a", "count": 2}), "unique"),
-    (lambda d: d["policy"]["p"].update(supervisor={"hang_timeout": 5}), "unknown key(s) hang_timeout"),
-    (lambda d: d["policy"]["p"].update(costs={"lunch_s": 5}), "unknown key(s) lunch_s"),
-    (lambda d: d["policy"]["p"].update(checkpoint_interval_s=0), "checkpoint_interval_s"),
-    (lambda d: d["run"].update(duration_days=-1), "duration_days"),
-    (lambda d: d.pop("policy"), "policy"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["run"].update(nodez=3), "unknown key(s) nodez"),
+        (lambda d: d.update(extra={}), "unknown section(s) extra"),
+        (lambda d: d["cause"][0].update(node_mtbf_hours=10), "exactly one of count"),
+        (lambda d: d["cause"][0].update(symptom="explode"), "symptom"),
+        (lambda d: d["cause"][0].update(evidence="vibes"), "evidence"),
+        (lambda d: d["cause"].append({"name": "a", "count": 2}), "unique"),
+        (lambda d: d["policy"]["p"].update(supervisor={"hang_timeout": 5}), "unknown key(s) hang_timeout"),
+        (lambda d: d["policy"]["p"].update(costs={"lunch_s": 5}), "unknown key(s) lunch_s"),
+        (lambda d: d["policy"]["p"].update(checkpoint_interval_s=0), "checkpoint_interval_s"),
+        (lambda d: d["run"].update(duration_days=-1), "duration_days"),
+        (lambda d: d.pop("policy"), "policy"),
+    ],
+)
 def test_bad_scenarios_are_refused_with_the_key_named(mutate, message) -> None:
     data = _base()
     mutate(data)
@@ -57,8 +63,10 @@ def test_bad_scenarios_are_refused_with_the_key_named(mutate, message) -> None:
 
 def test_rates_scale_with_fleet_size_and_mtbf_form() -> None:
     data = _base()
-    data["cause"] = [{"name": "a", "count": 10, "over_days": 10, "over_nodes": 100},
-                     {"name": "b", "node_mtbf_hours": 24 * 1000}]
+    data["cause"] = [
+        {"name": "a", "count": 10, "over_days": 10, "over_nodes": 100},
+        {"name": "b", "node_mtbf_hours": 24 * 1000},
+    ]
     data["run"]["nodes"] = 200
     sc = scenario_from_mapping(data)
     a, b = sc.causes

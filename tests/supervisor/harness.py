@@ -108,8 +108,9 @@ class Driver:
             req = self.preflight_out.pop(0)
             for n in req.nodes:
                 checks = fail.get(n)
-                out += self.send(PreflightResult(node=n, passed=checks is None, mode=req.mode,
-                                                 failed_checks=checks or ()))
+                out += self.send(
+                    PreflightResult(node=n, passed=checks is None, mode=req.mode, failed_checks=checks or ())
+                )
         return out
 
     def start(self, nodes: int | None = None) -> Launch:
@@ -121,9 +122,16 @@ class Driver:
     def running_nodes(self) -> list[str]:
         return list(self.sup.current_nodes)
 
-    def progress(self, step: int, *, dt: float = 1.0, nodes: list[str] | None = None,
-                 compute: dict[str, float] | None = None, in_checkpoint: tuple[str, ...] = (),
-                 loaded: int | None = None) -> list[Item]:
+    def progress(
+        self,
+        step: int,
+        *,
+        dt: float = 1.0,
+        nodes: list[str] | None = None,
+        compute: dict[str, float] | None = None,
+        in_checkpoint: tuple[str, ...] = (),
+        loaded: int | None = None,
+    ) -> list[Item]:
         """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
         ranks' `loaded_step` (their load mark, carried on every report after it)."""
         self.now += dt
@@ -133,9 +141,19 @@ class Driver:
                 continue
             c = (compute or {}).get(node, 0.8 * dt)
             wait = max(0.0, dt - c) if node not in (compute or {}) else 0.0005
-            ranks = tuple(RankSample(rank=node_rank * self.ranks_per_node + i, step=step, step_time_s=dt,
-                                     compute_s=c, wait_s=wait, in_checkpoint=node in in_checkpoint,
-                                     reported_at=self.now, loaded_step=loaded) for i in range(self.ranks_per_node))
+            ranks = tuple(
+                RankSample(
+                    rank=node_rank * self.ranks_per_node + i,
+                    step=step,
+                    step_time_s=dt,
+                    compute_s=c,
+                    wait_s=wait,
+                    in_checkpoint=node in in_checkpoint,
+                    reported_at=self.now,
+                    loaded_step=loaded,
+                )
+                for i in range(self.ranks_per_node)
+            )
             out += self.send(ProgressObserved(node=node, attempt=self.sup.attempt, ranks=ranks))
         return out
 
@@ -151,7 +169,9 @@ class Driver:
         out: list[Item] = []
         for node in self.running_nodes():
             if self.sup.pool.get(node).alive:
-                out += self.send(AttemptExited(node=node, attempt=attempt or self.sup.attempt, exit_code=code))
+                out += self.send(
+                    AttemptExited(node=node, attempt=attempt or self.sup.attempt, exit_code=code)
+                )
         return out
 
     # --- inspecting ---------------------------------------------------------------------------
@@ -180,8 +200,10 @@ def render(action: Item) -> str | None:
             extra = f" [{ev.attribution.method}]"
         return f"log {kind} a={ev.attempt} step={ev.step}: {ev.message}{extra}"
     if isinstance(action, Launch):
-        return (f"launch attempt={action.attempt} rdzv={action.rendezvous_id} resume={action.resume_step} "
-                f"nodes={','.join(nr.node for nr in action.nodes)}")
+        return (
+            f"launch attempt={action.attempt} rdzv={action.rendezvous_id} resume={action.resume_step} "
+            f"nodes={','.join(nr.node for nr in action.nodes)}"
+        )
     if isinstance(action, RunPreflight):
         return f"preflight {action.mode} ({action.purpose}) {','.join(action.nodes)}"
     if isinstance(action, StopAttempt):

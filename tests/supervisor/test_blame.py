@@ -35,14 +35,26 @@ def _evidence(node: str, kind: int, severity: int, **kw: object) -> common_pb2.E
     return common_pb2.Evidence(node=node, kind=kind, severity=severity, detail="d", observed_at=100.0, **kw)
 
 
-def _facts(detector: int = events_pb2.DETECTOR_HANG, *, nodes: tuple[str, ...] = (), first_exit: str | None = None,
-           label: str = "hang", ranks: tuple[int, ...] = ()) -> FailureFacts:
-    return FailureFacts(detector=detector, nodes=nodes, ranks=ranks, step=100, label=label,
-                        first_exit=first_exit)
+def _facts(
+    detector: int = events_pb2.DETECTOR_HANG,
+    *,
+    nodes: tuple[str, ...] = (),
+    first_exit: str | None = None,
+    label: str = "hang",
+    ranks: tuple[int, ...] = (),
+) -> FailureFacts:
+    return FailureFacts(
+        detector=detector, nodes=nodes, ranks=ranks, step=100, label=label, first_exit=first_exit
+    )
 
 
-def _blame(f: FailureFacts, *, evidence: Sequence[common_pb2.Evidence] = (),
-           fr: FlightRecorderVerdict | None = None, steps: Mapping[str, int] = STEPS) -> Blame:
+def _blame(
+    f: FailureFacts,
+    *,
+    evidence: Sequence[common_pb2.Evidence] = (),
+    fr: FlightRecorderVerdict | None = None,
+    steps: Mapping[str, int] = STEPS,
+) -> Blame:
     by_node: dict[str, list[common_pb2.Evidence]] = {}
     for ev in evidence:
         by_node.setdefault(ev.node, []).append(ev)
@@ -66,7 +78,9 @@ def test_hardware_evidence_beats_the_flight_recorder() -> None:
     fallback = _blame(_facts(), fr=fr)
     assert fallback.method is BlameMethod.FLIGHT_RECORDER and fallback.suspects == fr.suspects
     assert fallback.explanation == fr.explanation
-    assert fallback.reason.startswith("blamed by flight recorder: b ranks [3]: rank 3 never called collective #5")
+    assert fallback.reason.startswith(
+        "blamed by flight recorder: b ranks [3]: rank 3 never called collective #5"
+    )
     assert fallback.reason.endswith(f"(confidence {CONFIDENCE_LAGGING:.2f})")
 
 
@@ -79,8 +93,9 @@ def test_application_and_non_fatal_evidence_blame_nobody() -> None:
     ]
     result = _blame(_facts(events_pb2.DETECTOR_CRASH, label="exit code 1"), evidence=evidence)
     assert result.method is BlameMethod.NONE and result.suspects == ()
-    assert result.reason == ("no suspect for exit code 1 at step 100: software or data "
-                             "(crash-loop rule decides)")
+    assert result.reason == (
+        "no suspect for exit code 1 at step 100: software or data (crash-loop rule decides)"
+    )
 
 
 @pytest.mark.parametrize("xid", [13, 31, 43])
@@ -137,7 +152,9 @@ def test_heartbeats_only_when_nothing_stronger() -> None:
     close = _blame(_facts(), steps={"a": 1, "b": 1})
     assert close.method is BlameMethod.NONE and close.reason.startswith("no suspect for hang at step 100")
     # the flight recorder outranks the heartbeat
-    fr = verdict(rank_to_node={0: "a", 1: "b", 2: "c", 3: "c"}, dumps=default_only(4, {0: 5, 1: 5, 2: 5, 3: 4}))
+    fr = verdict(
+        rank_to_node={0: "a", 1: "b", 2: "c", 3: "c"}, dumps=default_only(4, {0: 5, 1: 5, 2: 5, 3: 4})
+    )
     assert _blame(_facts(), steps=steps, fr=fr).method is BlameMethod.FLIGHT_RECORDER
 
 
@@ -149,8 +166,10 @@ def test_flight_recorder_suspects_below_the_minimum_confidence_are_dropped() -> 
     steps = dict.fromkeys("abcd", 50)
     result = _blame(_facts(), fr=fr, steps=steps)
     assert result.method is BlameMethod.FLIGHT_RECORDER and [s.node for s in result.suspects] == ["a"]
-    assert result.reason == (f"blamed by flight recorder: a ranks [0]: rank 0 gave no dump and its process is stopped "
-                             f"(no dump: no answer) (confidence {CONFIDENCE_STOPPED:.2f})")
+    assert result.reason == (
+        f"blamed by flight recorder: a ranks [0]: rank 0 gave no dump and its process is stopped "
+        f"(no dump: no answer) (confidence {CONFIDENCE_STOPPED:.2f})"
+    )
     weak = FlightRecorderVerdict(suspects=tuple(s for s in fr.suspects if s.node != "a"), explanation="weak")
     assert weak.suspects and all(s.confidence < FR_MIN for s in weak.suspects)
     fallen = _blame(_facts(), fr=weak, steps={**steps, "b": 49})  # falls through to the heartbeat
@@ -161,14 +180,21 @@ def test_flight_recorder_suspects_below_the_minimum_confidence_are_dropped() -> 
 
 
 def test_a_flight_recorder_suspect_outside_the_attempt_is_dropped() -> None:
-    fr = FlightRecorderVerdict(suspects=(Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank"),
-                                         Suspect(node="z", ranks=(8,), confidence=0.9, reason="old node")))
+    fr = FlightRecorderVerdict(
+        suspects=(
+            Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank"),
+            Suspect(node="z", ranks=(8,), confidence=0.9, reason="old node"),
+        )
+    )
     assert _blame(_facts(), fr=fr).method is BlameMethod.NONE
 
 
 def test_the_rank_that_reported_the_timeout_is_never_blamed_through_the_ladder() -> None:
-    fr = verdict(rank_to_node={0: "a", 1: "a", 2: "b"}, dumps=default_only(3, {0: 5, 1: 5, 2: 4}),
-                 reported_timeout=[0, 1])
+    fr = verdict(
+        rank_to_node={0: "a", 1: "a", 2: "b"},
+        dumps=default_only(3, {0: 5, 1: 5, 2: 4}),
+        reported_timeout=[0, 1],
+    )
     result = _blame(_facts(), fr=fr)
     assert result.method is BlameMethod.FLIGHT_RECORDER and [s.node for s in result.suspects] == ["b"]
 
@@ -178,11 +204,16 @@ def test_first_exit_when_a_crash_has_nothing_stronger() -> None:
     assert result.method is BlameMethod.FIRST_EXIT and not result.method.quarantines
     (suspect,) = result.suspects
     assert suspect.node == "b" and suspect.ranks == (2,)
-    assert result.reason == ("blamed by first exit: b ranks [2]: first to exit (exit code 1) (confidence 0.50); "
-                             "no hardware evidence, so not quarantined on a first offence")
+    assert result.reason == (
+        "blamed by first exit: b ranks [2]: first to exit (exit code 1) (confidence 0.50); "
+        "no hardware evidence, so not quarantined on a first offence"
+    )
     assert result.to_proto().blame_method == events_pb2.BLAME_METHOD_FIRST_EXIT
     ev = _evidence("a", K.EVIDENCE_KIND_GPU_LOST, common_pb2.SEVERITY_WARNING)  # always fatal
-    assert _blame(_facts(events_pb2.DETECTOR_CRASH, first_exit="b"), evidence=[ev]).method is BlameMethod.HARDWARE
+    assert (
+        _blame(_facts(events_pb2.DETECTOR_CRASH, first_exit="b"), evidence=[ev]).method
+        is BlameMethod.HARDWARE
+    )
 
 
 def test_none_is_software_or_data() -> None:
@@ -190,7 +221,9 @@ def test_none_is_software_or_data() -> None:
     assert result.method is BlameMethod.NONE and result.suspects == () and not result.method.quarantines
     assert result.reason == "no suspect for hang at step 100: software or data (crash-loop rule decides)"
     proto = result.to_proto()
-    assert proto.blame_method == events_pb2.BLAME_METHOD_NONE and proto.method == "none" and not proto.suspects
+    assert (
+        proto.blame_method == events_pb2.BLAME_METHOD_NONE and proto.method == "none" and not proto.suspects
+    )
 
 
 def test_a_lost_node_and_a_straggler_are_blamed_by_their_detector() -> None:

@@ -46,14 +46,21 @@ E = events_pb2
 
 
 def fast(**kw: object) -> SupervisorConfig:
-    base: dict[str, object] = {"backoff_base_s": 1.0, "backoff_max_s": 8.0, "dump_timeout_s": 5.0,
-                               "stop_grace_s": 5.0, "stop_margin_s": 2.0, "queue_wait_s": 0.0}
+    base: dict[str, object] = {
+        "backoff_base_s": 1.0,
+        "backoff_max_s": 8.0,
+        "dump_timeout_s": 5.0,
+        "stop_grace_s": 5.0,
+        "stop_margin_s": 2.0,
+        "queue_wait_s": 0.0,
+    }
     base.update(kw)
     return SupervisorConfig(**base)  # test knobs
 
 
-def crash_and_restart(d: Driver, node: str, *, step_to: int, code: int = 1,
-                      fail: dict[str, tuple[str, ...]] | None = None) -> None:
+def crash_and_restart(
+    d: Driver, node: str, *, step_to: int, code: int = 1, fail: dict[str, tuple[str, ...]] | None = None
+) -> None:
     """Run to `step_to`, crash `node`, answer dumps (no suspect) and exits, pass preflight."""
     d.steps(d.sup.job_step + 1, step_to)
     attempt = d.sup.attempt
@@ -67,6 +74,7 @@ def crash_and_restart(d: Driver, node: str, *, step_to: int, code: int = 1,
 
 
 # --- attempts, rendezvous ids, preflight -----------------------------------------------------
+
 
 def test_every_attempt_gets_a_new_rendezvous_id_and_a_larger_attempt_number() -> None:
     d = Driver(cfg=fast(), nodes=2)
@@ -98,7 +106,11 @@ def test_preflight_rejection_quarantines_replaces_and_does_not_consume_an_attemp
     out = d.answer_preflight(fail={"n2": ("compute.matmul",)})
     q = d.of(Quarantine, out)
     assert {x.node for x in q} == {"n2"} and "compute.matmul" in q[0].reason
-    assert d.sup.pool.get("n2").state in (PoolState.QUARANTINED, PoolState.BURN_IN, PoolState.HELD)  # PoolState.HELD: its burn-in failed too
+    assert d.sup.pool.get("n2").state in (
+        PoolState.QUARANTINED,
+        PoolState.BURN_IN,
+        PoolState.HELD,
+    )  # PoolState.HELD: its burn-in failed too
     assert [a.node for a in d.of(TakeSpare, out)] == ["n4"]
     d.answer_preflight()
     launch = d.launches[-1]
@@ -150,6 +162,7 @@ def test_first_attempt_waits_for_nodes_before_asking_the_queue() -> None:
 
 
 # --- resume ----------------------------------------------------------------------------------
+
 
 def test_resume_only_from_the_latest_committed_checkpoint() -> None:
     d = Driver(cfg=fast(), nodes=2)
@@ -204,6 +217,7 @@ def test_no_load_done_from_a_trainer_that_sends_no_load_marks() -> None:
 
 
 # --- detection -------------------------------------------------------------------------------
+
 
 def test_hang_detected_after_the_derived_timeout_with_latency() -> None:
     d = Driver(cfg=fast(), nodes=4)
@@ -270,14 +284,18 @@ def _run_with_saves(d: Driver, save_s: float, saves: int) -> int:
     return step + 10
 
 
-@pytest.mark.parametrize(("save_s", "saves", "quiet_s", "fires_by_s"), [
-    (0.5, 3, 9.5, 10.5),     # learned: 3 x 0.5 s is below the ordinary 10 s hang timeout
-    (0.5, 2, 100.0, 121.0),  # fewer than checkpoint_saves_to_learn (3) saves: the 120 s barrier
-    (25.0, 3, 70.0, 76.0),   # slow saves: 3 x 25 = 75 s
-    (50.0, 3, 115.0, 121.0),  # 3 x 50 = 150 s, capped at the 120 s barrier
-])
+@pytest.mark.parametrize(
+    ("save_s", "saves", "quiet_s", "fires_by_s"),
+    [
+        (0.5, 3, 9.5, 10.5),  # learned: 3 x 0.5 s is below the ordinary 10 s hang timeout
+        (0.5, 2, 100.0, 121.0),  # fewer than checkpoint_saves_to_learn (3) saves: the 120 s barrier
+        (25.0, 3, 70.0, 76.0),  # slow saves: 3 x 25 = 75 s
+        (50.0, 3, 115.0, 121.0),  # 3 x 50 = 150 s, capped at the 120 s barrier
+    ],
+)
 def test_the_save_allowance_is_learned_from_the_run_s_own_saves(
-        save_s: float, saves: int, quiet_s: float, fires_by_s: float) -> None:
+    save_s: float, saves: int, quiet_s: float, fires_by_s: float
+) -> None:
     # A rank stops inside the next save: no hang is called for `quiet_s`, one is by `fires_by_s`.
     # The 25 s and 50 s cases also prove that a commit credits its save to the hang clock (without
     # that, a 25 s save tripped the 10 s timeout the moment it committed).
@@ -303,12 +321,17 @@ def test_hung_rank_is_blamed_by_flight_recorder_not_the_rank_that_timed_out() ->
     d.start(5)
     d.steps(1, 20)
     d.advance(11.0)
-    attribution = FlightRecorderVerdict(suspects=(
-        Suspect(node="n3", ranks=(2,), confidence=0.95, reason="rank 2 never entered allreduce seq 41"),))
+    attribution = FlightRecorderVerdict(
+        suspects=(
+            Suspect(node="n3", ranks=(2,), confidence=0.95, reason="rank 2 never entered allreduce seq 41"),
+        )
+    )
     d.send(DumpsCollected(attempt=1, verdict=attribution))
     out = d.exit_all(code=1)  # rank 0 reports the collective timeout: a victim
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0]
-    assert att.attribution.method == "flight_recorder" and [s.node for s in att.attribution.suspects] == ["n3"]
+    assert att.attribution.method == "flight_recorder" and [s.node for s in att.attribution.suspects] == [
+        "n3"
+    ]
     assert [q.node for q in d.of(Quarantine, out)] == ["n3"]
     d.advance(2)
     d.answer_preflight()
@@ -347,14 +370,25 @@ def test_hardware_evidence_outranks_the_flight_recorder() -> None:
     d = Driver(cfg=fast(), nodes=3)
     d.start(4)
     d.steps(1, 5)
-    xid = common_pb2.Evidence(node="n1", kind=common_pb2.EVIDENCE_KIND_XID, xid=79,
-                              severity=common_pb2.SEVERITY_FATAL, detail="Xid 79: GPU has fallen off the bus",
-                              observed_at=d.now - 0.5)
+    xid = common_pb2.Evidence(
+        node="n1",
+        kind=common_pb2.EVIDENCE_KIND_XID,
+        xid=79,
+        severity=common_pb2.SEVERITY_FATAL,
+        detail="Xid 79: GPU has fallen off the bus",
+        observed_at=d.now - 0.5,
+    )
     out = d.send(EvidenceObserved(evidence=xid))
     det = d.events(E.EVENT_KIND_DETECTION, out)[0]
     assert det.detection.detector == E.DETECTOR_EVIDENCE and det.detection.latency_s == pytest.approx(0.5)
-    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict(suspects=(
-        Suspect(node="n2", confidence=0.9, reason="never reached"),))))
+    d.send(
+        DumpsCollected(
+            attempt=1,
+            verdict=FlightRecorderVerdict(
+                suspects=(Suspect(node="n2", confidence=0.9, reason="never reached"),)
+            ),
+        )
+    )
     out = d.exit_all(code=1)
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0]
     assert att.attribution.method == "hardware" and att.attribution.suspects[0].node == "n1"
@@ -365,16 +399,19 @@ def test_hardware_evidence_outranks_the_flight_recorder() -> None:
 def test_fatal_evidence_on_a_spare_quarantines_it_at_once_and_application_xids_do_not() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(3)
-    app = common_pb2.Evidence(node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=13,
-                              severity=common_pb2.SEVERITY_APPLICATION)
+    app = common_pb2.Evidence(
+        node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=13, severity=common_pb2.SEVERITY_APPLICATION
+    )
     assert not d.of(Quarantine, d.send(EvidenceObserved(evidence=app)))
-    ecc = common_pb2.Evidence(node="n3", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
-                              severity=common_pb2.SEVERITY_FATAL)
+    ecc = common_pb2.Evidence(
+        node="n3", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, severity=common_pb2.SEVERITY_FATAL
+    )
     out = d.send(EvidenceObserved(evidence=ecc))
     assert [q.node for q in d.of(Quarantine, out)] == ["n3"] and d.sup.state == RunState.RUNNING
 
 
 # --- crash, crash loop, budget, backoff -------------------------------------------------------
+
 
 def test_killed_rank_is_first_to_exit_but_not_quarantined_on_a_first_offence() -> None:
     d = Driver(cfg=fast(), nodes=2)
@@ -436,8 +473,16 @@ def test_different_steps_are_not_a_crash_loop() -> None:
 
 
 def test_backoff_doubles_up_to_the_cap_and_budget_ends_the_run_with_a_page() -> None:
-    d = Driver(cfg=fast(restart_budget=4, backoff_base_s=1.0, backoff_max_s=4.0, crash_loop_count=99,
-                        repeat_offender_count=99), nodes=1)
+    d = Driver(
+        cfg=fast(
+            restart_budget=4,
+            backoff_base_s=1.0,
+            backoff_max_s=4.0,
+            crash_loop_count=99,
+            repeat_offender_count=99,
+        ),
+        nodes=1,
+    )
     d.start(1)
     delays = []
     for i in range(5):
@@ -458,6 +503,7 @@ def test_backoff_doubles_up_to_the_cap_and_budget_ends_the_run_with_a_page() -> 
 
 
 # --- planned stops, control plane ------------------------------------------------------------
+
 
 def test_stop_request_stops_gracefully_and_relaunches_without_quarantine_or_budget() -> None:
     d = Driver(cfg=fast(restart_budget=0), nodes=2)
@@ -527,8 +573,14 @@ def test_lost_etcd_pauses_and_reconciles_without_quarantine() -> None:
 
 def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
     d = Driver(cfg=fast(), nodes=2)
-    snap = Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=7, attempt_nodes=("n1", "n2"), resume_step=40,
-                    committed_steps=(20, 40), records=(NodeRecordView(node="n3", pool_state=PoolState.HELD.value, reason="xid"),))
+    snap = Snapshot(
+        alive={"n1": 1, "n2": 1, "n3": 1},
+        attempt=7,
+        attempt_nodes=("n1", "n2"),
+        resume_step=40,
+        committed_steps=(20, 40),
+        records=(NodeRecordView(node="n3", pool_state=PoolState.HELD.value, reason="xid"),),
+    )
     out = d.send(snap)
     assert d.sup.state == RunState.RUNNING and d.sup.attempt == 7 and not d.of(Launch, out)
     assert d.sup.pool.get("n3").state == PoolState.HELD
@@ -542,7 +594,9 @@ def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
 
 def test_reconcile_with_a_missing_node_relaunches_without_quarantine() -> None:
     d = Driver(cfg=fast(), nodes=2)
-    out = d.send(Snapshot(alive={"n1": 1, "n3": 1}, attempt=3, attempt_nodes=("n1", "n2"), committed_steps=(5,)))
+    out = d.send(
+        Snapshot(alive={"n1": 1, "n3": 1}, attempt=3, attempt_nodes=("n1", "n2"), committed_steps=(5,))
+    )
     assert d.of(StopAttempt, out) and not d.of(Quarantine, out)
     d.exit_all(code=-15)
     d.answer_preflight()
@@ -550,6 +604,7 @@ def test_reconcile_with_a_missing_node_relaunches_without_quarantine() -> None:
 
 
 # --- stragglers --------------------------------------------------------------------------------
+
 
 def _straggle(d: Driver, first: int, last: int, slow: str, factor: float = 1.10) -> None:
     for s in range(first, last + 1):
@@ -588,6 +643,7 @@ def test_straggler_killed_mid_run_when_configured() -> None:
 
 # --- burn-in, hold, operator ------------------------------------------------------------------
 
+
 def test_quarantined_node_returns_only_after_burn_in() -> None:
     d = Driver(cfg=fast(burn_in_passes=2), nodes=2)
     d.start(3)
@@ -597,11 +653,17 @@ def test_quarantined_node_returns_only_after_burn_in() -> None:
     assert d.sup.pool.get("n2").state == PoolState.QUARANTINED
     out = d.send(NodeJoined(node="n2"))  # the agent comes back
     burn = d.of(RunPreflight, out)
-    assert burn[0].purpose == "burn_in" and burn[0].mode == "full" and d.sup.pool.get("n2").state == PoolState.BURN_IN
+    assert (
+        burn[0].purpose == "burn_in"
+        and burn[0].mode == "full"
+        and d.sup.pool.get("n2").state == PoolState.BURN_IN
+    )
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
     assert d.sup.pool.get("n2").state == PoolState.BURN_IN
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(core.Release, out)] == ["n2"]
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(core.Release, out)] == [
+        "n2"
+    ]
 
 
 def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() -> None:
@@ -638,6 +700,7 @@ def test_operator_quarantine_of_an_active_node_restarts_without_it_and_no_budget
 
 # --- the machine itself ----------------------------------------------------------------------
 
+
 def test_all_nodes_exiting_zero_completes_the_run() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(2)
@@ -670,8 +733,11 @@ def test_events_are_appended_before_the_actions_they_explain() -> None:
     d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
     out = d.exit_all(code=-15) + d.advance(3) + d.answer_preflight()
     kinds = [(type(a).__name__, a.kind if isinstance(a, E.Event) else None) for a in out]
-    for cls, kind in ((Quarantine, E.EVENT_KIND_QUARANTINE), (TakeSpare, E.EVENT_KIND_SPARE_TAKEN),
-                      (Launch, E.EVENT_KIND_LAUNCH)):
+    for cls, kind in (
+        (Quarantine, E.EVENT_KIND_QUARANTINE),
+        (TakeSpare, E.EVENT_KIND_SPARE_TAKEN),
+        (Launch, E.EVENT_KIND_LAUNCH),
+    ):
         i = next(i for i, (n, _) in enumerate(kinds) if n == cls.__name__)
         assert ("Event", kind) in kinds[:i], cls.__name__
 
@@ -720,13 +786,24 @@ def _noisy_run(slow: str | None, steps: int, seed: int, noise: float = 0.05) -> 
     base = 0.8
     for s in range(1, steps + 1):
         d.now += 1.0
-        computes = {(n, i): base * (1.10 if n == slow else 1.0) * (1 + rng.uniform(-noise, noise))
-                    for n in d.running_nodes() for i in range(2)}
+        computes = {
+            (n, i): base * (1.10 if n == slow else 1.0) * (1 + rng.uniform(-noise, noise))
+            for n in d.running_nodes()
+            for i in range(2)
+        }
         slowest = max(computes.values())
         for r, n in enumerate(d.running_nodes()):
-            ranks = tuple(RankSample(rank=2 * r + i, step=s, step_time_s=slowest + 0.05,
-                                     compute_s=computes[(n, i)], wait_s=slowest - computes[(n, i)] + 0.0005,
-                                     reported_at=d.now) for i in range(2))
+            ranks = tuple(
+                RankSample(
+                    rank=2 * r + i,
+                    step=s,
+                    step_time_s=slowest + 0.05,
+                    compute_s=computes[(n, i)],
+                    wait_s=slowest - computes[(n, i)] + 0.0005,
+                    reported_at=d.now,
+                )
+                for i in range(2)
+            )
             d.send(ProgressObserved(node=n, attempt=1, ranks=ranks))
     return [e for e in d.events(E.EVENT_KIND_DETECTION) if e.detection.detector == E.DETECTOR_STRAGGLER]
 
@@ -758,9 +835,13 @@ def test_attribution_module_result_is_accepted_and_its_explanation_logged() -> N
     d.start(4)
     d.steps(1, 10)
     d.advance(11.0)
-    result = FlightRecorderVerdict(explanation="pg 0: ranks 0,2 wait in allreduce #11; rank 1 never entered",
-                            suspects=(Suspect(node="n2", ranks=(1,), confidence=0.9, reason="never entered #11"),
-                                      Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank")))
+    result = FlightRecorderVerdict(
+        explanation="pg 0: ranks 0,2 wait in allreduce #11; rank 1 never entered",
+        suspects=(
+            Suspect(node="n2", ranks=(1,), confidence=0.9, reason="never entered #11"),
+            Suspect(node="", ranks=(7,), confidence=0.9, reason="unknown rank"),
+        ),
+    )
     d.send(DumpsCollected(attempt=1, verdict=result))
     out = d.exit_all(code=1)
     att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[0].attribution
@@ -771,7 +852,9 @@ def test_attribution_module_result_is_accepted_and_its_explanation_logged() -> N
 def test_evidence_from_before_the_attempt_is_not_blamed_for_a_later_crash() -> None:
     d = Driver(cfg=fast(burn_in_passes=1, hold_after_failures=5), nodes=2)
     d.start(3)
-    xid = common_pb2.Evidence(node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL)
+    xid = common_pb2.Evidence(
+        node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL
+    )
     d.send(EvidenceObserved(evidence=xid))  # n3 is a spare: quarantined, burn-in passes, back as a spare
     d.answer_preflight()
     assert d.sup.pool.get("n3").state == PoolState.SPARE
@@ -840,8 +923,14 @@ def test_quarantine_persists_reason_and_evidence_for_the_pool_entry() -> None:
 
     d = Driver(cfg=fast(), nodes=1)
     d.start(2)
-    ecc = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, detail="DBE on GPU 3")
+    ecc = common_pb2.Evidence(
+        node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE, detail="DBE on GPU 3"
+    )
     out = d.send(EvidenceObserved(evidence=ecc))
     rec = next(a.record for a in d.of(PersistNode, out) if a.record.node == "n2")
-    assert rec.pool_state == PoolState.QUARANTINED.value and "ECC" in rec.reason and rec.evidence[0].detail == "DBE on GPU 3"
+    assert (
+        rec.pool_state == PoolState.QUARANTINED.value
+        and "ECC" in rec.reason
+        and rec.evidence[0].detail == "DBE on GPU 3"
+    )
     assert rec.evidence_kinds == (common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,) and len(rec.failure_times) == 1

@@ -16,14 +16,17 @@ from runwarden.v1 import common_pb2
 CFG = SupervisorConfig()
 
 
-@pytest.mark.parametrize(("code", "sig", "kind", "label"), [
-    (0, None, "clean", "clean"),
-    (1, None, "crash", "exit:1"),
-    (None, signal.SIGKILL, "signal", "signal:SIGKILL"),
-    (137, None, "signal", "signal:SIGKILL"),
-    (-11, None, "signal", "signal:SIGSEGV"),
-    (None, None, "crash", "exit:unknown"),
-])
+@pytest.mark.parametrize(
+    ("code", "sig", "kind", "label"),
+    [
+        (0, None, "clean", "clean"),
+        (1, None, "crash", "exit:1"),
+        (None, signal.SIGKILL, "signal", "signal:SIGKILL"),
+        (137, None, "signal", "signal:SIGKILL"),
+        (-11, None, "signal", "signal:SIGSEGV"),
+        (None, None, "crash", "exit:unknown"),
+    ],
+)
 def test_classify_exit(code: int | None, sig: int | None, kind: str, label: str) -> None:
     c = d.classify_exit(code, sig, stopping=False)
     assert (c.kind, c.label) == (kind, label)
@@ -96,14 +99,18 @@ def test_mass_expiry_threshold_and_window() -> None:
 
 def test_fatal_evidence() -> None:
     ev = common_pb2.Evidence
-    assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL))
-    assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=13,
-                                      severity=common_pb2.SEVERITY_APPLICATION))
+    assert is_fatal(
+        ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL)
+    )
+    assert not is_fatal(
+        ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, xid=13, severity=common_pb2.SEVERITY_APPLICATION)
+    )
     assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_WARNING))
     assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE))
     assert is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_GPU_LOST))
-    assert not is_fatal(ev(node="a", kind=common_pb2.EVIDENCE_KIND_THROTTLE,
-                                      severity=common_pb2.SEVERITY_WARNING))
+    assert not is_fatal(
+        ev(node="a", kind=common_pb2.EVIDENCE_KIND_THROTTLE, severity=common_pb2.SEVERITY_WARNING)
+    )
 
 
 def test_heartbeat_suspect_is_the_single_node_behind() -> None:
@@ -119,8 +126,17 @@ def test_median() -> None:
         d.median([])
 
 
-@pytest.mark.parametrize("bad", [{"rank": -1}, {"step": -5}, {"step_time_s": float("nan")}, {"compute_s": -0.1},
-                                 {"wait_s": float("inf")}, {"compute_s": "fast"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rank": -1},
+        {"step": -5},
+        {"step_time_s": float("nan")},
+        {"compute_s": -0.1},
+        {"wait_s": float("inf")},
+        {"compute_s": "fast"},
+    ],
+)
 def test_rank_sample_rejects_bad_values_with_a_clear_error(bad: dict[str, object]) -> None:
     from controller.supervisor.events import RankSample
 

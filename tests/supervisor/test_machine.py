@@ -31,7 +31,8 @@ def fast(**kw: object) -> SupervisorConfig:
 def test_the_docstring_diagram_is_generated_from_the_table() -> None:
     doc = machine.__doc__ or ""
     assert machine.diagram() in doc, (
-        "controller/supervisor/machine.py's diagram drifted from TABLE: paste machine.diagram() into the docstring")
+        "controller/supervisor/machine.py's diagram drifted from TABLE: paste machine.diagram() into the docstring"
+    )
 
 
 def test_every_table_move_is_an_edge_and_every_state_has_a_row() -> None:
@@ -89,30 +90,56 @@ def test_the_same_events_give_the_same_batches_under_two_hash_seeds() -> None:
     outs = []
     for seed in ("1", "31337"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.append(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                                   text=True, check=True, timeout=120).stdout)
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            ).stdout
+        )
     assert outs[0] == outs[1] and len(outs[0].splitlines()) > 50
 
 
 FORBIDDEN_DIRECT = {"grpc", "pyetcd", "threading", "socket", "time", "subprocess", "os", "asyncio", "random"}
-FORBIDDEN_PACKAGES = ("controller.live", "controller.api", "controller.ctl", "controller.backends",
-                      "controller.sim", "controller.goodput", "runwarden.store", "nodeagent", "preflight")
+FORBIDDEN_PACKAGES = (
+    "controller.live",
+    "controller.api",
+    "controller.ctl",
+    "controller.backends",
+    "controller.sim",
+    "controller.goodput",
+    "runwarden.store",
+    "nodeagent",
+    "preflight",
+)
 
 
 def test_the_supervisor_package_imports_no_io() -> None:
     for path in sorted(PACKAGE.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] not in FORBIDDEN_DIRECT, f"{path.name} imports {name}"
                 assert not name.startswith(FORBIDDEN_PACKAGES), f"{path.name} imports {name}"
     # and nothing below it pulls a daemon module or a network client in
-    code = ("import sys, importlib, pkgutil, controller.supervisor as p\n"
-            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('controller.supervisor.' + m.name)\n"
-            "print('\\n'.join(sorted(sys.modules)))")
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                            timeout=60).stdout.split()
+    code = (
+        "import sys, importlib, pkgutil, controller.supervisor as p\n"
+        "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('controller.supervisor.' + m.name)\n"
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
     bad = [m for m in loaded if m.split(".")[0] in ("grpc", "pyetcd") or m.startswith(FORBIDDEN_PACKAGES)]
     assert not bad, bad
 
@@ -128,15 +155,25 @@ def test_restart_decisions_carry_their_reason() -> None:
     assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s"
     restart.record(cfg, h, d2, now=101.0, **kw)  # test kwargs
     d3 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **kw)  # test kwargs
-    assert d3 == restart.CrashLoop(reason="crash loop: the same failure (exit:1) at step 7 3 times in a row with no "
-                                   "suspect; stopped and paged")
+    assert d3 == restart.CrashLoop(
+        reason="crash loop: the same failure (exit:1) at step 7 3 times in a row with no "
+        "suspect; stopped and paged"
+    )
     other = dict(kw, step=8)
-    d4 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **other)  # test kwargs
-    assert isinstance(d4, restart.BudgetExhausted) and d4.reason == "restart budget of 2 exhausted; not relaunching"
+    d4 = restart.restart_decision(
+        cfg, h, now=102.0, planned=False, control_plane=False, **other
+    )  # test kwargs
+    assert (
+        isinstance(d4, restart.BudgetExhausted)
+        and d4.reason == "restart budget of 2 exhausted; not relaunching"
+    )
     assert "2 restarts within 86400s" in d4.page
-    planned = restart.restart_decision(cfg, h, now=102.0, planned=True, control_plane=False, **kw)  # test kwargs
-    assert planned == restart.Relaunch(delay=0.0, counted=False,
-                                       reason="planned stop: relaunching without consuming the restart budget")
+    planned = restart.restart_decision(
+        cfg, h, now=102.0, planned=True, control_plane=False, **kw
+    )  # test kwargs
+    assert planned == restart.Relaunch(
+        delay=0.0, counted=False, reason="planned stop: relaunching without consuming the restart budget"
+    )
 
 
 def test_a_launch_never_carried_out_is_relaunched_at_once_with_a_new_attempt() -> None:
@@ -161,14 +198,18 @@ def test_an_append_that_failed_before_a_launch_is_the_same_reaction() -> None:
     d.answer_preflight()
     again = d.launches[-1]
     d.send(ActionFailed(action=again, temporary=True, reason="event log append failed: ENOSPC"))
-    assert d.timers.get("backoff") == pytest.approx(d.now + 2.0), "the backoff grows while launches keep failing"
+    assert d.timers.get("backoff") == pytest.approx(d.now + 2.0), (
+        "the backoff grows while launches keep failing"
+    )
 
 
 def test_a_node_preflight_cannot_reach_is_replaced_not_quarantined() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.add_nodes(3)
     req = d.preflight_out.pop(0)
-    out = d.send(ActionFailed(action=req, node="n1", temporary=True, reason="UNAVAILABLE: connection refused"))
+    out = d.send(
+        ActionFailed(action=req, node="n1", temporary=True, reason="UNAVAILABLE: connection refused")
+    )
     assert not d.events(E.EVENT_KIND_QUARANTINE) and d.sup.pool.get("n1").preflight_rejections == 0
     assert "n1" not in d.sup.current_nodes and "n3" in d.sup.current_nodes
     assert any("not quarantined" in e.message for e in d.events(actions=out))

@@ -70,7 +70,9 @@ def test_config_validation_names_the_key() -> None:
 
 
 def test_config_loads_from_a_toml_section_and_rejects_unknown_keys() -> None:
-    cfg = load_section(SupervisorConfig, {"restart_budget": 5, "hang_timeout_s": 30.0}, "controller.supervisor.policy")
+    cfg = load_section(
+        SupervisorConfig, {"restart_budget": 5, "hang_timeout_s": 30.0}, "controller.supervisor.policy"
+    )
     assert cfg.restart_budget == 5 and cfg.hang_timeout_s == 30.0
     with pytest.raises(ConfigError, match="restart_budgett"):
         load_section(SupervisorConfig, {"restart_budgett": 5}, "controller.supervisor.policy")

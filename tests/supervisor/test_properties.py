@@ -60,9 +60,18 @@ ops = st.one_of(
 
 
 def cfg() -> SupervisorConfig:
-    return SupervisorConfig(restart_budget=BUDGET, restart_budget_window_s=0.0, backoff_base_s=1.0,
-                            backoff_max_s=4.0, dump_timeout_s=5.0, stop_grace_s=5.0, stop_margin_s=1.0,
-                            queue_wait_s=0.0, burn_in_passes=2, mass_expiry_min_nodes=3)
+    return SupervisorConfig(
+        restart_budget=BUDGET,
+        restart_budget_window_s=0.0,
+        backoff_base_s=1.0,
+        backoff_max_s=4.0,
+        dump_timeout_s=5.0,
+        stop_grace_s=5.0,
+        stop_margin_s=1.0,
+        queue_wait_s=0.0,
+        burn_in_passes=2,
+        mass_expiry_min_nodes=3,
+    )
 
 
 def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
@@ -96,8 +105,13 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
     elif kind == "advance":
         d.advance(op[1])
     elif kind == "evidence":
-        d.send(EvidenceObserved(evidence=common_pb2.Evidence(
-            node=op[1], kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL)))
+        d.send(
+            EvidenceObserved(
+                evidence=common_pb2.Evidence(
+                    node=op[1], kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL
+                )
+            )
+        )
     elif kind == "op_quarantine":
         d.send(OperatorQuarantine(node=op[1], reason="test"))
     elif kind == "op_release":
@@ -107,8 +121,14 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
     elif kind == "cp_restored":
         d.send(ControlPlaneRestored())
         alive = {n: 1 for n, p in sup.pool.nodes.items() if p.alive}
-        d.send(Snapshot(alive=alive, attempt=sup.attempt, attempt_nodes=sup.current_nodes,
-                        committed_steps=tuple(committed)))
+        d.send(
+            Snapshot(
+                alive=alive,
+                attempt=sup.attempt,
+                attempt_nodes=sup.current_nodes,
+                committed_steps=tuple(committed),
+            )
+        )
     elif kind == "crash_running":
         if sup.current_nodes:
             victim = sup.current_nodes[op[1] % len(sup.current_nodes)]
@@ -123,7 +143,9 @@ class Recorder(Driver):
 
     def send(self, event: Any, now: float | None = None) -> list[Any]:
         out = super().send(event, now)
-        if isinstance(event, PreflightResult) and event.passed and event.mode == "quick":  # attempt, not burn-in
+        if (
+            isinstance(event, PreflightResult) and event.passed and event.mode == "quick"
+        ):  # attempt, not burn-in
             self.actions.insert(len(self.actions) - len(out), _Passed(event.node))  # test marker
         return out
 
@@ -142,7 +164,9 @@ def check_preflight_before_launch(d: Driver) -> None:
             passed.add(a.node)
         elif isinstance(a, Launch):
             nodes = {nr.node for nr in a.nodes}
-            assert nodes <= passed, f"attempt {a.attempt} launched {nodes - passed} without a passed preflight"
+            assert nodes <= passed, (
+                f"attempt {a.attempt} launched {nodes - passed} without a passed preflight"
+            )
             passed = set()
 
 
@@ -166,24 +190,37 @@ def check_core_invariants(d: Driver, committed: list[int]) -> None:
         if isinstance(a, Quarantine):
             out_quarantined.add(a.node)
             prior = d.actions[:i]
-            assert any(isinstance(b, events_pb2.Event) and b.kind == events_pb2.EVENT_KIND_QUARANTINE
-                       and b.quarantine.node == a.node for b in prior), "quarantine not logged first"
+            assert any(
+                isinstance(b, events_pb2.Event)
+                and b.kind == events_pb2.EVENT_KIND_QUARANTINE
+                and b.quarantine.node == a.node
+                for b in prior
+            ), "quarantine not logged first"
         elif isinstance(a, Release):
             out_quarantined.discard(a.node)
         elif isinstance(a, events_pb2.Event):
             ev = a
             if ev.kind == events_pb2.EVENT_KIND_EXIT and ev.exit.classification in (
-                    "stopped", "planned_stop", "control_plane"):
+                "stopped",
+                "planned_stop",
+                "control_plane",
+            ):
                 prev_end = ev.exit.classification
             elif ev.kind == events_pb2.EVENT_KIND_CHECKPOINT_COMMIT:
                 commits.append(ev.step)
         elif isinstance(a, Launch):
             nodes = {nr.node for nr in a.nodes}
-            assert not nodes & out_quarantined, f"launch {a.attempt} includes quarantined {nodes & out_quarantined}"
+            assert not nodes & out_quarantined, (
+                f"launch {a.attempt} includes quarantined {nodes & out_quarantined}"
+            )
             assert a.attempt > last_attempt, "attempt numbers must strictly increase"
             assert a.rendezvous_id == f"demo-{a.attempt}"
-            assert any(isinstance(b, events_pb2.Event) and b.kind == events_pb2.EVENT_KIND_LAUNCH
-                       and b.launch.rendezvous_id == a.rendezvous_id for b in d.actions[:i]), "launch not logged first"
+            assert any(
+                isinstance(b, events_pb2.Event)
+                and b.kind == events_pb2.EVENT_KIND_LAUNCH
+                and b.launch.rendezvous_id == a.rendezvous_id
+                for b in d.actions[:i]
+            ), "launch not logged first"
             last_attempt = a.attempt
             assert a.resume_step == (max(commits) if commits else -1), "resume from the latest committed step"
             assert a.resume_step == -1 or a.resume_step in committed
@@ -194,9 +231,14 @@ def check_core_invariants(d: Driver, committed: list[int]) -> None:
 
 
 # Failures are more frequent than anything else, so that budgets, crash loops and relaunches are reached.
-busy_ops = st.one_of(ops, st.tuples(st.just("crash"), node, st.just(1)), st.tuples(st.just("advance"), st.just(11.0)),
-                     st.tuples(st.just("steps"), st.integers(1, 3)), st.tuples(st.just("lose"), node),
-                     st.tuples(st.just("join"), node))
+busy_ops = st.one_of(
+    ops,
+    st.tuples(st.just("crash"), node, st.just(1)),
+    st.tuples(st.just("advance"), st.just(11.0)),
+    st.tuples(st.just("steps"), st.integers(1, 3)),
+    st.tuples(st.just("lose"), node),
+    st.tuples(st.just("join"), node),
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -262,4 +304,5 @@ def test_failure_storms_stay_within_the_budget(seq: list[tuple[Any, ...]]) -> No
         d.answer_preflight()
     check_all(d, committed)
     assert len(d.of(Launch)) <= 1 + BUDGET + sum(
-        1 for e in d.events(events_pb2.EVENT_KIND_EXIT) if e.exit.classification == "planned_stop")
+        1 for e in d.events(events_pb2.EVENT_KIND_EXIT) if e.exit.classification == "planned_stop"
+    )

@@ -31,8 +31,13 @@ NODES, SPARES, FAILURES = 2048, 64, 466
 
 def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
     rng = random.Random(seed)
-    cfg = SupervisorConfig(restart_budget=failures + 1, restart_budget_window_s=0.0, crash_loop_count=10**6,
-                           repeat_offender_count=10**6, queue_wait_s=0.0)
+    cfg = SupervisorConfig(
+        restart_budget=failures + 1,
+        restart_budget_window_s=0.0,
+        crash_loop_count=10**6,
+        repeat_offender_count=10**6,
+        queue_wait_s=0.0,
+    )
     sup = Supervisor(cfg, RunPlan(run="llama3", nodes=NODES))
     now = 0.0
     pending: list[RunPreflight] = []
@@ -68,7 +73,11 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
             step += 100
             now += 60.0
             for n in nodes[:: max(1, len(nodes) // 64)]:
-                feed(ProgressObserved(node=n, attempt=attempt, ranks=(RankSample(rank=0, step=step, step_time_s=1.0),)))
+                feed(
+                    ProgressObserved(
+                        node=n, attempt=attempt, ranks=(RankSample(rank=0, step=step, step_time_s=1.0),)
+                    )
+                )
         feed(CheckpointCommitted(step=step))
         victim = nodes[rng.randrange(len(nodes))]
         now += 1.0
@@ -94,7 +103,9 @@ def test_fleet_scale_core_cost_is_small() -> None:
     sup, wall, events = drive_fleet(FAILURES)
     assert sup.attempt == FAILURES + 1 and sup.state == RunState.RUNNING
     per_event_us = wall / events * 1e6
-    print(f"\n{FAILURES} failures on {NODES} nodes: {events} events in {wall:.2f}s ({per_event_us:.1f} us/event)")
+    print(
+        f"\n{FAILURES} failures on {NODES} nodes: {events} events in {wall:.2f}s ({per_event_us:.1f} us/event)"
+    )
     # Measured ~10-15 s on the shared 2-core box; the bound leaves room for a loaded machine.
     assert wall < 45.0, f"core too slow: {wall:.1f}s for {events} events"
 

@@ -84,8 +84,10 @@ class Runner:
             if printed is not None:
                 return printed
         except (TransitionError, ValueError) as exc:  # an error is output, not an abort
-            return [*(r for a in self.d.actions[start:] if (r := render(a)) is not None),
-                    f"error: {type(exc).__name__}: {exc}"]
+            return [
+                *(r for a in self.d.actions[start:] if (r := render(a)) is not None),
+                f"error: {type(exc).__name__}: {exc}",
+            ]
         if self.d is not driver:  # restart-controller: a new driver, all of whose output is new
             start = 0
         return [r for a in self.d.actions[start:] if (r := render(a)) is not None]
@@ -97,9 +99,11 @@ class Runner:
     def cmd_pool(self, args: list[str]) -> list[str]:
         """Every node's pool state (and whether its lease is alive), and the run's state."""
         sup = self.d.sup
-        rows = [f"pool {n}: {p.state.label}{'' if p.alive else ' (lost)'}"
-                + (f" failures={len(p.failure_times)}" if p.failure_times else "")
-                for n, p in sorted(sup.pool.nodes.items())]
+        rows = [
+            f"pool {n}: {p.state.label}{'' if p.alive else ' (lost)'}"
+            + (f" failures={len(p.failure_times)}" if p.failure_times else "")
+            for n, p in sorted(sup.pool.nodes.items())
+        ]
         return [*rows, f"state {sup.state.name} attempt={sup.attempt} step={sup.job_step}"]
 
     def cmd_lose_many(self, args: list[str]) -> None:
@@ -108,13 +112,21 @@ class Runner:
 
     def cmd_checkpoint_failed(self, args: list[str]) -> None:
         pos, kv = _kv(args)
-        self.d.send(CheckpointFailed(step=int(pos[0]), error=kv.get("error", "disk full"), node=kv.get("node", "")))
+        self.d.send(
+            CheckpointFailed(step=int(pos[0]), error=kv.get("error", "disk full"), node=kv.get("node", ""))
+        )
 
     def cmd_fail_launch(self, args: list[str]) -> None:
         """The shell could not carry out the last Launch (a refused CAS: permanent), optionally on one node."""
         _, kv = _kv(args)
-        self.d.send(ActionFailed(action=self.d.launches[-1], temporary=kv.get("temporary") == "true",
-                                 reason=kv.get("reason", "attempt record CAS refused"), node=kv.get("node", "")))
+        self.d.send(
+            ActionFailed(
+                action=self.d.launches[-1],
+                temporary=kv.get("temporary") == "true",
+                reason=kv.get("reason", "attempt record CAS refused"),
+                node=kv.get("node", ""),
+            )
+        )
 
     def cmd_fail_preflight(self, args: list[str]) -> None:
         """The shell could not reach a node for its preflight (UNAVAILABLE past every retry)."""
@@ -124,8 +136,14 @@ class Runner:
         rest = tuple(n for n in req.nodes if n != pos[0])
         if rest:
             self.d.preflight_out.append(RunPreflight(nodes=rest, mode=req.mode, purpose=req.purpose))
-        self.d.send(ActionFailed(action=req, node=pos[0], temporary=kv.get("temporary", "true") == "true",
-                                 reason=kv.get("reason", "UNAVAILABLE: connection refused")))
+        self.d.send(
+            ActionFailed(
+                action=req,
+                node=pos[0],
+                temporary=kv.get("temporary", "true") == "true",
+                reason=kv.get("reason", "UNAVAILABLE: connection refused"),
+            )
+        )
 
     def cmd_restart_controller(self, args: list[str]) -> None:
         """A new controller: a fresh core, fed the store's view (what the old one persisted)."""
@@ -133,11 +151,20 @@ class Runner:
         records = tuple(p.view() for p in old.pool.nodes.values())
         alive = {n: 1 for n, p in old.pool.nodes.items() if p.alive}
         self.d = Driver(cfg=old.cfg, nodes=old.plan.nodes, now=self.d.now)
-        self.d.send(Snapshot(alive=alive, records=records, attempt=old.attempt, attempt_nodes=old.current_nodes,
-                             resume_step=old.cur.resume_step, committed_steps=tuple(sorted(old.committed))))
+        self.d.send(
+            Snapshot(
+                alive=alive,
+                records=records,
+                attempt=old.attempt,
+                attempt_nodes=old.current_nodes,
+                resume_step=old.cur.resume_step,
+                committed_steps=tuple(sorted(old.committed)),
+            )
+        )
 
     def cmd_send_unknown(self, args: list[str]) -> None:
         """An event the machine has no rule for (a bug in a shell): the error is the output."""
+
         class Unknown:
             pass
 
@@ -147,8 +174,14 @@ class Runner:
         _, kv = _kv(args)
         nodes = int(kv.pop("nodes", "4"))
         fields = SupervisorConfig.__dataclass_fields__
-        typed = {k: (fields[k].type in ("bool",) and v == "true") if fields[k].type == "bool" else
-                 int(v) if fields[k].type == "int" else float(v) for k, v in kv.items()}
+        typed = {
+            k: (fields[k].type in ("bool",) and v == "true")
+            if fields[k].type == "bool"
+            else int(v)
+            if fields[k].type == "int"
+            else float(v)
+            for k, v in kv.items()
+        }
         self.d = Driver(cfg=SupervisorConfig(**typed), nodes=nodes)  # typed above
 
     def cmd_add_nodes(self, args: list[str]) -> None:
@@ -190,10 +223,16 @@ class Runner:
 
     def cmd_exit(self, args: list[str]) -> None:
         pos, kv = _kv(args)
-        self.d.send(AttemptExited(node=pos[0], attempt=self.d.sup.attempt, ended_at=self.d.now,
-                                  exit_code=int(kv["code"]) if "code" in kv else None,
-                                  signal=int(kv["signal"]) if "signal" in kv else None,
-                                  rank=int(kv["rank"]) if "rank" in kv else None))
+        self.d.send(
+            AttemptExited(
+                node=pos[0],
+                attempt=self.d.sup.attempt,
+                ended_at=self.d.now,
+                exit_code=int(kv["code"]) if "code" in kv else None,
+                signal=int(kv["signal"]) if "signal" in kv else None,
+                rank=int(kv["rank"]) if "rank" in kv else None,
+            )
+        )
 
     def cmd_exit_all(self, args: list[str]) -> None:
         _, kv = _kv(args)
@@ -205,19 +244,32 @@ class Runner:
             node, rank, *_ = args[0].removeprefix("suspect=").split(":")
             reason = " ".join([args[0].split(":", 2)[2], *args[1:]]) if args[0].count(":") >= 2 else ""
             suspects = (Suspect(node=node, ranks=(int(rank),), confidence=0.95, reason=reason),)
-        self.d.send(DumpsCollected(attempt=self.d.sup.attempt,
-                                   verdict=FlightRecorderVerdict(suspects=suspects)))
+        self.d.send(
+            DumpsCollected(attempt=self.d.sup.attempt, verdict=FlightRecorderVerdict(suspects=suspects))
+        )
 
     def cmd_evidence(self, args: list[str]) -> None:
         pos, kv = _kv(args)
         xid = int(kv.get("xid", "79"))
-        self.d.send(EvidenceObserved(evidence=common_pb2.Evidence(
-            node=pos[0], kind=common_pb2.EVIDENCE_KIND_XID, xid=xid, severity=common_pb2.SEVERITY_FATAL,
-            detail=f"Xid {xid}", observed_at=self.d.now, source="kmsg")))
+        self.d.send(
+            EvidenceObserved(
+                evidence=common_pb2.Evidence(
+                    node=pos[0],
+                    kind=common_pb2.EVIDENCE_KIND_XID,
+                    xid=xid,
+                    severity=common_pb2.SEVERITY_FATAL,
+                    detail=f"Xid {xid}",
+                    observed_at=self.d.now,
+                    source="kmsg",
+                )
+            )
+        )
 
     def cmd_stop(self, args: list[str]) -> None:
         words = [a for a in args if a != "norelaunch"]
-        self.d.send(StopRequested(reason=" ".join(words), requested_by="scenario", relaunch="norelaunch" not in args))
+        self.d.send(
+            StopRequested(reason=" ".join(words), requested_by="scenario", relaunch="norelaunch" not in args)
+        )
 
     def cmd_control_plane(self, args: list[str]) -> None:
         if args[0] == "lost":
@@ -226,8 +278,14 @@ class Runner:
         self.d.send(ControlPlaneRestored())
         sup = self.d.sup
         alive = {n: 1 for n, p in sup.pool.nodes.items() if p.alive}
-        self.d.send(Snapshot(alive=alive, attempt=sup.attempt, attempt_nodes=sup.current_nodes,
-                             committed_steps=tuple(sorted(sup.committed))))
+        self.d.send(
+            Snapshot(
+                alive=alive,
+                attempt=sup.attempt,
+                attempt_nodes=sup.current_nodes,
+                committed_steps=tuple(sorted(sup.committed)),
+            )
+        )
 
     def cmd_quarantine(self, args: list[str]) -> None:
         self.d.send(OperatorQuarantine(node=args[0], reason=" ".join(args[1:])))
@@ -244,8 +302,13 @@ def run_script(text: str) -> str:
         if not lines:
             continue
         cmd = lines[0]
-        out += [*[ln for ln in block.strip("\n").splitlines() if ln.startswith("#")], cmd, "----",
-                *runner.run(cmd), ""]
+        out += [
+            *[ln for ln in block.strip("\n").splitlines() if ln.startswith("#")],
+            cmd,
+            "----",
+            *runner.run(cmd),
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -288,12 +351,32 @@ def test_scenario_events_cover_the_log_schema_and_round_trip_through_the_event_l
         want_copy.seq = got.seq
         assert got == want_copy
     kinds = {ev.kind for ev in written}
-    for kind in (E.EVENT_KIND_LAUNCH, E.EVENT_KIND_EXIT, E.EVENT_KIND_DETECTION, E.EVENT_KIND_ATTRIBUTION,
-                 E.EVENT_KIND_QUARANTINE, E.EVENT_KIND_RELEASE, E.EVENT_KIND_SPARE_TAKEN,
-                 E.EVENT_KIND_PREFLIGHT_RESULT, E.EVENT_KIND_CHECKPOINT_COMMIT, E.EVENT_KIND_STOP_REQUEST,
-                 E.EVENT_KIND_FIRST_STEP, E.EVENT_KIND_PAGE, E.EVENT_KIND_RUN_END, E.EVENT_KIND_CONTROL_PLANE,
-                 E.EVENT_KIND_RESTART, E.EVENT_KIND_ALLOCATE, E.EVENT_KIND_NODE_LOST, E.EVENT_KIND_NODE_JOINED):
+    for kind in (
+        E.EVENT_KIND_LAUNCH,
+        E.EVENT_KIND_EXIT,
+        E.EVENT_KIND_DETECTION,
+        E.EVENT_KIND_ATTRIBUTION,
+        E.EVENT_KIND_QUARANTINE,
+        E.EVENT_KIND_RELEASE,
+        E.EVENT_KIND_SPARE_TAKEN,
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        E.EVENT_KIND_CHECKPOINT_COMMIT,
+        E.EVENT_KIND_STOP_REQUEST,
+        E.EVENT_KIND_FIRST_STEP,
+        E.EVENT_KIND_PAGE,
+        E.EVENT_KIND_RUN_END,
+        E.EVENT_KIND_CONTROL_PLANE,
+        E.EVENT_KIND_RESTART,
+        E.EVENT_KIND_ALLOCATE,
+        E.EVENT_KIND_NODE_LOST,
+        E.EVENT_KIND_NODE_JOINED,
+    ):
         assert kind in kinds, E.EventKind.Name(kind)
     detectors = {ev.detection.detector for ev in written if ev.kind == E.EVENT_KIND_DETECTION}
-    assert {E.DETECTOR_HANG, E.DETECTOR_CRASH, E.DETECTOR_NODE_LOST, E.DETECTOR_STRAGGLER,
-            E.DETECTOR_EVIDENCE} <= detectors
+    assert {
+        E.DETECTOR_HANG,
+        E.DETECTOR_CRASH,
+        E.DETECTOR_NODE_LOST,
+        E.DETECTOR_STRAGGLER,
+        E.DETECTOR_EVIDENCE,
+    } <= detectors

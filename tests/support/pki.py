@@ -22,7 +22,9 @@ class Pki:
 def make_pki(directory: Path, name: str = "test") -> Pki:
     """A CA in ``directory``, a server certificate for localhost and a client certificate (no admin organization)."""
     ca = create_ca(directory, name=f"{name} CA", days=1)
-    server = issue(directory, "server", role="server", common_name=f"{name} server", hosts=LOCAL_HOSTS, days=1)
+    server = issue(
+        directory, "server", role="server", common_name=f"{name} server", hosts=LOCAL_HOSTS, days=1
+    )
     client = issue(directory, "client", role="reader", common_name=f"{name} client", days=1)
     return Pki(
         ca_file=str(ca.cert),
