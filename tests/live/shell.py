@@ -34,6 +34,7 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
         self.calls: list[str] = []
         self.launches: list[agent_pb2.LaunchWorkersRequest] = []
         self.before_preflight: Callable[[], None] | None = None
+        self.launch_refusals = 0  # the first this many launches abort with PERMISSION_DENIED
 
     def RunPreflight(self, request: Any, context: Any) -> Iterator[agent_pb2.RunPreflightResponse]:
         self.calls.append("RunPreflight")
@@ -43,6 +44,9 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
 
     def LaunchWorkers(self, request: Any, context: Any) -> agent_pb2.LaunchWorkersResponse:
         self.calls.append("LaunchWorkers")
+        if self.launch_refusals > 0:
+            self.launch_refusals -= 1
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "argv[0] is not allowed (the test's refusal)")
         self.launches.append(request)
         return agent_pb2.LaunchWorkersResponse(pid=1)
 

@@ -107,6 +107,26 @@ def test_a_failed_log_append_skips_the_launch_and_the_core_reacts_within_one_tic
     print(f"failed append -> core reaction {reaction_s * 1000:.1f} ms")
 
 
+def test_a_launch_refused_by_one_agent_is_that_nodes_failure_not_a_fake_exit_code(
+        store: Store, tmp_path: Path) -> None:
+    with agent_double(store) as agent, live_shell(store, tmp_path / "run") as (_shell, log):
+        agent.launch_refusals = 1
+        log.wait(is_launch(1), 20)
+        _, failed = log.wait(says("Launch on n1 failed (permanent)"), 10)
+        assert "PERMISSION_DENIED" in failed.message
+        log.wait(is_launch(2), 30)  # handled like the node's workers exiting at once: stop, back off, relaunch
+
+
+def test_a_bad_value_in_etcd_is_dropped_alone_and_the_run_goes_on(store: Store, tmp_path: Path) -> None:
+    with agent_double(store) as agent, live_shell(store, tmp_path / "run") as (_shell, log):
+        store.put(store.keys.progress(RUN, "n1"), b"\xff\xff not a NodeProgress")  # bad input from outside
+        log.wait(is_launch(1), 20)
+        deadline = time.monotonic() + 10
+        while not agent.launches and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r.attempt for r in agent.launches] == [1]
+
+
 class SupervisorRaisingOnce(Supervisor):
     """Test double wrapping the real Supervisor: its first PreflightResult raises a bug-like error."""
 
