@@ -35,7 +35,7 @@ import heapq
 import random
 import signal as signal_mod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, assert_never
 
 from controller.sim.draws import Draws, Fault
@@ -113,7 +113,6 @@ class SimResult:
     handle_calls: int
     final_state: str
     planned_stops: int
-    ledger: dict[str, Any] = field(default_factory=dict)
 
 
 class World:

@@ -306,7 +306,3 @@ def format_counts(scenario: Scenario, summary: PolicySummary) -> str:
         )
     lines.append(f"  {'total':<30} {total_c:7.1f} {total_d:7.1f} {total_s:7.1f}")
     return "\n".join(lines)
-
-
-def lost_hours(outcome: SeedOutcome, scenario: Scenario) -> dict[str, float]:
-    return {k: v * scenario.run.duration_s / 3600 for k, v in outcome.lost_by_lever.items()}

@@ -247,9 +247,6 @@ class Scenario:
                 f"{self.source or 'scenario'}: no policy {name!r}; have: {', '.join(self.policies)}"
             ) from None
 
-    def with_policy(self, policy: Policy) -> Scenario:
-        return replace(self, policies={**self.policies, policy.name: policy})
-
     def interruption_rate_s(self) -> float:
         """Unplanned interruptions per second of wall time (all causes)."""
         return sum(c.fleet_rate_s(self.run) for c in self.causes)

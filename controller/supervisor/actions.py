@@ -154,6 +154,3 @@ class Batch:
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.actions)
-
-
-EMPTY = Batch()

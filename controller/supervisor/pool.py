@@ -217,7 +217,12 @@ class Pool:
         ]
         if count_failure:
             node.failure_times = [*node.failure_times, now][-MAX_FAILURE_TIMES:]
-        held = operator or self.recent_failures(node, now) >= self._cfg.hold_after_failures
+        # a held node stays held (only an operator lets it back), whatever the new failure is
+        held = (
+            operator
+            or node.state is PoolState.HELD
+            or self.recent_failures(node, now) >= self._cfg.hold_after_failures
+        )
         node.operator_hold = node.operator_hold or operator
         self._move(node, PoolState.HELD if held else PoolState.QUARANTINED)
         node.reason = reason

@@ -13,9 +13,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.supervisor.actions import Launch, Quarantine, Release
+from controller.supervisor.actions import CollectDumps, Launch, Quarantine, Release
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
+    ActionFailed,
     AttemptExited,
     CheckpointCommitted,
     ControlPlaneLost,
@@ -56,6 +57,9 @@ ops = st.one_of(
     st.tuples(st.just("cp_lost")),
     st.tuples(st.just("cp_restored")),
     st.tuples(st.just("stale_exit"), node),
+    st.tuples(st.just("fail_launch"), st.one_of(st.none(), node), st.booleans()),
+    st.tuples(st.just("fail_preflight"), node, st.booleans()),
+    st.tuples(st.just("fail_dumps")),
 )
 
 
@@ -135,6 +139,18 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
             d.send(AttemptExited(node=victim, attempt=sup.attempt, exit_code=op[2], ended_at=d.now))
     elif kind == "stale_exit":
         d.send(AttemptExited(node=op[1], attempt=max(0, sup.attempt - 1), exit_code=1))
+    elif kind == "fail_launch":
+        if d.launches:  # the shell could not carry out the last launch (on one node, or at all)
+            d.send(ActionFailed(action=d.launches[-1], node=op[1] or "", temporary=op[2], reason="test"))
+    elif kind == "fail_preflight":
+        req = next((r for r in reversed(d.preflight_out) if op[1] in r.nodes), None)
+        if req is not None:
+            d.preflight_out.remove(req)
+            d.send(ActionFailed(action=req, node=op[1], temporary=op[2], reason="UNAVAILABLE"))
+    elif kind == "fail_dumps":
+        collects = d.of(CollectDumps)
+        if collects:
+            d.send(ActionFailed(action=collects[-1], temporary=True, reason="agent unreachable"))
     d.send(Tick())
 
 
