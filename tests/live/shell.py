@@ -40,7 +40,9 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
         self.calls.append("RunPreflight")
         if self.before_preflight is not None:
             self.before_preflight()
-        yield agent_pb2.RunPreflightResponse(summary=common_pb2.PreflightSummary(mode=request.mode, passed=True))
+        yield agent_pb2.RunPreflightResponse(
+            summary=common_pb2.PreflightSummary(mode=request.mode, passed=True)
+        )
 
     def LaunchWorkers(self, request: Any, context: Any) -> agent_pb2.LaunchWorkersResponse:
         self.calls.append("LaunchWorkers")
@@ -85,12 +87,15 @@ class LogWatch:
         with self.lock:
             self.entries.append((time.monotonic(), ev))
 
-    def find(self, pred: Callable[[events_pb2.Event], bool], after: float = 0.0) -> tuple[float, events_pb2.Event] | None:
+    def find(
+        self, pred: Callable[[events_pb2.Event], bool], after: float = 0.0
+    ) -> tuple[float, events_pb2.Event] | None:
         with self.lock:
             return next(((t, e) for t, e in self.entries if t >= after and pred(e)), None)
 
-    def wait(self, pred: Callable[[events_pb2.Event], bool], timeout_s: float, after: float = 0.0
-             ) -> tuple[float, events_pb2.Event]:
+    def wait(
+        self, pred: Callable[[events_pb2.Event], bool], timeout_s: float, after: float = 0.0
+    ) -> tuple[float, events_pb2.Event]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             hit = self.find(pred, after)
@@ -103,20 +108,39 @@ class LogWatch:
 
 
 def policy(**overrides: Any) -> SupervisorConfig:
-    values: dict[str, Any] = {"burn_in_passes": 1, "backoff_base_s": 0.2, "backoff_max_s": 1.0,
-                              "queue_wait_s": 1.0, "startup_timeout_s": 300.0, "preflight_timeout_s": 20.0}
+    values: dict[str, Any] = {
+        "burn_in_passes": 1,
+        "backoff_base_s": 0.2,
+        "backoff_max_s": 1.0,
+        "queue_wait_s": 1.0,
+        "startup_timeout_s": 300.0,
+        "preflight_timeout_s": 20.0,
+    }
     values.update(overrides)
     return SupervisorConfig(**values)
 
 
 @contextmanager
-def live_shell(store: Store, run_dir: Path, *, nodes: int = 1, core_factory: Callable[[], Any] | None = None,
-               **kwargs: Any) -> Iterator[tuple[LiveController, LogWatch]]:
+def live_shell(
+    store: Store,
+    run_dir: Path,
+    *,
+    nodes: int = 1,
+    core_factory: Callable[[], Any] | None = None,
+    **kwargs: Any,
+) -> Iterator[tuple[LiveController, LogWatch]]:
     """A `LiveController` leading in a thread (tick 0.1 s); stopped and closed on exit."""
     factory = core_factory or (lambda: Supervisor(policy(), RunPlan(run=RUN, nodes=nodes)))
     cfg_kwargs = {k: kwargs.pop(k) for k in ("torchrun", "command", "rpc_timeout_s") if k in kwargs}
-    cfg = ShellConfig(run=RUN, command=cfg_kwargs.pop("command", ("train.py",)), run_dir=run_dir,
-                      identity="test-controller", election_ttl_s=2.0, tick_s=0.1, **cfg_kwargs)
+    cfg = ShellConfig(
+        run=RUN,
+        command=cfg_kwargs.pop("command", ("train.py",)),
+        run_dir=run_dir,
+        identity="test-controller",
+        election_ttl_s=2.0,
+        tick_s=0.1,
+        **cfg_kwargs,
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     shell = LiveController(cfg, store, factory, **kwargs)
     watch = LogWatch()

@@ -38,8 +38,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_refused_attempt_cas_is_answered_within_one_tick_and_relaunched_past_the_stored_attempt(
-        store: Store, tmp_path: Path) -> None:
+    store: Store, tmp_path: Path
+) -> None:
     with agent_double(store) as agent:
+
         def another_leader_launched() -> None:  # just before our launch: a higher attempt appears in etcd
             agent.before_preflight = None
             rec = store_pb2.AttemptRecord(run=RUN, attempt=7, rendezvous_id=f"{RUN}-7", nodes=["elsewhere"])
@@ -60,8 +62,10 @@ def test_a_refused_attempt_cas_is_answered_within_one_tick_and_relaunched_past_t
             assert [r.attempt for r in agent.launches] == [8]  # attempt 1 never reached an agent
             stored = store_pb2.AttemptRecord.FromString(store.get(store.keys.attempt(RUN)).value)
             assert stored.attempt == 8 and list(stored.nodes) == ["n1"]
-            print(f"refused CAS -> core reaction {reaction_s * 1000:.1f} ms, relaunch after "
-                  f"{relaunched_at - reacted_at:.2f} s")
+            print(
+                f"refused CAS -> core reaction {reaction_s * 1000:.1f} ms, relaunch after "
+                f"{relaunched_at - reacted_at:.2f} s"
+            )
 
 
 class AppendFailsOnceOnLaunch(EventLog):
@@ -79,14 +83,18 @@ class AppendFailsOnceOnLaunch(EventLog):
 
 
 def test_a_failed_log_append_skips_the_launch_and_the_core_reacts_within_one_tick_nothing_lost(
-        store: Store, tmp_path: Path) -> None:
+    store: Store, tmp_path: Path
+) -> None:
     logs: list[AppendFailsOnceOnLaunch] = []
 
     def open_log(path: Path) -> EventLog:
         logs.append(AppendFailsOnceOnLaunch(path))
         return logs[-1]
 
-    with agent_double(store) as agent, live_shell(store, tmp_path / "run", eventlog_factory=open_log) as (shell, log):
+    with (
+        agent_double(store) as agent,
+        live_shell(store, tmp_path / "run", eventlog_factory=open_log) as (shell, log),
+    ):
         reacted_at, reaction = log.wait(says("attempt 1 was not launched"), 20)
         assert logs[0].failed_at is not None
         reaction_s = reacted_at - logs[0].failed_at
@@ -103,18 +111,21 @@ def test_a_failed_log_append_skips_the_launch_and_the_core_reacts_within_one_tic
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     launch1 = [i for i, e in enumerate(events) if e.kind == E.EVENT_KIND_LAUNCH and e.attempt == 1]
     not_launched = [i for i, e in enumerate(events) if "attempt 1 was not launched" in e.message]
-    assert len(launch1) == 1 and len(not_launched) == 1 and launch1[0] < not_launched[0]  # the batch's entries kept
+    # the failed batch's entries were kept and written before the core's reaction
+    assert len(launch1) == 1 and len(not_launched) == 1 and launch1[0] < not_launched[0]
     print(f"failed append -> core reaction {reaction_s * 1000:.1f} ms")
 
 
 def test_a_launch_refused_by_one_agent_is_that_nodes_failure_not_a_fake_exit_code(
-        store: Store, tmp_path: Path) -> None:
+    store: Store, tmp_path: Path
+) -> None:
     with agent_double(store) as agent, live_shell(store, tmp_path / "run") as (_shell, log):
         agent.launch_refusals = 1
         log.wait(is_launch(1), 20)
         _, failed = log.wait(says("Launch on n1 failed (permanent)"), 10)
         assert "PERMISSION_DENIED" in failed.message
-        log.wait(is_launch(2), 30)  # handled like the node's workers exiting at once: stop, back off, relaunch
+        # handled like the node's workers exiting at once: stop, back off, relaunch
+        log.wait(is_launch(2), 30)
 
 
 def test_a_bad_value_in_etcd_is_dropped_alone_and_the_run_goes_on(store: Store, tmp_path: Path) -> None:
@@ -140,7 +151,8 @@ class SupervisorRaisingOnce(Supervisor):
 
 
 def test_core_raising_once_test_double_is_replaced_by_a_fresh_core_from_a_store_snapshot(
-        store: Store, tmp_path: Path) -> None:
+    store: Store, tmp_path: Path
+) -> None:
     SupervisorRaisingOnce.raised = 0
     made: list[Supervisor] = []
 
@@ -148,7 +160,10 @@ def test_core_raising_once_test_double_is_replaced_by_a_fresh_core_from_a_store_
         made.append(SupervisorRaisingOnce(policy(), RunPlan(run=RUN, nodes=1)))
         return made[-1]
 
-    with agent_double(store) as agent, live_shell(store, tmp_path / "run", core_factory=factory) as (shell, log):
+    with (
+        agent_double(store) as agent,
+        live_shell(store, tmp_path / "run", core_factory=factory) as (shell, log),
+    ):
         log.wait(is_launch(1), 30)
         assert SupervisorRaisingOnce.raised == 1 and shell.rebuilds == 1
         assert shell.core is made[-1] and len(made) == 3  # the probe, the broken core, the fresh one
@@ -182,6 +197,7 @@ class UnavailableOnce(grpc.ServerInterceptor):
                 def refuse(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "agent restarting (injected by the test)")
                     yield b""  # pragma: no cover - abort raises
+
                 return grpc.unary_stream_rpc_method_handler(refuse)
         return continuation(details)
 
@@ -197,17 +213,21 @@ class Forward(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         if method.rsplit("/", 1)[-1] in self.streaming:
+
             def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
                 yield from self.channel.unary_stream(method)(request, timeout=context.time_remaining())
+
             return grpc.unary_stream_rpc_method_handler(stream)
 
         def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
             return self.channel.unary_unary(method)(request, timeout=context.time_remaining())
+
         return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def test_a_preflight_unavailable_once_on_a_real_agent_is_retried_and_the_node_is_not_quarantined(
-        etcd: Any, store: Store, tmp_path: Path) -> None:
+    etcd: Any, store: Store, tmp_path: Path
+) -> None:
     agent_port, proxy_port = free_port(), free_port()
     interceptor = UnavailableOnce()
     forward = Forward(f"127.0.0.1:{agent_port}")
@@ -216,12 +236,28 @@ def test_a_preflight_unavailable_once_on_a_real_agent_is_retried_and_the_node_is
     proxy.add_insecure_port(f"127.0.0.1:{proxy_port}")
     proxy.start()
     cfg = tmp_path / "preflight.toml"
-    cfg.write_text('[compute]\nmodes = ["full"]\n[collective]\nmodes = ["full"]\n'
-                   f'[storage]\ncheckpoint_path = "{tmp_path}"\nfree_space_floor_gb = 0.01\n')
-    agent = AgentProc(tmp_path / "agent", node="n1", etcd=etcd.endpoint, etcd_root=store.keys.root, flags=[
-        "--listen", f"127.0.0.1:{agent_port}", "--advertise", f"127.0.0.1:{proxy_port}",
-        "--allow-exec", sys.executable, "--preflight-config", str(cfg)])
-    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")  # stands in for torchrun: starts nothing heavy
+    cfg.write_text(
+        '[compute]\nmodes = ["full"]\n[collective]\nmodes = ["full"]\n'
+        f'[storage]\ncheckpoint_path = "{tmp_path}"\nfree_space_floor_gb = 0.01\n'
+    )
+    agent = AgentProc(
+        tmp_path / "agent",
+        node="n1",
+        etcd=etcd.endpoint,
+        etcd_root=store.keys.root,
+        flags=[
+            "--listen",
+            f"127.0.0.1:{agent_port}",
+            "--advertise",
+            f"127.0.0.1:{proxy_port}",
+            "--allow-exec",
+            sys.executable,
+            "--preflight-config",
+            str(cfg),
+        ],
+    )
+    # stands in for torchrun: starts nothing heavy
+    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")
     try:
         with live_shell(store, tmp_path / "run", torchrun=sleeper, command=("unused",)) as (shell, log):
             passed_at, result = log.wait(lambda e: e.kind == E.EVENT_KIND_PREFLIGHT_RESULT, 60)
@@ -231,10 +267,15 @@ def test_a_preflight_unavailable_once_on_a_real_agent_is_retried_and_the_node_is
             assert list(launch.launch.nodes) == ["n1"]
             assert log.find(lambda e: e.kind == E.EVENT_KIND_QUARANTINE) is None
             assert shell.pool_state("n1") == common_pb2.POOL_STATE_ASSIGNED
-            print(f"preflight UNAVAILABLE -> retried, passed {passed_at - interceptor.refused_at:.2f} s later, "
-                  f"launched {launched_at - passed_at:.3f} s after that")
+            print(
+                f"preflight UNAVAILABLE -> retried, passed {passed_at - interceptor.refused_at:.2f} s later, "
+                f"launched {launched_at - passed_at:.3f} s after that"
+            )
             pool = store.get(store.keys.pool("n1"))
-            assert pool is None or store_pb2.PoolEntry.FromString(pool.value).state != common_pb2.POOL_STATE_QUARANTINED
+            assert (
+                pool is None
+                or store_pb2.PoolEntry.FromString(pool.value).state != common_pb2.POOL_STATE_QUARANTINED
+            )
     finally:
         agent.close()
         proxy.stop(grace=None)
