@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from runwarden.names import check_name
+
 # Run names end up in rendezvous ids, Slurm job names, Kubernetes object names and file paths:
 # keep them to what all of those accept (a DNS-1123 label is the strictest of them).
 _RUN_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
@@ -81,13 +83,18 @@ class AttemptSpec:
     leader_fence: int = 0  # the leader's election fence; an agent refuses a launch from an older leader
 
     def __post_init__(self) -> None:
-        validate_run_name(self.run)
+        # The one name rule (runwarden.names); a scheduler with a stricter one (a Kubernetes object
+        # name, a Slurm job name) applies it in its own launch: `validate_run_name`, `validate_node_name`.
+        try:
+            check_name("AttemptSpec.run", self.run)
+            for node in self.nodes:
+                check_name("AttemptSpec.nodes", node)
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
         if self.attempt < 0:
             raise BackendError(f"attempt must be >= 0, got {self.attempt}")
         if not self.nodes:
             raise BackendError("an attempt needs at least one node")
-        for node in self.nodes:
-            validate_node_name(node)
         if len(set(self.nodes)) != len(self.nodes):
             raise BackendError(f"attempt lists a node twice: {self.nodes}")
         if not self.command or any(not isinstance(a, str) or "\0" in a for a in self.command):

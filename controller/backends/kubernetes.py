@@ -32,6 +32,7 @@ from controller.backends.base import (
     attempt_env,
     torchrun_argv,
     validate_node_name,
+    validate_run_name,
 )
 
 HEALTH_LABEL = "runwarden.io/health"
@@ -81,6 +82,9 @@ def check_grace_period(config: KubernetesConfig) -> None:
 
 def jobset_manifest(spec: AttemptSpec, config: KubernetesConfig) -> dict[str, Any]:
     """The JobSet for one attempt (plain data: what goes over the wire)."""
+    validate_run_name(spec.run)  # it becomes an object name: a DNS-1123 label
+    for node in spec.nodes:
+        validate_node_name(node)
     name = spec.rendezvous_id
     n = len(spec.nodes)
     # JobSet gives every pod a stable DNS name: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<jobset>

@@ -31,6 +31,7 @@ from controller.backends.base import (
     attempt_env,
     torchrun_argv,
     validate_node_name,
+    validate_run_name,
 )
 from controller.backends.slurm_cli import NodeInfo, SlurmCli, check_job_id, parse_sbatch_parsable
 
@@ -160,6 +161,7 @@ class SlurmBackend:
     # ---- attempts --------------------------------------------------------------------------------
 
     def launch(self, spec: AttemptSpec) -> AttemptHandle:
+        validate_run_name(spec.run)  # it becomes the job name and a path segment
         if self._allocation is None:
             raise BackendError("no allocation: call allocate() first")
         outside = [n for n in spec.nodes if n not in self._allocation.nodes]

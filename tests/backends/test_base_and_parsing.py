@@ -50,7 +50,8 @@ def test_a_backend_that_places_each_node_itself_gives_its_rank_and_host() -> Non
 @pytest.mark.parametrize(
     "bad",
     [
-        {"run": "Bad_Run"},
+        {"run": "bad/run"},
+        {"run": ""},
         {"attempt": -1},
         {"nodes": ()},
         {"nodes": ("n1", "n1")},
@@ -64,6 +65,17 @@ def test_a_backend_that_places_each_node_itself_gives_its_rank_and_host() -> Non
 def test_attempt_spec_rejects_bad_values(bad: dict) -> None:
     with pytest.raises(BackendError):
         spec(**bad)
+
+
+def test_a_scheduler_with_a_stricter_name_rule_applies_it_at_launch() -> None:
+    from controller.backends.kubernetes import KubernetesConfig, jobset_manifest
+
+    s = spec(run="Big_Run")  # a valid runwarden name: the local backend launches it
+    assert s.rendezvous_id == "Big_Run-4"
+    with pytest.raises(BackendError, match="bad run name 'Big_Run'"):
+        jobset_manifest(
+            s, KubernetesConfig(image="runwarden:test", checkpoint_save_s=10.0, checkpoint_commit_s=1.0)
+        )
 
 
 def test_attempt_spec_env_is_frozen() -> None:
