@@ -3,7 +3,8 @@
 It reacts at once, never at a timeout: a launch that never happened is relaunched (a new attempt
 number, nothing quarantined, no restart consumed, a backoff that grows while it keeps failing); a
 node that preflight could not reach is replaced without being quarantined (temporary) or rejected
-(permanent); dumps that cannot be collected stop the attempt now. The rest is recorded.
+(permanent), while a preflight that was never sent at all (`node == ""`: the log append failed) is
+sent again after a short delay; dumps that cannot be collected stop the attempt now. The rest is recorded.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from controller.supervisor import failure, prepare, restart
-from controller.supervisor.actions import AllocateFromQueue, CollectDumps, Launch, RunPreflight
+from controller.supervisor.actions import AllocateFromQueue, CollectDumps, Launch, RunPreflight, SetTimer
 from controller.supervisor.events import ActionFailed, AttemptExited
 from controller.supervisor.states import IN_ATTEMPT, RunState
 from runwarden.v1 import events_pb2 as E
@@ -35,27 +36,36 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
             )
         case Launch() if act.attempt == sv.attempt and sv.state is RunState.RUNNING:
             _not_launched(sv, act, what)
+        case RunPreflight(purpose="attempt") if sv.state is RunState.PREFLIGHT and not ev.node:
+            # the request never left (the log append failed): not the nodes' fault; ask again shortly
+            again = sorted(n for n in act.nodes if n in sv.pending_preflight)
+            if again:
+                sv.preflight_resend.update(again)
+                sv.preflight_deadline = sv.now + sv.backoff_s() + sv.cfg.preflight_timeout_s
+                sv.emit(SetTimer(key="preflight", at=sv.now + sv.backoff_s()))
+                sv.log(
+                    E.EVENT_KIND_CONTROL_PLANE,
+                    f"{what}; asking {', '.join(again)} again in {sv.backoff_s():g}s",
+                )
         case RunPreflight(purpose="attempt") if sv.state is RunState.PREFLIGHT:
-            for node in (ev.node,) if ev.node else act.nodes:
-                if node not in sv.pending_preflight:
-                    continue
-                if ev.temporary:
-                    sv.unreachable.add(node)
-                    prepare.drop_from_slots(
-                        sv,
-                        node,
-                        f"preflight could not reach it ({ev.reason}); replaced for "
-                        "this attempt, not quarantined",
-                    )
-                else:
-                    prepare.reject(
-                        sv,
-                        node,
-                        f"preflight could not run: {ev.reason}",
-                        f"{node} rejected before attempt {sv.attempt + 1}: preflight could not run: "
-                        f"{ev.reason}",
-                        E.PreflightDetail(node=node),
-                    )
+            node = ev.node
+            if node not in sv.pending_preflight:
+                return
+            if ev.temporary:
+                sv.unreachable.add(node)
+                prepare.drop_from_slots(
+                    sv,
+                    node,
+                    f"preflight could not reach it ({ev.reason}); replaced for this attempt, not quarantined",
+                )
+            else:
+                prepare.reject(
+                    sv,
+                    node,
+                    f"preflight could not run: {ev.reason}",
+                    f"{node} rejected before attempt {sv.attempt + 1}: preflight could not run: {ev.reason}",
+                    E.PreflightDetail(node=node),
+                )
         case RunPreflight(purpose="burn_in"):
             for node in (ev.node,) if ev.node else act.nodes:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers

@@ -436,6 +436,7 @@ class Supervisor:
         self.vacated: dict[int, str] = {}  # node rank -> node that held it in the previous attempt
         self.prev_slots: list[str] = []
         self.unreachable: set[str] = set()  # preflight could not reach them: not picked for this attempt
+        self.preflight_resend: set[str] = set()  # their RunPreflight never left: sent again at the next tick
         self.waiting_since: float | None = None
         self.queue_outstanding = 0
         self.from_queue: set[str] = set()
@@ -544,6 +545,10 @@ class Supervisor:
 
     def emit_release(self, node: str, reason: str) -> None:
         self.emit(Release(node=node, reason=reason))
+
+    def backoff_s(self) -> float:
+        """The short wait before doing again what the shell could not do (the restart backoff's base)."""
+        return max(self.cfg.backoff_base_s, 0.1)
 
     def in_attempt(self, node: str) -> bool:
         return self._state in IN_ATTEMPT and node in self.cur.node_step

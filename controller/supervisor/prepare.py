@@ -63,6 +63,7 @@ def try_start(sv: Supervisor) -> None:
     sv.slots = [None] * need
     sv.empty_slots = need
     sv.unreachable = set()
+    sv.preflight_resend = set()
     for rank, n in enumerate(prev):
         if sv.pool.usable(n) and sv.pool.get(n).state is PoolState.SPARE:
             sv.slots[rank] = n
@@ -170,7 +171,20 @@ def reject(
 
 
 def on_tick(sv: Supervisor) -> None:
-    """PREFLIGHT: a node that did not answer within the preflight timeout is rejected."""
+    """PREFLIGHT: requests that never left are sent again; a node that did not answer within the
+    preflight timeout is rejected."""
+    resend = sorted(n for n in sv.preflight_resend if n in sv.pending_preflight)
+    sv.preflight_resend.clear()
+    if resend:
+        sv.emit(
+            RunPreflight(
+                nodes=tuple(resend),
+                mode=sv.cfg.preflight_mode,
+                purpose="attempt",
+                timeout_s=sv.cfg.preflight_timeout_s,
+            )
+        )
+        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
     if not sv.pending_preflight or sv.now < sv.preflight_deadline:
         return
     reason = f"no preflight answer within {sv.cfg.preflight_timeout_s:g}s"

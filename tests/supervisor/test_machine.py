@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from controller.supervisor import machine, restart
-from controller.supervisor.actions import CollectDumps, Launch
+from controller.supervisor.actions import CollectDumps, Launch, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import ActionFailed, AttemptExited, DumpsCollected, NodeLost
 from controller.supervisor.policy import SupervisorConfig
@@ -235,3 +235,16 @@ def test_a_stale_action_failure_is_only_recorded() -> None:
     old = Launch(run="demo", attempt=0, rendezvous_id="demo-0", nodes=(), resume_step=-1)
     d.send(ActionFailed(action=old, temporary=False, reason="late"))
     assert d.sup.state == RunState.RUNNING
+
+
+def test_a_preflight_that_never_left_is_sent_again_not_held_against_the_nodes() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.add_nodes(3)
+    req = d.preflight_out.pop(0)
+    d.send(ActionFailed(action=req, temporary=True, reason="event log append failed: ENOSPC"))
+    assert set(d.sup.current_nodes) == {"n1", "n2"} and not d.events(E.EVENT_KIND_QUARANTINE)
+    out = d.advance(1.0)
+    again = [a for a in out if isinstance(a, RunPreflight)]
+    assert [r.nodes for r in again] == [("n1", "n2")]
+    d.answer_preflight()
+    assert d.sup.state == RunState.RUNNING and d.launches[-1].attempt == 1
