@@ -320,7 +320,6 @@ class Executor:
         The core ranks this answer below hardware evidence and above heartbeats; a rank that
         could not answer (stopped, dead) is "no dump", which is itself evidence."""
         rank_dumps: list[agent_pb2.RankDump] = []
-        missing: list[str] = []
         rank_to_node = self.translator.ranks()
         # All nodes at once, each rank given most of the core's deadline: a stopped rank costs its
         # timeout once, not once per node, and the answer arrives before the core gives up on it.
@@ -332,7 +331,6 @@ class Executor:
             )
         for node, out, resp in answers:
             if not out.ok or resp is None:
-                missing.append(node)
                 rank_dumps.extend(
                     agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}")
                     for rank, n in rank_to_node.items()
@@ -349,7 +347,7 @@ class Executor:
                 ActionFailed(action=action, temporary=False, reason=f"flight-recorder analysis failed: {exc}")
             )
             return
-        self.post(DumpsCollected(attempt=action.attempt, verdict=verdict, missing_nodes=tuple(missing)))
+        self.post(DumpsCollected(attempt=action.attempt, verdict=verdict))
 
     # -- the store -----------------------------------------------------------------------------
 

@@ -34,9 +34,6 @@ from runwarden.keys import KeySchema
 from runwarden.store import KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
 
-# Progress written within this long before a relist counts as the node still working (Snapshot.progress_nodes).
-RECENT_PROGRESS_S = 30.0
-
 _M = TypeVar("_M", bound=Message)
 
 
@@ -134,15 +131,13 @@ class Translator:
                 req = _try(store_pb2.StopRequest, listing.stop.value)
                 if req is not None:
                     stop = _stop_requested(req)
-            progress_nodes, exits = [], []
+            exits = []
             for kv in listing.progress:
                 prog = _try(store_pb2.NodeProgress, kv.value)
                 if prog is None or attempt is None or prog.attempt != attempt.attempt:
                     continue
                 if prog.HasField("exit"):
                     exits.extend(self._exit_seen(prog))
-                elif listing.now - prog.written_at < RECENT_PROGRESS_S:
-                    progress_nodes.append(prog.node)
             snap = Snapshot(
                 alive=alive,
                 records=tuple(records),
@@ -151,7 +146,6 @@ class Translator:
                 resume_step=attempt.resume_step if attempt else -1,
                 committed_steps=committed,
                 stop_requested=stop,
-                progress_nodes=tuple(progress_nodes),
             )
         return snap, Addresses(set=addresses), exits, attempt
 

@@ -190,7 +190,6 @@ class DumpsCollected:
 
     attempt: int
     verdict: FlightRecorderVerdict
-    missing_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,8 +249,6 @@ class Snapshot:
 
     alive: nodes whose keys exist now, with their local rank counts. records: persisted pool/
     reputation entries. attempt/attempt_nodes: the fenced attempt record (0: none).
-    progress_nodes: nodes whose progress for that attempt was written recently (the shell decides
-    "recently", e.g. within the hang timeout).
     """
 
     alive: dict[str, int] = field(default_factory=dict)
@@ -261,7 +258,6 @@ class Snapshot:
     resume_step: int = -1
     committed_steps: tuple[int, ...] = ()
     stop_requested: StopRequested | None = None
-    progress_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
