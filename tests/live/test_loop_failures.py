@@ -169,6 +169,9 @@ def test_core_raising_once_test_double_is_replaced_by_a_fresh_core_from_a_store_
         assert shell.core is made[-1] and len(made) == 3  # the probe, the broken core, the fresh one
         assert log.find(says("reconciled from the store")) is not None
         assert agent.calls.count("RunPreflight") == 2  # the fresh core preflighted the node again
+        deadline = time.monotonic() + 10  # the status is published after the batch that logged the launch
+        while (shell.status is None or shell.status.attempt != 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert shell.status is not None and shell.status.attempt == 1
 
 
