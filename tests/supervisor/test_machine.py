@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.supervisor import machine, restart
+from controller.supervisor import machine, restart, table
 from controller.supervisor.actions import CollectDumps, Launch, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import ActionFailed, AttemptExited, DumpsCollected, NodeLost
@@ -29,9 +29,9 @@ def fast(**kw: object) -> SupervisorConfig:
 
 
 def test_the_docstring_diagram_is_generated_from_the_table() -> None:
-    doc = machine.__doc__ or ""
-    assert machine.diagram() in doc, (
-        "controller/supervisor/machine.py's diagram drifted from TABLE: paste machine.diagram() into the docstring"
+    doc = table.__doc__ or ""
+    assert table.diagram() in doc, (
+        "controller/supervisor/table.py's diagram drifted from TABLE: paste table.diagram() into the docstring"
     )
 
 
@@ -248,3 +248,19 @@ def test_a_preflight_that_never_left_is_sent_again_not_held_against_the_nodes() 
     assert [r.nodes for r in again] == [("n1", "n2")]
     d.answer_preflight()
     assert d.sup.state == RunState.RUNNING and d.launches[-1].attempt == 1
+
+
+def test_the_core_stays_small_and_controller_holds_only_packages() -> None:
+    for path in sorted(PACKAGE.glob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, f"{path.name} is over 600 lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                assert span <= 400, f"{path.name}: class {node.name} is {span} lines"
+    controller = ROOT / "controller"
+    loose = sorted(p.name for p in controller.iterdir() if p.is_file() and p.name != "__init__.py")
+    assert not loose, f"controller/ should hold only package folders: {loose}"
+    assert all(
+        (p / "__init__.py").exists() for p in controller.iterdir() if p.is_dir() and p.name != "__pycache__"
+    )

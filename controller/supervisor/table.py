@@ -1,0 +1,332 @@
+"""The state graph as data (h11's Rule 1): `TABLE`, `EDGES`, `STATE_TRIGGERED`.
+
+`TABLE[state][event type]` is a `Rule`: the function that handles it (in the rule modules) and its
+legal first moves; `EDGES` is the whole graph; `STATE_TRIGGERED` the moves the machine makes on its
+own. `Supervisor`'s state setter (controller/supervisor/machine.py) refuses anything else.
+
+The graph, generated from the table (tests/supervisor/test_machine.py keeps it in step):
+
+    WAITING_NODES
+      -> COLLECTING        Snapshot
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> PREFLIGHT         (state-triggered)
+      -> RUNNING           Snapshot
+      -> STOPPED           StopRequested, Snapshot
+      -> STOPPING          Snapshot
+    PREFLIGHT
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> RUNNING           NodeJoined, NodeLost, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot
+      -> STOPPED           StopRequested, Snapshot
+    RUNNING
+      -> BACKOFF           ActionFailed
+      -> COLLECTING        NodeLost, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> COMPLETED         AttemptExited
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> STOPPING          NodeLost, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> WAITING_NODES     ActionFailed
+    COLLECTING
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> STOPPING          DumpsCollected, Tick, ActionFailed
+    STOPPING
+      -> BACKOFF           NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+      -> BUDGET_EXHAUSTED  NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> CRASH_LOOP        NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+      -> STOPPED           NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+      -> WAITING_NODES     NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+    BACKOFF
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> STOPPED           StopRequested, Snapshot
+      -> WAITING_NODES     Tick, (state-triggered)
+    CONTROL_PLANE
+      -> COLLECTING        NodeJoined, Tick, Snapshot
+      -> PREFLIGHT         NodeJoined, Tick, Snapshot
+      -> RUNNING           NodeJoined, Tick, Snapshot
+      -> STOPPED           NodeJoined, Tick, Snapshot
+      -> STOPPING          NodeJoined, Tick, Snapshot
+      -> WAITING_NODES     NodeJoined, Tick, Snapshot
+    terminal: BUDGET_EXHAUSTED, COMPLETED, CRASH_LOOP, STOPPED
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from controller.supervisor import control_plane, failed_actions, failure, nodes, prepare, running
+from controller.supervisor.events import (
+    ActionFailed,
+    AttemptExited,
+    CheckpointCommitted,
+    CheckpointFailed,
+    ControlPlaneLost,
+    ControlPlaneRestored,
+    DumpsCollected,
+    EvidenceObserved,
+    NodeJoined,
+    NodeLost,
+    OperatorQuarantine,
+    OperatorRelease,
+    PreflightResult,
+    ProgressObserved,
+    Snapshot,
+    StopRequested,
+    Tick,
+)
+from controller.supervisor.states import TERMINAL, RunState
+
+Handler = Callable[[Any, Any], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    handler: Handler
+    to: frozenset[RunState]  # the legal first moves (empty: the state stays)
+
+
+def _ignore(sv: Any, ev: object) -> None:
+    return None
+
+
+def _on(fn: Handler, *to: RunState) -> Rule:
+    return Rule(fn, frozenset(to))
+
+
+IGNORE = Rule(_ignore, frozenset())
+S = RunState
+_FAIL = (S.COLLECTING, S.STOPPING)  # a failure detected: collect dumps, or stop at once
+_BLIND = (S.CONTROL_PLANE,)
+_DECIDED = (
+    S.BACKOFF,
+    S.WAITING_NODES,
+    S.STOPPED,
+    S.CRASH_LOOP,
+    S.BUDGET_EXHAUSTED,
+)  # a stopped attempt's fate
+_AFTER_CP = (S.RUNNING, S.COLLECTING, S.STOPPING, S.PREFLIGHT, S.WAITING_NODES, S.STOPPED)
+
+
+def _tick(fn: Callable[[Any], None]) -> Handler:
+    def on_tick(sv: Any, ev: Tick) -> None:
+        fn(sv)
+
+    on_tick.__name__ = f"tick:{getattr(fn, '__module__', '').rsplit('.', 1)[-1]}.{fn.__name__}"
+    return on_tick
+
+
+def _row(
+    *,
+    joined: Rule,
+    lost: Rule,
+    preflight: Rule,
+    progress: Rule,
+    exited: Rule,
+    dumps: Rule,
+    stop: Rule,
+    tick: Rule,
+    checkpoint: Rule,
+    evidence: Rule,
+    operator_q: Rule,
+    cp_lost: Rule,
+    cp_restored: Rule,
+    snapshot: Rule,
+    failed: Rule,
+) -> dict[type, Rule]:
+    return {
+        NodeJoined: joined,
+        NodeLost: lost,
+        PreflightResult: preflight,
+        ProgressObserved: progress,
+        AttemptExited: exited,
+        DumpsCollected: dumps,
+        StopRequested: stop,
+        Tick: tick,
+        CheckpointCommitted: checkpoint,
+        CheckpointFailed: _on(nodes.on_checkpoint_failed),
+        EvidenceObserved: evidence,
+        OperatorQuarantine: operator_q,
+        OperatorRelease: _on(nodes.on_operator_release),
+        ControlPlaneLost: cp_lost,
+        ControlPlaneRestored: cp_restored,
+        Snapshot: snapshot,
+        ActionFailed: failed,
+    }
+
+
+_CP_LOST = _on(control_plane.on_lost_etcd, *_BLIND)
+_FAILED = _on(failed_actions.on_action_failed)  # recorded, or a refill of the attempt being prepared
+
+TABLE: dict[RunState, dict[type, Rule]] = {
+    S.WAITING_NODES: _row(
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_idle, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=IGNORE,
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
+    S.PREFLIGHT: _row(
+        joined=_on(nodes.on_joined_preflight, S.RUNNING),
+        lost=_on(nodes.on_lost_preflight, S.RUNNING, *_BLIND),
+        preflight=_on(nodes.on_preflight_preparing, S.RUNNING),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=_on(_tick(prepare.on_tick), S.RUNNING),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence, S.RUNNING),
+        operator_q=_on(nodes.on_operator_quarantine, S.RUNNING),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
+    S.RUNNING: _row(
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_running, *_FAIL, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=_on(running.on_progress, *_FAIL),
+        exited=_on(running.on_exited, *_FAIL, S.COMPLETED),
+        dumps=IGNORE,
+        stop=_on(failure.on_stop_request, *_FAIL),
+        tick=_on(_tick(running.check_hang), *_FAIL),
+        checkpoint=_on(running.on_checkpoint, *_FAIL),
+        evidence=_on(nodes.on_evidence, *_FAIL),
+        operator_q=_on(nodes.on_operator_quarantine, *_FAIL),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_FAIL, *_BLIND),
+        failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
+    ),
+    S.COLLECTING: _row(
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_stopping, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping),
+        dumps=_on(failure.on_dumps, S.STOPPING),
+        stop=_on(running.on_stop_request_stopping),
+        tick=_on(_tick(failure.on_tick_collecting), S.STOPPING),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_BLIND),
+        failed=_on(failed_actions.on_action_failed, S.STOPPING),
+    ),
+    S.STOPPING: _row(
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_stopping, *_DECIDED, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping, *_DECIDED),
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_stopping),
+        tick=_on(_tick(failure.on_tick_stopping), *_DECIDED),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_DECIDED, *_BLIND),
+        failed=_on(failed_actions.on_action_failed, *_DECIDED),
+    ),
+    S.BACKOFF: _row(
+        joined=_on(nodes.on_joined),
+        lost=_on(nodes.on_lost_idle, *_BLIND),
+        preflight=_on(nodes.on_preflight),
+        progress=IGNORE,
+        exited=IGNORE,
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        tick=_on(_tick(failure.on_tick_backoff), S.WAITING_NODES),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=IGNORE,
+        snapshot=_on(control_plane.on_snapshot, *_BLIND, S.STOPPED),
+        failed=_FAILED,
+    ),
+    # blind: exits are recorded (reconciled later), progress and dumps are not evidence now
+    S.CONTROL_PLANE: _row(
+        joined=_on(control_plane.on_joined, *_AFTER_CP),
+        lost=_on(nodes.on_lost_idle),
+        preflight=_on(nodes.on_preflight_preparing),
+        progress=IGNORE,
+        exited=_on(running.on_exited_stopping),
+        dumps=IGNORE,
+        stop=_on(running.on_stop_request_blind),
+        tick=_on(_tick(control_plane.on_tick), *_AFTER_CP),
+        checkpoint=_on(nodes.on_checkpoint),
+        evidence=_on(nodes.on_evidence),
+        operator_q=_on(nodes.on_operator_quarantine),
+        cp_lost=_CP_LOST,
+        cp_restored=_on(control_plane.on_restored),
+        snapshot=_on(control_plane.on_snapshot, *_AFTER_CP),
+        failed=_on(failed_actions.on_action_failed),
+    ),
+    **{
+        s: _row(
+            joined=_on(nodes.on_joined),
+            lost=_on(nodes.on_lost_idle),
+            preflight=_on(nodes.on_preflight),
+            progress=IGNORE,
+            exited=IGNORE,
+            dumps=IGNORE,
+            stop=IGNORE,
+            tick=IGNORE,
+            checkpoint=_on(nodes.on_checkpoint),
+            evidence=_on(nodes.on_evidence),
+            operator_q=_on(nodes.on_operator_quarantine),
+            cp_lost=IGNORE,
+            cp_restored=IGNORE,
+            snapshot=_on(control_plane.on_snapshot),
+            failed=_on(failed_actions.on_action_failed),
+        )
+        for s in TERMINAL
+    },
+}
+
+# The moves the machine makes on its own, inside whatever event it handles.
+STATE_TRIGGERED: dict[RunState, frozenset[RunState]] = {
+    S.WAITING_NODES: frozenset({S.PREFLIGHT}),  # enough usable nodes: prepare an attempt
+    S.STOPPING: frozenset(_DECIDED),  # nothing left to wait for: decide
+    S.BACKOFF: frozenset({S.WAITING_NODES}),  # a zero backoff
+}
+
+EDGES: frozenset[tuple[RunState, RunState]] = frozenset(
+    {(s, t) for s, row in TABLE.items() for rule in row.values() for t in rule.to if t is not s}
+    | {(s, t) for s, ts in STATE_TRIGGERED.items() for t in ts}
+)
+
+
+def diagram() -> str:
+    """The graph as text: each state's moves, and the events that make them."""
+    lines = []
+    for s, row in TABLE.items():
+        if s in TERMINAL:
+            continue
+        by_target: dict[RunState, list[str]] = {}
+        for ev, rule in row.items():
+            for t in sorted(rule.to - {s}, key=lambda x: x.name):
+                by_target.setdefault(t, []).append(ev.__name__)
+        for t in sorted(STATE_TRIGGERED.get(s, ()), key=lambda x: x.name):
+            by_target.setdefault(t, []).append("(state-triggered)")
+        lines.append(f"    {s.name}")
+        for t, evs in sorted(by_target.items(), key=lambda kv: kv[0].name):
+            lines.append(f"      -> {t.name:<17} {', '.join(evs)}")
+    lines.append("    terminal: " + ", ".join(sorted(s.name for s in TERMINAL)))
+    return "\n".join(lines)
