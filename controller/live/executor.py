@@ -36,6 +36,7 @@ from controller.supervisor.actions import (
     Batch,
     CollectDumps,
     Launch,
+    MeasureBandwidth,
     Page,
     PersistNode,
     Quarantine,
@@ -164,6 +165,11 @@ class Executor:
                     self._submit(self._stop_node, action, node)
             case CollectDumps():
                 self._submit(self._collect, action)
+            case MeasureBandwidth():
+                # Not wired to the agents yet: the core launches without the gate and says so.
+                return [
+                    ActionFailed(action=action, temporary=False, reason="this shell cannot measure bandwidth")
+                ]
             case PersistNode():
                 self._persist(action.record)
             case Page():

@@ -45,6 +45,7 @@ from controller.supervisor.actions import (
     AllocateFromQueue,
     CollectDumps,
     Launch,
+    MeasureBandwidth,
     Page,
     PersistNode,
     Quarantine,
@@ -57,6 +58,7 @@ from controller.supervisor.actions import (
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
     AttemptExited,
+    BandwidthMeasured,
     CheckpointCommitted,
     DumpsCollected,
     Event,
@@ -253,6 +255,13 @@ class World:
                     self.queue_serial += 1
                     name = f"q{self.queue_serial:05d}"
                     self.at(self.now + self.costs.allocate_queue_s, self._joined, name)
+            case MeasureBandwidth():
+                # The simulated fabric has no slow links: every node measures the same.
+                self.feed(
+                    BandwidthMeasured(
+                        nodes=act.nodes, set_gbps=1.0, per_node_gbps=tuple((n, 1.0) for n in act.nodes)
+                    )
+                )
             case Release() | Page() | PersistNode():
                 pass  # nothing to do in the world (the core logged them)
             case _:

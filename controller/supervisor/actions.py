@@ -40,6 +40,18 @@ class RunPreflight:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MeasureBandwidth:
+    """Measure all-reduce bus bandwidth across exactly `nodes` (the next attempt's set), within `timeout_s`.
+
+    The shell runs `preflight.collective` on the nodes together (one rank per node: gloo on CPU, NCCL
+    on GPUs) and, to locate a slow link, in pairs around the ring ((0,1), (2,3), ... then (1,2), ...).
+    Answer with `BandwidthMeasured`: the set's figure and each node's best pair figure."""
+
+    nodes: tuple[str, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeRank:
     node: str
     node_rank: int
@@ -132,6 +144,7 @@ class PersistNode:
 
 Action = (
     RunPreflight
+    | MeasureBandwidth
     | Launch
     | StopAttempt
     | CollectDumps

@@ -111,6 +111,7 @@ def resolve(sv: Supervisor) -> None:
             sv.emit(SetTimer(key="stop", at=sv.deadline))
     elif prev is RunState.PREFLIGHT:
         sv.state = RunState.PREFLIGHT
+        sv.gate_pending = None  # an answer that came while blind was dropped: measure again
         sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
         sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
         for n in [n for n in sv.slots if n is not None and not sv.pool.get(n).alive]:

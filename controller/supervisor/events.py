@@ -261,6 +261,29 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BandwidthMeasured:
+    """The answer to `MeasureBandwidth`: bus bandwidth in GB/s (1e9 bytes/s, nccl-tests' busbw).
+
+    set_gbps: all of `nodes` together (0: not measured). per_node_gbps: each node's best figure over
+    the pairs it was in (a slow link is slow in both of its pairs; a healthy node has a healthy one).
+    detail: how it was measured (sizes, backend), for the log."""
+
+    nodes: tuple[str, ...]
+    set_gbps: float
+    per_node_gbps: tuple[tuple[str, float], ...]
+    duration_s: float = 0.0
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _check_finite("BandwidthMeasured.set_gbps", self.set_gbps)
+        for node, gbps in self.per_node_gbps:
+            _check_name("BandwidthMeasured.per_node_gbps", node)
+            _check_finite(f"BandwidthMeasured.per_node_gbps[{node}]", gbps)
+            if gbps < 0:
+                raise ValueError(f"BandwidthMeasured: {node} has a negative bandwidth {gbps}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ActionFailed:
     """The shell could not carry out `action` (raft's Advance, with the bad news).
 
@@ -298,5 +321,6 @@ Event = (
     | OperatorRelease
     | Tick
     | Snapshot
+    | BandwidthMeasured
     | ActionFailed
 )

@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from controller.supervisor import failure, prepare, restart
-from controller.supervisor.actions import AllocateFromQueue, CollectDumps, Launch, RunPreflight, SetTimer
+from controller.supervisor.actions import (
+    AllocateFromQueue,
+    CollectDumps,
+    Launch,
+    MeasureBandwidth,
+    RunPreflight,
+    SetTimer,
+)
 from controller.supervisor.events import ActionFailed, AttemptExited
 from controller.supervisor.states import IN_ATTEMPT, RunState
 from runwarden.v1 import events_pb2 as E
@@ -70,6 +77,8 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
             for node in (ev.node,) if ev.node else act.nodes:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
             sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
+        case MeasureBandwidth() if sv.state is RunState.PREFLIGHT and act.nodes == sv.gate_pending:
+            prepare.gate_unanswered(sv, what)
         case CollectDumps() if sv.state is RunState.COLLECTING and act.attempt == sv.attempt:
             sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; stopping without the flight recorder")
             failure.stop(sv)

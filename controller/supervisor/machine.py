@@ -54,7 +54,7 @@ from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import Pool, PoolState
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, IllegalTransition, RunState, TransitionError
-from controller.supervisor.table import EDGES, STATE_TRIGGERED, TABLE
+from controller.supervisor.table import EDGES, STATE_TRIGGERED, TABLE, diagram
 from runwarden.v1 import common_pb2, events_pb2
 from runwarden.v1 import events_pb2 as E
 
@@ -121,6 +121,9 @@ class Supervisor:
         self.prev_slots: list[str] = []
         self.unreachable: set[str] = set()  # preflight could not reach them: not picked for this attempt
         self.preflight_resend: set[str] = set()  # their RunPreflight never left: sent again at the next tick
+        self.gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
+        self.gate_passed: tuple[str, ...] | None = None  # the node set that passed it
+        self.gate_deadline = 0.0
         self.waiting_since: float | None = None
         self.queue_outstanding = 0
         self.from_queue: set[str] = set()

@@ -28,6 +28,15 @@ class SupervisorConfig:
     queue_wait_s: float = (
         30.0  # before the first attempt: let the allocated nodes join before asking for more
     )
+    # The bandwidth gate: after the per-node preflight, an all-reduce across exactly the next
+    # attempt's nodes (and its ring pairs, to find a slow link); a node whose best pair figure is
+    # below bandwidth_gate_ratio x the floor (bandwidth_floor_gbps, or the median of the set when 0)
+    # is quarantined and replaced before the attempt pays for it. bandwidth_gate_timeout_s is its
+    # budget: past it the attempt launches without the gate (logged).
+    bandwidth_gate: bool = False
+    bandwidth_floor_gbps: float = 0.0
+    bandwidth_gate_ratio: float = 0.5
+    bandwidth_gate_timeout_s: float = 60.0
     burn_in_mode: str = "full"
     burn_in_passes: int = 3
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
@@ -97,6 +106,8 @@ class SupervisorConfig:
             "backoff_max_s",
             "backoff_reset_s",
             "preflight_timeout_s",
+            "bandwidth_floor_gbps",
+            "bandwidth_gate_timeout_s",
             "queue_wait_s",
             "hold_window_s",
             "hang_timeout_floor_s",
@@ -124,6 +135,7 @@ class SupervisorConfig:
             "straggler_ewma_alpha",
             "mass_expiry_fraction",
             "fr_min_confidence",
+            "bandwidth_gate_ratio",
         ):
             value = getattr(self, name)
             if not 0 < value <= 1:

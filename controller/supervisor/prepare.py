@@ -14,13 +14,14 @@ from controller.supervisor import failure
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
+    MeasureBandwidth,
     NodeRank,
     RunPreflight,
     SetTimer,
     TakeSpare,
 )
 from controller.supervisor.attempt import Attempt
-from controller.supervisor.events import PreflightResult
+from controller.supervisor.events import BandwidthMeasured, PreflightResult
 from controller.supervisor.pool import PoolState
 from controller.supervisor.states import RunState
 from runwarden.v1 import common_pb2, events_pb2
@@ -64,6 +65,7 @@ def try_start(sv: Supervisor) -> None:
     sv.empty_slots = need
     sv.unreachable = set()
     sv.preflight_resend = set()
+    sv.gate_pending = sv.gate_passed = None
     for rank, n in enumerate(prev):
         if sv.pool.usable(n) and sv.pool.get(n).state is PoolState.SPARE:
             sv.slots[rank] = n
@@ -129,6 +131,7 @@ def drop_from_slots(sv: Supervisor, node: str, reason: str, *, logged: bool = Fa
     sv.empty_slots += 1
     sv.vacated.setdefault(rank, node)
     sv.pending_preflight.discard(node)
+    sv.gate_pending = None  # the set changed: the gate measures the new one
     sv.pool.unassign(node)
     if not logged:
         sv.log(
@@ -185,6 +188,9 @@ def on_tick(sv: Supervisor) -> None:
             )
         )
         sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+    if sv.gate_pending is not None and sv.now >= sv.gate_deadline:
+        gate_unanswered(sv, f"no answer within its budget of {sv.cfg.bandwidth_gate_timeout_s:g}s")
+        return
     if not sv.pending_preflight or sv.now < sv.preflight_deadline:
         return
     reason = f"no preflight answer within {sv.cfg.preflight_timeout_s:g}s"
@@ -202,6 +208,13 @@ def maybe_launch(sv: Supervisor) -> None:
             drop_from_slots(sv, p.name, f"{p.name} is no longer usable ({p.state.label})")
             return
     nodes = tuple(n for n in sv.slots if n is not None)
+    if sv.cfg.bandwidth_gate and len(nodes) > 1 and sv.gate_passed != nodes:
+        if sv.gate_pending != nodes:  # every node passed: measure the set before it pays for a launch
+            sv.gate_pending = nodes
+            sv.gate_deadline = sv.now + sv.cfg.bandwidth_gate_timeout_s
+            sv.emit(MeasureBandwidth(nodes=nodes, timeout_s=sv.cfg.bandwidth_gate_timeout_s))
+            sv.emit(SetTimer(key="bandwidth", at=sv.gate_deadline))
+        return
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
         f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight",
@@ -212,6 +225,64 @@ def maybe_launch(sv: Supervisor) -> None:
         ),
     )
     launch(sv, nodes)
+
+
+def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
+    """PREFLIGHT: the gate's answer. A node well below the floor is quarantined and replaced."""
+    if ev.nodes != sv.gate_pending:
+        return  # for a node set no longer in play
+    sv.gate_pending = None
+    figures = dict(ev.per_node_gbps)
+    values = sorted(figures.values())
+    floor = sv.cfg.bandwidth_floor_gbps or (_median(values) if len(values) > 2 else 0.0)
+    limit = sv.cfg.bandwidth_gate_ratio * floor
+    slow = [n for n in ev.nodes if n in figures and figures[n] < limit]
+    shown = ", ".join(f"{n} {figures[n]:.3g}" for n in ev.nodes if n in figures)
+    basis = f"floor {floor:.3g} GB/s ({'configured' if sv.cfg.bandwidth_floor_gbps else 'median of the set'})"
+    verdict = f"{', '.join(slow)} below {limit:.3g} GB/s" if slow else "every node above the limit"
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"bandwidth gate on {len(ev.nodes)} nodes: set {ev.set_gbps:.3g} GB/s; best pair per node: {shown}; "
+        f"{basis} x {sv.cfg.bandwidth_gate_ratio:g}: {verdict} ({ev.duration_s:.1f}s{'; ' + ev.detail if ev.detail else ''})",
+        preflight=E.PreflightDetail(
+            summary=common_pb2.PreflightSummary(
+                mode="bandwidth",
+                passed=not slow,
+                fail_count=len(slow),
+                duration_s=ev.duration_s,
+                failed_checks=[f"bandwidth:{n}" for n in slow],
+            )
+        ),
+    )
+    if not slow:
+        sv.gate_passed = ev.nodes
+        maybe_launch(sv)
+        return
+    for n in slow:
+        if n in sv.slots:
+            reason = f"bandwidth gate: best pair {figures[n]:.3g} GB/s, below {limit:.3g} GB/s"
+            sv.quarantine(n, reason)
+            drop_from_slots(sv, n, reason, logged=True)
+
+
+def gate_unanswered(sv: Supervisor, why: str) -> None:
+    """The gate could not run (its budget ran out, the shell could not do it): launch without it."""
+    nodes = sv.gate_pending
+    if nodes is None:
+        return
+    sv.gate_pending = None
+    sv.gate_passed = nodes
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"bandwidth gate skipped: {why}; launching without it",
+        preflight=E.PreflightDetail(summary=common_pb2.PreflightSummary(mode="bandwidth", passed=True)),
+    )
+    maybe_launch(sv)
+
+
+def _median(values: list[float]) -> float:
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:

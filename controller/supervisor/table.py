@@ -15,7 +15,7 @@ The graph, generated from the table (tests/supervisor/test_machine.py keeps it i
       -> STOPPING          Snapshot
     PREFLIGHT
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> RUNNING           NodeJoined, NodeLost, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot
+      -> RUNNING           NodeJoined, NodeLost, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured
       -> STOPPED           StopRequested, Snapshot
     RUNNING
       -> BACKOFF           ActionFailed
@@ -58,6 +58,7 @@ from controller.supervisor import control_plane, failed_actions, failure, nodes,
 from controller.supervisor.events import (
     ActionFailed,
     AttemptExited,
+    BandwidthMeasured,
     CheckpointCommitted,
     CheckpointFailed,
     ControlPlaneLost,
@@ -132,6 +133,7 @@ def _row(
     cp_restored: Rule,
     snapshot: Rule,
     failed: Rule,
+    bandwidth: Rule | None = None,
 ) -> dict[type, Rule]:
     return {
         NodeJoined: joined,
@@ -151,6 +153,7 @@ def _row(
         ControlPlaneRestored: cp_restored,
         Snapshot: snapshot,
         ActionFailed: failed,
+        BandwidthMeasured: bandwidth or IGNORE,  # outside PREFLIGHT: for a set no longer in play
     }
 
 
@@ -190,7 +193,8 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
-        failed=_FAILED,
+        failed=_on(failed_actions.on_action_failed, S.RUNNING),
+        bandwidth=_on(prepare.on_bandwidth, S.RUNNING),
     ),
     S.RUNNING: _row(
         joined=_on(nodes.on_joined),

@@ -17,6 +17,7 @@ from controller.supervisor.actions import (
     AllocateFromQueue,
     CollectDumps,
     Launch,
+    MeasureBandwidth,
     Page,
     PersistNode,
     Quarantine,
@@ -208,6 +209,8 @@ def render(action: Item) -> str | None:
         return f"preflight {action.mode} ({action.purpose}) {','.join(action.nodes)}"
     if isinstance(action, StopAttempt):
         return f"stop attempt={action.attempt} planned={action.planned} grace={action.grace_s:g} {','.join(action.nodes)}"
+    if isinstance(action, MeasureBandwidth):
+        return f"measure-bandwidth {','.join(action.nodes)} within {action.timeout_s:g}s"
     if isinstance(action, CollectDumps):
         return f"collect-dumps attempt={action.attempt} {','.join(action.nodes)}"
     if isinstance(action, Quarantine):

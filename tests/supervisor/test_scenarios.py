@@ -24,6 +24,7 @@ Commands (one handler each):
   checkpoint-failed 20 [node=n1]    a rank reported that saving step 20 failed
   fail-launch [node=n2] [temporary=true]   the shell could not carry out the last Launch (ActionFailed)
   fail-preflight n3 [temporary=false]      the shell could not reach n3 for its preflight (ActionFailed)
+  bandwidth set=3 n1=10 n2=1 ...    answer the last MeasureBandwidth (the set's and each node's best pair GB/s)
   restart-controller                a new controller: a fresh core reconciles from the store's view
   send-unknown                      an event with no rule (the error is the output)
   timers | pool                     print the pending timers / every node's pool state and the run's state
@@ -37,11 +38,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.supervisor.actions import RunPreflight
+from controller.supervisor.actions import MeasureBandwidth, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
     ActionFailed,
     AttemptExited,
+    BandwidthMeasured,
     CheckpointCommitted,
     CheckpointFailed,
     ControlPlaneLost,
@@ -142,6 +144,21 @@ class Runner:
                 node=pos[0],
                 temporary=kv.get("temporary", "true") == "true",
                 reason=kv.get("reason", "UNAVAILABLE: connection refused"),
+            )
+        )
+
+    def cmd_bandwidth(self, args: list[str]) -> None:
+        """Answer the last MeasureBandwidth: `set=GBPS` and each node's best pair figure `n1=GBPS`."""
+        _, kv = _kv(args)
+        req = self.d.of(MeasureBandwidth)[-1]
+        per_node = tuple((n, float(kv[n])) for n in req.nodes if n in kv)
+        self.d.send(
+            BandwidthMeasured(
+                nodes=req.nodes,
+                set_gbps=float(kv.get("set", "0")),
+                per_node_gbps=per_node,
+                duration_s=2.0,
+                detail="gloo, 1 MiB x 3",
             )
         )
 
