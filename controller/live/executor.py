@@ -38,6 +38,7 @@ from controller.supervisor.actions import (
     Launch,
     MeasureBandwidth,
     Page,
+    PersistCheckpoint,
     PersistNode,
     Quarantine,
     Release,
@@ -172,6 +173,8 @@ class Executor:
                 ]
             case PersistNode():
                 self._persist(action.record)
+            case PersistCheckpoint():
+                self._persist_checkpoint(action)
             case Page():
                 self.pager.page(action.reason, action.severity)
             case Quarantine() | Release() | TakeSpare() | AllocateFromQueue():
@@ -356,6 +359,22 @@ class Executor:
         self.post(DumpsCollected(attempt=action.attempt, verdict=verdict))
 
     # -- the store -----------------------------------------------------------------------------
+
+    def _persist_checkpoint(self, action: PersistCheckpoint) -> None:
+        rec = store_pb2.CheckpointCommit(
+            run=self.s.run,
+            step=action.step,
+            path=action.path,
+            committed_at=self.clock(),
+            attempt=action.attempt,
+            save_duration_s=action.save_duration_s,
+        )
+        try:
+            self.store.fenced_put(
+                self.keys.checkpoint(self.s.run, action.step), rec.SerializeToString(), self.leadership
+            )
+        except StoreError as exc:
+            log.warning("recording checkpoint %d failed: %s", action.step, exc)
 
     def _persist(self, rec: NodeRecordView) -> None:
         now = self.clock()

@@ -45,7 +45,6 @@ from controller.live.translate import Addresses, Listing, Translator
 from controller.supervisor.actions import Batch
 from controller.supervisor.events import (
     AttemptExited,
-    CheckpointCommitted,
     ControlPlaneLost,
     Event,
     OperatorQuarantine,
@@ -354,8 +353,6 @@ class LiveController:
                     self.events.put(rest)
                 break
             fed += 1
-            if isinstance(ev, CheckpointCommitted):
-                self._record_commit(ev, now)
             try:
                 batch = self.core.handle(ev, now)
             except TransitionError as exc:
@@ -420,23 +417,6 @@ class LiveController:
             created_at=self.clock(),
         )
         self.store.fenced_put(self.keys.spec(self.cfg.run), spec.SerializeToString(), self.leadership)
-
-    def _record_commit(self, event: CheckpointCommitted, now: float) -> None:
-        assert self.leadership is not None
-        rec = store_pb2.CheckpointCommit(
-            run=self.cfg.run,
-            step=event.step,
-            path=event.path,
-            committed_at=now,
-            attempt=event.attempt,
-            save_duration_s=event.save_duration_s,
-        )
-        try:
-            self.store.fenced_put(
-                self.keys.checkpoint(self.cfg.run, event.step), rec.SerializeToString(), self.leadership
-            )
-        except StoreError as exc:
-            log.warning("recording checkpoint %d failed: %s", event.step, exc)
 
     # -- the view -----------------------------------------------------------------------------
 

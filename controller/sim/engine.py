@@ -47,6 +47,7 @@ from controller.supervisor.actions import (
     Launch,
     MeasureBandwidth,
     Page,
+    PersistCheckpoint,
     PersistNode,
     Quarantine,
     Release,
@@ -262,7 +263,7 @@ class World:
                         nodes=act.nodes, set_gbps=1.0, per_node_gbps=tuple((n, 1.0) for n in act.nodes)
                     )
                 )
-            case Release() | Page() | PersistNode():
+            case Release() | Page() | PersistNode() | PersistCheckpoint():
                 pass  # nothing to do in the world (the core logged them)
             case _:
                 assert_never(act)

@@ -142,6 +142,17 @@ class PersistNode:
     record: NodeRecordView
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistCheckpoint:
+    """Record an accepted commit in the store (runs/<run>/checkpoints/<step>): a resume point that a
+    `Snapshot` gives back after a controller restart. A superseded attempt's commit never gets one."""
+
+    step: int
+    path: str
+    attempt: int
+    save_duration_s: float = 0.0
+
+
 Action = (
     RunPreflight
     | MeasureBandwidth
@@ -155,6 +166,7 @@ Action = (
     | Page
     | SetTimer
     | PersistNode
+    | PersistCheckpoint
 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from controller.supervisor import detectors, failure, prepare
+from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
     CheckpointCommitted,
@@ -167,6 +168,17 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
 def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
     if ev.step in sv.committed:
         return
+    if ev.attempt and ev.attempt != sv.attempt:
+        # A superseded attempt (a partitioned host's ranks before they fenced themselves) is not a
+        # resume point: the attempt that replaced it may already have moved on from older state.
+        sv.log(
+            E.EVENT_KIND_CHECKPOINT_FAILED,
+            f"checkpoint at step {ev.step} of attempt {ev.attempt} ignored: "
+            f"that attempt was superseded by attempt {sv.attempt} (fenced); not a resume point",
+            step=ev.step,
+            checkpoint=E.CheckpointDetail(path=ev.path, error="fenced: superseded attempt"),
+        )
+        return
     sv.committed.add(ev.step)
     sv.latest_committed = max(sv.latest_committed, ev.step)
     a = sv.cur
@@ -177,6 +189,9 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
         sv.save_times.append(sv.now - started)
     if a.save_started:
         a.save_started = {s: t for s, t in a.save_started.items() if s > ev.step}
+    sv.emit(
+        PersistCheckpoint(step=ev.step, path=ev.path, attempt=ev.attempt, save_duration_s=ev.save_duration_s)
+    )
     sv.log(
         E.EVENT_KIND_CHECKPOINT_COMMIT,
         f"checkpoint at step {ev.step} committed",

@@ -19,6 +19,7 @@ from controller.supervisor.actions import (
     Launch,
     MeasureBandwidth,
     Page,
+    PersistCheckpoint,
     PersistNode,
     Quarantine,
     Release,
@@ -188,7 +189,7 @@ class Driver:
 
 def render(action: Item) -> str | None:
     """One line per item for golden scripts; timers and persistence are not shown here."""
-    if isinstance(action, SetTimer | PersistNode):
+    if isinstance(action, SetTimer | PersistNode | PersistCheckpoint):
         return None
     if isinstance(action, events_pb2.Event):
         ev = action

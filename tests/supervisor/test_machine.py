@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 
 from controller.supervisor import machine, restart, table
-from controller.supervisor.actions import CollectDumps, Launch, RunPreflight
+from controller.supervisor.actions import CollectDumps, Launch, PersistCheckpoint, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict
-from controller.supervisor.events import ActionFailed, AttemptExited, DumpsCollected, NodeLost
+from controller.supervisor.events import (
+    ActionFailed,
+    AttemptExited,
+    CheckpointCommitted,
+    DumpsCollected,
+    NodeLost,
+)
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.states import IllegalTransition, RunState, TransitionError
 from runwarden.v1 import events_pb2 as E
@@ -293,3 +299,28 @@ def test_the_core_stays_small_and_controller_holds_only_packages() -> None:
     assert all(
         (p / "__init__.py").exists() for p in controller.iterdir() if p.is_dir() and p.name != "__pycache__"
     )
+
+
+def test_a_commit_of_a_superseded_attempt_is_never_a_resume_point() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(3)
+    d.steps(0, 10)
+    out = d.send(CheckpointCommitted(step=10, attempt=1, path="/ckpt/step_10"))
+    assert [a.step for a in d.of(PersistCheckpoint, out)] == [10] and d.sup.latest_committed == 10
+    d.send(NodeLost(node="n1"))  # a partition: attempt 2 replaces attempt 1 without n1
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
+    d.exit_all(code=-15)
+    d.advance(5)
+    d.answer_preflight()
+    assert d.launches[-1].attempt == 2 and d.launches[-1].resume_step == 10
+    # n1's ranks, still running until they fence themselves, commit step 20 of attempt 1
+    out = d.send(CheckpointCommitted(step=20, attempt=1, path="/ckpt/step_20"))
+    assert not d.of(PersistCheckpoint, out) and d.sup.latest_committed == 10
+    assert any("superseded" in e.message for e in d.events(actions=out))
+    d.steps(0, 3)
+    d.send(AttemptExited(node=d.running_nodes()[0], attempt=2, exit_code=1))
+    d.send(DumpsCollected(attempt=2, verdict=FlightRecorderVerdict()))
+    d.exit_all(code=1)
+    d.advance(5)
+    d.answer_preflight()
+    assert d.launches[-1].resume_step == 10
