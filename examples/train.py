@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.parallel.DistributedDataParallel(MLP(args.width))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
-    found = trainer.latest_committed(args.ckpt_dir)
+    found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
         loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
         start = int(loaded.data_state["next_step"])

@@ -2,7 +2,7 @@
 
     from nodeagent import trainer
     reporter = trainer.ProgressReporter.from_env()      # RUNWARDEN_* / RANK / LOCAL_RANK from the launcher
-    ckpt = trainer.latest_committed(ckpt_root)          # resume point, never half-written
+    ckpt = trainer.resume_point(ckpt_root)              # the supervisor's resume step, never half-written
     start = ... load ckpt (its step) or 0 ...
     reporter.loaded(ckpt.step if ckpt else -1)         # the restart's load phase ends here
     for step in range(start, steps):
@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.checkpoint import CheckpointWriter, CommittedCheckpoint, latest_committed, step_dir
+from nodeagent.checkpoint import (
+    CheckpointWriter,
+    CommittedCheckpoint,
+    latest_committed,
+    read_commit,
+    step_dir,
+)
 
 __all__ = [
     "CommittedCheckpoint",
@@ -43,6 +49,7 @@ __all__ = [
     "ProgressReporter",
     "latest_committed",
     "load_checkpoint",
+    "resume_point",
     "save_checkpoint",
     "setup_flight_recording",
 ]
@@ -338,7 +345,41 @@ def save_checkpoint(
         barrier()
     if rank != 0:
         return None
-    return writer.commit(files=[f"rank{r}.pt" for r in range(world_size)], meta={"world_size": world_size})
+    meta: dict[str, Any] = {"world_size": world_size}
+    attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
+    if attempt.isdigit():
+        meta["attempt"] = int(attempt)  # which attempt committed it (a superseded one is never resumed from)
+    return writer.commit(files=[f"rank{r}.pt" for r in range(world_size)], meta=meta)
+
+
+class ResumeError(RuntimeError):
+    """The supervisor named a resume step that is not committed on this storage."""
+
+
+def resume_point(root: Path | str, env: Mapping[str, str] | None = None) -> CommittedCheckpoint | None:
+    """Where this attempt resumes: the step the supervisor chose (RUNWARDEN_RESUME_STEP: the latest
+    commit it accepted; -1: from scratch), or, run alone, the newest commit on disk.
+
+    Under a supervisor the newest directory on disk is not the answer: a superseded attempt (a
+    partitioned host's ranks, before they fenced themselves) may have committed after the
+    supervisor moved on. A named step that is not committed here is an error, never a silent
+    restart from scratch."""
+    env = os.environ if env is None else env
+    raw = env.get("RUNWARDEN_RESUME_STEP", "").strip()
+    if not raw:
+        return latest_committed(root)
+    try:
+        step = int(raw)
+    except ValueError:
+        raise ResumeError(f"RUNWARDEN_RESUME_STEP={raw!r} is not a step number") from None
+    if step < 0:
+        return None
+    found = read_commit(step_dir(root, step))
+    if found is None:
+        raise ResumeError(
+            f"the supervisor resumes from step {step}, but {step_dir(root, step)} is not committed"
+        )
+    return found
 
 
 def load_checkpoint(

@@ -234,3 +234,19 @@ def test_slow_rank_chaos_reaches_the_rank(agent_factory):
     r.close()
     with pytest.raises(grpc.RpcError):
         agent.stub.InjectFault(agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_SLOW_RANK, value=-1))
+
+
+def test_resume_point_is_the_supervisors_step_not_the_newest_on_disk(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("RUNWARDEN_ATTEMPT", "3")
+    for step in (10, 20):
+        trainer.save_checkpoint(tmp_path, step, data_state={"next_step": step})
+    assert trainer.latest_committed(tmp_path).meta["attempt"] == 3  # the commit records its attempt
+    # step 20 was committed by a superseded attempt: the supervisor says 10
+    assert trainer.resume_point(tmp_path, {"RUNWARDEN_RESUME_STEP": "10"}).step == 10
+    assert trainer.resume_point(tmp_path, {"RUNWARDEN_RESUME_STEP": "-1"}) is None  # from scratch
+    assert trainer.resume_point(tmp_path, {}).step == 20  # run alone: the newest commit on disk
+    with pytest.raises(trainer.ResumeError, match="step 15"):
+        trainer.resume_point(tmp_path, {"RUNWARDEN_RESUME_STEP": "15"})  # not committed here: never silent
+    with pytest.raises(trainer.ResumeError, match="not a step number"):
+        trainer.resume_point(tmp_path, {"RUNWARDEN_RESUME_STEP": "ten"})
