@@ -108,6 +108,8 @@ ADOPT_GRACE_S = 2.0
 ADOPT_CHECK_S = 60.0
 # Answers fed back in one loop iteration at most (a chain longer than this waits for the next one).
 MAX_ANSWERS_PER_ITERATION = 64
+# A leader stops acting this long (or two ticks, if longer) before its lease could have expired.
+LEADER_MARGIN_S = 0.5
 
 
 class _Relist:
@@ -127,6 +129,10 @@ Item = Event | _Relist | _Operator
 
 class CoreRebuilding(Exception):
     """The core failed while handling a request; the shell is rebuilding it. Ask again."""
+
+
+class _SteppedDown(Exception):
+    """Leadership is no longer certain in the middle of an iteration: stop before acting."""
 
 
 class _CoreBroken(Exception):
@@ -205,6 +211,7 @@ class LiveController:
                 )
             except StoreError as exc:
                 log.debug("campaign: %s", exc)
+                self.stopping.wait(0.2)  # etcd may be unreachable: no hot loop
                 continue
             log.info("%s is the leader (fence %d)", self.cfg.identity, self.leadership.fence)
             try:
@@ -243,6 +250,8 @@ class LiveController:
                 return
             try:
                 self._drive()
+                return
+            except _SteppedDown:
                 return
             except _CoreBroken:
                 self.rebuilds += 1
@@ -300,12 +309,29 @@ class LiveController:
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
 
+    def _certain(self) -> bool:
+        """Whether this leader may still act: its lease is certainly alive for a while longer.
+
+        A leader cut off from etcd keeps no lease it cannot prove; past it a standby may lead, so this
+        one stops (no launch, no stop, no event-log append) before its lease can have expired."""
+        assert self.leadership is not None
+        margin = max(LEADER_MARGIN_S, 2 * self.cfg.tick_s)
+        left = self.leadership.certain_for()
+        if self.leadership.lost.is_set() or left < margin:
+            log.warning(
+                "stepping down: leadership %s",
+                f"lost ({self.leadership.reason})"
+                if self.leadership.lost.is_set()
+                else f"not certain for {margin:g}s more ({left:.2f}s left: etcd unreachable?)",
+            )
+            return False
+        return True
+
     def _drive(self) -> None:
         assert self.leadership is not None
         next_tick = self.clock()
         while not self.stopping.is_set():
-            if self.leadership.lost.is_set():
-                log.warning("leadership lost; stepping down")
+            if not self._certain():
                 return
             now = self.clock()
             timer_at = self.timers.next_at()
@@ -363,6 +389,9 @@ class LiveController:
                 if future is not None:
                     future.set_exception(CoreRebuilding("the controller is rebuilding its view; ask again"))
                 raise _CoreBroken from exc
+            if not self._certain():
+                # The batch is neither logged nor executed: the next leader rebuilds from the store.
+                raise _SteppedDown
             pending.extend(self.executor.execute(batch))
         if isinstance(event, StopRequested) and event.relaunch:
             # Handled (and logged) once: a later Snapshot must not stop the relaunched attempt again.

@@ -97,6 +97,10 @@ class Leadership:
 
         self._watch = self._store.watch_prefix(self.key, self.fence + 1, on_change)
 
+    def certain_for(self) -> float:
+        """Seconds this leadership is certainly still held (its lease's `certain_for`; 0 once lost)."""
+        return 0.0 if self.lost.is_set() else self._keeper.certain_for()
+
     def mark_lost(self, reason: str) -> None:
         if not self.lost.is_set():
             self.reason = reason

@@ -41,6 +41,9 @@ class LeaseKeeper:
         self.lost = threading.Event()
         self.reason = ""
         self.refreshes = 0
+        # When a refresh that succeeded was *sent*: etcd restarted the countdown no earlier than that,
+        # so the lease is certainly alive until confirmed_at + TTL (the grant counts as one).
+        self.confirmed_at = time.monotonic()
         self._store = store
         self._on_lost = on_lost
         self._stop = threading.Event()
@@ -61,10 +64,20 @@ class LeaseKeeper:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def certain_for(self) -> float:
+        """Seconds the lease is certainly still alive on etcd (<= 0: it may have expired already).
+
+        A holder that acts on the lease's behalf (a leader appending, launching, stopping) must stop
+        before this reaches 0: past it another contender may hold the key."""
+        if self.lost.is_set():
+            return 0.0
+        return self.confirmed_at + self.lease.ttl_s - time.monotonic()
+
     def _run(self) -> None:
         last_ok = time.monotonic()
         wait = self._interval
         while not self._stop.wait(wait):
+            sent = time.monotonic()
             try:
                 ttl = self._store.refresh_lease(self.lease, timeout_s=self._interval)
             except Exception as err:  # StoreError, or a bug: either way no refresh happened
@@ -81,6 +94,7 @@ class LeaseKeeper:
                 self._lose("etcd reports the lease expired or revoked (TTL 0 on refresh)")
                 return
             self.refreshes += 1
+            self.confirmed_at = sent
             last_ok = time.monotonic()
             wait = self._interval
 
