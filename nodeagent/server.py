@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent import chaos, preflight_bridge, proctree
+from nodeagent import allreduce, chaos, preflight_bridge, proctree
 from nodeagent import validate as v
 from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
@@ -298,6 +298,11 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         except chaos.ChaosError as exc:
             _abort(context, exc.code, str(exc))
         return agent_pb2.InjectFaultResponse(detail=detail)
+
+    def MeasureAllReduce(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[agent_pb2.MeasureAllReduceResponse]:
+        yield from allreduce.serve(self.agent, request, context, self._require_admin)
 
 
 def _worker_status(w: Any) -> agent_pb2.WorkerStatus:

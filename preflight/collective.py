@@ -6,6 +6,13 @@ torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, 
 
     torchrun --nnodes 2 --nproc-per-node 8 -m preflight.collective --out result.json
 
+or with the group given explicitly (the node agent's MeasureAllReduce: one rank per node, rank 0's
+agent hands it an already listening socket on its own advertised host, and each rank's gloo
+connections use its own address):
+
+    python -m preflight.collective --rank 1 --world-size 3 --master-addr 10.0.0.5 \
+        --master-port 29641 --bind-host 10.0.0.6 --group bw-1f3a-set --out result.json
+
 Bus bandwidth follows nccl-tests (PERFORMANCE.md): algbw = bytes / time, and for all-reduce
 busbw = algbw * 2 (n - 1) / n, the rate each link must carry; it is comparable across sizes of n.
 The reduction is also checked for the right answer (each rank contributes rank + 1).
@@ -60,13 +67,15 @@ def _check_sum(dist: Any, torch: Any, tensor: Any, rank: int, world: int, device
     return bool(ok.item() == 1.0)
 
 
-def measure(size_bytes: int, iterations: int, warmup: int) -> AllReduceResult:
-    """Runs inside an initialized process group; every rank gets the same result."""
+def measure(size_bytes: int, iterations: int, warmup: int, backend: str = "") -> AllReduceResult:
+    """Runs inside an initialized process group; every rank gets the same result.
+
+    backend: the name to report ("": the group's own, which a bound gloo group would misname)."""
     import torch  # lazily: only GPU hosts and tests have torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    backend = str(dist.get_backend())
+    backend = backend or str(dist.get_backend())
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if backend == "nccl" else torch.device("cpu")
     tensor = torch.zeros(max(1, size_bytes // 4), dtype=torch.float32, device=device)
     correct = _check_sum(dist, torch, tensor, rank, world, device)
@@ -120,6 +129,115 @@ def run_from_env(
         dist.destroy_process_group()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    """One rank's place in an explicitly described group (no torchrun, no environment).
+
+    master_listen_fd: rank 0 only, a socket already bound and listening on master_addr:master_port
+    (the caller chose the port there, so nothing races for it); the store serves on it.
+    bind_host: the address this rank's gloo connections use ("" = gloo's default device, or
+    GLOO_SOCKET_IFNAME when set). group_id: the store prefix, so a stray rank of another group never
+    joins this one."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    master_listen_fd: int | None = None
+    bind_host: str = ""
+    group_id: str = ""
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got {self.rank}, {self.world_size}")
+        if not self.master_addr or not 0 < self.master_port < 65536:
+            raise ValueError(f"need a master address and port, got {self.master_addr!r}:{self.master_port}")
+        if self.master_listen_fd is not None and self.rank != 0:
+            raise ValueError("only rank 0 serves the store (master_listen_fd)")
+
+
+_BOUND_GLOO = "gloo_bound"
+
+
+def _bound_gloo(bind_host: str) -> str:
+    """A gloo backend whose one device is `bind_host` (torch has no option for it in init_process_group);
+    registered once per process under its own name."""
+    import torch.distributed as dist
+
+    def create(store: Any, rank: int, world: int, pg_timeout: datetime.timedelta) -> Any:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # stubs omit it; the one way to set the device
+        opts._timeout = pg_timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return dist.ProcessGroupGloo(store, rank, world, opts)
+
+    if _BOUND_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_BOUND_GLOO, create, devices=["cpu"])
+    return _BOUND_GLOO
+
+
+def run_group(
+    group: Group,
+    size_bytes: int,
+    iterations: int,
+    warmup: int,
+    backend: str = "auto",
+    timeout_s: float = 60.0,
+) -> AllReduceResult:
+    """Joins the group as described (its own store, no environment), measures, leaves."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(group.local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        group.master_addr,
+        group.master_port,
+        group.world_size,
+        is_master=group.rank == 0,
+        timeout=timeout,
+        master_listen_fd=group.master_listen_fd,
+    )
+    name = backend
+    if backend == "gloo" and group.bind_host and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        name = _bound_gloo(group.bind_host)
+    dist.init_process_group(
+        backend=name,
+        store=dist.PrefixStore(group.group_id or "allreduce", store),
+        rank=group.rank,
+        world_size=group.world_size,
+        timeout=timeout,
+    )
+    try:
+        return measure(size_bytes, iterations, warmup, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Group | None:
+    """The explicit group when --world-size is given (None: the torchrun-style environment)."""
+    if args.world_size is None:
+        return None
+    if args.rank is None or not args.master_addr or args.master_port is None:
+        parser.error("--world-size needs --rank, --master-addr and --master-port")
+    try:
+        return Group(
+            rank=args.rank,
+            world_size=args.world_size,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            master_listen_fd=args.master_listen_fd,
+            bind_host=args.bind_host,
+            group_id=args.group,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m preflight.collective", description=__doc__.split("\n")[0]
@@ -130,11 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
     parser.add_argument("--out", help="rank 0 writes the JSON result here (default: stdout)")
+    explicit = parser.add_argument_group("an explicit group (instead of RANK, WORLD_SIZE, MASTER_*)")
+    explicit.add_argument("--rank", type=int)
+    explicit.add_argument("--world-size", dest="world_size", type=int)
+    explicit.add_argument("--master-addr", dest="master_addr", default="")
+    explicit.add_argument("--master-port", dest="master_port", type=int)
+    explicit.add_argument(
+        "--master-listen-fd", dest="master_listen_fd", type=int, help="rank 0: a listening socket to serve on"
+    )
+    explicit.add_argument("--bind-host", dest="bind_host", default="", help="gloo: this rank's address")
+    explicit.add_argument("--group", default="", help="the group's name (its store prefix)")
     args = parser.parse_args(argv)
     if args.size_bytes < 4 or args.iterations < 1 or args.warmup < 0:
         parser.error("need --size-bytes >= 4, --iterations >= 1, --warmup >= 0")
-    result = run_from_env(args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
-    if _env_int("RANK") == 0:
+    group = _group_from_args(args, parser)
+    if group is not None:
+        result = run_group(group, args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
+    else:
+        result = run_from_env(args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
+    if (group.rank if group is not None else _env_int("RANK")) == 0:
         text = json.dumps(asdict(result))
         if args.out:
             with open(args.out, "w", encoding="utf-8") as fh:

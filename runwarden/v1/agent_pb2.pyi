@@ -4,7 +4,7 @@ isort:skip_file
 The NodeAgent service: one per GPU host. TCP (mTLS off loopback) for the controller and
 operators; a unix socket for the host's own training ranks.
 
-Mutating RPCs (RunPreflight, LaunchWorkers, StopWorkers, InjectFault) require an admin client
+Mutating RPCs (RunPreflight, LaunchWorkers, StopWorkers, InjectFault, MeasureAllReduce) require an admin client
 certificate when TLS is on. Every request field is validated; a bad request gets
 INVALID_ARGUMENT with the field's name, never a crash.
 """
@@ -620,3 +620,157 @@ class InjectFaultResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InjectFaultResponse: _TypeAlias = InjectFaultResponse  # noqa: Y015
+
+@_typing.final
+class MeasureAllReduceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    MASTER_ADDR_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
+    WARMUP_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """names the group; every rank of it gets the same (a name)"""
+    rank: _builtins.int
+    """this node's rank in the group, 0 <= rank < world_size"""
+    world_size: _builtins.int
+    """>= 2: one rank per node"""
+    master_addr: _builtins.str
+    """Rank 0: both unset (its agent listens on its own advertised host, on a port it chooses).
+    Other ranks: what rank 0's stream answered in `master`.
+    """
+    master_port: _builtins.int
+    size_bytes: _builtins.int
+    """bytes per all-reduce (float32 elements x 4)"""
+    iterations: _builtins.int
+    """timed all-reduces"""
+    warmup: _builtins.int
+    """untimed all-reduces first"""
+    timeout_s: _builtins.float
+    """the whole rank: start, rendezvous, measure; killed after it"""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        master_addr: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        iterations: _builtins.int = ...,
+        warmup: _builtins.int = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "iterations", b"iterations", "master_addr", b"master_addr", "master_port", b"master_port", "rank", b"rank", "size_bytes", b"size_bytes", "timeout_s", b"timeout_s", "warmup", b"warmup", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MeasureAllReduceRequest: _TypeAlias = MeasureAllReduceRequest  # noqa: Y015
+
+@_typing.final
+class CollectiveMaster(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDR_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    addr: _builtins.str
+    """rank 0's advertised host"""
+    port: _builtins.int
+    """the port rank 0's agent bound there (listening already)"""
+    def __init__(
+        self,
+        *,
+        addr: _builtins.str = ...,
+        port: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectiveMaster: _TypeAlias = CollectiveMaster  # noqa: Y015
+
+@_typing.final
+class AllReduceMeasurement(_message.Message):
+    """preflight.collective.AllReduceResult, as rank 0 saw it"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
+    TIME_S_FIELD_NUMBER: _builtins.int
+    ALGBW_GBPS_FIELD_NUMBER: _builtins.int
+    BUSBW_GBPS_FIELD_NUMBER: _builtins.int
+    CORRECT_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    backend: _builtins.str
+    """"gloo" | "nccl" """
+    size_bytes: _builtins.int
+    iterations: _builtins.int
+    time_s: _builtins.float
+    """mean time of one all-reduce, slowest rank"""
+    algbw_gbps: _builtins.float
+    """GB/s, 1e9 bytes"""
+    busbw_gbps: _builtins.float
+    """nccl-tests' bus bandwidth"""
+    correct: _builtins.bool
+    """the sum was right on every rank"""
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        iterations: _builtins.int = ...,
+        time_s: _builtins.float = ...,
+        algbw_gbps: _builtins.float = ...,
+        busbw_gbps: _builtins.float = ...,
+        correct: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algbw_gbps", b"algbw_gbps", "backend", b"backend", "busbw_gbps", b"busbw_gbps", "correct", b"correct", "iterations", b"iterations", "size_bytes", b"size_bytes", "time_s", b"time_s", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllReduceMeasurement: _TypeAlias = AllReduceMeasurement  # noqa: Y015
+
+@_typing.final
+class MeasureAllReduceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASTER_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def master(self) -> Global___CollectiveMaster:
+        """rank 0 only, first, as soon as its port is bound"""
+
+    @_builtins.property
+    def result(self) -> Global___AllReduceMeasurement:
+        """last: rank 0 carries the figures; other ranks an empty one"""
+
+    def __init__(
+        self,
+        *,
+        master: Global___CollectiveMaster | None = ...,
+        result: Global___AllReduceMeasurement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "master", b"master", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "master", b"master", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["master", "result"]  # noqa: Y015
+    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
+
+Global___MeasureAllReduceResponse: _TypeAlias = MeasureAllReduceResponse  # noqa: Y015

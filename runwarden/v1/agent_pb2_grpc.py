@@ -79,6 +79,11 @@ class NodeAgentStub:
                 request_serializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.MeasureAllReduce = channel.unary_stream(
+                '/runwarden.v1.NodeAgent/MeasureAllReduce',
+                request_serializer=runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -143,6 +148,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MeasureAllReduce(self, request, context):
+        """Runs `python -m preflight.collective` as one rank of a multi-node all-reduce (the bandwidth
+        gate). Rank 0's agent chooses the master port on its own advertised host and streams it first;
+        the caller then asks the other ranks' agents with that address. Refused while workers run here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +204,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.FromString,
                     response_serializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'MeasureAllReduce': grpc.unary_stream_rpc_method_handler(
+                    servicer.MeasureAllReduce,
+                    request_deserializer=runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +454,33 @@ class NodeAgent:
             '/runwarden.v1.NodeAgent/InjectFault',
             runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.SerializeToString,
             runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MeasureAllReduce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/runwarden.v1.NodeAgent/MeasureAllReduce',
+            runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceRequest.SerializeToString,
+            runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceResponse.FromString,
             options,
             channel_credentials,
             insecure,

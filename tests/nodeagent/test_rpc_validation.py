@@ -121,6 +121,12 @@ CASES = [
         grpc.StatusCode.PERMISSION_DENIED,
         "chaos_enabled",
     ),
+    (
+        "MeasureAllReduce",
+        agent_pb2.MeasureAllReduceRequest(group_id="g", rank=0, world_size=1, size_bytes=4, iterations=1),
+        INVALID,
+        "world_size",
+    ),
 ]
 
 
