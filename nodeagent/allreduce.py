@@ -17,8 +17,8 @@ The socket interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) is whatever the ag
 says: the agent has no config key for it.
 
 Refused while workers run on the node (the all-reduce would compete with them for the network and
-the GPUs), and while a preflight or another all-reduce runs (one at a time: the node shows PREFLIGHT
-meanwhile).
+the GPUs), and while a preflight or another all-reduce runs (one at a time, after a short wait for
+one that is ending; the node shows PREFLIGHT meanwhile).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ MAX_ITERATIONS = 1000
 MAX_WARMUP = 100
 MAX_TIMEOUT_S = 600.0
 _POLL_S = 0.05
+_BUSY_WAIT_S = 2.0
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9][A-Za-z0-9-]{0,62})*$")
 
 
@@ -128,7 +129,8 @@ def _measure(
         )
     host = _advertised_host(agent, context)
     _refuse_if_workers(agent, context)
-    if not agent.preflight_running.acquire(blocking=False):
+    # A measurement that was just cancelled is still stopping its rank: wait for it briefly.
+    if not agent.preflight_running.acquire(timeout=min(_BUSY_WAIT_S, req.timeout_s)):
         context.abort(
             grpc.StatusCode.ABORTED,
             f"node {agent.config.node} is busy: a preflight or an all-reduce is running",

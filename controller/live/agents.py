@@ -31,6 +31,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # flight-recorder dumps of 8 ranks fit with room t
 # The first retry waits this long, each next one twice as long, at most RETRY_MAX_S.
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
+_CANCEL_POLL_S = 0.1  # a cancelled all-reduce call ends within this
 
 # UNAVAILABLE: no connection (agent restarting, host unreachable) or the server is shutting down.
 # DEADLINE_EXCEEDED: no answer in time (a loaded host). RESOURCE_EXHAUSTED: the agent's server is at
@@ -261,6 +262,50 @@ class AgentClients:
         return self._call(
             node, "CollectFlightRecorder", lambda s: s.CollectFlightRecorder(request, timeout=timeout_s)
         )
+
+    def measure_all_reduce(
+        self,
+        node: str,
+        request: agent_pb2.MeasureAllReduceRequest,
+        timeout_s: float,
+        on_master: Callable[[agent_pb2.CollectiveMaster], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> tuple[RpcOutcome, agent_pb2.AllReduceMeasurement | None]:
+        """One rank of an all-reduce group; one try (the group's other ranks do not wait for a retry).
+
+        `on_master` is called with rank 0's master (address and port) as soon as its stream carries it,
+        while the rank waits for the others; the answer is the rank's result (rank 0: the figures).
+        Setting `cancel` ends the call (CANCELLED) and the agent stops its rank at once: a group whose
+        other rank failed need not wait out its timeout."""
+        stub = self._stub(node)
+        if stub is None:
+            return RpcOutcome(node=node, ok=False, code="UNAVAILABLE", error="no address known"), None
+        result: agent_pb2.AllReduceMeasurement | None = None
+        call = stub.MeasureAllReduce(request, timeout=timeout_s)
+        finished = threading.Event()
+
+        def cancel_when_asked() -> None:
+            while cancel is not None and not finished.is_set():
+                if cancel.wait(_CANCEL_POLL_S):
+                    call.cancel()
+                    return
+
+        if cancel is not None:
+            threading.Thread(target=cancel_when_asked, name="allreduce-cancel", daemon=True).start()
+        try:
+            for item in call:
+                if item.HasField("master") and on_master is not None:
+                    on_master(item.master)
+                elif item.HasField("result"):
+                    result = item.result
+        except grpc.RpcError as exc:
+            log.info("agent %s MeasureAllReduce failed: %s", node, _why(exc))
+            return RpcOutcome(node=node, ok=False, code=_code_of(exc), error=_why(exc)), None
+        finally:
+            finished.set()
+        if result is None:
+            return RpcOutcome(node=node, ok=False, code="DATA_LOSS", error="agent sent no result"), None
+        return RpcOutcome(node=node, ok=True), result
 
     def inject_fault(
         self, node: str, request: agent_pb2.InjectFaultRequest, timeout_s: float = 5.0

@@ -11,7 +11,8 @@
 
 `execute` returns the answers that are due at once; the loop feeds them to the core in the same
 iteration. Slow work (agent RPCs) runs in a thread pool, and its results come back on the queue:
-`PreflightResult`, `DumpsCollected`, `AttemptExited`, or `ActionFailed` for what could not be done.
+`PreflightResult`, `DumpsCollected`, `BandwidthMeasured`, `AttemptExited`, or `ActionFailed` for what
+could not be done.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import assert_never
 
 from controller.backends.base import AttemptSpec, BackendError
 from controller.backends.local import LaunchIncomplete, LocalBackend
+from controller.live import bandwidth
 from controller.live.agents import AgentClients
 from controller.live.paging import Pager
 from controller.live.translate import Translator, parse
@@ -49,6 +51,7 @@ from controller.supervisor.actions import (
 )
 from controller.supervisor.events import (
     ActionFailed,
+    BandwidthMeasured,
     DumpsCollected,
     Event,
     NodeRecordView,
@@ -167,10 +170,7 @@ class Executor:
             case CollectDumps():
                 self._submit(self._collect, action)
             case MeasureBandwidth():
-                # Not wired to the agents yet: the core launches without the gate and says so.
-                return [
-                    ActionFailed(action=action, temporary=False, reason="this shell cannot measure bandwidth")
-                ]
+                self._submit(self._measure_bandwidth, action)
             case PersistNode():
                 self._persist(action.record)
             case PersistCheckpoint():
@@ -357,6 +357,20 @@ class Executor:
             )
             return
         self.post(DumpsCollected(attempt=action.attempt, verdict=verdict))
+
+    def _measure_bandwidth(self, action: MeasureBandwidth) -> None:
+        """The set, then the ring pairs (controller.live.bandwidth), within the action's timeout.
+        Nothing measured at all is a temporary ActionFailed: the core launches without the gate."""
+        try:
+            answer: BandwidthMeasured | str = bandwidth.run_gate(self.agents, action.nodes, action.timeout_s)
+        except Exception as exc:  # a bug here must not leave the core waiting out its timer
+            log.exception("bandwidth gate")
+            answer = f"the measurement failed: {type(exc).__name__}: {exc}"[:500]
+        if isinstance(answer, str):
+            log.warning("bandwidth gate on %s: %s", ", ".join(action.nodes), answer)
+            self.post(ActionFailed(action=action, temporary=True, reason=answer))
+            return
+        self.post(answer)
 
     # -- the store -----------------------------------------------------------------------------
 
