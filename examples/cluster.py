@@ -9,69 +9,30 @@ Each "node" is an agent on its own loopback port with its own state directory an
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from runwarden.eventlog import read_events
 from runwarden.testing.etcd_server import EtcdServer, free_port
+from runwarden.testing.fleet_cluster import (
+    REPO,
+    ClusterSpec,
+    agent_settings,
+    controller_settings,
+    parse_status,
+    preflight_settings,
+    program,
+    wait_for_event,
+    write_toml,
+)
 from runwarden.v1 import events_pb2
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-
-
-def _bin(name: str) -> list[str]:
-    exe = BIN / name
-    return (
-        [str(exe)]
-        if exe.exists()
-        else [
-            sys.executable,
-            "-m",
-            {
-                "nodeagent": "nodeagent.cli",
-                "controller": "controller.live.main",
-                "controllerctl": "controller.ctl.main",
-            }[name],
-        ]
-    )
-
-
-def _toml(value: object) -> str:
-    return json.dumps(value) if not isinstance(value, bool) else ("true" if value else "false")
-
-
-def write_toml(path: Path, sections: dict[str, dict[str, object]]) -> None:
-    lines: list[str] = []
-    for name, table in sections.items():
-        if name:
-            lines.append(f"[{name}]")
-        for key, value in table.items():
-            lines.append(f"{key} = {_toml(value)}")
-        lines.append("")
-    path.write_text("\n".join(lines))
-
-
-@dataclass(kw_only=True)
-class ClusterSpec:
-    run: str = "demo"
-    active: int = 4
-    spares: int = 2
-    steps: int = 100_000
-    ckpt_every: int = 10
-    step_sleep: float = 0.05
-    lease_ttl_s: float = 2.0
-    seed: int = 1234
-    train_args: tuple[str, ...] = ()
-    policy: dict[str, object] = field(default_factory=dict)
+__all__ = ["REPO", "ClusterSpec", "LocalCluster", "kill_strays", "leftover_processes", "write_toml"]
 
 
 class LocalCluster:
@@ -125,59 +86,31 @@ class LocalCluster:
         return self
 
     def _write_preflight_config(self) -> None:
-        # Before every attempt the quick preflight checks the kernel log, the counters, storage and
-        # network; compute and the all-reduce run in the full preflight (burn-in). On a GPU node the
-        # quick mode includes the matmul too: here 2 CPU cores would spend seconds on it per node.
-        write_toml(
-            self.root / "preflight.toml",
-            {
-                "compute": {"modes": ["full"], "size_cpu": 128, "iterations_cpu": 2},
-                "collective": {
-                    "modes": ["full"],
-                    "size_bytes_cpu": 1 << 20,
-                    "iterations": 3,
-                    "cpu_processes": 2,
-                },
-                "storage": {"checkpoint_path": str(self.ckpt_dir), "free_space_floor_gb": 0.1},
-            },
-        )
+        write_toml(self.root / "preflight.toml", preflight_settings(self.ckpt_dir))
 
     def agent_config(self, node: str) -> Path:
         assert self.etcd is not None
         state = self.root / "nodes" / node
         state.mkdir(parents=True, exist_ok=True)
         path = state / "nodeagent.toml"
-        write_toml(
-            path,
-            {
-                "": {
-                    "node": node,
-                    # port 0: the agent binds a port of the kernel's choosing and advertises it in its node
-                    # record (a port picked here could be taken by the time a slow-starting agent binds it)
-                    "listen": "127.0.0.1:0",
-                    "unix_socket": str(state / "agent.sock"),
-                    "etcd_endpoints": [self.etcd.endpoint],
-                    "lease_ttl_s": self.spec.lease_ttl_s,
-                    "progress_interval_s": 0.5,
-                    "kernel_log": "none",
-                    "nvml_interval_s": 0.0,
-                    "allowed_executables": [sys.executable],
-                    "chaos_enabled": True,
-                    "metrics_listen": "",
-                    "run_dir": str(state / "run"),
-                    "local_ranks": 1,
-                    "preflight_config": str(self.root / "preflight.toml"),
-                    "stop_grace_s": 5.0,
-                }
-            },
+        # port 0: the agent binds a port of the kernel's choosing and advertises it in its node
+        # record (a port picked here could be taken by the time a slow-starting agent binds it)
+        settings = agent_settings(
+            node,
+            self.spec,
+            listen="127.0.0.1:0",
+            state_dir=state,
+            etcd_endpoints=[self.etcd.endpoint],
+            preflight_config=self.root / "preflight.toml",
         )
+        write_toml(path, {"": settings})
         return path
 
     def start_agent(self, node: str) -> None:
         cfg = self.agent_config(node)
         log = (self.root / "nodes" / node / "agent.log").open("ab")
         self.agents[node] = subprocess.Popen(
-            [*_bin("nodeagent"), "--config", str(cfg)],
+            [*program("nodeagent"), "--config", str(cfg)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -189,7 +122,7 @@ class LocalCluster:
         cfg = self._controller_config()
         log = (self.run_dir / "controller.log").open("ab")
         self.controller = subprocess.Popen(
-            [*_bin("controller"), "run", "--config", str(cfg)],
+            [*program("controller"), "run", "--config", str(cfg)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -202,7 +135,7 @@ class LocalCluster:
         log = (self.run_dir / f"{identity}.log").open("ab")
         self.standbys[identity] = subprocess.Popen(
             [
-                *_bin("controller"),
+                *program("controller"),
                 "run",
                 "--config",
                 str(self.run_dir / "controller.toml"),
@@ -223,52 +156,17 @@ class LocalCluster:
     def _controller_config(self) -> Path:
         assert self.etcd is not None
         self.metrics_port = self.metrics_port or free_port()
-        # torchrun runs the script with its own interpreter: the command starts at the script.
-        command = [
-            str(REPO / "examples" / "train.py"),
-            "--steps",
-            str(self.spec.steps),
-            "--ckpt-dir",
-            str(self.ckpt_dir),
-            "--ckpt-every",
-            str(self.spec.ckpt_every),
-            "--out",
-            str(self.loss_dir),
-            "--seed",
-            str(self.spec.seed),
-            "--step-sleep",
-            str(self.spec.step_sleep),
-            *self.spec.train_args,
-        ]
-        policy: dict[str, object] = {
-            "burn_in_passes": 1,
-            "backoff_base_s": 0.5,
-            "backoff_max_s": 5.0,
-            "stop_grace_s": 5.0,
-            "dump_timeout_s": 3.0,
-            "queue_wait_s": 5.0,
-            "startup_timeout_s": 120.0,
-        }
-        policy.update(self.spec.policy)
         cfg = self.run_dir / "controller.toml"
-        write_toml(
-            cfg,
-            {
-                "store": {"endpoints": [self.etcd.endpoint]},
-                "controller": {
-                    "run": self.spec.run,
-                    "nodes": self.spec.active,
-                    "command": command,
-                    "run_dir": str(self.run_dir),
-                    "api_address": self.controller_address,
-                    "identity": "controller-a",
-                    "election_ttl_s": 3.0,
-                    "metrics_address": f"127.0.0.1:{self.metrics_port}",
-                },
-                "controller.env": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                "policy": policy,
-            },
+        settings = controller_settings(
+            self.spec,
+            store={"endpoints": [self.etcd.endpoint]},
+            run_dir=self.run_dir,
+            ckpt_dir=self.ckpt_dir,
+            loss_dir=self.loss_dir,
+            api_address=self.controller_address,
+            metrics_address=f"127.0.0.1:{self.metrics_port}",
         )
+        write_toml(cfg, settings)
         return cfg
 
     def stop(self) -> None:
@@ -303,7 +201,7 @@ class LocalCluster:
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*_bin("controllerctl"), "--controller", self.controller_address, *args],
+            [*program("controllerctl"), "--controller", self.controller_address, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -312,11 +210,7 @@ class LocalCluster:
 
     def status(self) -> dict[str, object]:
         out = self.ctl("status", "--json")
-        if out.returncode != 0:
-            return {}
-        data = json.loads(out.stdout)
-        runs = data.get("runs", []) if isinstance(data, dict) else data
-        return runs[0] if runs else {}
+        return parse_status(out.stdout) if out.returncode == 0 else {}
 
     def events(self) -> list[events_pb2.Event]:
         return read_events(self.event_log).events
@@ -328,13 +222,7 @@ class LocalCluster:
         timeout_s: float,
         pred: Callable[[events_pb2.Event], bool] | None = None,
     ) -> events_pb2.Event | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for ev in self.events():
-                if ev.seq > after_seq and ev.kind == kind and (pred is None or pred(ev)):
-                    return ev
-            time.sleep(0.2)
-        return None
+        return wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
 
     def restart_agent(self, node: str) -> None:
         """What systemd's Restart=always does for a dead agent."""
