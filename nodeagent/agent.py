@@ -17,6 +17,7 @@ from typing import Any
 
 import runwarden
 from nodeagent import progress as progress_mod
+from nodeagent import torchrun
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
 from nodeagent.launcher import Launcher
@@ -63,6 +64,7 @@ class Agent:
                 ttl_s=config.lease_ttl_s,
                 make_record=self.node_record,
                 metrics=self.metrics,
+                on_fenced=self._self_fence,
             )
             self.metrics.track_heartbeat(self.registration.last_heartbeat_at)
         self.notifier = Notifier()
@@ -76,6 +78,7 @@ class Agent:
         self.unhealthy = False
         self.gpu_count = 0
         self.advertise = config.advertise
+        self.rdzv_port = config.rdzv_port  # 0 until start() picks one
         self._closed = threading.Event()
         self._stop_watches: dict[str, Any] = {}
         self.launched_at: dict[str, float] = {}
@@ -101,11 +104,27 @@ class Agent:
             gpu_count=self.gpu_count,
             agent_version=runwarden.__version__,
             state=self.node_state(),
-            local_ranks=self.config.local_ranks,
+            local_ranks=self.local_ranks,
+            rdzv_port=self.rdzv_port,
+            torch_host=torchrun.torch_host(self.config.advertised_host),
         )
         if self.last_preflight is not None:
             record.last_preflight.CopyFrom(self.last_preflight)
         return record
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks per attempt on this node: configured, else one per GPU NVML sees, else 1."""
+        return self.config.local_ranks or self.gpu_count or 1
+
+    def torchrun_facts(self) -> torchrun.NodeFacts:
+        return torchrun.NodeFacts(
+            torchrun=self.config.torchrun,
+            local_ranks=self.local_ranks,
+            torch_host=torchrun.torch_host(self.config.advertised_host),
+            rdzv_port=self.rdzv_port,
+            collective_ifname=self.config.collective_ifname,
+        )
 
     def state_changed(self) -> None:
         """Ask the ticker to re-put the node record (soon, not in the caller's thread)."""
@@ -206,6 +225,11 @@ class Agent:
                 self.gpu_count = self.nvml._nvml.device_count()
             except Exception as exc:
                 log.warning("NVML device count failed: %s", exc)
+        if not self.rdzv_port:
+            self.rdzv_port = torchrun.pick_rdzv_port()
+        ifname = self.config.collective_ifname
+        if ifname and not os.path.exists(f"/sys/class/net/{ifname}"):
+            log.warning("collective_ifname %s: no such network interface here; collectives will fail", ifname)
         self.xid.start(self.config.kernel_log, self.config.dmesg_interval_s)
         self.evidence.start()
         if self.registration is not None:
@@ -233,6 +257,25 @@ class Agent:
         self.evidence.stop()
         if self.registration is not None:
             self.registration.stop(revoke=True)
+
+    def _self_fence(self, reason: str) -> None:
+        """Liveness thread: the lease could not be renewed before its TTL ran out. The controller
+        counts this node lost and may already be replacing it, so its workers stop: TERM, then KILL
+        after the stop grace. Called once per lost lease; returns at once (the stop runs in a thread)."""
+        running = sorted({f"{w.run} attempt {w.attempt}" for w in self.launcher.workers() if w.running})
+        if not running:
+            log.warning("self-fencing: %s; no workers run here", reason)
+            return
+        self.metrics.self_fences.inc()
+        log.error(
+            "self-fencing: %s; stopping the workers of %s (TERM, KILL after %.1f s)",
+            reason,
+            ", ".join(running),
+            self.config.stop_grace_s,
+        )
+        threading.Thread(
+            target=self.launcher.stop_all, args=(self.config.stop_grace_s,), name="self-fence", daemon=True
+        ).start()
 
     def _on_worker_exit(self, worker: Any) -> None:
         """Reaper thread: the exit goes into the run's NodeProgress and to etcd now, not at the next

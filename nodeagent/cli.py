@@ -78,12 +78,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-ranks", dest="local_ranks", type=int, metavar="N")
     p.add_argument("--preflight-config", dest="preflight_config", metavar="FILE")
     p.add_argument("--log-level", dest="log_level", choices=config_mod.LOG_LEVELS)
+    p.add_argument(
+        "--torchrun",
+        metavar="CMDLINE",
+        help="how a structured launch starts torchrun, one shell-quoted string "
+        "(default: this interpreter -m torch.distributed.run)",
+    )
+    p.add_argument(
+        "--collective-ifname",
+        dest="collective_ifname",
+        metavar="IFNAME",
+        help="network interface of the workers' collectives (GLOO_/NCCL_SOCKET_IFNAME)",
+    )
+    p.add_argument(
+        "--rdzv-port",
+        dest="rdzv_port",
+        type=int,
+        metavar="PORT",
+        help="port of the c10d store this node hosts as node rank 0 (0 = pick one at start-up)",
+    )
     return p
 
 
 def load(argv: list[str] | None = None) -> config_mod.AgentConfig:
     args = vars(build_parser().parse_args(argv))
     file = args.pop("config")
+    if args["torchrun"] is not None:
+        args["torchrun"] = config_mod.split_argv(args["torchrun"], "--torchrun")
     return config_mod.from_sources(file=file, flags=args)
 
 

@@ -28,13 +28,29 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
     local_ranks               ranks per attempt on this node (advertised in the node record)
     log_level                 "debug" | "info" | "warning" | "error"
     preflight_config          the preflight TOML file RunPreflight uses ("" = preflight's defaults)
+    torchrun                  argv prefix a structured launch starts torchrun with (default: this
+                              agent's own interpreter, `[sys.executable, "-m", "torch.distributed.run"]`);
+                              its argv[0] must be in allowed_executables. In the environment and the
+                              `--torchrun` flag: one shell-quoted string
+    collective_ifname         the network interface the workers' collectives use ("" = torch's
+                              default): GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
+    rdzv_port                 the port this node hosts torchrun's c10d store on when it is node rank 0
+                              (0 = a port free at start-up; fixed ports outside the ephemeral range are
+                              better in production). Reported in the node record with `torch_host`,
+                              the advertised host without its port (torchrun --local-addr)
+
+A structured launch runs `--nproc-per-node` = local_ranks, or the GPU count when local_ranks is 0 and
+NVML sees GPUs, else 1; the node record reports that number.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +62,8 @@ from runwarden.net import is_loopback
 ENV_PREFIX = "RUNWARDEN_AGENT_"
 KERNEL_LOG_SOURCES = ("auto", "kmsg", "journalctl", "dmesg", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Linux interface names: at most 15 bytes (IFNAMSIZ - 1), no '/', no whitespace, not "." or "..".
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,9 +97,28 @@ class AgentConfig:
     local_ranks: int = 0
     log_level: str = "info"
     preflight_config: str = ""
+    torchrun: tuple[str, ...] = ()
+    collective_ifname: str = ""
+    rdzv_port: int = 0
 
     def __post_init__(self) -> None:
         where = "nodeagent"
+        if not self.torchrun:
+            object.__setattr__(self, "torchrun", (sys.executable, "-m", "torch.distributed.run"))
+        if any(not isinstance(a, str) or not a or "\0" in a for a in self.torchrun):
+            raise ConfigError(
+                f"{where}.torchrun: an argv of non-empty strings without NUL, got {self.torchrun!r}"
+            )
+        if self.collective_ifname and (
+            not _IFNAME.match(self.collective_ifname) or self.collective_ifname in (".", "..")
+        ):
+            raise ConfigError(
+                f"{where}.collective_ifname: not a network interface name: {self.collective_ifname!r}"
+            )
+        if not 0 <= self.rdzv_port <= 65535:
+            raise ConfigError(
+                f"{where}.rdzv_port: must be within 0..65535 (0 = pick one), got {self.rdzv_port}"
+            )
         if not self.node:
             object.__setattr__(self, "node", socket.gethostname())
         if not self.advertise:
@@ -130,6 +167,11 @@ class AgentConfig:
     def tls_enabled(self) -> bool:
         return bool(self.tls_cert)
 
+    @property
+    def advertised_host(self) -> str:
+        """The host of `advertise`, without the port (and without IPv6 brackets)."""
+        return split_host_port(self.advertise, "nodeagent.advertise")[0]
+
     def stop_file(self, run: str) -> Path:
         return Path(self.run_dir) / "runs" / run / "stop"
 
@@ -145,6 +187,14 @@ def split_host_port(value: str, where: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def split_argv(value: str, where: str) -> list[str]:
+    """A shell-quoted command line as an argv (the `torchrun` key from the environment or a flag)."""
+    try:
+        return shlex.split(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not a shell-quoted command line: {exc}") from None
+
+
 def env_mapping(environ: Mapping[str, str]) -> dict[str, Any]:
     """The RUNWARDEN_AGENT_* variables as config keys; list keys are comma-separated."""
     list_keys = {f.name for f in dataclasses.fields(AgentConfig) if "tuple" in str(f.type)}
@@ -153,7 +203,10 @@ def env_mapping(environ: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        out[key] = [v for v in value.split(",") if v] if key in list_keys else value
+        if key == "torchrun":
+            out[key] = split_argv(value, name)
+        else:
+            out[key] = [v for v in value.split(",") if v] if key in list_keys else value
     return out
 
 

@@ -3,6 +3,14 @@
 The store's LeaseKeeper refreshes the lease every TTL/3 in the background and sets `.lost` when a
 refresh finds the lease gone (expired during an etcd outage or a long pause). Then this module
 grants a new lease and puts the node record again, retrying with backoff while etcd is down.
+
+**Self-fencing.** Once the keeper can no longer vouch for the lease (`certain_for() <= 0`: no refresh
+sent within the last TTL was answered, so etcd has or may have expired it) or says it is gone, the
+controller counts the node lost -- and may already be launching its replacement. So the lease is
+given up at once: `on_fenced(reason)` is called (the agent stops its workers), `lease_held` is False
+(no launch is accepted), and the agent re-registers as soon as etcd answers, revoking the old lease
+first if it still exists, so the controller always sees the node leave and come back as a new node
+(burn-in), never a silent resume.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from runwarden.v1 import store_pb2
 
 log = logging.getLogger(__name__)
 
+# How often the lease is checked: the fence fires at most this long after the lease's TTL ran out.
+POLL_S = 0.05
+
 
 class Registration:
     def __init__(
@@ -28,6 +39,7 @@ class Registration:
         ttl_s: float,
         make_record: Callable[[], store_pb2.NodeRecord],
         metrics: AgentMetrics,
+        on_fenced: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
         self._node = node
@@ -40,14 +52,17 @@ class Registration:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._on_fenced = on_fenced
         self._heartbeat_at: float | None = None
         self._refreshes_seen = 0
+        self._fenced = False  # the current lease is given up (its TTL ran out unrenewed)
         self.registrations = 0
+        self.fences = 0
 
     @property
     def lease_held(self) -> bool:
         keeper = self._keeper
-        return keeper is not None and not keeper.lost.is_set()
+        return keeper is not None and not keeper.lost.is_set() and not self._fenced
 
     @property
     def lease_id(self) -> int:
@@ -62,6 +77,34 @@ class Registration:
                 self._refreshes_seen = refreshes
                 self._heartbeat_at = time.monotonic()
         return self._heartbeat_at
+
+    def _expired(self) -> str:
+        """Why the current lease must be given up now ("" while it is held and certainly alive)."""
+        keeper = self._keeper
+        if keeper is None or self._fenced:
+            return ""
+        if keeper.lost.is_set():
+            return f"lease {self.lease_id:x} lost ({getattr(keeper, 'reason', '') or 'gone'})"
+        left = keeper.certain_for()
+        if left <= 0:
+            ttl = float(getattr(self._lease, "ttl_s", self._ttl_s))
+            return f"no lease renewal confirmed for {ttl - left:.2f} s (TTL {ttl:g} s)"
+        return ""
+
+    def _fence(self, reason: str) -> None:
+        """Give up the current lease: the workers stop (`on_fenced`), then re-registration."""
+        with self._lock:
+            if self._fenced:
+                return
+            self._fenced = True
+            self.fences += 1
+        self._metrics.lease_held.set(0)
+        log.warning("node %s: %s: fencing itself", self._node, reason)
+        if self._on_fenced is not None:
+            try:
+                self._on_fenced(reason)
+            except Exception:
+                log.exception("the self-fence callback failed")
 
     def start(self) -> None:
         """Register once (raising if etcd is unreachable), then watch for a lost lease."""
@@ -103,8 +146,16 @@ class Registration:
 
     def _register(self) -> None:
         with self._lock:
+            old = self._lease
             if self._keeper is not None:
                 self._keeper.stop()
+            if old is not None:
+                # The node leaves before it comes back: if the old lease outlived its TTL (etcd was
+                # slow, not gone), revoking it deletes the node key, so the controller sees a new node.
+                try:
+                    self._store.revoke(old)
+                except Exception as exc:
+                    log.debug("revoking the old lease %x failed: %s", int(getattr(old, "id", 0) or 0), exc)
             lease = self._store.grant_lease(self._ttl_s)
             self._lease = lease
             record = self._make_record()
@@ -114,6 +165,7 @@ class Registration:
             self._keeper = self._store.keep_alive(lease, self._on_lost)
             self._heartbeat_at = time.monotonic()
             self._refreshes_seen = 0
+            self._fenced = False
             self.registrations += 1
         self._metrics.registrations.inc()
         self._metrics.lease_held.set(1)
@@ -122,10 +174,13 @@ class Registration:
     def _loop(self) -> None:
         delay = 0.1
         while not self._closed.is_set():
-            self._wake.wait(timeout=self._ttl_s / 3)
+            self._wake.wait(timeout=POLL_S)
             self._wake.clear()
             if self._closed.is_set():
                 return
+            reason = self._expired()
+            if reason:
+                self._fence(reason)
             if self.lease_held:
                 delay = 0.1
                 continue

@@ -21,6 +21,11 @@ class AgentMetrics:
         self.registrations = Counter(
             "runwarden_agent_registrations", "node registrations (incl. re-)", registry=r
         )
+        self.self_fences = Counter(
+            "runwarden_agent_self_fences",
+            "times the agent stopped its workers because its lease ran out unrenewed",
+            registry=r,
+        )
         self.evidence = Counter("runwarden_agent_evidence", "evidence published", ["kind"], registry=r)
         self.progress_writes = Counter("runwarden_agent_progress_writes", "progress puts to etcd", registry=r)
         self.rpc_latency = Histogram(

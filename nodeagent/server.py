@@ -23,11 +23,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent import allreduce, chaos, preflight_bridge, proctree
+from nodeagent import allreduce, chaos, preflight_bridge, proctree, torchrun
 from nodeagent import validate as v
 from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
-from nodeagent.launcher import LaunchError, LaunchSpec
+from nodeagent.launcher import LaunchError, LaunchSpec, resolve_allowed
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
@@ -224,6 +224,29 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self._require_admin(context)
         v.launch_request(request)
         a, run = self.agent, request.run
+        if a.registration is not None and not a.registration.lease_held:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {a.config.node} holds no lease (etcd unreachable or self-fenced): nothing is launched",
+            )
+        rendezvous_id = request.rendezvous_id or f"{run}-{request.attempt}"
+        argv, env = tuple(request.argv), dict(request.env)
+        if request.HasField("torchrun"):
+            try:
+                line, collective = torchrun.build(a.torchrun_facts(), request, rendezvous_id)
+            except torchrun.TorchrunRefused as exc:
+                _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            if request.torchrun.no_python:
+                try:  # the command's own executable is started too: the same rule as argv[0]
+                    resolve_allowed(
+                        request.torchrun.command[0],
+                        a.config.allowed_executables,
+                        env.get("PATH", os.environ.get("PATH", os.defpath)),
+                    )
+                except LaunchError as exc:
+                    _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"torchrun.command: {exc}")
+            argv, env = tuple(line), {**env, **collective}
         with a.lock:
             if request.leader_fence < a.fences.get(run, 0):
                 _abort(
@@ -251,9 +274,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         spec = LaunchSpec(
             run=run,
             attempt=request.attempt,
-            rendezvous_id=request.rendezvous_id or f"{run}-{request.attempt}",
-            argv=tuple(request.argv),
-            env=dict(request.env),
+            rendezvous_id=rendezvous_id,
+            argv=argv,
+            env=env,
             cwd=request.cwd,
             node_rank=request.node_rank,
             nnodes=request.nnodes or 1,

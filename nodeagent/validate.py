@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Sequence
 
+from nodeagent import torchrun
 from runwarden.names import check_name
 from runwarden.v1 import agent_pb2
 
@@ -93,18 +95,18 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
     integer(req.attempt, "attempt", low=0, high=MAX_STEP)
     if req.rendezvous_id:
         run_name(req.rendezvous_id, "rendezvous_id")
-    if not req.argv:
-        raise ValidationError("argv: the command is required")
-    if len(req.argv) > MAX_ARGV:
-        raise ValidationError(f"argv: at most {MAX_ARGV} items")
-    total = 0
-    for i, arg in enumerate(req.argv):
-        size = len(arg.encode())
-        total += size
-        if "\0" in arg or size > MAX_ARG_BYTES:
-            raise ValidationError(f"argv[{i}]: contains NUL or is longer than {MAX_ARG_BYTES} bytes")
-    if total > MAX_ARGV_BYTES:
-        raise ValidationError(f"argv: {total} bytes in all, limit {MAX_ARGV_BYTES}")
+    if req.HasField("torchrun"):
+        if req.argv:
+            raise ValidationError("argv: must be empty with torchrun (give one of the two)")
+        _argv(req.torchrun.command, "torchrun.command")
+        try:
+            torchrun.split_endpoint(req.torchrun.rdzv_endpoint)
+        except ValueError as exc:
+            raise ValidationError(f"torchrun.rdzv_endpoint: {exc}") from None
+        if req.nnodes < 1:
+            raise ValidationError(f"nnodes: at least 1 with torchrun, got {req.nnodes}")
+    else:
+        _argv(req.argv, "argv")
     if len(req.env) > MAX_ENV:
         raise ValidationError(f"env: at most {MAX_ENV} variables")
     for key, value in req.env.items():
@@ -118,6 +120,23 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
     integer(req.node_rank, "node_rank", low=0, high=max(0, req.nnodes - 1) if req.nnodes else MAX_RANK)
     integer(req.resume_step, "resume_step", low=-1, high=MAX_STEP)
     integer(req.leader_fence, "leader_fence", low=0, high=MAX_STEP)
+
+
+def _argv(argv: Sequence[str], field: str) -> None:
+    if not argv:
+        raise ValidationError(f"{field}: the command is required")
+    if len(argv) > MAX_ARGV:
+        raise ValidationError(f"{field}: at most {MAX_ARGV} items")
+    total = 0
+    for i, arg in enumerate(argv):
+        size = len(arg.encode())
+        total += size
+        if i == 0 and not arg:
+            raise ValidationError(f"{field}[0]: empty")
+        if "\0" in arg or size > MAX_ARG_BYTES:
+            raise ValidationError(f"{field}[{i}]: contains NUL or is longer than {MAX_ARG_BYTES} bytes")
+    if total > MAX_ARGV_BYTES:
+        raise ValidationError(f"{field}: {total} bytes in all, limit {MAX_ARGV_BYTES}")
 
 
 def fault_request(req: agent_pb2.InjectFaultRequest) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from runwarden import launch
 from runwarden.names import check_name
 
 # Run names end up in rendezvous ids, Slurm job names, Kubernetes object names and file paths:
@@ -79,7 +80,7 @@ class AttemptSpec:
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     resume_step: int = -1
-    procs_per_node: int = 1
+    procs_per_node: int = 1  # Slurm, Kubernetes; the local backend's agents each use their own local_ranks
     leader_fence: int = 0  # the leader's election fence; an agent refuses a launch from an older leader
 
     def __post_init__(self) -> None:
@@ -175,33 +176,27 @@ def torchrun_argv(
     node_rank: int | None = None,
     no_python: bool = True,
 ) -> list[str]:
-    """The launcher line every backend uses: one rendezvous per attempt, no in-place restarts.
+    """The launcher line of a backend that starts torchrun itself (`runwarden.launch.torchrun_argv`,
+    the one rule the node agent follows too): one rendezvous per attempt, no in-place restarts.
 
-    ``--max-restarts=0`` because every failure goes through the supervisor (which can blame and
-    replace a node); torchrun restarting in place would hide the failure and reuse a bad node.
-
-    node_rank: given when the backend starts each node's torchrun itself (the local backend, one
-    agent per node): ``--node-rank`` fixes the node's place, and node rank 0 hosts the c10d store
-    (``--rdzv-conf=is_host=true``; the others connect to it). None when the scheduler starts the
-    same line on every node (srun, a JobSet) and torchrun ranks the nodes at the rendezvous.
+    node_rank: given when the backend starts each node's torchrun itself: ``--node-rank`` and node
+    rank 0 hosting the c10d store (``--rdzv-conf=is_host=true``). None when the scheduler starts the
+    same line on every node (srun, a JobSet) and torchrun ranks the nodes at the rendezvous. (The
+    local backend does neither: each agent builds its own node's line from a structured launch.)
     no_python: ``spec.command`` is a full argv with its own interpreter (``--no-python``); False when
     it starts at a script that torchrun runs with its own interpreter.
     """
-    placed = [] if node_rank is None else [f"--node-rank={node_rank}"]
-    host = [] if node_rank is None else [f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}"]
-    return [
-        *torchrun,
-        f"--nnodes={len(spec.nodes)}",
-        f"--nproc-per-node={spec.procs_per_node}",
-        *placed,
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={spec.rendezvous_id}",
-        *host,
-        "--max-restarts=0",
-        *(["--no-python"] if no_python else []),
-        *spec.command,
-    ]
+    return launch.torchrun_argv(
+        prefix=torchrun,
+        nnodes=len(spec.nodes),
+        nproc_per_node=spec.procs_per_node,
+        endpoint=endpoint,
+        rdzv_id=spec.rendezvous_id,
+        command=spec.command,
+        node_rank=node_rank,
+        is_host=None if node_rank is None else node_rank == 0,
+        no_python=no_python,
+    )
 
 
 def attempt_env(spec: AttemptSpec, *, node: str | None = None) -> dict[str, str]:

@@ -437,6 +437,10 @@ Global___CollectFlightRecorderResponse: _TypeAlias = CollectFlightRecorderRespon
 
 @_typing.final
 class LaunchWorkersRequest(_message.Message):
+    """One launch on this node: either a plain `argv` (compatibility; argv[0] must be allowed by the
+    agent's config) or a structured `torchrun` launch, never both.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
@@ -469,22 +473,32 @@ class LaunchWorkersRequest(_message.Message):
     NNODES_FIELD_NUMBER: _builtins.int
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     LEADER_FENCE_FIELD_NUMBER: _builtins.int
+    TORCHRUN_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     rendezvous_id: _builtins.str
-    """"<run>-<attempt>" """
+    """"<run>-<attempt>" (torchrun's --rdzv-id)"""
     cwd: _builtins.str
     node_rank: _builtins.int
+    """torchrun's --node-rank (c10d may still rank the nodes otherwise)"""
     nnodes: _builtins.int
+    """torchrun's --nnodes (>= 1 with `torchrun`)"""
     resume_step: _builtins.int
     leader_fence: _builtins.int
     """stale leaders are refused"""
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """argv[0] must be allowed by the agent's config"""
+        """argv[0] must be allowed by the agent's config; empty with `torchrun`"""
 
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def torchrun(self) -> Global___TorchrunLaunch:
+        """The agent builds torchrun's line itself from its own config: its torchrun prefix (its own
+        interpreter), --nproc-per-node = its local ranks, --local-addr = its advertised host, and the
+        collective interface variables; the request says only what is per attempt.
+        """
+
     def __init__(
         self,
         *,
@@ -498,14 +512,53 @@ class LaunchWorkersRequest(_message.Message):
         nnodes: _builtins.int = ...,
         resume_step: _builtins.int = ...,
         leader_fence: _builtins.int = ...,
+        torchrun: Global___TorchrunLaunch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["torchrun", b"torchrun"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run", "torchrun", b"torchrun"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LaunchWorkersRequest: _TypeAlias = LaunchWorkersRequest  # noqa: Y015
+
+@_typing.final
+class TorchrunLaunch(_message.Message):
+    """What a torchrun launch needs from the controller (the rest is the node's own; see LaunchWorkersRequest)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_FIELD_NUMBER: _builtins.int
+    RDZV_ENDPOINT_FIELD_NUMBER: _builtins.int
+    IS_HOST_FIELD_NUMBER: _builtins.int
+    NO_PYTHON_FIELD_NUMBER: _builtins.int
+    rdzv_endpoint: _builtins.str
+    """interpreter, or a full argv with `no_python`
+    "host:port" of the c10d store: node rank 0's torch host and rdzv_port
+    """
+    is_host: _builtins.bool
+    """this node hosts the c10d store (the endpoint must be its own)"""
+    no_python: _builtins.bool
+    """command[0] is an executable (torchrun --no-python); it must be allowed"""
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what each rank runs: a script torchrun runs with its own"""
+
+    def __init__(
+        self,
+        *,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        rdzv_endpoint: _builtins.str = ...,
+        is_host: _builtins.bool = ...,
+        no_python: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "rdzv_endpoint", b"rdzv_endpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TorchrunLaunch: _TypeAlias = TorchrunLaunch  # noqa: Y015
 
 @_typing.final
 class LaunchWorkersResponse(_message.Message):

@@ -38,6 +38,8 @@ class NodeRecord(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     LOCAL_RANKS_FIELD_NUMBER: _builtins.int
+    RDZV_PORT_FIELD_NUMBER: _builtins.int
+    TORCH_HOST_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     host: _builtins.str
     address: _builtins.str
@@ -49,6 +51,14 @@ class NodeRecord(_message.Message):
     lease_id: _builtins.int
     local_ranks: _builtins.int
     """how many ranks this node runs per attempt"""
+    rdzv_port: _builtins.int
+    """The port this node hosts torchrun's c10d store on when it is node rank 0 (0: the agent does not
+    say, e.g. an older agent: it cannot host a rendezvous).
+    """
+    torch_host: _builtins.str
+    """The address torch advertises for this node (torchrun --local-addr; the rendezvous host when it is
+    node rank 0): the advertised host without the port. "" when the agent has none to offer.
+    """
     @_builtins.property
     def gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -67,10 +77,12 @@ class NodeRecord(_message.Message):
         registered_at: _builtins.float = ...,
         lease_id: _builtins.int = ...,
         local_ranks: _builtins.int = ...,
+        rdzv_port: _builtins.int = ...,
+        torch_host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_preflight", b"last_preflight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "gpu_count", b"gpu_count", "gpu_uuids", b"gpu_uuids", "host", b"host", "last_preflight", b"last_preflight", "lease_id", b"lease_id", "local_ranks", b"local_ranks", "node", b"node", "registered_at", b"registered_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "gpu_count", b"gpu_count", "gpu_uuids", b"gpu_uuids", "host", b"host", "last_preflight", b"last_preflight", "lease_id", b"lease_id", "local_ranks", b"local_ranks", "node", b"node", "rdzv_port", b"rdzv_port", "registered_at", b"registered_at", "state", b"state", "torch_host", b"torch_host"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -72,3 +72,47 @@ def test_cli_help_and_config_error_exit_code(tmp_path):
         env=env,
     )
     assert bad.returncode == 2 and "loopback" in bad.stderr
+
+
+def test_launch_keys_default_to_the_agents_own_interpreter_and_are_validated(tmp_path):
+    cfg = from_sources(file=None, environ={})
+    assert cfg.torchrun == (sys.executable, "-m", "torch.distributed.run")
+    assert cfg.collective_ifname == "" and cfg.rdzv_port == 0
+    env = {
+        "RUNWARDEN_AGENT_TORCHRUN": "/opt/py/bin/python3 -m 'torch.distributed.run'",
+        "RUNWARDEN_AGENT_COLLECTIVE_IFNAME": "eth1",
+        "RUNWARDEN_AGENT_RDZV_PORT": "29400",
+    }
+    cfg = from_sources(file=None, environ=env)
+    assert cfg.torchrun == ("/opt/py/bin/python3", "-m", "torch.distributed.run")
+    assert (cfg.collective_ifname, cfg.rdzv_port) == ("eth1", 29400)
+    parsed = cli.load(["--torchrun", "/usr/bin/torchrun", "--collective-ifname", "lo", "--rdzv-port", "0"])
+    assert parsed.torchrun == ("/usr/bin/torchrun",) and parsed.collective_ifname == "lo"
+    f = tmp_path / "a.toml"
+    f.write_text('torchrun = ["/x/python", "-m", "torch.distributed.run"]\nadvertise = "[::1]:7"\n')
+    cfg = from_sources(file=f, environ={})
+    assert cfg.torchrun[0] == "/x/python" and cfg.advertised_host == "::1"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("rdzv_port = 70000", "rdzv_port"),
+        ("rdzv_port = -1", "rdzv_port"),
+        ("collective_ifname = 'eth0/../x'", "collective_ifname"),
+        ("collective_ifname = 'a-name-much-too-long'", "collective_ifname"),
+        ("torchrun = ['']", "torchrun"),
+        ("torchrun = 'python'", "torchrun"),
+    ],
+)
+def test_bad_launch_keys_are_refused(tmp_path, text, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        from_sources(file=f, environ={})
+    assert words in str(err.value)
+
+
+def test_a_torchrun_flag_that_is_not_a_command_line_is_a_config_error():
+    with pytest.raises(ConfigError, match="--torchrun"):
+        cli.load(["--torchrun", "python 'unclosed"])

@@ -21,6 +21,28 @@ def _status(call, request):
     return err.value.code(), err.value.details()
 
 
+def _torchrun(
+    *,
+    command=("train.py",),
+    rdzv_endpoint="127.0.0.1:29400",
+    is_host=False,
+    no_python=False,
+    nnodes=1,
+    node_rank=0,
+    argv=(),
+):
+    return agent_pb2.LaunchWorkersRequest(
+        run="r",
+        attempt=1,
+        argv=list(argv),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        torchrun=agent_pb2.TorchrunLaunch(
+            command=list(command), rdzv_endpoint=rdzv_endpoint, is_host=is_host, no_python=no_python
+        ),
+    )
+
+
 CASES = [
     ("RunPreflight", agent_pb2.RunPreflightRequest(mode="fast"), INVALID, "mode"),
     ("RunPreflight", agent_pb2.RunPreflightRequest(mode="quick", only=["bad name!"]), INVALID, "only[0]"),
@@ -111,6 +133,31 @@ CASES = [
         agent_pb2.LaunchWorkersRequest(run="r", argv=["/no/such/exe"]),
         grpc.StatusCode.PERMISSION_DENIED,
         "allowed_executables",
+    ),
+    # A structured launch: every new field is checked before anything is started.
+    ("LaunchWorkers", _torchrun(argv=["x"]), INVALID, "argv: must be empty"),
+    ("LaunchWorkers", _torchrun(command=[]), INVALID, "torchrun.command"),
+    ("LaunchWorkers", _torchrun(command=["train.py", "a\0b"]), INVALID, "torchrun.command[1]"),
+    ("LaunchWorkers", _torchrun(command=[""]), INVALID, "torchrun.command[0]"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint=""), INVALID, "torchrun.rdzv_endpoint"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint="127.0.0.1"), INVALID, "torchrun.rdzv_endpoint"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint="127.0.0.1:0"), INVALID, "torchrun.rdzv_endpoint"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint="h:99999"), INVALID, "torchrun.rdzv_endpoint"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint="::1:29400"), INVALID, "brackets"),
+    ("LaunchWorkers", _torchrun(rdzv_endpoint="a b:29400"), INVALID, "torchrun.rdzv_endpoint"),
+    ("LaunchWorkers", _torchrun(nnodes=0), INVALID, "nnodes"),
+    ("LaunchWorkers", _torchrun(nnodes=2, node_rank=2), INVALID, "node_rank"),
+    (
+        "LaunchWorkers",
+        _torchrun(is_host=True, rdzv_endpoint="10.9.9.9:1234"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "stale node record",
+    ),
+    (
+        "LaunchWorkers",
+        _torchrun(no_python=True, command=["/bin/sh", "-c", "true"]),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "torchrun.command",
     ),
     ("StopWorkers", agent_pb2.StopWorkersRequest(run="nope"), NOT_FOUND, "nope"),
     ("StopWorkers", agent_pb2.StopWorkersRequest(run="r", grace_s=-1), INVALID, "grace_s"),

@@ -1,0 +1,111 @@
+"""Self-fencing against a real etcd: an agent that cannot renew its lease before the TTL runs out
+stops its workers (TERM, then KILL after its stop grace), refuses launches, says so in its log and a
+metric, and re-registers under a new lease once etcd answers again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from runwarden.testing.etcd_server import free_port
+from runwarden.v1 import agent_pb2
+from tests.nodeagent.helpers import wait_for
+
+TTL_S = 2.0
+GRACE_S = 1.0
+MARGIN_S = 0.5
+# Ignores SIGTERM: the fence has to escalate to SIGKILL after the grace.
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.slow
+def test_an_agent_cut_off_from_etcd_stops_its_workers_within_ttl_plus_grace(etcd, store, agent_factory):
+    metrics_port = free_port()
+    agent = agent_factory(
+        etcd=etcd.endpoint,
+        etcd_root=store.keys.root,
+        flags=[
+            "--lease-ttl",
+            str(TTL_S),
+            "--allow-exec",
+            sys.executable,
+            "--metrics-listen",
+            f"127.0.0.1:{metrics_port}",
+        ],
+        env={"RUNWARDEN_AGENT_STOP_GRACE_S": str(GRACE_S)},
+    )
+    key = store.keys.node("n1")
+    before = wait_for(lambda: store.get(key), 10, "the node key")
+    pid = agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(run="r1", attempt=1, argv=[sys.executable, "-c", STUBBORN]), timeout=10
+    ).pid
+    time.sleep(TTL_S)  # a few keepalives: the fence must not fire while etcd answers
+    assert (
+        os.path.exists(f"/proc/{pid}")
+        and agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).lease_held
+    )
+
+    os.kill(etcd.pid, signal.SIGSTOP)  # etcd unreachable: no keepalive is answered from now on
+    cut_at = time.monotonic()
+    try:
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), TTL_S + GRACE_S + 5, "the worker to be stopped")
+        stopped_after = time.monotonic() - cut_at
+        print(
+            f"\nworker stopped {stopped_after:.2f} s after etcd was cut (TTL {TTL_S} s + grace {GRACE_S} s)"
+        )
+        assert stopped_after <= TTL_S + GRACE_S + MARGIN_S
+        # the last renewal was at most a keepalive interval (TTL/3) before the cut: not earlier than that
+        assert stopped_after >= TTL_S * 2 / 3 + GRACE_S - 0.2
+        status = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5)
+        assert not status.lease_held
+        (worker,) = status.workers
+        assert worker.exit.signal == signal.SIGKILL
+        with pytest.raises(grpc.RpcError) as refused:
+            agent.stub.LaunchWorkers(
+                agent_pb2.LaunchWorkersRequest(run="r1", attempt=2, argv=[sys.executable, "-c", "pass"]),
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds no lease" in refused.value.details()
+        assert "self-fencing" in agent.log() and "stopping the workers of r1 attempt 1" in agent.log()
+        assert _metric(metrics_port, "runwarden_agent_self_fences_total") == 1
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+
+    after = wait_for(
+        lambda: (kv := store.get(key)) is not None and kv.lease != before.lease and kv,
+        TTL_S + 10,
+        "re-registration under a new lease",
+    )
+    assert after.lease != 0
+    wait_for(
+        lambda: agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).lease_held,
+        5,
+        "the lease held again",
+    )
+
+
+def test_an_agent_without_workers_fences_nothing_and_reregisters(etcd, store, agent_factory):
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--lease-ttl", str(TTL_S)])
+    key = store.keys.node("n1")
+    before = wait_for(lambda: store.get(key), 10, "the node key")
+    os.kill(etcd.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "self-fencing" in agent.log(), TTL_S + 3, "the fence in the log")
+        assert "no workers run here" in agent.log()
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+    wait_for(
+        lambda: (kv := store.get(key)) is not None and kv.lease != before.lease, TTL_S + 10, "re-registration"
+    )
