@@ -3,9 +3,16 @@
 Nodes join by starting an agent (its lease registers it in etcd) and leave when it stops; nothing
 is allocated, drained or released here, because the pool state the supervisor decides is persisted
 in etcd and an agent needs no telling. What this backend does is start and stop attempts: `launch`
-builds each node's `LaunchWorkersRequest` -- one torchrun per node with that node's rank
-(`torchrun_argv`), the attempt's environment with the node's name (`attempt_env`) -- and calls
-every agent at once.
+sends each node a structured launch (`LaunchWorkersRequest.torchrun`): the command, the attempt's
+environment with the node's name (`attempt_env`), the node count and the node's rank, and the
+rendezvous endpoint; each agent builds its own torchrun line from its own config (its interpreter,
+its ranks per node, its advertised host, its collective interface) with the same rule the other
+backends use (`runwarden.launch.torchrun_argv`).
+
+Nothing about the launch is chosen on the controller's host. The rendezvous lives where torchrun
+hosts it: node rank 0's c10d store, at the host and port that node's agent reported in its node
+record (`rendezvous`, the live shell's view of the records). A spare that replaces node rank 0
+brings its own. No known rendezvous for node rank 0 is a `BackendError`: nothing is launched.
 
 The agents retry temporary RPC failures within the launch deadline (controller/live/agents.py).
 A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
@@ -15,8 +22,7 @@ them, as when a node's workers exit at once).
 
 from __future__ import annotations
 
-import socket
-import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,27 +34,36 @@ from controller.backends.base import (
     AttemptStatus,
     BackendError,
     attempt_env,
-    torchrun_argv,
 )
 from controller.live.agents import AgentClients
+from runwarden import launch as launch_rule
 from runwarden.v1 import agent_pb2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalConfig:
-    """torchrun: how each agent starts torchrun (argv[0] must be in the agent's allowed executables);
-    the command then starts at the training script, run by torchrun's interpreter. rdzv_host: where
-    node rank 0's c10d store listens; the port is picked free on this host for each attempt."""
+    """no_python: the command is a full argv with its own interpreter (its argv[0] must be allowed by
+    every agent); by default it starts at the training script, which torchrun runs with the agent's
+    interpreter."""
 
-    torchrun: tuple[str, ...] = (sys.executable, "-m", "torch.distributed.run")
-    rdzv_host: str = "127.0.0.1"
     rpc_timeout_s: float = 10.0
+    no_python: bool = False
 
     def __post_init__(self) -> None:
-        if not self.torchrun:
-            raise BackendError("local backend: torchrun must be a non-empty argv")
         if not self.rpc_timeout_s > 0:
             raise BackendError(f"local backend: rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rendezvous:
+    """Where a node hosts torchrun's c10d store as node rank 0 (from its node record)."""
+
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return launch_rule.endpoint(self.host, self.port)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,44 +85,62 @@ class LaunchIncomplete(BackendError):
 class LocalBackend:
     name = "local"
 
-    def __init__(self, agents: AgentClients, config: LocalConfig | None = None) -> None:
+    def __init__(
+        self,
+        agents: AgentClients,
+        rendezvous: Callable[[str], Rendezvous | None],
+        config: LocalConfig | None = None,
+    ) -> None:
         self.agents = agents
+        self.rendezvous = rendezvous  # node -> where it hosts the store (its node record), or None
         self.config = config or LocalConfig()
 
     def allocate(self, nodes: int, spares: int) -> Allocation:
         raise BackendError("the local fleet is static: a node joins when its agent starts")
 
+    def endpoint(self, spec: AttemptSpec) -> str:
+        """The attempt's rendezvous: node rank 0's reported host and port."""
+        head = spec.nodes[0]
+        rdzv = self.rendezvous(head)
+        if rdzv is None:
+            raise BackendError(
+                f"node rank 0 ({head}) reported no rendezvous address and port in its node record "
+                "(an agent too old for structured launches, or the node is gone)"
+            )
+        return rdzv.endpoint
+
     def requests(
         self, spec: AttemptSpec, *, endpoint: str
     ) -> list[tuple[str, agent_pb2.LaunchWorkersRequest]]:
         """Each node's launch request; node rank = the node's place in `spec.nodes`."""
-        out = []
-        for rank, node in enumerate(spec.nodes):
-            argv = torchrun_argv(
-                spec, endpoint=endpoint, torchrun=self.config.torchrun, node_rank=rank, no_python=False
-            )
-            out.append(
-                (
-                    node,
-                    agent_pb2.LaunchWorkersRequest(
-                        run=spec.run,
-                        attempt=spec.attempt,
-                        rendezvous_id=spec.rendezvous_id,
-                        argv=argv,
-                        env=attempt_env(spec, node=node),
-                        node_rank=rank,
-                        nnodes=len(spec.nodes),
-                        resume_step=spec.resume_step,
-                        leader_fence=spec.leader_fence,
+        return [
+            (
+                node,
+                agent_pb2.LaunchWorkersRequest(
+                    run=spec.run,
+                    attempt=spec.attempt,
+                    rendezvous_id=spec.rendezvous_id,
+                    env=attempt_env(spec, node=node),
+                    node_rank=rank,
+                    nnodes=len(spec.nodes),
+                    resume_step=spec.resume_step,
+                    leader_fence=spec.leader_fence,
+                    torchrun=agent_pb2.TorchrunLaunch(
+                        command=list(spec.command),
+                        rdzv_endpoint=endpoint,
+                        is_host=rank == 0,
+                        no_python=self.config.no_python,
                     ),
-                )
+                ),
             )
-        return out
+            for rank, node in enumerate(spec.nodes)
+        ]
 
     def launch(self, spec: AttemptSpec) -> AttemptHandle:
-        """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did not start."""
+        """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did
+        not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
         handle = AttemptHandle(spec=spec, ref=f"local:{spec.rendezvous_id}")
-        reqs = self.requests(spec, endpoint=f"{self.config.rdzv_host}:{_free_port()}")
+        reqs = self.requests(spec, endpoint=self.endpoint(spec))
         with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
             outcomes = list(
                 pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs)
@@ -156,9 +189,3 @@ class LocalBackend:
 
     def release(self, node: str) -> bool:
         return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -37,7 +37,6 @@ class RunSection:
     procs_per_node: int = 1
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
-    rdzv_host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

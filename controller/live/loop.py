@@ -28,7 +28,6 @@ import contextlib
 import logging
 import queue
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ class ShellConfig:
     """What the shell needs beyond the core's policy."""
 
     run: str
-    command: tuple[str, ...]  # what each rank runs (torchrun wraps it)
+    command: tuple[str, ...]  # what each rank runs (each node's agent wraps it in its torchrun)
     run_dir: Path  # event log, checkpoints for the local backend
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{time.time_ns() % 10**6}")
     election_ttl_s: float = 3.0
@@ -76,8 +75,6 @@ class ShellConfig:
     rpc_timeout_s: float = 10.0
     env: tuple[tuple[str, str], ...] = ()
     procs_per_node: int = 1
-    rdzv_host: str = "127.0.0.1"
-    torchrun: tuple[str, ...] = (sys.executable, "-m", "torch.distributed.run")
     dump_timeout_s: float = 3.0
 
     @property
@@ -180,7 +177,8 @@ class LiveController:
         self.agents = agents or AgentClients()
         self.backend = backend or LocalBackend(
             self.agents,
-            LocalConfig(torchrun=cfg.torchrun, rdzv_host=cfg.rdzv_host, rpc_timeout_s=cfg.rpc_timeout_s),
+            lambda node: self.translator.rendezvous(node),  # node records, as the current view has them
+            LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s),
         )
         self.pager = pager or Pager()
         self._eventlog_factory = eventlog_factory

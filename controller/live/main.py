@@ -79,7 +79,6 @@ def _run(args: argparse.Namespace) -> int:
         "tick_s": run.tick_s,
         "env": tuple(sorted(run.env.items())),
         "procs_per_node": run.procs_per_node,
-        "rdzv_host": run.rdzv_host,
     }
     if run.identity:
         shell_kwargs["identity"] = run.identity

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from controller.backends.local import Rendezvous
 from controller.supervisor.events import (
     AttemptExited,
     CheckpointCommitted,
@@ -76,7 +77,8 @@ class Translator:
         self.procs_per_node = procs_per_node
         self._lock = threading.Lock()
         self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
-        self.rank_to_node: dict[int, str] = {}
+        self.attempt = 0  # the attempt whose ranks `rank_to_node` maps
+        self.rank_to_node: dict[int, str] = {}  # global rank (torch's RANK) -> node, of `attempt`
         self.exited: set[tuple[str, int]] = set()  # (node, attempt) whose exit was reported
         self.committed_seen = -1
         self._ckpt_failures: set[tuple[int, int]] = set()
@@ -132,10 +134,13 @@ class Translator:
                 if req is not None:
                     stop = _stop_requested(req)
             exits = []
+            if attempt is not None and attempt.attempt != self.attempt:
+                self.attempt, self.rank_to_node = attempt.attempt, {}
             for kv in listing.progress:
                 prog = _try(store_pb2.NodeProgress, kv.value)
                 if prog is None or attempt is None or prog.attempt != attempt.attempt:
                     continue
+                self._map_ranks(prog)
                 if prog.HasField("exit"):
                     exits.extend(self._exit_seen(prog))
             snap = Snapshot(
@@ -188,8 +193,8 @@ class Translator:
 
     def _progress(self, prog: store_pb2.NodeProgress) -> list[Event]:
         out: list[Event] = []
+        self._map_ranks(prog)
         for r in prog.ranks:
-            self.rank_to_node[r.rank] = prog.node
             if r.checkpoint_error and (prog.attempt, r.step) not in self._ckpt_failures:
                 self._ckpt_failures.add((prog.attempt, r.step))
                 out.append(
@@ -210,6 +215,17 @@ class Translator:
         if prog.HasField("exit"):
             out.extend(self._exit_seen(prog))  # the node's last progress, then its exit
         return out
+
+    def _map_ranks(self, prog: store_pb2.NodeProgress) -> None:
+        """Each rank's node as torch placed it: the RANK the rank itself reported, through the agent
+        of the node it runs on. Never the node rank the controller asked for: c10d may give global
+        rank 0 to any node. A late write of an earlier attempt changes nothing."""
+        if prog.attempt < self.attempt:
+            return
+        if prog.attempt > self.attempt:
+            self.attempt, self.rank_to_node = prog.attempt, {}
+        for r in prog.ranks:
+            self.rank_to_node[r.rank] = prog.node
 
     def _exit_seen(self, prog: store_pb2.NodeProgress) -> list[Event]:
         """A node's workers of an attempt ended (its agent wrote the exit into its progress)."""
@@ -241,10 +257,23 @@ class Translator:
     def new_attempt(self, attempt: int) -> None:
         with self._lock:
             self.exited = {e for e in self.exited if e[1] >= attempt}
+            if attempt > self.attempt:
+                self.attempt, self.rank_to_node = attempt, {}
 
     def ranks(self) -> dict[int, str]:
+        """Global rank -> node as torch assigned it: from the RANK each rank reported through its
+        node's agent (c10d may give global rank 0 to any node, whatever node rank it was asked for)."""
         with self._lock:
             return dict(self.rank_to_node)
+
+    def rendezvous(self, node: str) -> Rendezvous | None:
+        """Where `node` hosts torchrun's c10d store when it is node rank 0, as its node record says;
+        None when the node is unknown or its agent reports none (an older agent)."""
+        with self._lock:
+            rec = self.known_nodes.get(node)
+        if rec is None or not rec.torch_host or not 0 < rec.rdzv_port <= 65535:
+            return None
+        return Rendezvous(host=rec.torch_host, port=rec.rdzv_port)
 
 
 def _stop_requested(req: store_pb2.StopRequest) -> StopRequested:

@@ -1,24 +1,26 @@
-"""The local backend: one torchrun line per node from the shared builders, launches reported per node."""
+"""The local backend: a structured launch per node, the rendezvous at node rank 0's reported address."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from controller.backends.base import AttemptSpec, Backend
-from controller.backends.local import LaunchIncomplete, LocalBackend, LocalConfig
+from controller.backends.base import AttemptSpec, Backend, BackendError
+from controller.backends.local import LaunchIncomplete, LocalBackend, Rendezvous
 from controller.live.agents import AgentClients, RpcOutcome
 from runwarden.v1 import agent_pb2
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+# What the nodes' records say: each agent reserved its own port on its own address.
+RECORDS = {
+    "node2": Rendezvous(host="10.0.0.12", port=29412),
+    "node5": Rendezvous(host="10.0.0.15", port=29415),
+}
 
 
-def spec() -> AttemptSpec:
+def spec(nodes: tuple[str, ...] = ("node2", "node5")) -> AttemptSpec:
     return AttemptSpec(
         run="demo",
         attempt=3,
-        nodes=("node2", "node5"),
+        nodes=nodes,
         command=("/repo/examples/train.py", "--steps", "9"),
         env={"PYTHONPATH": "/repo"},
         resume_step=40,
@@ -28,30 +30,34 @@ def spec() -> AttemptSpec:
 
 
 def test_each_node_gets_its_rank_and_the_rank_zero_node_hosts_the_rendezvous() -> None:
-    backend = LocalBackend(AgentClients(), LocalConfig(torchrun=TORCHRUN))
-    (n0, r0), (n1, r1) = backend.requests(spec(), endpoint="127.0.0.1:29400")
+    backend = LocalBackend(AgentClients(), RECORDS.get)
+    (n0, r0), (n1, r1) = backend.requests(spec(), endpoint=backend.endpoint(spec()))
     assert (n0, n1) == ("node2", "node5")
-    # The line the live shell has always launched (its own copy is gone): the script runs under torchrun's
-    # interpreter, so no --no-python.
-    assert list(r0.argv) == [
-        *TORCHRUN,
-        "--nnodes=2",
-        "--nproc-per-node=2",
-        "--node-rank=0",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:29400",
-        "--rdzv-id=demo-3",
-        "--rdzv-conf=is_host=true",
-        "--max-restarts=0",
-        "/repo/examples/train.py",
-        "--steps",
-        "9",
-    ]
-    assert "--node-rank=1" in r1.argv and "--rdzv-conf=is_host=false" in r1.argv
+    # Only what is per attempt: the agent builds the line (its prefix, its ranks, its address).
+    assert not r0.argv and r0.HasField("torchrun")
+    assert list(r0.torchrun.command) == ["/repo/examples/train.py", "--steps", "9"]
+    assert r0.torchrun.rdzv_endpoint == r1.torchrun.rdzv_endpoint == "10.0.0.12:29412"
+    assert r0.torchrun.is_host and not r1.torchrun.is_host
+    assert not r0.torchrun.no_python  # the script runs under the agent's torchrun interpreter
     assert (r0.node_rank, r1.node_rank, r0.nnodes, r0.resume_step, r0.leader_fence) == (0, 1, 2, 40, 17)
     assert r0.run == "demo" and r0.attempt == 3 and r0.rendezvous_id == "demo-3"
     assert r0.env["RUNWARDEN_NODE"] == "node2" and r1.env["RUNWARDEN_NODE"] == "node5"
     assert r0.env["RUNWARDEN_RESUME_STEP"] == "40" and r0.env["PYTHONPATH"] == "/repo"
+
+
+def test_a_spare_replacing_node_rank_0_brings_its_own_rendezvous() -> None:
+    backend = LocalBackend(AgentClients(), RECORDS.get)
+    assert backend.endpoint(spec(("node5", "node2"))) == "10.0.0.15:29415"
+    v6 = LocalBackend(AgentClients(), {"n": Rendezvous(host="fd00::1", port=29400)}.get)
+    assert v6.endpoint(spec(("n",))) == "[fd00::1]:29400"
+
+
+def test_no_reported_rendezvous_for_node_rank_0_launches_nothing() -> None:
+    agents = ScriptedAgents({})
+    backend = LocalBackend(agents, {"node5": RECORDS["node5"]}.get)
+    with pytest.raises(BackendError, match="node rank 0 \\(node2\\) reported no rendezvous"):
+        backend.launch(spec())
+    assert agents.requests == []
 
 
 class ScriptedAgents(AgentClients):
@@ -76,7 +82,7 @@ def test_a_launch_names_each_node_that_did_not_start_and_whether_it_was_temporar
             ),
         }
     )
-    backend = LocalBackend(agents)
+    backend = LocalBackend(agents, RECORDS.get)
     assert isinstance(backend, Backend)
     with pytest.raises(LaunchIncomplete) as err:
         backend.launch(spec())
@@ -87,7 +93,7 @@ def test_a_launch_names_each_node_that_did_not_start_and_whether_it_was_temporar
 
 def test_a_launch_on_every_node_returns_its_handle() -> None:
     agents = ScriptedAgents({n: RpcOutcome(node=n, ok=True) for n in ("node2", "node5")})
-    handle = LocalBackend(agents).launch(spec())
+    handle = LocalBackend(agents, RECORDS.get).launch(spec())
     assert handle.ref == "local:demo-3" and handle.spec.nodes == ("node2", "node5")
-    endpoints = {a for r in agents.requests for a in r.argv if a.startswith("--rdzv-endpoint=")}
-    assert len(endpoints) == 1  # every node meets at the same rendezvous
+    endpoints = {r.torchrun.rdzv_endpoint for r in agents.requests}
+    assert endpoints == {"10.0.0.12:29412"}  # every node meets at node rank 0's rendezvous

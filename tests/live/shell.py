@@ -68,7 +68,10 @@ def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
     agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    rec = store_pb2.NodeRecord(node=node, address=f"127.0.0.1:{port}", local_ranks=1)
+    # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
+    rec = store_pb2.NodeRecord(
+        node=node, address=f"127.0.0.1:{port}", local_ranks=1, torch_host="127.0.0.1", rdzv_port=29400
+    )
     store.put(store.keys.node(node), rec.SerializeToString())
     try:
         yield servicer
@@ -131,7 +134,7 @@ def live_shell(
 ) -> Iterator[tuple[LiveController, LogWatch]]:
     """A `LiveController` leading in a thread (tick 0.1 s); stopped and closed on exit."""
     factory = core_factory or (lambda: Supervisor(policy(), RunPlan(run=RUN, nodes=nodes)))
-    cfg_kwargs = {k: kwargs.pop(k) for k in ("torchrun", "command", "rpc_timeout_s") if k in kwargs}
+    cfg_kwargs = {k: kwargs.pop(k) for k in ("command", "env", "rpc_timeout_s") if k in kwargs}
     cfg = ShellConfig(
         run=RUN,
         command=cfg_kwargs.pop("command", ("train.py",)),

@@ -12,6 +12,7 @@ failure happen at the narrowest boundary and names it:
 
 from __future__ import annotations
 
+import shlex
 import socket
 import sys
 import threading
@@ -257,12 +258,13 @@ def test_a_preflight_unavailable_once_on_a_real_agent_is_retried_and_the_node_is
             sys.executable,
             "--preflight-config",
             str(cfg),
+            # stands in for torchrun: starts nothing heavy
+            "--torchrun",
+            shlex.join([sys.executable, "-c", "import time; time.sleep(60)"]),
         ],
     )
-    # stands in for torchrun: starts nothing heavy
-    sleeper = (sys.executable, "-c", "import time; time.sleep(60)")
     try:
-        with live_shell(store, tmp_path / "run", torchrun=sleeper, command=("unused",)) as (shell, log):
+        with live_shell(store, tmp_path / "run", command=("unused",)) as (shell, log):
             passed_at, result = log.wait(lambda e: e.kind == E.EVENT_KIND_PREFLIGHT_RESULT, 60)
             launched_at, launch = log.wait(is_launch(1), 20)
             assert interceptor.preflights == 2  # refused once, retried, answered by the real agent
