@@ -253,18 +253,20 @@ def _run_rank(
         master_addr,
         master_port,
     )
+    where = f"all-reduce {req.group_id}: rank {req.rank} of {req.world_size} on node {agent.config.node}"
+    finished = False
     try:
         if req.rank == 0:
             yield agent_pb2.MeasureAllReduceResponse(
                 master=agent_pb2.CollectiveMaster(addr=master_addr, port=master_port)
             )
         finished = _wait(proc, deadline, context)
-    finally:
+    finally:  # also when the caller went away while the stream waited at the yield
         _kill(proc)
-    where = f"all-reduce {req.group_id}: rank {req.rank} of {req.world_size} on node {agent.config.node}"
+        if not finished and not context.is_active():
+            log.info("%s: the caller went away; the rank was stopped", where)
     if not finished:
         if not context.is_active():
-            log.info("%s: the caller went away; the rank was stopped", where)
             return
         context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
