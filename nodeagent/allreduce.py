@@ -12,9 +12,9 @@ The agent runs `python -m preflight.collective` with its own interpreter as rank
 Every rank is bounded by the request's `timeout_s`: the rank's own store and process-group timeouts
 are set to it, and the agent kills the rank's process group when it runs past it, or as soon as the
 caller goes away. So a caller that never asks the other ranks costs rank 0 its timeout, no more, and
-nothing can wait on anything forever. Each rank's gloo connections use the agent's advertised host.
-The socket interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) is whatever the agent's environment
-says: the agent has no config key for it.
+nothing can wait on anything forever. The rank uses the agent's collective interface
+(`collective_ifname`: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, as for the workers); without one, its
+gloo connections are bound to the agent's advertised host.
 
 Refused while workers run on the node (the all-reduce would compete with them for the network and
 the GPUs), and while a preflight or another all-reduce runs (one at a time, after a short wait for
@@ -46,6 +46,7 @@ import grpc
 from nodeagent import validate as v
 from nodeagent.config import split_host_port
 from runwarden.config import ConfigError
+from runwarden.launch import collective_env
 from runwarden.v1 import agent_pb2
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ def _run_rank(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        **collective_env(agent.config.collective_ifname),
     }
     try:
         with open(err_path, "wb") as err:

@@ -207,3 +207,16 @@ def test_a_mutating_rpc_under_mtls(agent_factory, tmp_path, free_port) -> None:
 
 def test_threads_are_not_left_behind() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("allreduce")]
+
+
+@pytest.mark.slow
+def test_the_agents_collective_interface_is_the_ranks(agent_factory) -> None:
+    # collective_ifname becomes GLOO_SOCKET_IFNAME for the rank, as for the workers: an interface that
+    # does not exist makes gloo fail, and the agent says so
+    agents = [
+        agent_factory(node=f"n{i + 1}", flags=["--listen", f"{host}:0", "--collective-ifname", "nosuch0"])
+        for i, host in enumerate(HOSTS[:2])
+    ]
+    with pytest.raises(grpc.RpcError) as err:
+        run_group([tcp_stub(a) for a in agents], "bw-ifname", timeout_s=30.0)
+    assert err.value.code() == grpc.StatusCode.ABORTED and "nosuch0" in err.value.details()
