@@ -4,7 +4,9 @@ The nodes' agents run `preflight.collective` together (MeasureAllReduce, one ran
 the whole set once, then pairs around the ring to locate a slow link, in rounds where no node is in
 two pairs (`ring_rounds`; the pairs of a round run at once). Each node's figure is the best of its
 pairs: a slow link is slow in both of its pairs, a healthy node has a healthy one. A pair that could
-not run gives its nodes 0.0 (they cannot carry traffic) and its reason goes into the detail.
+not run on the network gives its nodes 0.0 (they cannot carry traffic) and its reason goes into the
+detail; a pair an agent refused (busy, an older agent, not allowed) gives no figure at all: a refusal
+says nothing about a link, and the core judges only the nodes with a figure.
 
 A group: rank 0's agent is asked first; its stream names the master (its own advertised host, a port
 it bound there) and only then are the other ranks' agents asked, with that address. Every call is
@@ -38,7 +40,11 @@ WARMUP = 1
 _MARGIN_S = 1.0
 _MARGIN_RATIO = 0.05
 _MIN_GROUP_S = 1.0  # less than this cannot even start a rank: not tried
-_RPC_GRACE_S = 5.0  # the agent's own bound is the rank's timeout; the answer gets this much longer
+_RPC_GRACE_S = 5.0
+# An agent's refusal, not a link that could not carry the all-reduce: no figure for its pair's nodes.
+_REFUSALS = frozenset(
+    {"FAILED_PRECONDITION", "UNIMPLEMENTED", "PERMISSION_DENIED", "INVALID_ARGUMENT"}
+)  # the agent's own bound is the rank's timeout; the answer gets this much longer
 
 
 class AllReduceRpc(Protocol):
@@ -62,6 +68,7 @@ class Figure:
     busbw_gbps: float = 0.0
     error: str = ""
     backend: str = ""
+    refused: bool = False  # an agent said no (busy, too old, not allowed): says nothing about the link
 
     @property
     def ok(self) -> bool:
@@ -144,7 +151,12 @@ def measure_group(
     if not cause and len(answers) < len(nodes):
         return Figure(nodes=nodes, error=f"{nodes[0]} named no master within {timeout_s:.1f}s")
     if cause or failed:
-        return Figure(nodes=nodes, error="; ".join(f"{out.node}: {out.error}" for out in cause or failed))
+        refused = bool(cause) and all(out.code in _REFUSALS for out in cause)
+        return Figure(
+            nodes=nodes,
+            error="; ".join(f"{out.node}: {out.error}" for out in cause or failed),
+            refused=refused,
+        )
     result = answers[0][1]
     assert result is not None  # an ok outcome carries its result
     if not result.correct:
@@ -177,8 +189,10 @@ def run_gate(
     whole = group(nodes, f"bw-{token}-set", share(stages))
     figures: list[Figure] = [whole]
     best: dict[str, float] = dict.fromkeys(nodes, 0.0)
-    if len(nodes) == 2 and whole.ok:
+    judged: set[str] = set()  # nodes with a figure: a pair of theirs ran, or failed on the network
+    if len(nodes) == 2 and (whole.ok or not whole.refused):
         best = dict.fromkeys(nodes, whole.busbw_gbps)
+        judged.update(nodes)
     for r, pairs in enumerate(rounds, start=1):
         budget = share(stages - r)
         members = [(nodes[a], nodes[b]) for a, b in pairs]
@@ -189,6 +203,8 @@ def run_gate(
             figures.append(f)
             for n in f.nodes:
                 best[n] = max(best[n], f.busbw_gbps)
+                if f.ok or not f.refused:
+                    judged.add(n)
     duration = clock() - start
     if not any(f.ok for f in figures):
         return f"no all-reduce could run ({duration:.1f}s): {_failures(figures)}"
@@ -199,7 +215,7 @@ def run_gate(
     return BandwidthMeasured(
         nodes=nodes,
         set_gbps=whole.busbw_gbps,
-        per_node_gbps=tuple((n, best[n]) for n in nodes),
+        per_node_gbps=tuple((n, best[n]) for n in nodes if n in judged),
         duration_s=duration,
         detail=detail[:1000],
     )
