@@ -4,9 +4,12 @@ and the restart breakdown, per fault kind, median over trials.
     .venv/bin/python bench/bench_faults.py --trials 5 --out bench/results/bench_faults.json
     .venv/bin/python bench/bench_faults.py --faults node-lost,hang --trials 20 --per-run 10 \
         --out bench/results/bench_detection.json
+    .venv/bin/python bench/bench_faults.py --fleet --trials 5 --per-run 5 --out bench/results/bench_faults_fleet.json
 
 Each run is `examples/cluster.LocalCluster` (private etcd, 6 agents, controller, torchrun + gloo on
-CPU) with the demo's fault injection (`controllerctl chaos`). `--per-run K` injects K rounds of the
+CPU) with the demo's fault injection (`controllerctl chaos`); with `--fleet`, a
+`runwarden.testing.fleet_cluster.FleetCluster` instead: etcd, the controller and each agent on its own
+network-namespace host (mTLS, the collectives on each host's eth0; needs root). `--per-run K` injects K rounds of the
 fault list into one cluster before starting a fresh one. Phases are read from the event log:
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
@@ -16,6 +19,7 @@ first step (-> FIRST_STEP).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.cluster import ClusterSpec, LocalCluster
 from examples.demo import FAULTS, Injection, run_faults
+from runwarden.testing.fleet import Fleet, default_prefix
+from runwarden.testing.fleet_cluster import FleetCluster
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -73,14 +79,21 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
     return out
 
 
-def one_run(faults: list[str], rounds: int, timeout_s: float) -> list[tuple[str, dict[str, float] | None]]:
+def one_run(
+    faults: list[str], rounds: int, timeout_s: float, fleet: bool = False
+) -> list[tuple[str, dict[str, float] | None]]:
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
     if rounds > 1:
         # Many faults on six nodes: without this the "failed twice in a week stays out" rule holds
         # every node after a few rounds and the pool runs dry (correctly, but it ends the trials).
         policy["hold_after_failures"] = 1000
-    with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy))
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp, contextlib.ExitStack() as stack:
+        cluster: LocalCluster | FleetCluster
+        if fleet:
+            hosts = stack.enter_context(Fleet(default_prefix()))
+            cluster = FleetCluster(hosts, Path(tmp) / "c", ClusterSpec(policy=policy))
+        else:
+            cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy))
         try:
             cluster.start()
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
@@ -104,13 +117,14 @@ def main() -> int:
     p.add_argument("--per-run", type=int, default=1, help="rounds of the fault list per cluster")
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--fleet", action="store_true", help="across network-namespace hosts (root)")
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     samples: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
     failures: dict[str, int] = dict.fromkeys(faults, 0)
     t0 = time.time()
     while min(len(v) + failures[k] for k, v in samples.items()) < args.trials:
-        for fault, ph in one_run(faults, args.per_run, args.timeout):
+        for fault, ph in one_run(faults, args.per_run, args.timeout, args.fleet):
             if ph is None:
                 failures[fault] += 1
             else:

@@ -104,9 +104,13 @@ class Injection:
     recovered: bool
 
 
-def inject(cluster: LocalCluster, fault: str, nodes: list[str]) -> str:
-    """Inject one fault into a node of the running attempt; returns the node."""
-    victim = nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
+def inject(cluster: LocalCluster, fault: str, nodes: list[str], victim_rank: int | None = None) -> str:
+    """Inject one fault into a node of the running attempt (node rank `victim_rank`, or the demo's
+    choice); returns the node."""
+    if victim_rank is not None:
+        victim = nodes[victim_rank % len(nodes)]
+    else:
+        victim = nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
     if fault == "crash":
         args = ["chaos", victim, "kill-rank"]
     elif fault == "hang":
@@ -122,15 +126,19 @@ def inject(cluster: LocalCluster, fault: str, nodes: list[str]) -> str:
     return victim
 
 
-def run_faults(cluster: LocalCluster, faults: list[str], timeout_s: float) -> list[Injection]:
-    """Inject each fault into the running attempt and wait for the first new step after it."""
+def run_faults(
+    cluster: LocalCluster, faults: list[str], timeout_s: float, victim_ranks: dict[str, int] | None = None
+) -> list[Injection]:
+    """Inject each fault into the running attempt and wait for the first new step after it.
+
+    victim_ranks: the node rank a fault hits, where the demo's choice is not wanted."""
     done: list[Injection] = []
     for fault in faults:
         nodes = current_nodes(cluster)
         mark = last_seq(cluster)
         print(f"\n=== fault: {fault} ===", flush=True)
         at = time.time()
-        victim = inject(cluster, fault, nodes)
+        victim = inject(cluster, fault, nodes, (victim_ranks or {}).get(fault))
         if fault == "node-lost":
             # systemd's Restart=always brings the agent back; it re-registers and goes through burn-in.
             threading.Timer(8.0, cluster.restart_agent, args=(victim,)).start()

@@ -8,8 +8,9 @@ started under ``ip netns exec`` exactly as systemd would start it on that host.
 * Every listener off loopback speaks mTLS with certificates from `runwarden.certs` (one private CA
   per cluster): etcd serves clients on ``<etcd address>:2379`` and demands client certificates;
   each agent listens on ``<its address>:50051`` and advertises that; the controller presents its
-  certificate to etcd and the agents. The Controller API and /metrics stay on the controller
-  host's own loopback (127.0.0.1:7070 and :9090), so `ctl` runs ``controllerctl`` on that host.
+  certificate to etcd and the agents. The Controller API (mTLS too) and /metrics stay on the
+  controller host's own loopback (127.0.0.1:7070 and :9090), so `ctl` runs ``controllerctl`` on
+  that host, with an admin certificate (which `controllerctl chaos` also presents to the agents).
   Every namespace has its own ports, so every port is fixed.
 * The run directory under `root` (checkpoints, losses, state dirs, the event log) is an ordinary
   directory: namespaces share the filesystem, which makes it the cluster's shared filesystem.
@@ -325,6 +326,7 @@ class FleetCluster:
         certs.issue(d, "controller", role="server", hosts=[h.address for h in controllers] + ["127.0.0.1"])
         for node in self.nodes:
             certs.issue(d, node, role="server", hosts=[self.host(node).address])
+        certs.issue(d, "admin", role="admin")  # controllerctl: the API and the agents' InjectFault
 
     def _tls(self, stem: str) -> tuple[str, str, str]:
         """(ca, cert, key) paths of a certificate issued by `_issue_certs`."""
@@ -427,6 +429,7 @@ class FleetCluster:
             metrics_address=f"127.0.0.1:{METRICS_PORT}",
         )
         settings["agent_tls"] = {"ca": ca, "cert": cert, "key": key}
+        settings["api_tls"] = {"ca": ca, "cert": cert, "key": key}
         write_toml(self.run_dir / "controller.toml", settings)
 
     def _start_controller(self, host: Host, identity: str) -> subprocess.Popen[bytes]:
@@ -469,8 +472,20 @@ class FleetCluster:
         self, *args: str, timeout: float = 30.0, host: Host | None = None
     ) -> subprocess.CompletedProcess[str]:
         """``controllerctl`` on the controller's host (or `host`: the standby's) against its API."""
+        ca, cert, key = self._tls("admin")
         return (host or self.controller_host).run(
-            [*program("controllerctl"), "--controller", f"127.0.0.1:{API_PORT}", *args],
+            [
+                *program("controllerctl"),
+                "--controller",
+                f"127.0.0.1:{API_PORT}",
+                "--ca",
+                ca,
+                "--cert",
+                cert,
+                "--key",
+                key,
+                *args,
+            ],
             timeout=timeout,
             cwd=REPO,
         )

@@ -3,11 +3,15 @@ computes exactly what an uninterrupted run of the same seed computes.
 
 One faulted run (etcd, 6 agents, the controller, torchrun + gloo on CPU) is shared by the
 assertions below; a reference run of the same script without faults (torchrun --standalone, same
-world size and seed) gives the losses to compare with.
+world size and seed) gives the losses to compare with. It runs twice: on one host (every "node" a
+process on 127.0.0.1) and across a fleet of network-namespace hosts (issue 15: etcd, the controller
+and each agent on its own host, mTLS, the collectives on each host's eth0), where the node-lost
+fault hits node rank 0, so the rendezvous host moves to another node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +28,9 @@ from controller.goodput.report import compute_goodput
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
 from runwarden.eventlog import read_events
+from runwarden.testing.fleet import Fleet, default_prefix, sweep_orphans
+from runwarden.testing.fleet import available as fleet_available
+from runwarden.testing.fleet_cluster import FleetCluster
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -40,38 +47,54 @@ EXPECTED_DETECTOR = {
 
 @dataclass
 class FaultedRun:
-    cluster: LocalCluster
+    cluster: LocalCluster | FleetCluster
     events: list[events_pb2.Event]
     recoveries: list[Recovery]
     torn_tail: str | None
     log_errors: int
 
 
-@pytest.fixture(scope="module")
-def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
+@pytest.fixture(scope="module", params=["one-host", "fleet"])
+def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
-    cluster = LocalCluster(root / "cluster", ClusterSpec(policy={"kill_stragglers_mid_run": True}))
-    try:
-        cluster.start()
-        assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, _tail(cluster)
-        time.sleep(1)
-        injections = run_faults(cluster, list(FAULTS), timeout_s=90)
-        cluster.ctl("stop", cluster.spec.run, "--reason", "test finished")
-        assert cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90) is not None, _tail(cluster)
-    finally:
-        cluster.stop()
-    read = read_events(cluster.event_log)
-    yield FaultedRun(
-        cluster=cluster,
-        events=read.events,
-        recoveries=recoveries(read.events, injections),
-        torn_tail=read.torn_tail,
-        log_errors=len(read.errors),
-    )
-    assert leftover_processes(cluster.root) == []
+    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
+    with contextlib.ExitStack() as stack:
+        cluster: LocalCluster | FleetCluster
+        victims: dict[str, int] = {}
+        if request.param == "fleet":
+            ok, reason = fleet_available()
+            if not ok:
+                pytest.skip(f"skipped: no network namespaces ({reason})")
+            sweep_orphans()
+            fleet = stack.enter_context(Fleet(default_prefix()))
+            cluster = FleetCluster(fleet, root / "cluster", spec)
+            victims = {"node-lost": 0}  # node rank 0 hosts the rendezvous: it moves to another node
+        else:
+            cluster = LocalCluster(root / "cluster", spec)
+        try:
+            cluster.start()
+            assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, _tail(cluster)
+            time.sleep(1)
+            injections = run_faults(cluster, list(FAULTS), timeout_s=90, victim_ranks=victims)
+            cluster.ctl("stop", cluster.spec.run, "--reason", "test finished")
+            assert cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90) is not None, _tail(cluster)
+        finally:
+            cluster.stop()
+        read = read_events(cluster.event_log)
+        yield FaultedRun(
+            cluster=cluster,
+            events=read.events,
+            recoveries=recoveries(read.events, injections),
+            torn_tail=read.torn_tail,
+            log_errors=len(read.errors),
+        )
+    if isinstance(cluster, LocalCluster):
+        assert leftover_processes(cluster.root) == []
 
 
-def _tail(cluster: LocalCluster) -> str:
+def _tail(cluster: LocalCluster | FleetCluster) -> str:
+    if isinstance(cluster, FleetCluster):
+        return cluster.controller_log()[-4000:]
     return (cluster.run_dir / "controller.log").read_text()[-4000:]
 
 
@@ -159,10 +182,15 @@ def test_event_log_is_whole_and_goodput_adds_up(faulted: FaultedRun) -> None:
 
 
 def test_losses_equal_an_uninterrupted_run_of_the_same_seed(faulted: FaultedRun, tmp_path: Path) -> None:
-    got = _losses(faulted.cluster.loss_dir)
+    assert_losses_equal_an_uninterrupted_run(faulted.cluster, tmp_path)
+
+
+def assert_losses_equal_an_uninterrupted_run(cluster: LocalCluster | FleetCluster, tmp_path: Path) -> None:
+    """Rank 0's loss at every step (replays after a resume included) equals a reference run's."""
+    got = _losses(cluster.loss_dir)
     last = max(got)
     assert last > 100
-    spec = faulted.cluster.spec
+    spec = cluster.spec
     ref_dir = tmp_path / "reference"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for k in [k for k in env if k.startswith("RUNWARDEN_")]:
