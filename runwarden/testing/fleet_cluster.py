@@ -541,6 +541,24 @@ class FleetCluster:
     def controller_log(self, identity: str = "controller-a") -> str:
         return (self.run_dir / f"{identity}.log").read_text(errors="replace")
 
+    def leader(self) -> str:
+        """The identity of the controller that leads now ("controller-a" or "controller-b"), from the
+        controllers' own logs (the newest "is the leader" line not followed by a lost leadership)."""
+        best, at = "", ""
+        for identity in ("controller-a", *(["controller-b"] if self.with_standby else [])):
+            state = ""
+            for line in self.controller_log(identity).splitlines():
+                if f"{identity} is the leader" in line:
+                    state = line[:23]
+                elif "stepping down" in line or "lost:" in line:
+                    state = ""
+            if state and state > at:
+                best, at = identity, state
+        return best
+
+    def controller_host_of(self, identity: str) -> Host:
+        return self.controller_host if identity == "controller-a" else self.standby_host
+
     def events(self) -> list[events_pb2.Event]:
         return read_events(self.event_log).events
 
