@@ -7,8 +7,10 @@ The watchdog is pinged from the ticker, so a wedged ticker makes systemd restart
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -38,6 +40,38 @@ class StopState:
     requested_at: float
 
 
+def reachable(peers: tuple[str, ...], *, timeout_s: float) -> str:
+    """The first of `peers` ("host:port") that accepts a TCP connection within `timeout_s` (all are
+    tried at once, so a partitioned host's answer costs `timeout_s`, not one timeout per peer)."""
+    pending: dict[socket.socket, str] = {}
+    try:
+        for peer in peers:
+            host, _, port = peer.rpartition(":")
+            try:
+                infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            except (OSError, ValueError):
+                continue
+            family, kind, proto, _, addr = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            if sock.connect_ex(addr) not in (0, errno.EINPROGRESS):
+                sock.close()
+                continue
+            pending[sock] = peer
+        deadline = time.monotonic() + timeout_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            _, writable, _ = select.select([], list(pending), [], left)
+            for sock in writable:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    return pending[sock]
+                pending.pop(sock)
+                sock.close()
+        return ""
+    finally:
+        for sock in pending:
+            sock.close()
+
+
 class Agent:
     def __init__(self, config: AgentConfig, *, store: Any = None, nvml: Any = None) -> None:
         self.config = config
@@ -65,6 +99,7 @@ class Agent:
                 make_record=self.node_record,
                 metrics=self.metrics,
                 on_fenced=self._self_fence,
+                vouch=self._connected_to_a_peer,
             )
             self.metrics.track_heartbeat(self.registration.last_heartbeat_at)
         self.notifier = Notifier()
@@ -72,6 +107,7 @@ class Agent:
         self.stops: dict[str, StopState] = {}
         self.slow_s: dict[int, float] = {}
         self.fences: dict[str, int] = {}
+        self.peers: tuple[str, ...] = ()  # the other agents of the last structured launch
         self.attempts: dict[str, int] = {}
         self.last_preflight: common_pb2.PreflightSummary | None = None
         self.preflight_running = threading.Lock()
@@ -257,6 +293,14 @@ class Agent:
         self.evidence.stop()
         if self.registration is not None:
             self.registration.stop(revoke=True)
+
+    def _connected_to_a_peer(self) -> str:
+        """Liveness thread, before fencing: a peer of the running attempt that answers a TCP connect
+        means this host is on the network and etcd is what is down (everyone's outage, in which the
+        controller cannot replace anything either); "" when no worker runs or no peer answers."""
+        if not any(w.running for w in self.launcher.workers()):
+            return ""
+        return reachable(self.peers[:8], timeout_s=0.25)
 
     def _self_fence(self, reason: str) -> None:
         """Liveness thread: the lease could not be renewed before its TTL ran out. The controller

@@ -11,6 +11,11 @@ given up at once: `on_fenced(reason)` is called (the agent stops its workers), `
 (no launch is accepted), and the agent re-registers as soon as etcd answers, revoking the old lease
 first if it still exists, so the controller always sees the node leave and come back as a new node
 (burn-in), never a silent resume.
+
+An etcd outage is not a partition: everyone loses etcd at once, and the controller, which needs etcd
+to launch, cannot replace anything meanwhile. So before it fences, the agent asks `vouch()` whether
+a peer of its running attempt still answers; if one does, the workers keep running (asked again
+every TTL/3). Once etcd answers that the lease is gone, the agent fences whatever the peers say.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Registration:
         make_record: Callable[[], store_pb2.NodeRecord],
         metrics: AgentMetrics,
         on_fenced: Callable[[str], None] | None = None,
+        vouch: Callable[[], str] | None = None,
     ) -> None:
         self._store = store
         self._node = node
@@ -53,6 +59,8 @@ class Registration:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_fenced = on_fenced
+        self._vouch = vouch
+        self._vouched_until = 0.0  # a peer was reachable: not partitioned, etcd is down; ask again after
         self._heartbeat_at: float | None = None
         self._refreshes_seen = 0
         self._fenced = False  # the current lease is given up (its TTL ran out unrenewed)
@@ -90,6 +98,32 @@ class Registration:
             ttl = float(getattr(self._lease, "ttl_s", self._ttl_s))
             return f"no lease renewal confirmed for {ttl - left:.2f} s (TTL {ttl:g} s)"
         return ""
+
+    def _connected(self, reason: str) -> bool:
+        """Whether an unconfirmed lease is an etcd outage rather than this host's partition: a peer of
+        the running attempt still answers (asked again every TTL/3). Never when etcd said the lease
+        is gone: then the controller may already be replacing this node."""
+        keeper = self._keeper
+        if self._vouch is None or keeper is None or getattr(keeper, "expired", False):
+            return False
+        now = time.monotonic()
+        if now < self._vouched_until:
+            return True
+        why = self._vouch()
+        if not why:
+            return False
+        self._vouched_until = now + self._ttl_s / 3
+        log.warning("node %s: %s, but %s: an etcd outage, not a partition; the workers keep running",
+                    self._node, reason, why)  # fmt: skip
+        return True
+
+    def _keep_trying(self) -> None:
+        """An etcd outage: the keeper gave up on silence, but the lease may well survive it (etcd
+        restores leases with a fresh TTL after a restart); keep refreshing the same lease."""
+        with self._lock:
+            keeper = self._keeper
+            if keeper is not None and keeper.lost.is_set() and not getattr(keeper, "expired", False):
+                self._keeper = self._store.keep_alive(self._lease, self._on_lost)
 
     def _fence(self, reason: str) -> None:
         """Give up the current lease: the workers stop (`on_fenced`), then re-registration."""
@@ -179,6 +213,9 @@ class Registration:
             if self._closed.is_set():
                 return
             reason = self._expired()
+            if reason and self._connected(reason):
+                self._keep_trying()
+                continue
             if reason:
                 self._fence(reason)
             if self.lease_held:

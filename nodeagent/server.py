@@ -247,6 +247,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 except LaunchError as exc:
                     _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"torchrun.command: {exc}")
             argv, env = tuple(line), {**env, **collective}
+            a.peers = tuple(request.torchrun.peers)
         with a.lock:
             if request.leader_fence < a.fences.get(run, 0):
                 _abort(

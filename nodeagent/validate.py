@@ -20,6 +20,7 @@ MAX_SECONDS = 1e7
 MAX_ARGV = 4096
 MAX_ARG_BYTES = 64 * 1024
 MAX_ARGV_BYTES = 1024 * 1024
+MAX_PEERS = 65536
 MAX_ENV = 1024
 MAX_STEP = 1 << 62
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -105,6 +106,13 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
             raise ValidationError(f"torchrun.rdzv_endpoint: {exc}") from None
         if req.nnodes < 1:
             raise ValidationError(f"nnodes: at least 1 with torchrun, got {req.nnodes}")
+        if len(req.torchrun.peers) > MAX_PEERS:
+            raise ValidationError(f"torchrun.peers: at most {MAX_PEERS}, got {len(req.torchrun.peers)}")
+        for peer in req.torchrun.peers:
+            try:
+                torchrun.split_endpoint(peer)
+            except ValueError as exc:
+                raise ValidationError(f"torchrun.peers: {exc}") from None
     else:
         _argv(req.argv, "argv")
     if len(req.env) > MAX_ENV:

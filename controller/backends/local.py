@@ -130,6 +130,7 @@ class LocalBackend:
                         rdzv_endpoint=endpoint,
                         is_host=rank == 0,
                         no_python=self.config.no_python,
+                        peers=[a for n in spec.nodes if n != node and (a := self.agents.address(n))],
                     ),
                 ),
             )

@@ -141,6 +141,12 @@ class AgentClients:
                 certificate_chain=tls.cert.read_bytes(),
             )
 
+    def address(self, node: str) -> str:
+        """The node's agent address as last set ("" unknown)."""
+        with self._lock:
+            cur = self._channels.get(node)
+            return cur[0] if cur is not None else ""
+
     def set_address(self, node: str, address: str) -> None:
         with self._lock:
             cur = self._channels.get(node)

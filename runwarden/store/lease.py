@@ -41,6 +41,7 @@ class LeaseKeeper:
         self.lost = threading.Event()
         self.reason = ""
         self.refreshes = 0
+        self.expired = False  # etcd itself answered that the lease is gone (not just silence)
         # When a refresh that succeeded was *sent*: etcd restarted the countdown no earlier than that,
         # so the lease is certainly alive until confirmed_at + TTL (the grant counts as one).
         self.confirmed_at = time.monotonic()
@@ -91,6 +92,7 @@ class LeaseKeeper:
                 wait = _RETRY_S
                 continue
             if ttl <= 0:
+                self.expired = True
                 self._lose("etcd reports the lease expired or revoked (TTL 0 on refresh)")
                 return
             self.refreshes += 1

@@ -532,6 +532,7 @@ class TorchrunLaunch(_message.Message):
     RDZV_ENDPOINT_FIELD_NUMBER: _builtins.int
     IS_HOST_FIELD_NUMBER: _builtins.int
     NO_PYTHON_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     rdzv_endpoint: _builtins.str
     """interpreter, or a full argv with `no_python`
     "host:port" of the c10d store: node rank 0's torch host and rdzv_port
@@ -544,6 +545,12 @@ class TorchrunLaunch(_message.Message):
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """what each rank runs: a script torchrun runs with its own"""
 
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The other nodes' agent addresses ("host:port"). An agent whose lease cannot be renewed while it
+        still reaches one of them is in an etcd outage, not a partition: it keeps its workers.
+        """
+
     def __init__(
         self,
         *,
@@ -551,10 +558,11 @@ class TorchrunLaunch(_message.Message):
         rdzv_endpoint: _builtins.str = ...,
         is_host: _builtins.bool = ...,
         no_python: _builtins.bool = ...,
+        peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "rdzv_endpoint", b"rdzv_endpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "peers", b"peers", "rdzv_endpoint", b"rdzv_endpoint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -109,3 +109,19 @@ def test_an_agent_without_workers_fences_nothing_and_reregisters(etcd, store, ag
     wait_for(
         lambda: (kv := store.get(key)) is not None and kv.lease != before.lease, TTL_S + 10, "re-registration"
     )
+
+
+def test_reachable_finds_a_listening_peer_at_once_and_gives_up_within_its_budget() -> None:
+    import socket
+    import time
+
+    from nodeagent.agent import reachable
+
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        dead = f"127.0.0.1:{gone.getsockname()[1]}"  # closed again: nothing listens there
+    with socket.create_server(("127.0.0.1", 0)) as live:
+        up = f"127.0.0.1:{live.getsockname()[1]}"
+        assert reachable((dead, "not-an-address", up), timeout_s=0.5) == up
+    t0 = time.monotonic()
+    assert reachable((dead,), timeout_s=0.3) == ""
+    assert time.monotonic() - t0 < 1.0
