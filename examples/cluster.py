@@ -14,28 +14,25 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from runwarden.eventlog import read_events
 from runwarden.testing.etcd_server import EtcdServer, free_port
 from runwarden.testing.fleet_cluster import (
     REPO,
+    ClusterBase,
     ClusterSpec,
     agent_settings,
     controller_settings,
-    parse_status,
     preflight_settings,
     program,
-    wait_for_event,
     write_toml,
 )
-from runwarden.v1 import events_pb2
 
 __all__ = ["REPO", "ClusterSpec", "LocalCluster", "kill_strays", "leftover_processes", "write_toml"]
 
 
-class LocalCluster:
+class LocalCluster(ClusterBase):
     """Start with `start()`, stop with `stop()` (or use as a context manager). Leaves no process."""
 
     def __init__(self, root: Path, spec: ClusterSpec | None = None) -> None:
@@ -50,22 +47,6 @@ class LocalCluster:
         self.nodes = [f"node{i + 1}" for i in range(self.spec.active + self.spec.spares)]
 
     # -- paths --------------------------------------------------------------------------------
-
-    @property
-    def run_dir(self) -> Path:
-        return self.root / "controller"
-
-    @property
-    def event_log(self) -> Path:
-        return self.run_dir / "events.jsonl"
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def loss_dir(self) -> Path:
-        return self.root / "losses"
 
     @property
     def controller_address(self) -> str:
@@ -207,35 +188,6 @@ class LocalCluster:
             timeout=timeout,
             cwd=REPO,
         )
-
-    def status(self) -> dict[str, object]:
-        out = self.ctl("status", "--json")
-        return parse_status(out.stdout) if out.returncode == 0 else {}
-
-    def events(self) -> list[events_pb2.Event]:
-        return read_events(self.event_log).events
-
-    def wait_for_event(
-        self,
-        kind: int,
-        after_seq: int,
-        timeout_s: float,
-        pred: Callable[[events_pb2.Event], bool] | None = None,
-    ) -> events_pb2.Event | None:
-        return wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
-
-    def restart_agent(self, node: str) -> None:
-        """What systemd's Restart=always does for a dead agent."""
-        p = self.agents.get(node)
-        if p is not None and p.poll() is None:
-            return
-        self.start_agent(node)
-
-    def kill_agent_process(self, node: str) -> None:
-        p = self.agents.get(node)
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:

@@ -104,7 +104,7 @@ class Registration:
         the running attempt still answers (asked again every TTL/3). Never when etcd said the lease
         is gone: then the controller may already be replacing this node."""
         keeper = self._keeper
-        if self._vouch is None or keeper is None or getattr(keeper, "expired", False):
+        if self._vouch is None or keeper is None or keeper.expired:
             return False
         now = time.monotonic()
         if now < self._vouched_until:
@@ -122,7 +122,7 @@ class Registration:
         restores leases with a fresh TTL after a restart); keep refreshing the same lease."""
         with self._lock:
             keeper = self._keeper
-            if keeper is not None and keeper.lost.is_set() and not getattr(keeper, "expired", False):
+            if keeper is not None and keeper.lost.is_set() and not keeper.expired:
                 self._keeper = self._store.keep_alive(self._lease, self._on_lost)
 
     def _fence(self, reason: str) -> None:

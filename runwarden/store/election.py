@@ -97,6 +97,11 @@ class Leadership:
 
         self._watch = self._store.watch_prefix(self.key, self.fence + 1, on_change)
 
+    def may_expire_at(self) -> float:
+        """The monotonic time from which etcd may have expired this leadership's lease (and another
+        contender may lead): the last confirmed refresh's send time + TTL."""
+        return self._keeper.confirmed_at + self.lease.ttl_s
+
     def certain_for(self) -> float:
         """Seconds this leadership is certainly still held (its lease's `certain_for`; 0 once lost)."""
         return 0.0 if self.lost.is_set() else self._keeper.certain_for()

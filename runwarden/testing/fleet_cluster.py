@@ -225,7 +225,66 @@ def wait_for_event(
 # -- the cluster across a fleet -----------------------------------------------------------------
 
 
-class FleetCluster:
+class ClusterBase:
+    """What LocalCluster and FleetCluster share: the run's layout under `root`, reading its event log,
+    `controllerctl status`, and the agent processes' restart/kill (each subclass starts them)."""
+
+    root: Path
+    spec: ClusterSpec
+    agents: dict[str, subprocess.Popen[bytes]]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "controller"
+
+    @property
+    def event_log(self) -> Path:
+        return self.run_dir / "events.jsonl"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def loss_dir(self) -> Path:
+        return self.root / "losses"
+
+    def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        raise NotImplementedError
+
+    def start_agent(self, node: str) -> None:
+        raise NotImplementedError
+
+    def status(self) -> dict[str, object]:
+        out = self.ctl("status", "--json")
+        return parse_status(out.stdout) if out.returncode == 0 else {}
+
+    def events(self) -> list[events_pb2.Event]:
+        return read_events(self.event_log).events
+
+    def wait_for_event(
+        self,
+        kind: int,
+        after_seq: int,
+        timeout_s: float,
+        pred: Callable[[events_pb2.Event], bool] | None = None,
+    ) -> events_pb2.Event | None:
+        return wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
+
+    def restart_agent(self, node: str) -> None:
+        """What systemd's Restart=always does for a dead agent."""
+        p = self.agents.get(node)
+        if p is None or p.poll() is not None:
+            self.start_agent(node)
+
+    def kill_agent_process(self, node: str) -> None:
+        p = self.agents.get(node)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+class FleetCluster(ClusterBase):
     """etcd, a controller (and optionally a standby) and one agent per node, each on its own host of
     `fleet`. `start()` / `stop()` or a context manager; `stop()` leaves no process on its hosts
     (the fleet itself, and its namespaces, belong to the caller)."""
@@ -265,22 +324,6 @@ class FleetCluster:
     @property
     def etcd_endpoint(self) -> str:
         return f"https://{self.etcd_host.address}:{ETCD_CLIENT_PORT}"
-
-    @property
-    def run_dir(self) -> Path:
-        return self.root / "controller"
-
-    @property
-    def event_log(self) -> Path:
-        return self.run_dir / "events.jsonl"
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def loss_dir(self) -> Path:
-        return self.root / "losses"
 
     @property
     def certs_dir(self) -> Path:
@@ -405,18 +448,6 @@ class FleetCluster:
                 start_new_session=True,
             )
 
-    def restart_agent(self, node: str) -> None:
-        """What systemd's Restart=always does for a dead agent."""
-        p = self.agents.get(node)
-        if p is None or p.poll() is not None:
-            self.start_agent(node)
-
-    def kill_agent_process(self, node: str) -> None:
-        p = self.agents.get(node)
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-
     def _write_controller_config(self) -> None:
         ca, cert, key = self._tls("controller")
         settings = controller_settings(
@@ -490,10 +521,6 @@ class FleetCluster:
             cwd=REPO,
         )
 
-    def status(self) -> dict[str, object]:
-        out = self.ctl("status", "--json")
-        return parse_status(out.stdout) if out.returncode == 0 else {}
-
     def nodes_view(self) -> dict[str, dict[str, Any]]:
         """``controllerctl nodes --json`` by node name ({} while the controller does not answer)."""
         out = self.ctl("nodes", "--json")
@@ -558,18 +585,6 @@ class FleetCluster:
 
     def controller_host_of(self, identity: str) -> Host:
         return self.controller_host if identity == "controller-a" else self.standby_host
-
-    def events(self) -> list[events_pb2.Event]:
-        return read_events(self.event_log).events
-
-    def wait_for_event(
-        self,
-        kind: int,
-        after_seq: int,
-        timeout_s: float,
-        pred: Callable[[events_pb2.Event], bool] | None = None,
-    ) -> events_pb2.Event | None:
-        return wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
 
 
 def _cross_host_settings() -> dict[str, object]:

@@ -62,9 +62,13 @@ def test_a_leader_partitioned_from_etcd_stops_before_the_standby_leads_and_nothi
             standby, standby_log, t2 = _controller(direct, run_dir, "standby")
             time.sleep(1.0)
             assert leader.is_leader.is_set() and not standby.is_leader.is_set()
+            held = leader.leadership
+            assert held is not None
             cut_at = time.monotonic()
             proxy.cut()
             stepped_down = _wait(lambda: not leader.is_leader.is_set(), TTL_S + 1.0)
+            # it stopped acting while its lease was still certainly alive, not once it noticed the loss
+            assert stepped_down < held.may_expire_at(), (stepped_down - cut_at, held.may_expire_at() - cut_at)
             took_over = _wait(lambda: standby.is_leader.is_set(), TTL_S + 2.0)
             assert stepped_down < took_over, "the old leader must stop before the standby leads"
             assert took_over - cut_at <= TTL_S + 2.0
