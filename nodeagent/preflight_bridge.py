@@ -112,6 +112,7 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         raise RuntimeError(f"preflight failed to run: {failure[0]}")
     summary = summarize(request.mode, seen, time.monotonic() - start)
     agent.last_preflight = summary
+    agent.state_changed()  # the node record carries the new summary on the ticker's next pass
     if not summary.passed:
         agent.evidence.publish(
             common_pb2.Evidence(

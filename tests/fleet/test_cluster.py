@@ -91,8 +91,16 @@ def test_preflight_over_mtls_passes_and_status_shows_the_nodes(cluster: tuple[Fl
     )
     assert passed is not None, _tail(c)
     preflight_s = time.monotonic() - t0
+    # The controller hears the summary over the RPC stream; the agent re-puts its node record
+    # (with last_preflight) on its next tick, so the view catches up a moment later.
     deadline = time.monotonic() + 30
-    while (view := c.nodes_view()).keys() != set(c.nodes) and time.monotonic() < deadline:
+
+    def settled(view: dict[str, dict]) -> bool:
+        return view.keys() == set(c.nodes) and all(
+            v.get("last_preflight", {}).get("passed") is True for v in view.values()
+        )
+
+    while not settled(view := c.nodes_view()) and time.monotonic() < deadline:
         time.sleep(0.5)
     for node in c.nodes:
         seen = view[node]
