@@ -216,3 +216,110 @@ def attempt_env(spec: AttemptSpec, *, node: str | None = None) -> dict[str, str]
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }
+
+
+# --- the scheduler half, in the live shell ------------------------------------------------------
+#
+# Every backend places one node agent per node -- a systemd unit (agents), an `srun` task of the
+# allocation (slurm), a pod of the allocation's JobSet (kubernetes), an actor of a STRICT_SPREAD
+# placement group (ray) -- and the agents place the ranks (controller/backends/local.py, the
+# structured torchrun launch). So every backend's ranks get the same contract from one attempt
+# environment (agent socket, stop file, flight-recorder directory, `<run>-<attempt>`,
+# `--max-restarts=0`), and the supervisor core sees the same events on every backend. What a
+# scheduler adds is where the nodes come from and how a node is kept out: `Scheduler`.
+
+
+class RunOutcome(enum.Enum):
+    """How a run ended, as the scheduler is told (and `controller run`'s exit code says)."""
+
+    COMPLETED = "completed"  # every rank exited 0 at the end of training
+    STOPPED = "stopped"  # a planned stop that ends the run (time limit, preemption): requeue it
+    FAILED = "failed"  # crash loop, exhausted restart budget: do not requeue
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self]
+
+
+# The exit code contract of `controller run --exit-when-done` (and of a batch script that runs it):
+# 0 done, 75 (EX_TEMPFAIL) "stopped cleanly, requeue me", 3 "failed: do not requeue".
+EXIT_COMPLETED, EXIT_REQUEUE, EXIT_DO_NOT_REQUEUE = 0, 75, 3
+EXIT_CODES = {
+    RunOutcome.COMPLETED: EXIT_COMPLETED,
+    RunOutcome.STOPPED: EXIT_REQUEUE,
+    RunOutcome.FAILED: EXIT_DO_NOT_REQUEUE,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRequest:
+    """An ask to the queue for more nodes (the core's `AllocateFromQueue`). The nodes join the run
+    when their agents register in etcd; nothing waits for them here."""
+
+    id: str  # the scheduler's handle: "slurm:1234", a JobSet name, a placement group id
+    count: int
+    submitted_at: float
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What the live shell calls for the nodes themselves. Implementations: `StaticFleet` (agents),
+    Slurm, Ray, Kubernetes. Every method raises `BackendError` (one line) and nothing else; the shell
+    runs them off its loop and reports a failure as `ActionFailed` (a quarantine that did not reach
+    the scheduler is still a quarantine in the pool, persisted in etcd)."""
+
+    name: str
+
+    def allocate(self, nodes: int, spares: int) -> Allocation:
+        """Hold ``nodes + spares`` machines with one agent on each (spares inside the allocation).
+        Returns once the scheduler granted them; the agents register by themselves."""
+        ...
+
+    def request_nodes(self, count: int, *, exclude: tuple[str, ...], reason: str) -> NodeRequest:
+        """Ask the queue for ``count`` more machines (never one of ``exclude``), agents on them."""
+        ...
+
+    def quarantine(self, node: str, reason: str) -> None:
+        """Keep the node out of future placements with runwarden's own mark (never an operator's)."""
+        ...
+
+    def release(self, node: str) -> bool:
+        """Undo runwarden's quarantine; False (and nothing changed) if someone else holds the node."""
+        ...
+
+    def check_stop_fits(self, save_commit_s: float) -> None:
+        """Before a launch: raise `BackendError` if the scheduler's notice before a kill (a pod's
+        termination grace period, a preemption grace time) cannot fit the observed checkpoint save
+        plus commit (``save_commit_s``, 0 when none was seen yet)."""
+        ...
+
+    def finish(self, outcome: RunOutcome) -> None:
+        """The run is over: give back what `allocate` and `request_nodes` hold."""
+        ...
+
+
+class StaticFleet:
+    """`backend = "agents"`: a fleet of agents started by systemd, and no scheduler. Nodes come and go
+    as their agents do; the pool (in etcd) is the only quarantine; there is no queue to ask."""
+
+    name = "agents"
+
+    def allocate(self, nodes: int, spares: int) -> Allocation:
+        return Allocation(id="static", nodes=())
+
+    def request_nodes(self, count: int, *, exclude: tuple[str, ...], reason: str) -> NodeRequest:
+        raise BackendError(
+            f"the agents backend has no queue to ask for {count} node(s): start an agent on a new host"
+        )
+
+    def quarantine(self, node: str, reason: str) -> None:
+        return None
+
+    def release(self, node: str) -> bool:
+        return True
+
+    def check_stop_fits(self, save_commit_s: float) -> None:
+        return None
+
+    def finish(self, outcome: RunOutcome) -> None:
+        return None
