@@ -7,6 +7,7 @@
     [paging]           controller.live.paging.PagerConfig (webhook_url, command, rate limit)
     [api_tls]          optional: cert/key/client CA for the Controller API (mTLS)
     [agent_tls]        optional: CA + client cert/key the controller presents to the agents
+    [slurm] [ray] [kubernetes]   the chosen backend's own settings (controller/live/schedulers.py)
 
 Precedence: file < environment (RUNWARDEN_ETCD_ENDPOINTS) < flags (the CLI applies them).
 """
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.backends.base import Scheduler
 from controller.live.agents import AgentTLS
 from controller.live.paging import PagerConfig
+from controller.live.schedulers import SECTIONS as BACKEND_SECTIONS
+from controller.live.schedulers import build_scheduler, check_backend
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError, load_section, read_toml
 from runwarden.store import StoreConfig, StoreError
@@ -35,6 +39,8 @@ class RunSection:
     metrics_address: str = ""  # "host:port" for Prometheus /metrics (goodput); "" = off
     identity: str = ""
     procs_per_node: int = 1
+    backend: str = "agents"  # who places the node agents: agents (systemd) | slurm | ray | kubernetes
+    spares: int = 0  # nodes allocated beyond `nodes` (inside the allocation: a swap takes seconds)
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
     env: dict[str, str] = field(default_factory=dict)
@@ -44,6 +50,9 @@ class RunSection:
             raise ConfigError("controller.command: must be a non-empty argv list")
         if self.nodes < 1 or self.procs_per_node < 1:
             raise ConfigError("controller.nodes and controller.procs_per_node must be >= 1")
+        if self.spares < 0:
+            raise ConfigError(f"controller.spares: must be >= 0, got {self.spares}")
+        check_backend(self.backend)
         if not 1.0 <= self.election_ttl_s <= 60.0:
             raise ConfigError(f"controller.election_ttl_s: must be within 1..60 s, got {self.election_ttl_s}")
         if not 0.01 <= self.tick_s <= 10.0:
@@ -65,9 +74,14 @@ class ControllerConfig:
     paging: PagerConfig
     api_tls: TLSSection | None = None
     agent_tls: AgentTLS | None = None
+    backend_section: dict[str, Any] = field(default_factory=dict)  # [slurm], [ray] or [kubernetes]
+
+    def scheduler(self) -> Scheduler:
+        """The chosen backend's scheduler (ConfigError for bad settings)."""
+        return build_scheduler(self.run.backend, self.backend_section, f"[{self.run.backend}]")
 
 
-_SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls"}
+_SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls", *BACKEND_SECTIONS}
 DEFAULT_STORE_ENDPOINTS = (
     "127.0.0.1:2379",
 )  # [store] endpoints when neither file, environment nor flag says
@@ -108,6 +122,15 @@ def load_controller_config(
     if sections["agent_tls"]:
         tls = load_section(TLSSection, sections["agent_tls"], f"{where} [agent_tls]")
         agent_tls = AgentTLS(ca=tls.ca, cert=tls.cert, key=tls.key)
+    for name in BACKEND_SECTIONS:
+        if sections[name] and name != run.backend:
+            raise ConfigError(f"{where}: a [{name}] section, but controller.backend is {run.backend!r}")
     return ControllerConfig(
-        run=run, store=store, policy=policy, paging=paging, api_tls=api_tls, agent_tls=agent_tls
+        run=run,
+        store=store,
+        policy=policy,
+        paging=paging,
+        api_tls=api_tls,
+        agent_tls=agent_tls,
+        backend_section=sections.get(run.backend, {}),
     )

@@ -79,6 +79,11 @@ class NodeAgentStub:
                 request_serializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/runwarden.v1.NodeAgent/Drain',
+                request_serializer=runwarden_dot_v1_dot_agent__pb2.DrainRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_agent__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.MeasureAllReduce = channel.unary_stream(
                 '/runwarden.v1.NodeAgent/MeasureAllReduce',
                 request_serializer=runwarden_dot_v1_dot_agent__pb2.MeasureAllReduceRequest.SerializeToString,
@@ -148,6 +153,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Take the node out of service for maintenance (undo = false) or put it back (undo = true): the
+        node record says DRAINING with the reason, the controller ends the attempt with a planned stop
+        and hands the node rank to a spare; the agent refuses new launches while draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MeasureAllReduce(self, request, context):
         """Runs `python -m preflight.collective` as one rank of a multi-node all-reduce (the bandwidth
         gate). Rank 0's agent chooses the master port on its own advertised host and streams it first;
@@ -204,6 +218,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.FromString,
                     response_serializer=runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=runwarden_dot_v1_dot_agent__pb2.DrainRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_agent__pb2.DrainResponse.SerializeToString,
             ),
             'MeasureAllReduce': grpc.unary_stream_rpc_method_handler(
                     servicer.MeasureAllReduce,
@@ -454,6 +473,33 @@ class NodeAgent:
             '/runwarden.v1.NodeAgent/InjectFault',
             runwarden_dot_v1_dot_agent__pb2.InjectFaultRequest.SerializeToString,
             runwarden_dot_v1_dot_agent__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runwarden.v1.NodeAgent/Drain',
+            runwarden_dot_v1_dot_agent__pb2.DrainRequest.SerializeToString,
+            runwarden_dot_v1_dot_agent__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -373,6 +373,7 @@ class RankProgress(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     LOADED_STEP_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -401,6 +402,10 @@ class RankProgress(_message.Message):
     step it resumed from (-1: started from scratch). The reporter sends it at once and keeps it on
     every later report; the controller logs LOAD_DONE when every node of the attempt has it.
     """
+    stop_reason: _builtins.str
+    """Set when this rank is ending on a stop request (the agent's flag, the stop file, SIGTERM): why.
+    An exit 0 after it is a planned stop, not the end of training.
+    """
     def __init__(
         self,
         *,
@@ -418,10 +423,11 @@ class RankProgress(_message.Message):
         committed_step: _builtins.int | None = ...,
         checkpoint_error: _builtins.str = ...,
         loaded_step: _builtins.int | None = ...,
+        stop_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
@@ -448,12 +454,17 @@ class ExitStatus(_message.Message):
     SIGNAL_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PLANNED_STOP_FIELD_NUMBER: _builtins.int
     exit_code: _builtins.int
     """set when the process exited"""
     signal: _builtins.int
     """set when it was killed by a signal"""
     ended_at: _builtins.float
     detail: _builtins.str
+    planned_stop: _builtins.str
+    """Set when the ranks exited on a stop request (their stop_reason): a planned stop, never a
+    completed run, even with exit code 0.
+    """
     def __init__(
         self,
         *,
@@ -461,10 +472,11 @@ class ExitStatus(_message.Message):
         signal: _builtins.int | None = ...,
         ended_at: _builtins.float = ...,
         detail: _builtins.str = ...,
+        planned_stop: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_signal", b"_signal", "exit_code", b"exit_code", "signal", b"signal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_signal", b"_signal", "detail", b"detail", "ended_at", b"ended_at", "exit_code", b"exit_code", "signal", b"signal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_signal", b"_signal", "detail", b"detail", "ended_at", b"ended_at", "exit_code", b"exit_code", "planned_stop", b"planned_stop", "signal", b"signal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

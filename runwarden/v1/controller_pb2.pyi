@@ -75,6 +75,8 @@ class RunStatus(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_NODES_FIELD_NUMBER: _builtins.int
+    WAITING_SINCE_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     phase: Global___RunPhase.ValueType
     attempt: _builtins.int
@@ -84,6 +86,9 @@ class RunStatus(_message.Message):
     since_last_progress_s: _builtins.float
     rendezvous_id: _builtins.str
     reason: _builtins.str
+    waiting_for_nodes: _builtins.int
+    """While the run waits for nodes: how many it still needs, and since when (unix time)."""
+    waiting_since: _builtins.float
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -99,10 +104,12 @@ class RunStatus(_message.Message):
         nodes: _abc.Iterable[_builtins.str] | None = ...,
         rendezvous_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        waiting_for_nodes: _builtins.int = ...,
+        waiting_since: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "current_step", b"current_step", "last_committed_step", b"last_committed_step", "nodes", b"nodes", "phase", b"phase", "reason", b"reason", "rendezvous_id", b"rendezvous_id", "restart_budget_left", b"restart_budget_left", "run", b"run", "since_last_progress_s", b"since_last_progress_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "current_step", b"current_step", "last_committed_step", b"last_committed_step", "nodes", b"nodes", "phase", b"phase", "reason", b"reason", "rendezvous_id", b"rendezvous_id", "restart_budget_left", b"restart_budget_left", "run", b"run", "since_last_progress_s", b"since_last_progress_s", "waiting_for_nodes", b"waiting_for_nodes", "waiting_since", b"waiting_since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -476,17 +483,23 @@ class ControllerRequestStopRequest(_message.Message):
 
     RUN_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RELAUNCH_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     reason: _builtins.str
+    relaunch: _builtins.bool
+    """A planned restart: finish the step, save, commit, exit 0, then relaunch from that commit with
+    nothing quarantined. False: the run ends after the commit.
+    """
     def __init__(
         self,
         *,
         run: _builtins.str = ...,
         reason: _builtins.str = ...,
+        relaunch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "relaunch", b"relaunch", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -666,3 +679,47 @@ class GetGoodputResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetGoodputResponse: _TypeAlias = GetGoodputResponse  # noqa: Y015
+
+@_typing.final
+class DrainNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    UNDO_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    reason: _builtins.str
+    undo: _builtins.bool
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        undo: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "reason", b"reason", "undo", b"undo"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class DrainNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINING_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    def __init__(
+        self,
+        *,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeResponse: _TypeAlias = DrainNodeResponse  # noqa: Y015

@@ -79,6 +79,11 @@ class ControllerStub:
                 request_serializer=runwarden_dot_v1_dot_controller__pb2.GetGoodputRequest.SerializeToString,
                 response_deserializer=runwarden_dot_v1_dot_controller__pb2.GetGoodputResponse.FromString,
                 _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/runwarden.v1.Controller/DrainNode',
+                request_serializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -138,6 +143,14 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainNode(self, request, context):
+        """Drain a node for maintenance through its agent (a planned stop and a hand-over to a spare,
+        nothing quarantined), or undo it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +198,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetGoodput,
                     request_deserializer=runwarden_dot_v1_dot_controller__pb2.GetGoodputRequest.FromString,
                     response_serializer=runwarden_dot_v1_dot_controller__pb2.GetGoodputResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +448,33 @@ class Controller:
             '/runwarden.v1.Controller/GetGoodput',
             runwarden_dot_v1_dot_controller__pb2.GetGoodputRequest.SerializeToString,
             runwarden_dot_v1_dot_controller__pb2.GetGoodputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runwarden.v1.Controller/DrainNode',
+            runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
+            runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

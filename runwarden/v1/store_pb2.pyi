@@ -40,6 +40,7 @@ class NodeRecord(_message.Message):
     LOCAL_RANKS_FIELD_NUMBER: _builtins.int
     RDZV_PORT_FIELD_NUMBER: _builtins.int
     TORCH_HOST_FIELD_NUMBER: _builtins.int
+    DRAIN_REASON_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     host: _builtins.str
     address: _builtins.str
@@ -58,6 +59,10 @@ class NodeRecord(_message.Message):
     torch_host: _builtins.str
     """The address torch advertises for this node (torchrun --local-addr; the rendezvous host when it is
     node rank 0): the advertised host without the port. "" when the agent has none to offer.
+    """
+    drain_reason: _builtins.str
+    """Why the node is draining (state NODE_STATE_DRAINING): SIGTERM to the agent, a scheduler's notice
+    (Slurm's time-limit signal, preemption), `controllerctl drain`. "" when it is not.
     """
     @_builtins.property
     def gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -79,10 +84,11 @@ class NodeRecord(_message.Message):
         local_ranks: _builtins.int = ...,
         rdzv_port: _builtins.int = ...,
         torch_host: _builtins.str = ...,
+        drain_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_preflight", b"last_preflight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "gpu_count", b"gpu_count", "gpu_uuids", b"gpu_uuids", "host", b"host", "last_preflight", b"last_preflight", "lease_id", b"lease_id", "local_ranks", b"local_ranks", "node", b"node", "rdzv_port", b"rdzv_port", "registered_at", b"registered_at", "state", b"state", "torch_host", b"torch_host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "drain_reason", b"drain_reason", "gpu_count", b"gpu_count", "gpu_uuids", b"gpu_uuids", "host", b"host", "last_preflight", b"last_preflight", "lease_id", b"lease_id", "local_ranks", b"local_ranks", "node", b"node", "rdzv_port", b"rdzv_port", "registered_at", b"registered_at", "state", b"state", "torch_host", b"torch_host"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
