@@ -167,3 +167,31 @@ def pod(name: str, node_name: str, jobset: str) -> dict[str, Any]:
         "spec": {"nodeName": node_name, "containers": [{"name": "trainer", "image": "trainer:1"}]},
         "status": {"phase": "Running"},
     }
+
+
+def jobset(body: dict[str, Any], *, uid: str = "0b6a1d2e-0000-4000-8000-000000000001") -> dict[str, Any]:
+    """A JobSet as the API server returns it: what was created, plus server-set metadata and status."""
+    return {
+        **body,
+        "metadata": {
+            **body["metadata"],
+            "uid": uid,
+            "resourceVersion": "52017",
+            "generation": 1,
+            "creationTimestamp": "2026-12-01T08:00:00Z",
+        },
+        "status": {
+            "replicatedJobsStatus": [
+                {"name": "agent", "ready": 0, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}
+            ]
+        },
+    }
+
+
+def jobset_list(*items: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSetList",
+        "metadata": {"continue": "", "resourceVersion": "52100"},
+        "items": list(items),
+    }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from controller.backends.base import AttemptSpec, Backend, BackendError, attempt_env, torchrun_argv
-from controller.backends.kubernetes import KubernetesBackend
 from controller.backends.slurm import SlurmBackend, reason_text
 from controller.backends.slurm_cli import parse_sbatch_parsable, parse_sinfo_nodes
 
@@ -67,15 +66,13 @@ def test_attempt_spec_rejects_bad_values(bad: dict) -> None:
         spec(**bad)
 
 
-def test_a_scheduler_with_a_stricter_name_rule_applies_it_at_launch() -> None:
-    from controller.backends.kubernetes import KubernetesConfig, jobset_manifest
+def test_a_scheduler_with_a_stricter_name_rule_applies_it_to_its_own_config() -> None:
+    from controller.backends.kubernetes import KubernetesConfig
 
     s = spec(run="Big_Run")  # a valid runwarden name: the local backend launches it
     assert s.rendezvous_id == "Big_Run-4"
     with pytest.raises(BackendError, match="bad run name 'Big_Run'"):
-        jobset_manifest(
-            s, KubernetesConfig(image="runwarden:test", checkpoint_save_s=10.0, checkpoint_commit_s=1.0)
-        )
+        KubernetesConfig(run="Big_Run", image="runwarden:test")  # it names JobSets: a DNS-1123 label
 
 
 def test_attempt_spec_env_is_frozen() -> None:
@@ -84,12 +81,12 @@ def test_attempt_spec_env_is_frozen() -> None:
         s.env["A"] = "2"
 
 
-def _conforms(slurm: SlurmBackend, kube: KubernetesBackend) -> list[Backend]:
-    return [slurm, kube]  # mypy checks both against the Protocol here
+def _conforms(slurm: SlurmBackend) -> list[Backend]:
+    return [slurm]  # mypy checks it against the Protocol here
 
 
 def test_backends_implement_the_protocol() -> None:
-    for cls in (SlurmBackend, KubernetesBackend):
+    for cls in (SlurmBackend,):
         missing = [
             m
             for m in ("allocate", "launch", "stop", "status", "quarantine", "release")

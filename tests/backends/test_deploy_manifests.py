@@ -19,8 +19,7 @@ import kubernetes_validate
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends.base import AttemptSpec
-from controller.backends.kubernetes import KubernetesConfig, jobset_manifest
+from controller.backends.kubernetes import KubernetesConfig, agent_jobset
 
 K8S_VERSION = "1.30.0"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -133,9 +132,7 @@ def test_schema_validation_catches_a_typo() -> None:
         roundtrip(broken)
 
 
-def test_the_backends_jobset_is_valid_offline() -> None:
-    spec = AttemptSpec(run="llm", attempt=7, nodes=("gpu-1", "gpu-2"), command=("python", "train.py"))
-    config = KubernetesConfig(
-        image="trainer:1", namespace="training", checkpoint_save_s=60, checkpoint_commit_s=5, queue_name="q"
-    )
-    validate_jobset(jobset_manifest(spec, config))
+def test_the_schedulers_jobset_is_valid_offline() -> None:
+    config = KubernetesConfig(run="llm", image="runwarden:1", namespace="training", queue_name="q")
+    validate_jobset(agent_jobset(config, index=0, count=5))
+    validate_jobset(agent_jobset(config, index=3, count=1, exclude=("gpu-1", "gpu-2"), reason="xid 79"))

@@ -1,4 +1,4 @@
-"""The Kubernetes backend against recorded API exchanges over real HTTP (no cluster here).
+"""The Kubernetes scheduler against recorded API objects over real HTTP (no cluster here).
 
 The official client talks to a local server (tests/backends/k8s_api.py) that answers with
 bodies in the API server's shapes; the tests check what the client really sent. These shapes
@@ -13,31 +13,46 @@ import pytest
 pytest.importorskip("kubernetes", reason="pip install kubernetes (the [kubernetes] extra)")
 pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
+import socket
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import kubernetes_validate
+from kubernetes import client as k8s
 
-from controller.backends.base import AttemptHandle, AttemptSpec, AttemptState, BackendError
-from controller.backends.kubernetes import KubernetesBackend, KubernetesConfig, jobset_manifest
-from tests.backends.k8s_api import Exchange, RecordedApiServer, node, pod, status_failure
+from controller.backends.base import BackendError, RunOutcome, Scheduler
+from controller.backends.kubernetes import KubernetesConfig, KubernetesScheduler, agent_jobset
+from controller.live.schedulers import build_scheduler
+from runwarden.config import ConfigError
+from tests.backends.k8s_api import (
+    Exchange,
+    RecordedApiServer,
+    jobset,
+    jobset_list,
+    node,
+    status_failure,
+)
 
 NODES = "/api/v1/nodes"
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/training/jobsets"
 OPERATOR_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 OUR_TAINT = {"key": "runwarden.io/quarantined", "value": "true", "effect": "NoSchedule"}
+DELETED = {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+SECTION: dict[str, Any] = {
+    "run": "llm",
+    "image": "ghcr.io/example/runwarden:0.1.0",
+    "namespace": "training",
+    "queue_name": "training",
+    "termination_grace_s": 600,
+    "agent_tls_secret": "runwarden-agent-tls",
+    "shared_claim": "runwarden-shared",
+    "node_selector": {"nvidia.com/gpu.present": "true"},
+}
 
 
 def config(**overrides: object) -> KubernetesConfig:
-    values: dict = {
-        "image": "ghcr.io/example/trainer:2026.11",
-        "namespace": "training",
-        "checkpoint_save_s": 240.0,
-        "checkpoint_commit_s": 15.0,
-        "termination_grace_s": 600,
-        "queue_name": "training",
-    }
-    values.update(overrides)
-    return KubernetesConfig(**values)
+    return KubernetesConfig(**{**SECTION, **overrides})
 
 
 @pytest.fixture
@@ -48,24 +63,186 @@ def api() -> Iterator[list[RecordedApiServer]]:
         server.close()
 
 
-def backend_with(api: list[RecordedApiServer], exchanges: list[Exchange], **cfg: object):
+def scheduler_with(
+    api: list[RecordedApiServer], exchanges: list[Exchange], **cfg: object
+) -> tuple[KubernetesScheduler, RecordedApiServer]:
     server = RecordedApiServer(exchanges)
     api.append(server)
-    return KubernetesBackend(server.api_client(), config(**cfg)), server
+    return KubernetesScheduler(config(**cfg), server.api_client()), server
 
 
-SPEC = AttemptSpec(
-    run="llm",
-    attempt=3,
-    nodes=("gpu-1", "gpu-3"),
-    command=("python", "train.py"),
-    procs_per_node=8,
-    env={"RUNWARDEN_CHECKPOINT_DIR": "/ckpt/llm"},
-)
+def not_found(name: str) -> dict[str, Any]:
+    return status_failure(404, "NotFound", f'jobsets.jobset.x-k8s.io "{name}" not found')
 
 
-def test_quarantine_taints_and_labels_the_node_keeping_other_taints(api) -> None:
-    backend, server = backend_with(
+def pod_spec_of(body: dict[str, Any]) -> dict[str, Any]:
+    return body["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def node_terms(body: dict[str, Any]) -> list[dict[str, Any]]:
+    affinity = pod_spec_of(body)["affinity"]["nodeAffinity"]
+    return affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
+
+
+def assert_valid_job(body: dict[str, Any]) -> None:
+    """The Job inside the JobSet is a valid batch/v1 Job by the Kubernetes 1.30 schema (strict)."""
+    rjob = body["spec"]["replicatedJobs"][0]
+    kubernetes_validate.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, **rjob["template"]},
+        "1.30.0",
+        strict=True,
+    )
+
+
+def test_allocate_creates_one_jobset_of_node_agents_against_recorded_api_objects(api) -> None:
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=f"{JOBSETS}/llm-n0", status=404, body=not_found("llm-n0")),
+            Exchange(
+                method="POST", path=JOBSETS, status=201, body=jobset(agent_jobset(config(), index=0, count=3))
+            ),
+        ],
+    )
+    allocation = scheduler.allocate(2, 1)
+    server.assert_done()
+    assert allocation.id == "jobset:training/llm-n0" and allocation.nodes == ()  # the agents register
+    sent = server.requests[1].body
+    assert sent["metadata"]["name"] == "llm-n0"
+    assert sent["metadata"]["labels"] == {
+        "runwarden.io/run": "llm",
+        "runwarden.io/part": "allocation",
+        "kueue.x-k8s.io/queue-name": "training",
+    }
+    assert sent["spec"]["failurePolicy"] == {"maxRestarts": 0}  # nothing restarted behind the supervisor
+    job = sent["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["completionMode"]) == (
+        3,
+        3,
+        "Indexed",
+    )  # nodes + spares
+    assert job["backoffLimitPerIndex"] == 0  # a lost agent fails its own index, not the others
+    pod = pod_spec_of(sent)
+    assert pod["terminationGracePeriodSeconds"] == 600 and pod["restartPolicy"] == "Never"
+    assert pod["hostNetwork"] is True and pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert node_terms(sent) == [
+        {"key": "runwarden.io/health", "operator": "NotIn", "values": ["quarantined"]}
+    ]
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "labelSelector": {"matchLabels": {"runwarden.io/run": "llm"}},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+    ]
+    (agent,) = pod["containers"]
+    assert agent["command"] == ["nodeagent", "--config", "/etc/runwarden/agent.toml"]
+    assert agent["resources"] == {"limits": {"nvidia.com/gpu": "8"}}  # the ranks are the agent's children
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in agent["env"]}
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["ADVERTISE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    assert env["RUNWARDEN_AGENT_NODE"] == "$(NODE_NAME)"
+    assert env["RUNWARDEN_AGENT_ADVERTISE"] == "$(ADVERTISE_IP):50052"
+    mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
+    assert mounts["/etc/runwarden"] == "config" and mounts["/etc/runwarden-tls"] == "tls"
+    assert mounts["/shared"] == "shared"
+    assert_valid_job(sent)
+
+
+def test_allocate_without_host_network_advertises_the_pod_ip(api) -> None:
+    body = agent_jobset(config(host_network=False, gpus_per_node=0, queue_name=""), index=0, count=1)
+    pod = pod_spec_of(body)
+    assert "hostNetwork" not in pod and "resources" not in pod["containers"][0]
+    env = {e["name"]: e.get("valueFrom") for e in pod["containers"][0]["env"]}
+    assert env["ADVERTISE_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "kueue.x-k8s.io/queue-name" not in body["metadata"]["labels"]
+    assert_valid_job(body)
+
+
+def test_a_second_allocate_adopts_the_runs_jobset_against_recorded_api_objects(api) -> None:
+    existing = jobset(agent_jobset(config(), index=0, count=3))
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=f"{JOBSETS}/llm-n0", status=200, body=existing),
+            # the standby raced the leader to create it: 409, then adopt what is there
+            Exchange(method="GET", path=f"{JOBSETS}/llm-n0", status=404, body=not_found("llm-n0")),
+            Exchange(
+                method="POST",
+                path=JOBSETS,
+                status=409,
+                body=status_failure(409, "AlreadyExists", 'jobsets.jobset.x-k8s.io "llm-n0" already exists'),
+            ),
+            Exchange(method="GET", path=f"{JOBSETS}/llm-n0", status=200, body=existing),
+        ],
+    )
+    assert scheduler.allocate(2, 1).id == "jobset:training/llm-n0"
+    assert scheduler.allocate(2, 1).id == "jobset:training/llm-n0"
+    server.assert_done()
+    assert [r.method for r in server.requests] == ["GET", "GET", "POST", "GET"]  # one create, refused
+
+
+def test_allocate_refuses_to_adopt_a_foreign_or_resized_jobset_against_recorded_api_objects(api) -> None:
+    foreign = jobset(agent_jobset(config(), index=0, count=3))
+    foreign["metadata"]["labels"] = {"app": "someone-else"}
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=f"{JOBSETS}/llm-n0", status=200, body=foreign),
+            Exchange(
+                method="GET",
+                path=f"{JOBSETS}/llm-n0",
+                status=200,
+                body=jobset(agent_jobset(config(), index=0, count=3)),
+            ),
+        ],
+    )
+    with pytest.raises(BackendError, match=r"without runwarden\.io/run=llm: not runwarden.s"):
+        scheduler.allocate(2, 1)
+    with pytest.raises(BackendError, match="has 3 agent pods, asked for 5"):
+        scheduler.allocate(4, 1)
+    server.assert_done()
+    assert all(r.method == "GET" for r in server.requests)  # nothing created or changed
+
+
+def test_request_nodes_excludes_the_given_nodes_against_recorded_api_objects(api) -> None:
+    listing = jobset_list(
+        jobset(agent_jobset(config(), index=0, count=3)),
+        jobset(agent_jobset(config(), index=1, count=1, exclude=("gpu-2",), reason="first")),
+    )
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=JOBSETS, status=200, body=listing),
+            Exchange(method="POST", path=JOBSETS, status=201, body={}),
+        ],
+    )
+    before = time.time()
+    request = scheduler.request_nodes(2, exclude=("gpu-7", "gpu-2"), reason="xid 79 on gpu-7\nno spare left")
+    server.assert_done()
+    assert server.requests[0].query["labelSelector"] == ["runwarden.io/run=llm"]
+    assert (request.id, request.count) == ("jobset:training/llm-n2", 2) and request.submitted_at >= before
+    sent = server.requests[1].body
+    assert sent["metadata"]["name"] == "llm-n2"
+    assert sent["metadata"]["labels"]["runwarden.io/part"] == "request"
+    assert sent["metadata"]["annotations"] == {"runwarden.io/request-reason": "xid 79 on gpu-7 no spare left"}
+    assert sent["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 2
+    assert node_terms(sent) == [
+        {"key": "runwarden.io/health", "operator": "NotIn", "values": ["quarantined"]},
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-2", "gpu-7"]},
+    ]
+    # and never next to one of the run's agents: the anti-affinity is on the run's label
+    anti = pod_spec_of(sent)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["labelSelector"] == {"matchLabels": {"runwarden.io/run": "llm"}}
+    assert_valid_job(sent)
+    with pytest.raises(BackendError, match="bad node name"):
+        scheduler.request_nodes(1, exclude=("gpu 1; rm",), reason="x")
+    assert len(server.requests) == 2  # refused before anything was sent
+
+
+def test_quarantine_taints_and_labels_keeping_other_taints_against_recorded_api_objects(api) -> None:
+    scheduler, server = scheduler_with(
         api,
         [
             Exchange(
@@ -74,7 +251,7 @@ def test_quarantine_taints_and_labels_the_node_keeping_other_taints(api) -> None
             Exchange(method="PATCH", path=f"{NODES}/gpu-2", status=200, body=node("gpu-2")),
         ],
     )
-    backend.quarantine("gpu-2", "xid 79: GPU fell off the bus\n(step 1200)")
+    scheduler.quarantine("gpu-2", "xid 79: GPU fell off the bus\n(step 1200)")
     server.assert_done()
     patch = server.requests[1]
     assert patch.content_type == "application/strategic-merge-patch+json"
@@ -83,185 +260,91 @@ def test_quarantine_taints_and_labels_the_node_keeping_other_taints(api) -> None
         "runwarden.io/quarantine-reason": "xid 79: GPU fell off the bus (step 1200)"
     }
     assert patch.body["metadata"]["resourceVersion"] == "4711"
-    assert patch.body["spec"]["taints"] == [OPERATOR_TAINT, OUR_TAINT]
+    assert patch.body["spec"] == {"taints": [OPERATOR_TAINT, OUR_TAINT]}  # no `unschedulable`: no cordon
 
 
-def test_release_removes_only_runwarden_marks(api) -> None:
+def test_quarantine_leaves_an_operators_cordon_alone_against_recorded_api_objects(api) -> None:
+    cordoned = node("gpu-4", unschedulable=True)
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=f"{NODES}/gpu-4", status=200, body=cordoned),
+            Exchange(method="PATCH", path=f"{NODES}/gpu-4", status=200, body=cordoned),
+        ],
+    )
+    scheduler.quarantine("gpu-4", "straggler")
+    server.assert_done()
+    assert server.requests[1].body["spec"] == {"taints": [OUR_TAINT]}
+
+
+def test_release_removes_only_runwarden_marks_against_recorded_api_objects(api) -> None:
     quarantined = node(
         "gpu-2", labels={"runwarden.io/health": "quarantined"}, taints=[OPERATOR_TAINT, OUR_TAINT]
     )
-    backend, server = backend_with(
+    scheduler, server = scheduler_with(
         api,
         [
             Exchange(method="GET", path=f"{NODES}/gpu-2", status=200, body=quarantined),
             Exchange(method="PATCH", path=f"{NODES}/gpu-2", status=200, body=node("gpu-2")),
+            Exchange(method="GET", path=f"{NODES}/gpu-3", status=200, body=node("gpu-3")),
         ],
     )
-    assert backend.release("gpu-2") is True
+    assert scheduler.release("gpu-2") is True
+    assert scheduler.release("gpu-3") is True  # not ours to begin with: nothing to patch
     server.assert_done()
     patch = server.requests[1].body
     assert patch["metadata"]["labels"] == {"runwarden.io/health": None}
-    assert patch["spec"]["taints"] == [OPERATOR_TAINT]
+    assert patch["metadata"]["annotations"] == {"runwarden.io/quarantine-reason": None}
+    assert patch["spec"] == {"taints": [OPERATOR_TAINT]}
+    assert [r.method for r in server.requests] == ["GET", "PATCH", "GET"]
 
 
-def test_release_refuses_a_node_an_operator_cordoned(api) -> None:
+def test_release_refuses_under_an_operators_cordon_against_recorded_api_objects(api) -> None:
     cordoned = node(
         "gpu-4", labels={"runwarden.io/health": "quarantined"}, taints=[OUR_TAINT], unschedulable=True
     )
-    backend, server = backend_with(
+    scheduler, server = scheduler_with(
         api, [Exchange(method="GET", path=f"{NODES}/gpu-4", status=200, body=cordoned)]
     )
-    assert backend.release("gpu-4") is False
+    assert scheduler.release("gpu-4") is False
     server.assert_done()
-    assert [r.method for r in server.requests] == ["GET"]  # nothing changed
+    assert [r.method for r in server.requests] == ["GET"]  # nothing changed, our marks stay too
 
 
-def test_launch_creates_a_jobset_pinned_to_the_chosen_nodes_and_off_quarantined_ones(api) -> None:
-    manifest = jobset_manifest(SPEC, config())
-    backend, server = backend_with(api, [Exchange(method="POST", path=JOBSETS, status=201, body=manifest)])
-    handle = backend.launch(SPEC)
-    server.assert_done()
-    assert handle.ref == "jobset:training/llm-3"
-    sent = server.requests[0].body
-    assert sent["metadata"]["name"] == "llm-3"
-    assert sent["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "training"
-    assert sent["spec"]["failurePolicy"] == {"maxRestarts": 0}
-    job = sent["spec"]["replicatedJobs"][0]["template"]["spec"]
-    assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (2, 2, 0)
-    pod_spec = job["template"]["spec"]
-    assert pod_spec["terminationGracePeriodSeconds"] == 600
-    terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    exprs = terms["nodeSelectorTerms"][0]["matchExpressions"]
-    assert {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-1", "gpu-3"]} in exprs
-    assert {"key": "runwarden.io/health", "operator": "NotIn", "values": ["quarantined"]} in exprs
-    command = pod_spec["containers"][0]["command"]
-    assert "--rdzv-id=llm-3" in command and "--max-restarts=0" in command and "--nnodes=2" in command
-    assert "--rdzv-endpoint=llm-3-workers-0-0.llm-3:29500" in command
-    assert command[-2:] == ["python", "train.py"]
-    env = {e["name"]: e["value"] for e in pod_spec["containers"][0]["env"]}
-    assert env["RUNWARDEN_RENDEZVOUS_ID"] == "llm-3" and env["RUNWARDEN_CHECKPOINT_DIR"] == "/ckpt/llm"
-    # The Job inside the JobSet is a valid batch/v1 Job by the Kubernetes schema.
-    kubernetes_validate.validate(
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "llm-3-workers-0"}, "spec": job},
-        "1.30.0",
-        strict=True,
+def test_check_stop_fits_refuses_a_grace_period_shorter_than_the_observed_save(api) -> None:
+    scheduler, server = scheduler_with(api, [], termination_grace_s=300)
+    scheduler.check_stop_fits(0.0)  # nothing observed yet: the margin alone fits
+    scheduler.check_stop_fits(270.0)  # 270 + 30 = 300
+    with pytest.raises(
+        BackendError, match=r"terminationGracePeriodSeconds=300 is shorter .* 271s \+ margin 30s = 301s"
+    ):
+        scheduler.check_stop_fits(271.0)
+    assert server.requests == []  # decided from the config alone
+
+
+def test_finish_deletes_the_runs_jobsets_against_recorded_api_objects(api) -> None:
+    listing = jobset_list(
+        jobset(agent_jobset(config(), index=0, count=3)),
+        jobset(agent_jobset(config(), index=1, count=1)),
     )
-
-
-def test_launch_is_refused_when_the_grace_period_cannot_fit_a_save_and_commit(api) -> None:
-    backend, server = backend_with(api, [], termination_grace_s=120)
-    with pytest.raises(BackendError, match=r"terminationGracePeriodSeconds=120 is shorter .* 285s"):
-        backend.launch(SPEC)
-    assert server.requests == []  # nothing was sent
-
-
-def test_status_reports_running_with_a_dead_node_then_failed(api) -> None:
-    running = {
-        **jobset_manifest(SPEC, config()),
-        "status": {
-            "replicatedJobsStatus": [
-                {"name": "workers", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}
-            ]
-        },
-    }
-    failed = {
-        **running,
-        "status": {
-            "conditions": [
-                {
-                    "type": "Failed",
-                    "status": "True",
-                    "reason": "FailedJobs",
-                    "message": "jobset failed due to reaching max number of restarts",
-                    "lastTransitionTime": "2026-12-01T00:10:00Z",
-                }
-            ]
-        },
-    }
-    pods = {
-        "kind": "PodList",
-        "apiVersion": "v1",
-        "metadata": {"resourceVersion": "9"},
-        "items": [pod("llm-3-workers-0-0-x", "gpu-1", "llm-3"), pod("llm-3-workers-0-1-y", "gpu-3", "llm-3")],
-    }
-    backend, server = backend_with(
+    scheduler, server = scheduler_with(
         api,
         [
-            Exchange(method="GET", path=f"{JOBSETS}/llm-3", status=200, body=running),
-            Exchange(method="GET", path="/api/v1/namespaces/training/pods", status=200, body=pods),
-            Exchange(method="GET", path=f"{NODES}/gpu-1", status=200, body=node("gpu-1")),
-            Exchange(method="GET", path=f"{NODES}/gpu-3", status=200, body=node("gpu-3", ready="Unknown")),
-            Exchange(method="GET", path=f"{JOBSETS}/llm-3", status=200, body=failed),
-            Exchange(
-                method="GET", path="/api/v1/namespaces/training/pods", status=200, body={**pods, "items": []}
-            ),
+            Exchange(method="GET", path=JOBSETS, status=200, body=listing),
+            Exchange(method="DELETE", path=f"{JOBSETS}/llm-n0", status=200, body=DELETED),
+            Exchange(method="DELETE", path=f"{JOBSETS}/llm-n1", status=404, body=not_found("llm-n1")),
         ],
     )
-    handle = AttemptHandle(spec=SPEC, ref="jobset:training/llm-3")
-    first = backend.status(handle)
-    assert (first.state, first.failed_nodes) == (AttemptState.RUNNING, ("gpu-3",))
-    assert server.requests[1].query["labelSelector"] == ["jobset.sigs.k8s.io/jobset-name=llm-3"]
-    second = backend.status(handle)
-    assert second.state is AttemptState.FAILED and "max number of restarts" in second.detail
+    scheduler.finish(RunOutcome.COMPLETED)
     server.assert_done()
-
-
-def test_stop_deletes_the_jobset_with_the_grace_period(api) -> None:
-    backend, server = backend_with(
-        api,
-        [
-            Exchange(
-                method="DELETE",
-                path=f"{JOBSETS}/llm-3",
-                status=200,
-                body={"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}},
-            ),
-            Exchange(
-                method="GET",
-                path=f"{JOBSETS}/llm-3",
-                status=404,
-                body=status_failure(404, "NotFound", 'jobsets.jobset.x-k8s.io "llm-3" not found'),
-            ),
-        ],
-    )
-    handle = AttemptHandle(spec=SPEC, ref="jobset:training/llm-3")
-    assert backend.stop(handle, grace_s=300).state is AttemptState.STOPPED
-    sent = server.requests[0]
+    assert server.requests[0].query["labelSelector"] == ["runwarden.io/run=llm"]
+    sent = server.requests[1]
     options = sent.body or {}
-    assert options.get("gracePeriodSeconds", int(sent.query.get("gracePeriodSeconds", ["-1"])[0])) == 300
-    assert options.get("propagationPolicy", sent.query.get("propagationPolicy", [""])[0]) == "Foreground"
-    assert backend.status(handle).state is AttemptState.STOPPED
-    server.assert_done()
+    assert options.get("propagationPolicy", sent.query.get("propagationPolicy", [""])[0]) == "Background"
 
 
-def test_allocate_counts_only_ready_unquarantined_uncordoned_nodes(api) -> None:
-    listing = {
-        "kind": "NodeList",
-        "apiVersion": "v1",
-        "metadata": {"resourceVersion": "77"},
-        "items": [
-            node("gpu-1"),
-            node("gpu-2", labels={"runwarden.io/health": "quarantined"}),
-            node("gpu-3", ready="False"),
-            node("gpu-4"),
-            node("gpu-5", unschedulable=True),
-        ],
-    }
-    backend, server = backend_with(
-        api,
-        [
-            Exchange(method="GET", path=NODES, status=200, body=listing),
-            Exchange(method="GET", path=NODES, status=200, body=listing),
-        ],
-    )
-    assert backend.allocate(1, 1).nodes == ("gpu-1", "gpu-4")
-    with pytest.raises(BackendError, match="2 healthy nodes, need 2\\+1"):
-        backend.allocate(2, 1)
-    server.assert_done()
-
-
-def test_an_api_error_becomes_a_backend_error(api) -> None:
-    backend, server = backend_with(
+def test_an_api_error_or_no_api_server_becomes_a_backend_error(api) -> None:
+    scheduler, server = scheduler_with(
         api,
         [
             Exchange(method="GET", path=f"{NODES}/gpu-2", status=200, body=node("gpu-2")),
@@ -278,5 +361,42 @@ def test_an_api_error_becomes_a_backend_error(api) -> None:
         ],
     )
     with pytest.raises(BackendError, match="patch node gpu-2: HTTP 403"):
-        backend.quarantine("gpu-2", "straggler")
+        scheduler.quarantine("gpu-2", "straggler")
     server.assert_done()
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = k8s.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    cfg.retries = 0
+    gone = KubernetesScheduler(config(request_timeout_s=2.0), k8s.ApiClient(cfg))
+    with pytest.raises(BackendError, match="list JobSets of llm: "):
+        gone.finish(RunOutcome.FAILED)
+
+
+def test_from_section_refuses_unknown_keys_and_bad_values() -> None:
+    scheduler = KubernetesScheduler.from_section(dict(SECTION), "controller.toml [kubernetes]")
+    assert isinstance(scheduler, Scheduler) and scheduler.config.namespace == "training"
+    with pytest.raises(BackendError, match=r"unknown key\(s\) checkpoint_save_s"):
+        KubernetesScheduler.from_section({**SECTION, "checkpoint_save_s": 240.0}, "[kubernetes]")
+    for bad, match in [
+        ({"run": "Big_Run"}, "bad run name"),
+        ({"namespace": "Training"}, "kubernetes.namespace"),
+        ({"termination_grace_s": 0}, "termination_grace_s"),
+        ({"agent_port": 70000}, "agent_port"),
+        ({"node_selector": {"bad key!": "x"}}, "node_selector"),
+        ({"gpus_per_node": "eight"}, "expected an integer"),
+    ]:
+        with pytest.raises(BackendError, match=match):
+            KubernetesScheduler.from_section({**SECTION, **bad}, "[kubernetes]")
+    raw = dict(SECTION)
+    del raw["image"]
+    with pytest.raises(BackendError, match="image"):
+        KubernetesScheduler.from_section(raw, "[kubernetes]")
+
+
+def test_the_live_shell_builds_it_from_its_section() -> None:
+    built = build_scheduler("kubernetes", dict(SECTION), "[kubernetes]")
+    assert isinstance(built, KubernetesScheduler) and built.config.run == "llm"
+    with pytest.raises(ConfigError, match=r"\[kubernetes\]: .*unknown key"):
+        build_scheduler("kubernetes", {**SECTION, "typo": 1}, "[kubernetes]")
