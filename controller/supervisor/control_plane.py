@@ -11,6 +11,7 @@ from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
     ControlPlaneLost,
     ControlPlaneRestored,
+    NodeDraining,
     NodeJoined,
     NodeLost,
     Snapshot,
@@ -161,6 +162,10 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     for name, p in sv.pool.nodes.items():
         if p.alive and p.state in (PoolState.QUARANTINED, PoolState.BURN_IN) and name not in sv.burn_in:
             sv.begin_burn_in(name)
+    for name in sorted(set(snap.alive) | set(snap.draining)):
+        reason = snap.draining.get(name, "")
+        if sv.pool.get(name).draining != reason:
+            sv.apply(NodeDraining(node=name, reason=reason))  # a drain (or its end) missed in a gap
     if snap.stop_requested is not None and sv.state in LIVE:
         sv.apply(snap.stop_requested)
 

@@ -143,9 +143,22 @@ class AttemptExited:
     ended_at: float | None = None
     rank: int | None = None
     detail: str = ""
+    planned_stop: str = ""  # the ranks ended on a stop request (why): a planned stop, not the end
 
     def __post_init__(self) -> None:
         _check_name("AttemptExited.node", self.node)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeDraining:
+    """A node is leaving for maintenance or a scheduler's notice (its agent says DRAINING, with why),
+    or is back in service (reason ""). Never a failure: a planned stop and a hand-over to a spare."""
+
+    node: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_name("NodeDraining.node", self.node)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,6 +271,7 @@ class Snapshot:
     resume_step: int = -1
     committed_steps: tuple[int, ...] = ()
     stop_requested: StopRequested | None = None
+    draining: dict[str, str] = field(default_factory=dict)  # node -> why, as the node records say
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +321,7 @@ class ActionFailed:
 Event = (
     NodeJoined
     | NodeLost
+    | NodeDraining
     | ProgressObserved
     | EvidenceObserved
     | PreflightResult

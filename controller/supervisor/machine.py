@@ -84,6 +84,8 @@ class SupervisorStatus:
     since_last_progress_s: float  # -1: no progress seen in this attempt
     nodes: tuple[str, ...]  # the current attempt's nodes by node rank
     failure: str  # the failure being handled now, "" if none
+    waiting_for_nodes: int = 0  # WAITING_NODES: usable nodes still missing
+    waiting_since: float | None = None  # since when the run waits for them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class Supervisor:
         self.gate_passed: tuple[str, ...] | None = None  # the node set that passed it
         self.gate_deadline = 0.0
         self.waiting_since: float | None = None
+        self.waiting_paged = False  # this wait for nodes has paged (once per wait)
         self.queue_outstanding = 0
         self.from_queue: set[str] = set()
         self.burn_in: set[str] = set()
@@ -200,7 +203,14 @@ class Supervisor:
             since_last_progress_s=max(0.0, now - a.min_advanced_at) if progressing else -1.0,
             nodes=self.current_nodes,
             failure=self.failure.reason if self.failure else "",
+            **self._waiting(),
         )
+
+    def _waiting(self) -> dict[str, Any]:
+        if self._state is not RunState.WAITING_NODES or self.waiting_since is None:
+            return {}
+        missing = max(0, self.plan.nodes - self.pool.free_count())
+        return {"waiting_for_nodes": missing, "waiting_since": self.waiting_since}
 
     @property
     def current_nodes(self) -> tuple[str, ...]:

@@ -12,11 +12,13 @@ from controller.supervisor.events import (
     CheckpointCommitted,
     CheckpointFailed,
     EvidenceObserved,
+    NodeDraining,
     NodeJoined,
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
     PreflightResult,
+    StopRequested,
 )
 from controller.supervisor.pool import PoolState
 from controller.supervisor.states import IN_ATTEMPT, RunState
@@ -50,8 +52,18 @@ def on_joined_preflight(sv: Supervisor, ev: NodeJoined) -> None:
 
 def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
     """The bookkeeping of every state; True when it was a mass expiry (the control plane, not nodes)."""
+    drained = sv.pool.get(ev.node).draining
     sv.pool.set_alive(ev.node, False)
+    sv.pool.set_draining(ev.node, "")  # its next registration says its own state
     sv.burn_in.discard(ev.node)
+    if drained:
+        # A planned departure (the whole allocation at a time limit, say) is not a mass expiry.
+        sv.log(
+            E.EVENT_KIND_NODE_LOST,
+            f"node {ev.node} left after draining ({drained})",
+            node=E.NodeDetail(node=ev.node, reason=f"left after draining: {drained}"),
+        )
+        return False
     sv.loss_times.append(sv.now)
     while sv.loss_times and sv.now - sv.loss_times[0] > sv.cfg.mass_expiry_window_s:
         sv.loss_times.popleft()
@@ -286,3 +298,36 @@ def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
     elif outcome == "again" and node.alive:
         sv.begin_burn_in(ev.node)
     # "failed": needs repair; burn-in again when it re-registers or an operator releases it
+
+
+def on_draining(sv: Supervisor, ev: NodeDraining) -> None:
+    """Every state: a node drains (maintenance, SIGTERM to its agent, a scheduler's notice) or is back.
+
+    Never a failure and never a quarantine: the node takes no new placement; a running attempt it is
+    part of ends with a planned stop (finish the step, save, commit, exit 0) and is relaunched from
+    that commit with a spare in its node rank; an attempt being prepared replaces it at once."""
+    was = sv.pool.get(ev.node).draining
+    if ev.reason == was:
+        return
+    sv.pool.set_draining(ev.node, ev.reason)
+    if not ev.reason:
+        sv.log(
+            E.EVENT_KIND_RELEASE,
+            f"node {ev.node} is back in service after draining ({was})",
+            node=E.NodeDetail(node=ev.node, reason="drain ended"),
+        )
+        return  # in WAITING_NODES the machine tries to start after every event
+    sv.log(
+        E.EVENT_KIND_STOP_REQUEST,
+        f"node {ev.node} drains ({ev.reason}): no new placement; nothing is quarantined",
+        node=E.NodeDetail(node=ev.node, reason=f"draining: {ev.reason}"),
+    )
+    if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
+        failure.on_stop_request(
+            sv,
+            StopRequested(reason=f"node {ev.node} drains: {ev.reason}", requested_by=ev.node, relaunch=True),
+        )
+    elif sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
+        prepare.drop_from_slots(
+            sv, ev.node, f"it drains ({ev.reason}); replaced, not quarantined", logged=True
+        )

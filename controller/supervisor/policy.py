@@ -28,6 +28,9 @@ class SupervisorConfig:
     queue_wait_s: float = (
         30.0  # before the first attempt: let the allocated nodes join before asking for more
     )
+    # Waiting for nodes this long (none came from the queue, no spare is left) pages and says so in
+    # the event log, once per wait; 0: never.
+    waiting_page_s: float = 600.0
     # The bandwidth gate: after the per-node preflight, an all-reduce across exactly the next
     # attempt's nodes (and its ring pairs, to find a slow link); a node whose best pair figure is
     # below bandwidth_gate_ratio x the floor (bandwidth_floor_gbps, or the median of the set when 0)
@@ -109,6 +112,7 @@ class SupervisorConfig:
             "bandwidth_floor_gbps",
             "bandwidth_gate_timeout_s",
             "queue_wait_s",
+            "waiting_page_s",
             "hold_window_s",
             "hang_timeout_floor_s",
             "longest_collective_s",

@@ -66,6 +66,7 @@ class IllegalPoolMove(RuntimeError):
 class PoolNode:
     name: str
     alive: bool = False
+    draining: str = ""  # why the node is leaving (its agent's record says); not durable pool state
     local_ranks: int = 1
     state: PoolState = PoolState.SPARE
     reason: str = ""
@@ -110,7 +111,7 @@ class Pool:
         return node
 
     def _sync(self, node: PoolNode) -> None:
-        if node.alive and node.state is PoolState.SPARE:
+        if node.alive and not node.draining and node.state is PoolState.SPARE:
             self._free.add(node.name)
         else:
             self._free.discard(node.name)
@@ -126,6 +127,13 @@ class Pool:
         node.alive = alive
         if local_ranks is not None:
             node.local_ranks = local_ranks
+        self._sync(node)
+        return node
+
+    def set_draining(self, name: str, reason: str) -> PoolNode:
+        """A drain (reason) or its end (""): the node takes no new placement while it drains."""
+        node = self.get(name)
+        node.draining = reason
         self._sync(node)
         return node
 
@@ -147,7 +155,12 @@ class Pool:
 
     def usable(self, name: str) -> bool:
         node = self.nodes.get(name)
-        return node is not None and node.alive and node.state in (PoolState.SPARE, PoolState.ASSIGNED)
+        return (
+            node is not None
+            and node.alive
+            and not node.draining
+            and node.state in (PoolState.SPARE, PoolState.ASSIGNED)
+        )
 
     # --- assignment ---------------------------------------------------------------------------
 

@@ -51,8 +51,11 @@ def try_start(sv: Supervisor) -> None:
     if free < need:
         if sv.waiting_since is None:
             sv.waiting_since = sv.now
+            sv.waiting_paged = False
             if sv.attempt == 0 and sv.cfg.queue_wait_s > 0:  # the first nodes are still joining
                 sv.emit(SetTimer(key="queue", at=sv.now + sv.cfg.queue_wait_s))
+            if sv.cfg.waiting_page_s > 0:
+                sv.emit(SetTimer(key="waiting", at=sv.now + sv.cfg.waiting_page_s))
         if sv.attempt == 0 and sv.now < sv.waiting_since + sv.cfg.queue_wait_s:
             return
         ask = need - free - sv.queue_outstanding
@@ -316,3 +319,20 @@ def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
     )
     sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))
     failure.deliver_pending_stop(sv)
+
+
+def on_tick_waiting(sv: Supervisor) -> None:
+    """WAITING_NODES: a wait longer than `waiting_page_s` pages, once, and says so in the log."""
+    since = sv.waiting_since
+    if since is None or sv.waiting_paged or sv.cfg.waiting_page_s <= 0:
+        return
+    waited = sv.now - since
+    if waited < sv.cfg.waiting_page_s:
+        return
+    sv.waiting_paged = True
+    missing = max(0, sv.plan.nodes - sv.pool.free_count())
+    asked = f"; {sv.queue_outstanding} asked of the queue" if sv.queue_outstanding else "; no queue to ask"
+    sv.page(
+        f"waiting for {missing} node{'s' if missing != 1 else ''} for {waited / 60:.0f} min "
+        f"(need {sv.plan.nodes}, {sv.pool.free_count()} usable{asked})"
+    )

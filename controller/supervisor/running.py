@@ -241,6 +241,18 @@ def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
     if label is None:
         return
     a = sv.cur
+    if label == "clean" and ev.planned_stop:
+        # The ranks stopped on a request that did not come through this controller (a stop file a
+        # batch script touched, a SIGTERM from the scheduler): a planned stop, never the end of training.
+        failure.on_stop_request(
+            sv,
+            StopRequested(
+                reason=f"{ev.node} stopped on its own ({ev.planned_stop})",
+                requested_by=ev.node,
+                relaunch=True,
+            ),
+        )
+        return
     if label == "clean":
         if len(a.exited) == len(a.node_step) and all(v == "clean" for v in a.exited.values()):
             sv.finish(RunState.COMPLETED, "completed", "every node exited 0: the run completed")

@@ -15,14 +15,14 @@ The graph, generated from the table (tests/supervisor/test_machine.py keeps it i
       -> STOPPING          Snapshot
     PREFLIGHT
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> RUNNING           NodeJoined, NodeLost, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured
+      -> RUNNING           NodeJoined, NodeLost, NodeDraining, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured
       -> STOPPED           StopRequested, Snapshot
     RUNNING
       -> BACKOFF           ActionFailed
-      -> COLLECTING        NodeLost, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
       -> COMPLETED         AttemptExited
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> STOPPING          NodeLost, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
       -> WAITING_NODES     ActionFailed
     COLLECTING
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
@@ -65,6 +65,7 @@ from controller.supervisor.events import (
     ControlPlaneRestored,
     DumpsCollected,
     EvidenceObserved,
+    NodeDraining,
     NodeJoined,
     NodeLost,
     OperatorQuarantine,
@@ -134,10 +135,12 @@ def _row(
     snapshot: Rule,
     failed: Rule,
     bandwidth: Rule | None = None,
+    drain: Rule | None = None,
 ) -> dict[type, Rule]:
     return {
         NodeJoined: joined,
         NodeLost: lost,
+        NodeDraining: drain or _on(nodes.on_draining),
         PreflightResult: preflight,
         ProgressObserved: progress,
         AttemptExited: exited,
@@ -169,7 +172,7 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         exited=IGNORE,
         dumps=IGNORE,
         stop=_on(running.on_stop_request_idle, S.STOPPED),
-        tick=IGNORE,
+        tick=_on(_tick(prepare.on_tick_waiting)),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
@@ -195,6 +198,7 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
         failed=_on(failed_actions.on_action_failed, S.RUNNING),
         bandwidth=_on(prepare.on_bandwidth, S.RUNNING),
+        drain=_on(nodes.on_draining, S.RUNNING),
     ),
     S.RUNNING: _row(
         joined=_on(nodes.on_joined),
@@ -212,6 +216,7 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_FAIL, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
+        drain=_on(nodes.on_draining, *_FAIL),
     ),
     S.COLLECTING: _row(
         joined=_on(nodes.on_joined),
