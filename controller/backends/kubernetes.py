@@ -180,12 +180,10 @@ def agent_jobset(
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": AGENT_CONFIG_DIR, "readOnly": True},
         {"name": "run", "mountPath": AGENT_RUN_DIR},
-        {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config.agent_config_map}},
         {"name": "run", "emptyDir": {}},
-        {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}},
     ]
     if config.agent_tls_secret:
         mounts.append({"name": "tls", "mountPath": AGENT_TLS_DIR, "readOnly": True})
@@ -202,7 +200,9 @@ def agent_jobset(
         "env": env,
         "ports": [{"name": "agent", "containerPort": config.agent_port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": config.agent_port}, "periodSeconds": 10},
-        "securityContext": {"capabilities": {"add": ["SYSLOG"]}},  # the kernel log: Xid, ECC
+        # The kernel log (Xid, ECC): syslog(2) is not namespaced, so `dmesg` with CAP_SYSLOG reads the
+        # node's (the agent's kernel_log = "auto" falls back to it; /dev/kmsg needs a privileged pod).
+        "securityContext": {"capabilities": {"add": ["SYSLOG"]}},
         "volumeMounts": mounts,
     }
     if config.gpus_per_node:
@@ -210,6 +210,7 @@ def agent_jobset(
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": config.termination_grace_s,
+        "automountServiceAccountToken": False,  # the agents call no Kubernetes API
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
