@@ -417,10 +417,16 @@ class KubernetesScheduler:
             if found:
                 taken.append(int(found.group(1)))
         index = max(taken) + 1
-        name = jobset_name(self.config.run, index)
-        body = agent_jobset(self.config, index=index, count=count, exclude=exclude, reason=reason)
-        self._jobsets(f"create JobSet {name}", "create_namespaced_custom_object", body)
-        return NodeRequest(id=self._ref(name), count=count, submitted_at=time.time())
+        for _ in range(3):  # a 409: the name was taken since the list (a JobSet being deleted): the next
+            name = jobset_name(self.config.run, index)
+            body = agent_jobset(self.config, index=index, count=count, exclude=exclude, reason=reason)
+            created = self._jobsets(
+                f"create JobSet {name}", "create_namespaced_custom_object", body, allow=(409,)
+            )
+            if created is not None:
+                return NodeRequest(id=self._ref(name), count=count, submitted_at=time.time())
+            index += 1
+        raise BackendError(f"create JobSet {name}: HTTP 409 Conflict three times in a row")
 
     def quarantine(self, node: str, reason: str) -> None:
         validate_node_name(node)

@@ -241,6 +241,27 @@ def test_request_nodes_excludes_the_given_nodes_against_recorded_api_objects(api
     assert len(server.requests) == 2  # refused before anything was sent
 
 
+def test_request_nodes_takes_the_next_name_after_a_conflict_against_recorded_api_objects(api) -> None:
+    exists = status_failure(409, "AlreadyExists", 'jobsets.jobset.x-k8s.io "llm-n1" already exists')
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(
+                method="GET",
+                path=JOBSETS,
+                status=200,
+                body=jobset_list(jobset(agent_jobset(config(), index=0, count=3))),
+            ),
+            Exchange(method="POST", path=JOBSETS, status=409, body=exists),
+            Exchange(method="POST", path=JOBSETS, status=201, body={"kind": "JobSet"}),
+        ],
+    )
+    assert scheduler.request_nodes(1, exclude=(), reason="node lost").id == "jobset:training/llm-n2"
+    server.assert_done()
+    assert [r.body["metadata"]["name"] for r in server.requests[1:]] == ["llm-n1", "llm-n2"]
+    assert len(node_terms(server.requests[2].body)) == 1  # nothing to exclude: only the quarantine rule
+
+
 def test_quarantine_taints_and_labels_keeping_other_taints_against_recorded_api_objects(api) -> None:
     scheduler, server = scheduler_with(
         api,
