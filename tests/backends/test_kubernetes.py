@@ -421,3 +421,11 @@ def test_the_live_shell_builds_it_from_its_section() -> None:
     assert isinstance(built, KubernetesScheduler) and built.config.run == "llm"
     with pytest.raises(ConfigError, match=r"\[kubernetes\]: .*unknown key"):
         build_scheduler("kubernetes", {**SECTION, "typo": 1}, "[kubernetes]")
+
+
+def test_without_a_service_account_or_kubeconfig_a_call_is_a_backend_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    scheduler = KubernetesScheduler.from_section(dict(SECTION), "[kubernetes]")  # contacts nothing
+    with pytest.raises(BackendError, match="no in-cluster service account and no kubeconfig"):
+        scheduler.release("gpu-1")
