@@ -20,8 +20,14 @@ _JOB_ID = re.compile(r"^[0-9]+$")
 # "~" powered off, "#" powering up, "!" pending power down, "%" powering down, "$" maintenance,
 # "@" pending reboot, "^" rebooting, "-" planned by backfill.
 _NODE_STATE = re.compile(r"^[a-z_+]+[*~#!%$@^-]?$")
-# States in which a node of a running attempt is as good as dead.
-_DEAD_STATES = frozenset({"down", "fail", "failing", "future", "unknown"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobInfo:
+    id: str
+    name: str
+    state: str  # squeue's long form: PENDING, RUNNING, COMPLETING, CANCELLED, ...
+    nodelist: str  # "" while pending
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,15 +36,6 @@ class NodeInfo:
     address: str
     state: str  # e.g. "idle", "mixed", "drained", "draining", "down", "mixed*"
     reason: str  # "none" when Slurm has none
-
-    @property
-    def not_responding(self) -> bool:
-        return self.state.endswith("*")
-
-    @property
-    def dead(self) -> bool:
-        base = self.state.rstrip("*~#!%$@^-")
-        return self.not_responding or base in _DEAD_STATES or base.startswith("down")
 
     @property
     def drained(self) -> bool:
@@ -55,19 +52,23 @@ class SlurmCli:
         self._bin_dir = bin_dir
         self.timeout_s = timeout_s
 
-    @property
-    def env(self) -> Mapping[str, str]:
-        return self._env
-
     def binary(self, name: str) -> str:
         return os.path.join(self._bin_dir, name) if self._bin_dir else name
 
-    def run(self, name: str, args: Sequence[str], *, timeout_s: float | None = None) -> str:
+    def run(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Runs one command (``env``: variables on top of this cluster's environment)."""
         argv = [self.binary(name), *args]
         try:
             done = subprocess.run(
                 argv,
-                env=self._env,
+                env={**self._env, **(env or {})},
                 capture_output=True,
                 text=True,
                 timeout=timeout_s or self.timeout_s,
@@ -110,18 +111,13 @@ class SlurmCli:
                 return fields[1], fields[2]
         return None
 
-    def steps(self, job_id: str) -> dict[str, str]:
-        """Step name -> "job.step" for the job's running steps."""
+    def jobs(self, *, names: Sequence[str], user: str) -> list[JobInfo]:
+        """The user's jobs with one of these names that squeue still lists, oldest first."""
         out = self.run(
-            "squeue", ["--noheader", "--steps", f"--jobs={check_job_id(job_id)}", "--format=%i|%j"]
+            "squeue",
+            ["--noheader", f"--name={','.join(names)}", f"--user={user}", "--format=%i|%j|%T|%N"],
         )
-        steps: dict[str, str] = {}
-        for line in out.splitlines():
-            fields = line.strip().split("|", 1)
-            if len(fields) != 2 or not re.match(r"^[0-9]+\.[0-9a-z]+$", fields[0]):
-                raise BackendError(f"unexpected squeue --steps line: {line!r}")
-            steps[fields[1]] = fields[0]
-        return steps
+        return sorted(parse_squeue_jobs(out), key=lambda j: int(j.id))
 
 
 def check_job_id(job_id: str) -> str:
@@ -142,6 +138,19 @@ def parse_sinfo_nodes(text: str) -> dict[str, NodeInfo]:
         name = validate_node_name(fields[0])
         nodes[name] = NodeInfo(name=name, address=fields[1], state=fields[2], reason=fields[3])
     return nodes
+
+
+def parse_squeue_jobs(text: str) -> list[JobInfo]:
+    """Parses ``squeue -h -o '%i|%j|%T|%N'`` (job names never contain '|': ours are checked)."""
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.strip().split("|")
+        if len(fields) != 4 or not _JOB_ID.match(fields[0]) or not re.match(r"^[A-Z_]+$", fields[2]):
+            raise BackendError(f"unexpected squeue line: {line!r}")
+        jobs.append(JobInfo(id=fields[0], name=fields[1], state=fields[2], nodelist=fields[3]))
+    return jobs
 
 
 def parse_sbatch_parsable(text: str) -> str:

@@ -1,7 +1,9 @@
-"""Fixtures for the backend tests: a real 4-node Slurm cluster on loopback, started per test."""
+"""Fixtures for the backend tests: a real 4-node Slurm cluster on loopback, started per test
+(``slurm_cluster``) or once per module (``slurm_cluster_module``, for tests that leave it as they found it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +25,8 @@ def _skip_reason() -> str | None:
     return None
 
 
-@pytest.fixture
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+@contextlib.contextmanager
+def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """Four nodes (node1..node4) on 127.0.0.1; the prolog is deploy/slurm/prolog.sh with a
     stand-in preflight that FAILs (exit 1) on the nodes listed in ``<root>/preflight-fails``
     and cannot run (exit 2) on those in ``<root>/preflight-errors``."""
@@ -56,3 +58,15 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         yield cluster
     finally:
         cluster.down()
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with _cluster(tmp_path_factory) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with _cluster(tmp_path_factory) as cluster:
+        yield cluster

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.backends.base import AttemptSpec, Backend, BackendError, attempt_env, torchrun_argv
-from controller.backends.slurm import SlurmBackend, reason_text
-from controller.backends.slurm_cli import parse_sbatch_parsable, parse_sinfo_nodes
+from controller.backends.base import AttemptSpec, BackendError, Scheduler, attempt_env, torchrun_argv
+from controller.backends.slurm import SlurmScheduler, reason_text
+from controller.backends.slurm_cli import parse_sbatch_parsable, parse_sinfo_nodes, parse_squeue_jobs
 
 
 def spec(**overrides: object) -> AttemptSpec:
@@ -81,21 +81,21 @@ def test_attempt_spec_env_is_frozen() -> None:
         s.env["A"] = "2"
 
 
-def _conforms(slurm: SlurmBackend) -> list[Backend]:
+def _conforms(slurm: SlurmScheduler) -> list[Scheduler]:
     return [slurm]  # mypy checks it against the Protocol here
 
 
-def test_backends_implement_the_protocol() -> None:
-    for cls in (SlurmBackend,):
+def test_schedulers_implement_the_protocol() -> None:
+    for cls in (SlurmScheduler,):
         missing = [
             m
-            for m in ("allocate", "launch", "stop", "status", "quarantine", "release")
+            for m in ("allocate", "request_nodes", "quarantine", "release", "check_stop_fits", "finish")
             if not callable(getattr(cls, m, None))
         ]
         assert not missing and isinstance(cls.name, str), (cls, missing)
 
 
-def test_sinfo_parsing_keeps_reasons_with_separators_and_flags_dead_nodes() -> None:
+def test_sinfo_parsing_keeps_reasons_with_separators() -> None:
     text = (
         "node1|127.0.0.1|mixed|none\n"
         "node2|127.0.0.1|mixed*|none\n"
@@ -106,7 +106,8 @@ def test_sinfo_parsing_keeps_reasons_with_separators_and_flags_dead_nodes() -> N
     nodes = parse_sinfo_nodes(text)
     assert list(nodes) == ["node1", "node2", "node3", "node4"]
     assert nodes["node3"].reason == "runwarden: xid 79 | step 12" and nodes["node3"].drained
-    assert [n for n, i in nodes.items() if i.dead] == ["node2", "node4"]
+    assert nodes["node2"].state == "mixed*" and not nodes["node2"].drained
+    assert nodes["node4"].reason == "Not responding"
 
 
 @pytest.mark.parametrize("line", ["node1|127.0.0.1|mixed", "node1|x|MIXED|none", "n;1|x|idle|none"])
@@ -122,3 +123,14 @@ def test_sbatch_parsable_and_reason_text() -> None:
         parse_sbatch_parsable("Submitted batch job 1234")
     assert reason_text("xid 79\n  at step\t9") == "runwarden: xid 79 at step 9"
     assert len(reason_text("x" * 1000)) == 200
+
+
+def test_squeue_jobs_parsing() -> None:
+    jobs = parse_squeue_jobs("12|runwarden-llm|RUNNING|node[1-3]\n13|runwarden-llm-more|PENDING|\n")
+    assert [(j.id, j.name, j.state, j.nodelist) for j in jobs] == [
+        ("12", "runwarden-llm", "RUNNING", "node[1-3]"),
+        ("13", "runwarden-llm-more", "PENDING", ""),
+    ]
+    for line in ("12|x|RUNNING", "x|y|RUNNING|n1", "12|x|running|n1"):
+        with pytest.raises(BackendError):
+            parse_squeue_jobs(line)
