@@ -7,7 +7,7 @@ gRPC server. Rules:
 
 * every request field is validated first; a bad one is INVALID_ARGUMENT with a one-line reason;
 * with TLS, the client certificate decides the role (`AccessPolicy`): read-only callers may use
-  the Get/List/Watch RPCs; QuarantineNode, ReleaseNode and RequestStop need an admin certificate
+  the Get/List/Watch RPCs; QuarantineNode, ReleaseNode, RequestStop and DrainNode need an admin certificate
   and are otherwise PERMISSION_DENIED. Plaintext is only served on loopback (demo, tests);
 * the servicer never crashes on a view failure: it becomes UNAVAILABLE / NOT_FOUND /
   FAILED_PRECONDITION / INTERNAL with a message;
@@ -276,8 +276,26 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             lambda: controller_pb2.ControllerRequestStopResponse(
                 accepted=self._view.request_stop(
                     _name(request.run, "run"),
-                    _reason(request.reason, required=False) or "operator stop",
+                    _reason(request.reason, required=False)
+                    or ("operator restart" if request.relaunch else "operator stop"),
                     caller.identity,
+                    relaunch=request.relaunch,
+                )
+            ),
+        )
+
+    def DrainNode(
+        self, request: controller_pb2.DrainNodeRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.DrainNodeResponse:
+        caller = self._admin(context, "DrainNode")
+        return self._call(
+            context,
+            lambda: controller_pb2.DrainNodeResponse(
+                draining=self._view.drain(
+                    _name(request.node, "node"),
+                    _reason(request.reason, required=not request.undo) or "drain ended",
+                    caller.identity,
+                    undo=request.undo,
                 )
             ),
         )

@@ -228,15 +228,20 @@ class StoreBackedView:
 
         return self._update_pool(node, change).state
 
-    def request_stop(self, run: str, reason: str, actor: str) -> bool:
+    def request_stop(self, run: str, reason: str, actor: str, relaunch: bool = False) -> bool:
         if run not in self._run_names():
             raise ViewNotFound(f"no run named {run!r}")
-        stop = store_pb2.StopRequest(run=run, reason=reason, requested_at=self._clock(), requested_by=actor)
+        stop = store_pb2.StopRequest(
+            run=run, reason=reason, requested_at=self._clock(), requested_by=actor, relaunch=relaunch
+        )
         try:
             self._store.put(self._keys.stop(run), stop.SerializeToString())
         except StoreError as exc:
             raise ViewUnavailable(f"etcd: {exc}") from None
         return True
+
+    def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
+        raise ViewUnavailable("draining goes through a node's agent: ask a running controller")
 
     def leader(self) -> tuple[str, int]:
         contenders = self._prefix(self._keys.election(CONTROLLER_ELECTION))

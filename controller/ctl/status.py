@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from controller.ctl.args import client_of
@@ -27,6 +28,16 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def waiting_line(r: controller_pb2.RunStatus, now: float) -> str:
+    """'waiting for 1 node from the queue for 4 min' while the run waits for nodes; else ''."""
+    if r.waiting_for_nodes <= 0 or r.waiting_since <= 0:
+        return ""
+    n = r.waiting_for_nodes
+    minutes = max(0.0, now - r.waiting_since) / 60
+    since = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+    return f"waiting for {n} node{'s' if n != 1 else ''} from the queue for {since}"
+
+
 def run(args: argparse.Namespace) -> int:
     resp = client_of(args).call("GetStatus", controller_pb2.GetStatusRequest(run=args.run))
     if args.json_out:
@@ -46,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                 str(r.restart_budget_left),
                 duration(r.since_last_progress_s) if r.since_last_progress_s >= 0 else "-",
                 str(len(r.nodes)),
-                r.reason or "-",
+                waiting_line(r, time.time()) or r.reason or "-",
             ]
         )
     leader = f"{resp.leader} (fence {resp.fence})" if resp.leader else "unknown"

@@ -1,4 +1,6 @@
-"""`controllerctl stop RUN`: ask a run to stop: finish the step, save, commit (admin)."""
+"""`controllerctl stop RUN [--relaunch]`: ask a run to stop: finish the step, save, commit (admin).
+
+With --relaunch it is a planned restart: the run comes back from that commit, nothing quarantined."""
 
 from __future__ import annotations
 
@@ -17,15 +19,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("run")
     p.add_argument("--reason", default="", help="why (time limit, drain, ...)")
+    p.add_argument(
+        "--relaunch",
+        action="store_true",
+        help="a planned restart: relaunch from the commit, quarantine nothing",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     resp = client_of(args).call(
-        "RequestStop", controller_pb2.ControllerRequestStopRequest(run=args.run, reason=args.reason)
+        "RequestStop",
+        controller_pb2.ControllerRequestStopRequest(run=args.run, reason=args.reason, relaunch=args.relaunch),
     )
+    what = "restart" if args.relaunch else "stop"
     if args.json_out:
         print_json(resp)
     else:
-        print(f"run {args.run}: stop {'requested' if resp.accepted else 'NOT accepted'}")
+        print(f"run {args.run}: {what} {'requested' if resp.accepted else 'NOT accepted'}")
     return 0 if resp.accepted else int(ExitCode.FAILED)

@@ -261,6 +261,16 @@ class AgentClients:
 
         return with_retries(once, deadline_s=timeout_s)[0]
 
+    def drain(
+        self, node: str, request: agent_pb2.DrainRequest, timeout_s: float = 5.0
+    ) -> tuple[RpcOutcome, agent_pb2.DrainResponse | None]:
+        """Drain the node (or end its drain) through its agent; the record it re-puts says the rest."""
+
+        def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.DrainResponse | None]:
+            return self._call(node, "Drain", lambda s: s.Drain(request, timeout=timeout))
+
+        return with_retries(once, deadline_s=timeout_s)
+
     def collect_dumps(
         self, node: str, request: agent_pb2.CollectFlightRecorderRequest, timeout_s: float
     ) -> tuple[RpcOutcome, agent_pb2.CollectFlightRecorderResponse | None]:

@@ -78,7 +78,9 @@ class ControllerConfig:
 
     def scheduler(self) -> Scheduler:
         """The chosen backend's scheduler (ConfigError for bad settings)."""
-        return build_scheduler(self.run.backend, self.backend_section, f"[{self.run.backend}]")
+        return build_scheduler(
+            self.run.backend, self.backend_section, f"[{self.run.backend}]", run=self.run.run
+        )
 
 
 _SECTIONS = {"store", "controller", "policy", "paging", "api_tls", "agent_tls", *BACKEND_SECTIONS}

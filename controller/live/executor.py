@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import assert_never
 
-from controller.backends.base import AttemptSpec, BackendError
+from controller.backends.base import AttemptSpec, BackendError, Scheduler, StaticFleet
 from controller.backends.local import LaunchIncomplete, LocalBackend
 from controller.live import bandwidth
 from controller.live.agents import AgentClients
@@ -96,6 +96,7 @@ class Executor:
         pager: Pager,
         translator: Translator,
         pool: ThreadPoolExecutor,
+        scheduler: Scheduler | None = None,
         post: Callable[[Event], None],
         relist: Callable[[], None],
         listeners: list[Callable[[events_pb2.Event], None]],
@@ -112,6 +113,9 @@ class Executor:
         self.pager = pager
         self.translator = translator
         self.pool = pool
+        self.scheduler: Scheduler = scheduler or StaticFleet()
+        self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
+        self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
         self.post = post  # an event for the loop's queue (RPC results, from pool threads)
         self.relist = relist  # ask the loop to list the store and send a Snapshot
         self.listeners = listeners
@@ -177,10 +181,18 @@ class Executor:
                 self._persist_checkpoint(action)
             case Page():
                 self.pager.page(action.reason, action.severity)
-            case Quarantine() | Release() | TakeSpare() | AllocateFromQueue():
-                # Pool state is persisted by PersistNode; the local fleet has no scheduler to tell.
-                # A scheduler backend (Slurm drain, Kubernetes taint) hooks in here.
-                log.info("%s", action)
+            case Quarantine():
+                # The pool state is persisted by PersistNode; the scheduler keeps the node out of its
+                # own placements too (a Slurm drain, a Kubernetes taint, off the Ray placement).
+                self.kept_out.add(action.node)
+                self._submit(self._tell_scheduler, action, "quarantine", action.node, action.reason)
+            case Release():
+                self.kept_out.discard(action.node)
+                self._submit(self._tell_scheduler, action, "release", action.node)
+            case AllocateFromQueue():
+                self._submit(self._request_nodes, action, tuple(sorted(self.kept_out)))
+            case TakeSpare():
+                log.info("%s", action)  # the spare is already ours: inside the allocation
             case _:
                 assert_never(action)
         return []
@@ -195,6 +207,34 @@ class Executor:
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
         self.pool.submit(guarded)
+
+    # -- the scheduler ---------------------------------------------------------------------------
+
+    def _tell_scheduler(self, action: Quarantine | Release, what: str, *args: str) -> None:
+        try:
+            done = getattr(self.scheduler, what)(*args)
+        except BackendError as exc:
+            self.post(
+                ActionFailed(
+                    action=action,
+                    temporary=True,
+                    node=action.node,
+                    reason=f"{what} via {self.scheduler.name}: {exc}",
+                )
+            )
+            return
+        if what == "release" and done is False:
+            log.warning("%s: %s holds it (not runwarden): left as it is", action.node, self.scheduler.name)
+
+    def _request_nodes(self, action: AllocateFromQueue, exclude: tuple[str, ...]) -> None:
+        try:
+            req = self.scheduler.request_nodes(action.count, exclude=exclude, reason=action.reason)
+        except BackendError as exc:
+            self.post(
+                ActionFailed(action=action, temporary=True, reason=f"queue via {self.scheduler.name}: {exc}")
+            )
+            return
+        log.info("asked %s's queue for %d node(s): %s", self.scheduler.name, req.count, req.id)
 
     # -- launch --------------------------------------------------------------------------------
 
@@ -213,6 +253,11 @@ class Executor:
                 leader_fence=fence,
             )
         except BackendError as exc:
+            return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]
+        try:
+            self.scheduler.check_stop_fits(self.save_commit_s)
+        except BackendError as exc:
+            self.pager.page(f"attempt {action.attempt} not launched: {exc}", "critical")
             return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]
         record = store_pb2.AttemptRecord(
             run=action.run,
@@ -375,6 +420,7 @@ class Executor:
     # -- the store -----------------------------------------------------------------------------
 
     def _persist_checkpoint(self, action: PersistCheckpoint) -> None:
+        self.save_commit_s = max(self.save_commit_s, action.save_duration_s)
         rec = store_pb2.CheckpointCommit(
             run=self.s.run,
             step=action.step,

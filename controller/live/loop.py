@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from controller.backends.base import BackendError, RunOutcome, Scheduler, StaticFleet
 from controller.backends.local import LocalBackend, LocalConfig
 from controller.live.agents import AgentClients
 from controller.live.executor import Executor, RunSettings
@@ -76,6 +77,7 @@ class ShellConfig:
     env: tuple[tuple[str, str], ...] = ()
     procs_per_node: int = 1
     dump_timeout_s: float = 3.0
+    spares: int = 0  # allocated beyond the run's nodes (the scheduler's `allocate`)
 
     @property
     def event_log_path(self) -> Path:
@@ -151,6 +153,15 @@ _PHASES = {
 }
 
 
+# The run's end, as the scheduler is told and `controller run --exit-when-done` exits.
+_OUTCOMES = {
+    "COMPLETED": RunOutcome.COMPLETED,
+    "STOPPED": RunOutcome.STOPPED,
+    "CRASH_LOOP": RunOutcome.FAILED,
+    "BUDGET_EXHAUSTED": RunOutcome.FAILED,
+}
+
+
 class LiveController:
     """Runs one controller process: campaign, reconcile, then drive the core until stopped."""
 
@@ -163,6 +174,7 @@ class LiveController:
         agents: AgentClients | None = None,
         pager: Pager | None = None,
         backend: LocalBackend | None = None,
+        scheduler: Scheduler | None = None,
         eventlog_factory: Callable[[Path], EventLog] = EventLog,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -181,6 +193,10 @@ class LiveController:
             LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s),
         )
         self.pager = pager or Pager()
+        self.scheduler: Scheduler = scheduler or StaticFleet()
+        self.outcome: RunOutcome | None = None  # set once the run is over (and the scheduler told)
+        self.done = threading.Event()  # the run is over: `controller run --exit-when-done` exits
+        self._allocated = False
         self._eventlog_factory = eventlog_factory
         self.clock = clock
         self.events: queue.Queue[Item] = queue.Queue()
@@ -290,6 +306,7 @@ class LiveController:
             pager=self.pager,
             translator=self.translator,
             pool=self.pool,
+            scheduler=self.scheduler,
             post=lambda ev: self.events.put(ev),
             relist=lambda: self.events.put(_Relist()),
             listeners=self.listeners,
@@ -303,9 +320,43 @@ class LiveController:
         self._adopted = (attempt, time.monotonic()) if attempt else None
         self._start_watches(revision + 1)
         self.is_leader.set()
+        if not self._allocated:
+            self.pool.submit(self._allocate)
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
+
+    def _allocate(self) -> None:
+        """The leader holds the run's machines (once per process: `allocate` adopts an allocation an
+        earlier leader made, so a takeover never holds two)."""
+        try:
+            got = self.scheduler.allocate(self.nodes, self.cfg.spares)
+        except BackendError as exc:
+            log.error(
+                "allocating %d + %d nodes via %s failed: %s",
+                self.nodes,
+                self.cfg.spares,
+                self.scheduler.name,
+                exc,
+            )
+            self.pager.page(f"{self.cfg.run}: allocation via {self.scheduler.name} failed: {exc}", "critical")
+            return
+        except Exception:
+            log.exception("allocate via %s failed", self.scheduler.name)
+            return
+        self._allocated = True
+        if got.nodes:
+            log.info("allocation %s via %s: %s", got.id, self.scheduler.name, ", ".join(got.nodes))
+
+    def _finish(self, outcome: RunOutcome) -> None:
+        try:
+            self.scheduler.finish(outcome)
+        except BackendError as exc:
+            log.error("giving the allocation back via %s failed: %s", self.scheduler.name, exc)
+        except Exception:
+            log.exception("finish via %s failed", self.scheduler.name)
+        finally:
+            self.done.set()
 
     def _certain(self) -> bool:
         """Whether this leader may still act: its lease is certainly alive for a while longer.
@@ -415,7 +466,13 @@ class LiveController:
             nodes=list(st.nodes),
             rendezvous_id=st.rendezvous_id,
             reason=st.failure or st.state.value,
+            waiting_for_nodes=st.waiting_for_nodes,
+            waiting_since=st.waiting_since or 0.0,
         )
+        outcome = _OUTCOMES.get(st.state.name)
+        if outcome is not None and self.outcome is None:
+            self.outcome = outcome
+            self.pool.submit(self._finish, outcome)
 
     def pool_state(self, node: str) -> common_pb2.PoolState.ValueType:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None

@@ -6,7 +6,13 @@ It campaigns for leadership in etcd (a standby waits), rebuilds its view from et
 the run; the Controller gRPC API (for `controllerctl`) is served by every replica, and a standby
 answers reads from etcd. SIGTERM/SIGINT stop it cleanly.
 
-Exit codes: 0 stopped cleanly, 2 bad config or etcd unreachable at start.
+`[controller] backend` says who places the node agents (agents, slurm, ray, kubernetes); the leader
+allocates through it and gives the allocation back when the run is over.
+
+Exit codes: 0 stopped cleanly (by a signal) or the run completed, 2 bad config or etcd unreachable
+at start. With --exit-when-done the controller exits when the run is over, with the exit code
+contract of controller/backends/base.py (a batch script reads it): 0 completed, 75 stopped cleanly
+and resumable from its commit (requeue), 3 failed: crash loop or restart budget spent (do not requeue).
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--identity", help="this replica's name in the election")
     run.add_argument("--metrics", help="Prometheus /metrics address (host:port; '' = off)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="exit when the run is over: 0 completed, 75 stopped (requeue), 3 failed (do not requeue)",
+    )
     return parser
 
 
@@ -62,6 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["controller.metrics_address"] = args.metrics
     try:
         cfg = load_controller_config(args.config, overrides)
+        scheduler = cfg.scheduler()
     except ConfigError as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
@@ -79,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         "tick_s": run.tick_s,
         "env": tuple(sorted(run.env.items())),
         "procs_per_node": run.procs_per_node,
+        "spares": run.spares,
     }
     if run.identity:
         shell_kwargs["identity"] = run.identity
@@ -90,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         lambda: Supervisor(cfg.policy, RunPlan(run=run.run, nodes=run.nodes)),
         agents=AgentClients(cfg.agent_tls),
         pager=Pager(cfg.paging),
+        scheduler=scheduler,
     )
     tls = None
     if cfg.api_tls is not None:
@@ -125,10 +139,16 @@ def _run(args: argparse.Namespace) -> int:
     worker = threading.Thread(target=shell.run, name="supervisor", daemon=True)
     worker.start()
     while not done.is_set() and worker.is_alive():
+        if args.exit_when_done and shell.done.is_set():
+            break
         done.wait(0.5)
     shell.close()
     server.stop(grace=1.0)
     store.close()
+    if args.exit_when_done and shell.outcome is not None:
+        code = shell.outcome.exit_code
+        logging.getLogger("controller").info("the run is over (%s): exit %d", shell.outcome.value, code)
+        return code
     return 0
 
 

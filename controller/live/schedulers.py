@@ -6,6 +6,7 @@ when it is chosen, so a controller host without the `kubernetes` or `ray` packag
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from controller.backends.base import BackendError, Scheduler, StaticFleet
@@ -27,8 +28,10 @@ def check_backend(name: str) -> str:
     return name
 
 
-def build_scheduler(name: str, section: dict[str, Any], where: str) -> Scheduler:
-    """The chosen backend's scheduler from its section (ConfigError for a bad one)."""
+def build_scheduler(name: str, section: dict[str, Any], where: str, *, run: str = "") -> Scheduler:
+    """The chosen backend's scheduler from its section (ConfigError for a bad one). ``run`` is the
+    controller's run name: a backend that names things after the run (JobSets, Slurm jobs, Ray
+    placement groups) takes it as its default instead of a second copy in its section."""
     target = BACKENDS[check_backend(name)]
     if target is None:
         if section:
@@ -38,11 +41,16 @@ def build_scheduler(name: str, section: dict[str, Any], where: str) -> Scheduler
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{where}: backend {name!r} needs {exc.name or exc}: install the {name} extra") from None
+        raise ConfigError(
+            f"{where}: backend {name!r} needs {exc.name or exc}: install the {name} extra"
+        ) from None
+    factory = getattr(module, cls_name).from_section
+    kwargs = {"run": run} if run and "run" in inspect.signature(factory).parameters else {}
     try:
-        scheduler = getattr(module, cls_name).from_section(dict(section), where)
+        scheduler = factory(dict(section), where, **kwargs)
     except BackendError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        message = str(exc)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
     if not isinstance(scheduler, Scheduler):
         raise ConfigError(f"{where}: {cls_name} does not implement the Scheduler protocol")
     return scheduler

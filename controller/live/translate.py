@@ -23,6 +23,7 @@ from controller.supervisor.events import (
     CheckpointFailed,
     Event,
     EvidenceObserved,
+    NodeDraining,
     NodeJoined,
     NodeLost,
     NodeRecordView,
@@ -93,11 +94,14 @@ class Translator:
         with self._lock:
             alive: dict[str, int] = {}
             addresses: dict[str, str] = {}
+            draining: dict[str, str] = {}
             for kv in listing.nodes:
                 rec = _try(store_pb2.NodeRecord, kv.value)
                 if rec is None or not rec.node:
                     continue
                 self.known_nodes[rec.node] = rec
+                if why := _drain_reason(rec):
+                    draining[rec.node] = why
                 addresses[rec.node] = rec.address
                 alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
             reps = {
@@ -151,6 +155,7 @@ class Translator:
                 resume_step=attempt.resume_step if attempt else -1,
                 committed_steps=committed,
                 stop_requested=stop,
+                draining=draining,
             )
         return snap, Addresses(set=addresses), exits, attempt
 
@@ -183,13 +188,19 @@ class Translator:
             self.known_nodes.pop(node, None)
             return [NodeLost(node=node)], Addresses(forget=(node,))
         rec = parse(store_pb2.NodeRecord, value, f"node {node}")
-        fresh = node not in self.known_nodes
-        joined = NodeJoined(node=node, local_ranks=max(1, rec.local_ranks or 1)) if fresh else None
+        prev = self.known_nodes.get(node)
+        fresh = prev is None
+        out: list[Event] = []
+        if fresh:
+            out.append(NodeJoined(node=node, local_ranks=max(1, rec.local_ranks or 1)))
+        why, was = _drain_reason(rec), _drain_reason(prev) if prev is not None else ""
+        if why != was:
+            out.append(NodeDraining(node=node, reason=why))
         self.known_nodes[node] = rec
         # A re-registered agent gets a new channel: the old one may sit in gRPC's reconnect backoff
         # after the agent died and fail the next RPC (its burn-in) at once.
         addresses = Addresses(set={node: rec.address}, forget=(node,) if fresh else ())
-        return ([joined] if joined is not None else []), addresses
+        return out, addresses
 
     def _progress(self, prog: store_pb2.NodeProgress) -> list[Event]:
         out: list[Event] = []
@@ -239,6 +250,7 @@ class Translator:
             signal=e.signal if e.HasField("signal") else None,
             ended_at=e.ended_at or None,
             detail=e.detail,
+            planned_stop=_text(e.planned_stop),
         )
         self.exited.add((prog.node, prog.attempt))
         return [ev]
@@ -288,3 +300,19 @@ def _try(cls: type[_M], data: bytes) -> _M | None:
         return parse(cls, data)
     except ValueError:
         return None
+
+
+_MAX_TEXT = 500
+
+
+def _text(value: str) -> str:
+    """A reason from outside (an agent's record), as one printable line of bounded length."""
+    line = "".join(c if c.isprintable() else " " for c in value).strip()
+    return line[:_MAX_TEXT]
+
+
+def _drain_reason(rec: store_pb2.NodeRecord) -> str:
+    """Why the node drains ("" when it does not): its agent's state says DRAINING."""
+    if rec.state != common_pb2.NODE_STATE_DRAINING:
+        return ""
+    return _text(rec.drain_reason) or "draining (no reason given)"

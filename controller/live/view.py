@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from controller.api.store_view import StoreBackedView
 from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
 from controller.supervisor.events import OperatorQuarantine, OperatorRelease
-from runwarden.v1 import common_pb2, controller_pb2
+from runwarden.v1 import agent_pb2, common_pb2, controller_pb2
 
 if TYPE_CHECKING:
     from controller.live.loop import LiveController
@@ -64,3 +64,14 @@ class LiveView(StoreBackedView):
         if before in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED):
             raise ViewRefused(f"node {node!r} is not quarantined or held; nothing to release")
         return self._operator(OperatorRelease(node=node, reason=f"released by operator {actor}: {reason}"))
+
+    def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
+        """Through the node's agent: its record then says DRAINING (or not) and the core follows it,
+        the same path as a SIGTERM to that agent."""
+        if node not in self._shell.translator.known_nodes:
+            raise ViewNotFound(f"no node named {node!r} is registered")
+        why = "" if undo else f"operator {actor}: {reason}"
+        out, resp = self._shell.agents.drain(node, agent_pb2.DrainRequest(reason=why, undo=undo))
+        if not out.ok or resp is None:
+            raise ViewUnavailable(f"node {node!r}: its agent did not answer the drain ({out.error})")
+        return bool(resp.draining)
