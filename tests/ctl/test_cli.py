@@ -128,6 +128,25 @@ def test_quarantine_release_stop_write_etcd(live: LiveController, capsys: pytest
     assert stop.reason == "drain for maintenance" and stop.requested_by.startswith("ipv4:127.0.0.1")
     rc, out, _ = ctl(capsys, live, "status", "--json")
     assert json.loads(out)["runs"][0]["phase"] == "RUN_PHASE_STOPPING"
+    rc, out, _ = ctl(capsys, live, "stop", RUN, "--relaunch")
+    assert rc == 0 and "restart requested" in out
+    stop = store_pb2.StopRequest.FromString(live.store.get(k.stop(RUN)).value)
+    assert stop.relaunch and stop.reason == "operator restart"
+    rc, _, err = ctl(capsys, live, "drain", "n1")
+    assert rc == 2 and "--reason" in err
+    # A store-backed view has no agents to ask; the live controller's drain is tested end to end.
+    rc, _, err = ctl(capsys, live, "drain", "n1", "--reason", "firmware update")
+    assert rc != 0 and "running controller" in err
+
+
+def test_status_says_how_long_the_run_waits_for_nodes() -> None:
+    from controller.ctl.status import waiting_line
+
+    r = controller_pb2.RunStatus(run=RUN, waiting_for_nodes=1, waiting_since=1000.0)
+    assert waiting_line(r, 1000.0 + 4 * 60 + 10) == "waiting for 1 node from the queue for 4 min"
+    r.waiting_for_nodes = 2
+    assert waiting_line(r, 1030.0) == "waiting for 2 nodes from the queue for 30 s"
+    assert waiting_line(controller_pb2.RunStatus(run=RUN), 1030.0) == ""
 
 
 def test_goodput_online_matches_offline(
