@@ -65,7 +65,7 @@ _ENDED = frozenset(
 class SlurmConfig:
     """The controller config's ``[slurm]`` table (unknown keys refused)."""
 
-    job_name: str = "runwarden"  # the run's allocations: <job_name> and <job_name>-more
+    job_name: str = "runwarden"  # the run's jobs: <job_name>, <job_name>-more; default runwarden-<run>
     # What every agent gets (the agent's own config holds the rest: listen, TLS, preflight, ...).
     agent_config: str = ""  # --config FILE, a path valid on every node ("" = none)
     etcd_endpoints: tuple[str, ...] = ()  # --etcd, repeated (empty: the agent config's own)
@@ -135,7 +135,11 @@ class SlurmScheduler:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_section(cls, raw: dict[str, Any], where: str) -> SlurmScheduler:
+    def from_section(cls, raw: dict[str, Any], where: str, *, run: str = "") -> SlurmScheduler:
+        """The `[slurm]` table; ``run`` (the controller's run name) makes the default job name
+        ``runwarden-<run>``, so two runs on one cluster never adopt each other's allocation."""
+        if run and "job_name" not in raw:
+            raw = {**raw, "job_name": f"runwarden-{run}"}
         try:
             config = load_section(SlurmConfig, raw, where)
         except ConfigError as exc:

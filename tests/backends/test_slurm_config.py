@@ -40,9 +40,12 @@ def test_bad_sections_are_refused(section: dict, message: str) -> None:
         SlurmScheduler.from_section(section, "[slurm]")
 
 
-def test_the_live_shell_builds_it_from_its_section() -> None:
-    scheduler = build_scheduler("slurm", {"job_name": "runwarden-llm"}, "[slurm]")
+def test_the_live_shell_builds_it_from_its_section_with_the_run_name() -> None:
+    scheduler = build_scheduler("slurm", {}, "[slurm]", run="llm")
     assert isinstance(scheduler, SlurmScheduler)
+    assert scheduler.config.job_name == "runwarden-llm"
+    named = build_scheduler("slurm", {"job_name": "mine"}, "[slurm]", run="llm")
+    assert isinstance(named, SlurmScheduler) and named.config.job_name == "mine"
     with pytest.raises(ConfigError, match=r"\[slurm\].*unknown key"):
         build_scheduler("slurm", {"partitoin": "gpu"}, "[slurm]")
 
@@ -58,3 +61,19 @@ def test_check_stop_fits_compares_the_save_with_slurms_notice() -> None:
     with pytest.raises(BackendError, match="GraceTime of 60s"):
         graced.check_stop_fits(61.0)
     SlurmScheduler.from_section({"signal_lead_s": 0}, "[slurm]").check_stop_fits(1e6)  # no signal: unchecked
+
+
+def test_the_slurm_section_in_deploy_readme_loads() -> None:
+    """deploy/README.md's example `[slurm]` table is a section SlurmScheduler accepts."""
+    import tomllib
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "deploy" / "README.md").read_text()
+    block = text.split("    [controller]\n", 1)[1].split("\n\nOther keys", 1)[0]
+    raw = tomllib.loads(
+        "[controller]\n" + "\n".join(line.removeprefix("    ") for line in block.splitlines())
+    )
+    assert raw["controller"]["backend"] == "slurm"
+    scheduler = SlurmScheduler.from_section(raw["slurm"], "deploy/README.md [slurm]")
+    assert scheduler.config.etcd_endpoints == ("etcd1:2379", "etcd2:2379", "etcd3:2379")
+    assert scheduler.config.sbatch_args == ("--gres=gpu:8", "--account=ml")
