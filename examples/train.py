@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = torch.tensor([1 if reporter.stop_requested() else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
+        if stop and not reporter.stop_reason:
+            reporter.stopping("a peer rank's stop request")  # so this node's exit is a planned stop too
         t4 = time.perf_counter()
         # Time in the collectives counts as waiting: a rank slow before them shows high compute and low
         # wait, its peers the reverse. Everything between the previous step's end and the backward pass

@@ -3,6 +3,11 @@
 Threads: the gRPC server's pool; `ticker` (progress flush every interval, sd_notify watchdog,
 node record refresh); liveness; evidence writer; monitors; one reaper per launched worker.
 The watchdog is pinged from the ticker, so a wedged ticker makes systemd restart the agent.
+
+Draining (`drain`: the Drain RPC, SIGUSR1, SIGTERM): the node record says NODE_STATE_DRAINING with
+the reason and new launches are refused; the running attempt is the controller's to end with a
+planned stop. `leave` is the SIGTERM path: drain, hand the attempt over, exit once the workers are
+gone (see its docstring).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,12 +126,16 @@ class Agent:
         self.launched_at: dict[str, float] = {}
         self._ticker: threading.Thread | None = None
         self._state_changed = threading.Event()
+        self.drain_reason = ""  # "" = not draining
+        self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
 
     # --- state ---------------------------------------------------------------------------------
 
     def node_state(self) -> common_pb2.NodeState.ValueType:
         if self.unhealthy:
             return common_pb2.NODE_STATE_UNHEALTHY
+        if self.drain_reason:
+            return common_pb2.NODE_STATE_DRAINING
         if self.preflight_running.locked():
             return common_pb2.NODE_STATE_PREFLIGHT
         if any(w.running for w in self.launcher.workers()):
@@ -143,6 +153,7 @@ class Agent:
             local_ranks=self.local_ranks,
             rdzv_port=self.rdzv_port,
             torch_host=torchrun.torch_host(self.config.advertised_host),
+            drain_reason=self.drain_reason,
         )
         if self.last_preflight is not None:
             record.last_preflight.CopyFrom(self.last_preflight)
@@ -171,14 +182,99 @@ class Agent:
             self.unhealthy = True
             self.state_changed()
 
-    def set_stop(self, run: str, reason: str) -> None:
+    # --- draining --------------------------------------------------------------------------------
+
+    def drain(self, reason: str) -> None:
+        """Take the node out of service: the record says DRAINING with `reason` (re-put at once),
+        launches are refused. The running attempt keeps running until the controller (or `leave`)
+        stops it. A later drain replaces the reason."""
+        reason = reason or "drain requested (no reason given)"
         with self.lock:
-            self.stops[run] = StopState(reason=reason, requested_at=time.time())
+            changed = reason != self.drain_reason
+            self.drain_reason = reason
+        if changed:
+            log.warning("node %s is draining: %s", self.config.node, reason)
+            self.state_changed()
+
+    def undrain(self) -> None:
+        """Back in service (an operator's undo); refused by the caller while the agent is leaving."""
+        with self.lock:
+            was, self.drain_reason = self.drain_reason, ""
+        if was:
+            log.warning("node %s is back in service (was draining: %s)", self.config.node, was)
+            self.state_changed()
+
+    def leave(self, reason: str, *, wait: Callable[[float], bool]) -> None:
+        """SIGTERM to the agent (`systemctl stop`, Kubernetes, scancel): drain with `reason`, then
+        wait for the controller to end the running attempt with a planned stop (its RequestStop or
+        the run's stop key: the ranks finish the step, save, commit and exit 0). A run with no stop
+        request after `drain_handoff_s` (no controller, say) gets one from the agent itself, so its
+        ranks still save and exit 0. Workers still running after `drain_timeout_s` are stopped hard
+        (TERM, KILL after stop_grace_s). Returns once no worker runs and every exit is in etcd.
+
+        `wait(t)` waits up to t seconds and returns True to stop hard at once (a second SIGTERM, a
+        SIGINT). The planned path never signals torchrun itself: torchrun exits 1 after a SIGTERM
+        even when every rank exited 0 (see nodeagent.launcher)."""
+        cfg = self.config
+        self.leaving = True
+        self.drain(reason)
+        self.notifier.stopping()
+        self.notifier.extend_timeout(cfg.drain_timeout_s + cfg.stop_grace_s + 30)
+        start = time.monotonic()
+        handoff_at, deadline = start + cfg.drain_handoff_s, start + cfg.drain_timeout_s
+        asked: set[str] = set()
+        hurry = False
+        while True:
+            running = sorted({w.run for w in self.launcher.workers() if w.running})
+            if not running:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= handoff_at:
+                for run in running:
+                    if run not in self.stops and run not in asked:
+                        asked.add(run)
+                        log.warning(
+                            "run %s: no stop request within %.0f s of draining; asking its ranks to stop",
+                            run,
+                            cfg.drain_handoff_s,
+                        )
+                        self.set_stop(
+                            run,
+                            f"{reason}: no stop request from the controller within {cfg.drain_handoff_s:g} s",
+                        )
+            if wait(min(0.1, max(0.0, (handoff_at if now < handoff_at else deadline) - now))):
+                hurry = True
+                break
+        if any(w.running for w in self.launcher.workers()):
+            log.error(
+                "stopping the workers hard (%s): TERM, KILL after %.1f s",
+                "asked to hurry"
+                if hurry
+                else f"still running {cfg.drain_timeout_s:g} s after the drain began",
+                cfg.stop_grace_s,
+            )
+            self.launcher.stop_all(cfg.stop_grace_s)
+        self.wait_exits_recorded()
+
+    def wait_exits_recorded(self, timeout_s: float = 10.0) -> None:
+        """Until the exit of every ended worker went through its callback (the progress put)."""
+        deadline = time.monotonic() + timeout_s
+        for w in self.launcher.workers():
+            if not w.running:
+                w.reaped.wait(max(0.0, deadline - time.monotonic()))
+
+    def set_stop(self, run: str, reason: str) -> None:
+        """The stop file (with the reason) first, then the flag the ranks' reports are answered
+        with: a rank that sees the flag finds the reason in the file."""
         path = self.config.stop_file(run)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(".stop.tmp")
         tmp.write_text(reason + "\n")
         os.replace(tmp, path)
+        with self.lock:
+            self.stops[run] = StopState(reason=reason, requested_at=time.time())
 
     def clear_stop(self, run: str) -> None:
         with self.lock:
@@ -279,10 +375,12 @@ class Agent:
     def stop(self, *, stop_workers: bool = True) -> None:
         self.notifier.stopping()
         self._closed.set()
+        self._state_changed.set()  # wakes the ticker
         if self._ticker is not None:
             self._ticker.join(timeout=5)
         if stop_workers:
             self.launcher.stop_all(self.config.stop_grace_s)
+            self.wait_exits_recorded()
         for watch in list(self._stop_watches.values()):
             if watch is not None:
                 watch.cancel()
@@ -347,7 +445,11 @@ class Agent:
         period = min(interval, watchdog) if watchdog else interval
         next_flush = time.monotonic() + interval
         was_running = False
-        while not self._closed.wait(max(0.0, min(period, next_flush - time.monotonic()))):
+        while True:
+            # state_changed wakes the ticker at once: a drain is in the node record within one put
+            self._state_changed.wait(max(0.0, min(period, next_flush - time.monotonic())))
+            if self._closed.is_set():
+                return
             now = time.monotonic()
             if now >= next_flush:
                 self.flush_progress()
@@ -358,8 +460,9 @@ class Agent:
                 self._state_changed.set()
             if self.registration is not None:
                 self.registration.last_heartbeat_at()  # samples the keeper's refresh count
-            if self._state_changed.is_set() and self.registration is not None:
+            if self._state_changed.is_set():
                 self._state_changed.clear()
-                self.registration.update()
+                if self.registration is not None:
+                    self.registration.update()
             if watchdog:
                 self.notifier.watchdog()

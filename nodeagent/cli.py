@@ -4,6 +4,15 @@
 
 Precedence: TOML file < RUNWARDEN_AGENT_* environment < flags. Exit codes: 0 after SIGTERM/SIGINT,
 2 for a config error, 1 when the agent cannot start (e.g. etcd unreachable, port taken).
+
+Signals:
+  SIGTERM  `systemctl stop`, Kubernetes, scancel: drain ("agent stopping (SIGTERM)"), leave the
+           running attempt time for a planned stop (Agent.leave: the controller's, or after
+           drain_handoff_s the agent's own), exit once the workers are gone, revoking the lease.
+           A second SIGTERM stops the workers hard at once.
+  SIGUSR1  a scheduler's notice (Slurm's --signal=USR1@300 to the job's steps): drain and keep
+           running; the controller moves the run off this node, the scheduler ends the agent.
+  SIGINT   stop the workers (TERM, KILL after stop_grace_s) and exit now.
 """
 
 from __future__ import annotations
@@ -11,15 +20,53 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
+import socket
 import sys
-import threading
 from typing import Any
 
 from nodeagent import config as config_mod
 from runwarden.config import ConfigError
 
 log = logging.getLogger("nodeagent")
+SIGTERM_REASON = "agent stopping (SIGTERM)"
+SIGUSR1_REASON = "scheduler notice (SIGUSR1): this node leaves soon"
+
+
+class SignalInbox:
+    """The main thread's signals, taken out of signal context: the handlers only note the number
+    and `signal.set_wakeup_fd` wakes `wait` (no lock is ever taken inside a handler)."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._got: list[int] = []
+        signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        for sig in signals:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self._got.append(signum)
+
+    def wait(self, timeout_s: float | None) -> list[int]:
+        """The signals that arrived, waiting up to `timeout_s` (None: until one does)."""
+        if not self._got:
+            select.select([self._r], [], [], timeout_s)
+        try:
+            while self._r.recv(512):
+                pass
+        except OSError:
+            pass
+        got = self._got[:]
+        del self._got[: len(got)]
+        return got
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        self._r.close()
+        self._w.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from nodeagent.agent import Agent
     from nodeagent.server import AgentServer
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGUSR1))
     try:
         store = make_store(cfg)
         agent = Agent(cfg, store=store, nvml=make_nvml() if cfg.nvml_interval_s > 0 else None)
@@ -163,12 +208,26 @@ def main(argv: list[str] | None = None) -> int:
         os.getpid(),
     )
     agent.ready()
-    stop.wait()
+    while True:
+        got = inbox.wait(None)
+        if signal.SIGINT in got:
+            log.info("SIGINT: stopping the workers now")
+            break
+        if signal.SIGTERM in got:
+            log.info("SIGTERM: draining; waiting for a planned stop of the running attempt")
+            agent.leave(
+                SIGTERM_REASON,
+                wait=lambda t: bool({signal.SIGTERM, signal.SIGINT} & set(inbox.wait(t))),
+            )
+            break
+        if signal.SIGUSR1 in got:
+            agent.drain(SIGUSR1_REASON)
     log.info("shutting down: stopping workers, revoking the lease")
     server.stop()
     agent.stop()
     if store is not None:
         store.close()
+    inbox.close()
     return 0
 
 

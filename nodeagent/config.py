@@ -22,6 +22,15 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
     metrics_listen            "host:port" for Prometheus /metrics ("" = off)
     run_dir                   stop files and flight-recorder sockets live under here
     stop_grace_s              default TERM -> KILL grace for StopWorkers
+    drain_handoff_s           after a SIGTERM to the agent (`systemctl stop`, Kubernetes, scancel):
+                              how long the agent, now draining, waits for the controller to end
+                              the running attempt with a planned stop before it asks its own ranks
+                              to stop (finish the step, save, commit, exit 0); default 15, 0..3600
+    drain_timeout_s           after a SIGTERM to the agent: how long it waits for its workers to
+                              end before it stops them hard (TERM, KILL after stop_grace_s) and
+                              exits; default 300, drain_handoff_s..86400. A supervisor's stop
+                              timeout must exceed it plus stop_grace_s (the agent asks systemd for
+                              that much with EXTEND_TIMEOUT_USEC)
     flight_recorder_timeout_s default per-rank timeout of CollectFlightRecorder
     fr_buffer_size            TORCH_FR_BUFFER_SIZE given to launched workers
     max_message_bytes         gRPC send/receive limit
@@ -91,6 +100,8 @@ class AgentConfig:
     metrics_listen: str = "127.0.0.1:9400"
     run_dir: str = "/run/runwarden"
     stop_grace_s: float = 30.0
+    drain_handoff_s: float = 15.0
+    drain_timeout_s: float = 300.0
     flight_recorder_timeout_s: float = 5.0
     fr_buffer_size: int = 2000
     max_message_bytes: int = 16 * 1024 * 1024
@@ -140,6 +151,15 @@ class AgentConfig:
         ):
             raise ConfigError(
                 f"{where}: nvml_interval_s, stop_grace_s, fr_buffer_size, local_ranks must be >= 0"
+            )
+        if not 0 <= self.drain_handoff_s <= 3600:
+            raise ConfigError(
+                f"{where}.drain_handoff_s: must be within 0..3600, got {self.drain_handoff_s!r}"
+            )
+        if not self.drain_handoff_s <= self.drain_timeout_s <= 86400 or self.drain_timeout_s <= 0:
+            raise ConfigError(
+                f"{where}.drain_timeout_s: must be > 0 and within drain_handoff_s "
+                f"({self.drain_handoff_s:g})..86400, got {self.drain_timeout_s!r}"
             )
         if self.kernel_log not in KERNEL_LOG_SOURCES:
             raise ConfigError(

@@ -6,6 +6,20 @@ requires (rendezvous id per attempt, NCCL async error handling and dump on timeo
 recorder's buffer size, the stop file, the agent's socket). Only executables allowed by config
 may be started. Stopping sends SIGTERM to the whole tree, then SIGKILL after the grace period,
 and rescans /proc until no process of the tree is left.
+
+torchrun and SIGTERM (measured with torch 2.13): a SIGTERM to torchrun is forwarded at once to
+every rank, torchrun then waits up to its shutdown timeout (`--shutdown-timeout`, else
+$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) and SIGKILLs the ranks still alive, and it exits 1
+(its SignalException is re-raised) even when every rank saved, committed and exited 0. So:
+
+* a planned stop never signals torchrun: the agent raises the run's stop flag (the stop file and
+  the answer to the ranks' reports), the ranks finish the step, save, commit and exit 0, and
+  torchrun exits 0 with them;
+* a hard stop (StopWorkers, self-fencing, the end of a drain) TERMs the whole tree, ranks
+  included; a rank whose reporter turns SIGTERM into a stop request still saves if it can, and
+  the agent alone decides when the grace is over: workers get
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT = TORCHRUN_SHUTDOWN_TIMEOUT_S (unless the environment or the
+  controller's env sets it), so torchrun's own 30 s never cuts a longer grace short.
 """
 
 from __future__ import annotations
@@ -29,6 +43,9 @@ log = logging.getLogger(__name__)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TRACK_INTERVAL_S = 1.0
 PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "WATCHDOG_", "RUNWARDEN_AGENT_", "LISTEN_")
+# The longest grace a StopWorkers may ask for (validate: grace_s <= 3600): torchrun waits at least
+# that long for its ranks after a TERM, the agent's KILL ends the wait.
+TORCHRUN_SHUTDOWN_TIMEOUT_S = 3600
 
 
 class LaunchError(Exception):
@@ -82,6 +99,7 @@ class Worker:
     exit: ExitInfo | None = None
     stopping: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    reaped: threading.Event = field(default_factory=threading.Event)  # after the exit callback
     seen: set[int] = field(default_factory=set)  # every pid ever found in the tree
 
     def track(self) -> list[proctree.ProcInfo]:
@@ -116,6 +134,7 @@ def worker_env(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
             "TORCH_FR_BUFFER_SIZE": str(spec.fr_buffer_size),
         }
     )
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(TORCHRUN_SHUTDOWN_TIMEOUT_S))
     return env
 
 
@@ -196,6 +215,7 @@ class Launcher:
                 self._on_exit(worker)
             except Exception:
                 log.exception("exit callback failed for %s attempt %d", worker.run, worker.attempt)
+        worker.reaped.set()
 
     def workers(self, run: str | None = None) -> list[Worker]:
         with self._lock:

@@ -8,6 +8,9 @@ When the node's workers of an attempt end, `record_exit` adds their exit status 
 NodeProgress (the controller's only source of worker exits); the agent flushes it at once, and
 likewise the first report in which a rank says its checkpoint is loaded (`loaded_step`), so the
 restart's load phase ends in the event log when it ends on the node, not up to an interval later.
+An exit after which any rank of that attempt had reported a `stop_reason` carries it as
+`planned_stop`: how the controller tells a planned stop (save, commit, exit 0) from the end of
+training, which also exits 0.
 """
 
 from __future__ import annotations
@@ -62,10 +65,17 @@ class ProgressTable:
             return marks
 
     def record_exit(self, run: str, attempt: int, status: common_pb2.ExitStatus) -> bool:
-        """The node's workers of `attempt` ended; False if a newer attempt is already reported."""
+        """The node's workers of `attempt` ended; False if a newer attempt is already reported.
+
+        Sets `status.planned_stop` (unless given) to the stop reason of the lowest rank that
+        reported one for this attempt."""
         with self._lock:
             if not self._switch(run, attempt):
                 return False
+            if not status.planned_stop:
+                reasons = [r.stop_reason for _, r in sorted(self._ranks[run].items()) if r.stop_reason]
+                if reasons:
+                    status.planned_stop = reasons[0]
             self._exit[run] = status
             self._dirty.add(run)
             return True

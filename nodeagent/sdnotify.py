@@ -45,6 +45,11 @@ class Notifier:
     def stopping(self) -> bool:
         return self.notify("STOPPING=1")
 
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask systemd for `seconds` more before its start/stop timeout kills the agent (a drain
+        after SIGTERM outlasts a short TimeoutStopSec); systemd < 236 ignores it."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1e6))}")
+
 
 def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
     """Half of systemd's WatchdogSec (from $WATCHDOG_USEC), or None when no watchdog is set."""

@@ -3,7 +3,7 @@
 Every handler validates its request first (INVALID_ARGUMENT naming the field), answers NOT_FOUND
 for a run this node does not know, and turns any unexpected exception into INTERNAL with one
 line: the agent keeps serving whatever a client sends. Mutating RPCs (RunPreflight,
-LaunchWorkers, StopWorkers, InjectFault) need a verified client certificate when TLS is on; on
+LaunchWorkers, StopWorkers, InjectFault, Drain) need a verified client certificate when TLS is on; on
 the unix socket they are refused when TLS is on (only certificate holders mutate).
 """
 
@@ -230,6 +230,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {a.config.node} holds no lease (etcd unreachable or self-fenced): nothing is launched",
             )
+        if a.drain_reason:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {a.config.node} is draining: {a.drain_reason}",
+            )
         rendezvous_id = request.rendezvous_id or f"{run}-{request.attempt}"
         argv, env = tuple(request.argv), dict(request.env)
         if request.HasField("torchrun"):
@@ -308,6 +314,26 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         stopped = self.agent.launcher.stop(request.run, request.attempt, grace)
         self.agent.state_changed()
         return agent_pb2.StopWorkersResponse(stopped=[_worker_status(w) for w in stopped])
+
+    @rpc
+    def Drain(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.DrainResponse:
+        """Drain (a reason) or undo; answers the state that results. An agent leaving after a
+        SIGTERM cannot be put back: it is going away."""
+        self._require_admin(context)
+        v.drain_request(request)
+        a = self.agent
+        if request.undo:
+            if a.leaving:
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {a.config.node} is leaving ({a.drain_reason}): it cannot be put back in service",
+                )
+            a.undrain()
+        else:
+            a.drain(request.reason)
+        reason = a.drain_reason
+        return agent_pb2.DrainResponse(draining=bool(reason), reason=reason)
 
     @rpc
     def InjectFault(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.InjectFaultResponse:

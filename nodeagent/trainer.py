@@ -8,9 +8,21 @@
     for step in range(start, steps):
         ...train one step...
         reporter.report(step + 1, step_time_s=dt, compute_s=c, wait_s=w, loss=loss)   # ~1 microsecond
-        if reporter.stop_requested():                   # stop file or the agent's flag
+        if reporter.stop_requested():                   # SIGTERM, the stop file or the agent's flag
             trainer.save_checkpoint(ckpt_root, step + 1, model=m, optimizer=o, data_state={...})
             reporter.close(); sys.exit(0)
+
+A SIGTERM to the rank (Kubernetes' notice, scancel, preemption, torchrun forwarding its own) is a
+stop request: the reporter, created in the main thread, installs a handler that only sets a flag
+(`handle_sigterm=False` leaves SIGTERM alone). The rank then has its grace period to finish the
+step, save, commit and exit 0 (torchrun's own wait after a SIGTERM is its --shutdown-timeout, 30 s
+by default; the agent sets it to the longest grace it may give, see nodeagent.launcher). A rank
+blocked in a collective runs no Python handler: it is KILLed at the end of the grace, as before.
+When `stop_requested()` first turns True the reporter remembers why (`stop_reason`: "SIGTERM",
+"stop file <path>[: <its first line>]", "the agent asked: <reason>") and sends it at once and on
+every later report, so the agent's exit record says "planned stop" before the rank exits. A rank
+that stops because its peers agreed to (a collective over their flags) calls
+`stopping("...")`, so every node of the attempt reports the stop as planned.
 
 Steps are counted as steps completed, the same number a checkpoint saved at that point carries.
 
@@ -26,6 +38,7 @@ import contextlib
 import logging
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -73,6 +86,7 @@ class ProgressReporter:
         stop_file: str = "",
         flush_interval_s: float = 1.0,
         answer_timeout_s: float = 0.2,
+        handle_sigterm: bool = True,
     ) -> None:
         self.run, self.attempt, self.rank, self.local_rank, self.world_size = (
             run,
@@ -93,6 +107,13 @@ class ProgressReporter:
         self._loaded: int | None = None
         self._in_checkpoint = False
         self._ckpt_error: tuple[int, str] | None = None
+        self._sigterm = False
+        self._stop_reason = ""
+        self._last_step = 0
+        self._previous_sigterm: Any = None
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self._closed = threading.Event()
         self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -136,6 +157,7 @@ class ProgressReporter:
         Entering or leaving a checkpoint save is sent at once, not at the next flush: the supervisor
         allows a saving rank the long checkpoint timeout, so a stale "saving" (a rank that stops
         right after its save) would hold hang detection back by that much."""
+        self._last_step = step
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
         if in_checkpoint != self._in_checkpoint:
             self._in_checkpoint = in_checkpoint
@@ -168,8 +190,56 @@ class ProgressReporter:
         self.flush()
 
     def stop_requested(self) -> bool:
-        """True once the agent asked this run to stop, or the stop file exists. Poll once per step."""
-        return self._agent_stop or (bool(self._stop_file) and os.path.exists(self._stop_file))
+        """True once this rank got SIGTERM, the agent asked this run to stop, or the stop file
+        exists. Poll once per step. The first True is reported to the agent at once, with why."""
+        if self._stop_reason:
+            return True
+        # The agent writes its reason into the stop file before it raises its flag, so the file,
+        # checked first, names the reason whichever of the two this rank sees first.
+        if self._sigterm:
+            reason = "SIGTERM"
+        elif self._stop_file and os.path.exists(self._stop_file):
+            line = self._stop_file_line()
+            reason = f"stop file {self._stop_file}" + (f": {line}" if line else "")
+        elif self._agent_stop:
+            reason = "the agent asked: " + (self._stop_file_line() or "stop requested")
+        else:
+            return False
+        self.stopping(reason)
+        return True
+
+    @property
+    def stop_reason(self) -> str:
+        """Why this rank is stopping ("" while it is not)."""
+        return self._stop_reason
+
+    def stopping(self, reason: str) -> None:
+        """This rank ends on a stop request: `reason` is sent now and on every later report (the
+        agent's exit record then says planned_stop). `stop_requested()` calls it; a rank that
+        stops because its peers agreed to (a collective over their flags) calls it itself. The
+        first reason stays."""
+        if self._stop_reason:
+            return
+        self._stop_reason = " ".join(str(reason).split())[:500] or "stop requested"
+        log.info("rank %d stopping: %s", self.rank, self._stop_reason)
+        self._pending.append((self._last_step, 0.0, 0.0, 0.0, self._in_checkpoint, None, time.time()))
+        self.flush()
+
+    def _stop_file_line(self) -> str:
+        """The first line of the stop file (the agent writes its reason there), "" if none."""
+        if not self._stop_file:
+            return ""
+        try:
+            with open(self._stop_file, errors="replace") as f:
+                return f.readline(600).strip()
+        except OSError:
+            return ""
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Only a flag: the training loop sees it at its next stop_requested()."""
+        self._sigterm = True
+        if callable(self._previous_sigterm):
+            self._previous_sigterm(signum, frame)
 
     @property
     def injected_delay_s(self) -> float:
@@ -191,7 +261,16 @@ class ProgressReporter:
             return self._send(latest)
 
     def close(self) -> None:
+        """Send the last report, stop the sender and give SIGTERM back its previous handler (the
+        rank has saved what it will save: a TERM now may end it)."""
         self._closed.set()
+        if (
+            self._previous_sigterm is not None
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        ):
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         if self._thread is not None:
             self._thread.join(timeout=self._flush_interval_s + self._answer_timeout_s + 1)
         with contextlib.suppress(Exception):
@@ -235,6 +314,8 @@ class ProgressReporter:
             progress.loaded_step = self._loaded
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
+        if self._stop_reason:
+            progress.stop_reason = self._stop_reason
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:

@@ -71,6 +71,8 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
             r.ClearField("loss")  # a NaN loss is the trainer's news, not a bad request
         if len(r.checkpoint_error) > 1024:
             raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
+        if len(r.stop_reason) > 1024:
+            raise ValidationError(f"{where}.stop_reason: at most 1024 characters")
         if r.HasField("committed_step"):
             integer(r.committed_step, f"{where}.committed_step", low=0, high=MAX_STEP)
         if r.HasField("loaded_step"):
@@ -145,6 +147,18 @@ def _argv(argv: Sequence[str], field: str) -> None:
             raise ValidationError(f"{field}[{i}]: contains NUL or is longer than {MAX_ARG_BYTES} bytes")
     if total > MAX_ARGV_BYTES:
         raise ValidationError(f"{field}: {total} bytes in all, limit {MAX_ARGV_BYTES}")
+
+
+MAX_DRAIN_REASON = 500
+
+
+def drain_request(req: agent_pb2.DrainRequest) -> None:
+    if len(req.reason) > MAX_DRAIN_REASON:
+        raise ValidationError(f"reason: at most {MAX_DRAIN_REASON} characters, got {len(req.reason)}")
+    if not req.reason.isprintable():
+        raise ValidationError(
+            f"reason: printable characters only (no newlines or controls): {req.reason[:40]!r}"
+        )
 
 
 def fault_request(req: agent_pb2.InjectFaultRequest) -> None:

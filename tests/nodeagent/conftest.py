@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from tests.nodeagent.helpers import AgentProc
 
 @pytest.fixture
 def agent_factory(tmp_path: Path) -> Iterator[object]:
-    """Start real `nodeagent` processes; each is stopped (SIGTERM, then SIGKILL) at teardown."""
+    """Start real `nodeagent` processes; each is stopped (SIGINT: workers stopped now; then SIGKILL) at teardown."""
     agents: list[AgentProc] = []
 
     def make(**kwargs: object) -> AgentProc:
@@ -23,3 +24,12 @@ def agent_factory(tmp_path: Path) -> Iterator[object]:
     yield make
     for a in agents:
         a.close()
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_handler_restored() -> Iterator[None]:
+    """A ProgressReporter made in the test's (main) thread installs its SIGTERM handler: the
+    pytest process gets its own back after every test."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)

@@ -111,8 +111,12 @@ class AgentProc:
         return self.proc.wait(timeout=timeout_s)
 
     def close(self) -> None:
+        # SIGINT, not SIGTERM: SIGTERM drains and waits for a planned stop of running workers
+        # (drain_handoff_s, drain_timeout_s); a teardown stops them now (TERM, KILL after the grace).
         try:
-            self.terminate(timeout_s=30)  # a graceful stop also stops the workers it launched
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
         self.channel.close()

@@ -59,6 +59,12 @@ CASES = [
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r"), INVALID, "reports"),
     (
         "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(step=1, stop_reason="s" * 1025)]),
+        INVALID,
+        "stop_reason",
+    ),
+    (
+        "ReportProgress",
         agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]),
         INVALID,
         "reports[0].rank",
@@ -168,6 +174,9 @@ CASES = [
         grpc.StatusCode.PERMISSION_DENIED,
         "chaos_enabled",
     ),
+    ("Drain", agent_pb2.DrainRequest(reason="x" * 501), INVALID, "at most 500"),
+    ("Drain", agent_pb2.DrainRequest(reason="maintenance\nrm -rf"), INVALID, "printable"),
+    ("Drain", agent_pb2.DrainRequest(reason="\x1b[31mred", undo=True), INVALID, "printable"),
     (
         "MeasureAllReduce",
         agent_pb2.MeasureAllReduceRequest(group_id="g", rank=0, world_size=1, size_bytes=4, iterations=1),
