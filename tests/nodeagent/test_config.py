@@ -116,3 +116,32 @@ def test_bad_launch_keys_are_refused(tmp_path, text, words):
 def test_a_torchrun_flag_that_is_not_a_command_line_is_a_config_error():
     with pytest.raises(ConfigError, match="--torchrun"):
         cli.load(["--torchrun", "python 'unclosed"])
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("drain_handoff_s = -1", "drain_handoff_s"),
+        ("drain_handoff_s = 4000", "drain_handoff_s"),
+        ("drain_handoff_s = nan", "drain_handoff_s"),
+        ("drain_timeout_s = 0", "drain_timeout_s"),
+        ("drain_timeout_s = 100000", "drain_timeout_s"),
+        ("drain_handoff_s = 60\ndrain_timeout_s = 30", "drain_timeout_s"),
+        ("drain_timeout = 30", "unknown key"),
+    ],
+)
+def test_bad_drain_keys_are_refused(tmp_path, text, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        from_sources(file=f, environ={})
+    assert words in str(err.value)
+
+
+def test_drain_keys_default_and_come_from_the_environment():
+    cfg = from_sources(file=None, environ={})
+    assert (cfg.drain_handoff_s, cfg.drain_timeout_s) == (15.0, 300.0)
+    cfg = from_sources(
+        file=None, environ={"RUNWARDEN_AGENT_DRAIN_HANDOFF_S": "0", "RUNWARDEN_AGENT_DRAIN_TIMEOUT_S": "2.5"}
+    )
+    assert (cfg.drain_handoff_s, cfg.drain_timeout_s) == (0.0, 2.5)

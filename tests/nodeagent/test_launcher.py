@@ -116,6 +116,24 @@ def test_worker_env_has_the_contract(agent_factory, tmp_path):
     assert env["RUNWARDEN_FR_SOCKET_DIR"].endswith("/runs/r3/attempt-4/fr")
     assert env["RUNWARDEN_AGENT_SOCKET"] == agent.socket
     assert "NOTIFY_SOCKET" not in env
+    # torchrun waits this long for its ranks after a TERM (its own default is 30 s): the agent's KILL
+    # after the grace is what ends a stop, never torchrun's shorter wait
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "3600"
+
+
+def test_a_torchrun_shutdown_timeout_given_by_the_controller_is_kept(tmp_path):
+    from nodeagent.launcher import LaunchSpec, worker_env
+
+    spec = LaunchSpec(
+        run="r",
+        attempt=1,
+        rendezvous_id="r-1",
+        argv=("x",),
+        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"},
+        stop_file=tmp_path / "stop",
+        fr_socket_dir=tmp_path / "fr",
+    )
+    assert worker_env(spec, {})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
 
 
 def test_launch_refuses_executables_not_allowed(agent_factory):
