@@ -318,7 +318,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @rpc
     def Drain(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.DrainResponse:
         """Drain (a reason) or undo; answers the state that results. An agent leaving after a
-        SIGTERM cannot be put back: it is going away."""
+        SIGTERM cannot be put back, and keeps its reason: it is going away."""
         self._require_admin(context)
         v.drain_request(request)
         a = self.agent
@@ -330,7 +330,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                     f"node {a.config.node} is leaving ({a.drain_reason}): it cannot be put back in service",
                 )
             a.undrain()
-        else:
+        elif not a.leaving:
             a.drain(request.reason)
         reason = a.drain_reason
         return agent_pb2.DrainResponse(draining=bool(reason), reason=reason)

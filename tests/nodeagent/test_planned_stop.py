@@ -315,6 +315,7 @@ def _launch_plain(agent, store, mode: str) -> None:
     wait_for(reporting, 20, "the rank reporting", interval_s=0.05)
 
 
+@pytest.mark.slow
 def test_a_stop_request_within_the_hand_over_is_the_one_the_ranks_obey(agent_factory, etcd, store, tmp_path):
     agent = _plain_agent(agent_factory, etcd, store, RUNWARDEN_AGENT_DRAIN_HANDOFF_S="60")
     _launch_plain(agent, store, "obedient")
@@ -324,6 +325,8 @@ def test_a_stop_request_within_the_hand_over_is_the_one_the_ranks_obey(agent_fac
     with pytest.raises(grpc.RpcError) as err:  # a leaving agent cannot be put back
         agent.stub.Drain(agent_pb2.DrainRequest(undo=True), timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "leaving" in err.value.details()
+    reply = agent.stub.Drain(agent_pb2.DrainRequest(reason="operator: maintenance"), timeout=5)
+    assert (reply.draining, reply.reason) == (True, "agent stopping (SIGTERM)")  # it is going away
     # what the controller does for a draining node: a planned stop of the attempt
     agent.stub.RequestStop(agent_pb2.RequestStopRequest(run="r", reason="node n1 draining"), timeout=5)
     assert agent.proc.wait(timeout=20) == 0
@@ -335,6 +338,7 @@ def test_a_stop_request_within_the_hand_over_is_the_one_the_ranks_obey(agent_fac
     assert "no stop request within" not in agent.log()
 
 
+@pytest.mark.slow
 def test_ranks_that_ignore_the_stop_are_stopped_hard_after_the_drain_timeout(agent_factory, etcd, store):
     agent = _plain_agent(
         agent_factory,
