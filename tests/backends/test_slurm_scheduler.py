@@ -19,7 +19,7 @@ from controller.backends.base import BackendError, RunOutcome, Scheduler
 from controller.backends.slurm import SlurmScheduler
 from runwarden.store import Store, StoreConfig
 from runwarden.testing.etcd_server import EtcdServer
-from runwarden.v1 import store_pb2
+from runwarden.v1 import common_pb2, store_pb2
 from tests.backends.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -241,6 +241,28 @@ def test_an_allocation_still_queued_at_the_timeout_stays_queued_and_is_adopted_n
     assert run.jobs() == [pending]  # adopted, not submitted twice
     run.scheduler().finish(RunOutcome.STOPPED)
     assert run.jobs() == [] or all(state == "CANCELLED" for _, _, state in run.jobs())
+
+
+def test_the_time_limit_signal_reaches_the_agents_not_the_batch_shell(run_factory) -> None:
+    """--signal=USR1@<lead> without B: is what `scancel --signal=USR1` (no --batch) does now: every
+    agent (an srun task) gets it and drains; the batch shell does not, so the job keeps running."""
+    run = run_factory("usr1")
+    scheduler = run.scheduler()
+    try:
+        alloc = scheduler.allocate(2, 0)
+        run.wait_registered(set(alloc.nodes))
+        run.cluster.cmd("scancel", "--signal=USR1", alloc.id)
+
+        def drained() -> dict[str, store_pb2.NodeRecord] | None:
+            records = run.records()
+            return records if len(records) == 2 and all(x.drain_reason for x in records.values()) else None
+
+        records = wait_for(drained, 15, "both agents to drain")
+        assert {x.state for x in records.values()} == {common_pb2.NODE_STATE_DRAINING}
+        assert all("SIGUSR1" in x.drain_reason for x in records.values()), records
+        assert run.cluster.job_fields(alloc.id)["JobState"] == "RUNNING"
+    finally:
+        scheduler.finish(RunOutcome.STOPPED)
 
 
 def test_a_dead_node_takes_only_its_own_agent_and_the_allocation_lives_on(
