@@ -15,12 +15,15 @@ restarts, or its standby, adopts it instead of placing a second set:
 * ``request_nodes(count, exclude)`` -- another ``STRICT_SPREAD`` group (``req-<n>``) of ``count``
   bundles, each pinned (``node:<ip>`` resource) to an alive node that holds none of the run's
   bundles, carries no quarantine mark and is not excluded; BackendError when there are not enough.
-* ``quarantine(node)`` -- the node's agent is stopped (SIGTERM, its lease revoked) and its actor
-  killed for good; the node's bundle stays reserved (nothing else lands there) and the mark is a
-  placement group ``quarantine-<node>`` of the run (a bundle of ``node:<ip>: 0.001``), so it
-  survives a controller restart and ``request_nodes`` never picks the node.
+* ``quarantine(node)`` -- the mark is a placement group ``quarantine-<node>`` of the run (one
+  bundle of ``node:<ip>: 0.001``): it survives a controller restart, ``request_nodes`` never picks
+  the node, and the node's own bundle stays reserved (nothing else lands there). The agent keeps
+  running, as under a Slurm drain or a Kubernetes taint: the pool's burn-in (a full preflight
+  through it) decides whether the node comes back. With ``quarantine_stops_agent`` the agent is
+  stopped too (SIGTERM: its lease revoked) and its actor killed for good; such a node comes back
+  only through ``release`` (an operator's ``controllerctl release``).
 * ``release(node)`` -- removes only that mark, and starts the agent again in the node's bundle if
-  the run still holds one (the agent comes back as a new registration: burn-in).
+  it was stopped and the run still holds the bundle (a new registration: burn-in).
 * ``finish`` -- every actor (agents stopped first) and every placement group of the run is removed.
 
 Nothing an operator set (node resources, labels, other namespaces) is read for a decision or
@@ -63,7 +66,8 @@ class RayConfig:
     """The ``[ray]`` section."""
 
     address: str = "auto"  # ray.init(address=...): "auto", "<gcs host>:<port>" or "ray://<host>:10001"
-    namespace: str = "runwarden"  # the run's Ray namespace: one per run (e.g. "runwarden-<run>")
+    node_ip_address: str = ""  # this host's address in the Ray cluster ("" = Ray's own guess)
+    namespace: str = "runwarden"  # the run's Ray namespace (from the controller: "runwarden-<run>")
     # One bundle per node: size it to the whole node ({"CPU" = 8, "GPU" = 8}), so none fits twice.
     bundle: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     # The agents (same keys as [slurm]).
@@ -76,6 +80,7 @@ class RayConfig:
     nodeagent: tuple[str, ...] = ()  # the agent command on the nodes (empty: <ray's python> -m nodeagent.cli)
     agent_args: tuple[str, ...] = ()  # more agent flags, e.g. ["--lease-ttl", "3"]
     stop_timeout_s: float = 30.0  # SIGTERM to SIGKILL when an agent is stopped
+    quarantine_stops_agent: bool = False  # a quarantined node's agent leaves too (no burn-in then)
     # Ray itself.
     allocate_timeout_s: float = 600.0  # allocate waits this long for Ray to grant every bundle
     call_timeout_s: float = 30.0  # any other call to Ray (an actor's answer, a lookup)
@@ -83,6 +88,8 @@ class RayConfig:
     def __post_init__(self) -> None:
         if not self.address or any(c.isspace() for c in self.address):
             raise BackendError(f"address: {self.address!r} is not a Ray address")
+        if any(c.isspace() or c == "/" for c in self.node_ip_address):
+            raise BackendError(f"node_ip_address: {self.node_ip_address!r} is not an address")
         if not _NAMESPACE.match(self.namespace):
             raise BackendError(f"namespace: {self.namespace!r}: letters, digits and ._-, at most 63")
         if not self.bundle:
@@ -115,6 +122,14 @@ def node_name(ip: str) -> str:
     except ValueError as exc:
         raise BackendError(str(exc)) from None
     return validate_node_name(name)
+
+
+def node_ip(node: str) -> str | None:
+    """The Ray node IP a ``ray-<ip>`` node name stands for (None: not such a name)."""
+    if not node.startswith(NODE_PREFIX):
+        return None
+    rest = node[len(NODE_PREFIX) :]
+    return rest if "." in rest else rest.replace("-", ":")
 
 
 def agent_argv(cfg: RayConfig, *, ip: str, python: str) -> list[str]:
@@ -214,7 +229,11 @@ class RayScheduler:
         self._remote: Any = None
 
     @classmethod
-    def from_section(cls, raw: dict[str, Any], where: str) -> RayScheduler:
+    def from_section(cls, raw: dict[str, Any], where: str, *, run: str = "") -> RayScheduler:
+        """The `[ray]` table; ``run`` (the controller's run name) makes the default namespace
+        ``runwarden-<run>``, so two runs on one Ray cluster never adopt each other's agents."""
+        if run and "namespace" not in raw:
+            raw = {**raw, "namespace": f"runwarden-{run}"}
         try:
             config = load_section(RayConfig, raw, where)
         except ConfigError as exc:
@@ -234,6 +253,11 @@ class RayScheduler:
                     log_to_driver=False,
                     logging_level="warning",
                     configure_logging=False,
+                    **(
+                        {"_node_ip_address": self.config.node_ip_address}
+                        if self.config.node_ip_address
+                        else {}
+                    ),
                 )
         except Exception as exc:
             raise BackendError(f"ray: cannot connect to {self.config.address}: {_one_line(exc)}") from None
@@ -399,22 +423,21 @@ class RayScheduler:
             return NodeRequest(id=f"ray:{name}:{pg.id.hex()}", count=count, submitted_at=time.time())
 
     def quarantine(self, node: str, reason: str) -> None:
+        ip = node_ip(node)
+        if ip is None:
+            return  # not a node of Ray's (an agent started some other way): nothing to mark here
         with self._lock, _ray_errors("quarantine"):
             self._connect()
-            groups = self._groups()
-            agents = [a for a in self._agents() if a.node == node]
-            ip = agents[0].ip if agents else self._ip_of(node)
-            if MARK_PREFIX + node not in groups:
-                if ip is None:
-                    raise BackendError(f"ray: no alive Ray node is {node}")
+            if MARK_PREFIX + node not in self._groups():
+                # Pending while the node is away (dead): the name is the mark, kept until release.
                 placement_group(
                     [{f"node:{ip}": _MARK_AMOUNT}],
                     strategy="PACK",
                     name=self._full(MARK_PREFIX + node),
                     lifetime="detached",
                 )
-            for agent in agents:
-                self._stop(agent.handle)
+            if self.config.quarantine_stops_agent:
+                self._stop(*(a.handle for a in self._agents() if a.node == node))
 
     def release(self, node: str) -> bool:
         with self._lock, _ray_errors("release"):

@@ -7,6 +7,7 @@ in order and each leaves the state the next one starts from."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -99,10 +100,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         for ip in WORKER_IPS:
             cluster.add_node(num_cpus=1, node_ip_address=ip)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        # The driver attaches to the head's raylet (by default Ray picks the last node started here,
+        # which a test may kill).
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, _node_ip_address=HEAD_IP)
         sched = RayScheduler.from_section(
             {
                 "address": cluster.address,
+                "node_ip_address": HEAD_IP,
                 "namespace": NAMESPACE,
                 "bundle": {"CPU": 1},
                 "agent_config": str(agent_config),
@@ -155,36 +159,49 @@ def test_allocate_adopts_the_runs_placement(env: Env) -> None:
         env.sched.allocate(3, 1)
 
 
-def test_quarantine_takes_the_node_out_and_release_lets_it_back(env: Env) -> None:
+def test_quarantine_keeps_the_node_out_of_new_placements(env: Env) -> None:
     node = sorted(env.state["nodes"])[0]
     pid = env.state["pids"][node]
     env.sched.quarantine(node, "fatal Xid 79")
     env.sched.quarantine(node, "again")  # idempotent
-    assert node not in env.registered()  # the agent stopped and revoked its lease
-    assert not alive(pid)
-    assert node not in env.agents() and len(env.actors()) == 2
     assert MARK_PREFIX + node in env.groups()
-    # allocate again (a controller restart) does not bring it back
-    assert node not in env.sched.allocate(2, 1).nodes
+    # The agent stays (the pool's burn-in preflights through it), as under a Slurm drain.
+    assert node in env.registered() and alive(pid)
     # One free worker node is left: a request lands there, never on the quarantined node.
     free = {f"ray-{ip}" for ip in WORKER_IPS} - env.state["nodes"]
     request = env.sched.request_nodes(1, exclude=(), reason="spare pool empty")
     assert request.count == 1 and request.id.startswith("ray:req-1:")
     wait_for("the requested agent in etcd", lambda: free <= env.registered())
-    assert node not in env.registered()
     # Nothing is left that is not held or quarantined.
     with pytest.raises(BackendError, match="only 0 alive Ray node"):
         env.sched.request_nodes(1, exclude=(), reason="more")
     assert env.sched.release(node) is True
     assert MARK_PREFIX + node not in env.groups()
-    wait_for("the released node's agent back in etcd", lambda: node in env.registered())
+    assert env.sched.release(node) is True  # no mark: nothing changes
     infos = env.agents()
-    assert set(infos) == env.state["nodes"] | free
+    assert set(infos) == env.state["nodes"] | free and infos[node]["pid"] == pid
     env.state["pids"] = {n: i["pid"] for n, i in infos.items()}
     env.state["requested"] = free.pop()
-    # release of a node with no mark changes nothing
-    assert env.sched.release(node) is True
-    assert set(env.agents()) == set(infos)
+
+
+def test_quarantine_that_stops_the_agent_and_release_brings_it_back(env: Env) -> None:
+    stopper = RayScheduler(dataclasses.replace(env.sched.config, quarantine_stops_agent=True))
+    node = sorted(env.state["nodes"])[0]
+    pid = env.state["pids"][node]
+    stopper.quarantine(node, "burnt-in twice and failed")
+    assert node not in env.registered()  # the agent stopped and revoked its lease
+    assert not alive(pid)
+    assert node not in env.agents() and len(env.actors()) == 3
+    assert MARK_PREFIX + node in env.groups()
+    # allocate again (a controller restart: a fresh scheduler) does not bring it back
+    assert node not in RayScheduler(env.sched.config).allocate(2, 1).nodes
+    assert node not in env.registered()
+    assert stopper.release(node) is True
+    assert MARK_PREFIX + node not in env.groups()
+    wait_for("the released node's agent back in etcd", lambda: node in env.registered())
+    infos = env.agents()
+    assert set(infos) == env.state["nodes"] | {env.state["requested"]} and infos[node]["pid"] != pid
+    env.state["pids"] = {n: i["pid"] for n, i in infos.items()}
 
 
 def test_killing_a_ray_node_makes_its_agents_lease_vanish(env: Env) -> None:
