@@ -265,6 +265,24 @@ def test_the_time_limit_signal_reaches_the_agents_not_the_batch_shell(run_factor
         scheduler.finish(RunOutcome.STOPPED)
 
 
+def test_a_notice_that_comes_before_the_agents_started_does_not_kill_them(run_factory) -> None:
+    """Slurm sends --signal up to a minute early: with a 1-minute limit and a 60 s lead, USR1 comes
+    as the step starts, before an agent has its handler. The batch script ignores it until then
+    (without that, every agent died of SIGUSR1 and the step ended with 138)."""
+    run = run_factory("early")
+    run.section.update(time_limit="1", signal_lead_s=60)
+    scheduler = run.scheduler()
+    try:
+        alloc = scheduler.allocate(2, 0)
+        run.wait_registered(set(alloc.nodes))
+        time.sleep(1.0)
+        assert set(run.records()) == set(alloc.nodes)
+        assert len(run.agent_pids()) >= 2
+        assert run.cluster.job_fields(alloc.id)["JobState"] == "RUNNING"
+    finally:
+        scheduler.finish(RunOutcome.STOPPED)
+
+
 def test_a_dead_node_takes_only_its_own_agent_and_the_allocation_lives_on(
     run_factory, slurm_cluster_module: SlurmCluster
 ) -> None:
