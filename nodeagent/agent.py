@@ -236,7 +236,7 @@ class Agent:
                     if run not in self.stops and run not in asked:
                         asked.add(run)
                         log.warning(
-                            "run %s: no stop request within %.0f s of draining; asking its ranks to stop",
+                            "run %s: no stop request within %g s of draining; asking its ranks to stop",
                             run,
                             cfg.drain_handoff_s,
                         )
