@@ -218,11 +218,11 @@ def _training(agent, store, run: str, attempt: int) -> list[common_pb2.RankProgr
         ranks = [r for r in progress.ranks if r.HasField("loaded_step") and r.step >= r.loaded_step + 3]
         return ranks if len(ranks) == 2 else None
 
-    return wait_for(both, 60, "two ranks training", interval_s=0.2)
+    return wait_for(both, 120, "two ranks training", interval_s=0.2)  # torch imports on a busy box
 
 
 def _planned_exit(store, run: str, attempt: int) -> store_pb2.NodeProgress:
-    progress = wait_for(lambda: _exit_record(store, run), 60, "the exit record", interval_s=0.1)
+    progress = wait_for(lambda: _exit_record(store, run), 90, "the exit record", interval_s=0.1)
     assert progress.attempt == attempt
     assert (progress.exit.HasField("exit_code"), progress.exit.exit_code) == (True, 0), progress.exit
     return progress
@@ -241,7 +241,7 @@ def test_agent_sigterm_without_a_controller_hands_over_then_commits_and_exits(
         lambda: (r := _record(store)) is not None and r.state == DRAINING and r, 5, "the SIGTERM drain"
     )
     assert rec.drain_reason == "agent stopping (SIGTERM)"
-    assert agent.proc.wait(timeout=60) == 0
+    assert agent.proc.wait(timeout=90) == 0
     took = time.monotonic() - t0
     progress = _planned_exit(store, "r", 1)
     stop_file = tmp_path / "agent0" / "run" / "runs" / "r" / "stop"
@@ -283,7 +283,7 @@ def test_rank_sigterm_and_a_touched_stop_file_are_planned_stops(agent_factory, e
     stop_file = tmp_path / "agent0" / "run" / "runs" / "r" / "stop"
     stop_file.touch()
     progress = wait_for(
-        lambda: (p := _exit_record(store, "r")) is not None and p.attempt == 2 and p, 60, "attempt 2's exit"
+        lambda: (p := _exit_record(store, "r")) is not None and p.attempt == 2 and p, 90, "attempt 2's exit"
     )
     assert (progress.exit.exit_code, progress.exit.planned_stop) == (0, f"stop file {stop_file}")
     second = latest_committed(tmp_path / "ckpt")
@@ -352,7 +352,7 @@ def test_ranks_that_ignore_the_stop_are_stopped_hard_after_the_drain_timeout(age
     t0 = time.monotonic()
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(timeout=20) == 0
-    assert 1.0 <= time.monotonic() - t0 < 10
+    assert 1.0 <= time.monotonic() - t0 < 30  # not the 300 s default
     progress = wait_for(lambda: _exit_record(store, "r"), 10, "the exit record")
     assert (
         progress.exit.signal == signal.SIGKILL and progress.exit.planned_stop == ""
@@ -369,6 +369,6 @@ def test_a_second_sigterm_stops_the_workers_at_once(agent_factory, etcd, store):
     t0 = time.monotonic()
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(timeout=20) == 0
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < 20  # not the 15 s hand-over plus the 300 s drain timeout
     assert "asked to hurry" in agent.log()
     assert wait_for(lambda: _exit_record(store, "r"), 10, "the exit record").exit.signal == signal.SIGKILL
