@@ -12,9 +12,13 @@ restarts, or its standby, adopts it instead of placing a second set:
   PR_SET_PDEATHSIG). A node that dies takes its actor and its agent with it: the agent's lease
   expires (node lost). Ray then moves the lost bundle to another node and restarts the actor there,
   so a new agent (a new node to the pool) registers by itself.
-* ``request_nodes(count, exclude)`` -- another ``STRICT_SPREAD`` group (``req-<n>``) of ``count``
-  bundles, each pinned (``node:<ip>`` resource) to an alive node that holds none of the run's
-  bundles, carries no quarantine mark and is not excluded; BackendError when there are not enough.
+* ``request_nodes(count, exclude)`` -- another ``STRICT_SPREAD`` group (``req-<n>``) with one
+  bundle pinned (``node:<ip>`` resource) to each alive node that holds none of the run's bundles,
+  carries no quarantine mark and is not excluded, granted now; what those cannot cover waits in
+  Ray's queue as ``req-<n>-queued`` (unpinned: Ray, or its autoscaler, grants it when a node has
+  room). While a queued ask waits, another request with no free node returns it instead of asking
+  twice. (A queued bundle is placed by Ray: with whole-node bundles it can only land on a node the
+  run does not hold.)
 * ``quarantine(node)`` -- the mark is a placement group ``quarantine-<node>`` of the run (one
   bundle of ``node:<ip>: 0.001``): it survives a controller restart, ``request_nodes`` never picks
   the node, and the node's own bundle stays reserved (nothing else lands there). The agent keeps
@@ -54,6 +58,7 @@ from runwarden.names import check_name
 
 ALLOC = "alloc"
 REQUEST_PREFIX = "req-"
+QUEUED_SUFFIX = "-queued"
 MARK_PREFIX = "quarantine-"
 NODE_PREFIX = "ray-"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -164,7 +169,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 class AgentHost:
-    """The actor in one bundle: the node agent is its child process (and dies with it)."""
+    """The actor in one bundle: the node agent is its child process, restarted when it exits (as
+    systemd's Restart=always would: after 1 s, doubling to 30 s while it keeps failing), and it
+    dies with the actor."""
 
     def __init__(self, cfg: RayConfig):
         self.cfg = cfg
@@ -174,11 +181,20 @@ class AgentHost:
         state = os.path.join(cfg.agent_run_dir, self.node)
         os.makedirs(os.path.join(state, "run"), exist_ok=True)
         self.log_path = os.path.join(state, "agent.log")
-        # Actor methods run on the worker's main thread, which lives as long as the process: the
-        # parent-death signal (tied to the forking thread) fires when the actor's process ends.
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._stopping = False
+        self._lock = threading.Lock()
+        started = threading.Event()
+        # The parent-death signal is tied to the thread that forks: every agent is started from
+        # this thread, which lives until the agent is stopped for good (or the process ends).
+        threading.Thread(target=self._supervise, args=(started,), name="agent", daemon=True).start()
+        started.wait(30)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                agent_argv(cfg, ip=self.ip, python=sys.executable),
+            return subprocess.Popen(
+                agent_argv(self.cfg, ip=self.ip, python=sys.executable),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -186,26 +202,48 @@ class AgentHost:
                 close_fds=True,
             )
 
+    def _supervise(self, started: threading.Event) -> None:
+        delay, since = 1.0, 0.0
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return  # stop_agent waits for the agent before it says so: nothing left to kill
+                if self.proc is None or self.proc.poll() is not None:
+                    if self.proc is not None:
+                        delay = 1.0 if time.monotonic() - since > 60 else min(delay * 2, 30.0)
+                    self.proc, since = self._spawn(), time.monotonic()
+                    self.starts += 1
+            started.set()
+            time.sleep(0.5 if self.starts <= 1 else delay)
+
     def info(self) -> dict[str, Any]:
+        proc = self.proc
         return {
             "node": self.node,
             "ip": self.ip,
             "node_id": self.node_id,
-            "pid": self.proc.pid,
-            "exit": self.proc.poll(),
+            "pid": proc.pid if proc is not None else None,
+            "exit": proc.poll() if proc is not None else None,
+            "starts": self.starts,
             "log": self.log_path,
         }
 
     def stop_agent(self) -> int | None:
-        """SIGTERM the agent (it stops its workers and revokes its lease), SIGKILL past the timeout."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(self.cfg.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        """SIGTERM the agent (it stops its workers and revokes its lease), SIGKILL past the timeout;
+        it is not restarted."""
+        with self._lock:
+            self._stopping = True
+            proc = self.proc
+            if proc is None:
+                return None
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(self.cfg.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            return proc.returncode
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,21 +444,46 @@ class RayScheduler:
                 and node_name(n["NodeManagerAddress"]) not in barred
                 and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in self.config.bundle.items())
             ]
-            free = list(dict.fromkeys(free))  # one bundle per IP: the node name is the IP's
-            if len(free) < count:
-                raise BackendError(
-                    f"ray: {count} more node(s) asked ({reason}), but only {len(free)} alive Ray node(s) "
-                    "hold none of the run's bundles, carry no quarantine and are not excluded"
+            free = list(dict.fromkeys(free))[:count]  # one bundle per IP: the node name is the IP's
+            queued = [
+                g for g, e in groups.items() if g.endswith(QUEUED_SUFFIX) and e.get("state") != "CREATED"
+            ]
+            if queued and not free:
+                # An earlier ask still waits in Ray's queue: that is the answer, not a second ask.
+                entry = groups[queued[0]]
+                return NodeRequest(
+                    id=f"ray:{queued[0]}:{entry['placement_group_id']}",
+                    count=len(entry.get("bundles", {})),
+                    submitted_at=time.time(),
                 )
-            taken = [int(g[len(REQUEST_PREFIX) :]) for g in groups if g.startswith(REQUEST_PREFIX)]
-            name = f"{REQUEST_PREFIX}{max(taken, default=0) + 1}"
-            bundles = [{**self.config.bundle, f"node:{ip}": _MARK_AMOUNT} for ip in free[:count]]
-            pg = placement_group(
-                bundles, strategy="STRICT_SPREAD", name=self._full(name), lifetime="detached"
-            )
-            for index in range(count):
-                self._start_agent(name, index)
-            return NodeRequest(id=f"ray:{name}:{pg.id.hex()}", count=count, submitted_at=time.time())
+            taken = [
+                int(g[len(REQUEST_PREFIX) :].split("-")[0]) for g in groups if g.startswith(REQUEST_PREFIX)
+            ]
+            number = max(taken, default=0) + 1
+            asks: list[tuple[str, list[dict[str, float]]]] = []
+            if free:  # granted now: pinned to the free nodes
+                asks.append(
+                    (
+                        f"{REQUEST_PREFIX}{number}",
+                        [{**self.config.bundle, f"node:{ip}": _MARK_AMOUNT} for ip in free],
+                    )
+                )
+            if count > len(free) and not queued:  # the rest waits for Ray (its autoscaler) to have room
+                asks.append(
+                    (
+                        f"{REQUEST_PREFIX}{number}{QUEUED_SUFFIX}",
+                        [dict(self.config.bundle)] * (count - len(free)),
+                    )
+                )
+            ids = []
+            for name, bundles in asks:
+                pg = placement_group(
+                    bundles, strategy="STRICT_SPREAD", name=self._full(name), lifetime="detached"
+                )
+                for index in range(len(bundles)):
+                    self._start_agent(name, index)
+                ids.append(f"{name}:{pg.id.hex()}")
+            return NodeRequest(id="ray:" + ",".join(ids), count=count, submitted_at=time.time())
 
     def quarantine(self, node: str, reason: str) -> None:
         ip = node_ip(node)
