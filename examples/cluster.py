@@ -156,9 +156,11 @@ class LocalCluster(ClusterBase):
             procs.append(self.controller)
         procs.extend(self.standbys.values())
         procs.extend(self.agents.values())
+        agents = {id(p) for p in self.agents.values()}
         for p in procs:
             if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
+                # SIGINT: an agent stops its workers now (SIGTERM would drain and hand over first)
+                _signal_group(p, signal.SIGINT if id(p) in agents else signal.SIGTERM)
         deadline = time.monotonic() + 15
         for p in procs:
             try:
@@ -166,7 +168,7 @@ class LocalCluster(ClusterBase):
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=5)
-        # Workers live in their own process groups under the agents; an agent stops them on SIGTERM,
+        # Workers live in their own process groups under the agents; an agent stops them on SIGINT,
         # and anything still running from this cluster's directory is killed here.
         kill_strays(self.root, keep={self.etcd.pid} if self.etcd is not None and self.etcd.pid else set())
         if self.etcd is not None:

@@ -305,9 +305,8 @@ class KubernetesScheduler:
     @classmethod
     def from_section(cls, raw: dict[str, Any], where: str, run: str = "") -> KubernetesScheduler:
         """``run``: the controller's run name, the default for the section's own ``run``."""
-        if run:
-            if raw.setdefault("run", run) != run:
-                raise BackendError(f"{where}: run {raw['run']!r} is not the controller's run {run!r}")
+        if run and raw.setdefault("run", run) != run:
+            raise BackendError(f"{where}: run {raw['run']!r} is not the controller's run {run!r}")
         try:
             return cls(load_section(KubernetesConfig, raw, where))
         except (ConfigError, BackendError) as exc:

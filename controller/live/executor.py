@@ -65,6 +65,10 @@ from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
 log = logging.getLogger(__name__)
 
 # A planned stop waits for the node's exit this often; a node's hard stop gets this long to kill.
+# An unplanned stop (a failed attempt) gets no longer between TERM and KILL either: ranks treat TERM
+# as a stop request (nodeagent.trainer), but a failed attempt's ranks are mostly blocked in a
+# collective where no Python handler runs, and what they could save is committed already. The
+# core still waits up to its stop_grace_s for the exits.
 _EXIT_POLL_S = 0.2
 _HARD_STOP_GRACE_S = 2.0
 
@@ -352,7 +356,7 @@ class Executor:
             deadline = time.monotonic() + action.grace_s  # ends as soon as the exit is seen
             while time.monotonic() < deadline and not self.translator.has_exited(node, action.attempt):
                 time.sleep(_EXIT_POLL_S)
-        grace = _HARD_STOP_GRACE_S if action.planned else action.grace_s
+        grace = min(action.grace_s, _HARD_STOP_GRACE_S)
         out = self.agents.stop(
             node,
             agent_pb2.StopWorkersRequest(run=self.s.run, attempt=action.attempt, grace_s=grace),

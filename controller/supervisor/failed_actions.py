@@ -27,6 +27,10 @@ from runwarden.v1 import events_pb2 as E
 if TYPE_CHECKING:
     from controller.supervisor.machine import Supervisor
 
+# A refused ask of the queue (no such nodes, the scheduler down) is asked again after this, doubling.
+QUEUE_RETRY_BASE_S = 5.0
+QUEUE_RETRY_MAX_S = 300.0
+
 
 def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
     act = ev.action
@@ -84,7 +88,13 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
             failure.stop(sv)
         case AllocateFromQueue():
             sv.queue_outstanding = max(0, sv.queue_outstanding - act.count)
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; asking again when a slot still needs a node")
+            sv.queue_refusals += 1
+            delay = min(QUEUE_RETRY_MAX_S, QUEUE_RETRY_BASE_S * 2 ** (sv.queue_refusals - 1))
+            sv.queue_retry_at = sv.now + delay
+            sv.emit(SetTimer(key="queue_retry", at=sv.queue_retry_at))
+            sv.log(
+                E.EVENT_KIND_CONTROL_PLANE, f"{what}; asking again in {delay:g}s if a slot still needs a node"
+            )
         case _:
             # StopAttempt: the stop deadline decides; Quarantine/Release/TakeSpare/Page/PersistNode: the
             # core's own state is already right and is written again at the node's next change.

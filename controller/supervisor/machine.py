@@ -129,6 +129,8 @@ class Supervisor:
         self.waiting_since: float | None = None
         self.waiting_paged = False  # this wait for nodes has paged (once per wait)
         self.queue_outstanding = 0
+        self.queue_refusals = 0  # asks of the queue refused in a row (backoff: 5 s doubling to 5 min)
+        self.queue_retry_at = 0.0
         self.from_queue: set[str] = set()
         self.burn_in: set[str] = set()
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses

@@ -33,6 +33,7 @@ def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
     node = sv.pool.set_alive(ev.node, True, ev.local_ranks)
     if sv.queue_outstanding > 0 and node.state is PoolState.SPARE:
         sv.queue_outstanding -= 1
+        sv.queue_refusals = 0
         sv.from_queue.add(ev.node)
     sv.log(
         E.EVENT_KIND_NODE_JOINED,

@@ -82,6 +82,8 @@ def try_start(sv: Supervisor) -> None:
 
 
 def _ask_queue(sv: Supervisor, count: int, reason: str) -> None:
+    if sv.now < sv.queue_retry_at:
+        return  # the queue refused the last ask: asked again at the retry timer, not at every event
     sv.queue_outstanding += count
     sv.log(E.EVENT_KIND_ALLOCATE, reason)
     sv.emit(AllocateFromQueue(count=count, reason=reason))
@@ -179,6 +181,8 @@ def reject(
 def on_tick(sv: Supervisor) -> None:
     """PREFLIGHT: requests that never left are sent again; a node that did not answer within the
     preflight timeout is rejected."""
+    if sv.empty_slots > sv.queue_outstanding and sv.queue_retry_at and sv.now >= sv.queue_retry_at:
+        fill_slots(sv)  # the queue refused an earlier ask: ask again (after its backoff)
     resend = sorted(n for n in sv.preflight_resend if n in sv.pending_preflight)
     sv.preflight_resend.clear()
     if resend:

@@ -140,6 +140,7 @@ def agent_settings(
         "local_ranks": 1,
         "preflight_config": str(preflight_config),
         "stop_grace_s": 5.0,
+        "drain_handoff_s": 3.0,  # a SIGTERM'd test agent stops its ranks itself if no controller does
     }
 
 
@@ -475,13 +476,15 @@ class FleetCluster(ClusterBase):
             )
 
     def stop(self) -> None:
-        """SIGTERM the controllers and agents (they stop their workers), SIGKILL what is left on
-        this cluster's hosts after 15 s, etcd last. Idempotent."""
+        """SIGTERM the controllers, SIGINT the agents (stop the workers now: a SIGTERM would be a
+        drain that hands the attempt over first), SIGKILL what is left on this cluster's hosts
+        after 15 s, etcd last. Idempotent."""
         procs = [p for p in (self.controller, self.standby, *self.agents.values()) if p is not None]
+        agents = {id(p) for p in self.agents.values()}
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
+                    p.send_signal(signal.SIGINT if id(p) in agents else signal.SIGTERM)
         deadline = time.monotonic() + 15
         for p in procs:
             try:

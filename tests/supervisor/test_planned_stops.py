@@ -157,3 +157,23 @@ def test_a_snapshot_that_shows_a_drain_missed_in_a_watch_gap_stops_the_attempt()
     )
     assert d.sup.state is RunState.STOPPING
     assert not d.of(Quarantine)
+
+
+def test_a_refused_ask_of_the_queue_is_asked_again_after_a_doubling_backoff_not_at_once() -> None:
+    from controller.supervisor.actions import AllocateFromQueue
+    from controller.supervisor.events import ActionFailed, NodeJoined
+
+    d = Driver(cfg=fast(waiting_page_s=0.0), nodes=2)
+    d.add_nodes(1)
+    assert len(d.of(AllocateFromQueue)) == 1
+    waits = []
+    for _ in range(3):
+        refused_at = d.now
+        d.send(ActionFailed(action=d.of(AllocateFromQueue)[-1], temporary=True, reason="no such nodes"))
+        d.send(NodeJoined(node="n1", local_ranks=1))  # any event: no hot retry
+        before = len(d.of(AllocateFromQueue))
+        d.advance(60)
+        assert len(d.of(AllocateFromQueue)) == before + 1, "asked again once, after the backoff"
+        asked_at = d.events(E.EVENT_KIND_ALLOCATE)[-1].ts
+        waits.append(asked_at - refused_at)
+    assert waits == [5.0, 10.0, 20.0]
