@@ -99,3 +99,19 @@ def test_node_names_and_the_agent_line() -> None:
         and "[fd00::1]:50051" in line
         and line[line.index("--metrics-listen") + 1] == ""
     )
+
+
+def test_the_ray_section_in_deploy_readme_loads() -> None:
+    """deploy/README.md's example `[ray]` table is a section RayScheduler accepts."""
+    import tomllib
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "deploy" / "README.md").read_text()
+    block = text.split("## Ray\n", 1)[1].split("    [controller]\n", 1)[1].split("\n\nOther keys", 1)[0]
+    raw = tomllib.loads(
+        "[controller]\n" + "\n".join(line.removeprefix("    ") for line in block.splitlines())
+    )
+    assert raw["controller"]["backend"] == "ray"
+    sched = build_scheduler("ray", raw["ray"], "deploy/README.md [ray]", run=raw["controller"]["run"])
+    assert isinstance(sched, RayScheduler)
+    assert sched.config.namespace == "runwarden-llm" and sched.config.bundle == {"CPU": 96.0, "GPU": 8.0}

@@ -4,7 +4,9 @@ ray.cluster_utils on this host), one node agent per Ray node placed by the Ray b
 supervises a real 2-node DDP run (examples/train.py, torchrun + gloo) through those agents:
 a crash, a lost Ray node (its raylet SIGKILLed) and a straggler are each detected by the right
 detector, blamed on the right node and recovered from; a planned stop ends the run, and the
-controller gives the allocation back (no actor, no placement group, no agent left)."""
+controller gives the allocation back (no actor, no placement group, no agent left). Ray moves the
+lost node's bundle to the free worker (a new agent joins), and the quarantined straggler node keeps
+its agent, passes its burn-in and returns to the spare pool."""
 
 from __future__ import annotations
 
@@ -228,6 +230,18 @@ def test_the_ray_backend_supervises_a_run_through_three_faults(
         assert r.launch is not None and r.first_step is not None
         assert node not in r.launch.launch.nodes or fault == "crash"
         print(f"{fault:<10} {node:<15} detected {r.detect_s:5.1f} s, training again {r.first_step_s:5.1f} s")
+    by_fault = {i.fault: i for i in injections}
+    # The lost Ray node's bundle moved to the free worker and its actor started an agent there: a
+    # new node joined the pool without a second ask.
+    joined = [e.node.node for e in events if e.kind == E.EVENT_KIND_NODE_JOINED]
+    assert len(set(joined)) == 4, joined
+    # The straggler's node kept its agent under quarantine: it passed its burn-in and came back.
+    straggler = by_fault["straggler"]
+    assert any(
+        e.kind == E.EVENT_KIND_RELEASE and e.release.node == straggler.node and e.seq > straggler.after_seq
+        for e in events
+    ), "the quarantined straggler node was not burnt in and released"
+    assert len(events) < 300, "the event log grew like a loop"
 
 
 def test_the_run_end_gives_the_ray_allocation_back(
