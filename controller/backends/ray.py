@@ -361,15 +361,19 @@ class RayScheduler:
         ).remote(self.config)
 
     def _agents(self) -> list[_Agent]:
-        """Every agent actor of the run that answers (``call_timeout_s``), by group and bundle."""
+        """Every agent actor of the run that answers (``call_timeout_s``), by group and bundle. Only
+        bundles placed on an alive node are asked: an actor waiting for its bundle cannot answer."""
         found: list[tuple[str, int, Any]] = []
+        alive = set(self._alive_nodes())
         for group, entry in self._groups().items():
             if group.startswith(MARK_PREFIX):
                 continue
-            for index in range(len(entry.get("bundles", {}))):
-                handle = self._actor(group, index)
+            for index, node_id in entry.get("bundles_to_node_id", {}).items():
+                if node_id not in alive:
+                    continue
+                handle = self._actor(group, int(index))
                 if handle is not None:
-                    found.append((group, index, handle))
+                    found.append((group, int(index), handle))
         refs = [h.info.remote() for _, _, h in found]
         ready, _ = (
             ray.wait(refs, num_returns=len(refs), timeout=self.config.call_timeout_s) if refs else ([], [])
@@ -415,16 +419,13 @@ class RayScheduler:
             marks = self._marks(self._groups())
             bundle_nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
             ips = {nid: n["NodeManagerAddress"] for nid, n in self._alive_nodes().items()}
-            handles = []
             for index in range(count):
-                handle = self._actor(ALLOC, index)
                 ip = ips.get(bundle_nodes.get(index, ""))
-                if handle is None and not (ip is not None and node_name(ip) in marks):
-                    handle = self._start_agent(ALLOC, index)
-                if handle is not None:
-                    handles.append(handle)
-            infos = ray.get([h.info.remote() for h in handles], timeout=self.config.allocate_timeout_s)
-            return Allocation(id=f"ray:{pg.id.hex()}", nodes=tuple(i["node"] for i in infos))
+                # A missing actor is started, except where quarantine stopped it (release restarts it).
+                if self._actor(ALLOC, index) is None and not (ip is not None and node_name(ip) in marks):
+                    self._start_agent(ALLOC, index)
+            names = tuple(a.node for a in self._agents() if a.group == ALLOC)  # those that answer
+            return Allocation(id=f"ray:{pg.id.hex()}", nodes=tuple(dict.fromkeys(names)))
 
     def request_nodes(self, count: int, *, exclude: tuple[str, ...], reason: str) -> NodeRequest:
         if count < 1:
