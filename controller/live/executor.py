@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import assert_never
 
+from google.protobuf.message import DecodeError
+
 from controller.backends.base import AttemptSpec, BackendError, Scheduler, StaticFleet
 from controller.backends.local import LaunchIncomplete, LocalBackend
 from controller.live import bandwidth
@@ -299,11 +301,28 @@ class Executor:
                     action, f"attempt {action.attempt} refused by fencing (attempt record changed)"
                 )
             ]
+        self._retire_relaunch_stop()
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
         self._submit(self._start_workers, action, spec)
         return []
+
+    def _retire_relaunch_stop(self) -> None:
+        """A relaunching stop request has done its work once the next attempt launches: delete it, so
+        neither a later Snapshot nor an agent's watch stops the new attempt. Not before: the agents
+        watch the key, and a stop deleted while the ranks still save would be withdrawn there. A stop
+        that ends the run stays, so a restarted controller does not relaunch it."""
+        key = self.keys.stop(self.s.run)
+        try:
+            cur = self.store.get(key)
+            if cur is None:
+                return
+            req = store_pb2.StopRequest.FromString(cur.value)
+            if req.relaunch:
+                self.store.delete(key)
+        except (StoreError, DecodeError) as exc:
+            log.warning("could not retire the handled stop request: %s", exc)
 
     def _not_launched(self, action: Launch, reason: str) -> ActionFailed:
         log.error("%s", reason)

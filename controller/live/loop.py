@@ -49,7 +49,6 @@ from controller.supervisor.events import (
     Event,
     OperatorQuarantine,
     OperatorRelease,
-    StopRequested,
     Tick,
 )
 from controller.supervisor.machine import SupervisorStatus, TransitionError
@@ -442,11 +441,6 @@ class LiveController:
                 # The batch is neither logged nor executed: the next leader rebuilds from the store.
                 raise _SteppedDown
             pending.extend(self.executor.execute(batch))
-        if isinstance(event, StopRequested) and event.relaunch:
-            # Handled (and logged) once: a later Snapshot must not stop the relaunched attempt again.
-            # A stop that ends the run stays, so a restarted controller does not relaunch it.
-            with contextlib.suppress(StoreError):
-                self.store.delete(self.keys.stop(self.cfg.run))
         self._publish_status(now)
         if operator is not None:
             node = operator.event.node
