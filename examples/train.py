@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break
+    else:
+        reporter.finished()  # the last step: what follows is teardown, not a hang
     reporter.close()
     dist.destroy_process_group()
     return 0

@@ -109,6 +109,7 @@ class ProgressReporter:
         self._ckpt_error: tuple[int, str] | None = None
         self._sigterm = False
         self._stop_reason = ""
+        self._finished = False
         self._last_step = 0
         self._previous_sigterm: Any = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
@@ -213,6 +214,15 @@ class ProgressReporter:
         """Why this rank is stopping ("" while it is not)."""
         return self._stop_reason
 
+    def finished(self) -> None:
+        """This rank took its last step (and saved what it must): sent now and on every later
+        report, so the time it takes to tear down and exit is not taken for a hang."""
+        if self._finished:
+            return
+        self._finished = True
+        self._pending.append((self._last_step, 0.0, 0.0, 0.0, False, None, time.time()))
+        self.flush()
+
     def stopping(self, reason: str) -> None:
         """This rank ends on a stop request: `reason` is sent now and on every later report (the
         agent's exit record then says planned_stop). `stop_requested()` calls it; a rank that
@@ -316,6 +326,8 @@ class ProgressReporter:
             progress.step, progress.checkpoint_error = self._ckpt_error
         if self._stop_reason:
             progress.stop_reason = self._stop_reason
+        if self._finished:
+            progress.finished = True
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:

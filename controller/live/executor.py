@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,7 @@ class Executor:
         translator: Translator,
         pool: ThreadPoolExecutor,
         scheduler: Scheduler | None = None,
+        allocated: threading.Event | None = None,
         post: Callable[[Event], None],
         relist: Callable[[], None],
         listeners: list[Callable[[events_pb2.Event], None]],
@@ -122,6 +124,7 @@ class Executor:
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
+        self.allocated = allocated or threading.Event()  # the leader's allocation is granted
         self.post = post  # an event for the loop's queue (RPC results, from pool threads)
         self.relist = relist  # ask the loop to list the store and send a Snapshot
         self.listeners = listeners
@@ -233,6 +236,12 @@ class Executor:
             log.warning("%s: %s holds it (not runwarden): left as it is", action.node, self.scheduler.name)
 
     def _request_nodes(self, action: AllocateFromQueue, exclude: tuple[str, ...]) -> None:
+        if not self.allocated.is_set():
+            # The allocation's own agents are still coming: an ask now would take nodes twice over.
+            self.post(
+                ActionFailed(action=action, temporary=True, reason="the run's allocation is not granted yet")
+            )
+            return
         try:
             req = self.scheduler.request_nodes(action.count, exclude=exclude, reason=action.reason)
         except BackendError as exc:

@@ -106,6 +106,8 @@ ADOPT_GRACE_S = 2.0
 ADOPT_CHECK_S = 60.0
 # Answers fed back in one loop iteration at most (a chain longer than this waits for the next one).
 MAX_ANSWERS_PER_ITERATION = 64
+# A refused allocation is asked for again this often (while this process leads).
+ALLOCATE_RETRY_S = 30.0
 # A leader stops acting this long (or two ticks, if longer) before its lease could have expired.
 LEADER_MARGIN_S = 0.5
 
@@ -195,7 +197,7 @@ class LiveController:
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.outcome: RunOutcome | None = None  # set once the run is over (and the scheduler told)
         self.done = threading.Event()  # the run is over: `controller run --exit-when-done` exits
-        self._allocated = False
+        self._allocated = threading.Event()  # allocate() returned (the queue may be asked from then on)
         self._eventlog_factory = eventlog_factory
         self.clock = clock
         self.events: queue.Queue[Item] = queue.Queue()
@@ -306,6 +308,7 @@ class LiveController:
             translator=self.translator,
             pool=self.pool,
             scheduler=self.scheduler,
+            allocated=self._allocated,
             post=lambda ev: self.events.put(ev),
             relist=lambda: self.events.put(_Relist()),
             listeners=self.listeners,
@@ -319,7 +322,7 @@ class LiveController:
         self._adopted = (attempt, time.monotonic()) if attempt else None
         self._start_watches(revision + 1)
         self.is_leader.set()
-        if not self._allocated:
+        if not self._allocated.is_set():
             self.pool.submit(self._allocate)
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
@@ -327,25 +330,32 @@ class LiveController:
 
     def _allocate(self) -> None:
         """The leader holds the run's machines (once per process: `allocate` adopts an allocation an
-        earlier leader made, so a takeover never holds two)."""
-        try:
-            got = self.scheduler.allocate(self.nodes, self.cfg.spares)
-        except BackendError as exc:
-            log.error(
-                "allocating %d + %d nodes via %s failed: %s",
-                self.nodes,
-                self.cfg.spares,
-                self.scheduler.name,
-                exc,
-            )
-            self.pager.page(f"{self.cfg.run}: allocation via {self.scheduler.name} failed: {exc}", "critical")
+        earlier leader made, so a takeover never holds two). A refusal pages once and is tried again
+        every ALLOCATE_RETRY_S while this process leads; a still-queued allocation is adopted then."""
+        paged = False
+        while not self.stopping.is_set() and self.is_leader.is_set():
+            try:
+                got = self.scheduler.allocate(self.nodes, self.cfg.spares)
+            except Exception as exc:  # a BackendError, or a backend's bug: the run must not hang on it
+                log.error(
+                    "allocating %d + %d nodes via %s failed: %s",
+                    self.nodes,
+                    self.cfg.spares,
+                    self.scheduler.name,
+                    exc,
+                    exc_info=not isinstance(exc, BackendError),
+                )
+                if not paged:
+                    self.pager.page(
+                        f"{self.cfg.run}: allocation via {self.scheduler.name} failed: {exc}", "critical"
+                    )
+                    paged = True
+                self.stopping.wait(ALLOCATE_RETRY_S)
+                continue
+            self._allocated.set()
+            if got.nodes:
+                log.info("allocation %s via %s: %s", got.id, self.scheduler.name, ", ".join(got.nodes))
             return
-        except Exception:
-            log.exception("allocate via %s failed", self.scheduler.name)
-            return
-        self._allocated = True
-        if got.nodes:
-            log.info("allocation %s via %s: %s", got.id, self.scheduler.name, ", ".join(got.nodes))
 
     def _finish(self, outcome: RunOutcome) -> None:
         try:

@@ -62,6 +62,7 @@ class RankSample:
     in_checkpoint: bool = False
     reported_at: float = 0.0
     loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
+    finished: bool = False  # took its last step and is exiting (training is done)
 
     def __post_init__(self) -> None:
         try:  # one chained comparison each: NaN, infinities and negatives all fail it
@@ -93,6 +94,7 @@ class RankSample:
             in_checkpoint=p.in_checkpoint,
             reported_at=p.reported_at,
             loaded_step=p.loaded_step if p.HasField("loaded_step") else None,
+            finished=p.finished,
         )
 
 

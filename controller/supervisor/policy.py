@@ -86,6 +86,8 @@ class SupervisorConfig:
     collect_dumps: bool = True
     dump_timeout_s: float = 20.0
     stop_grace_s: float = 30.0
+    # Ranks that took their last step get this long to exit before it is a hang ("hang:exit").
+    exit_timeout_s: float = 120.0
     stop_margin_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -124,6 +126,7 @@ class SupervisorConfig:
             "control_plane_grace_s",
             "dump_timeout_s",
             "stop_grace_s",
+            "exit_timeout_s",
             "stop_margin_s",
         ):
             value = getattr(self, name)

@@ -35,6 +35,9 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
             _node_loaded(sv, ev.node)
             if not stepped:
                 return  # a load mark: no step was taken yet, so no step accounting
+    if ev.node not in a.finished_nodes and all(r.finished for r in ev.ranks):
+        a.finished_nodes.add(ev.node)
+        a.finished_at = sv.now
     alpha = sv.cfg.straggler_ewma_alpha
     loads = a.loads
     node_step = ev.ranks[0].step
@@ -199,6 +202,24 @@ def check_hang(sv: Supervisor) -> None:
                     reason=f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch",
                 ),
                 latency=now - a.launched_at,
+            )
+            return
+    elif a.finished_nodes and a.finished_nodes >= a.node_step.keys():
+        # Training is done everywhere: what is left is the ranks' teardown and exit.
+        deadline = a.finished_at + sv.cfg.exit_timeout_s
+        if now >= deadline:
+            left = sorted(n for n in a.node_step if n not in a.exited)
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_HANG,
+                    nodes=left,
+                    step=a.min_step,
+                    label="hang:exit",
+                    reason=f"{sv.names(left)} took the last step and did not exit within "
+                    f"{sv.cfg.exit_timeout_s:g}s",
+                ),
+                latency=now - a.finished_at,
             )
             return
     else:

@@ -374,6 +374,7 @@ class RankProgress(_message.Message):
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     LOADED_STEP_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -406,6 +407,10 @@ class RankProgress(_message.Message):
     """Set when this rank is ending on a stop request (the agent's flag, the stop file, SIGTERM): why.
     An exit 0 after it is a planned stop, not the end of training.
     """
+    finished: _builtins.bool
+    """Set once this rank took its last step (training is done) and is exiting: its silence from now
+    on is the teardown (destroying the process group, the interpreter's exit), not a hang.
+    """
     def __init__(
         self,
         *,
@@ -424,10 +429,11 @@ class RankProgress(_message.Message):
         checkpoint_error: _builtins.str = ...,
         loaded_step: _builtins.int | None = ...,
         stop_reason: _builtins.str = ...,
+        finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015

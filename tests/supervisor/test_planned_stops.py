@@ -177,3 +177,34 @@ def test_a_refused_ask_of_the_queue_is_asked_again_after_a_doubling_backoff_not_
         asked_at = d.events(E.EVENT_KIND_ALLOCATE)[-1].ts
         waits.append(asked_at - refused_at)
     assert waits == [5.0, 10.0, 20.0]
+
+
+def _finish(d: Driver, step: int) -> None:
+    from controller.supervisor.events import ProgressObserved, RankSample
+
+    d.now += 1.0
+    for node_rank, node in enumerate(d.running_nodes()):
+        ranks = (RankSample(rank=node_rank, step=step, step_time_s=1.0, reported_at=d.now, finished=True),)
+        d.send(ProgressObserved(node=node, attempt=d.sup.attempt, ranks=ranks))
+
+
+def test_ranks_that_took_their_last_step_get_the_exit_timeout_not_the_hang_timeout() -> None:
+    d = Driver(cfg=fast(hang_timeout_floor_s=10.0, exit_timeout_s=60.0), nodes=2)
+    d.start(2)
+    d.steps(1, 5)
+    _finish(d, 6)
+    d.advance(45)  # slow teardown on a loaded machine: far past the hang timeout
+    assert d.sup.state is RunState.RUNNING, "a run that finished training is not hung"
+    _exit_everyone(d)
+    assert d.sup.state is RunState.COMPLETED
+    assert not d.of(Quarantine)
+
+
+def test_ranks_that_took_their_last_step_and_never_exit_are_a_hang_at_exit() -> None:
+    d = Driver(cfg=fast(hang_timeout_floor_s=10.0, exit_timeout_s=60.0, collect_dumps=False), nodes=2)
+    d.start(2)
+    d.steps(1, 5)
+    _finish(d, 6)
+    d.advance(61)
+    detections = d.events(E.EVENT_KIND_DETECTION)
+    assert detections and "did not exit within 60s" in detections[-1].message
