@@ -151,6 +151,14 @@ def resolve_allowed(argv0: str, allowed: tuple[str, ...], path: str) -> str:
     raise LaunchError(f"argv[0]: {argv0!r} is not in the agent's allowed_executables", permission=True)
 
 
+# Slurm's notice (--signal=USR1@N, `scancel --signal=USR1`) goes to every process of the job step,
+# not only to the agent: a worker with USR1's default action (terminate) would die of the very
+# notice the agent turns into a planned stop (torchrun killed, no commit). Workers start with USR1
+# ignored (SIG_IGN survives exec, the ranks inherit it; a trainer that installs a handler still gets
+# it); the shell execs the worker, so the worker keeps the pid Popen returns.
+IGNORE_USR1 = ("/bin/sh", "-c", 'trap "" USR1; exec "$0" "$@"')
+
+
 class Launcher:
     def __init__(
         self, *, allowed_executables: tuple[str, ...], on_exit: Callable[[Worker], None] | None = None
@@ -172,9 +180,15 @@ class Launcher:
                 raise LaunchError(f"run {spec.run!r} already has running workers on this node")
         spec.fr_socket_dir.mkdir(parents=True, exist_ok=True)
         spec.stop_file.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(exe, os.X_OK):
+            raise LaunchError(f"cannot start {spec.argv[0]!r}: not an executable file")
         try:
             popen = subprocess.Popen(
-                [exe, *spec.argv[1:]], env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL
+                [*IGNORE_USR1, exe, *spec.argv[1:]],
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
