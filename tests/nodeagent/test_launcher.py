@@ -88,6 +88,35 @@ def test_exit_code_reported_and_leftovers_cleaned(agent_factory, tmp_path):
     wait_for(lambda: _gone([child, leader]), 10, "the leftover child to be killed")
 
 
+def test_workers_survive_the_schedulers_usr1_notice(agent_factory, tmp_path):
+    """Slurm signals every process of the job step: a worker and its children start with SIGUSR1
+    ignored (the agent turns the notice into a planned stop), and keep the pid the agent reports."""
+    agent = _agent(agent_factory)
+    pidfile = tmp_path / "pids"
+    code = (
+        "import os,sys,time\nif os.fork()==0:\n  time.sleep(1000)\n"
+        "open(sys.argv[1],'w').write(str(os.getpid()))\ntime.sleep(1000)"
+    )
+    leader = _launch(agent, "r6", [sys.executable, "-c", code, str(pidfile)])
+    assert int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the leader's pid")) == leader
+    os.killpg(leader, signal.SIGUSR1)  # the leader's process group: the worker and its child
+    time.sleep(0.5)
+    ws = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).workers
+    assert [w.running for w in ws if w.pid == leader] == [True]
+    assert _children(leader), "the worker's child died of SIGUSR1"
+    agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="r6", grace_s=2.0), timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = proctree.read_proc(int(entry))
+            if info is not None and info.ppid == pid:
+                found.append(int(entry))
+    return found
+
+
 def test_worker_env_has_the_contract(agent_factory, tmp_path):
     agent = _agent(agent_factory)
     out = tmp_path / "env"
