@@ -366,7 +366,13 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=0.0, help="start no round after this (0: none)")
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", type=Path, help="keep each cluster's directory (event log, logs) under this")
+    p.add_argument(
+        "--markdown", type=Path, help="print the tables of a results JSON as Markdown; run nothing"
+    )
     args = p.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     backends = [b for b in args.backends.split(",") if b]
     faults = [f for f in args.faults.split(",") if f]
     bad = [b for b in backends if b not in BACKENDS] + [f for f in faults if f not in FAULTS]
@@ -504,6 +510,41 @@ def summarise(result: dict[str, Any], out: Path | None, t0: float) -> int:
         for n in notes:
             print(f"note {b}: {n}")
     return 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """BENCHMARKS.md's tables from a results JSON."""
+
+    def fmt(s: dict[str, float] | None, digits: int = 1) -> str:
+        return f"{s['median']:.{digits}f} s ({s['min']:.{digits}f} .. {s['max']:.{digits}f})" if s else "-"
+
+    lines = [
+        "| backend | fault | n | unrecovered | time to detect, median | fault -> first new step, median (min .. max) | x agents |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in result["faults"]:
+        for b, rows in result["summary"].items():
+            row = rows[f]
+            s, d = row["time_to_first_step"], row["time_to_detect"]
+            ratio = f"{row['ratio_to_agents']:.2f}" if row["ratio_to_agents"] else "-"
+            n = s["n"] if s else 0
+            det = f"{d['median']:.2f} s" if d else "-"
+            lines.append(f"| {b} | {f} | {n} | {row['unrecovered']} | {det} | {fmt(s)} | {ratio} |")
+    tl = result["time_limit_summary"]
+    if any(tl.values()):
+        lines += [
+            "",
+            "| slurm time-limit notice (`scancel --signal=USR1 <job>`) -> | n | median (min .. max) |",
+            "| --- | --- | --- |",
+        ]
+        names = {
+            "stop_request": "STOP_REQUEST (the first agent's drain seen)",
+            "commit": "the stop's CHECKPOINT_COMMIT",
+            "exit": "the attempt's planned-stop EXIT (its ranks all gone)",
+        }
+        for k, s in tl.items():
+            lines.append(f"| {names[k]} | {s['n'] if s else 0} | {fmt(s, 2)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
