@@ -194,10 +194,10 @@ class Executor:
                 # The pool state is persisted by PersistNode; the scheduler keeps the node out of its
                 # own placements too (a Slurm drain, a Kubernetes taint, off the Ray placement).
                 self.kept_out.add(action.node)
-                self._submit(self._tell_scheduler, action, "quarantine", action.node, action.reason)
+                self._submit(self._tell_scheduler, action)
             case Release():
                 self.kept_out.discard(action.node)
-                self._submit(self._tell_scheduler, action, "release", action.node)
+                self._submit(self._tell_scheduler, action)
             case AllocateFromQueue():
                 self._submit(self._request_nodes, action, tuple(sorted(self.kept_out)))
             case TakeSpare():
@@ -219,9 +219,16 @@ class Executor:
 
     # -- the scheduler ---------------------------------------------------------------------------
 
-    def _tell_scheduler(self, action: Quarantine | Release, what: str, *args: str) -> None:
+    def _tell_scheduler(self, action: Quarantine | Release) -> None:
+        """The pool's decision, told to the scheduler too; a failure is reported, the pool stands."""
+        what = "quarantine" if isinstance(action, Quarantine) else "release"
         try:
-            done = getattr(self.scheduler, what)(*args)
+            if isinstance(action, Quarantine):
+                self.scheduler.quarantine(action.node, action.reason)
+            elif not self.scheduler.release(action.node):
+                log.warning(
+                    "%s: %s holds it (not runwarden): left as it is", action.node, self.scheduler.name
+                )
         except BackendError as exc:
             self.post(
                 ActionFailed(
@@ -231,9 +238,6 @@ class Executor:
                     reason=f"{what} via {self.scheduler.name}: {exc}",
                 )
             )
-            return
-        if what == "release" and done is False:
-            log.warning("%s: %s holds it (not runwarden): left as it is", action.node, self.scheduler.name)
 
     def _request_nodes(self, action: AllocateFromQueue, exclude: tuple[str, ...]) -> None:
         if not self.allocated.is_set():
