@@ -97,12 +97,13 @@ def _run(args: argparse.Namespace) -> int:
         shell_kwargs["identity"] = run.identity
     from controller.live.agents import AgentClients
 
+    pager = Pager(cfg.paging)
     shell = LiveController(
         ShellConfig(**shell_kwargs),
         store,
         lambda: Supervisor(cfg.policy, RunPlan(run=run.run, nodes=run.nodes)),
         agents=AgentClients(cfg.agent_tls),
-        pager=Pager(cfg.paging),
+        pager=pager,
         scheduler=scheduler,
     )
     tls = None
@@ -145,6 +146,8 @@ def _run(args: argparse.Namespace) -> int:
     shell.close()
     server.stop(grace=1.0)
     store.close()
+    if not pager.flush():  # a page in flight (the crash loop's, the budget's) is delivered first
+        logging.getLogger("controller").warning("a page was still being delivered at exit")
     if args.exit_when_done and shell.outcome is not None:
         code = shell.outcome.exit_code
         logging.getLogger("controller").info("the run is over (%s): exit %d", shell.outcome.value, code)

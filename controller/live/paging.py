@@ -35,6 +35,7 @@ class Pager:
         self._last_by_reason: dict[str, float] = {}
         self._window: list[float] = []
         self.sent: list[tuple[str, str]] = []
+        self._deliveries: list[threading.Thread] = []
         self.suppressed = 0
 
     def page(self, reason: str, severity: str = "critical") -> bool:
@@ -53,8 +54,23 @@ class Pager:
             self._window.append(now)
             self.sent.append((severity, reason))
         log.error("PAGE (%s): %s", severity, reason)
-        threading.Thread(target=self._deliver, args=(reason, severity), daemon=True).start()
+        thread = threading.Thread(target=self._deliver, args=(reason, severity), daemon=True)
+        with self._lock:
+            self._deliveries = [t for t in self._deliveries if t.is_alive()] + [thread]
+        thread.start()
         return True
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the pages still being delivered (a controller about to exit: the crash loop's
+        page must not die with its daemon thread); at most ``timeout_s`` (default: what one
+        delivery may take). True when none is left."""
+        budget = 2 * self.cfg.timeout_s + 1.0 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        with self._lock:
+            pending = list(self._deliveries)
+        for thread in pending:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in pending)
 
     def _deliver(self, reason: str, severity: str) -> None:
         if self.cfg.webhook_url:

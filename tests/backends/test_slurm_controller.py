@@ -406,7 +406,7 @@ def test_slurm_time_limit_notice_stops_cleanly_at_a_commit_and_resumes_on_nodes_
         run="slurmsig",
         active=2,
         spares=0,
-        steps=60,
+        steps=80,
         ckpt_every=1000,
         step_sleep=0.05,
         policy={"hang_timeout_floor_s": 60.0},
@@ -422,6 +422,7 @@ def test_slurm_time_limit_notice_stops_cleanly_at_a_commit_and_resumes_on_nodes_
         signalled = time.time()
         slurm_cluster_module.cmd("scancel", "--signal=USR1", job)
         commit = run.wait_for(E.EVENT_KIND_CHECKPOINT_COMMIT, 60, after_seq=first.seq)
+        assert commit.step < spec.steps, "the run ended before the notice: nothing was stopped"
         committed_in = commit.ts - signalled
         ended = run.wait_for(
             E.EVENT_KIND_EXIT, 60, lambda e: e.attempt == launch.attempt and not e.exit.node, first.seq

@@ -82,3 +82,15 @@ def test_an_unreachable_webhook_never_raises() -> None:
     )
     assert pager.page("budget exhausted")
     time.sleep(1.0)  # delivery runs in a daemon thread; it logs and gives up
+
+
+def test_flush_waits_for_a_page_in_flight(tmp_path: Path) -> None:
+    """A controller that exits right after paging (--exit-when-done on a crash loop) flushes first:
+    the delivery runs on a daemon thread that would die with the process."""
+    out = tmp_path / "paged.txt"
+    script = f"import sys, time; time.sleep(0.5); open({str(out)!r}, 'a').write(sys.argv[1] + '\\n')"
+    pager = Pager(PagerConfig(command=(sys.executable, "-c", script)))
+    assert pager.page("crash loop", "critical")
+    assert pager.flush()
+    assert out.read_text() == "crash loop\n"
+    assert pager.flush(0.0)  # nothing left in flight
