@@ -131,11 +131,26 @@ def on_lost_running(sv: Supervisor, ev: NodeLost) -> None:
 
 
 def on_lost_stopping(sv: Supervisor, ev: NodeLost) -> None:
-    """COLLECTING and STOPPING: a lost node of the attempt counts as exited."""
+    """COLLECTING and STOPPING: a lost node of the attempt counts as exited.
+
+    A crash is blamed on a node of the attempt that then loses its lease before its ranks exited:
+    when a host dies its peers' collectives fail at once (the connections close), so a survivor's
+    exit often comes before the dead host's lease expires; the first exit is a victim."""
+    drained = bool(sv.pool.get(ev.node).draining)
     if on_lost(sv, ev):
         return
     a = sv.cur
     if ev.node in a.node_step:
+        f = sv.failure
+        if (
+            f is not None
+            and f.detector == E.DETECTOR_CRASH
+            and not (f.planned or f.control_plane or drained)
+            and ev.node not in a.exited
+        ):
+            last = a.node_seen_at.get(ev.node, a.launched_at)
+            f.detector, f.nodes, f.ranks, f.label = E.DETECTOR_NODE_LOST, [ev.node], [], "node_lost"
+            f.reason = f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)"
         a.exited.setdefault(ev.node, "lost")
         if sv.state is RunState.STOPPING:
             failure.maybe_stopped(sv, ev.node)
