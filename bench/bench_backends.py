@@ -5,6 +5,9 @@ commit.
 
     .venv/bin/python bench/bench_backends.py --trials 5 --out bench/results/bench_backends.json
     .venv/bin/python bench/bench_backends.py --backends agents,ray --faults crash,node-lost --trials 2
+    .venv/bin/python bench/bench_backends.py --trials 5 --resume --out bench/results/bench_backends.json
+        # continues a run cut short (--budget-s, or killed) up to 5 trials
+    .venv/bin/python bench/bench_backends.py --markdown bench/results/bench_backends.json  # the tables
 
 Every backend runs the same job (examples/train.py, torchrun + gloo on CPU, 2 active nodes + 1
 spare, one local rank each, the test clusters' policy plus `kill_stragglers_mid_run` and
@@ -28,7 +31,8 @@ fault list (node-lost last: it takes a node for good); a fault that is not recov
 notice: `scancel --signal=USR1 <job>` for each of the run's allocation jobs (what --signal=USR1@300
 does before the time limit): every agent drains, the controller stops the attempt as planned
 (finish the step, save, commit, exit 0); measured: signal -> STOP_REQUEST, -> the stop's commit
-(the last CHECKPOINT_COMMIT before the planned-stop EXIT), -> that EXIT.
+(the last CHECKPOINT_COMMIT after the stop request and before the planned-stop EXIT), -> that
+EXIT.
 
 The phases of a recovery come from the event log (bench/bench_faults.phases); the JSON is written
 after every cluster, so a cut-off run keeps what it measured.
@@ -367,6 +371,11 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", type=Path, help="keep each cluster's directory (event log, logs) under this")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the --out JSON of a cut-off run (same backends and faults) up to --trials",
+    )
+    p.add_argument(
         "--markdown", type=Path, help="print the tables of a results JSON as Markdown; run nothing"
     )
     args = p.parse_args()
@@ -392,6 +401,16 @@ def main() -> int:
         "rounds": [],
     }
     t0 = time.time()
+    if args.resume and args.out and args.out.exists():
+        before = json.loads(args.out.read_text())
+        if before["faults"] != faults or set(before["backends"]) != set(backends):
+            p.error(f"--resume: {args.out} measured {sorted(before['backends'])} x {before['faults']}")
+        before.setdefault("continued_by", []).append(result["command"])
+        before["trials_asked"] = args.trials
+        for notes in before["notes"].values():  # the cut-off is undone by continuing
+            notes[:] = [n for n in notes if not n.startswith("cut off by")]
+        t0 -= before.get("wall_s", 0.0)
+        result = before
     with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmpdir, contextlib.ExitStack() as stack:
         tmp = args.keep.resolve() if args.keep else Path(tmpdir)
         tmp.mkdir(parents=True, exist_ok=True)
