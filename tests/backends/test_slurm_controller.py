@@ -4,7 +4,12 @@ started in the allocation register under the Slurm node names, the supervisor la
 2-node gloo training run (examples/train.py) through them; a node dies (slurmd, its steps, its
 agent and rank SIGKILLed), the supervisor blames it, drains it in Slurm with runwarden's reason and
 relaunches on the spare from the last commit; when training completes the controller gives the
-allocation back and exits 0 (`--exit-when-done`)."""
+allocation back and exits 0 (`--exit-when-done`).
+
+The module's other runs share the cluster and one etcd (each run under its own etcd root): with no
+spare a dead node is replaced from the queue (`<job_name>-more`); Slurm's time-limit notice
+(SIGUSR1 to the steps) is a planned stop at a commit and a resume on the queue's nodes; a crash
+loop exits 3 (do not requeue) with a page, leaving no job and no agent."""
 
 from __future__ import annotations
 
@@ -377,6 +382,7 @@ def test_slurm_run_without_spares_replaces_a_dead_node_from_the_queue(
         asks = [e for e in events if e.kind == E.EVENT_KIND_ALLOCATE]
         assert asks and all(e.seq < taken.seq for e in asks), [e.message for e in asks]
         assert taken.spare.source == "queue", taken
+        assert any(e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == victim for e in events)
         more_logs = sorted(tmp_path.glob(f"{run.job_name}-more-*.out"))
         assert len(more_logs) == 1, more_logs
         assert taken.spare.node not in launch.launch.nodes and taken.spare.node != victim
