@@ -349,7 +349,7 @@ def time_limit_stop(run: SlurmRun, timeout_s: float) -> dict[str, Any] | None:
 # -- the whole bench --------------------------------------------------------------------------------
 
 
-def slurm_cluster(tmp: Path) -> Any:
+def slurm_cluster() -> Any:
     from tests.backends.slurm_cluster import SlurmCluster, missing_binaries
 
     missing = missing_binaries()
@@ -357,7 +357,12 @@ def slurm_cluster(tmp: Path) -> Any:
         raise RuntimeError(f"no Slurm here: missing {missing}, euid {os.geteuid()}")
     root = Path(tempfile.mkdtemp(prefix="rwslurm-", dir="/tmp"))  # slurmd's sockets: a short path
     cluster = SlurmCluster(root, nodes=4)
-    cluster.up()
+    try:
+        cluster.up()
+    except BaseException:
+        cluster.down()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return cluster
 
 
@@ -417,7 +422,8 @@ def main() -> int:
         slurm = None
         if "slurm" in backends:
             try:
-                slurm = slurm_cluster(tmp)
+                slurm = slurm_cluster()
+                stack.callback(shutil.rmtree, slurm.root, ignore_errors=True)  # after down (LIFO)
                 stack.callback(slurm.down)
             except Exception as e:  # recorded: the backend could not be measured
                 result["notes"]["slurm"].append(f"not measured: {e}")
