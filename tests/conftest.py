@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,3 +56,14 @@ def store(etcd: EtcdServer) -> Iterator[Store]:
 @pytest.fixture
 def free_port() -> int:
     return _free_port()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _signal_handlers_per_module() -> Iterator[None]:
+    """A module that drives a library which installs process-wide signal handlers (ray.init sets a
+    SIGTERM handler that exits) must not leave them to the modules after it."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)

@@ -241,7 +241,7 @@ class StoreBackedView:
         return True
 
     def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
-        raise ViewUnavailable("draining goes through a node's agent: ask a running controller")
+        raise ViewRefused("draining goes through a node's agent: ask a running controller")
 
     def leader(self) -> tuple[str, int]:
         contenders = self._prefix(self._keys.election(CONTROLLER_ELECTION))
