@@ -3,10 +3,12 @@ computes exactly what an uninterrupted run of the same seed computes.
 
 One faulted run (etcd, 6 agents, the controller, torchrun + gloo on CPU) is shared by the
 assertions below; a reference run of the same script without faults (torchrun --standalone, same
-world size and seed) gives the losses to compare with. It runs twice: on one host (every "node" a
-process on 127.0.0.1) and across a fleet of network-namespace hosts (issue 15: etcd, the controller
-and each agent on its own host, mTLS, the collectives on each host's eth0), where the node-lost
-fault hits node rank 0, so the rendezvous host moves to another node.
+world size and seed) gives the losses to compare with. It runs across a fleet of network-namespace
+hosts (issue 15: etcd, the controller and each agent on its own host, mTLS, the collectives on each
+host's eth0), where the node-lost fault hits node rank 0, so the rendezvous host moves to another
+node; where the kernel gives no network namespaces it runs on one host (every "node" a process on
+127.0.0.1, the demo's layout). Once, not both: the suite's 25 min budget; the one-host layout runs
+in the planned-stop, live-controller and reliability tests.
 """
 
 from __future__ import annotations
@@ -54,22 +56,21 @@ class FaultedRun:
     log_errors: int
 
 
-@pytest.fixture(scope="module", params=["one-host", "fleet"])
-def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
     spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
     with contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         victims: dict[str, int] = {}
-        if request.param == "fleet":
-            ok, reason = fleet_available()
-            if not ok:
-                pytest.skip(f"skipped: no network namespaces ({reason})")
+        ok, reason = fleet_available()
+        if ok:
             sweep_orphans()
             fleet = stack.enter_context(Fleet(default_prefix()))
             cluster = FleetCluster(fleet, root / "cluster", spec)
             victims = {"node-lost": 0}  # node rank 0 hosts the rendezvous: it moves to another node
         else:
+            print(f"no network namespaces ({reason}): the five faults on one host instead")
             cluster = LocalCluster(root / "cluster", spec)
         try:
             cluster.start()
