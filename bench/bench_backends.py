@@ -66,8 +66,10 @@ from runwarden.testing.fleet_cluster import (  # noqa: E402
     ClusterBase,
     agent_settings,
     controller_settings,
+    controllerctl,
     preflight_settings,
     program,
+    start_controller,
     write_toml,
 )
 from runwarden.v1 import events_pb2  # noqa: E402
@@ -170,24 +172,11 @@ class SlurmRun(ClusterBase):
             "allocate_timeout_s": 60,
         }
         write_toml(self.run_dir / "controller.toml", settings)
-        with (self.run_dir / "controller.log").open("ab") as out:
-            self.controller = subprocess.Popen(
-                [*program("controller"), "run", "--config", str(self.run_dir / "controller.toml")],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
+        self.controller = start_controller(self.run_dir / "controller.toml", self.run_dir / "controller.log")
         return self
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*program("controllerctl"), "--controller", f"127.0.0.1:{self.api_port}", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-        )
+        return controllerctl(f"127.0.0.1:{self.api_port}", *args, timeout=timeout)
 
     def lose_node(self, node: str) -> None:
         self.slurm.kill_node(node)  # the host dies: slurmd, its slurmstepd, the agent and the rank

@@ -24,6 +24,7 @@ from runwarden.testing.fleet_cluster import (
     ClusterSpec,
     agent_settings,
     controller_settings,
+    controllerctl,
     preflight_settings,
     program,
     write_toml,
@@ -183,13 +184,7 @@ class LocalCluster(ClusterBase):
     # -- operating it -------------------------------------------------------------------------
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*program("controllerctl"), "--controller", self.controller_address, *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-        )
+        return controllerctl(self.controller_address, *args, timeout=timeout)
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:

@@ -64,6 +64,29 @@ def program(name: str) -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", _MODULES[name]]
 
 
+def start_controller(config: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`controller run --config CONFIG [extra...]` in its own session, stdout and stderr to `log`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [*program("controller"), "run", "--config", str(config), *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+
+def controllerctl(address: str, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """`controllerctl --controller ADDRESS args...` (plaintext, loopback test controllers)."""
+    return subprocess.run(
+        [*program("controllerctl"), "--controller", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
 def _toml(value: object) -> str:
     return json.dumps(value) if not isinstance(value, bool) else ("true" if value else "false")
 

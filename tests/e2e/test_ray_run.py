@@ -28,13 +28,13 @@ from examples.cluster import leftover_processes  # noqa: E402
 from examples.demo import Injection, current_nodes, inject, last_seq, recoveries  # noqa: E402
 from runwarden.testing.etcd_server import EtcdServer, free_port  # noqa: E402
 from runwarden.testing.fleet_cluster import (  # noqa: E402
-    REPO,
     ClusterBase,
     ClusterSpec,
     agent_settings,
     controller_settings,
+    controllerctl,
     preflight_settings,
-    program,
+    start_controller,
     write_toml,
 )
 from runwarden.v1 import events_pb2  # noqa: E402
@@ -109,24 +109,11 @@ class RayRun(ClusterBase):
             "allocate_timeout_s": 60.0,
         }
         write_toml(self.run_dir / "controller.toml", settings)
-        log = (self.run_dir / "controller.log").open("ab")
-        self.controller = subprocess.Popen(
-            [*program("controller"), "run", "--config", str(self.run_dir / "controller.toml")],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            start_new_session=True,
-        )
+        self.controller = start_controller(self.run_dir / "controller.toml", self.run_dir / "controller.log")
         return self
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*program("controllerctl"), "--controller", f"127.0.0.1:{self.api_port}", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-        )
+        return controllerctl(f"127.0.0.1:{self.api_port}", *args, timeout=timeout)
 
     def lose_ray_node(self, node: str) -> None:
         ip = node.removeprefix("ray-")
