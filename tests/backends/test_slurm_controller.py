@@ -33,6 +33,7 @@ from runwarden.testing.fleet_cluster import (
     controller_settings,
     preflight_settings,
     program,
+    start_controller,
     wait_for_event,
     write_toml,
 )
@@ -112,20 +113,7 @@ def test_controller_run_on_slurm_replaces_a_dead_node_drains_it_and_gives_the_al
     controller: subprocess.Popen[bytes] | None = None
     try:
         t0 = time.monotonic()
-        with log.open("ab") as out:
-            controller = subprocess.Popen(
-                [
-                    *program("controller"),
-                    "run",
-                    "--config",
-                    str(tmp_path / "controller.toml"),
-                    "--exit-when-done",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
+        controller = start_controller(tmp_path / "controller.toml", log, "--exit-when-done")
         first = wait_for_event(run_dir / "events.jsonl", E.EVENT_KIND_CHECKPOINT_COMMIT, 0, 90)
         assert first is not None, log.read_text()[-4000:]
         launch = next(
@@ -263,20 +251,7 @@ class _SlurmRun:
         write_toml(tmp_path / "controller.toml", settings)
 
     def start(self) -> _SlurmRun:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    *program("controller"),
-                    "run",
-                    "--config",
-                    str(self.tmp / "controller.toml"),
-                    "--exit-when-done",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
+        self.proc = start_controller(self.tmp / "controller.toml", self.log, "--exit-when-done")
         return self
 
     @property
