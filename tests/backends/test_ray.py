@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 from controller.backends.base import BackendError, RunOutcome  # noqa: E402
 from controller.backends.ray import MARK_PREFIX, RayScheduler  # noqa: E402
 from runwarden.store import Store, StoreConfig  # noqa: E402
 from runwarden.testing.etcd_server import EtcdServer, free_port  # noqa: E402
+from runwarden.testing.ray_cluster import start_ray_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -95,13 +95,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     )
     cluster = None
     try:
-        cluster = cluster_utils.Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "node_ip_address": HEAD_IP, "include_dashboard": False},
-        )
-        for ip in WORKER_IPS:
-            cluster.add_node(num_cpus=1, node_ip_address=ip)
-        cluster.wait_for_nodes()
+        cluster = start_ray_cluster(HEAD_IP, WORKER_IPS)
         # The driver attaches to the head's raylet (by default Ray picks the last node started here,
         # which a test may kill).
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, _node_ip_address=HEAD_IP)

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 from examples.cluster import leftover_processes  # noqa: E402
 from examples.demo import Injection, current_nodes, inject, last_seq, recoveries  # noqa: E402
@@ -37,6 +36,7 @@ from runwarden.testing.fleet_cluster import (  # noqa: E402
     start_controller,
     write_toml,
 )
+from runwarden.testing.ray_cluster import start_ray_cluster  # noqa: E402
 from runwarden.v1 import events_pb2  # noqa: E402
 
 E = events_pb2
@@ -81,13 +81,7 @@ class RayRun(ClusterBase):
         for key in ("node", "listen", "unix_socket", "run_dir"):
             agent.pop(key)
         write_toml(self.root / "nodeagent.toml", {"": agent})
-        self.ray_cluster = cluster_utils.Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "node_ip_address": HEAD_IP, "include_dashboard": False},
-        )
-        for ip in WORKER_IPS:
-            self.ray_cluster.add_node(num_cpus=1, node_ip_address=ip)
-        self.ray_cluster.wait_for_nodes()
+        self.ray_cluster = start_ray_cluster(HEAD_IP, WORKER_IPS)
         settings = controller_settings(
             self.spec,
             store={"endpoints": [self.etcd.endpoint]},
