@@ -17,6 +17,7 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,13 +105,18 @@ class Injection:
     recovered: bool
 
 
+def pick_victim(fault: str, nodes: list[str], victim_rank: int | None = None) -> str:
+    """The node a fault hits: node rank `victim_rank`, or the demo's choice (node rank 1; the last
+    node for an Xid)."""
+    if victim_rank is not None:
+        return nodes[victim_rank % len(nodes)]
+    return nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
+
+
 def inject(cluster: LocalCluster, fault: str, nodes: list[str], victim_rank: int | None = None) -> str:
     """Inject one fault into a node of the running attempt (node rank `victim_rank`, or the demo's
     choice); returns the node."""
-    if victim_rank is not None:
-        victim = nodes[victim_rank % len(nodes)]
-    else:
-        victim = nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
+    victim = pick_victim(fault, nodes, victim_rank)
     if fault == "crash":
         args = ["chaos", victim, "kill-rank"]
     elif fault == "hang":
@@ -127,19 +133,30 @@ def inject(cluster: LocalCluster, fault: str, nodes: list[str], victim_rank: int
 
 
 def run_faults(
-    cluster: LocalCluster, faults: list[str], timeout_s: float, victim_ranks: dict[str, int] | None = None
+    cluster: LocalCluster,
+    faults: list[str],
+    timeout_s: float,
+    victim_ranks: dict[str, int] | None = None,
+    lose_node: Callable[[str], None] | None = None,
 ) -> list[Injection]:
     """Inject each fault into the running attempt and wait for the first new step after it.
 
-    victim_ranks: the node rank a fault hits, where the demo's choice is not wanted."""
+    victim_ranks: the node rank a fault hits, where the demo's choice is not wanted.
+    lose_node: how the node-lost fault takes a node away where the cluster has a realer way than
+    killing its agent (a Slurm node's slurmd, steps and agent SIGKILLed); the node stays lost."""
     done: list[Injection] = []
     for fault in faults:
         nodes = current_nodes(cluster)
         mark = last_seq(cluster)
         print(f"\n=== fault: {fault} ===", flush=True)
         at = time.time()
-        victim = inject(cluster, fault, nodes, (victim_ranks or {}).get(fault))
-        if fault == "node-lost":
+        if fault == "node-lost" and lose_node is not None:
+            victim = pick_victim(fault, nodes, (victim_ranks or {}).get(fault))
+            print(f"           >>> losing node {victim}", flush=True)
+            lose_node(victim)
+        else:
+            victim = inject(cluster, fault, nodes, (victim_ranks or {}).get(fault))
+        if fault == "node-lost" and lose_node is None:
             # systemd's Restart=always brings the agent back; it re-registers and goes through burn-in.
             threading.Timer(8.0, cluster.restart_agent, args=(victim,)).start()
         recovered = wait_training(cluster, mark, timeout_s)

@@ -26,8 +26,8 @@ def _skip_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """Four nodes (node1..node4) on 127.0.0.1; the prolog is deploy/slurm/prolog.sh with a
+def _cluster(tmp_path_factory: pytest.TempPathFactory, nodes: int = 4) -> Iterator[SlurmCluster]:
+    """Four nodes (node1..node4, or `nodes`) on 127.0.0.1; the prolog is deploy/slurm/prolog.sh with a
     stand-in preflight that FAILs (exit 1) on the nodes listed in ``<root>/preflight-fails``
     and cannot run (exit 2) on those in ``<root>/preflight-errors``."""
     reason = _skip_reason()
@@ -52,7 +52,7 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]
     # Slurm's Prolog= takes no arguments and a bare environment: point the hook at its config.
     wrapper.write_text(f"#!/bin/bash\nexport RUNWARDEN_PROLOG_CONF={prolog_conf}\nexec {PROLOG}\n")
     wrapper.chmod(0o755)
-    cluster = SlurmCluster(root, nodes=4, prolog=str(wrapper))
+    cluster = SlurmCluster(root, nodes=nodes, prolog=str(wrapper))
     try:
         cluster.up()
         yield cluster
@@ -67,6 +67,9 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
 
 
 @pytest.fixture(scope="module")
-def slurm_cluster_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    with _cluster(tmp_path_factory) as cluster:
+def slurm_cluster_module(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[SlurmCluster]:
+    """One cluster for the module: `SLURM_NODES` nodes where the module sets it, else four."""
+    with _cluster(tmp_path_factory, getattr(request.module, "SLURM_NODES", 4)) as cluster:
         yield cluster

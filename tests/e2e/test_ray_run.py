@@ -38,6 +38,7 @@ from runwarden.testing.fleet_cluster import (  # noqa: E402
 )
 from runwarden.testing.ray_cluster import start_ray_cluster  # noqa: E402
 from runwarden.v1 import events_pb2  # noqa: E402
+from tests.e2e.five_faults import EXPECTED_DETECTOR  # noqa: E402
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -45,11 +46,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 HEAD_IP = "127.0.0.60"
 WORKER_IPS = ("127.0.0.61", "127.0.0.62", "127.0.0.63", "127.0.0.64")
 FAULTS = ("crash", "node-lost", "straggler")
-EXPECTED_DETECTOR = {
-    "crash": E.DETECTOR_CRASH,
-    "node-lost": E.DETECTOR_NODE_LOST,
-    "straggler": E.DETECTOR_STRAGGLER,
-}
 
 
 class RayRun(ClusterBase):

@@ -30,7 +30,7 @@ from runwarden.testing.fleet import (
 from runwarden.testing.fleet import available as fleet_available
 from runwarden.testing.fleet_cluster import ClusterSpec, FleetCluster
 from runwarden.v1 import events_pb2
-from tests.e2e.test_supervised_run import assert_losses_equal_an_uninterrupted_run
+from tests.e2e.five_faults import assert_losses_equal_an_uninterrupted_run
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -1,0 +1,176 @@
+"""The five-fault supervised run's checks, shared by every layout it runs on (the fleet of
+network-namespace hosts, one host, a real Slurm cluster): each fault detected by the right
+detector, blamed on the node it was injected into and recovered from; resumes only from committed
+checkpoints with a fresh rendezvous; an event log that is whole; losses equal to an uninterrupted
+run of the same seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from controller.goodput.report import compute_goodput
+from examples.cluster import REPO, ClusterSpec
+from examples.demo import FAULTS, Recovery
+from runwarden.v1 import events_pb2
+
+E = events_pb2
+
+EXPECTED_DETECTOR = {
+    "crash": E.DETECTOR_CRASH,
+    "hang": E.DETECTOR_HANG,
+    "node-lost": E.DETECTOR_NODE_LOST,
+    "straggler": E.DETECTOR_STRAGGLER,
+    "xid": E.DETECTOR_EVIDENCE,
+}
+
+
+class TrainedRun(Protocol):
+    """What the loss check needs of a run: its spec and where rank 0 logged its losses."""
+
+    @property
+    def spec(self) -> ClusterSpec: ...
+
+    @property
+    def loss_dir(self) -> Path: ...
+
+
+def _losses(loss_dir: Path) -> dict[int, list[float]]:
+    """step -> every loss rank 0 logged for it (a step replayed after a resume appears twice)."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for line in (loss_dir / "loss-rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[int(rec["step"])].append(float(rec["loss"]))
+    return out
+
+
+def check_every_fault_recovered(
+    recoveries: list[Recovery], events: list[events_pb2.Event], *, host_dies: bool = False
+) -> None:
+    """host_dies: the node-lost fault kills the whole host (its ranks and the c10d store with it,
+    when it is node rank 0), so the other ranks may exit before its lease expires: the first
+    detector is then a crash, and the blame must still be the lost node's heartbeat."""
+    assert [r.injection.fault for r in recoveries] == list(FAULTS)
+    for r in recoveries:
+        fault, node = r.injection.fault, r.injection.node
+        assert r.injection.recovered, f"{fault}: no first step after the fault"
+        assert r.detection is not None, f"{fault}: not detected"
+        detectors = {EXPECTED_DETECTOR[fault]}
+        if fault == "node-lost" and host_dies:
+            detectors.add(E.DETECTOR_CRASH)
+        assert r.detection.detection.detector in detectors, (fault, r.detection.message)
+        if fault == "node-lost":
+            blame = r.attribution.attribution.blame_method if r.attribution else None
+            assert blame == E.BLAME_METHOD_HEARTBEAT, (
+                r.attribution.message if r.attribution else "no attribution"
+            )
+        assert r.attribution is not None and r.attribution.attribution.suspects, f"{fault}: no suspect"
+        blamed = r.attribution.attribution.suspects[0].node
+        # The hung rank is blamed, not the ranks that wait for it in the collective.
+        assert blamed == node, f"{fault}: blamed {blamed}, injected into {node}: {r.attribution.message}"
+        assert r.launch is not None and r.first_step is not None
+        if fault == "crash":
+            # No hardware evidence: first to exit, but on a first offence not quarantined.
+            assert r.attribution.attribution.method == "first_exit"
+            assert not r.quarantined
+        else:
+            assert r.quarantined, f"{fault}: {node} was not quarantined"
+            # Back in the next attempt only if it passed its burn-in (and was released) first.
+            released = any(
+                e.kind == E.EVENT_KIND_RELEASE
+                and e.release.node == node
+                and r.injection.after_seq < e.seq < r.launch.seq
+                for e in events
+            )
+            assert node not in r.launch.launch.nodes or released
+
+
+def check_resumes_only_from_commits(events: list[events_pb2.Event]) -> None:
+    committed: set[int] = set()
+    quarantined: set[str] = set()
+    rdzv: list[str] = []
+    for ev in events:
+        if ev.kind == E.EVENT_KIND_CHECKPOINT_COMMIT:
+            committed.add(ev.step)
+        elif ev.kind == E.EVENT_KIND_QUARANTINE:
+            quarantined.add(ev.quarantine.node)
+        elif ev.kind == E.EVENT_KIND_RELEASE:
+            quarantined.discard(ev.release.node)
+        elif ev.kind == E.EVENT_KIND_LAUNCH:
+            rdzv.append(ev.launch.rendezvous_id)
+            assert ev.launch.rendezvous_id == f"{ev.run}-{ev.attempt}"
+            assert ev.launch.resume_step == (max(committed) if committed else -1), ev.message
+            assert not quarantined & set(ev.launch.nodes), (
+                f"launched quarantined {quarantined & set(ev.launch.nodes)}"
+            )
+    assert len(rdzv) == len(set(rdzv)) >= 1 + len(FAULTS)
+    assert committed, "no checkpoint was ever committed"
+
+
+def check_event_log_whole(
+    events: list[events_pb2.Event], run: str, torn_tail: str | None, log_errors: int
+) -> None:
+    assert torn_tail is None and log_errors == 0
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(1, len(seqs) + 1))
+    report = compute_goodput(events, run=run).to_proto()
+    assert report.allocated_s > 0
+    assert abs(report.productive_s + report.lost_s - report.allocated_s) < 1e-6
+    assert sum(c.seconds for c in report.lost_by_cause) == pytest.approx(report.lost_s, abs=1e-6)
+    assert report.failures == len(FAULTS)
+
+
+def assert_losses_equal_an_uninterrupted_run(cluster: TrainedRun, tmp_path: Path) -> None:
+    """Rank 0's loss at every step (replays after a resume included) equals a reference run's."""
+    got = _losses(cluster.loss_dir)
+    last = max(got)
+    assert last > 100
+    spec = cluster.spec
+    ref_dir = tmp_path / "reference"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for k in [k for k in env if k.startswith("RUNWARDEN_")]:
+        del env[k]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.active}",
+            "--max-restarts=0",
+            str(REPO / "examples" / "train.py"),
+            "--steps",
+            str(last + 1),
+            "--ckpt-dir",
+            str(tmp_path / "ckpt"),
+            "--ckpt-every",
+            str(spec.ckpt_every),
+            "--out",
+            str(ref_dir),
+            "--seed",
+            str(spec.seed),
+            "--step-sleep",
+            "0",
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
+    want = _losses(ref_dir)
+    replayed = 0
+    for step, values in got.items():
+        replayed += len(values) > 1
+        for value in values:
+            # gloo's reduction order can differ between process layouts: within 1e-6, else bitwise.
+            assert value == pytest.approx(want[step][0], rel=1e-6, abs=1e-6), (
+                f"step {step}: {value} vs {want[step]}"
+            )
+    assert replayed > 0, "no step was ever replayed after a resume: the faults did not roll anything back"
