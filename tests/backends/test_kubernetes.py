@@ -284,6 +284,40 @@ def test_quarantine_taints_and_labels_keeping_other_taints_against_recorded_api_
     assert patch.body["spec"] == {"taints": [OPERATOR_TAINT, OUR_TAINT]}  # no `unschedulable`: no cordon
 
 
+def test_a_lost_node_is_tainted_and_its_replacement_avoids_it_against_recorded_api_objects(api) -> None:
+    """Node lost, as the live shell answers it once the agent's lease expired: the core quarantines
+    the node (the node controller has marked it NotReady and tainted it unreachable; that taint
+    stays) and, with no spare left, asks for one more node that is not the lost one."""
+    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    lost = node("gpu-3", ready="Unknown", taints=[unreachable])
+    scheduler, server = scheduler_with(
+        api,
+        [
+            Exchange(method="GET", path=f"{NODES}/gpu-3", status=200, body=lost),
+            Exchange(method="PATCH", path=f"{NODES}/gpu-3", status=200, body=lost),
+            Exchange(
+                method="GET",
+                path=JOBSETS,
+                status=200,
+                body=jobset_list(jobset(agent_jobset(config(), index=0, count=3))),
+            ),
+            Exchange(method="POST", path=JOBSETS, status=201, body={"kind": "JobSet"}),
+        ],
+    )
+    scheduler.quarantine("gpu-3", "heartbeat: its lease expired")
+    request = scheduler.request_nodes(1, exclude=("gpu-3",), reason="gpu-3 lost; no spare left")
+    server.assert_done()
+    assert server.requests[1].body["spec"] == {"taints": [unreachable, OUR_TAINT]}
+    assert server.requests[1].body["metadata"]["labels"] == {"runwarden.io/health": "quarantined"}
+    assert request.count == 1 and request.id == "jobset:training/llm-n1"
+    sent = server.requests[3].body
+    assert node_terms(sent) == [
+        {"key": "runwarden.io/health", "operator": "NotIn", "values": ["quarantined"]},
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-3"]},
+    ]
+    assert_valid_job(sent)
+
+
 def test_quarantine_leaves_an_operators_cordon_alone_against_recorded_api_objects(api) -> None:
     cordoned = node("gpu-4", unschedulable=True)
     scheduler, server = scheduler_with(
