@@ -6,9 +6,14 @@ functions read it and return a frozen decision; only `RestartHistory.record` cha
 
 * no suspect and the same failure (label, step) `crash_loop_count` times in a row -> `CrashLoop`;
 * more than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`;
-* otherwise `Relaunch` after an exponential backoff (`backoff_base_s` x 2^(k-1), at most
-  `backoff_max_s`; an attempt that ran `backoff_reset_s` resets k). Planned stops and control-plane
-  faults consume neither the budget nor the crash-loop count (`Relaunch(delay=0)`).
+* otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
+  A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
+  run) or it is the same kind of failure as the one before; k counts the storm's failures in a row
+  (`backoff_base_s` x 2^(k-1), at most `backoff_max_s`; an attempt that ran `backoff_reset_s` ends
+  the storm). A first failure of its kind whose suspect was quarantined and replaced waits for
+  nothing: the node that failed is out, so there is nothing to wait for, and unrelated faults on
+  different nodes do not tax each other. Planned stops and control-plane faults consume neither
+  the budget nor the crash-loop count (`Relaunch(delay=0)`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ RestartDecision = Relaunch | CrashLoop | BudgetExhausted
 @dataclass(slots=True)
 class RestartHistory:
     restart_times: list[float] = field(default_factory=list)  # failure restarts, for the budget window
-    consecutive_failures: int = 0
+    storm: int = 0  # failures in a row that were storm-like (see the module doc); 0 after an independent one
+    last_label: str = ""  # the last counted failure's kind
     loop_signature: tuple[str, int] | None = None
     loop_count: int = 0
     launch_failures: int = 0  # attempts in a row that were never launched (ActionFailed on Launch)
@@ -85,13 +91,32 @@ def restart_decision(
             reason=f"restart budget of {cfg.restart_budget} exhausted; not relaunching",
             page=f"restart budget exhausted: {used} restarts" + (f" within {window:g}s" if window else ""),
         )
-    k = 1 if attempt_ran_s >= cfg.backoff_reset_s else history.consecutive_failures + 1
-    delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (k - 1))
+    k = storm_count(
+        cfg, history, label=label, suspects_quarantined=suspects_quarantined, attempt_ran_s=attempt_ran_s
+    )
+    delay = 0.0 if k == 0 else min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (k - 1))
+    why = "an independent fault: its node is out" if k == 0 else f"storm x{k}"
     return Relaunch(
         delay=delay,
         counted=True,
-        reason=f"restart {used + 1}/{cfg.restart_budget} after {label or 'failure'}; backoff {delay:g}s",
+        reason=f"restart {used + 1}/{cfg.restart_budget} after {label or 'failure'}; backoff {delay:g}s ({why})",
     )
+
+
+def storm_count(
+    cfg: SupervisorConfig,
+    history: RestartHistory,
+    *,
+    label: str,
+    suspects_quarantined: bool,
+    attempt_ran_s: float,
+) -> int:
+    """This failure's place in a storm (1, 2, ...), or 0 for an independent fault (see the module doc)."""
+    ongoing = history.storm if attempt_ran_s < cfg.backoff_reset_s else 0
+    repeat = bool(history.last_label) and label == history.last_label and attempt_ran_s < cfg.backoff_reset_s
+    if suspects_quarantined and not repeat:
+        return 0
+    return ongoing + 1
 
 
 def record(
@@ -118,9 +143,10 @@ def record(
     if isinstance(decision, Relaunch):
         window = cfg.restart_budget_window_s
         history.restart_times = [*(t for t in history.restart_times if not window or now - t < window), now]
-        if attempt_ran_s >= cfg.backoff_reset_s:
-            history.consecutive_failures = 0
-        history.consecutive_failures += 1
+        history.storm = storm_count(
+            cfg, history, label=label, suspects_quarantined=suspects_quarantined, attempt_ran_s=attempt_ran_s
+        )
+        history.last_label = label
 
 
 def launch_retry_delay(cfg: SupervisorConfig, history: RestartHistory) -> float:

@@ -133,17 +133,17 @@ def test_spares_first_then_the_queue() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(3)  # n1, n2 active; n3 spare
     out = d.send(NodeLost(node="n1"))
-    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
-    d.send(AttemptExited(node="n2", attempt=1, exit_code=-15))
-    out = d.advance(10)
+    out += d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
+    out += d.send(AttemptExited(node="n2", attempt=1, exit_code=-15))
+    out += d.advance(10)
     assert [(t.node, t.replaces) for t in d.of(TakeSpare, out)] == [("n3", "n1")]
     assert not d.of(AllocateFromQueue, out)
     d.answer_preflight()
     # no spare left: the next loss goes to the queue, and the queue's node is taken when it joins
-    d.send(NodeLost(node="n3"))
-    d.send(DumpsCollected(attempt=2, verdict=FlightRecorderVerdict()))
-    d.send(AttemptExited(node="n2", attempt=2, exit_code=-15))
-    out = d.advance(10)
+    out = d.send(NodeLost(node="n3"))
+    out += d.send(DumpsCollected(attempt=2, verdict=FlightRecorderVerdict()))
+    out += d.send(AttemptExited(node="n2", attempt=2, exit_code=-15))
+    out += d.advance(10)
     alloc = d.of(AllocateFromQueue, out)
     assert [a.count for a in alloc] == [1] and not d.launches[2:]
     out = d.send(NodeJoined(node="q1"))

@@ -184,10 +184,12 @@ def test_restart_decisions_carry_their_reason() -> None:
     h = restart.RestartHistory()
     kw = dict(label="exit:1", step=7, suspects_quarantined=False, attempt_ran_s=10.0)
     d1 = restart.restart_decision(cfg, h, now=100.0, planned=False, control_plane=False, **kw)  # test kwargs
-    assert d1 == restart.Relaunch(delay=1.0, counted=True, reason="restart 1/2 after exit:1; backoff 1s")
+    assert d1 == restart.Relaunch(
+        delay=1.0, counted=True, reason="restart 1/2 after exit:1; backoff 1s (storm x1)"
+    )
     restart.record(cfg, h, d1, now=100.0, **kw)  # test kwargs
     d2 = restart.restart_decision(cfg, h, now=101.0, planned=False, control_plane=False, **kw)  # test kwargs
-    assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s"
+    assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s (storm x2)"
     restart.record(cfg, h, d2, now=101.0, **kw)  # test kwargs
     d3 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **kw)  # test kwargs
     assert d3 == restart.CrashLoop(
@@ -209,6 +211,34 @@ def test_restart_decisions_carry_their_reason() -> None:
     assert planned == restart.Relaunch(
         delay=0.0, counted=False, reason="planned stop: relaunching without consuming the restart budget"
     )
+
+
+def test_backoff_taxes_storms_not_independent_faults() -> None:
+    """Unrelated faults whose nodes were quarantined relaunch at once; a failure with no node out
+    of the run, or the same kind of failure again, backs off exponentially; a long attempt ends
+    the storm."""
+    cfg = SupervisorConfig(backoff_base_s=1.0, backoff_max_s=8.0, backoff_reset_s=300.0)
+    h = restart.RestartHistory()
+    now = 100.0
+
+    def fail(label: str, quarantined: bool, ran_s: float = 10.0) -> float:
+        nonlocal now
+        now += ran_s
+        kw = dict(label=label, step=int(now), suspects_quarantined=quarantined, attempt_ran_s=ran_s)
+        d = restart.restart_decision(cfg, h, now=now, planned=False, control_plane=False, **kw)  # test kwargs
+        assert isinstance(d, restart.Relaunch), d
+        restart.record(cfg, h, d, now=now, **kw)  # test kwargs
+        return d.delay
+
+    # The demo's faults, one after another on different nodes, each node quarantined: no waiting.
+    assert [fail(f, True) for f in ("hang", "node_lost", "straggler", "evidence")] == [0.0] * 4
+    # A crash with nobody to blame starts a storm; the same kind again (blamed or not) grows it.
+    assert [fail("exit:1", False), fail("exit:1", True), fail("exit:1", False)] == [1.0, 2.0, 4.0]
+    assert fail("hang", False) == 8.0 and fail("hang", False) == 8.0  # capped at backoff_max_s
+    # A different fault whose node is out ends the storm ...
+    assert fail("evidence", True) == 0.0
+    # ... and so does an attempt that ran backoff_reset_s.
+    assert fail("exit:1", False) == 1.0 and fail("exit:1", False, ran_s=400.0) == 1.0
 
 
 def test_a_launch_never_carried_out_is_relaunched_at_once_with_a_new_attempt() -> None:

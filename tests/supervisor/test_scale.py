@@ -89,6 +89,7 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
         for n in nodes:
             if n != victim and sup.pool.get(n).alive:
                 feed(AttemptExited(node=n, attempt=attempt, exit_code=-15))
+        answer()  # an independent fault relaunches at once: its preflight is out already
         now += 120.0
         feed(Tick())
         if f % 3 == 0:
