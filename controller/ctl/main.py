@@ -15,7 +15,18 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from controller.ctl import drain, events, goodput, node, nodes, quarantine, release, status, stop
+from controller.ctl import (
+    drain,
+    events,
+    goodput,
+    node,
+    nodes,
+    quarantine,
+    release,
+    repaired,
+    status,
+    stop,
+)
 from controller.ctl.client import ENV_ADDRESS, ENV_CONFIG, EXIT_CODE_HELP, Client, CtlError, ExitCode, resolve
 from controller.ctl.format import Painter, colour_wanted
 
@@ -29,6 +40,7 @@ BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (
     events,
     quarantine,
     release,
+    repaired,
     drain,
     stop,
     goodput,

@@ -66,6 +66,7 @@ from controller.supervisor.events import (
     EvidenceObserved,
     NodeJoined,
     NodeLost,
+    OperatorRelease,
     PreflightResult,
     ProgressObserved,
     RankSample,
@@ -249,6 +250,15 @@ class World:
                     node.repaired_at = self.now + 3600.0 * (
                         repair if repair is not None else self.costs.repair_hours
                     )
+                if act.held and node is not None:
+                    # A held node (fatal evidence: needs repair; or a repeat offender) goes to the
+                    # repair crew, who mark it repaired (the operator release) when the repair is done.
+                    done = (
+                        node.repaired_at
+                        if node.repaired_at > self.now
+                        else self.now + 3600.0 * (self.costs.repair_hours)
+                    )
+                    self.at(done, self._repaired, act.node)
             case TakeSpare():
                 self.ready_at = max(self.ready_at, self.now + self.costs.allocate_spare_s)
             case AllocateFromQueue():
@@ -274,6 +284,12 @@ class World:
         if node.broken is not None and node.repaired_at and self.now >= node.repaired_at:
             node.broken = None  # back from repair
         self.feed(NodeJoined(node=name, local_ranks=1))
+
+    def _repaired(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.broken is not None and node.repaired_at and self.now >= node.repaired_at:
+            node.broken = None
+        self.feed(OperatorRelease(node=name, reason="sim: repaired"))
 
     def _timer(self, key: str, at: float) -> None:
         if not self.timers.is_current(key, at):

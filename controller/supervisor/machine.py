@@ -51,7 +51,7 @@ from controller.supervisor.events import (
     StopRequested,
 )
 from controller.supervisor.policy import RunPlan, SupervisorConfig
-from controller.supervisor.pool import Pool, PoolState
+from controller.supervisor.pool import Pool, PoolState, needs_repair
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, IllegalTransition, RunState, TransitionError
 from controller.supervisor.table import EDGES, STATE_TRIGGERED, TABLE, diagram
@@ -277,7 +277,12 @@ class Supervisor:
             node, self.now, reason, count_failure=not operator, operator=operator, evidence=evs
         )
         held = p.state is PoolState.HELD
-        if held and not operator:
+        if held and not operator and needs_repair(evs):
+            why = (
+                f"{reason}; needs repair: no burn-in until an operator marks it repaired "
+                f"(controllerctl repaired {node} --note ...), then burn-in"
+            )
+        elif held and not operator:
             why = (
                 f"{reason}; held: {self.pool.recent_failures(p, self.now)} failures within "
                 f"{self.cfg.hold_window_s / 86400:g} days, out until an operator releases it"

@@ -4,12 +4,17 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
 *where* it may go, as the only moves it offers (`LEGAL` is the graph; a move outside it raises):
 
     SPARE --assign--> ASSIGNED --unassign--> SPARE
-    any --quarantine--> QUARANTINED, or HELD (a second failure within the hold window, or an operator)
+    any --quarantine--> QUARANTINED, or HELD (fatal evidence: needs repair; a second failure within
+                        the hold window; or an operator)
     QUARANTINED --start_burn_in--> BURN_IN --burn_in_result--> SPARE (N passes in a row) | QUARANTINED (a failure)
     QUARANTINED | HELD | BURN_IN --operator_release--> BURN_IN
 
 * a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
   passes (a failure restarts the count and waits for a repair: re-registration or an operator);
+* a node quarantined on fatal evidence (`runwarden.evidence.is_fatal`: a GPU off the bus, an
+  uncorrectable ECC error, a row-remap failure, a fatal Xid) is HELD as *needs repair*: a burn-in
+  of a GPU that fell off the bus means nothing until it was reset, reseated or rebooted, so it gets
+  none until an operator (or a repair hook, through the API) marks it repaired; then burn-in;
 * a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
   an operator releases it (operator release puts it into burn-in, like any quarantined node);
 * spares are picked best reputation first (fewest recent failures, straggler flags, preflight
@@ -24,9 +29,15 @@ from dataclasses import dataclass, field
 
 from controller.supervisor.events import NodeRecordView
 from controller.supervisor.policy import SupervisorConfig
+from runwarden.evidence import is_fatal
 from runwarden.v1 import common_pb2
 
 MAX_FAILURE_TIMES = 32
+
+
+def needs_repair(evidence: Iterable[common_pb2.Evidence]) -> bool:
+    """Whether a quarantine on this evidence holds the node until it is repaired (no burn-in)."""
+    return any(is_fatal(e) for e in evidence)
 
 
 class PoolState(enum.Enum):
@@ -234,6 +245,7 @@ class Pool:
         held = (
             operator
             or node.state is PoolState.HELD
+            or needs_repair(node.quarantine_evidence)
             or self.recent_failures(node, now) >= self._cfg.hold_after_failures
         )
         node.operator_hold = node.operator_hold or operator

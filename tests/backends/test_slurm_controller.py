@@ -317,8 +317,8 @@ def test_slurm_quarantine_is_a_runwarden_drain_and_spares_come_from_the_allocati
         elif e.kind == E.EVENT_KIND_RELEASE:
             held[e.release.node] = False
     by_fault = {r.injection.fault: r.injection.node for r in slurm_faulted.recoveries}
-    # The lost node stayed out: drained in Slurm with runwarden's reason ...
-    assert held.get(by_fault["node-lost"]), held
+    # The lost node and the Xid node (held for repair) stayed out: drained with runwarden's reason ...
+    assert held.get(by_fault["node-lost"]) and held.get(by_fault["xid"]), held
     for node, still in held.items():
         state, reason = slurm_faulted.states_at_end[node]
         if still:

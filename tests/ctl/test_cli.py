@@ -118,6 +118,12 @@ def test_quarantine_release_stop_write_etcd(live: LiveController, capsys: pytest
     assert rc == 0 and json.loads(out)["pool_state"] == "POOL_STATE_BURN_IN"
     rc, _, err = ctl(capsys, live, "release", "n4")
     assert rc == 1 and "not quarantined" in err
+    # `repaired` is the release of a node held for repair, its note the reason
+    rc, out, _ = ctl(capsys, live, "quarantine", "n1", "--reason", "Xid 79")
+    rc, out, _ = ctl(capsys, live, "repaired", "n1", "--note", "GPU 3 reseated, RMA 4411", "--json")
+    assert rc == 0 and json.loads(out)["pool_state"] == "POOL_STATE_BURN_IN"
+    rc, _, err = ctl(capsys, live, "repaired", "n1", "--note", "  ")
+    assert rc == 2 and "--note must say what was repaired" in err
     rc, _, err = ctl(capsys, live, "quarantine", "n1", "--reason", "   ")
     assert rc == 2 and "reason must not be empty" in err
     rc, _, err = ctl(capsys, live, "quarantine", "ghost", "--reason", "x")

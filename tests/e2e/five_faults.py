@@ -90,6 +90,13 @@ def check_every_fault_recovered(
                 for e in events
             )
             assert node not in r.launch.launch.nodes or released
+            if fault == "xid":  # a GPU off the bus is held for repair: no burn-in brings it back
+                assert not released and not any(
+                    e.kind == E.EVENT_KIND_RELEASE
+                    and e.release.node == node
+                    and e.seq > r.injection.after_seq
+                    for e in events
+                ), f"the Xid node {node} came back without a repair"
 
 
 def check_resumes_only_from_commits(events: list[events_pb2.Event]) -> None:

@@ -677,16 +677,48 @@ def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() ->
     assert d.of(RunPreflight, out)[0].purpose == "burn_in"
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
     assert d.sup.pool.get("n2").state == PoolState.SPARE
-    # two failures within 7 days -> held
-    d2 = Driver(cfg=fast(burn_in_passes=1), nodes=1)
-    d2.start(2)
+    # two failures within 7 days -> held (burn-in passed in between)
+    d2 = Driver(cfg=fast(burn_in_passes=1), nodes=2)
+    d2.start(2)  # both active, no spare: a lost n2 comes back through burn-in into the next attempt
     for _ in range(2):
-        ecc = common_pb2.Evidence(node="n2", kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE)
-        d2.send(EvidenceObserved(evidence=ecc))
+        assert "n2" in d2.running_nodes()
+        attempt = d2.sup.attempt
+        d2.send(NodeLost(node="n2"))
+        d2.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
+        d2.send(AttemptExited(node="n1", attempt=attempt, exit_code=-15))
+        d2.advance(10)
+        d2.send(NodeJoined(node="n2"))
+        d2.answer_preflight()
         d2.answer_preflight()
     assert d2.sup.pool.get("n2").state == PoolState.HELD
     held = [q for q in d2.of(Quarantine) if q.held]
-    assert held and "held" in d2.events(E.EVENT_KIND_QUARANTINE)[-1].message
+    assert held and "2 failures within" in d2.events(E.EVENT_KIND_QUARANTINE)[-1].message
+
+
+def test_fatal_evidence_holds_the_node_for_repair_with_no_burn_in_and_a_spare_runs_instead() -> None:
+    d = Driver(cfg=fast(burn_in_passes=1), nodes=2)
+    d.start(3)  # n1, n2 active; n3 spare
+    xid = common_pb2.Evidence(
+        node="n2", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_FATAL, detail="Xid 79"
+    )
+    out = d.send(EvidenceObserved(evidence=xid))
+    out += d.exit_all(code=-9)
+    out += d.advance(5)
+    assert d.sup.pool.get("n2").state == PoolState.HELD
+    (q,) = d.of(Quarantine, out)
+    assert q.node == "n2" and q.held
+    assert "needs repair" in d.events(E.EVENT_KIND_QUARANTINE)[-1].message
+    assert not [r for r in d.of(RunPreflight, out) if r.purpose == "burn_in"], "burnt in before a repair"
+    d.answer_preflight()
+    assert d.sup.state == RunState.RUNNING and "n2" not in d.running_nodes() and "n3" in d.running_nodes()
+    # Its agent coming back (a reboot that re-registers) is not a repair mark: still held, no burn-in.
+    out = d.send(NodeLost(node="n2")) + d.send(NodeJoined(node="n2"))
+    assert d.sup.pool.get("n2").state == PoolState.HELD and not d.of(RunPreflight, out)
+    # `controllerctl repaired n2` (an operator release): burn-in, then a spare again.
+    out = d.send(OperatorRelease(node="n2", reason="repaired: GPU reseated"))
+    assert [r.purpose for r in d.of(RunPreflight, out)] == ["burn_in"]
+    d.send(PreflightResult(node="n2", passed=True, mode="full"))
+    assert d.sup.pool.get("n2").state == PoolState.SPARE
 
 
 def test_operator_quarantine_of_an_active_node_restarts_without_it_and_no_budget() -> None:
@@ -855,7 +887,9 @@ def test_evidence_from_before_the_attempt_is_not_blamed_for_a_later_crash() -> N
     xid = common_pb2.Evidence(
         node="n3", kind=common_pb2.EVIDENCE_KIND_XID, xid=79, severity=common_pb2.SEVERITY_FATAL
     )
-    d.send(EvidenceObserved(evidence=xid))  # n3 is a spare: quarantined, burn-in passes, back as a spare
+    d.send(EvidenceObserved(evidence=xid))  # n3 is a spare: held for repair ...
+    assert d.sup.pool.get("n3").state == PoolState.HELD
+    d.send(OperatorRelease(node="n3", reason="repaired"))  # ... repaired, burn-in passes, a spare again
     d.answer_preflight()
     assert d.sup.pool.get("n3").state == PoolState.SPARE
     crash_and_restart(d, "n1", step_to=4)
@@ -929,7 +963,7 @@ def test_quarantine_persists_reason_and_evidence_for_the_pool_entry() -> None:
     out = d.send(EvidenceObserved(evidence=ecc))
     rec = next(a.record for a in d.of(PersistNode, out) if a.record.node == "n2")
     assert (
-        rec.pool_state == PoolState.QUARANTINED.value
+        rec.pool_state == PoolState.HELD.value  # fatal evidence: held for repair
         and "ECC" in rec.reason
         and rec.evidence[0].detail == "DBE on GPU 3"
     )
