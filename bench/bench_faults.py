@@ -99,7 +99,7 @@ def one_run(
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
                 raise SystemExit("the run did not start")
             time.sleep(1)
-            injections = run_faults(cluster, faults * rounds, timeout_s)
+            injections = run_faults(cluster, faults * rounds, timeout_s, repair_xid_nodes=rounds > 1)
         finally:
             cluster.stop()
         events = cluster.events()

@@ -138,12 +138,15 @@ def run_faults(
     timeout_s: float,
     victim_ranks: dict[str, int] | None = None,
     lose_node: Callable[[str], None] | None = None,
+    repair_xid_nodes: bool = False,
 ) -> list[Injection]:
     """Inject each fault into the running attempt and wait for the first new step after it.
 
     victim_ranks: the node rank a fault hits, where the demo's choice is not wanted.
     lose_node: how the node-lost fault takes a node away where the cluster has a realer way than
-    killing its agent (a Slurm node's slurmd, steps and agent SIGKILLed); the node stays lost."""
+    killing its agent (a Slurm node's slurmd, steps and agent SIGKILLed); the node stays lost.
+    repair_xid_nodes: after the run recovered from an injected Xid, mark its node repaired (the Xid
+    was not real), so that many rounds of faults do not hold every node for repair."""
     done: list[Injection] = []
     for fault in faults:
         nodes = current_nodes(cluster)
@@ -162,6 +165,12 @@ def run_faults(
         recovered = wait_training(cluster, mark, timeout_s)
         if not recovered:
             print(f"demo: no recovery from {fault} within {timeout_s:.0f} s", flush=True)
+        if fault == "xid" and repair_xid_nodes:
+            out = cluster.ctl("repaired", victim, "--note", "the injected Xid was not real")
+            print(
+                f"           >>> controllerctl repaired {victim}: {(out.stdout or out.stderr).strip()}",
+                flush=True,
+            )
         done.append(Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=recovered))
         time.sleep(1.5)
     return done
