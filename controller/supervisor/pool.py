@@ -203,6 +203,26 @@ class Pool:
             node.name,
         )
 
+    def record_note(self, name: str, now: float) -> str:
+        """Why a node was a good or a last-resort choice, for the event log."""
+        node = self.get(name)
+        recent = self.recent_failures(node, now)
+        if (
+            not recent
+            and not node.failure_times
+            and not node.straggler_flags
+            and not node.preflight_rejections
+        ):
+            return "clean record"
+        parts = [f"{recent} failure(s) within {self._cfg.hold_window_s / 86400:g} days"] if recent else []
+        if node.straggler_flags:
+            parts.append(f"{node.straggler_flags} straggler flag(s)")
+        if node.preflight_rejections:
+            parts.append(f"{node.preflight_rejections} preflight rejection(s)")
+        if not parts:
+            parts.append(f"{len(node.failure_times)} older failure(s)")
+        return "best left: " + ", ".join(parts)
+
     def pick_spares(self, count: int, now: float, exclude: Iterable[str] = ()) -> list[str]:
         """Up to `count` free nodes, best reputation first, none of `exclude`."""
         if count <= 0:

@@ -104,7 +104,7 @@ def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
             source = "queue" if n in sv.from_queue else "spare"
             sv.log(
                 E.EVENT_KIND_SPARE_TAKEN,
-                f"{n} ({source}) replaces {replaces} as node rank {rank}",
+                f"{n} ({source}, {sv.pool.record_note(n, sv.now)}) replaces {replaces} as node rank {rank}",
                 spare=E.SpareDetail(node=n, replaces=replaces, source=source),
             )
             sv.emit(TakeSpare(node=n, replaces=replaces))

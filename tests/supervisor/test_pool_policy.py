@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from controller.supervisor.policy import DAY_S, RunPlan, SupervisorConfig
-from controller.supervisor.pool import IllegalPoolMove, Pool, PoolState
+from controller.supervisor.pool import IllegalPoolMove, Pool, PoolState, needs_repair
 from runwarden.config import ConfigError, load_section
-from runwarden.v1 import store_pb2
+from runwarden.v1 import common_pb2, store_pb2
 
 
 def _pool(**kw: object) -> Pool:
@@ -56,6 +56,29 @@ def test_spares_picked_best_reputation_first() -> None:
     assert p.pick_spares(3, 100.0) == ["b", "a"]
     p.set_alive("b", False)
     assert p.pick_spares(3, 100.0) == ["a"]
+
+
+def test_the_choice_of_a_spare_says_why_in_its_record_note() -> None:
+    p = _pool()
+    p.get("a").failure_times = [10.0]
+    p.get("b").straggler_flags = 1
+    assert p.record_note("c", 100.0) == "clean record"
+    assert p.record_note("b", 100.0) == "best left: 1 straggler flag(s)"
+    assert p.record_note("a", 100.0) == "best left: 1 failure(s) within 7 days"
+    assert p.record_note("a", 10.0 + 8 * DAY_S) == "best left: 1 older failure(s)"
+
+
+def test_fatal_evidence_holds_for_repair_and_only_a_release_starts_burn_in() -> None:
+    p = _pool()
+    off_the_bus = common_pb2.Evidence(node="a", kind=common_pb2.EVIDENCE_KIND_GPU_LOST)
+    assert needs_repair([off_the_bus]) and not needs_repair([])
+    assert p.quarantine("a", 0.0, "GPU lost", evidence=[off_the_bus]).state == PoolState.HELD
+    assert not p.start_burn_in("a")
+    app = common_pb2.Evidence(
+        node="b", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_APPLICATION
+    )
+    assert p.quarantine("b", 0.0, "Xid 13", evidence=[app]).state == PoolState.QUARANTINED  # the job's fault
+    assert p.operator_release("a").state == PoolState.BURN_IN
 
 
 def test_config_validation_names_the_key() -> None:
