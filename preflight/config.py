@@ -119,6 +119,7 @@ class NetworkConfig:
     sysfs_root: str = "/sys"
     require_ib: bool = False  # no /sys/class/infiniband: FAIL instead of SKIP
     nics: tuple[str, ...] = ()  # interfaces that must be up; (): every physical NIC found
+    min_speed_mbps: int = 0  # a NIC up below this speed FAILs (0: unset; an unknown speed is WARN)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -99,8 +99,36 @@ def nic_results(cfg: NetworkConfig, sysfs: Path) -> list[CheckResult]:
                 )
             )
         else:
-            results.append(passed("network.nic_link", f"{nic} up at {speed or '?'} Mb/s", evidence=evidence))
+            results.append(_speed_result(nic, speed, cfg.min_speed_mbps, evidence))
     return results
+
+
+def _speed_result(nic: str, speed: str, floor_mbps: int, evidence: tuple[str, ...]) -> CheckResult:
+    """An up link at a known speed passes (above the floor); an unknown one (-1, empty: the driver
+    cannot say, or a virtual NIC) is a warning, never a pass that hides a link trained down."""
+    try:
+        mbps = int(speed)
+    except ValueError:
+        mbps = -1
+    if mbps <= 0:
+        return warned(
+            "network.nic_link",
+            f"{nic} is up but its link speed is unknown ({speed or 'no speed file'})",
+            evidence=evidence,
+            remedy="check the driver (ethtool); set [network] nics to the fabric's interfaces",
+        )
+    if floor_mbps and mbps < floor_mbps:
+        return failed(
+            "network.nic_link",
+            f"{nic} is up at {mbps} Mb/s, below the {floor_mbps} Mb/s floor",
+            evidence=evidence,
+            value=float(mbps),
+            unit="Mb/s",
+            remedy="the link trained down: reseat or replace the cable or transceiver",
+        )
+    return passed(
+        "network.nic_link", f"{nic} up at {mbps} Mb/s", evidence=evidence, value=float(mbps), unit="Mb/s"
+    )
 
 
 def run_network(ctx: CheckContext) -> list[CheckResult]:

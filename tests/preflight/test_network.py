@@ -21,12 +21,12 @@ def ib_port(root: Path, dev: str, port: int, state: str, phys: str, **counters: 
         (base / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
 
 
-def nic(root: Path, name: str, oper: str, carrier: str, physical: bool = True) -> None:
+def nic(root: Path, name: str, oper: str, carrier: str, physical: bool = True, speed: str = "100000") -> None:
     base = root / "class" / "net" / name
     base.mkdir(parents=True)
     (base / "operstate").write_text(oper + "\n")
     (base / "carrier").write_text(carrier + "\n")
-    (base / "speed").write_text("100000\n")
+    (base / "speed").write_text(speed + "\n")
     if physical:
         (base / "device").mkdir()
 
@@ -71,3 +71,15 @@ def test_no_physical_nic_is_skip(tmp_path: Path) -> None:
     nic(tmp_path, "lo", "unknown", "1", physical=False)
     results = [r for r in run(tmp_path) if r.name == "network.nic_link"]
     assert [r.status for r in results] == [CheckStatus.SKIP]
+
+
+def test_an_unknown_link_speed_warns_and_a_slow_link_fails_under_its_floor(tmp_path: Path) -> None:
+    nic(tmp_path, "eth0", "up", "1", speed="-1")
+    nic(tmp_path, "eth1", "up", "1", speed="25000")
+    nic(tmp_path, "eth2", "up", "1", speed="100000")
+    results = [r for r in run(tmp_path, min_speed_mbps=100000) if r.name == "network.nic_link"]
+    assert [r.status for r in results] == [CheckStatus.WARN, CheckStatus.FAIL, CheckStatus.PASS]
+    assert "speed is unknown (-1)" in results[0].message
+    assert "25000 Mb/s, below the 100000 Mb/s floor" in results[1].message
+    unset = [r for r in run(tmp_path) if r.name == "network.nic_link"]
+    assert [r.status for r in unset] == [CheckStatus.WARN, CheckStatus.PASS, CheckStatus.PASS]
