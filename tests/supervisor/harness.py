@@ -45,6 +45,20 @@ from runwarden.v1 import events_pb2
 Item = Action | events_pb2.Event
 
 
+def fast(**kw: object) -> SupervisorConfig:
+    """The core tests' config: short backoff, grace and dump timeouts, no wait for late joiners."""
+    base: dict[str, object] = {
+        "backoff_base_s": 1.0,
+        "backoff_max_s": 8.0,
+        "dump_timeout_s": 5.0,
+        "stop_grace_s": 5.0,
+        "stop_margin_s": 2.0,
+        "queue_wait_s": 0.0,
+    }
+    base.update(kw)
+    return SupervisorConfig(**base)  # test knobs
+
+
 @dataclass
 class Driver:
     cfg: SupervisorConfig = field(default_factory=SupervisorConfig)

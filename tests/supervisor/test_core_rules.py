@@ -37,25 +37,11 @@ from controller.supervisor.events import (
     Tick,
 )
 from controller.supervisor.machine import RunState, TransitionError
-from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2, events_pb2
-from tests.supervisor.harness import Driver
+from tests.supervisor.harness import Driver, fast
 
 E = events_pb2
-
-
-def fast(**kw: object) -> SupervisorConfig:
-    base: dict[str, object] = {
-        "backoff_base_s": 1.0,
-        "backoff_max_s": 8.0,
-        "dump_timeout_s": 5.0,
-        "stop_grace_s": 5.0,
-        "stop_margin_s": 2.0,
-        "queue_wait_s": 0.0,
-    }
-    base.update(kw)
-    return SupervisorConfig(**base)  # test knobs
 
 
 def crash_and_restart(

@@ -13,24 +13,10 @@ from controller.supervisor.events import (
     Snapshot,
 )
 from controller.supervisor.machine import RunState
-from controller.supervisor.policy import SupervisorConfig
 from runwarden.v1 import events_pb2
-from tests.supervisor.harness import Driver
+from tests.supervisor.harness import Driver, fast
 
 E = events_pb2
-
-
-def fast(**kw: object) -> SupervisorConfig:
-    base: dict[str, object] = {
-        "backoff_base_s": 1.0,
-        "backoff_max_s": 8.0,
-        "stop_grace_s": 5.0,
-        "stop_margin_s": 2.0,
-        "queue_wait_s": 0.0,
-        "checkpoint_barrier_s": 10.0,
-    }
-    base.update(kw)
-    return SupervisorConfig(**base)
 
 
 def _running(spares: int = 1) -> Driver:
