@@ -110,6 +110,9 @@ class StorageConfig:
     free_space_floor_gb: float = 10.0
     require_mount: bool = False  # the checkpoint path must be on its own mount, not the root fs
     dataset_index: str = ""  # a file listing dataset shards; "": not checked
+    throughput_mb: int = 64  # full mode: write + fsync, then read back uncached, this many MiB (0: off)
+    min_write_mbps: float = 0.0  # floors for that probe, MB/s (0: unset, the figure is only reported)
+    min_read_mbps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,5 +1,7 @@
 """Storage: the checkpoint path is mounted and writable (write, fsync, read back, verify, delete a probe),
-free space is above a floor, and the dataset shard index is readable."""
+free space is above a floor, the dataset shard index is readable, and (full mode) how fast the
+checkpoint path writes and reads: a checkpoint load that crawls stalls every restart (the OPT-175B
+team's hanging downloads), so the read speed is measured, not assumed."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import os
 import re
 import secrets
 import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from preflight.checks.base import CheckContext, CheckSpec
 from preflight.config import StorageConfig
-from preflight.result import CheckResult, failed, passed, skipped
+from preflight.result import CheckResult, CheckStatus, failed, passed, skipped
 
 PROBE_BYTES = 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # read at most this much of the index (a bound, not a format limit)
 
 
@@ -152,12 +157,129 @@ def check_dataset_index(cfg: StorageConfig) -> CheckResult:
     return passed(name, f"{path} readable, {count} entries", value=float(count), unit="entries")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Throughput:
+    size_mb: float
+    write_mbps: float  # write + fsync of the file
+    read_mbps: float  # read back after its pages were dropped from the page cache
+    uncached: bool  # whether the kernel accepted the drop (posix_fadvise DONTNEED)
+
+
+def measure_throughput(directory: str, size_mb: int) -> Throughput:
+    """Writes `size_mb` MiB of random-looking data, fsyncs it, drops its pages from the page cache,
+    reads it back and verifies it. Raises OSError, or ValueError on a mismatch."""
+    chunk = secrets.token_bytes(CHUNK_BYTES)
+    total = size_mb * 1024 * 1024
+    probe = os.path.join(
+        directory, f".preflight-throughput-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    )
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = 0
+            while written < total:
+                view = memoryview(chunk)[: total - written]
+                while view:
+                    n = os.write(fd, view)
+                    written += n
+                    view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write_s = time.perf_counter() - t0
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            uncached = True
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                uncached = False  # this filesystem would not say; the read may be from memory
+            t1 = time.perf_counter()
+            read, want = 0, hashlib.sha256(chunk).digest()
+            while read < total:
+                block = os.read(fd, min(CHUNK_BYTES, total - read))
+                if not block:
+                    break
+                if len(block) == CHUNK_BYTES and hashlib.sha256(block).digest() != want:
+                    raise ValueError(f"read back different bytes at offset {read}")
+                read += len(block)
+            read_s = time.perf_counter() - t1
+        finally:
+            os.close(fd)
+        if read != total:
+            raise ValueError(f"read back {read} bytes of the {total} written")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
+    mb = total / 1e6
+    return Throughput(
+        size_mb=size_mb,
+        write_mbps=mb / max(write_s, 1e-9),
+        read_mbps=mb / max(read_s, 1e-9),
+        uncached=uncached,
+    )
+
+
+def check_throughput(cfg: StorageConfig) -> CheckResult:
+    name = "storage.throughput"
+    remedy = "a slow checkpoint path stalls every save and restart: check the mount, the network, its load"
+    try:
+        t = measure_throughput(cfg.checkpoint_path, cfg.throughput_mb)
+    except OSError as exc:
+        return failed(
+            name, f"{cfg.checkpoint_path}: throughput probe failed: {exc.strerror or exc}", remedy=remedy
+        )
+    except ValueError as exc:
+        return failed(
+            name, f"{cfg.checkpoint_path}: {exc}", remedy="the storage returns corrupt data: escalate"
+        )
+    evidence = (
+        f"{t.size_mb:g} MiB: write+fsync {t.write_mbps:.0f} MB/s, read {t.read_mbps:.0f} MB/s"
+        + ("" if t.uncached else " (page cache not dropped: the read may be from memory)"),
+    )
+    slow = [
+        f"{what} {got:.0f} MB/s < {floor:g} MB/s"
+        for what, got, floor in (
+            ("write", t.write_mbps, cfg.min_write_mbps),
+            ("read", t.read_mbps, cfg.min_read_mbps),
+        )
+        if floor and got < floor
+    ]
+    if slow:
+        return failed(
+            name,
+            f"{cfg.checkpoint_path}: {'; '.join(slow)}",
+            evidence=evidence,
+            value=t.read_mbps,
+            unit="MB/s",
+            threshold=cfg.min_read_mbps or cfg.min_write_mbps,
+            remedy=remedy,
+        )
+    unset = (
+        ""
+        if (cfg.min_write_mbps and cfg.min_read_mbps)
+        else " (no floor set for "
+        + " and ".join(w for w, f in (("write", cfg.min_write_mbps), ("read", cfg.min_read_mbps)) if not f)
+        + ")"
+    )
+    return passed(
+        name,
+        f"write {t.write_mbps:.0f} MB/s, read {t.read_mbps:.0f} MB/s{unset}",
+        evidence=evidence,
+        value=t.read_mbps,
+        unit="MB/s",
+    )
+
+
 def run_storage(ctx: CheckContext) -> list[CheckResult]:
     cfg = ctx.config.storage
     results = []
     if cfg.checkpoint_path:
         results.append(check_writable(cfg))
         results.append(check_free_space(cfg))
+        if ctx.mode == "full" and cfg.throughput_mb > 0 and results[0].status is not CheckStatus.FAIL:
+            results.append(check_throughput(cfg))
     else:
         results.append(skipped("storage.checkpoint_writable", "no checkpoint_path configured"))
     if cfg.dataset_index:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from preflight.checks.storage import check_free_space, check_writable, mount_of
+from preflight.checks.storage import check_free_space, check_throughput, check_writable, mount_of
 from preflight.config import PreflightConfig, StorageConfig
 from preflight.result import CheckStatus
 from preflight.runner import run_preflight
@@ -130,3 +130,28 @@ def test_dataset_index_readable_empty_missing_and_bad_json(tmp_path: Path) -> No
 def test_unconfigured_paths_are_skip() -> None:
     report = run_preflight(PreflightConfig(), "quick", only=("storage",))
     assert [r.status for r in report.results] == [CheckStatus.SKIP, CheckStatus.SKIP]
+
+
+def test_full_mode_measures_write_and_uncached_read_speed_and_leaves_nothing(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(
+        PreflightConfig(),
+        storage=storage(checkpoint_path=str(tmp_path), free_space_floor_gb=0.0, throughput_mb=8),
+    )
+    quick = run_preflight(cfg, "quick", only=("storage",))
+    assert "storage.throughput" not in [r.name for r in quick.results]  # per attempt: no bulk write
+    full = {r.name: r for r in run_preflight(cfg, "full", only=("storage",)).results}
+    t = full["storage.throughput"]
+    assert t.status is CheckStatus.PASS and t.unit == "MB/s" and t.value is not None and t.value > 0
+    assert "8 MiB: write+fsync" in t.evidence[0] and "no floor set for write and read" in t.message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_path_slower_than_its_floor_fails(tmp_path: Path) -> None:
+    result = check_throughput(storage(checkpoint_path=str(tmp_path), throughput_mb=4, min_read_mbps=1e12))
+    assert result.status is CheckStatus.FAIL and "read" in result.message and "< 1e+12 MB/s" in result.message
+
+
+def test_the_throughput_probe_on_a_full_filesystem_fails_and_cleans_up(full_dir: Path) -> None:
+    result = check_throughput(storage(checkpoint_path=str(full_dir), throughput_mb=1))
+    assert result.status is CheckStatus.FAIL and "No space left" in result.message
+    assert list(full_dir.iterdir()) == []
