@@ -86,6 +86,7 @@ class Trial:
     faulty_node_trained_after: bool | None  # did the faulty node run a rank of the recovered run?
     survived: bool
     left_behind: int  # processes of the run still alive after the tool was stopped
+    left_behind_what: tuple[str, ...] = ()  # their command lines, cut short
     losses_compared: int
     losses_equal: bool | None
     wall_s: float
@@ -139,11 +140,11 @@ def interrupted_then_resumed(
 ) -> int | None:
     """Index into `done` of the first step of the run's next attempt: a step redone (a restart from a
     checkpoint) or one after a stall (> max(2 s, 5 steps)). None while training simply goes on."""
-    prev_t = fault_at
+    prev_t, highest = fault_at, -1 if before is None else before
     for i, (t, step) in enumerate(done):
-        if (before is not None and step <= before) or t - prev_t > max(2.0, 5 * base_step_s):
+        if step <= highest or t - prev_t > max(2.0, 5 * base_step_s):
             return i
-        prev_t = t
+        prev_t, highest = t, max(highest, step)
     return None
 
 
@@ -248,8 +249,8 @@ def run_trial(
     try:
         dep.impl.start()
         if not wait_warm(tail, dep, 240):
-            left, stopped = dep.impl.stop(), True
-            return failed_trial(tool, fault, rnd, "not started", left, time.time() - t_start)
+            left_procs, stopped = dep.impl.stop(), True
+            return failed_trial(tool, fault, rnd, "not started", len(left_procs), time.time() - t_start)
         base = base_step_time(step_entries(tail.snapshot()), time.time())
         before = last_complete_before(step_entries(tail.snapshot()), time.time())
         fault_at, node = dep.inject(fault)
@@ -284,6 +285,11 @@ def run_trial(
         if first_new is None and fault == "straggler" and done:
             first_new = None  # still slow at the cap: no step at normal speed
         dead = node if fault.startswith("node-lost") else ""
+        redone = None
+        if first_new is not None and recovered_idx is not None:
+            # the steps done before the restart (the fault's moment, or any the run went on to do) again
+            prior = max([before if before is not None else -1, *(step for _, step in done[:recovered_idx])])
+            redone = max(0, prior + 1 - first_new[1])
         detect = dep.impl.first_reaction(fault_at, dead)
         trained_after = dep.faulty_node_trained_after(node, fault_at) if first_new is not None else None
         recent = bool(done) and time.time() - done[-1][0] < 10.0
@@ -295,7 +301,8 @@ def run_trial(
             note = "still slow at the cap" if recent else "no step in the last 10 s"
         if outcome == "not interrupted":
             note = f"training went on for {UNINTERRUPTED_WINDOW_S:.0f} s after the fault with no restart"
-        left, stopped = dep.impl.stop(), True
+        left_procs, stopped = dep.impl.stop(), True
+        left = len(left_procs)
         return Trial(
             tool=tool,
             fault=fault,
@@ -306,10 +313,11 @@ def run_trial(
             first_new_step_s=None if first_new is None else first_new[0] - fault_at,
             last_step_before=before,
             resumed_at_step=None if first_new is None else first_new[1],
-            steps_redone=None if first_new is None or before is None else max(0, before + 1 - first_new[1]),
+            steps_redone=redone,
             faulty_node_trained_after=trained_after,
             survived=survived,
             left_behind=left,
+            left_behind_what=tuple(left_procs),
             losses_compared=compared,
             losses_equal=equal,
             wall_s=time.time() - t_start,
@@ -484,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budget", type=float, default=0.0, help="start no trial after this many seconds (0: none)"
     )
+    p.add_argument("--end-by", default="", help="HH:MM (local): start no trial that could run past it")
     p.add_argument("--out", type=Path)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     args = p.parse_args(argv)
@@ -496,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         if f not in FAULTS:
             p.error(f"unknown fault {f}; choose from {FAULTS}")
     t0 = time.time()
+    end_by = None
+    if args.end_by:
+        hh, mm = (int(x) for x in args.end_by.split(":"))
+        now = time.localtime()
+        end_by = time.mktime((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, -1))
     env = environment(tools, args.cap, ["bench/bench_peers.py", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps(env, indent=1), flush=True)
     reference = reference_losses(args.reference_steps, args.workdir) if args.reference_steps > 0 else {}
@@ -505,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         for fi, fault in enumerate(faults):
             k = (rnd + fi) % len(tools)
             for tool in tools[k:] + tools[:k]:  # rotate so no tool always runs first or last
-                if args.budget and time.time() - t0 > args.budget:
+                late = end_by is not None and time.time() + args.cap + 90 > end_by
+                if late or (args.budget and time.time() - t0 > args.budget):
                     print(
-                        f"budget of {args.budget:.0f} s spent: stopping after {len(trials)} trials",
+                        f"time is up (--budget / --end-by): stopping after {len(trials)} trials",
                         flush=True,
                     )
                     write(args.out, env, trials, args.cap, time.time() - t0)

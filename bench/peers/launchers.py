@@ -216,7 +216,7 @@ class LauncherDeployment:
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.launchers.values())
 
-    def stop(self, grace_s: float = 10.0) -> int:
+    def stop(self, grace_s: float = 10.0) -> list[str]:
         """Stop as an operator would (SIGTERM each live launcher, which stops its workers), then count
         what is still running from this run (the processes left behind) and kill it."""
         for p in self.launchers.values():
@@ -228,7 +228,7 @@ class LauncherDeployment:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         time.sleep(0.5)
-        left = len(processes_mentioning(str(self.root)))
+        left = [f"{p.pid} {' '.join(p.cmdline)[:160]}" for p in processes_mentioning(str(self.root))]
         kill_all(str(self.root))
         for p in self.launchers.values():
             with contextlib.suppress(subprocess.TimeoutExpired):

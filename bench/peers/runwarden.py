@@ -90,7 +90,7 @@ class RunwardenDeployment:
     def alive(self) -> bool:
         return self.cluster.controller is not None and self.cluster.controller.poll() is None
 
-    def stop(self, grace_s: float = 15.0) -> int:
+    def stop(self, grace_s: float = 15.0) -> list[str]:
         """LocalCluster.stop's signals (agents SIGINT: stop the workers now; controller SIGTERM), then
         count what is still running before LocalCluster.stop kills the strays and etcd."""
         c = self.cluster
@@ -106,7 +106,7 @@ class RunwardenDeployment:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         time.sleep(0.5)
         keep = {c.etcd.pid} if c.etcd is not None and c.etcd.pid else set()
-        left = len([p for p in processes_mentioning(str(self.root)) if p.pid not in keep
-                    and "etcd" not in " ".join(p.cmdline)])  # fmt: skip
+        left = [f"{p.pid} {' '.join(p.cmdline)[:160]}" for p in processes_mentioning(str(self.root))
+                if p.pid not in keep and "etcd" not in " ".join(p.cmdline)]  # fmt: skip
         c.stop()
         return left
