@@ -496,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     args = p.parse_args(argv)
+    # `timeout`'s SIGTERM: unwind, so the running trial's cleanup (its finally) still kills its processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tools = [t for t in args.tools.split(",") if t]
     faults = [f for f in args.faults.split(",") if f]
     for t in tools:

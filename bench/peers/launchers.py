@@ -216,7 +216,7 @@ class LauncherDeployment:
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.launchers.values())
 
-    def stop(self, grace_s: float = 10.0) -> list[str]:
+    def stop(self, grace_s: float = 40.0) -> list[str]:
         """Stop as an operator would (SIGTERM each live launcher, which stops its workers), then count
         what is still running from this run (the processes left behind) and kill it."""
         for p in self.launchers.values():

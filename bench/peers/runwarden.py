@@ -90,7 +90,7 @@ class RunwardenDeployment:
     def alive(self) -> bool:
         return self.cluster.controller is not None and self.cluster.controller.poll() is None
 
-    def stop(self, grace_s: float = 15.0) -> list[str]:
+    def stop(self, grace_s: float = 40.0) -> list[str]:
         """LocalCluster.stop's signals (agents SIGINT: stop the workers now; controller SIGTERM), then
         count what is still running before LocalCluster.stop kills the strays and etcd."""
         c = self.cluster
