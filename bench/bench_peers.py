@@ -448,6 +448,80 @@ def print_table(cells: dict[str, dict[str, object]]) -> None:
         )
 
 
+def _med_worst(values: list[float | None], cap_s: float, unit: str = " s") -> str:
+    """'median (worst)' over every trial, a trial without a value (> cap) ranking above all others."""
+    if not values:
+        return "-"
+    ranked = sorted(float("inf") if v is None else v for v in values)
+    mid = len(ranked) // 2
+    med = ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+    def one(v: float) -> str:
+        return f"> {cap_s:.0f} s" if v == float("inf") else f"{v:.1f}{unit}" if unit else f"{v:.0f}"
+
+    return f"{one(med)} ({one(ranked[-1])})"
+
+
+def markdown(results: dict[str, object]) -> str:
+    """BENCHMARKS.md's tables from a results file: one per fault, one row per tool."""
+    env = results["environment"]
+    assert isinstance(env, dict)
+    cap_s = float(env["cap_s"])
+    trials = [Trial(**{**t, "reactions": tuple(t["reactions"]), "left_behind_what": tuple(t["left_behind_what"])})
+              for t in results["trials"]]  # type: ignore[union-attr]  # fmt: skip
+    out: list[str] = []
+    best: dict[str, tuple[str, float]] = {}
+    for fault in FAULTS:
+        rows = [t for t in trials if t.fault == fault]
+        if not rows:
+            continue
+        out += [f"**{fault}**", "",
+                "| tool | n | survived | recovered | detect, median (worst) | fault -> first new step, median (worst) "
+                "| steps redone | faulty node in next attempt | left behind (max) | losses = uninterrupted |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for tool in TOOLS:
+            mine = [t for t in rows if t.tool == tool and t.started]
+            if not mine:
+                continue
+            n = len(mine)
+            calm = sum(t.outcome == "not interrupted" for t in mine)
+            hit = [t for t in mine if t.outcome != "not interrupted"]
+            first = _med_worst([t.first_new_step_s for t in hit], cap_s) if hit else "-"
+            if calm:
+                first += f"; {calm}/{n} not interrupted"
+            ended = sum(t.outcome == "run ended" for t in mine)
+            recovered = f"{sum(t.outcome == 'recovered' for t in mine)}/{n}" + (
+                f" ({ended} ended)" if ended else ""
+            )
+            redone = _med_worst(
+                [None if t.steps_redone is None else float(t.steps_redone) for t in hit], cap_s, ""
+            )
+            again = [t.faulty_node_trained_after for t in hit if t.faulty_node_trained_after is not None]
+            again_s = f"{sum(again)}/{len(again)}" if again else "-"
+            compared = [t for t in mine if t.losses_equal is not None]
+            losses = f"{sum(bool(t.losses_equal) for t in compared)}/{len(compared)}" if compared else "-"
+            out.append(
+                f"| {tool} | {n} | {sum(t.survived for t in mine)}/{n} | {recovered} "
+                f"| {_med_worst([t.detect_s for t in mine], cap_s)} | {first} | {redone} | {again_s} "
+                f"| {max(t.left_behind for t in mine)} | {losses} |"
+            )
+            times = sorted(float("inf") if t.first_new_step_s is None else t.first_new_step_s for t in hit)
+            if times:
+                med = statistics.median(times) if times[len(times) // 2] != float("inf") else float("inf")
+                if tool != "runwarden" and (fault not in best or med < best[fault][1]):
+                    best[fault] = (tool, med)
+        rw = sorted(float("inf") if t.first_new_step_s is None else t.first_new_step_s
+                    for t in rows if t.tool == "runwarden" and t.started and t.outcome != "not interrupted")  # fmt: skip
+        if rw and fault in best:
+            rw_med = statistics.median(rw)
+            peer, peer_med = best[fault]
+            ratio = rw_med / peer_med if peer_med not in (0.0, float("inf")) else float("nan")
+            out.append("")
+            out.append(f"runwarden / best peer ({peer}), fault -> first new step, medians: {ratio:.2f}")
+        out.append("")
+    return "\n".join(out)
+
+
 def environment(tools: Sequence[str], cap_s: float, argv: Sequence[str]) -> dict[str, object]:
     configs: dict[str, object] = {
         name: peer.config() for name, peer in peer_configs().items() if name in tools
@@ -495,7 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end-by", default="", help="HH:MM (local): start no trial that could run past it")
     p.add_argument("--out", type=Path)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument(
+        "--markdown", type=Path, help="print BENCHMARKS.md's tables from this results file, run nothing"
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     # `timeout`'s SIGTERM: unwind, so the running trial's cleanup (its finally) still kills its processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tools = [t for t in args.tools.split(",") if t]
