@@ -34,6 +34,7 @@ class Attempt:
     save_started: dict[int, float] = field(default_factory=dict)  # step -> first "saving" report
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load
+    first_loaded_at: float = 0.0  # when the first of them did (the load-stall rule's clock)
     finished_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all took their last step
     finished_at: float = 0.0  # when the last of them did
     load_logged: bool = False

@@ -8,7 +8,9 @@ Evidence, strongest first (DESIGN.md, "Blame from evidence"):
 3. STRAGGLER: the persistent straggler the detector flagged;
 4. FLIGHT_RECORDER for a hang: the suspects of the flight-recorder verdict
    (controller/supervisor/flight_recorder.py) at or above `fr_min_confidence`;
-5. HEARTBEAT for a hang: the one node whose progress stopped first (behind every other node);
+5. HEARTBEAT for a hang: the one node whose progress stopped first (behind every other node); for
+   a stalled checkpoint load (`hang:load`), the nodes still loading while more of the others
+   finished (when most nodes stall, it is the storage, not a node: no suspect);
 6. FIRST_EXIT for a crash with nothing stronger: the first node to exit. Not quarantined on a first
    offence (the repeat-offender rule in the core decides);
 7. NONE: software or data; the crash-loop rule decides.
@@ -150,6 +152,18 @@ def blame(
             )
             if fr:
                 return _blamed(BlameMethod.FLIGHT_RECORDER, fr, f, verdict.explanation)
+        if f.label == "hang:load" and f.nodes and 2 * len(f.nodes) < len(node_steps):
+            return _blamed(
+                BlameMethod.HEARTBEAT,
+                tuple(
+                    Suspect(
+                        node=n, confidence=0.7, reason="its checkpoint load stalled while the others loaded"
+                    )
+                    for n in f.nodes
+                ),
+                f,
+                verdict.explanation if verdict else "",
+            )
         behind = heartbeat_suspect(node_steps)
         if behind is not None:
             return _blamed(

@@ -58,6 +58,10 @@ class SupervisorConfig:
     checkpoint_save_multiple: float = 3.0
     checkpoint_saves_to_learn: int = 3
     startup_timeout_s: float = 300.0  # launch -> first progress of every node
+    # a node still loading its checkpoint this long after another node of the attempt finished
+    # loading is stalled (a hanging download or mount): blamed, not waited for until the startup
+    # timeout. 0: off.
+    load_stall_s: float = 120.0
 
     # Straggler: rank with compute >= compute_ratio x median and wait <= wait_ratio x median wait,
     # while the median wait is at least min_wait_s; persistent = flagged in >= persistence of the
@@ -120,6 +124,7 @@ class SupervisorConfig:
             "longest_collective_s",
             "checkpoint_barrier_s",
             "startup_timeout_s",
+            "load_stall_s",
             "straggler_min_wait_s",
             "evidence_window_s",
             "mass_expiry_window_s",

@@ -86,6 +86,10 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
 
 def _node_loaded(sv: Supervisor, node: str) -> None:
     a = sv.cur
+    if not a.loaded_nodes:
+        a.first_loaded_at = sv.now
+        if sv.cfg.load_stall_s > 0:
+            sv.emit(SetTimer(key="load_stall", at=sv.now + sv.cfg.load_stall_s))
     a.loaded_nodes.add(node)
     if len(a.loaded_nodes) < len(a.node_step):
         return
@@ -189,6 +193,29 @@ def check_hang(sv: Supervisor) -> None:
     a = sv.cur
     now = sv.now
     if a.min_step == UNREPORTED:
+        stalled = sorted(n for n in a.node_step if n not in a.loaded_nodes)
+        stall_s = sv.cfg.load_stall_s
+        if (
+            a.loaded_nodes
+            and stalled
+            and not a.load_logged
+            and stall_s > 0
+            and now >= a.first_loaded_at + stall_s
+        ):
+            failure.begin(
+                sv,
+                Failure(
+                    detector=E.DETECTOR_HANG,
+                    nodes=stalled,
+                    step=a.resume_step,
+                    label="hang:load",
+                    reason=f"checkpoint load stalled on {sv.names(stalled)}: {len(a.loaded_nodes)} of "
+                    f"{len(a.node_step)} nodes loaded {'step ' + str(a.resume_step) if a.resume_step >= 0 else 'from scratch'}, "
+                    f"the first {now - a.first_loaded_at:.0f}s ago (load_stall_s {stall_s:g})",
+                ),
+                latency=now - a.first_loaded_at,
+            )
+            return
         deadline = a.launched_at + sv.cfg.startup_timeout_s
         if now >= deadline:
             silent = sorted(n for n, s in a.node_step.items() if s == UNREPORTED)

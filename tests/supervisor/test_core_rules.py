@@ -195,6 +195,35 @@ def test_load_done_logged_when_every_node_has_loaded_and_load_marks_are_not_step
     assert len(d.events(E.EVENT_KIND_LOAD_DONE)) == 2
 
 
+def test_a_stalled_checkpoint_load_is_blamed_on_its_node_long_before_the_startup_timeout() -> None:
+    d = Driver(cfg=fast(load_stall_s=60.0, burn_in_passes=1), nodes=4)
+    d.start(5)  # n1..n4 active, n5 spare
+    d.progress(0, nodes=["n1", "n2", "n3"], loaded=-1)  # three loaded; n4's load hangs
+    out = d.advance(58)
+    assert not d.events(E.EVENT_KIND_DETECTION, out)
+    out = d.advance(3)
+    (det,) = d.events(E.EVENT_KIND_DETECTION, out)
+    assert det.detection.detector == E.DETECTOR_HANG and "checkpoint load stalled on n4" in det.message
+    assert "3 of 4 nodes loaded" in det.message and det.detection.latency_s == pytest.approx(60.0, abs=1.5)
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
+    out = d.exit_all(code=-15) + d.advance(5)
+    att = d.events(E.EVENT_KIND_ATTRIBUTION)[-1].attribution
+    assert att.blame_method == E.BLAME_METHOD_HEARTBEAT and [s.node for s in att.suspects] == ["n4"]
+    assert [q.node for q in d.of(Quarantine, out)] == ["n4"]
+    assert [(t.node, t.replaces) for t in d.of(TakeSpare, out)] == [("n5", "n4")]
+
+
+def test_a_load_that_stalls_on_most_nodes_is_the_storage_not_a_node() -> None:
+    d = Driver(cfg=fast(load_stall_s=60.0), nodes=4)
+    d.start(4)
+    d.progress(0, nodes=["n1"], loaded=-1)
+    d.advance(61)
+    d.send(DumpsCollected(attempt=1, verdict=FlightRecorderVerdict()))
+    out = d.exit_all(code=-15)
+    att = d.events(E.EVENT_KIND_ATTRIBUTION, out)[-1].attribution
+    assert not att.suspects and not d.of(Quarantine, out)
+
+
 def test_no_load_done_from_a_trainer_that_sends_no_load_marks() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(2)
