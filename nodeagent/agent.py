@@ -25,10 +25,10 @@ from typing import Any
 
 import runwarden
 from nodeagent import progress as progress_mod
-from nodeagent import torchrun
+from nodeagent import torchrun, warm_pool
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
-from nodeagent.launcher import Launcher
+from nodeagent.launcher import Launcher, LaunchSpec, Worker, resolve_allowed
 from nodeagent.liveness import Registration
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
@@ -128,6 +128,8 @@ class Agent:
         self._state_changed = threading.Event()
         self.drain_reason = ""  # "" = not draining
         self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
+        self.warm: warm_pool.WarmPool | None = None  # with warm_workers: the parked rank processes
+        self._warm_pids: set[int] = set()  # leaders of workers the warm path started
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -362,6 +364,8 @@ class Agent:
         ifname = self.config.collective_ifname
         if ifname and not os.path.exists(f"/sys/class/net/{ifname}"):
             log.warning("collective_ifname %s: no such network interface here; collectives will fail", ifname)
+        if self.config.warm_workers:
+            self._start_warm_pool()
         self.xid.start(self.config.kernel_log, self.config.dmesg_interval_s)
         self.evidence.start()
         if self.registration is not None:
@@ -378,6 +382,8 @@ class Agent:
         self._state_changed.set()  # wakes the ticker
         if self._ticker is not None:
             self._ticker.join(timeout=5)
+        if self.warm is not None:
+            self.warm.close()
         if stop_workers:
             self.launcher.stop_all(self.config.stop_grace_s)
             self.wait_exits_recorded()
@@ -425,6 +431,66 @@ class Agent:
         if self.progress.record_exit(worker.run, worker.attempt, worker.exit.to_proto()):
             self.flush_progress()
             self._state_changed.set()
+        if self.warm is not None and worker.pid in self._warm_pids:
+            self._warm_pids.discard(worker.pid)
+            self.warm.refill()  # a fresh group for the next attempt: never the one that ran this
+
+    # --- launching -------------------------------------------------------------------------------
+
+    def _start_warm_pool(self) -> None:
+        interpreter = warm_pool.warm_interpreter(self.config.torchrun)
+        if not interpreter:
+            log.warning(
+                "warm_workers: the torchrun prefix %s is not `<python> -m torch.distributed.run`; "
+                "every launch goes cold",
+                list(self.config.torchrun),
+            )
+            return
+        self.warm = warm_pool.WarmPool(
+            interpreter=interpreter, local_ranks=lambda: self.local_ranks, env=lambda: dict(os.environ)
+        )
+        self.warm.refill()
+
+    def launch(self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None) -> tuple[Worker, warm_pool.LaunchPath]:
+        """Start the attempt's workers: handed to the parked group when the warm path can run it
+        (nodeagent.warm_pool), else torchrun as always. LaunchError when refused."""
+        interpreter = self.warm.interpreter if self.warm is not None else ""
+        why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
+        if not why and self.warm is not None and ask is not None:
+            worker, why = self._launch_warm(spec, ask, self.warm)
+            if worker is not None:
+                return worker, warm_pool.LaunchPath(kind="warm", detail=why)
+        if self.config.warm_workers:
+            log.info("run %s attempt %d: cold launch (torchrun): %s", spec.run, spec.attempt, why)
+        return self.launcher.launch(spec), warm_pool.LaunchPath(kind="cold", detail=why)
+
+    def _launch_warm(
+        self, spec: LaunchSpec, ask: warm_pool.WarmAsk, pool: warm_pool.WarmPool
+    ) -> tuple[Worker | None, str]:
+        """(the worker, the parked pids) or (None, why the launch goes cold instead)."""
+        local_ranks = self.local_ranks
+        env = warm_pool.launch_env(spec, os.environ, local_ranks)
+        # the same permission rule as torchrun's argv[0]: the interpreter must be allowed
+        resolve_allowed(pool.interpreter, self.config.allowed_executables, env.get("PATH", os.defpath))
+        self.launcher.prepare(spec)
+        message = warm_pool.handoff_message(spec, ask, env, local_ranks)
+        if len(message) > warm_pool.warm.MAX_HANDOFF_BYTES:
+            return None, f"the launch's argv and environment exceed {warm_pool.warm.MAX_HANDOFF_BYTES} bytes"
+        mismatch = warm_pool.startup_mismatch(env, warm_pool.parked_env(os.environ, local_ranks))
+        if mismatch:  # the parked group stays parked: a launch with the agent's environment can use it
+            return None, f"{mismatch} differs from the parked group's (read at interpreter start-up)"
+        group, why = pool.take(local_ranks, self.config.warm_wait_s)
+        if group is None:
+            return None, why
+        if not group.hand_off(message):
+            pool.refill()
+            warm_pool.discard(group)
+            return None, "the parked group died before the hand-off"
+        self._warm_pids.add(group.popen.pid)
+        worker = self.launcher.adopt(spec, group.popen)
+        detail = f"parked ranks {list(group.rank_pids)} (leader {group.popen.pid}), {why}"
+        log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
+        return worker, detail
 
     def flush_progress(self) -> int:
         if self.store is None:

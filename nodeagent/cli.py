@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="port of the c10d store this node hosts as node rank 0 (0 = pick one at start-up)",
     )
+    p.add_argument(
+        "--warm-workers",
+        dest="warm_workers",
+        choices=("true", "false"),
+        help="keep parked rank processes ready for a structured launch (default false)",
+    )
     return p
 
 

@@ -47,6 +47,13 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
                               (0 = a port free at start-up; fixed ports outside the ephemeral range are
                               better in production). Reported in the node record with `torch_host`,
                               the advertised host without its port (torchrun --local-addr)
+    warm_workers              true: keep one parked group of rank processes (torch imported) ready and
+                              hand a structured launch to it instead of starting torchrun; anything the
+                              warm path cannot run goes cold, and the launch's answer says which path
+                              ran (nodeagent.warm_pool). Default false. Every agent of a run needs the
+                              same setting
+    warm_wait_s               how long a launch waits for a parked group that is still starting before
+                              it goes cold; default 30, 0..600
 
 A structured launch runs `--nproc-per-node` = local_ranks, or the GPU count when local_ranks is 0 and
 NVML sees GPUs, else 1; the node record reports that number.
@@ -111,9 +118,15 @@ class AgentConfig:
     torchrun: tuple[str, ...] = ()
     collective_ifname: str = ""
     rdzv_port: int = 0
+    warm_workers: bool = False
+    warm_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         where = "nodeagent"
+        if not isinstance(self.warm_workers, bool):
+            raise ConfigError(f"{where}.warm_workers: expected true or false, got {self.warm_workers!r}")
+        if not 0 <= self.warm_wait_s <= 600:
+            raise ConfigError(f"{where}.warm_wait_s: must be within 0..600, got {self.warm_wait_s!r}")
         if not self.torchrun:
             object.__setattr__(self, "torchrun", (sys.executable, "-m", "torch.distributed.run"))
         if any(not isinstance(a, str) or not a or "\0" in a for a in self.torchrun):

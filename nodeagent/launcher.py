@@ -169,9 +169,8 @@ class Launcher:
         self._workers: list[Worker] = []
         proctree.become_subreaper()
 
-    def launch(self, spec: LaunchSpec) -> Worker:
-        env = worker_env(spec, os.environ)
-        exe = resolve_allowed(spec.argv[0] if spec.argv else "", self._allowed, env.get("PATH", os.defpath))
+    def prepare(self, spec: LaunchSpec) -> None:
+        """The checks and directories every launch needs, cold or warm (LaunchError if refused)."""
         cwd = spec.cwd or None
         if cwd is not None and not os.path.isdir(cwd):
             raise LaunchError(f"cwd: {cwd!r} is not a directory")
@@ -180,6 +179,12 @@ class Launcher:
                 raise LaunchError(f"run {spec.run!r} already has running workers on this node")
         spec.fr_socket_dir.mkdir(parents=True, exist_ok=True)
         spec.stop_file.parent.mkdir(parents=True, exist_ok=True)
+
+    def launch(self, spec: LaunchSpec) -> Worker:
+        env = worker_env(spec, os.environ)
+        exe = resolve_allowed(spec.argv[0] if spec.argv else "", self._allowed, env.get("PATH", os.defpath))
+        cwd = spec.cwd or None
+        self.prepare(spec)
         if not os.access(exe, os.X_OK):
             raise LaunchError(f"cannot start {spec.argv[0]!r}: not an executable file")
         try:
@@ -192,13 +197,20 @@ class Launcher:
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
+        worker = self.adopt(spec, popen)
+        log.info("launched %s attempt %d: pid %d %s", spec.run, spec.attempt, popen.pid, list(spec.argv))
+        return worker
+
+    def adopt(self, spec: LaunchSpec, popen: subprocess.Popen[bytes]) -> Worker:
+        """`popen` (a session leader this launcher's rules apply to: its own session, USR1 ignored)
+        becomes the attempt's worker: reaped, tracked, stopped and killed like a launched one. The
+        warm path's parked group arrives here (nodeagent.warm_pool)."""
         worker = Worker(
             run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen
         )
         with self._lock:
             self._workers = [w for w in self._workers if w.running or w.run != spec.run] + [worker]
         threading.Thread(target=self._reap, args=(worker,), name=f"reap-{popen.pid}", daemon=True).start()
-        log.info("launched %s attempt %d: pid %d %s", spec.run, spec.attempt, popen.pid, list(spec.argv))
         return worker
 
     def _reap(self, worker: Worker) -> None:

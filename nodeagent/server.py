@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent import allreduce, chaos, preflight_bridge, proctree, torchrun
+from nodeagent import allreduce, chaos, preflight_bridge, proctree, torchrun, warm_pool
 from nodeagent import validate as v
 from nodeagent.agent import Agent
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
@@ -293,15 +293,29 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             agent_socket=a.config.unix_socket,
             fr_buffer_size=a.config.fr_buffer_size,
         )
+        ask = (
+            warm_pool.WarmAsk(
+                command=tuple(request.torchrun.command),
+                rdzv_endpoint=request.torchrun.rdzv_endpoint,
+                is_host=request.torchrun.is_host,
+                no_python=request.torchrun.no_python,
+                node_rank=request.node_rank,
+                nnodes=request.nnodes,
+            )
+            if request.HasField("torchrun")
+            else None
+        )
         try:
-            worker = a.launcher.launch(spec)
+            worker, path = a.launch(spec, ask)
         except LaunchError as exc:
             code = (
                 grpc.StatusCode.PERMISSION_DENIED if exc.permission else grpc.StatusCode.FAILED_PRECONDITION
             )
             _abort(context, code, str(exc))
         a.state_changed()
-        return agent_pb2.LaunchWorkersResponse(pid=worker.pid)
+        return agent_pb2.LaunchWorkersResponse(
+            pid=worker.pid, launch_path=path.kind, launch_detail=path.detail[:500]
+        )
 
     @rpc
     def StopWorkers(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.StopWorkersResponse:

@@ -573,15 +573,24 @@ class LaunchWorkersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PID_FIELD_NUMBER: _builtins.int
+    LAUNCH_PATH_FIELD_NUMBER: _builtins.int
+    LAUNCH_DETAIL_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
+    launch_path: _builtins.str
+    """Which path started the ranks: "cold" (torchrun) or "warm" (the agent's parked rank processes,
+    `warm_workers` in its config), and why: the parked pids, or why the launch went cold.
+    """
+    launch_detail: _builtins.str
     def __init__(
         self,
         *,
         pid: _builtins.int = ...,
+        launch_path: _builtins.str = ...,
+        launch_detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["launch_detail", b"launch_detail", "launch_path", b"launch_path", "pid", b"pid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

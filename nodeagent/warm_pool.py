@@ -1,0 +1,353 @@
+"""Warm workers, the agent's side: keep one parked group ready, hand it a structured launch.
+
+With `warm_workers = true` the agent keeps one parked group (nodeagent.warm: a leader and one rank
+process per local rank, torch imported) started with its own interpreter and environment. A
+structured launch that the warm path can run is handed to it instead of starting torchrun; the
+group's leader then becomes the attempt's worker exactly as torchrun's process would
+(`Launcher.adopt`): the same reaper, exit record, stop and kill of its whole session, stray-process
+rescan, stop file and agent socket. A group runs one attempt only; the next one is started when that
+attempt's worker has ended (not during the attempt: its imports would compete with the ranks).
+
+The warm path is used only when it starts what torchrun would; anything else goes cold, and the
+launch's answer and the agent's log say which path ran and why (`LaunchPath`):
+
+* a structured launch (`torchrun` in the request) of a script or `-m module` (not `no_python`);
+* the torchrun prefix is `<python> -m torch.distributed.run`, so the ranks' interpreter is known
+  (the parked group runs that same interpreter);
+* node rank 0 hosts the store (`is_host` exactly on node rank 0: the warm rendezvous store is node
+  rank 0's, at the controller's endpoint);
+* the launch environment agrees with the parked group's on every variable read at interpreter
+  start-up or at torch's import (STARTUP_ENV_PREFIXES);
+* a parked group of this node's local rank count is ready, or becomes ready within `warm_wait_s`.
+
+Every agent of a run must have the same `warm_workers` setting: a warm node and a cold node never
+meet (the warm rendezvous times out with a message that says so, and the attempt fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent import proctree, torchrun, warm
+from nodeagent.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, LaunchSpec, worker_env
+
+log = logging.getLogger(__name__)
+# Variables the interpreter, the dynamic loader, the allocator or OpenMP/MKL read once at start-up or
+# at torch's import: a parked process has the agent's values, so a launch that sets others goes cold.
+STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
+# Applied at the hand-off instead (sys.path, torch.set_num_threads, line buffering).
+HANDOFF_ENV = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
+WARM_RENDEZVOUS_TIMEOUT_S = 120.0
+TORCHRUN_MODULE = ("-m", "torch.distributed.run")
+MAX_RESTART_DELAY_S = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPath:
+    """Which path a launch took, for the launch's answer and the log."""
+
+    kind: str  # "warm" | "cold"
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmAsk:
+    """The parts of a structured launch the warm path needs (from the validated request)."""
+
+    command: tuple[str, ...]
+    rdzv_endpoint: str
+    is_host: bool
+    no_python: bool
+    node_rank: int
+    nnodes: int
+
+
+def warm_interpreter(torchrun_prefix: tuple[str, ...]) -> str:
+    """The ranks' interpreter when the torchrun prefix is `<python> -m torch.distributed.run`, else ""."""
+    if len(torchrun_prefix) == 3 and tuple(torchrun_prefix[1:]) == TORCHRUN_MODULE:
+        return torchrun_prefix[0]
+    return ""
+
+
+def parked_env(base: Mapping[str, str], local_ranks: int) -> dict[str, str]:
+    """The environment a parked group starts with: the agent's, as the cold path's ranks get it before
+    the launch adds its own (the private variables out), with torchrun's OMP_NUM_THREADS default."""
+    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+    if local_ranks > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for more than one rank per node
+    return env
+
+
+def startup_mismatch(launch_env: Mapping[str, str], parked: Mapping[str, str]) -> str:
+    """The first start-up variable the launch sets differently from the parked group ("" = none)."""
+    keys = {k for k in (*launch_env, *parked) if k.startswith(STARTUP_ENV_PREFIXES) and k not in HANDOFF_ENV}
+    for key in sorted(keys):
+        if launch_env.get(key) != parked.get(key):
+            return key
+    return ""
+
+
+def launch_env(spec: LaunchSpec, base: Mapping[str, str], local_ranks: int) -> dict[str, str]:
+    """The ranks' environment on the warm path: the cold path's (`worker_env`), plus torchrun's default."""
+    env = worker_env(spec, base)
+    if local_ranks > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
+    """Why this launch cannot go warm, from the request and config alone ("" = it can)."""
+    if not enabled:
+        return "warm_workers is off"
+    if ask is None:
+        return "not a structured (torchrun) launch"
+    if ask.no_python:
+        return "no_python: the command is not a Python script"
+    if ask.command[0].startswith("-") and not (ask.command[0] == "-m" and len(ask.command) >= 2):
+        return f"the command starts with the interpreter option {ask.command[0]!r}"
+    if ask.is_host != (ask.node_rank == 0):
+        return "the store host is not node rank 0"
+    if not interpreter:
+        return "the torchrun prefix is not `<python> -m torch.distributed.run`"
+    return ""
+
+
+class ParkedGroup:
+    """One leader and its parked ranks, started by the pool; handed to one attempt at most."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], local_ranks: int, env: Mapping[str, str]) -> None:
+        self.popen = popen
+        self.local_ranks = local_ranks
+        self.env = dict(env)
+        self.started_at = time.time()
+        self.rank_pids: tuple[int, ...] = ()
+        self.failure = ""  # why it never became ready
+        self.settled = threading.Event()  # ready or failed
+
+    @property
+    def ready(self) -> bool:
+        return self.settled.is_set() and not self.failure
+
+    def alive(self) -> bool:
+        if self.popen.poll() is not None:
+            return False
+        states = [proctree.read_proc(pid) for pid in self.rank_pids]
+        return all(s is not None and s.state not in ("Z", "X") for s in states)
+
+    def hand_off(self, message: bytes) -> bool:
+        """Write the launch and close: False if the group died meanwhile (nothing was started)."""
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(message)
+            self.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+
+class WarmPool:
+    """The parked group of this node (one at a time), refilled once the attempt that used it ended."""
+
+    def __init__(
+        self, *, interpreter: str, local_ranks: Callable[[], int], env: Callable[[], Mapping[str, str]]
+    ) -> None:
+        self.interpreter = interpreter
+        self._local_ranks = local_ranks
+        self._env = env
+        self._lock = threading.Lock()
+        self._group: ParkedGroup | None = None
+        self._failures = 0  # in a row: the next start waits 2**n s
+        self._closed = False
+        self._timer: threading.Timer | None = None
+
+    def refill(self) -> None:
+        """Start a parked group unless one is parked or starting (idempotent)."""
+        with self._lock:
+            if self._closed or self._timer is not None:
+                return
+            group = self._group
+            if group is not None and not (group.settled.is_set() and (group.failure or not group.alive())):
+                return
+            if group is not None:
+                self._discard(group)
+            self._group = self._start()
+
+    def _start(self) -> ParkedGroup:
+        local_ranks = self._local_ranks()
+        env = parked_env(self._env(), local_ranks)
+        r, w = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [
+                    *IGNORE_USR1,
+                    self.interpreter,
+                    "-m",
+                    "nodeagent.warm",
+                    "leader",
+                    "--local-ranks",
+                    str(local_ranks),
+                    "--ready-fd",
+                    str(w),
+                ],
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.PIPE,
+                pass_fds=(w,),
+            )
+        finally:
+            os.close(w)
+        group = ParkedGroup(popen, local_ranks, env)
+        threading.Thread(
+            target=self._watch, args=(group, r), name=f"warm-park-{popen.pid}", daemon=True
+        ).start()
+        log.info("warm workers: parking %d rank(s) (leader pid %d)", local_ranks, popen.pid)
+        return group
+
+    def _watch(self, group: ParkedGroup, fd: int) -> None:
+        try:
+            line = _read_line(fd, 4096)
+        finally:
+            os.close(fd)
+        pids = _parse_ready(line, group.local_ranks)
+        if pids:
+            group.rank_pids = pids
+            with self._lock:
+                self._failures = 0
+            log.info(
+                "warm workers: %d rank(s) parked in %.1f s: pids %s",
+                group.local_ranks,
+                time.time() - group.started_at,
+                list(pids),
+            )
+            group.settled.set()
+            return
+        rc = group.popen.wait()
+        group.failure = f"the parked group exited with {rc} before it was ready"
+        group.settled.set()
+        with self._lock:
+            self._failures += 1
+            delay = min(MAX_RESTART_DELAY_S, 2.0 ** (self._failures - 1))
+            if self._closed or self._group is not group:
+                return
+            log.warning("warm workers: %s; parking again in %.0f s", group.failure, delay)
+            self._timer = threading.Timer(delay, self._retry)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _retry(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.refill()
+
+    def take(self, local_ranks: int, wait_s: float) -> tuple[ParkedGroup | None, str]:
+        """The parked group for one attempt (the pool forgets it), or None and why not."""
+        with self._lock:
+            group = self._group
+        if group is None:
+            self.refill()
+            return None, "no parked group (one is being started)"
+        waited = time.monotonic()
+        if not group.settled.wait(wait_s):
+            return None, f"the parked group was not ready within warm_wait_s ({wait_s:g} s)"
+        waited = time.monotonic() - waited
+        with self._lock:
+            if self._group is not group:
+                return None, "the parked group was taken by another launch"
+            if group.failure:
+                return None, group.failure
+            if group.local_ranks != local_ranks or not group.alive():
+                why = (
+                    f"the parked group has {group.local_ranks} rank(s), this node runs {local_ranks}"
+                    if group.local_ranks != local_ranks
+                    else "the parked group died while parked"
+                )
+                self._discard(group)
+                self._group = None
+            else:
+                self._group = None
+                return group, f"waited {waited:.1f} s for it"
+        self.refill()
+        return None, why
+
+    def _discard(self, group: ParkedGroup) -> None:
+        discard(group)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            group, self._group = self._group, None
+            if self._timer is not None:
+                self._timer.cancel()
+        if group is not None:
+            _close_group(group)
+
+    def parked_pids(self) -> tuple[int, ...]:
+        with self._lock:
+            group = self._group
+        return group.rank_pids if group is not None and group.ready else ()
+
+
+def discard(group: ParkedGroup) -> None:
+    """Close a group nobody will use: EOF on its stdin, then KILL whatever is left (in a thread)."""
+    threading.Thread(target=_close_group, args=(group,), name="warm-discard", daemon=True).start()
+
+
+def _close_group(group: ParkedGroup) -> None:
+    if group.popen.stdin is not None:
+        with contextlib.suppress(OSError):  # EOF with nothing written: the leader ends its ranks, exits 0
+            group.popen.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        group.popen.wait(timeout=5.0)
+    leader = group.popen.pid
+    for _ in range(50):  # the leader's session: KILL and rescan until nothing of it is left
+        tree = proctree.alive(proctree.tree_of(leader))
+        if not tree:
+            break
+        for p in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        time.sleep(0.05)
+    if group.popen.poll() is None:
+        group.popen.wait()
+
+
+def _read_line(fd: int, limit: int) -> bytes:
+    data = b""
+    while b"\n" not in data and len(data) < limit:
+        chunk = os.read(fd, 512)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _parse_ready(line: bytes, local_ranks: int) -> tuple[int, ...]:
+    """`ready <pid>...` with exactly one positive pid per local rank, else ()."""
+    words = line.decode("ascii", "replace").split()
+    if len(words) != local_ranks + 1 or words[0] != "ready" or not all(w.isdigit() for w in words[1:]):
+        return ()
+    pids = tuple(int(w) for w in words[1:])
+    return pids if all(p > 1 for p in pids) else ()
+
+
+def handoff_message(spec: LaunchSpec, ask: WarmAsk, env: Mapping[str, str], local_ranks: int) -> bytes:
+    host, port = torchrun.split_endpoint(ask.rdzv_endpoint)
+    rendezvous: dict[str, Any] = {
+        "rdzv_id": spec.rendezvous_id,
+        "node_rank": ask.node_rank,
+        "nnodes": ask.nnodes,
+        "local_world_size": local_ranks,
+        "master_addr": host,
+        "master_port": port,
+        "timeout_s": WARM_RENDEZVOUS_TIMEOUT_S,
+    }
+    return warm.encode_handoff(argv=ask.command, cwd=spec.cwd, env=env, rendezvous=rendezvous)
