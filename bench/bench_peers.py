@@ -453,13 +453,18 @@ def _med_worst(values: list[float | None], cap_s: float, unit: str = " s") -> st
     if not values:
         return "-"
     ranked = sorted(float("inf") if v is None else v for v in values)
-    mid = len(ranked) // 2
-    med = ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+    med = _median(ranked)
 
     def one(v: float) -> str:
         return f"> {cap_s:.0f} s" if v == float("inf") else f"{v:.1f}{unit}" if unit else f"{v:.0f}"
 
     return f"{one(med)} ({one(ranked[-1])})"
+
+
+def _median(ranked: list[float]) -> float:
+    """The median of sorted values that may hold inf (> cap): inf when the middle is."""
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def markdown(results: dict[str, object]) -> str:
@@ -490,11 +495,15 @@ def markdown(results: dict[str, object]) -> str:
             if calm:
                 first += f"; {calm}/{n} not interrupted"
             ended = sum(t.outcome == "run ended" for t in mine)
-            recovered = f"{sum(t.outcome == 'recovered' for t in mine)}/{n}" + (
-                f" ({ended} ended)" if ended else ""
-            )
-            redone = _med_worst(
-                [None if t.steps_redone is None else float(t.steps_redone) for t in hit], cap_s, ""
+            n_rec = sum(t.outcome == "recovered" for t in mine)
+            recovered = f"{n_rec}/{n}" + (f" ({ended} ended)" if ended else "")
+            # steps redone: of the trials that recovered (no restart, nothing redone yet)
+            redone_of = [float(t.steps_redone) for t in hit if t.steps_redone is not None]
+            redone = _med_worst(list(redone_of), cap_s, "") if redone_of else "-"
+            detect = (
+                _med_worst([t.detect_s for t in hit], cap_s)
+                if hit
+                else f"none in {UNINTERRUPTED_WINDOW_S:.0f} s"
             )
             again = [t.faulty_node_trained_after for t in hit if t.faulty_node_trained_after is not None]
             again_s = f"{sum(again)}/{len(again)}" if again else "-"
@@ -502,22 +511,25 @@ def markdown(results: dict[str, object]) -> str:
             losses = f"{sum(bool(t.losses_equal) for t in compared)}/{len(compared)}" if compared else "-"
             out.append(
                 f"| {tool} | {n} | {sum(t.survived for t in mine)}/{n} | {recovered} "
-                f"| {_med_worst([t.detect_s for t in mine], cap_s)} | {first} | {redone} | {again_s} "
+                f"| {detect} | {first} | {redone} | {again_s} "
                 f"| {max(t.left_behind for t in mine)} | {losses} |"
             )
             times = sorted(float("inf") if t.first_new_step_s is None else t.first_new_step_s for t in hit)
-            if times:
-                med = statistics.median(times) if times[len(times) // 2] != float("inf") else float("inf")
-                if tool != "runwarden" and (fault not in best or med < best[fault][1]):
-                    best[fault] = (tool, med)
+            med = _median(times) if times else float("inf")
+            if tool != "runwarden" and med != float("inf") and (fault not in best or med < best[fault][1]):
+                best[fault] = (tool, med)
         rw = sorted(float("inf") if t.first_new_step_s is None else t.first_new_step_s
                     for t in rows if t.tool == "runwarden" and t.started and t.outcome != "not interrupted")  # fmt: skip
-        if rw and fault in best:
-            rw_med = statistics.median(rw)
-            peer, peer_med = best[fault]
-            ratio = rw_med / peer_med if peer_med not in (0.0, float("inf")) else float("nan")
+        if rw:
             out.append("")
-            out.append(f"runwarden / best peer ({peer}), fault -> first new step, medians: {ratio:.2f}")
+            if fault in best:
+                peer, peer_med = best[fault]
+                ratio = _median(rw) / peer_med
+                out.append(f"runwarden / best peer ({peer}), fault -> first new step, medians: {ratio:.2f}")
+            else:
+                out.append(
+                    f"runwarden / best peer: no peer had a first new step after a restart within {cap_s:.0f} s"
+                )
         out.append("")
     return "\n".join(out)
 
