@@ -188,6 +188,11 @@ def test_two_nodes_launch_on_parked_ranks_and_every_attempt_gets_fresh_ones(tmp_
                 kv.split("=", 1) for kv in Path(f"/proc/{rank.pid}/environ").read_text().split("\0") if kv
             )
             assert "RANK" not in env  # the environment it started with: parked before the launch
+            # the flight recorder answers through the agent, from the socket the launch's env named
+            reply = agent.stub.CollectFlightRecorder(
+                agent_pb2.CollectFlightRecorderRequest(run="wr", timeout_s=5), timeout=30
+            )
+            assert [(d.rank, d.ok, d.format) for d in reply.dumps] == [(node_rank, True, "json")]
         for agent in agents:
             agent.stub.RequestStop(agent_pb2.RequestStopRequest(run="wr", reason="test stop"), timeout=5)
         for agent in agents:
