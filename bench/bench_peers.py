@@ -52,7 +52,15 @@ import itertools
 import torch
 
 from bench.peers import launchers
-from bench.peers.observe import TRIAL_ENV, StepEntry, Tail, kill_all, read_losses, step_entries
+from bench.peers.observe import (
+    TRIAL_ENV,
+    StepEntry,
+    Tail,
+    kill_all,
+    node_of_worker,
+    read_losses,
+    step_entries,
+)
 from bench.peers.runwarden import RunwardenDeployment
 
 FAULTS = ("crash", "hang", "node-lost", "node-lost-store", "straggler")
@@ -196,7 +204,7 @@ class Deployment:
             pid = impl.rank_pid(VICTIM_RANK)
             if pid is None:
                 raise RuntimeError(f"rank {VICTIM_RANK} has no process")
-            node = impl.node_of_rank(VICTIM_RANK)
+            node = node_of_worker(pid) or impl.node_of_rank(VICTIM_RANK)
             at = time.time()
             os.kill(pid, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
             return at, node

@@ -168,7 +168,7 @@ class LauncherDeployment:
             if node != self.store_node:
                 self.start_launcher(node)
 
-    # -- faults (rank r runs on node r: one rank per node) ------------------------------------
+    # -- faults (node r = launcher r; a rank's own node is read from its environment) ----------
 
     def node_of_rank(self, rank: int) -> str:
         return f"node{rank}"

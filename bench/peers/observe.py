@@ -159,6 +159,16 @@ def workers(needle: str) -> list[Proc]:
     return [p for p in processes_mentioning(needle) if is_worker(p)]
 
 
+def node_of_worker(pid: int) -> str:
+    """The node a rank runs on, from its environment: BENCH_NODE (the peers' launchers set it), or the
+    runwarden agent's socket path (<root>/nodes/<node>/agent.sock). c10d hands out ranks in the order
+    the nodes join, so rank r need not be on node rank r."""
+    env = {p.pid: p.env for p in processes_mentioning("")}.get(pid, {})
+    if "BENCH_NODE" in env:
+        return env["BENCH_NODE"]
+    return Path(env.get("RUNWARDEN_AGENT_SOCKET", "")).parent.name
+
+
 def rank_pid(needle: str, rank: int) -> int | None:
     found = [p.pid for p in workers(needle) if p.env.get("RANK") == str(rank)]
     return max(found) if found else None  # the newest, should an old one linger

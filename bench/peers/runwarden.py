@@ -47,7 +47,7 @@ class RunwardenDeployment:
         return []
 
     def node_of_rank(self, rank: int) -> str:
-        return self._launch_nodes()[rank]  # one rank per node: node rank = global rank
+        return self._launch_nodes()[rank]  # node rank `rank` (its global rank is c10d's join order)
 
     def rank_pid(self, rank: int) -> int | None:
         return rank_pid(str(self.cluster.root), rank)
