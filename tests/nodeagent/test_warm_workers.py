@@ -245,7 +245,10 @@ def test_two_nodes_launch_on_parked_ranks_and_every_attempt_gets_fresh_ones(tmp_
             assert reply.launch_path == "cold" and "PYTHONHASHSEED" in reply.launch_detail, (
                 reply.launch_detail
             )
-            assert _cmdline(reply.pid)[1:3] == ["-m", "torch.distributed.run"]
+            # the cold path starts torchrun through `sh -c 'trap "" USR1; exec ...'`: wait for the exec
+            wait_for(
+                lambda r=reply: _cmdline(r.pid)[1:3] == ["-m", "torch.distributed.run"], 10, "torchrun's exec"
+            )
         wait_for(lambda: (tmp_path / "out-4" / "loss-rank1.jsonl").exists(), 90, "cold ranks' first step")
         assert [parked_ranks(a) for a in agents] == fourth
         for agent in agents:
