@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -34,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runwarden.v1 import agent_pb2  # noqa: E402
-from tests.nodeagent.helpers import PYTHON, AgentProc, wait_for  # noqa: E402
-from tests.nodeagent.test_warm_workers import parked_ranks  # noqa: E402
+from tests.nodeagent.helpers import AgentProc, wait_for  # noqa: E402
+from tests.nodeagent.test_warm_workers import agent_flags, parked_ranks  # noqa: E402
 
 PAIRS = {"cold": ("127.0.0.31", "127.0.0.32"), "warm": ("127.0.0.33", "127.0.0.34")}
 PORTS = {"cold": 29711, "warm": 29713}
@@ -56,20 +55,7 @@ def cpu_s(pid: int) -> float:
 def start_pair(kind: str, tmp: Path, local_ranks: int) -> list[AgentProc]:
     agents = []
     for i, host in enumerate(PAIRS[kind]):
-        flags = [
-            "--listen",
-            f"{host}:0",
-            "--allow-exec",
-            PYTHON,
-            "--torchrun",
-            shlex.join([PYTHON, "-m", "torch.distributed.run"]),
-            "--collective-ifname",
-            "lo",
-            "--local-ranks",
-            str(local_ranks),
-            "--warm-workers",
-            "true" if kind == "warm" else "false",
-        ]
+        flags = agent_flags(host, warm_on=kind == "warm", local_ranks=local_ranks)
         if i == 0:
             flags += ["--rdzv-port", str(PORTS[kind])]
         agents.append(AgentProc(tmp / f"{kind}{i}", node=f"{kind}{i}", flags=flags))

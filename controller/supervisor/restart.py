@@ -112,11 +112,10 @@ def storm_count(
     attempt_ran_s: float,
 ) -> int:
     """This failure's place in a storm (1, 2, ...), or 0 for an independent fault (see the module doc)."""
-    ongoing = history.storm if attempt_ran_s < cfg.backoff_reset_s else 0
-    repeat = bool(history.last_label) and label == history.last_label and attempt_ran_s < cfg.backoff_reset_s
-    if suspects_quarantined and not repeat:
-        return 0
-    return ongoing + 1
+    if attempt_ran_s >= cfg.backoff_reset_s:  # a long attempt ended any storm before it
+        return 0 if suspects_quarantined else 1
+    repeat = bool(history.last_label) and label == history.last_label
+    return 0 if suspects_quarantined and not repeat else history.storm + 1
 
 
 def record(

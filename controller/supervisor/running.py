@@ -188,47 +188,46 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
             check_hang(sv)  # re-arms the hang timer at the ordinary deadline
 
 
+def _hang(sv: Supervisor, label: str, nodes: list[str], step: int, reason: str, since: float) -> None:
+    """Every hang rule ends the same way: a HANG failure of `nodes`, its latency counted from `since`."""
+    failure.begin(
+        sv,
+        Failure(detector=E.DETECTOR_HANG, nodes=nodes, step=step, label=label, reason=reason),
+        latency=sv.now - since,
+    )
+
+
 def check_hang(sv: Supervisor) -> None:
-    """RUNNING's tick: the startup timeout until every node reported, then the hang timeout."""
+    """RUNNING's tick: the load-stall and startup timeouts until every node reported, then the hang
+    timeout (or, once every node took its last step, the exit timeout)."""
     a = sv.cur
     now = sv.now
     if a.min_step == UNREPORTED:
         stalled = sorted(n for n in a.node_step if n not in a.loaded_nodes)
         stall_s = sv.cfg.load_stall_s
-        if (
-            a.loaded_nodes
-            and stalled
-            and not a.load_logged
-            and stall_s > 0
-            and now >= a.first_loaded_at + stall_s
-        ):
-            failure.begin(
+        if a.loaded_nodes and stalled and stall_s > 0 and now >= a.first_loaded_at + stall_s:
+            loaded = f"step {a.resume_step}" if a.resume_step >= 0 else "from scratch"
+            _hang(
                 sv,
-                Failure(
-                    detector=E.DETECTOR_HANG,
-                    nodes=stalled,
-                    step=a.resume_step,
-                    label="hang:load",
-                    reason=f"checkpoint load stalled on {sv.names(stalled)}: {len(a.loaded_nodes)} of "
-                    f"{len(a.node_step)} nodes loaded {'step ' + str(a.resume_step) if a.resume_step >= 0 else 'from scratch'}, "
-                    f"the first {now - a.first_loaded_at:.0f}s ago (load_stall_s {stall_s:g})",
-                ),
-                latency=now - a.first_loaded_at,
+                "hang:load",
+                stalled,
+                a.resume_step,
+                f"checkpoint load stalled on {sv.names(stalled)}: {len(a.loaded_nodes)} of "
+                f"{len(a.node_step)} nodes loaded {loaded}, the first {now - a.first_loaded_at:.0f}s ago "
+                f"(load_stall_s {stall_s:g})",
+                a.first_loaded_at,
             )
             return
         deadline = a.launched_at + sv.cfg.startup_timeout_s
         if now >= deadline:
             silent = sorted(n for n, s in a.node_step.items() if s == UNREPORTED)
-            failure.begin(
+            _hang(
                 sv,
-                Failure(
-                    detector=E.DETECTOR_HANG,
-                    nodes=silent,
-                    step=sv.job_step,
-                    label="hang:startup",
-                    reason=f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch",
-                ),
-                latency=now - a.launched_at,
+                "hang:startup",
+                silent,
+                sv.job_step,
+                f"no progress from {sv.names(silent)} within {sv.cfg.startup_timeout_s:g}s of launch",
+                a.launched_at,
             )
             return
     elif a.finished_nodes and a.finished_nodes >= a.node_step.keys():
@@ -236,17 +235,13 @@ def check_hang(sv: Supervisor) -> None:
         deadline = a.finished_at + sv.cfg.exit_timeout_s
         if now >= deadline:
             left = sorted(n for n in a.node_step if n not in a.exited)
-            failure.begin(
+            _hang(
                 sv,
-                Failure(
-                    detector=E.DETECTOR_HANG,
-                    nodes=left,
-                    step=a.min_step,
-                    label="hang:exit",
-                    reason=f"{sv.names(left)} took the last step and did not exit within "
-                    f"{sv.cfg.exit_timeout_s:g}s",
-                ),
-                latency=now - a.finished_at,
+                "hang:exit",
+                left,
+                a.min_step,
+                f"{sv.names(left)} took the last step and did not exit within {sv.cfg.exit_timeout_s:g}s",
+                a.finished_at,
             )
             return
     else:
@@ -256,18 +251,15 @@ def check_hang(sv: Supervisor) -> None:
             behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
             med = detectors.median(sv.step_times) if sv.step_times else None
             med_txt = f"{med:.3g}s" if med else "unknown"
-            failure.begin(
+            _hang(
                 sv,
-                Failure(
-                    detector=E.DETECTOR_HANG,
-                    nodes=behind,
-                    step=a.min_step,
-                    label="hang",
-                    reason=f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
-                    f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
-                    f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})",
-                ),
-                latency=now - a.min_advanced_at,
+                "hang",
+                behind,
+                a.min_step,
+                f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
+                f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
+                f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})",
+                a.min_advanced_at,
             )
             return
     sv.emit(SetTimer(key="hang", at=deadline))

@@ -70,26 +70,26 @@ def parked_ranks(agent: AgentProc) -> tuple[int, ...]:
     )
 
 
+def agent_flags(host: str, *, warm_on: bool, local_ranks: int = 1) -> list[str]:
+    """A loopback test agent's flags (the warm tests and bench/bench_warm.py)."""
+    return [
+        "--listen",
+        f"{host}:0",
+        "--allow-exec",
+        PYTHON,
+        "--torchrun",
+        shlex.join([PYTHON, "-m", "torch.distributed.run"]),
+        "--collective-ifname",
+        "lo",
+        "--local-ranks",
+        str(local_ranks),
+        "--warm-workers",
+        "true" if warm_on else "false",
+    ]
+
+
 def _agent(tmp: Path, node: str, host: str, *, warm_on: bool, flags: tuple[str, ...] = ()) -> AgentProc:
-    return AgentProc(
-        tmp / node,
-        node=node,
-        flags=[
-            "--listen",
-            f"{host}:0",
-            "--allow-exec",
-            PYTHON,
-            "--torchrun",
-            shlex.join([PYTHON, "-m", "torch.distributed.run"]),
-            "--collective-ifname",
-            "lo",
-            "--local-ranks",
-            "1",
-            "--warm-workers",
-            "true" if warm_on else "false",
-            *flags,
-        ],
-    )
+    return AgentProc(tmp / node, node=node, flags=[*agent_flags(host, warm_on=warm_on), *flags])
 
 
 def _launch(
