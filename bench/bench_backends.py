@@ -273,14 +273,14 @@ def one_round(
         print(f"  [{backend}] first step {time.monotonic() - started:.1f} s after start", flush=True)
         time.sleep(1)
         for fault in faults:
-            nodes = current_nodes(run)  # type: ignore[arg-type]  # the demo's helpers take any ClusterBase
-            mark = last_seq(run)  # type: ignore[arg-type]
+            nodes = current_nodes(run)
+            mark = last_seq(run)
             at = time.time()
             if fault == "node-lost":
                 victim = nodes[1 % len(nodes)]
                 run.lose_node(victim)
             else:
-                victim = inject(run, fault, nodes)  # type: ignore[arg-type]
+                victim = inject(run, fault, nodes)
             ok = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, timeout_s) is not None
             injections.append(Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=ok))
             print(f"  [{backend}] {fault}: {'recovered' if ok else 'NOT recovered'}", flush=True)
@@ -305,7 +305,7 @@ def one_round(
 
 
 def time_limit_stop(run: SlurmRun, timeout_s: float) -> dict[str, Any] | None:
-    mark = last_seq(run)  # type: ignore[arg-type]
+    mark = last_seq(run)
     at = time.time()
     jobs = run.time_limit()
     print(f"  [slurm] scancel --signal=USR1 {' '.join(jobs)}", flush=True)

@@ -153,7 +153,7 @@ def report(
         result["faults"][fault] = {
             "n": len(rows),
             "unrecovered": failures[fault],
-            "median": med,  # type: ignore[index]  # result["faults"] is the dict made above; result is typed as dict[str, object]
+            "median": med,
             "detect_p99": p99,
             "samples": rows,
         }

@@ -481,7 +481,7 @@ def markdown(results: dict[str, object]) -> str:
     assert isinstance(env, dict)
     cap_s = float(env["cap_s"])
     trials = [Trial(**{**t, "reactions": tuple(t["reactions"]), "left_behind_what": tuple(t["left_behind_what"])})
-              for t in results["trials"]]  # type: ignore[union-attr]  # fmt: skip
+              for t in results["trials"]]  # fmt: skip
     out: list[str] = []
     best: dict[str, tuple[str, float]] = {}
     for fault in FAULTS:

@@ -51,7 +51,7 @@ def install() -> None:
         if slow_file and (seconds := _slow_seconds(slow_file)) > 0:
             time.sleep(seconds)
 
-    trainer.ProgressReporter.report = report  # type: ignore[method-assign]  # the one adapter hook
+    trainer.ProgressReporter.report = report  # the one adapter hook
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ def test_the_section_builds_a_scheduler_without_touching_ray() -> None:
     assert sched.config.bundle == {"CPU": 1.0} and not sched._connected
     sched.check_stop_fits(1e6)  # Ray gives no kill notice: nothing to check
     # the controller's run names the namespace unless the section does
-    assert build_scheduler("ray", {}, "[ray]", run="llm").config.namespace == "runwarden-llm"  # type: ignore[attr-defined]
-    assert build_scheduler("ray", {"namespace": "x"}, "[ray]", run="llm").config.namespace == "x"  # type: ignore[attr-defined]
+    assert build_scheduler("ray", {}, "[ray]", run="llm").config.namespace == "runwarden-llm"
+    assert build_scheduler("ray", {"namespace": "x"}, "[ray]", run="llm").config.namespace == "x"
 
 
 @pytest.mark.parametrize(

@@ -256,7 +256,7 @@ def slurm_faulted(
         time.sleep(1)
         # node rank 0 hosts the c10d store: losing it moves the rendezvous to another node.
         injections = run_faults(
-            run,  # type: ignore[arg-type]
+            run,
             list(FAULTS),
             timeout_s=90,
             victim_ranks={"node-lost": 0},

@@ -107,7 +107,7 @@ class Run:
         out = self.cluster.cmd(
             "squeue", "--noheader", f"--name=rw-{self.name},rw-{self.name}-more", "--format=%i|%j|%T"
         )
-        return [tuple(line.split("|")) for line in out.split()]  # type: ignore[misc]
+        return [tuple(line.split("|")) for line in out.split()]
 
     def close(self) -> None:
         # Leave nothing behind even when the test failed before its own finish().
@@ -129,12 +129,12 @@ def run_factory(
         made.append(run)
         return run
 
-    yield make  # type: ignore[misc]
+    yield make
     for run in made:
         run.close()
 
 
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2):  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()

@@ -166,14 +166,14 @@ def faulted(
         facts["first_step_s"] = time.monotonic() - started
         time.sleep(1)
         for fault in FAULTS:
-            nodes = current_nodes(run)  # type: ignore[arg-type]
-            mark = last_seq(run)  # type: ignore[arg-type]
+            nodes = current_nodes(run)
+            mark = last_seq(run)
             at = time.time()
             if fault == "node-lost":
                 victim = nodes[1]
                 run.lose_ray_node(victim)
             else:
-                victim = inject(run, fault, nodes)  # type: ignore[arg-type]
+                victim = inject(run, fault, nodes)
             recovered = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, 90) is not None
             injections.append(Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=recovered))
             assert recovered, f"{fault}: no recovery\n{_tail(run)}"

@@ -327,7 +327,7 @@ def test_a_bad_warm_workers_value_is_a_clear_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"warm_wait_s: must be within 0..600"):
         from_sources(file=None, environ={"RUNWARDEN_AGENT_WARM_WAIT_S": "-1"})
     with pytest.raises(ConfigError, match=r"warm_workers: expected true or false"):
-        AgentConfig(warm_workers="yes")  # type: ignore[arg-type]
+        AgentConfig(warm_workers="yes")
     toml = tmp_path / "agent.toml"
     toml.write_text('warm_workers = "sometimes"\n')
     proc = subprocess.run(
@@ -419,7 +419,7 @@ def test_what_sends_a_launch_cold():
 
 
 def _fields(ask: warm_pool.WarmAsk) -> dict:
-    return {name: getattr(ask, name) for name in ask.__slots__}  # type: ignore[attr-defined]
+    return {name: getattr(ask, name) for name in ask.__slots__}
 
 
 def test_the_warm_environment_is_the_cold_paths(tmp_path):
