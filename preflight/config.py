@@ -123,6 +123,23 @@ class NetworkConfig:
     require_ib: bool = False  # no /sys/class/infiniband: FAIL instead of SKIP
     nics: tuple[str, ...] = ()  # interfaces that must be up; (): every physical NIC found
     min_speed_mbps: int = 0  # a NIC up below this speed FAILs (0: unset; an unknown speed is WARN)
+    expected_nic_count: int = 0  # physical NICs (and HCAs) the node must show; 0: not checked
+    pcie_width_below_max: str = (
+        "fail"  # a NIC/HCA's PCIe link trained narrower than its max: "fail" | "warn" | "ignore"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CpuConfig:
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 5.0
+    sysfs_root: str = "/sys"
+    capped_below_nominal: str = (
+        "fail"  # a CPU whose frequency cap is below its rated base: "fail" | "warn" | "ignore"
+    )
+    cap_tolerance: float = (
+        0.02  # a cap this fraction below nominal is still nominal (rounding in the drivers)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +153,7 @@ class PreflightConfig:
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
 
     def budget_s(self, mode: str) -> float:
         return self.run.quick_budget_s if mode == "quick" else self.run.full_budget_s
@@ -146,6 +164,7 @@ _CHOICES = {
     "mig_mode": ("on", "off", "any"),
     "pcie_width_below_max": ("fail", "warn", "ignore"),
     "pcie_gen_below_max": ("fail", "warn", "ignore"),
+    "capped_below_nominal": ("fail", "warn", "ignore"),
     "device": ("auto", "cuda", "cpu"),
 }
 
@@ -211,6 +230,8 @@ def config_from_mapping(data: dict[str, Any], where: str = "<config>") -> Prefli
                 f"{where}: [errors].{key}: unknown reason(s) {', '.join(bad)}; "
                 f"known: {', '.join(THROTTLE_BITS)}"
             )
+    if config.cpu.cap_tolerance >= 1:
+        raise ConfigError(f"{where}: [cpu].cap_tolerance: a fraction below 1, got {config.cpu.cap_tolerance}")
     if config.run.quick_budget_s <= 0 or config.run.full_budget_s <= 0:
         raise ConfigError(f"{where}: [run] budgets must be positive")
     return config

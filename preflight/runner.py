@@ -13,7 +13,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from preflight.checks import collective_check, compute, counters, dcgm, inventory, network, storage, xid_check
+from preflight.checks import (
+    collective_check,
+    compute,
+    counters,
+    cpu,
+    dcgm,
+    inventory,
+    network,
+    storage,
+    xid_check,
+)
 from preflight.checks.base import CheckContext, CheckSpec, NvmlSession
 from preflight.config import MODES, PreflightConfig
 from preflight.nvml import Nvml, PynvmlAdapter
@@ -28,6 +38,7 @@ ALL_SPECS: tuple[CheckSpec, ...] = (
     xid_check.SPEC,
     storage.SPEC,
     network.SPEC,
+    cpu.SPEC,
     compute.SPEC,
     collective_check.SPEC,
     dcgm.SPEC,

@@ -1,4 +1,8 @@
-"""Network, where present: InfiniBand port state and error counters, NIC link state (from sysfs)."""
+"""Network, where present: InfiniBand port state and error counters, NIC link state and speed, the
+NIC/HCA PCIe link width and the expected NIC count (all from sysfs).
+
+Imbue's 4,092-GPU bring-up found NICs whose PCIe link had trained at a fraction of its width and
+nodes missing a NIC outright: both look healthy to a link-state check and halve a node's bandwidth."""
 
 from __future__ import annotations
 
@@ -70,13 +74,92 @@ def ib_port_results(sysfs: Path) -> list[CheckResult]:
     return results
 
 
+def physical_nics(sysfs: Path) -> list[str]:
+    """Physical NICs have a `device` link; virtual ones (lo, veth, bridges) do not."""
+    net = sysfs / "class" / "net"
+    return sorted(p.name for p in net.iterdir() if (p / "device").exists()) if net.is_dir() else []
+
+
+def nic_count_result(cfg: NetworkConfig, sysfs: Path) -> CheckResult:
+    found = physical_nics(sysfs)
+    name, evidence = "network.nic_count", (f"physical NICs: {', '.join(found) or 'none'}",)
+    if not cfg.expected_nic_count:
+        return skipped(name, f"{len(found)} physical NIC(s); expected_nic_count is unset (0: not checked)")
+    if len(found) < cfg.expected_nic_count:
+        return failed(
+            name,
+            f"{len(found)} physical NIC(s), expected {cfg.expected_nic_count}",
+            evidence=evidence,
+            value=float(len(found)),
+            unit="count",
+            remedy="a NIC is missing: check its driver (dmesg), reseat it, or replace it",
+        )
+    if len(found) > cfg.expected_nic_count:
+        return warned(
+            name,
+            f"{len(found)} physical NIC(s), more than the expected {cfg.expected_nic_count}",
+            evidence=evidence,
+            value=float(len(found)),
+            unit="count",
+            remedy="set [network] expected_nic_count to this node type's count",
+        )
+    return passed(
+        name, f"{len(found)} physical NIC(s), as expected", evidence=evidence, value=float(len(found))
+    )
+
+
+def _width(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value > 0 else None  # 0 or 255: a link the device cannot report (e.g. a VF)
+
+
+def pcie_results(cfg: NetworkConfig, sysfs: Path) -> list[CheckResult]:
+    """Each physical NIC's and HCA's PCIe link (the PCI device's sysfs attributes) at its full width."""
+    if cfg.pcie_width_below_max == "ignore":
+        return []
+    devices = [(n, sysfs / "class" / "net" / n / "device") for n in physical_nics(sysfs)]
+    ib = sysfs / "class" / "infiniband"
+    devices += [(d.name, d / "device") for d in sorted(ib.iterdir())] if ib.is_dir() else []
+    results, seen = [], set()
+    for label, device in devices:
+        pci = device.resolve() if device.exists() else device
+        if pci in seen:  # an HCA and its IPoIB interface are one PCI function
+            continue
+        seen.add(pci)
+        cur, top = _read(device / "current_link_width"), _read(device / "max_link_width")
+        speed, top_speed = _read(device / "current_link_speed"), _read(device / "max_link_speed")
+        evidence = (
+            f"{label}: current_link_width={cur!r} max_link_width={top!r} "
+            f"current_link_speed={speed!r} max_link_speed={top_speed!r}",
+        )
+        width, widest = _width(cur), _width(top)
+        if width is None or widest is None:
+            continue  # no PCIe link attributes (a virtual function, a platform device): nothing to judge
+        if width < widest:
+            make = failed if cfg.pcie_width_below_max == "fail" else warned
+            results.append(
+                make(
+                    "network.nic_pcie",
+                    f"{label} PCIe link x{width}, below its max x{widest}",
+                    evidence=evidence,
+                    value=float(width),
+                    unit="lanes",
+                    remedy="the link trained narrow: reseat the card or riser, check the slot; replace if it stays",
+                )
+            )
+        else:
+            results.append(
+                passed("network.nic_pcie", f"{label} PCIe x{width} ({speed or '?'})", evidence=evidence)
+            )
+    return results
+
+
 def nic_results(cfg: NetworkConfig, sysfs: Path) -> list[CheckResult]:
     net = sysfs / "class" / "net"
-    if cfg.nics:
-        names = list(cfg.nics)
-    else:
-        # Physical NICs have a `device` link; virtual ones (lo, veth, bridges) do not.
-        names = sorted(p.name for p in net.iterdir() if (p / "device").exists()) if net.is_dir() else []
+    names = list(cfg.nics) if cfg.nics else physical_nics(sysfs)
     if not names:
         return [skipped("network.nic_link", "no physical NIC found in sysfs (and none configured)")]
     results = []
@@ -147,7 +230,7 @@ def run_network(ctx: CheckContext) -> list[CheckResult]:
         )
     else:
         results.append(skipped("network.ib_port", "no InfiniBand device on this node"))
-    return results + nic_results(cfg, sysfs)
+    return results + nic_results(cfg, sysfs) + [nic_count_result(cfg, sysfs)] + pcie_results(cfg, sysfs)
 
 
 SPEC = CheckSpec(
