@@ -491,6 +491,7 @@ class Executor:
             straggler_flags=rec.straggler_flags,
             preflight_rejections=rec.preflight_rejections,
             updated_at=now,
+            known_since=rec.known_since,
             evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]],
         )
         try:

@@ -125,6 +125,7 @@ class Translator:
                         preflight_rejections=rep.preflight_rejections,
                         evidence=tuple(entry.evidence),
                         evidence_kinds=tuple(rep.evidence_kinds),
+                        known_since=rep.known_since,
                     )
                 )
             attempt = _try(store_pb2.AttemptRecord, listing.attempt.value) if listing.attempt else None

@@ -140,7 +140,10 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
             sv.apply(NodeLost(node=name))  # a DELETE missed in a watch gap
     for name, ranks in snap.alive.items():
         if quiet or sv.pool.get(name).alive:
-            sv.pool.set_alive(name, True, ranks)
+            first_seen = sv.pool.get(name).known_since is None
+            sv.pool.set_alive(name, True, ranks, now=sv.now)
+            if first_seen:
+                sv.persist(name)  # its known history starts now, across controller restarts
         else:
             sv.apply(NodeJoined(node=name, local_ranks=ranks))
     for s in snap.committed_steps:

@@ -256,6 +256,7 @@ class NodeRecordView:
     evidence_kinds: tuple[
         int, ...
     ] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
+    known_since: float = 0.0  # first registration seen (Reputation.known_since; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

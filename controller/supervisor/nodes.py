@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 
 
 def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
-    node = sv.pool.set_alive(ev.node, True, ev.local_ranks)
+    first_seen = sv.pool.get(ev.node).known_since is None
+    node = sv.pool.set_alive(ev.node, True, ev.local_ranks, now=sv.now)
+    if first_seen:
+        sv.persist(ev.node)  # its known history starts now, across controller restarts
     if sv.queue_outstanding > 0 and node.state is PoolState.SPARE:
         sv.queue_outstanding -= 1
         sv.queue_refusals = 0

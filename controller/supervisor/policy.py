@@ -44,6 +44,9 @@ class SupervisorConfig:
     burn_in_passes: int = 3
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
     hold_window_s: float = 7 * DAY_S
+    # A node clean this long (since first seen or its last failure; never with a straggler flag or a
+    # preflight rejection) is a golden host: the first choice for replacements and node rank 0. 0: off.
+    golden_after_s: float = 7 * DAY_S
 
     # Hang: max(floor, multiple x median step time, longest collective); hang_timeout_s overrides
     # the derived value (still >= longest_collective_s). Inside a checkpoint the timeout is at least
@@ -120,6 +123,7 @@ class SupervisorConfig:
             "queue_wait_s",
             "waiting_page_s",
             "hold_window_s",
+            "golden_after_s",
             "hang_timeout_floor_s",
             "longest_collective_s",
             "checkpoint_barrier_s",

@@ -17,8 +17,11 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
   none until an operator (or a repair hook, through the API) marks it repaired; then burn-in;
 * a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
   an operator releases it (operator release puts it into burn-in, like any quarantined node);
-* spares are picked best reputation first (fewest recent failures, straggler flags, preflight
-  rejections; then name, for determinism).
+* spares are picked best reputation first: fewest recent failures (a node that failed recently is
+  the last choice), then golden hosts (clean for `golden_after_s` since first seen or last failure,
+  no straggler flag or preflight rejection) before the merely clean, then the lifetime record
+  (failures, straggler flags, preflight rejections), then name, for determinism. Empty node ranks
+  fill lowest first, so node rank 0 (the rendezvous store's host) gets the best node available.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class PoolNode:
     evidence: list[tuple[float, common_pb2.Evidence]] = field(default_factory=list)  # (received, ev), bounded
     quarantine_evidence: list[common_pb2.Evidence] = field(default_factory=list)
     evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
+    known_since: float | None = None  # first registration seen (durable: Reputation.known_since)
 
     def view(self) -> NodeRecordView:
         return NodeRecordView(
@@ -102,6 +106,7 @@ class PoolNode:
             preflight_rejections=self.preflight_rejections,
             evidence=tuple(self.quarantine_evidence),
             evidence_kinds=tuple(self.evidence_kinds),
+            known_since=self.known_since or 0.0,  # the wire's 0 is "unknown"
         )
 
 
@@ -133,9 +138,14 @@ class Pool:
         node.state = to
         self._sync(node)
 
-    def set_alive(self, name: str, alive: bool, local_ranks: int | None = None) -> PoolNode:
+    def set_alive(
+        self, name: str, alive: bool, local_ranks: int | None = None, now: float | None = None
+    ) -> PoolNode:
+        """`now` (a registration): starts the node's known history the first time it is seen."""
         node = self.get(name)
         node.alive = alive
+        if alive and now is not None and node.known_since is None:
+            node.known_since = now
         if local_ranks is not None:
             node.local_ranks = local_ranks
         self._sync(node)
@@ -159,6 +169,8 @@ class Pool:
             node.straggler_flags, node.preflight_rejections = r.straggler_flags, r.preflight_rejections
             node.quarantine_evidence = list(r.evidence)[-8:]
             node.evidence_kinds = list(r.evidence_kinds)[-MAX_FAILURE_TIMES:]
+            # the store's is the older memory unless it never had one (then keep what was seen here)
+            node.known_since = r.known_since if r.known_since else node.known_since
             self._sync(node)
 
     def free_count(self) -> int:
@@ -194,10 +206,26 @@ class Pool:
     def recent_failures(self, node: PoolNode, now: float) -> int:
         return sum(1 for t in node.failure_times if now - t <= self._cfg.hold_window_s)
 
-    def score(self, node: PoolNode, now: float) -> tuple[int, int, int, str]:
-        """Lower is better."""
+    def clean_for(self, node: PoolNode, now: float) -> float:
+        """Seconds of known history with no failure, straggler flag or preflight rejection (0: none).
+
+        Flags and rejections carry no time, so a node that has any is never clean for long."""
+        if node.known_since is None or node.straggler_flags or node.preflight_rejections:
+            return 0.0
+        return max(0.0, now - max([node.known_since, *node.failure_times]))
+
+    def golden(self, node: PoolNode, now: float) -> bool:
+        """A long clean history: the first choice for a replacement and for node rank 0 (whose host
+        holds the rendezvous store, so its loss costs the most)."""
+        after = self._cfg.golden_after_s
+        return after > 0 and self.clean_for(node, now) >= after
+
+    def score(self, node: PoolNode, now: float) -> tuple[int, bool, int, int, str]:
+        """Lower is better: recent failures first (a node that failed recently is the last choice),
+        then golden hosts before the merely clean, then lifetime record, then name (determinism)."""
         return (
             self.recent_failures(node, now),
+            not self.golden(node, now),
             len(node.failure_times) + node.straggler_flags,
             node.preflight_rejections,
             node.name,
@@ -207,6 +235,8 @@ class Pool:
         """Why a node was a good or a last-resort choice, for the event log."""
         node = self.get(name)
         recent = self.recent_failures(node, now)
+        if self.golden(node, now):
+            return f"golden host: clean for {self.clean_for(node, now) / 86400:.1f} days"
         if (
             not recent
             and not node.failure_times

@@ -252,11 +252,17 @@ class Reputation(_message.Message):
     PREFLIGHT_REJECTIONS_FIELD_NUMBER: _builtins.int
     EVIDENCE_KINDS_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    KNOWN_SINCE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     failures: _builtins.int
     straggler_flags: _builtins.int
     preflight_rejections: _builtins.int
     updated_at: _builtins.float
+    known_since: _builtins.float
+    """When a controller first saw the node register (0: unknown, e.g. written by an older controller).
+    Its clean history runs from here or from its last failure, whichever is later: a node clean for
+    `golden_after_s` is a golden host, preferred for replacements and node rank 0.
+    """
     @_builtins.property
     def failure_times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """bounded, newest last"""
@@ -273,10 +279,11 @@ class Reputation(_message.Message):
         preflight_rejections: _builtins.int = ...,
         evidence_kinds: _abc.Iterable[_common_pb2.EvidenceKind.ValueType] | None = ...,
         updated_at: _builtins.float = ...,
+        known_since: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence_kinds", b"evidence_kinds", "failure_times", b"failure_times", "failures", b"failures", "node", b"node", "preflight_rejections", b"preflight_rejections", "straggler_flags", b"straggler_flags", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence_kinds", b"evidence_kinds", "failure_times", b"failure_times", "failures", b"failures", "known_since", b"known_since", "node", b"node", "preflight_rejections", b"preflight_rejections", "straggler_flags", b"straggler_flags", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -285,3 +285,33 @@ def test_a_preflight_unavailable_once_on_a_real_agent_is_retried_and_the_node_is
         agent.close()
         proxy.stop(grace=None)
         forward.channel.close()
+
+
+def test_a_nodes_known_history_is_written_to_etcd_and_the_next_controller_keeps_it(
+    store: Store, tmp_path: Path
+) -> None:
+    """Golden hosts need a history longer than one controller: the first registration's time is the
+    node's Reputation.known_since in etcd, and a new leader's core loads it instead of restarting it."""
+
+    def known_since() -> float:
+        kv = store.get(store.keys.reputation("n1"))
+        return store_pb2.Reputation.FromString(kv.value).known_since if kv is not None else 0.0
+
+    cores: list[Supervisor] = []
+
+    def factory() -> Supervisor:
+        cores.append(Supervisor(policy(), RunPlan(run=RUN, nodes=1)))
+        return cores[-1]
+
+    before = time.time()
+    with agent_double(store), live_shell(store, tmp_path / "a", core_factory=factory) as (_shell, log):
+        log.wait(is_launch(1), 20)
+        first = known_since()
+    assert before - 1 <= first <= time.time()
+    time.sleep(0.05)
+    with agent_double(store), live_shell(store, tmp_path / "b", core_factory=factory) as (_shell, log):
+        deadline = time.monotonic() + 20
+        while not (len(cores) == 2 and cores[-1].pool.get("n1").alive) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the second leader lists etcd and sees n1 registered
+        assert cores[-1].pool.get("n1").known_since == first
+    assert known_since() == first

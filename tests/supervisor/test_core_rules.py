@@ -12,6 +12,7 @@ from controller.supervisor.actions import (
     CollectDumps,
     Launch,
     Page,
+    PersistNode,
     Quarantine,
     RunPreflight,
     StopAttempt,
@@ -37,6 +38,7 @@ from controller.supervisor.events import (
     Tick,
 )
 from controller.supervisor.machine import RunState, TransitionError
+from controller.supervisor.policy import DAY_S
 from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver, fast
@@ -983,3 +985,18 @@ def test_quarantine_persists_reason_and_evidence_for_the_pool_entry() -> None:
         and rec.evidence[0].detail == "DBE on GPU 3"
     )
     assert rec.evidence_kinds == (common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,) and len(rec.failure_times) == 1
+
+
+def test_a_golden_host_takes_node_rank_0_and_a_first_registration_is_persisted() -> None:
+    d = Driver(cfg=fast(), nodes=4)
+    d.sup.pool.get("n5").known_since = d.now - 10 * DAY_S  # known for 10 days, clean
+    joined = d.send(NodeJoined(node="n1", local_ranks=1))
+    persisted = [a.record for a in joined if isinstance(a, PersistNode)]
+    assert [(r.node, r.known_since) for r in persisted] == [("n1", d.now)]
+    again = d.send(NodeJoined(node="n5", local_ranks=1))
+    assert not [a for a in again if isinstance(a, PersistNode)]  # its history is already known
+    d.add_nodes(2, start=2)  # n2, n3: four nodes, the attempt prepares
+    d.answer_preflight()
+    assert d.sup.state == core.RunState.RUNNING
+    ranks = {r.node_rank: r.node for r in d.launches[-1].nodes}
+    assert ranks[0] == "n5"  # the rendezvous store's host is the node with the long clean record

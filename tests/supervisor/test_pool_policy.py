@@ -114,3 +114,37 @@ def test_pool_moves_outside_the_graph_are_refused() -> None:
         p.assign("a")
     assert p.burn_in_result("a", passed=True) == "stale" and p.get("a").state == PoolState.HELD
     assert not p.unassign("b")  # not assigned: nothing to undo
+
+
+def test_golden_hosts_come_first_among_the_clean_and_a_recent_failure_stays_last() -> None:
+    p = Pool(SupervisorConfig())  # the default: golden after 7 days clean
+    now = 30 * DAY_S
+    for name, since in (("a", now - DAY_S), ("b", now - 9 * DAY_S), ("c", now - 20 * DAY_S), ("d", 1.0)):
+        p.set_alive(name, True, now=since)
+    p.get("c").failure_times = [now - 2 * DAY_S]  # known long, but failed two days ago
+    p.get("d").straggler_flags = 1  # known longest, but flagged: never golden (flags carry no time)
+    assert p.golden(p.get("b"), now) and not p.golden(p.get("a"), now)
+    assert not p.golden(p.get("c"), now) and not p.golden(p.get("d"), now)
+    assert p.pick_spares(4, now) == ["b", "a", "d", "c"]
+    assert p.record_note("b", now) == "golden host: clean for 9.0 days"
+    assert p.record_note("a", now) == "clean record"
+    assert p.get("c").failure_times == [now - 2 * DAY_S]
+    p.get("c").failure_times = [now - 8 * DAY_S]  # clean again for 8 days since that failure
+    assert p.golden(p.get("c"), now) and p.pick_spares(2, now) == ["b", "c"]
+    off = Pool(SupervisorConfig(golden_after_s=0.0))
+    off.set_alive("z", True, now=1.0)
+    assert not off.golden(off.get("z"), now)
+
+
+def test_known_history_starts_at_the_first_registration_and_survives_a_reload() -> None:
+    p = Pool(SupervisorConfig())
+    p.set_alive("a", True, now=100.0)
+    p.set_alive("a", False)
+    p.set_alive("a", True, now=500.0)  # a re-registration does not restart its history
+    assert p.get("a").known_since == 100.0
+    fresh = Pool(SupervisorConfig())
+    fresh.load([p.get("a").view()])
+    fresh.set_alive("a", True, now=900.0)
+    assert fresh.get("a").known_since == 100.0
+    with pytest.raises(ValueError, match="golden_after_s"):
+        SupervisorConfig(golden_after_s=-1.0)
