@@ -60,6 +60,7 @@ class LaunchError(Exception):
 class LaunchSpec:
     run: str
     attempt: int
+    node: str = ""  # the agent's node: with run and attempt, what names a leftover rank's origin
     rendezvous_id: str
     argv: tuple[str, ...]
     env: Mapping[str, str]
@@ -100,11 +101,13 @@ class Worker:
     stopping: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     reaped: threading.Event = field(default_factory=threading.Event)  # after the exit callback
-    seen: set[int] = field(default_factory=set)  # every pid ever found in the tree
+    # every process ever found in the tree, pid -> start ticks (a pid alone may be reused): what a
+    # leftover of this attempt is known by after it ended (nodeagent.leftovers)
+    seen: dict[int, int] = field(default_factory=dict)
 
     def track(self) -> list[proctree.ProcInfo]:
-        tree = proctree.tree_of(self.pid, adopted=self.seen)
-        self.seen.update(p.pid for p in tree)
+        tree = proctree.tree_of(self.pid, adopted=self.seen.keys())
+        self.seen.update((p.pid, p.start_ticks) for p in tree)
         return tree
 
     @property
@@ -120,6 +123,9 @@ def worker_env(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
         env[key] = value
     env.update(
         {
+            # RUNWARDEN_NODE/RUN/ATTEMPT: inherited by torchrun, the ranks and their children, they
+            # tell a leftover of this attempt once it has ended (preflight.checks.processes)
+            **({"RUNWARDEN_NODE": spec.node} if spec.node else {}),
             "RUNWARDEN_RUN": spec.run,
             "RUNWARDEN_ATTEMPT": str(spec.attempt),
             "RUNWARDEN_RDZV_ID": spec.rendezvous_id,

@@ -18,11 +18,14 @@ from typing import Any
 
 import grpc
 
+from nodeagent import leftovers
 from nodeagent.validate import ValidationError
+from preflight.runner import ALL_SPECS
 from runwarden.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 _DONE = object()
+LEFTOVER_GRACE_S = 2.0  # SIGTERM -> SIGKILL for leftovers of ended attempts: they have had their chance
 
 
 def _runner() -> Callable[..., Any] | None:
@@ -89,6 +92,9 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         kwargs["only"] = list(request.only)
     if request.budget_s and "budget_s" in params:
         kwargs["budget_s"] = request.budget_s
+    view = leftovers.AgentProcesses(node=agent.config.node, workers=agent.launcher.workers)
+    if "specs" in params:
+        kwargs["specs"] = leftovers.agent_specs(view, ALL_SPECS, LEFTOVER_GRACE_S)
     failure: list[BaseException] = []
 
     def work() -> None:
@@ -110,6 +116,7 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         if isinstance(failure[0], ValueError):  # a bad mode or check name, said by the library
             raise ValidationError(str(failure[0]))
         raise RuntimeError(f"preflight failed to run: {failure[0]}")
+    cleaned = view.clean(LEFTOVER_GRACE_S)  # before the summary: a client that has it finds them gone
     summary = summarize(request.mode, seen, time.monotonic() - start)
     agent.last_preflight = summary
     agent.state_changed()  # the node record carries the new summary on the ticker's next pass
@@ -118,7 +125,10 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
             common_pb2.Evidence(
                 kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL,
                 severity=common_pb2.SEVERITY_WARNING,
-                detail=f"preflight {request.mode} failed: {', '.join(summary.failed_checks)}"[:500],
+                detail="; ".join(
+                    [f"preflight {request.mode} failed: {', '.join(summary.failed_checks)}"]
+                    + [f"leftover {line}" for line in cleaned]
+                )[:500],
                 source="preflight",
             )
         )

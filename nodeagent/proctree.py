@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class ProcInfo:
     pgrp: int
     session: int
     state: str
+    start_ticks: int  # when it started, in clock ticks since boot: with the pid, one process for ever
 
 
 def read_proc(pid: int) -> ProcInfo | None:
@@ -36,7 +38,14 @@ def read_proc(pid: int) -> ProcInfo | None:
     # comm is in parentheses and may contain spaces or ')': split at the last ')'.
     rest = raw[raw.rfind(")") + 2 :].split()
     try:
-        return ProcInfo(pid=pid, state=rest[0], ppid=int(rest[1]), pgrp=int(rest[2]), session=int(rest[3]))
+        return ProcInfo(
+            pid=pid,
+            state=rest[0],
+            ppid=int(rest[1]),
+            pgrp=int(rest[2]),
+            session=int(rest[3]),
+            start_ticks=int(rest[19]),
+        )
     except (IndexError, ValueError):
         return None
 
@@ -52,7 +61,7 @@ def all_procs() -> list[ProcInfo]:
 
 
 def tree_of(
-    leader: int, procs: list[ProcInfo] | None = None, adopted: set[int] | frozenset[int] = frozenset()
+    leader: int, procs: list[ProcInfo] | None = None, adopted: AbstractSet[int] = frozenset()
 ) -> list[ProcInfo]:
     """The leader's session/group members and all their descendants (zombies included).
 
@@ -62,19 +71,29 @@ def tree_of(
     procs = all_procs() if procs is None else procs
     me = os.getpid()
     # Not `pid == leader`: once the leader is reaped its pid may be reused by a stranger.
-    members = {
-        p.pid for p in procs if p.session == leader or p.pgrp == leader or (p.pid in adopted and p.ppid == me)
-    }
+    members = descendants(
+        {
+            p.pid
+            for p in procs
+            if p.session == leader or p.pgrp == leader or (p.pid in adopted and p.ppid == me)
+        },
+        procs,
+    )
+    return [p for p in procs if p.pid in members]
+
+
+def descendants(roots: AbstractSet[int], procs: list[ProcInfo]) -> set[int]:
+    """`roots` and every process below them (by parent links) in `procs`."""
     children: dict[int, list[int]] = {}
     for p in procs:
         children.setdefault(p.ppid, []).append(p.pid)
-    stack = list(members)
+    found, stack = set(roots), list(roots)
     while stack:
         for child in children.get(stack.pop(), ()):
-            if child not in members:
-                members.add(child)
+            if child not in found:
+                found.add(child)
                 stack.append(child)
-    return [p for p in procs if p.pid in members]
+    return found
 
 
 def alive(procs: list[ProcInfo]) -> list[ProcInfo]:

@@ -281,6 +281,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         spec = LaunchSpec(
             run=run,
             attempt=request.attempt,
+            node=a.config.node,
             rendezvous_id=rendezvous_id,
             argv=argv,
             env=env,

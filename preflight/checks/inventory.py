@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
-from preflight.checks.base import CheckContext, CheckSpec, nvml_query, own_process_tree, process_name
+from preflight.checks.base import CheckContext, CheckSpec, nvml_query, process_name
+from preflight.checks.processes import OwnTree, ProcessView
 from preflight.config import InventoryConfig
 from preflight.nvml import Nvml, NvmlError, NvmlUnavailable
 from preflight.result import CheckResult, CheckStatus, failed, passed, skipped, warned
 
 
-def run_inventory(ctx: CheckContext) -> list[CheckResult]:
+def run_inventory(ctx: CheckContext, view: ProcessView | None = None) -> list[CheckResult]:
+    """`view` says who may hold GPU memory (default: this process's own tree; the agent passes its own)."""
     cfg = ctx.config.inventory
     try:
         nvml = ctx.nvml.get()
@@ -24,9 +27,9 @@ def run_inventory(ctx: CheckContext) -> list[CheckResult]:
         _version("inventory.driver_version", cfg.driver_version, nvml.driver_version),
         _version("inventory.cuda_version", cfg.cuda_version, nvml.cuda_driver_version),
     ]
-    own = own_process_tree()  # now, so that children started by the compute/collective checks count as ours
+    view = OwnTree() if view is None else view
     for gpu in range(count):
-        results.append(_gpu_processes(cfg, nvml, gpu, own))
+        results.append(_gpu_processes(cfg, nvml, gpu, view))
         results.append(_pcie_link(cfg, nvml, gpu))
     results.append(_mode_check("inventory.persistence_mode", cfg.persistence_mode, nvml, count, _persistence))
     results.append(_mode_check("inventory.mig_mode", cfg.mig_mode, nvml, count, _mig))
@@ -66,22 +69,25 @@ def _version(name: str, expected: str, read: Callable[[], str]) -> CheckResult:
     return passed(name, f"{found} as configured")
 
 
-def _gpu_processes(cfg: InventoryConfig, nvml: Nvml, gpu: int, own: frozenset[int]) -> CheckResult:
+def _gpu_processes(cfg: InventoryConfig, nvml: Nvml, gpu: int, view: ProcessView) -> CheckResult:
     name = "inventory.gpu_processes"
     procs = nvml_query(name, gpu, lambda: nvml.compute_processes(gpu))
     if isinstance(procs, CheckResult):
         return procs
-    stray = []
+    stray, pids = [], []
     for proc in procs:
         comm = process_name(proc.pid)
-        if proc.pid in own or comm in cfg.allowed_gpu_processes:
+        if comm in cfg.allowed_gpu_processes or view.allowed(proc.pid):
             continue
         used = "unknown" if proc.used_bytes is None else f"{proc.used_bytes / 2**20:.0f} MiB"
-        stray.append(f"pid={proc.pid} name={comm} used={used}")
+        origin = view.origin(proc.pid)
+        came = "" if origin is None else f" from {origin.describe()}"
+        stray.append(f"pid={proc.pid} name={comm} used={used}{came}")
+        pids.append(str(proc.pid))
     if stray:
         return failed(
             name,
-            f"{len(stray)} process(es) hold GPU memory",
+            f"{len(stray)} process(es) hold GPU memory: pid {', '.join(pids)}",
             gpu_index=gpu,
             value=len(stray),
             unit="count",
@@ -168,3 +174,8 @@ SPEC = CheckSpec(
     timeout_s=lambda c, m: c.inventory.timeout_s,
     modes=lambda c: c.inventory.modes,
 )
+
+
+def spec_for(view: ProcessView) -> CheckSpec:
+    """The inventory unit judging GPU memory holders by `view` (the node agent's)."""
+    return dataclasses.replace(SPEC, run=lambda ctx: run_inventory(ctx, view))

@@ -137,6 +137,7 @@ def test_worker_env_has_the_contract(agent_factory, tmp_path):
     env = json.loads(wait_for(lambda: out.exists() and out.read_text(), 10, "the env dump"))
     assert env["FOO"] == "bar"
     assert env["RUNWARDEN_RDZV_ID"] == "r3-4" and env["RUNWARDEN_ATTEMPT"] == "4"
+    assert env["RUNWARDEN_NODE"] == agent.node and env["RUNWARDEN_RUN"] == "r3"  # a leftover's origin
     assert env["RUNWARDEN_NODE_RANK"] == "1" and env["RUNWARDEN_NNODES"] == "2"
     assert env["RUNWARDEN_RESUME_STEP"] == "120"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
