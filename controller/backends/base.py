@@ -118,11 +118,21 @@ class AttemptSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeStarted:
+    """How one node started its ranks, as its agent said (LaunchWorkersResponse.launch_path/detail)."""
+
+    node: str
+    path: str  # "warm" | "cold" | "" (the agent did not say)
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptHandle:
     """What ``launch`` returns: the spec plus the backend's reference to the running thing."""
 
     spec: AttemptSpec
     ref: str  # e.g. "slurm:1234.5", "jobset:default/run-3"
+    started: tuple[NodeStarted, ...] = ()  # per node, when the backend launches through the agents
 
 
 class AttemptState(enum.Enum):

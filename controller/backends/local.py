@@ -33,6 +33,7 @@ from controller.backends.base import (
     AttemptState,
     AttemptStatus,
     BackendError,
+    NodeStarted,
     attempt_env,
 )
 from controller.live.agents import AgentClients
@@ -140,15 +141,26 @@ class LocalBackend:
     def launch(self, spec: AttemptSpec) -> AttemptHandle:
         """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did
         not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
-        handle = AttemptHandle(spec=spec, ref=f"local:{spec.rendezvous_id}")
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
         with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
-            outcomes = list(
+            answers = list(
                 pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs)
             )
+        started = tuple(
+            NodeStarted(
+                node=o.node,
+                path=resp.launch_path if resp is not None else "",
+                detail=resp.launch_detail
+                if resp is not None
+                else "its launch answer was lost (a retry found it running)",
+            )
+            for o, resp in answers
+            if o.ok
+        )
+        handle = AttemptHandle(spec=spec, ref=f"local:{spec.rendezvous_id}", started=started)
         failures = tuple(
             NodeLaunchFailure(node=o.node, temporary=o.temporary, reason=o.error)
-            for o in outcomes
+            for o, _ in answers
             if not o.ok
         )
         if failures:

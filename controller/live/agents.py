@@ -219,9 +219,12 @@ class AgentClients:
             failed=failed,
         )
 
-    def launch(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> RpcOutcome:
+    def launch(
+        self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float
+    ) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
         """Start the node's workers; retried while temporary. A retry refused with ALREADY_EXISTS
-        succeeded if the node now runs this very attempt (an earlier try landed but its answer was lost)."""
+        succeeded if the node now runs this very attempt (an earlier try landed but its answer was
+        lost: then there is no response to say which path started it)."""
         tries = 0
 
         def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
@@ -232,7 +235,7 @@ class AgentClients:
                 return RpcOutcome(node=node, ok=True), None
             return out, resp
 
-        return with_retries(once, deadline_s=timeout_s)[0]
+        return with_retries(once, deadline_s=timeout_s)
 
     def _runs_attempt(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> bool:
         _, status = self._call(

@@ -57,8 +57,10 @@ from controller.supervisor.events import (
     BandwidthMeasured,
     DumpsCollected,
     Event,
+    NodeLaunchPath,
     NodeRecordView,
     PreflightResult,
+    WorkersStarted,
 )
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog, EventLogError
@@ -343,7 +345,7 @@ class Executor:
 
     def _start_workers(self, action: Launch, spec: AttemptSpec) -> None:
         try:
-            self.backend.launch(spec)
+            handle = self.backend.launch(spec)
         except LaunchIncomplete as exc:
             for f in exc.failures:
                 self.translator.mark_exited(f.node, action.attempt)
@@ -352,8 +354,18 @@ class Executor:
                         action=action, temporary=f.temporary, reason=f"launch failed: {f.reason}", node=f.node
                     )
                 )
+            return
         except BackendError as exc:
             self.post(ActionFailed(action=action, temporary=False, reason=f"launch failed: {exc}"))
+            return
+        paths = []
+        for s in handle.started:  # what the agents said, from outside: a value the core refuses is dropped
+            try:
+                paths.append(NodeLaunchPath(node=s.node, path=s.path, detail=s.detail[:500]))
+            except ValueError as exc:
+                log.warning("launch path of %s not recorded: %s", s.node, exc)
+        if paths:
+            self.post(WorkersStarted(attempt=action.attempt, nodes=tuple(paths)))
 
     # -- agent work ----------------------------------------------------------------------------
 

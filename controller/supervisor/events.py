@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.supervisor.blame import FlightRecorderVerdict
+from controller.supervisor.policy import SupervisorConfig
 from runwarden.names import check_name as _check_name
 from runwarden.v1 import common_pb2
 
@@ -196,6 +197,31 @@ class CheckpointFailed:
     attempt: int = 0
 
 
+LAUNCH_PATHS = ("warm", "cold", "")  # "": an agent that does not say (an older agent)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeLaunchPath:
+    """How one node started its ranks: the agent's LaunchWorkersResponse.launch_path / launch_detail."""
+
+    node: str
+    path: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("NodeLaunchPath.node", self.node)
+        if self.path not in LAUNCH_PATHS:
+            raise ValueError(f"NodeLaunchPath.path: one of warm, cold or empty, got {self.path!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkersStarted:
+    """Every node of `attempt` accepted its launch (the shell's answer to a `Launch` that fully started)."""
+
+    attempt: int
+    nodes: tuple[NodeLaunchPath, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DumpsCollected:
     """Flight-recorder dumps of `attempt` were collected and analysed (answer to `CollectDumps`).
@@ -241,6 +267,20 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyChanged:
+    """The supervisor policy in force changed (the run's policy key in etcd: `controllerctl config`,
+    SIGHUP to the controller): the core decides with `config` from the next decision on."""
+
+    config: SupervisorConfig
+    changed_by: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, SupervisorConfig):
+            raise ValueError(f"PolicyChanged.config: expected a SupervisorConfig, got {self.config!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeRecordView:
     """A node's persisted pool entry + reputation, as read back from the store."""
 
@@ -264,7 +304,8 @@ class Snapshot:
     """The store's state, listed by the shell after a (re)start or a watch gap (level-triggered).
 
     alive: nodes whose keys exist now, with their local rank counts. records: persisted pool/
-    reputation entries. attempt/attempt_nodes: the fenced attempt record (0: none).
+    reputation entries. attempt/attempt_nodes: the fenced attempt record (0: none). policy: the
+    stored policy (None: none stored), applied before anything else in the snapshot.
     """
 
     alive: dict[str, int] = field(default_factory=dict)
@@ -275,6 +316,7 @@ class Snapshot:
     committed_steps: tuple[int, ...] = ()
     stop_requested: StopRequested | None = None
     draining: dict[str, str] = field(default_factory=dict)  # node -> why, as the node records say
+    policy: PolicyChanged | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,6 +374,7 @@ Event = (
     | StopRequested
     | CheckpointCommitted
     | CheckpointFailed
+    | WorkersStarted
     | DumpsCollected
     | ControlPlaneLost
     | ControlPlaneRestored
@@ -341,4 +384,5 @@ Event = (
     | Snapshot
     | BandwidthMeasured
     | ActionFailed
+    | PolicyChanged
 )

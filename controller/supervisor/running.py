@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 from controller.supervisor import detectors, failure, nodes
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
-from controller.supervisor.events import AttemptExited, CheckpointCommitted, ProgressObserved, StopRequested
+from controller.supervisor.events import (
+    AttemptExited,
+    CheckpointCommitted,
+    NodeLaunchPath,
+    ProgressObserved,
+    StopRequested,
+    WorkersStarted,
+)
 from controller.supervisor.states import RunState
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
@@ -99,6 +106,30 @@ def _node_loaded(sv: Supervisor, node: str) -> None:
         E.EVENT_KIND_LOAD_DONE,
         f"all {len(a.node_step)} nodes loaded {loaded}, {sv.now - a.launched_at:.1f}s after launch",
         step=a.resume_step,
+    )
+
+
+def on_workers_started(sv: Supervisor, ev: WorkersStarted) -> None:
+    """Which path started each node's ranks (warm: parked processes, no interpreter or torch import
+    on the restart path; cold: torchrun), logged once per attempt so recoveries can be compared."""
+    if ev.attempt != sv.attempt or not ev.nodes:
+        return  # an older attempt's late answer
+    by_path: dict[str, list[NodeLaunchPath]] = {}
+    for n in ev.nodes:
+        by_path.setdefault(n.path or "unreported", []).append(n)
+    parts = []
+    for path in sorted(by_path):
+        named = by_path[path]
+        why = sorted({n.detail for n in named if n.detail and path != "warm"})
+        parts.append(
+            f"{path} on {', '.join(n.node for n in named)}" + (f" ({'; '.join(why)})" if why else "")
+        )
+    sv.log(
+        E.EVENT_KIND_WORKERS_STARTED,
+        f"attempt {ev.attempt} started: {'; '.join(parts)}",
+        workers_started=E.WorkersStartedDetail(
+            nodes=[E.NodeLaunchPath(node=n.node, path=n.path, detail=n.detail[:300]) for n in ev.nodes]
+        ),
     )
 
 

@@ -54,7 +54,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.supervisor import control_plane, failed_actions, failure, nodes, prepare, running
+from controller.supervisor import (
+    control_plane,
+    failed_actions,
+    failure,
+    nodes,
+    prepare,
+    reconfigure,
+    running,
+)
 from controller.supervisor.events import (
     ActionFailed,
     AttemptExited,
@@ -70,11 +78,13 @@ from controller.supervisor.events import (
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
+    PolicyChanged,
     PreflightResult,
     ProgressObserved,
     Snapshot,
     StopRequested,
     Tick,
+    WorkersStarted,
 )
 from controller.supervisor.states import TERMINAL, RunState
 
@@ -149,6 +159,7 @@ def _row(
         Tick: tick,
         CheckpointCommitted: checkpoint,
         CheckpointFailed: _on(nodes.on_checkpoint_failed),
+        WorkersStarted: _on(running.on_workers_started),  # logged in any state: the attempt's record
         EvidenceObserved: evidence,
         OperatorQuarantine: operator_q,
         OperatorRelease: _on(nodes.on_operator_release),
@@ -157,6 +168,7 @@ def _row(
         Snapshot: snapshot,
         ActionFailed: failed,
         BandwidthMeasured: bandwidth or IGNORE,  # outside PREFLIGHT: for a set no longer in play
+        PolicyChanged: _on(reconfigure.on_policy_changed),  # every state: the next decision uses it
     }
 
 

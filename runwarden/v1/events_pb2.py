@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from runwarden.v1 import common_pb2 as runwarden_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19runwarden/v1/events.proto\x12\x0crunwarden.v1\x1a\x19runwarden/v1/common.proto\"b\n\x0cLaunchDetail\x12\x15\n\rrendezvous_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x13\n\x0bresume_step\x18\x03 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x04 \x01(\t\"\\\n\nExitDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.runwarden.v1.ExitStatus\x12\x16\n\x0e\x63lassification\x18\x03 \x01(\t\"|\n\x0f\x44\x65tectionDetail\x12(\n\x08\x64\x65tector\x18\x01 \x01(\x0e\x32\x16.runwarden.v1.Detector\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"t\n\x07Suspect\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x12\n\nconfidence\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x08\x65vidence\x18\x05 \x03(\x0b\x32\x16.runwarden.v1.Evidence\"\x96\x01\n\x11\x41ttributionDetail\x12\'\n\x08suspects\x18\x01 \x03(\x0b\x32\x15.runwarden.v1.Suspect\x12\x12\n\x06method\x18\x02 \x01(\tB\x02\x18\x01\x12\x13\n\x0b\x65xplanation\x18\x03 \x01(\t\x12/\n\x0c\x62lame_method\x18\x04 \x01(\x0e\x32\x19.runwarden.v1.BlameMethod\"l\n\x10QuarantineDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12(\n\x08\x65vidence\x18\x03 \x03(\x0b\x32\x16.runwarden.v1.Evidence\x12\x10\n\x08operator\x18\x04 \x01(\x08\"?\n\rReleaseDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08operator\x18\x03 \x01(\x08\"=\n\x0bSpareDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08replaces\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\"{\n\x0fPreflightDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummary\x12)\n\x06\x66\x61iled\x18\x03 \x03(\x0b\x32\x19.runwarden.v1.CheckResult\"H\n\x10\x43heckpointDetail\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x17\n\x0fsave_duration_s\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"2\n\nStopDetail\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x14\n\x0crequested_by\x18\x02 \x01(\t\".\n\nPageDetail\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x10\n\x08severity\x18\x02 \x01(\t\"*\n\nNodeDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\tRunDetail\x12\r\n\x05nodes\x18\x01 \x01(\x05\x12\x0e\n\x06spares\x18\x02 \x01(\x05\x12\x0f\n\x07outcome\x18\x03 \x01(\t\"\xfb\x05\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12%\n\x04kind\x18\x06 \x01(\x0e\x32\x17.runwarden.v1.EventKind\x12\x0f\n\x07message\x18\x07 \x01(\t\x12,\n\x06launch\x18\n \x01(\x0b\x32\x1a.runwarden.v1.LaunchDetailH\x00\x12(\n\x04\x65xit\x18\x0b \x01(\x0b\x32\x18.runwarden.v1.ExitDetailH\x00\x12\x32\n\tdetection\x18\x0c \x01(\x0b\x32\x1d.runwarden.v1.DetectionDetailH\x00\x12\x36\n\x0b\x61ttribution\x18\r \x01(\x0b\x32\x1f.runwarden.v1.AttributionDetailH\x00\x12\x34\n\nquarantine\x18\x0e \x01(\x0b\x32\x1e.runwarden.v1.QuarantineDetailH\x00\x12.\n\x07release\x18\x0f \x01(\x0b\x32\x1b.runwarden.v1.ReleaseDetailH\x00\x12*\n\x05spare\x18\x10 \x01(\x0b\x32\x19.runwarden.v1.SpareDetailH\x00\x12\x32\n\tpreflight\x18\x11 \x01(\x0b\x32\x1d.runwarden.v1.PreflightDetailH\x00\x12\x34\n\ncheckpoint\x18\x12 \x01(\x0b\x32\x1e.runwarden.v1.CheckpointDetailH\x00\x12(\n\x04stop\x18\x13 \x01(\x0b\x32\x18.runwarden.v1.StopDetailH\x00\x12(\n\x04page\x18\x14 \x01(\x0b\x32\x18.runwarden.v1.PageDetailH\x00\x12(\n\x04node\x18\x15 \x01(\x0b\x32\x18.runwarden.v1.NodeDetailH\x00\x12-\n\nrun_detail\x18\x16 \x01(\x0b\x32\x17.runwarden.v1.RunDetailH\x00\x42\x08\n\x06\x64\x65tail*\xdb\x04\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_KIND_RUN_START\x10\x01\x12\x17\n\x13\x45VENT_KIND_ALLOCATE\x10\x02\x12\x1f\n\x1b\x45VENT_KIND_PREFLIGHT_RESULT\x10\x03\x12\x15\n\x11\x45VENT_KIND_LAUNCH\x10\x04\x12\x13\n\x0f\x45VENT_KIND_EXIT\x10\x05\x12\x18\n\x14\x45VENT_KIND_DETECTION\x10\x06\x12\x1a\n\x16\x45VENT_KIND_ATTRIBUTION\x10\x07\x12\x19\n\x15\x45VENT_KIND_QUARANTINE\x10\x08\x12\x16\n\x12\x45VENT_KIND_RELEASE\x10\t\x12\x1a\n\x16\x45VENT_KIND_SPARE_TAKEN\x10\n\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_COMMIT\x10\x0b\x12\x1b\n\x17\x45VENT_KIND_STOP_REQUEST\x10\x0c\x12\x19\n\x15\x45VENT_KIND_FIRST_STEP\x10\r\x12\x13\n\x0f\x45VENT_KIND_PAGE\x10\x0e\x12\x16\n\x12\x45VENT_KIND_RUN_END\x10\x0f\x12\x1a\n\x16\x45VENT_KIND_NODE_JOINED\x10\x10\x12\x18\n\x14\x45VENT_KIND_NODE_LOST\x10\x11\x12\x1c\n\x18\x45VENT_KIND_CONTROL_PLANE\x10\x12\x12\x18\n\x14\x45VENT_KIND_LOAD_DONE\x10\x13\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_FAILED\x10\x14\x12\x16\n\x12\x45VENT_KIND_RESTART\x10\x15*\xaa\x01\n\x08\x44\x65tector\x12\x18\n\x14\x44\x45TECTOR_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45TECTOR_NODE_LOST\x10\x01\x12\x11\n\rDETECTOR_HANG\x10\x02\x12\x16\n\x12\x44\x45TECTOR_STRAGGLER\x10\x03\x12\x12\n\x0e\x44\x45TECTOR_CRASH\x10\x04\x12\x15\n\x11\x44\x45TECTOR_EVIDENCE\x10\x05\x12\x16\n\x12\x44\x45TECTOR_PREFLIGHT\x10\x06*\xd4\x01\n\x0b\x42lameMethod\x12\x1c\n\x18\x42LAME_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LAME_METHOD_NONE\x10\x01\x12\x19\n\x15\x42LAME_METHOD_HARDWARE\x10\x02\x12 \n\x1c\x42LAME_METHOD_FLIGHT_RECORDER\x10\x03\x12\x1a\n\x16\x42LAME_METHOD_HEARTBEAT\x10\x04\x12\x1a\n\x16\x42LAME_METHOD_STRAGGLER\x10\x05\x12\x1b\n\x17\x42LAME_METHOD_FIRST_EXIT\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19runwarden/v1/events.proto\x12\x0crunwarden.v1\x1a\x19runwarden/v1/common.proto\"<\n\x0eNodeLaunchPath\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"C\n\x14WorkersStartedDetail\x12+\n\x05nodes\x18\x01 \x03(\x0b\x32\x1c.runwarden.v1.NodeLaunchPath\"b\n\x0cLaunchDetail\x12\x15\n\rrendezvous_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x13\n\x0bresume_step\x18\x03 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x04 \x01(\t\"\\\n\nExitDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.runwarden.v1.ExitStatus\x12\x16\n\x0e\x63lassification\x18\x03 \x01(\t\"|\n\x0f\x44\x65tectionDetail\x12(\n\x08\x64\x65tector\x18\x01 \x01(\x0e\x32\x16.runwarden.v1.Detector\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"t\n\x07Suspect\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x12\n\nconfidence\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12(\n\x08\x65vidence\x18\x05 \x03(\x0b\x32\x16.runwarden.v1.Evidence\"\x96\x01\n\x11\x41ttributionDetail\x12\'\n\x08suspects\x18\x01 \x03(\x0b\x32\x15.runwarden.v1.Suspect\x12\x12\n\x06method\x18\x02 \x01(\tB\x02\x18\x01\x12\x13\n\x0b\x65xplanation\x18\x03 \x01(\t\x12/\n\x0c\x62lame_method\x18\x04 \x01(\x0e\x32\x19.runwarden.v1.BlameMethod\"l\n\x10QuarantineDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12(\n\x08\x65vidence\x18\x03 \x03(\x0b\x32\x16.runwarden.v1.Evidence\x12\x10\n\x08operator\x18\x04 \x01(\x08\"?\n\rReleaseDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08operator\x18\x03 \x01(\x08\"=\n\x0bSpareDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08replaces\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\"{\n\x0fPreflightDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.runwarden.v1.PreflightSummary\x12)\n\x06\x66\x61iled\x18\x03 \x03(\x0b\x32\x19.runwarden.v1.CheckResult\"H\n\x10\x43heckpointDetail\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x17\n\x0fsave_duration_s\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"2\n\nStopDetail\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x14\n\x0crequested_by\x18\x02 \x01(\t\".\n\nPageDetail\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x10\n\x08severity\x18\x02 \x01(\t\"*\n\nNodeDetail\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"_\n\x0cPolicyDetail\x12+\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x1a.runwarden.v1.PolicyChange\x12\x12\n\nchanged_by\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\";\n\tRunDetail\x12\r\n\x05nodes\x18\x01 \x01(\x05\x12\x0e\n\x06spares\x18\x02 \x01(\x05\x12\x0f\n\x07outcome\x18\x03 \x01(\t\"\xe8\x06\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12%\n\x04kind\x18\x06 \x01(\x0e\x32\x17.runwarden.v1.EventKind\x12\x0f\n\x07message\x18\x07 \x01(\t\x12,\n\x06launch\x18\n \x01(\x0b\x32\x1a.runwarden.v1.LaunchDetailH\x00\x12(\n\x04\x65xit\x18\x0b \x01(\x0b\x32\x18.runwarden.v1.ExitDetailH\x00\x12\x32\n\tdetection\x18\x0c \x01(\x0b\x32\x1d.runwarden.v1.DetectionDetailH\x00\x12\x36\n\x0b\x61ttribution\x18\r \x01(\x0b\x32\x1f.runwarden.v1.AttributionDetailH\x00\x12\x34\n\nquarantine\x18\x0e \x01(\x0b\x32\x1e.runwarden.v1.QuarantineDetailH\x00\x12.\n\x07release\x18\x0f \x01(\x0b\x32\x1b.runwarden.v1.ReleaseDetailH\x00\x12*\n\x05spare\x18\x10 \x01(\x0b\x32\x19.runwarden.v1.SpareDetailH\x00\x12\x32\n\tpreflight\x18\x11 \x01(\x0b\x32\x1d.runwarden.v1.PreflightDetailH\x00\x12\x34\n\ncheckpoint\x18\x12 \x01(\x0b\x32\x1e.runwarden.v1.CheckpointDetailH\x00\x12(\n\x04stop\x18\x13 \x01(\x0b\x32\x18.runwarden.v1.StopDetailH\x00\x12(\n\x04page\x18\x14 \x01(\x0b\x32\x18.runwarden.v1.PageDetailH\x00\x12(\n\x04node\x18\x15 \x01(\x0b\x32\x18.runwarden.v1.NodeDetailH\x00\x12-\n\nrun_detail\x18\x16 \x01(\x0b\x32\x17.runwarden.v1.RunDetailH\x00\x12=\n\x0fworkers_started\x18\x17 \x01(\x0b\x32\".runwarden.v1.WorkersStartedDetailH\x00\x12,\n\x06policy\x18\x18 \x01(\x0b\x32\x1a.runwarden.v1.PolicyDetailH\x00\x42\x08\n\x06\x64\x65tail*\x9a\x05\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_KIND_RUN_START\x10\x01\x12\x17\n\x13\x45VENT_KIND_ALLOCATE\x10\x02\x12\x1f\n\x1b\x45VENT_KIND_PREFLIGHT_RESULT\x10\x03\x12\x15\n\x11\x45VENT_KIND_LAUNCH\x10\x04\x12\x13\n\x0f\x45VENT_KIND_EXIT\x10\x05\x12\x18\n\x14\x45VENT_KIND_DETECTION\x10\x06\x12\x1a\n\x16\x45VENT_KIND_ATTRIBUTION\x10\x07\x12\x19\n\x15\x45VENT_KIND_QUARANTINE\x10\x08\x12\x16\n\x12\x45VENT_KIND_RELEASE\x10\t\x12\x1a\n\x16\x45VENT_KIND_SPARE_TAKEN\x10\n\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_COMMIT\x10\x0b\x12\x1b\n\x17\x45VENT_KIND_STOP_REQUEST\x10\x0c\x12\x19\n\x15\x45VENT_KIND_FIRST_STEP\x10\r\x12\x13\n\x0f\x45VENT_KIND_PAGE\x10\x0e\x12\x16\n\x12\x45VENT_KIND_RUN_END\x10\x0f\x12\x1a\n\x16\x45VENT_KIND_NODE_JOINED\x10\x10\x12\x18\n\x14\x45VENT_KIND_NODE_LOST\x10\x11\x12\x1c\n\x18\x45VENT_KIND_CONTROL_PLANE\x10\x12\x12\x18\n\x14\x45VENT_KIND_LOAD_DONE\x10\x13\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_FAILED\x10\x14\x12\x16\n\x12\x45VENT_KIND_RESTART\x10\x15\x12\x1e\n\x1a\x45VENT_KIND_WORKERS_STARTED\x10\x16\x12\x1d\n\x19\x45VENT_KIND_POLICY_CHANGED\x10\x17*\xaa\x01\n\x08\x44\x65tector\x12\x18\n\x14\x44\x45TECTOR_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45TECTOR_NODE_LOST\x10\x01\x12\x11\n\rDETECTOR_HANG\x10\x02\x12\x16\n\x12\x44\x45TECTOR_STRAGGLER\x10\x03\x12\x12\n\x0e\x44\x45TECTOR_CRASH\x10\x04\x12\x15\n\x11\x44\x45TECTOR_EVIDENCE\x10\x05\x12\x16\n\x12\x44\x45TECTOR_PREFLIGHT\x10\x06*\xd4\x01\n\x0b\x42lameMethod\x12\x1c\n\x18\x42LAME_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LAME_METHOD_NONE\x10\x01\x12\x19\n\x15\x42LAME_METHOD_HARDWARE\x10\x02\x12 \n\x1c\x42LAME_METHOD_FLIGHT_RECORDER\x10\x03\x12\x1a\n\x16\x42LAME_METHOD_HEARTBEAT\x10\x04\x12\x1a\n\x16\x42LAME_METHOD_STRAGGLER\x10\x05\x12\x1b\n\x17\x42LAME_METHOD_FIRST_EXIT\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,40 +34,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ATTRIBUTIONDETAIL'].fields_by_name['method']._loaded_options = None
   _globals['_ATTRIBUTIONDETAIL'].fields_by_name['method']._serialized_options = b'\030\001'
-  _globals['_EVENTKIND']._serialized_start=2070
-  _globals['_EVENTKIND']._serialized_end=2673
-  _globals['_DETECTOR']._serialized_start=2676
-  _globals['_DETECTOR']._serialized_end=2846
-  _globals['_BLAMEMETHOD']._serialized_start=2849
-  _globals['_BLAMEMETHOD']._serialized_end=3061
-  _globals['_LAUNCHDETAIL']._serialized_start=70
-  _globals['_LAUNCHDETAIL']._serialized_end=168
-  _globals['_EXITDETAIL']._serialized_start=170
-  _globals['_EXITDETAIL']._serialized_end=262
-  _globals['_DETECTIONDETAIL']._serialized_start=264
-  _globals['_DETECTIONDETAIL']._serialized_end=388
-  _globals['_SUSPECT']._serialized_start=390
-  _globals['_SUSPECT']._serialized_end=506
-  _globals['_ATTRIBUTIONDETAIL']._serialized_start=509
-  _globals['_ATTRIBUTIONDETAIL']._serialized_end=659
-  _globals['_QUARANTINEDETAIL']._serialized_start=661
-  _globals['_QUARANTINEDETAIL']._serialized_end=769
-  _globals['_RELEASEDETAIL']._serialized_start=771
-  _globals['_RELEASEDETAIL']._serialized_end=834
-  _globals['_SPAREDETAIL']._serialized_start=836
-  _globals['_SPAREDETAIL']._serialized_end=897
-  _globals['_PREFLIGHTDETAIL']._serialized_start=899
-  _globals['_PREFLIGHTDETAIL']._serialized_end=1022
-  _globals['_CHECKPOINTDETAIL']._serialized_start=1024
-  _globals['_CHECKPOINTDETAIL']._serialized_end=1096
-  _globals['_STOPDETAIL']._serialized_start=1098
-  _globals['_STOPDETAIL']._serialized_end=1148
-  _globals['_PAGEDETAIL']._serialized_start=1150
-  _globals['_PAGEDETAIL']._serialized_end=1196
-  _globals['_NODEDETAIL']._serialized_start=1198
-  _globals['_NODEDETAIL']._serialized_end=1240
-  _globals['_RUNDETAIL']._serialized_start=1242
-  _globals['_RUNDETAIL']._serialized_end=1301
-  _globals['_EVENT']._serialized_start=1304
-  _globals['_EVENT']._serialized_end=2067
+  _globals['_EVENTKIND']._serialized_start=2407
+  _globals['_EVENTKIND']._serialized_end=3073
+  _globals['_DETECTOR']._serialized_start=3076
+  _globals['_DETECTOR']._serialized_end=3246
+  _globals['_BLAMEMETHOD']._serialized_start=3249
+  _globals['_BLAMEMETHOD']._serialized_end=3461
+  _globals['_NODELAUNCHPATH']._serialized_start=70
+  _globals['_NODELAUNCHPATH']._serialized_end=130
+  _globals['_WORKERSSTARTEDDETAIL']._serialized_start=132
+  _globals['_WORKERSSTARTEDDETAIL']._serialized_end=199
+  _globals['_LAUNCHDETAIL']._serialized_start=201
+  _globals['_LAUNCHDETAIL']._serialized_end=299
+  _globals['_EXITDETAIL']._serialized_start=301
+  _globals['_EXITDETAIL']._serialized_end=393
+  _globals['_DETECTIONDETAIL']._serialized_start=395
+  _globals['_DETECTIONDETAIL']._serialized_end=519
+  _globals['_SUSPECT']._serialized_start=521
+  _globals['_SUSPECT']._serialized_end=637
+  _globals['_ATTRIBUTIONDETAIL']._serialized_start=640
+  _globals['_ATTRIBUTIONDETAIL']._serialized_end=790
+  _globals['_QUARANTINEDETAIL']._serialized_start=792
+  _globals['_QUARANTINEDETAIL']._serialized_end=900
+  _globals['_RELEASEDETAIL']._serialized_start=902
+  _globals['_RELEASEDETAIL']._serialized_end=965
+  _globals['_SPAREDETAIL']._serialized_start=967
+  _globals['_SPAREDETAIL']._serialized_end=1028
+  _globals['_PREFLIGHTDETAIL']._serialized_start=1030
+  _globals['_PREFLIGHTDETAIL']._serialized_end=1153
+  _globals['_CHECKPOINTDETAIL']._serialized_start=1155
+  _globals['_CHECKPOINTDETAIL']._serialized_end=1227
+  _globals['_STOPDETAIL']._serialized_start=1229
+  _globals['_STOPDETAIL']._serialized_end=1279
+  _globals['_PAGEDETAIL']._serialized_start=1281
+  _globals['_PAGEDETAIL']._serialized_end=1327
+  _globals['_NODEDETAIL']._serialized_start=1329
+  _globals['_NODEDETAIL']._serialized_end=1371
+  _globals['_POLICYDETAIL']._serialized_start=1373
+  _globals['_POLICYDETAIL']._serialized_end=1468
+  _globals['_RUNDETAIL']._serialized_start=1470
+  _globals['_RUNDETAIL']._serialized_end=1529
+  _globals['_EVENT']._serialized_start=1532
+  _globals['_EVENT']._serialized_end=2404
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_CHECKPOINT_FAILED: _EventKind.ValueType  # 20
     EVENT_KIND_RESTART: _EventKind.ValueType  # 21
     """the supervisor decided to relaunch: budget used, backoff, why"""
+    EVENT_KIND_WORKERS_STARTED: _EventKind.ValueType  # 22
+    """every node of the attempt started its ranks: warm or cold, and why"""
+    EVENT_KIND_POLICY_CHANGED: _EventKind.ValueType  # 23
+    """the supervisor policy changed live: the changed keys, old and new"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -88,6 +92,10 @@ EVENT_KIND_LOAD_DONE: EventKind.ValueType  # 19
 EVENT_KIND_CHECKPOINT_FAILED: EventKind.ValueType  # 20
 EVENT_KIND_RESTART: EventKind.ValueType  # 21
 """the supervisor decided to relaunch: budget used, backoff, why"""
+EVENT_KIND_WORKERS_STARTED: EventKind.ValueType  # 22
+"""every node of the attempt started its ranks: warm or cold, and why"""
+EVENT_KIND_POLICY_CHANGED: EventKind.ValueType  # 23
+"""the supervisor policy changed live: the changed keys, old and new"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -156,6 +164,55 @@ BLAME_METHOD_STRAGGLER: BlameMethod.ValueType  # 5
 BLAME_METHOD_FIRST_EXIT: BlameMethod.ValueType  # 6
 """a crash with no other evidence: not quarantined on a first offence"""
 Global___BlameMethod: _TypeAlias = BlameMethod  # noqa: Y015
+
+@_typing.final
+class NodeLaunchPath(_message.Message):
+    """How one node started its ranks (LaunchWorkersResponse.launch_path / launch_detail)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    path: _builtins.str
+    """"warm" | "cold" ("" : an agent that does not say)"""
+    detail: _builtins.str
+    """the parked pids, or why the launch went cold"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        path: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "node", b"node", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeLaunchPath: _TypeAlias = NodeLaunchPath  # noqa: Y015
+
+@_typing.final
+class WorkersStartedDetail(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeLaunchPath]: ...
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[Global___NodeLaunchPath] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkersStartedDetail: _TypeAlias = WorkersStartedDetail  # noqa: Y015
 
 @_typing.final
 class LaunchDetail(_message.Message):
@@ -525,6 +582,34 @@ class NodeDetail(_message.Message):
 Global___NodeDetail: _TypeAlias = NodeDetail  # noqa: Y015
 
 @_typing.final
+class PolicyDetail(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    CHANGED_BY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    changed_by: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PolicyChange]:
+        """only the keys that changed"""
+
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[_common_pb2.PolicyChange] | None = ...,
+        changed_by: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_by", b"changed_by", "changes", b"changes", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyDetail: _TypeAlias = PolicyDetail  # noqa: Y015
+
+@_typing.final
 class RunDetail(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -576,6 +661,8 @@ class Event(_message.Message):
     PAGE_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     RUN_DETAIL_FIELD_NUMBER: _builtins.int
+    WORKERS_STARTED_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """strictly increasing within one log file"""
     ts: _builtins.float
@@ -612,6 +699,10 @@ class Event(_message.Message):
     def node(self) -> Global___NodeDetail: ...
     @_builtins.property
     def run_detail(self) -> Global___RunDetail: ...
+    @_builtins.property
+    def workers_started(self) -> Global___WorkersStartedDetail: ...
+    @_builtins.property
+    def policy(self) -> Global___PolicyDetail: ...
     def __init__(
         self,
         *,
@@ -635,12 +726,14 @@ class Event(_message.Message):
         page: Global___PageDetail | None = ...,
         node: Global___NodeDetail | None = ...,
         run_detail: Global___RunDetail | None = ...,
+        workers_started: Global___WorkersStartedDetail | None = ...,
+        policy: Global___PolicyDetail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "node", b"node", "page", b"page", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop", "workers_started", b"workers_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "message", b"message", "node", b"node", "page", b"page", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "message", b"message", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts", "workers_started", b"workers_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail"]  # noqa: Y015
+    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail", "workers_started", "policy"]  # noqa: Y015
     _WhichOneofArgType_detail: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_detail) -> _WhichOneofReturnType_detail | None: ...
 

@@ -68,9 +68,14 @@ class ScriptedAgents(AgentClients):
         self.answers = answers
         self.requests: list[agent_pb2.LaunchWorkersRequest] = []
 
-    def launch(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> RpcOutcome:
+    def launch(
+        self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float
+    ) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
         self.requests.append(request)
-        return self.answers[node]
+        out = self.answers[node]
+        path = "warm" if node == "node2" else "cold"
+        resp = agent_pb2.LaunchWorkersResponse(pid=7, launch_path=path, launch_detail=f"{node} {path}")
+        return out, resp if out.ok else None
 
 
 def test_a_launch_names_each_node_that_did_not_start_and_whether_it_was_temporary() -> None:
@@ -95,5 +100,9 @@ def test_a_launch_on_every_node_returns_its_handle() -> None:
     agents = ScriptedAgents({n: RpcOutcome(node=n, ok=True) for n in ("node2", "node5")})
     handle = LocalBackend(agents, RECORDS.get).launch(spec())
     assert handle.ref == "local:demo-3" and handle.spec.nodes == ("node2", "node5")
+    assert [(s.node, s.path, s.detail) for s in handle.started] == [
+        ("node2", "warm", "node2 warm"),
+        ("node5", "cold", "node5 cold"),
+    ]  # each agent's own word on how it started its ranks, for the event log
     endpoints = {r.torchrun.rdzv_endpoint for r in agents.requests}
     assert endpoints == {"10.0.0.12:29412"}  # every node meets at node rank 0's rendezvous

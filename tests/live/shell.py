@@ -50,7 +50,9 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
             self.launch_refusals -= 1
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "argv[0] is not allowed (the test's refusal)")
         self.launches.append(request)
-        return agent_pb2.LaunchWorkersResponse(pid=1)
+        return agent_pb2.LaunchWorkersResponse(
+            pid=1, launch_path="cold", launch_detail="the double starts no workers"
+        )
 
     def StopWorkers(self, request: Any, context: Any) -> agent_pb2.StopWorkersResponse:
         self.calls.append("StopWorkers")

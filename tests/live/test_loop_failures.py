@@ -315,3 +315,13 @@ def test_a_nodes_known_history_is_written_to_etcd_and_the_next_controller_keeps_
             time.sleep(0.05)  # the second leader lists etcd and sees n1 registered
         assert cores[-1].pool.get("n1").known_since == first
     assert known_since() == first
+
+
+def test_the_path_each_node_started_on_is_in_the_event_log(store: Store, tmp_path: Path) -> None:
+    with agent_double(store), live_shell(store, tmp_path / "run") as (_shell, log):
+        log.wait(is_launch(1), 20)
+        _, started = log.wait(lambda e: e.kind == E.EVENT_KIND_WORKERS_STARTED, 10)
+        assert started.attempt == 1
+        assert started.message == "attempt 1 started: cold on n1 (the double starts no workers)"
+        (node,) = started.workers_started.nodes
+        assert (node.node, node.path) == ("n1", "cold")

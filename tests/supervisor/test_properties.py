@@ -24,6 +24,7 @@ from controller.supervisor.events import (
     DumpsCollected,
     EvidenceObserved,
     NodeJoined,
+    NodeLaunchPath,
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
@@ -31,6 +32,7 @@ from controller.supervisor.events import (
     Snapshot,
     StopRequested,
     Tick,
+    WorkersStarted,
 )
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.v1 import common_pb2, events_pb2
@@ -60,6 +62,7 @@ ops = st.one_of(
     st.tuples(st.just("fail_launch"), st.one_of(st.none(), node), st.booleans()),
     st.tuples(st.just("fail_preflight"), node, st.booleans()),
     st.tuples(st.just("fail_dumps")),
+    st.tuples(st.just("started"), st.booleans()),
 )
 
 
@@ -139,6 +142,16 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
             d.send(AttemptExited(node=victim, attempt=sup.attempt, exit_code=op[2], ended_at=d.now))
     elif kind == "stale_exit":
         d.send(AttemptExited(node=op[1], attempt=max(0, sup.attempt - 1), exit_code=1))
+    elif kind == "started":
+        if d.launches:  # the shell's answer to the last launch (late, for an older attempt, or now)
+            last = d.launches[-1]
+            paths = tuple(
+                NodeLaunchPath(
+                    node=nr.node, path="warm" if op[1] else "cold", detail="" if op[1] else "no parked group"
+                )
+                for nr in last.nodes
+            )
+            d.send(WorkersStarted(attempt=last.attempt, nodes=paths))
     elif kind == "fail_launch":
         if d.launches:  # the shell could not carry out the last launch (on one node, or at all)
             d.send(ActionFailed(action=d.launches[-1], node=op[1] or "", temporary=op[2], reason="test"))

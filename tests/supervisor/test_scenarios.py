@@ -51,11 +51,13 @@ from controller.supervisor.events import (
     DumpsCollected,
     EvidenceObserved,
     NodeJoined,
+    NodeLaunchPath,
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
     Snapshot,
     StopRequested,
+    WorkersStarted,
 )
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.states import TransitionError
@@ -117,6 +119,16 @@ class Runner:
         self.d.send(
             CheckpointFailed(step=int(pos[0]), error=kv.get("error", "disk full"), node=kv.get("node", ""))
         )
+
+    def cmd_started(self, args: list[str]) -> None:
+        """The shell's answer to the last Launch: every node started, each on its path (node=path[:why])."""
+        _, kv = _kv(args)
+        last = self.d.launches[-1]
+        paths = []
+        for nr in last.nodes:
+            path, _, why = kv.get(nr.node, "cold").partition(":")
+            paths.append(NodeLaunchPath(node=nr.node, path=path, detail=why.replace("_", " ")))
+        self.d.send(WorkersStarted(attempt=int(kv.get("attempt", last.attempt)), nodes=tuple(paths)))
 
     def cmd_fail_launch(self, args: list[str]) -> None:
         """The shell could not carry out the last Launch (a refused CAS: permanent), optionally on one node."""
@@ -378,6 +390,7 @@ def test_scenario_events_cover_the_log_schema_and_round_trip_through_the_event_l
         E.EVENT_KIND_SPARE_TAKEN,
         E.EVENT_KIND_PREFLIGHT_RESULT,
         E.EVENT_KIND_CHECKPOINT_COMMIT,
+        E.EVENT_KIND_WORKERS_STARTED,
         E.EVENT_KIND_STOP_REQUEST,
         E.EVENT_KIND_FIRST_STEP,
         E.EVENT_KIND_PAGE,
