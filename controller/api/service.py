@@ -30,7 +30,7 @@ import grpc
 
 from controller.api.access import AccessPolicy, Caller, Role, caller_of
 from controller.api.view import ControllerView, ViewNotFound, ViewRefused, ViewUnavailable
-from controller.goodput.report import compute_goodput
+from controller.goodput.report import compute_goodput, normalise_by, shape_report
 from runwarden.eventlog import decode_line, read_events
 from runwarden.names import check_name
 from runwarden.v1 import controller_pb2, controller_pb2_grpc, events_pb2
@@ -221,19 +221,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     ) -> controller_pb2.GetGoodputResponse:
         def body() -> controller_pb2.GetGoodputResponse:
             run = _name(request.run, "run") if request.run else ""
-            if request.by not in ("", "cause", "week"):
-                raise _Invalid(f"by must be 'cause' or 'week', got {request.by!r}")
+            try:
+                by = normalise_by(request.by.split(","))
+            except ValueError as exc:
+                raise _Invalid(str(exc)) from None
             since = _since(request.since) or None
             events = read_events(self._view.event_log_path).events
             if run and not any(e.run == run for e in events):
                 raise ViewNotFound(f"no events for run {run!r} in the event log")
             until = time.time() if _run_is_open(events, run) else None
             report = compute_goodput(events, run=run, since=since, until=until).to_proto()
-            if request.by == "cause":
-                del report.weeks[:]
-            elif request.by == "week":
-                del report.lost_by_cause[:]
-            return controller_pb2.GetGoodputResponse(report=report)
+            return controller_pb2.GetGoodputResponse(report=shape_report(report, by))
 
         return self._call(context, body)
 

@@ -1,4 +1,5 @@
-"""The postmortem picture: the run's timeline above a stacked bar of lost time by cause.
+"""The postmortem picture (the run's timeline above a stacked bar of lost time by cause) and the
+weekly report (lost time per ISO week, stacked by cause).
 
 matplotlib is an optional extra (`runwarden[plot]`): it is imported only when a chart is drawn,
 with the non-interactive Agg backend so it works on a headless controller host.
@@ -46,13 +47,7 @@ def colour_for(label: str) -> str:
 
 def render_png(report: GoodputReport, path: str | Path, *, title: str | None = None) -> Path:
     """Draw the report to a PNG file and return its path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ChartError("the PNG chart needs matplotlib: pip install 'runwarden[plot]'") from None
+    plt = _pyplot()
     out = Path(path)
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(12, 6.5), gridspec_kw={"height_ratios": [2.2, 1.0]}, constrained_layout=True
@@ -66,13 +61,70 @@ def render_png(report: GoodputReport, path: str | Path, *, title: str | None = N
             f"{report.failures} failures, {report.planned_stops} planned stop{'' if report.planned_stops == 1 else 's'})"
         )
         fig.suptitle(heading, fontsize=12, fontweight="bold")
-        try:
-            fig.savefig(out, dpi=110)
-        except OSError as exc:
-            raise ChartError(f"cannot write {out}: {exc.strerror}") from None
+        _save(fig, out)
     finally:
         plt.close(fig)
     return out
+
+
+def render_weekly_png(report: GoodputReport, path: str | Path, *, title: str | None = None) -> Path:
+    """The weekly report: one bar per ISO week, its lost hours stacked by cause, goodput above it."""
+    plt = _pyplot()
+    out = Path(path)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(report.weeks) + 4.0), 5.0), constrained_layout=True)
+    try:
+        _draw_weekly(ax, report)
+        heading = (
+            title
+            or f"run {report.run}: lost time per week by cause, goodput {100 * report.goodput:.1f}% overall"
+        )
+        fig.suptitle(heading, fontsize=12, fontweight="bold")
+        _save(fig, out)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _draw_weekly(ax: Any, report: GoodputReport) -> None:
+    weeks = report.weeks
+    # one colour and legend entry per cause, in the order of the whole report's lost time
+    causes = [c for c, _ in sorted_causes(report.lost_by_cause_us)]
+    xs = list(range(len(weeks)))
+    bottoms = [0.0] * len(weeks)
+    for cause in causes:
+        hours = [w.lost_by_cause_us.get(cause, 0) / US / 3600 for w in weeks]
+        ax.bar(xs, hours, bottom=bottoms, color=colour_for(cause), edgecolor="white", label=cause)
+        bottoms = [b + h for b, h in zip(bottoms, hours, strict=True)]
+    for x, w, top in zip(xs, weeks, bottoms, strict=True):
+        ax.text(x, top, f"{100 * w.goodput:.1f}%", ha="center", va="bottom", fontsize=8)
+    ax.margins(y=0.08)  # room for the goodput label above the tallest bar
+    ax.set_xticks(xs, [w.week for w in weeks])
+    ax.set_ylabel("lost hours (stacked by cause)")
+    ax.set_title(
+        "lost time per ISO week (UTC); the goodput of each week above its bar", fontsize=10, loc="left"
+    )
+    if causes:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no lost time", transform=ax.transAxes, ha="center")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ChartError("the PNG chart needs matplotlib: pip install 'runwarden[plot]'") from None
+    return plt
+
+
+def _save(fig: Any, out: Path) -> None:
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as exc:
+        raise ChartError(f"cannot write {out}: {exc.strerror}") from None
 
 
 def _hours(us: int) -> str:

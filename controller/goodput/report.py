@@ -32,6 +32,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from controller.goodput.causes import cause_from_attribution
 from runwarden.v1 import controller_pb2, events_pb2
@@ -108,9 +109,16 @@ class Marker:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeekFigures:
+    """One ISO week (UTC): ``productive_us + lost_us == allocated_us``, the causes summing to lost."""
+
     week: str
     allocated_us: int
     productive_us: int
+    lost_by_cause_us: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lost_us(self) -> int:
+        return sum(self.lost_by_cause_us.values())
 
     @property
     def goodput(self) -> float:
@@ -186,10 +194,35 @@ class GoodputReport:
                     goodput=w.goodput,
                     allocated_s=w.allocated_us / US,
                     productive_s=w.productive_us / US,
+                    lost_s=w.lost_us / US,
+                    lost_by_cause=[
+                        controller_pb2.LostTime(cause=c, seconds=us / US)
+                        for c, us in sorted_causes(w.lost_by_cause_us)
+                    ],
                 )
                 for w in self.weeks
             ],
         )
+
+
+def normalise_by(parts: Iterable[str]) -> str:
+    """``--by`` flags (or the API's comma list) as "", "cause", "week" or "week,cause"; ValueError names a bad part."""
+    chosen = {p.strip() for p in parts if p.strip()}
+    bad = sorted(chosen - {"cause", "week"})
+    if bad:
+        raise ValueError(f"by must be 'cause', 'week' or both, got {', '.join(map(repr, bad))}")
+    return ",".join(p for p in ("week", "cause") if p in chosen)
+
+
+def shape_report(report: controller_pb2.GoodputReport, by: str) -> controller_pb2.GoodputReport:
+    """Keep the breakdown asked for (a normalise_by value): the API and ``controllerctl --json`` agree."""
+    if by == "cause":
+        del report.weeks[:]
+    elif by == "week":
+        del report.lost_by_cause[:]
+        for week in report.weeks:
+            del week.lost_by_cause[:]  # "week,cause" keeps each week's split
+    return report
 
 
 def sorted_causes(lost: dict[str, int]) -> list[tuple[str, int]]:
@@ -212,11 +245,13 @@ def percentile(values: Sequence[float], pct: float) -> float:
 class _Tentative:
     """Training since the last commit: kept on the next commit, lost to an incident's cause on a fault."""
 
-    __slots__ = ("incident", "kept")
+    __slots__ = ("incident", "kept", "planned", "us")
 
     def __init__(self) -> None:
         self.kept = False
+        self.planned = False  # a stop ended it uncommitted: lost to "planned"
         self.incident: _OpenIncident | None = None
+        self.us = 0  # its length so far: the rollback if a fault ends it (no rescan of the spans)
 
 
 class _OpenIncident:
@@ -249,11 +284,26 @@ class _OpenIncident:
 Label = str | _Tentative | _OpenIncident  # an incident label means: rolled back to that incident's cause
 
 
-class _RunAccountant:
-    """Walks one run's events in order and labels every microsecond of its allocated time."""
+class SpanSink(Protocol):
+    """Receives the accountant's spans as they close (the windowed rates fold them in)."""
 
-    def __init__(self, run: str) -> None:
+    def span(self, start_us: int, end_us: int, label: Label, nodes: int) -> None: ...
+
+    def rolled_back(self, tentative: _Tentative) -> None:
+        """The tentative's spans, already passed to span(), are lost after all."""
+
+
+class _RunAccountant:
+    """Walks one run's events in order and labels every microsecond of its allocated time.
+
+    With ``history=False`` (the live windowed rates) it keeps no spans, markers or past incidents,
+    so memory stays flat over a months-long log; its spans go to ``sink`` either way.
+    """
+
+    def __init__(self, run: str, *, history: bool = True, sink: SpanSink | None = None) -> None:
         self.run = run
+        self.history = history
+        self.sink = sink
         self.start: int | None = None
         self.cursor = 0
         self.mode = "idle"  # idle | startup | training | recovering | stopping | ended
@@ -261,7 +311,8 @@ class _RunAccountant:
         self.spans: list[tuple[int, int, Label]] = []
         self.tentative = _Tentative()
         self.incident: _OpenIncident | None = None
-        self.incidents: list[_OpenIncident] = []
+        self.incidents: list[_OpenIncident] = []  # every incident (history) for the report
+        self.awaiting_first_step: list[_OpenIncident] = []  # faults since the last FIRST_STEP
         self.stop_pending = False
         self.nodes_now = 0
         self.node_seconds = 0.0
@@ -285,11 +336,24 @@ class _RunAccountant:
         if self.mode in ("idle", "ended") or t_us <= self.cursor:
             return
         label = self._label(milestone_phase)
-        self.spans.append((self.cursor, t_us, label))
         if isinstance(label, str) and label.startswith("restart:") and self.incident is not None:
             self.incident.phases[label.split(":", 1)[1]] += t_us - self.cursor
+        self._emit(t_us, label)
+
+    def _emit(self, t_us: int, label: Label) -> None:
+        """Close the span [cursor, t_us) with ``label``."""
+        if self.history:
+            self.spans.append((self.cursor, t_us, label))
+        if isinstance(label, _Tentative):
+            label.us += t_us - self.cursor
+        if self.sink is not None:
+            self.sink.span(self.cursor, t_us, label, self.nodes_now)
         self.node_seconds += self.nodes_now * (t_us - self.cursor) / US
         self.cursor = t_us
+
+    def open_label(self) -> Label | None:
+        """The label of the time since the last event, None while the run is not going."""
+        return None if self.mode in ("idle", "ended") else self._label(None)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -336,15 +400,19 @@ class _RunAccountant:
             inc.fallback = "hardware:node_lost"
         if self.mode == "training":
             self.tentative.incident = inc
-            inc.rollback = sum(e - s for s, e, lab in self.spans if lab is self.tentative)
+            inc.rollback = self.tentative.us
+            if self.sink is not None:
+                self.sink.rolled_back(self.tentative)
             self.tentative = _Tentative()
         self.stop_pending = False
         self.incident = inc
-        self.incidents.append(inc)
+        if self.history:
+            self.incidents.append(inc)
+        self.awaiting_first_step.append(inc)
         self.mode = "recovering"
         self.last_phase = "allocate"
         self._milestone(ev, t)
-        self.markers.append(
+        self._mark(
             Marker(
                 ts=fault / US,
                 kind="fault",
@@ -381,7 +449,7 @@ class _RunAccountant:
             self.incident.launched = True
         if ev.HasField("launch") and len(ev.launch.nodes) > 0:
             self.nodes_now = len(ev.launch.nodes)
-        self.markers.append(
+        self._mark(
             Marker(
                 ts=ev.ts,
                 kind="launch",
@@ -396,9 +464,9 @@ class _RunAccountant:
             self._milestone(ev, t)
         else:
             self._advance(t)
-        for inc in self.incidents:
-            if inc.first_step_ts is None:
-                inc.first_step_ts = t / US
+        for inc in self.awaiting_first_step:
+            inc.first_step_ts = t / US
+        self.awaiting_first_step = []
         self.incident = None
         self.stop_pending = False
         self.mode = "training"
@@ -412,23 +480,21 @@ class _RunAccountant:
             if not failed:
                 self.tentative.kept = True
                 self.tentative = _Tentative()
-                self.markers.append(
+                self._mark(
                     Marker(ts=ev.ts, kind="commit", attempt=ev.attempt, step=ev.step, text=f"step {ev.step}")
                 )
             if self.stop_pending and not failed:
                 self.mode = "stopping"
                 self._advance(t)
             elif t > self.cursor:
-                self.spans.append((self.cursor, t, "checkpoint_stall"))
-                self.node_seconds += self.nodes_now * (t - self.cursor) / US
-                self.cursor = t
+                self._emit(t, "checkpoint_stall")
         else:
             self._advance(t)
 
     def on_stop_request(self, ev: events_pb2.Event, t: int) -> None:
         self._advance(t)
         self.planned_stops += 1
-        self.markers.append(
+        self._mark(
             Marker(
                 ts=ev.ts,
                 kind="stop",
@@ -449,9 +515,9 @@ class _RunAccountant:
     def _stop_rollback(self, t: int) -> None:
         """A stop that ended training without a commit: the uncommitted work is lost to the stop."""
         self._advance(t)
-        for i, (s, e, lab) in enumerate(self.spans):
-            if lab is self.tentative:
-                self.spans[i] = (s, e, "planned")
+        self.tentative.planned = True
+        if self.sink is not None:
+            self.sink.rolled_back(self.tentative)
         self.tentative = _Tentative()
         self.mode = "stopping"
         self.stop_pending = False
@@ -463,6 +529,10 @@ class _RunAccountant:
             self.tentative.kept = True  # the final save commits the last steps
         self.tentative = _Tentative()
         self.mode = "ended"
+
+    def _mark(self, marker: Marker) -> None:
+        if self.history:
+            self.markers.append(marker)
 
     def finish(self, end_us: int) -> None:
         if self.mode not in ("idle", "ended"):
@@ -491,7 +561,12 @@ def _resolve(label: Label, incident_causes: dict[int, str]) -> str:
         return incident_causes[id(label)]
     if label.incident is not None:
         return incident_causes[id(label.incident)]
-    return PRODUCTIVE
+    return "planned" if label.planned else PRODUCTIVE
+
+
+def is_productive(label: Label) -> bool:
+    """Whether time with this label counts as productive now (a tentative may still be rolled back)."""
+    return isinstance(label, _Tentative) and label.incident is None and not label.planned
 
 
 def _incident_cause(inc: _OpenIncident) -> str:
@@ -535,7 +610,7 @@ def _one_run(run: str, events: list[events_pb2.Event], since: float | None, unti
         if e <= s2:
             continue
         spans.append(Span(start_us=s2, end_us=e, label=_resolve(lab, causes)))
-        if isinstance(lab, _Tentative) and lab.incident is None and not lab.kept:
+        if is_productive(lab) and isinstance(lab, _Tentative) and not lab.kept:
             uncommitted += e - s2
     return _build_report(run, spans, acct, causes, uncommitted, lo)
 
@@ -599,8 +674,10 @@ def iso_week(ts_us: int) -> tuple[str, int]:
 
 
 def weekly(spans: Sequence[Span]) -> tuple[WeekFigures, ...]:
+    """Allocated, productive and lost-by-cause time per ISO week; a span across Monday 00:00 UTC is split."""
     alloc: dict[str, int] = defaultdict(int)
     prod: dict[str, int] = defaultdict(int)
+    lost: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for sp in spans:
         s = sp.start_us
         while s < sp.end_us:
@@ -609,8 +686,13 @@ def weekly(spans: Sequence[Span]) -> tuple[WeekFigures, ...]:
             alloc[week] += e - s
             if sp.label == PRODUCTIVE:
                 prod[week] += e - s
+            else:
+                lost[week][sp.label] += e - s
             s = e
-    return tuple(WeekFigures(week=w, allocated_us=alloc[w], productive_us=prod[w]) for w in sorted(alloc))
+    return tuple(
+        WeekFigures(week=w, allocated_us=alloc[w], productive_us=prod[w], lost_by_cause_us=dict(lost[w]))
+        for w in sorted(alloc)
+    )
 
 
 def merge_reports(reports: Sequence[GoodputReport], *, run: str) -> GoodputReport:
@@ -618,12 +700,15 @@ def merge_reports(reports: Sequence[GoodputReport], *, run: str) -> GoodputRepor
     lost: dict[str, int] = defaultdict(int)
     weeks_a: dict[str, int] = defaultdict(int)
     weeks_p: dict[str, int] = defaultdict(int)
+    weeks_l: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in reports:
         for c, us in r.lost_by_cause_us.items():
             lost[c] += us
         for w in r.weeks:
             weeks_a[w.week] += w.allocated_us
             weeks_p[w.week] += w.productive_us
+            for c, us in w.lost_by_cause_us.items():
+                weeks_l[w.week][c] += us
     return GoodputReport(
         run=run,
         start_ts=min((r.start_ts for r in reports), default=0.0),
@@ -637,7 +722,10 @@ def merge_reports(reports: Sequence[GoodputReport], *, run: str) -> GoodputRepor
         preflight_rejections=sum(r.preflight_rejections for r in reports),
         planned_stops=sum(r.planned_stops for r in reports),
         weeks=tuple(
-            WeekFigures(week=w, allocated_us=weeks_a[w], productive_us=weeks_p[w]) for w in sorted(weeks_a)
+            WeekFigures(
+                week=w, allocated_us=weeks_a[w], productive_us=weeks_p[w], lost_by_cause_us=dict(weeks_l[w])
+            )
+            for w in sorted(weeks_a)
         ),
         spans=(),
         markers=(),

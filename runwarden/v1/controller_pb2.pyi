@@ -534,7 +534,7 @@ class GetGoodputRequest(_message.Message):
     run: _builtins.str
     since: _builtins.float
     by: _builtins.str
-    """"cause" | "week" """
+    """"cause" | "week" | "week,cause" (weeks, each split by cause) | "" (all)"""
     def __init__(
         self,
         *,
@@ -581,11 +581,19 @@ class GoodputWeek(_message.Message):
     GOODPUT_FIELD_NUMBER: _builtins.int
     ALLOCATED_S_FIELD_NUMBER: _builtins.int
     PRODUCTIVE_S_FIELD_NUMBER: _builtins.int
+    LOST_S_FIELD_NUMBER: _builtins.int
+    LOST_BY_CAUSE_FIELD_NUMBER: _builtins.int
     week: _builtins.str
     """ISO week, "2026-W48" """
     goodput: _builtins.float
     allocated_s: _builtins.float
     productive_s: _builtins.float
+    lost_s: _builtins.float
+    """allocated_s - productive_s"""
+    @_builtins.property
+    def lost_by_cause(self) -> _containers.RepeatedCompositeFieldContainer[Global___LostTime]:
+        """this week's lost time by cause, largest first; sums to lost_s"""
+
     def __init__(
         self,
         *,
@@ -593,10 +601,12 @@ class GoodputWeek(_message.Message):
         goodput: _builtins.float = ...,
         allocated_s: _builtins.float = ...,
         productive_s: _builtins.float = ...,
+        lost_s: _builtins.float = ...,
+        lost_by_cause: _abc.Iterable[Global___LostTime] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_s", b"allocated_s", "goodput", b"goodput", "productive_s", b"productive_s", "week", b"week"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_s", b"allocated_s", "goodput", b"goodput", "lost_by_cause", b"lost_by_cause", "lost_s", b"lost_s", "productive_s", b"productive_s", "week", b"week"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
