@@ -82,15 +82,19 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
         seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)
 
 
+PREFLIGHT_MODES = ("quick", "full", "burn_in")  # preflight.config.RUN_MODES (no preflight import here)
+
+
 def preflight_request(req: agent_pb2.RunPreflightRequest) -> None:
-    if req.mode not in ("quick", "full"):
-        raise ValidationError(f"mode: 'quick' or 'full', got {req.mode[:40]!r}")
+    if req.mode not in PREFLIGHT_MODES:
+        raise ValidationError(f"mode: 'quick', 'full' or 'burn_in', got {req.mode[:40]!r}")
     if len(req.only) > 256:
         raise ValidationError("only: at most 256 check names")
     for i, name in enumerate(req.only):
         if not CHECK_NAME.match(name):
             raise ValidationError(f"only[{i}]: not a check name: {name[:40]!r}")
-    seconds(req.budget_s, "budget_s", high=600)
+    # A burn-in runs for most of an hour by default; a per-attempt preflight for at most minutes.
+    seconds(req.budget_s, "budget_s", high=86400 if req.mode == "burn_in" else 600)
 
 
 def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:

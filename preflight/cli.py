@@ -1,4 +1,4 @@
-"""`preflight run [--quick|--full] [--json] [--config FILE]` and `preflight baseline`.
+"""`preflight run [--quick|--full|--burn-in] [--json] [--config FILE]` and `preflight baseline`.
 
 Exit codes: 0 every check passed (WARN and SKIP do not fail), 1 a check failed, 2 could not run.
 """
@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from preflight.baseline import BaselineError, baseline_header, measure_baseline
-from preflight.config import ConfigError, config_to_toml, load_config
+from preflight.config import BURN_IN, BURN_IN_STAGES, ConfigError, config_to_toml, load_config
 from preflight.report import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS
 from preflight.result import CheckResult
 from preflight.runner import ALL_SPECS, run_preflight
@@ -31,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--full", dest="mode", action="store_const", const="full", help="adds the collective; <= 120 s"
     )
+    mode.add_argument(
+        "--burn-in",
+        dest="mode",
+        action="store_const",
+        const=BURN_IN,
+        help="the burn-in pipeline ([burn_in] stages: sustained matmul, memory test, dcgmi diag -r 3, "
+        "all-reduce soak, storage); <= [run] burn_in_budget_s (1 h)",
+    )
     run.add_argument("--json", action="store_true", help="print the versioned JSON report instead of a table")
     run.add_argument("--config", type=Path, help="TOML thresholds (see preflight/defaults.toml)")
     run.add_argument(
@@ -38,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="CHECK",
-        help=f"run only this unit (repeatable): {', '.join(s.name for s in ALL_SPECS)}",
+        help=f"run only this unit (repeatable): {', '.join(s.name for s in ALL_SPECS)}; "
+        f"with --burn-in, a stage: {', '.join(BURN_IN_STAGES)}",
     )
     run.add_argument(
         "--budget", type=float, default=None, help="total budget in seconds (default: the mode's)"

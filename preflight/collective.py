@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -107,10 +108,95 @@ def measure(size_bytes: int, iterations: int, warmup: int, backend: str = "") ->
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SoakResult:
+    """The burn-in's soak: rounds of `iterations` all-reduces for about `duration_s`, every result
+    checked. Its bandwidth counts the refill and the check of each result too (the same work in every
+    round, so the rounds compare; it reads a little under `measure`'s figure)."""
+
+    world_size: int
+    backend: str
+    size_bytes: int
+    iterations: int  # all-reduces per round
+    rounds: int
+    busbw_gbps: tuple[float, ...]  # one figure per round, the slowest rank's time
+    bad_results: int  # all-reduces, over all ranks, whose sum was wrong
+    first_bad_round: int  # -1: none
+    duration_s: float
+
+
+def soak(
+    size_bytes: int,
+    iterations: int,
+    warmup: int,
+    duration_s: float,
+    all_reduce: Callable[..., Any] | None = None,
+) -> SoakResult:
+    """Runs inside an initialized process group; every rank gets the same result. Each all-reduce
+    (`all_reduce`: torch.distributed's, or a test's corrupting wrapper) sums rank + 1 over the ranks
+    and is checked on the spot; all ranks stop after the same round
+    (the decision is the slowest rank's clock, all-reduced)."""
+    import torch
+    import torch.distributed as dist
+
+    reduce = all_reduce or dist.all_reduce
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if backend == "nccl" else torch.device("cpu")
+    tensor = torch.empty(max(1, size_bytes // 4), dtype=torch.float32, device=device)
+    want = float(world * (world + 1) / 2)
+    for _ in range(warmup):
+        tensor.fill_(float(rank + 1))
+        reduce(tensor)
+    rates: list[float] = []
+    bad_total, first_bad = 0, -1
+    started = time.perf_counter()
+    while True:
+        bad = torch.zeros(1, dtype=torch.float64, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            tensor.fill_(float(rank + 1))
+            reduce(tensor)
+            bad += (tensor != want).any().to(torch.float64)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        # [this round's time, elapsed, wrong results]: MAX of the times, SUM of the wrong results.
+        stats = torch.tensor([now - t0, now - started], dtype=torch.float64, device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        dist.all_reduce(bad)
+        count = int(bad.item())
+        if count and first_bad < 0:
+            first_bad = len(rates)
+        bad_total += count
+        rates.append(bus_bandwidth(tensor.numel() * 4 * iterations, float(stats[0].item()), world)[1])
+        if float(stats[1].item()) >= duration_s:
+            break
+    return SoakResult(
+        world_size=world,
+        backend=backend,
+        size_bytes=tensor.numel() * 4,
+        iterations=iterations,
+        rounds=len(rates),
+        busbw_gbps=tuple(rates),
+        bad_results=bad_total,
+        first_bad_round=first_bad,
+        duration_s=time.perf_counter() - started,
+    )
+
+
 def run_from_env(
-    size_bytes: int, iterations: int, warmup: int, backend: str = "auto", timeout_s: float = 60.0
-) -> AllReduceResult:
-    """Joins the group described by torchrun-style environment variables, measures, leaves."""
+    size_bytes: int,
+    iterations: int,
+    warmup: int,
+    backend: str = "auto",
+    timeout_s: float = 60.0,
+    soak_s: float = 0.0,
+) -> AllReduceResult | SoakResult:
+    """Joins the group described by torchrun-style environment variables, measures (or soaks for
+    `soak_s` seconds), leaves."""
     import torch
     import torch.distributed as dist
 
@@ -124,6 +210,8 @@ def run_from_env(
         backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
     try:
+        if soak_s > 0:
+            return soak(size_bytes, iterations, warmup, soak_s)
         return measure(size_bytes, iterations, warmup)
     finally:
         dist.destroy_process_group()
@@ -248,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
     parser.add_argument("--out", help="rank 0 writes the JSON result here (default: stdout)")
+    parser.add_argument(
+        "--soak-s",
+        dest="soak_s",
+        type=float,
+        default=0.0,
+        help="repeat rounds of --iterations all-reduces this long, checking each (the burn-in's soak)",
+    )
     explicit = parser.add_argument_group("an explicit group (instead of RANK, WORLD_SIZE, MASTER_*)")
     explicit.add_argument("--rank", type=int)
     explicit.add_argument("--world-size", dest="world_size", type=int)
@@ -262,10 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_bytes < 4 or args.iterations < 1 or args.warmup < 0:
         parser.error("need --size-bytes >= 4, --iterations >= 1, --warmup >= 0")
     group = _group_from_args(args, parser)
+    result: AllReduceResult | SoakResult
     if group is not None:
+        if args.soak_s > 0:
+            parser.error("--soak-s runs in the environment's group (one node's ranks), not with --world-size")
         result = run_group(group, args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
     else:
-        result = run_from_env(args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout)
+        result = run_from_env(
+            args.size_bytes, args.iterations, args.warmup, args.backend, args.timeout, args.soak_s
+        )
     if (group.rank if group is not None else _env_int("RANK")) == 0:
         text = json.dumps(asdict(result))
         if args.out:
@@ -273,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(text)
         else:
             print(text)
-    return 0 if result.correct else 1
+    # A soak's wrong results are in its result, for the caller to report; a measurement's fail the run.
+    return 0 if isinstance(result, SoakResult) or result.correct else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ from typing import Any
 
 from preflight.nvml import THROTTLE_BITS
 
-MODES = ("quick", "full")
+MODES = ("quick", "full")  # the per-attempt modes; each check's `modes` names some of these
+BURN_IN = "burn_in"  # the burn-in pipeline: its stages are [burn_in].stages, not the checks' `modes`
+RUN_MODES = (*MODES, BURN_IN)
+BURN_IN_STAGES = ("matmul", "memory", "dcgm", "allreduce", "storage")
+MEMORY_PATTERNS = ("walking_ones", "walking_zeros", "address", "random")
 
 
 class ConfigError(ValueError):
@@ -28,6 +32,7 @@ class ConfigError(ValueError):
 class RunConfig:
     quick_budget_s: float = 15.0  # total wall-clock budget of `preflight run --quick`
     full_budget_s: float = 120.0  # total wall-clock budget of `preflight run --full`
+    burn_in_budget_s: float = 3600.0  # total wall-clock budget of `preflight run --burn-in`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +76,8 @@ class DcgmConfig:
     full_level: int = 2  # `dcgmi diag -r 2` in full mode
     quick_timeout_s: float = 12.0
     full_timeout_s: float = 90.0
+    burn_in_level: int = 3  # `dcgmi diag -r 3` in the burn-in (the long stress tests, ~10-30 min)
+    burn_in_timeout_s: float = 2400.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +150,36 @@ class CpuConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BurnInConfig:
+    """The burn-in pipeline (`preflight run --burn-in`, the supervisor's burn-in of a quarantined
+    node): `stages` run one at a time, in this order, within [run] burn_in_budget_s. Each stage's
+    time limit is its own duration plus `stage_slack_s` (starting CUDA, the reference product)."""
+
+    stages: tuple[str, ...] = BURN_IN_STAGES
+    stage_slack_s: float = 120.0
+    sample_interval_s: float = 1.0  # NVML (throttle, temperature) is sampled this often during a stage
+    temperature_max_c: int = 87  # a GPU hotter than this during a stage FAILs (0: not checked)
+    # matmul: the known-answer product in a loop on every device at once, every result checked.
+    matmul_duration_s: float = 300.0  # per GPU, all GPUs at once
+    matmul_duration_s_cpu: float = 5.0  # on a host without a GPU
+    matmul_size: int = 8192  # matrix side on a GPU (the size `preflight baseline` measures)
+    matmul_size_cpu: int = 256
+    matmul_dtype: str = "auto"  # "auto" (bfloat16 on cuda, float32 on cpu) | a torch dtype
+    # memory: write/verify patterns over `memory_fraction` of each GPU's free memory, in chunks.
+    memory_fraction: float = 0.9
+    memory_chunk_mb: int = 1024
+    memory_mb_cpu: int = 64  # on a host without a GPU: a host buffer of this size
+    memory_patterns: tuple[str, ...] = MEMORY_PATTERNS
+    memory_seed: int = 20240611  # the "random" pattern's seed (regenerated to verify, never stored)
+    # allreduce: the in-node all-reduce repeated, every result checked, bandwidth watched for sag.
+    allreduce_duration_s: float = 120.0
+    allreduce_duration_s_cpu: float = 5.0
+    allreduce_iterations: int = 5  # all-reduces per round (one bandwidth figure per round)
+    allreduce_window: int = 3  # baseline = median of the first rounds; each later window's median ...
+    allreduce_min_ratio: float = 0.7  # ... must stay >= this x the baseline, else FAIL (a sagging link)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PreflightConfig:
     run: RunConfig = field(default_factory=RunConfig)
     inventory: InventoryConfig = field(default_factory=InventoryConfig)
@@ -154,8 +191,11 @@ class PreflightConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
+    burn_in: BurnInConfig = field(default_factory=BurnInConfig)
 
     def budget_s(self, mode: str) -> float:
+        if mode == BURN_IN:
+            return self.run.burn_in_budget_s
         return self.run.quick_budget_s if mode == "quick" else self.run.full_budget_s
 
 
@@ -166,6 +206,7 @@ _CHOICES = {
     "pcie_gen_below_max": ("fail", "warn", "ignore"),
     "capped_below_nominal": ("fail", "warn", "ignore"),
     "device": ("auto", "cuda", "cpu"),
+    "matmul_dtype": ("auto", "float32", "float64", "bfloat16", "float16"),
 }
 
 
@@ -232,9 +273,50 @@ def config_from_mapping(data: dict[str, Any], where: str = "<config>") -> Prefli
             )
     if config.cpu.cap_tolerance >= 1:
         raise ConfigError(f"{where}: [cpu].cap_tolerance: a fraction below 1, got {config.cpu.cap_tolerance}")
-    if config.run.quick_budget_s <= 0 or config.run.full_budget_s <= 0:
+    if min(config.run.quick_budget_s, config.run.full_budget_s, config.run.burn_in_budget_s) <= 0:
         raise ConfigError(f"{where}: [run] budgets must be positive")
+    _check_burn_in(config, where)
     return config
+
+
+def _check_burn_in(config: PreflightConfig, where: str) -> None:
+    b = config.burn_in
+    here = f"{where}: [burn_in]"
+    unknown = [s for s in b.stages if s not in BURN_IN_STAGES]
+    if unknown or len(set(b.stages)) != len(b.stages):
+        raise ConfigError(
+            f"{here}.stages: {list(b.stages)} must name each stage at most once, "
+            f"from {', '.join(BURN_IN_STAGES)}"
+        )
+    bad = [p for p in b.memory_patterns if p not in MEMORY_PATTERNS]
+    if bad or not b.memory_patterns:
+        raise ConfigError(
+            f"{here}.memory_patterns: {list(b.memory_patterns)} must be one or more of "
+            f"{', '.join(MEMORY_PATTERNS)}"
+        )
+    positive = (
+        "matmul_duration_s",
+        "matmul_duration_s_cpu",
+        "matmul_size",
+        "matmul_size_cpu",
+        "memory_chunk_mb",
+        "memory_mb_cpu",
+        "allreduce_duration_s",
+        "allreduce_duration_s_cpu",
+        "allreduce_iterations",
+        "allreduce_window",
+        "sample_interval_s",
+    )
+    for key in positive:
+        if getattr(b, key) <= 0:
+            raise ConfigError(f"{here}.{key}: must be positive, got {getattr(b, key)}")
+    for key in ("memory_fraction", "allreduce_min_ratio"):
+        if not 0 < getattr(b, key) <= 1:
+            raise ConfigError(f"{here}.{key}: must be in (0, 1], got {getattr(b, key)}")
+    if not 1 <= config.dcgm.burn_in_level <= 4:
+        raise ConfigError(
+            f"{where}: [dcgm].burn_in_level: dcgmi diag runs levels 1-4, got {config.dcgm.burn_in_level}"
+        )
 
 
 def load_config(path: str | Path | None) -> PreflightConfig:

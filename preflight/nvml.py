@@ -99,6 +99,7 @@ class Nvml(Protocol):
     def compute_processes(self, index: int) -> list[GpuProcess]: ...
     def pcie_link(self, index: int) -> PcieLink: ...
     def throttle_reasons(self, index: int) -> int: ...
+    def temperature(self, index: int) -> int: ...  # the GPU die, degrees C
     def persistence_mode(self, index: int) -> bool: ...
     def mig_mode(self, index: int) -> tuple[bool, bool]: ...
 
@@ -213,6 +214,10 @@ class PynvmlAdapter:
             or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         )
         return int(self._call(fn, self._handle(index)))
+
+    def temperature(self, index: int) -> int:
+        nv = self._nvml
+        return int(self._call(nv.nvmlDeviceGetTemperature, self._handle(index), nv.NVML_TEMPERATURE_GPU))
 
     def persistence_mode(self, index: int) -> bool:
         nv = self._nvml

@@ -98,6 +98,25 @@ class PreflightReport:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed preflight report: {exc}") from exc
 
+    def stages(self) -> list[tuple[str, CheckStatus, str]]:
+        """A burn-in's stages in the order they ran: (stage, verdict, counts). The verdict is the
+        worst of FAIL / WARN / PASS among its results, SKIP only when every result was skipped."""
+        groups: dict[str, list[CheckResult]] = {}
+        for r in self.results:
+            parts = r.name.split(".")
+            if len(parts) > 1 and parts[0] == "burn_in":
+                groups.setdefault(parts[1], []).append(r)
+        out = []
+        for stage, results in groups.items():
+            statuses = [r.status for r in results]
+            verdict = next(
+                (s for s in (CheckStatus.FAIL, CheckStatus.WARN, CheckStatus.PASS) if s in statuses),
+                CheckStatus.SKIP,
+            )
+            counts = ", ".join(f"{statuses.count(s)} {s.value}" for s in CheckStatus if s in statuses)
+            out.append((stage, verdict, counts))
+        return out
+
     def render_table(self, verbose: bool = False) -> str:
         rows = [("STATUS", "CHECK", "VALUE", "DURATION", "MESSAGE")]
         for r in self.results:
@@ -114,6 +133,8 @@ class PreflightReport:
                 lines.append(f"  remedy for {result_label(r)}: {r.remedy}")
             if verbose or r.status is CheckStatus.FAIL:
                 lines += [f"    {result_label(r)}: {e}" for e in r.evidence]
+        for stage, status, counts in self.stages():
+            lines.append(f"stage {stage}: {status.value} ({counts})")
         verdict = "PASSED" if self.passed else "FAILED"
         counts = ", ".join(f"{self.count(s)} {s.value}" for s in CheckStatus)
         lines.append(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from preflight.checks import (
+    burn_in,
     collective_check,
     compute,
     counters,
@@ -25,7 +26,7 @@ from preflight.checks import (
     xid_check,
 )
 from preflight.checks.base import CheckContext, CheckSpec, NvmlSession
-from preflight.config import MODES, PreflightConfig
+from preflight.config import BURN_IN, RUN_MODES, PreflightConfig
 from preflight.nvml import Nvml, PynvmlAdapter
 from preflight.report import PreflightReport
 from preflight.result import CheckResult, failed, skipped
@@ -119,11 +120,16 @@ class _Run:
 
 
 def select_specs(
-    config: PreflightConfig, mode: str, only: Iterable[str] = (), specs: Sequence[CheckSpec] = ALL_SPECS
+    config: PreflightConfig, mode: str, only: Iterable[str] = (), specs: Sequence[CheckSpec] | None = None
 ) -> list[CheckSpec]:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    wanted = set(only)
+    """The units to run: the mode's (the checks whose `modes` name it; in burn_in, the configured
+    stages in their order), or the `only` ones (in burn_in, stage names: "memory" or "burn_in.memory").
+    `specs` replaces the mode's candidates (tests)."""
+    if mode not in RUN_MODES:
+        raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, got {mode!r}")
+    if specs is None:
+        specs = burn_in.stage_specs(config) if mode == BURN_IN else ALL_SPECS
+    wanted = {burn_in.stage_name(n) if mode == BURN_IN and n in burn_in.SPECS else n for n in only}
     unknown = wanted - {s.name for s in specs}
     if unknown:
         raise ValueError(
@@ -140,7 +146,7 @@ def run_preflight(
     only: Iterable[str] = (),
     budget_s: float | None = None,
     nvml_factory: Callable[[], Nvml] = PynvmlAdapter,
-    specs: Sequence[CheckSpec] = ALL_SPECS,
+    specs: Sequence[CheckSpec] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> PreflightReport:
     """Runs the mode's checks (or `only` these units) and returns the report.

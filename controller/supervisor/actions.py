@@ -28,7 +28,8 @@ from runwarden.v1 import common_pb2, events_pb2
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunPreflight:
-    """Run preflight (`mode` "quick" before an attempt, "full" for burn-in) on each node.
+    """Run preflight on each node: `mode` "quick" (or "full") before an attempt, the policy's
+    burn_in_mode ("burn_in", the burn-in pipeline, by default) for a burn-in.
 
     Answer with one `PreflightResult` per node. purpose: "attempt" or "burn_in".
     """

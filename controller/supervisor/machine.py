@@ -50,7 +50,7 @@ from controller.supervisor.events import (
     Event,
     StopRequested,
 )
-from controller.supervisor.policy import RunPlan, SupervisorConfig
+from controller.supervisor.policy import RunPlan, SupervisorConfig, burn_in_passes_text
 from controller.supervisor.pool import Pool, PoolState, needs_repair
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, IllegalTransition, RunState, TransitionError
@@ -290,7 +290,7 @@ class Supervisor:
         elif held:
             why = f"{reason}; held until an operator releases it"
         else:
-            why = f"{reason}; returns after {self.cfg.burn_in_passes} burn-in passes"
+            why = f"{reason}; returns after {burn_in_passes_text(self.cfg.burn_in_passes)}"
         self.log(
             E.EVENT_KIND_QUARANTINE,
             f"quarantined {node}: {why}",
@@ -311,7 +311,7 @@ class Supervisor:
                 nodes=(node,),
                 mode=self.cfg.burn_in_mode,
                 purpose="burn_in",
-                timeout_s=self.cfg.preflight_timeout_s,
+                timeout_s=self.cfg.burn_in_timeout_s,
             )
         )
 

@@ -20,6 +20,7 @@ from controller.supervisor.events import (
     PreflightResult,
     StopRequested,
 )
+from controller.supervisor.policy import burn_in_passes_text
 from controller.supervisor.pool import PoolState
 from controller.supervisor.states import IN_ATTEMPT, RunState
 from runwarden.evidence import is_fatal, kind_name
@@ -265,7 +266,8 @@ def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
     node = sv.pool.operator_release(ev.node)
     sv.log(
         E.EVENT_KIND_RELEASE,
-        f"operator released {ev.node} ({ev.reason}); it returns after {sv.cfg.burn_in_passes} burn-in passes",
+        f"operator released {ev.node} ({ev.reason}); it returns after "
+        f"{burn_in_passes_text(sv.cfg.burn_in_passes)}",
         release=E.ReleaseDetail(node=ev.node, reason=ev.reason, operator=True),
     )
     sv.persist(ev.node)
@@ -305,7 +307,7 @@ def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
     )
     sv.persist(ev.node)
     if outcome == "released":
-        reason = f"passed {sv.cfg.burn_in_passes} burn-in preflights in a row"
+        reason = f"passed {burn_in_passes_text(sv.cfg.burn_in_passes)} in a row"
         sv.log(
             E.EVENT_KIND_RELEASE,
             f"{ev.node} returns to the spare pool: {reason}",

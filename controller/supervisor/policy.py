@@ -40,8 +40,14 @@ class SupervisorConfig:
     bandwidth_floor_gbps: float = 0.0
     bandwidth_gate_ratio: float = 0.5
     bandwidth_gate_timeout_s: float = 60.0
-    burn_in_mode: str = "full"
-    burn_in_passes: int = 3
+    # Burn-in of a quarantined node: preflight's burn-in pipeline ("burn_in": sustained matmul, memory
+    # test, dcgmi diag -r 3, all-reduce soak, storage; most of an hour on GPUs by the node's
+    # [burn_in] config), or a per-attempt mode ("full", "quick"). One pass of the pipeline is long:
+    # burn_in_passes counts passes in a row. burn_in_timeout_s bounds one pass's RPC: above the
+    # node's [run] burn_in_budget_s (3600 s by default).
+    burn_in_mode: str = "burn_in"
+    burn_in_passes: int = 1
+    burn_in_timeout_s: float = 4000.0
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
     hold_window_s: float = 7 * DAY_S
     # A node clean this long (since first seen or its last failure; never with a straggler flag or a
@@ -118,6 +124,7 @@ class SupervisorConfig:
             "backoff_max_s",
             "backoff_reset_s",
             "preflight_timeout_s",
+            "burn_in_timeout_s",
             "bandwidth_floor_gbps",
             "bandwidth_gate_timeout_s",
             "queue_wait_s",
@@ -167,8 +174,19 @@ class SupervisorConfig:
                 f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
                 f"got {self.checkpoint_save_multiple!r}"
             )
-        if self.preflight_mode not in ("quick", "full") or self.burn_in_mode not in ("quick", "full"):
-            raise ValueError("SupervisorConfig: preflight_mode and burn_in_mode must be 'quick' or 'full'")
+        if self.preflight_mode not in ("quick", "full"):
+            raise ValueError(
+                f"SupervisorConfig.preflight_mode: must be 'quick' or 'full', got {self.preflight_mode!r}"
+            )
+        if self.burn_in_mode not in ("burn_in", "full", "quick"):
+            raise ValueError(
+                f"SupervisorConfig.burn_in_mode: must be 'burn_in', 'full' or 'quick', got {self.burn_in_mode!r}"
+            )
+
+
+def burn_in_passes_text(passes: int) -> str:
+    """ "1 burn-in pass" / "3 burn-in passes", for the event log."""
+    return f"{passes} burn-in pass" + ("" if passes == 1 else "es")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

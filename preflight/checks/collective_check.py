@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from preflight.checks.base import CheckContext, CheckSpec
 from preflight.collective import AllReduceResult
@@ -47,6 +48,20 @@ def launch_local(
 
     Raises TimeoutError (ranks killed) or RuntimeError (a rank failed) with the ranks' last words.
     """
+    return AllReduceResult(**launch_ranks(world, backend, size_bytes, iterations, warmup, timeout_s))
+
+
+def launch_ranks(
+    world: int,
+    backend: str,
+    size_bytes: int,
+    iterations: int,
+    warmup: int,
+    timeout_s: float,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`launch_local`'s work, with `extra` arguments for the ranks (the burn-in's --soak-s): rank 0's
+    JSON result as a mapping."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="preflight-allreduce-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -80,6 +95,7 @@ def launch_local(
                 str(max(5.0, timeout_s)),
                 "--out",
                 out,
+                *extra,
             ]
             procs.append(
                 subprocess.Popen(
@@ -93,7 +109,8 @@ def launch_local(
         if errors:
             raise RuntimeError("; ".join(errors))
         with open(out, encoding="utf-8") as fh:
-            return AllReduceResult(**json.load(fh))
+            result: dict[str, Any] = json.load(fh)
+            return result
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[str] | None:

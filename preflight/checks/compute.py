@@ -220,18 +220,11 @@ def device_outcomes(cfg: ComputeConfig, mode: str, matmul: MatmulFn | None = Non
     return [run_matmul(device, size, iters, dtype, matmul=matmul, gpu_index=gpu) for device, gpu in devices]
 
 
-def outcomes_in_subprocess(cfg: ComputeConfig, mode: str, timeout_s: float) -> list[MatmulOutcome]:
-    """`device_outcomes` in a child process: neither torch nor the CUDA contexts (and their GPU
-    memory) stay in the caller, a long-lived agent. Raises TimeoutError or RuntimeError."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "preflight.checks.compute",
-        "--mode",
-        mode,
-        "--compute",
-        json.dumps(dataclasses.asdict(cfg)),
-    ]
+def json_lines_in_child(module: str, args: list[str], timeout_s: float, what: str) -> list[dict[str, Any]]:
+    """Runs `python -m module args` in its own session and returns the JSON objects it printed, one
+    a line: neither torch nor the CUDA contexts (and their GPU memory) stay in the caller, a
+    long-lived agent. Raises TimeoutError (the child's group killed) or RuntimeError."""
+    cmd = [sys.executable, "-m", module, *args]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)
     )
@@ -243,13 +236,23 @@ def outcomes_in_subprocess(cfg: ComputeConfig, mode: str, timeout_s: float) -> l
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise TimeoutError(f"matmul did not finish in {timeout_s:.1f} s (killed)") from None
+        raise TimeoutError(f"{what} did not finish in {timeout_s:.1f} s (killed)") from None
     if proc.returncode != 0:
         tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"matmul process exited {proc.returncode}: {tail[0][:300]}")
+        raise RuntimeError(f"{what} process exited {proc.returncode}: {tail[0][:300]}")
     try:
-        return [MatmulOutcome(**json.loads(line)) for line in out.decode().splitlines() if line.strip()]
-    except (ValueError, TypeError) as exc:
+        return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    except ValueError as exc:
+        raise RuntimeError(f"{what} process wrote something unexpected: {exc}") from exc
+
+
+def outcomes_in_subprocess(cfg: ComputeConfig, mode: str, timeout_s: float) -> list[MatmulOutcome]:
+    """`device_outcomes` in a child process (see `json_lines_in_child`)."""
+    args = ["--mode", mode, "--compute", json.dumps(dataclasses.asdict(cfg))]
+    lines = json_lines_in_child("preflight.checks.compute", args, timeout_s, "matmul")
+    try:
+        return [MatmulOutcome(**line) for line in lines]
+    except TypeError as exc:
         raise RuntimeError(f"matmul process wrote something unexpected: {exc}") from exc
 
 

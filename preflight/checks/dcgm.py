@@ -1,4 +1,4 @@
-"""DCGM diagnostics: `dcgmi diag -r 1|2 -j` when dcgmi is present, its JSON turned into check results.
+"""DCGM diagnostics: `dcgmi diag -r 1|2 -j` (3 in the burn-in) when dcgmi is present, its JSON turned into check results.
 
 dcgmi's JSON has changed across releases; the parser accepts each shape seen in the field:
 top key "DCGM GPU Diagnostic" (2.x/3.x) or "DCGM Diagnostic" (4.x), holding "test_categories":
@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from preflight.checks.base import CheckContext, CheckSpec
+from preflight.config import BURN_IN, DcgmConfig
 from preflight.result import CheckResult, CheckStatus, failed, skipped, warned, worst
 
 _STATUS = {
@@ -140,16 +141,21 @@ def parse_dcgm_diag(text: str, returncode: int = 0) -> list[CheckResult]:
     return results
 
 
+def _level_and_timeout(cfg: DcgmConfig, mode: str) -> tuple[int, float]:
+    if mode == BURN_IN:
+        return cfg.burn_in_level, cfg.burn_in_timeout_s
+    if mode == "quick":
+        return cfg.quick_level, cfg.quick_timeout_s
+    return cfg.full_level, cfg.full_timeout_s
+
+
 def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     cfg = ctx.config.dcgm
     binary = shutil.which(cfg.dcgmi)
     if binary is None:
         return [skipped("dcgm.diag", f"{cfg.dcgmi} not found on PATH (DCGM not installed)")]
-    level = cfg.quick_level if ctx.mode == "quick" else cfg.full_level
-    timeout = min(
-        cfg.quick_timeout_s if ctx.mode == "quick" else cfg.full_timeout_s,
-        max(1.0, ctx.deadline - time.monotonic() - 0.5),
-    )
+    level, limit = _level_and_timeout(cfg, ctx.mode)
+    timeout = min(limit, max(1.0, ctx.deadline - time.monotonic() - 0.5))
     try:
         proc = subprocess.Popen(
             [binary, "diag", "-r", str(level), "-j"],
@@ -177,7 +183,7 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
 SPEC = CheckSpec(
     name="dcgm",
     run=run_dcgm,
-    timeout_s=lambda c, m: (c.dcgm.quick_timeout_s if m == "quick" else c.dcgm.full_timeout_s) + 2.0,
+    timeout_s=lambda c, m: _level_and_timeout(c.dcgm, m)[1] + 2.0,
     modes=lambda c: c.dcgm.modes,
     serial=True,
 )

@@ -115,13 +115,16 @@ class ClusterSpec:
     seed: int = 1234
     train_args: tuple[str, ...] = ()
     policy: dict[str, object] = field(default_factory=dict)
+    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm.py)
 
 
 def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str, dict[str, object]]:
     """The test clusters' preflight config. Before every attempt the quick preflight checks the
     kernel log, the counters, storage and network; compute and the all-reduce run in the full
-    preflight (burn-in). On a GPU node the quick mode includes the matmul too: here 2 CPU cores
-    would spend seconds on it per node. `nics`: interfaces that must be up (() = physical ones)."""
+    preflight. On a GPU node the quick mode includes the matmul too: here 2 CPU cores would spend
+    seconds on it per node. A burn-in runs every stage of the burn-in pipeline on its CPU path, cut
+    to about the cost of the full preflight it replaced (half a second of matmul loop and of
+    all-reduce soak, a 4 MiB memory test). `nics`: interfaces that must be up (() = physical ones)."""
     settings: dict[str, dict[str, object]] = {
         "compute": {"modes": ["full"], "size_cpu": 128, "iterations_cpu": 2},
         "collective": {
@@ -131,6 +134,15 @@ def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str,
             "cpu_processes": 2,
         },
         "storage": {"checkpoint_path": str(ckpt_dir), "free_space_floor_gb": 0.1},
+        "burn_in": {
+            "matmul_duration_s_cpu": 0.5,
+            "matmul_size_cpu": 128,
+            "memory_mb_cpu": 4,
+            "allreduce_duration_s_cpu": 0.5,
+            # Several clusters' gloo ranks share two cores here: bandwidth swings are load, not a link.
+            "allreduce_min_ratio": 0.2,
+            "stage_slack_s": 60.0,
+        },
     }
     if nics:
         settings["network"] = {"nics": list(nics)}
@@ -164,6 +176,7 @@ def agent_settings(
         "preflight_config": str(preflight_config),
         "stop_grace_s": 5.0,
         "drain_handoff_s": 3.0,  # a SIGTERM'd test agent stops its ranks itself if no controller does
+        "warm_workers": spec.warm_workers,
     }
 
 

@@ -67,7 +67,7 @@ class RunPreflightRequest(_message.Message):
     ONLY_FIELD_NUMBER: _builtins.int
     BUDGET_S_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
-    """"quick" | "full" """
+    """"quick" | "full" (per attempt) | "burn_in" (the burn-in pipeline's stages)"""
     budget_s: _builtins.float
     """0: the mode's default"""
     @_builtins.property

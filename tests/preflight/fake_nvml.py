@@ -27,6 +27,7 @@ class FakeGpu:
         default_factory=lambda: PcieLink(current_gen=5, max_gen=5, current_width=16, max_width=16)
     )
     throttle: Any = 0x1  # idle
+    temperature: Any = 40  # degrees C
     persistence: Any = True
     mig: Any = (False, False)
 
@@ -92,6 +93,9 @@ class FakeNvml:
 
     def throttle_reasons(self, index: int) -> int:
         return int(_get(self.gpus[index].throttle))
+
+    def temperature(self, index: int) -> int:
+        return int(_get(self.gpus[index].temperature))
 
     def persistence_mode(self, index: int) -> bool:
         return bool(_get(self.gpus[index].persistence))

@@ -672,7 +672,7 @@ def test_quarantined_node_returns_only_after_burn_in() -> None:
     burn = d.of(RunPreflight, out)
     assert (
         burn[0].purpose == "burn_in"
-        and burn[0].mode == "full"
+        and burn[0].mode == "burn_in"
         and d.sup.pool.get("n2").state == PoolState.BURN_IN
     )
     d.send(PreflightResult(node="n2", passed=True, mode="full"))

@@ -1,0 +1,579 @@
+"""The burn-in pipeline: the stages of `preflight run --burn-in` (mode "burn_in"), run one at a time in
+the order of [burn_in].stages, within [run] burn_in_budget_s. Every result's name starts with
+`burn_in.<stage>`, so a report (or the supervisor's event log) says which stage found what.
+
+* matmul: the known-answer product in a loop on every device at once for matmul_duration_s, every
+  product checked (preflight.burn_in_device); per-device throughput against [compute] tflops_floor
+  and against the node's median ([compute] gpu_spread_max); NVML counters around it.
+* memory: write/verify patterns over memory_fraction of each GPU's free memory (a host buffer of
+  memory_mb_cpu on CPU); NVML counters around it (a memory test is where ECC errors show).
+* dcgm: `dcgmi diag -r [dcgm] burn_in_level` (3) where DCGM is installed, else SKIP.
+* allreduce: the in-node all-reduce repeated for allreduce_duration_s, every result checked, its
+  bandwidth watched for sag; on CPU [collective] cpu_processes gloo ranks; one GPU: SKIP.
+* storage: the storage check in its full form (write + fsync, uncached read speed).
+
+"Counters around a stage": NVML read before, sampled every sample_interval_s during (throttle
+reasons OR-ed, the hottest temperature) and read after; a new uncorrectable ECC error or row remap,
+a pending/failed remap, a failing throttle reason under load or a temperature above
+temperature_max_c is a FAIL with the before/during/after readings as evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from preflight.burn_in_device import (
+    LoopOutcome,
+    MemoryOutcome,
+    ReadbackFn,
+    child_args,
+    matmul_outcomes,
+    memory_outcomes,
+)
+from preflight.checks import dcgm, storage
+from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.collective_check import _local_world, launch_ranks
+from preflight.checks.compute import MatmulFn, json_lines_in_child
+from preflight.collective import SoakResult
+from preflight.config import BURN_IN, BURN_IN_STAGES, BurnInConfig, ErrorsConfig, PreflightConfig
+from preflight.nvml import THROTTLE_BITS, Nvml, NvmlError, NvmlNotSupported, RemappedRows
+from preflight.result import CheckResult, failed, passed, skipped, warned
+
+PREFIX = "burn_in"
+_DRAIN = "drain the node; reset the GPU and run the vendor's field diagnostics; RMA if it repeats"
+_SDC = "silent data corruption: drain the node and run the vendor diagnostics (dcgmi diag -r 3)"
+
+
+def stage_name(stage: str, part: str = "") -> str:
+    return f"{PREFIX}.{stage}" + (f".{part}" if part else "")
+
+
+# --- NVML counters around a stage ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Counters:
+    """One GPU's readings; None where this GPU/driver does not report the counter."""
+
+    ecc_volatile: int | None
+    remap: RemappedRows | None
+    throttle: int | None
+    temperature: int | None
+    errors: tuple[str, ...] = ()  # queries that failed (a lost GPU, a driver error)
+
+
+def read_counters(nvml: Nvml, gpu: int) -> Counters:
+    queries: dict[str, Callable[[], Any]] = {
+        "ecc_volatile": lambda: nvml.ecc_uncorrected(gpu, volatile=True),
+        "remap": lambda: nvml.remapped_rows(gpu),
+        "throttle": lambda: nvml.throttle_reasons(gpu),
+        "temperature": lambda: nvml.temperature(gpu),
+    }
+    values: dict[str, Any] = {}
+    errors = []
+    for key, query in queries.items():
+        try:
+            values[key] = query()
+        except NvmlNotSupported:
+            values[key] = None
+        except NvmlError as exc:
+            values[key] = None
+            errors.append(f"{key}: {exc}")
+    return Counters(**values, errors=tuple(errors))
+
+
+def _reasons(mask: int) -> list[str]:
+    return sorted(reason for reason, bit in THROTTLE_BITS.items() if mask & bit)
+
+
+def _describe(c: Counters) -> str:
+    remap = (
+        "n/a"
+        if c.remap is None
+        else f"unc={c.remap.uncorrectable} pending={int(c.remap.pending)} failure={int(c.remap.failure)}"
+    )
+    throttle = (
+        "n/a" if c.throttle is None else f"0x{c.throttle:x} ({', '.join(_reasons(c.throttle)) or 'none'})"
+    )
+    return (
+        f"ecc_volatile_uncorrectable={'n/a' if c.ecc_volatile is None else c.ecc_volatile} "
+        f"row_remap[{remap}] throttle={throttle} temperature={'n/a' if c.temperature is None else c.temperature} C"
+    )
+
+
+def judge_counters(
+    stage: str,
+    gpu: int,
+    before: Counters,
+    after: Counters,
+    *,
+    throttle_seen: int,
+    hottest: int | None,
+    errors: ErrorsConfig,
+    temperature_max_c: int,
+) -> CheckResult:
+    """One GPU's verdict from its readings before, during (`throttle_seen`, `hottest`) and after."""
+    name = stage_name(stage, "counters")
+    evidence = (
+        f"before: {_describe(before)}",
+        f"during: throttle reasons seen 0x{throttle_seen:x} ({', '.join(_reasons(throttle_seen)) or 'none'}), "
+        f"hottest {'n/a' if hottest is None else hottest} C",
+        f"after: {_describe(after)}",
+    )
+    if all(v is None for v in (after.ecc_volatile, after.remap, after.throttle, after.temperature)):
+        if after.errors:
+            return failed(
+                name, f"NVML queries failed: {'; '.join(after.errors)}", gpu_index=gpu, remedy=_DRAIN
+            )
+        return skipped(name, "this GPU/driver reports none of the counters", gpu_index=gpu)
+    problems = [f"NVML query failed: {e}" for e in after.errors]
+    if after.ecc_volatile is not None:
+        if before.ecc_volatile is not None and after.ecc_volatile > before.ecc_volatile:
+            problems.append(
+                f"{after.ecc_volatile - before.ecc_volatile} new uncorrectable ECC error(s) during the stage"
+            )
+        elif after.ecc_volatile > errors.ecc_volatile_uncorrectable_max:
+            problems.append(f"{after.ecc_volatile} uncorrectable ECC error(s) since the driver loaded")
+    if after.remap is not None:
+        if after.remap.failure:
+            problems.append("row remapping failed (no spare rows left)")
+        if after.remap.pending:
+            problems.append("row remapping pending until the GPU is reset")
+        if before.remap is not None and after.remap.uncorrectable > before.remap.uncorrectable:
+            problems.append(
+                f"{after.remap.uncorrectable - before.remap.uncorrectable} new row(s) remapped for "
+                "uncorrectable errors during the stage"
+            )
+    seen = _reasons(throttle_seen)
+    if bad := [r for r in seen if r in errors.fail_throttle_reasons]:
+        problems.append("clocks throttled under load: " + ", ".join(bad))
+    if temperature_max_c and hottest is not None and hottest > temperature_max_c:
+        problems.append(f"reached {hottest} C, above the {temperature_max_c} C limit")
+    kw: dict[str, Any] = {"gpu_index": gpu, "evidence": evidence}
+    if hottest is not None:
+        kw.update(
+            value=float(hottest), unit="C", threshold=float(temperature_max_c) if temperature_max_c else None
+        )
+    if problems:
+        return failed(name, "; ".join(problems), remedy=_DRAIN, **kw)
+    if meh := [r for r in seen if r in errors.warn_throttle_reasons]:
+        return warned(
+            name, "clocks throttled under load: " + ", ".join(meh), remedy="check cooling and airflow", **kw
+        )
+    return passed(name, "no new ECC errors or row remaps, no harmful throttling under load", **kw)
+
+
+class CounterWatch:
+    """NVML around one stage: `before` at construction, `sample()` during, `finish()` after."""
+
+    def __init__(self, ctx: CheckContext, stage: str) -> None:
+        self.stage = stage
+        self.config = ctx.config
+        self.skip_reason = ""
+        self.nvml: Nvml | None = None
+        self.before: dict[int, Counters] = {}
+        self.throttle_seen: dict[int, int] = {}
+        self.hottest: dict[int, int | None] = {}
+        try:
+            nvml = ctx.nvml.get()
+            count = nvml.device_count()
+        except NvmlError as exc:
+            self.skip_reason = f"no NVML: {exc}"
+            return
+        if count == 0:
+            self.skip_reason = "NVML sees no GPU"
+            return
+        self.nvml = nvml
+        for gpu in range(count):
+            self.before[gpu] = read_counters(nvml, gpu)
+            self.throttle_seen[gpu] = 0
+            self.hottest[gpu] = None
+            self._note(gpu, self.before[gpu])
+
+    def _note(self, gpu: int, c: Counters) -> None:
+        if c.throttle is not None:
+            self.throttle_seen[gpu] |= c.throttle
+        if c.temperature is not None:
+            hot = self.hottest[gpu]
+            self.hottest[gpu] = c.temperature if hot is None else max(hot, c.temperature)
+
+    def sample(self) -> None:
+        if self.nvml is None:
+            return
+        for gpu in self.before:
+            self._note(gpu, read_counters(self.nvml, gpu))
+
+    def finish(self) -> list[CheckResult]:
+        if self.nvml is None:
+            return [skipped(stage_name(self.stage, "counters"), self.skip_reason)]
+        results = []
+        for gpu, before in self.before.items():
+            after = read_counters(self.nvml, gpu)
+            self._note(gpu, after)
+            results.append(
+                judge_counters(
+                    self.stage,
+                    gpu,
+                    before,
+                    after,
+                    throttle_seen=self.throttle_seen[gpu],
+                    hottest=self.hottest[gpu],
+                    errors=self.config.errors,
+                    temperature_max_c=self.config.burn_in.temperature_max_c,
+                )
+            )
+        return results
+
+
+def watched(ctx: CheckContext, stage: str, work: Callable[[], list[CheckResult]]) -> list[CheckResult]:
+    """Runs `work` with NVML read before, sampled during and read after; its results, then the counters'."""
+    watch = CounterWatch(ctx, stage)
+    out: list[CheckResult] = []
+    crash: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.extend(work())
+        except BaseException as exc:  # re-raised below, in the runner's thread, which reports it
+            crash.append(exc)
+
+    thread = threading.Thread(target=target, name=f"burn-in-{stage}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(ctx.config.burn_in.sample_interval_s)
+        watch.sample()
+    if crash:
+        raise crash[0]
+    return out + watch.finish()
+
+
+# --- device stages: matmul, memory ------------------------------------------------------------
+
+
+def _child_timeout(ctx: CheckContext, limit_s: float) -> float:
+    return min(limit_s, max(0.5, ctx.deadline - time.monotonic() - 0.5))
+
+
+def _stage_limit(config: PreflightConfig, stage: str) -> float:
+    """How long a stage may take: its longest duration (GPU or CPU) plus the slack."""
+    b = config.burn_in
+    longest = {
+        "matmul": max(b.matmul_duration_s, b.matmul_duration_s_cpu),
+        "allreduce": max(b.allreduce_duration_s, b.allreduce_duration_s_cpu),
+        "memory": 0.0,
+        "storage": config.storage.timeout_s,
+        "dcgm": config.dcgm.burn_in_timeout_s,
+    }[stage]
+    return longest + b.stage_slack_s
+
+
+def _device_outcomes(ctx: CheckContext, stage: str, in_process: Callable[[], list[Any]] | None) -> list[Any]:
+    """The stage's outcomes from a child process, or in-process when a test passed a seam
+    (or [compute] isolate is off). Raises TimeoutError or RuntimeError."""
+    if in_process is not None:
+        return in_process()
+    cfg = ctx.config
+    lines = json_lines_in_child(
+        "preflight.burn_in_device",
+        child_args(stage, cfg.burn_in, cfg.compute),
+        _child_timeout(ctx, _stage_limit(cfg, stage)),
+        f"burn-in {stage}",
+    )
+    try:
+        if stage == "matmul":
+            return [LoopOutcome(**line) for line in lines]
+        return [MemoryOutcome(**{**line, "patterns": tuple(line["patterns"])}) for line in lines]
+    except (TypeError, KeyError) as exc:
+        raise RuntimeError(f"burn-in {stage} process wrote something unexpected: {exc}") from exc
+
+
+def loop_result(o: LoopOutcome, floor: float) -> CheckResult:
+    name = stage_name("matmul")
+    kw: dict[str, Any] = {
+        "gpu_index": o.gpu_index,
+        "value": o.tflops,
+        "unit": "TFLOP/s",
+        "threshold": floor or None,
+        "evidence": (
+            f"device={o.device} n={o.size} dtype={o.dtype} products={o.iterations} in {o.seconds:.1f} s",
+            f"wrong products={o.bad_iterations} tflops={o.tflops:.4g} slowest_window={o.tflops_min_window:.4g}",
+            *((o.first_bad,) if o.first_bad else ()),
+        ),
+    }
+    if not o.reference_ok:
+        return failed(name, f"{o.device}: wrong reference product ({o.first_bad})", remedy=_SDC, **kw)
+    if o.bad_iterations:
+        return failed(
+            name,
+            f"{o.device}: {o.bad_iterations} of {o.iterations} products wrong over {o.seconds:.0f} s",
+            remedy=_SDC,
+            **kw,
+        )
+    if floor and o.tflops < floor:
+        return failed(
+            name,
+            f"{o.device}: {o.tflops:.2f} TFLOP/s sustained, below the floor {floor:.2f}",
+            remedy="check clocks, throttle reasons, power and cooling; compare with `preflight baseline`",
+            **kw,
+        )
+    note = "" if floor else " (no floor configured)"
+    return passed(
+        name,
+        f"{o.device}: {o.iterations} products in {o.seconds:.0f} s all right, {o.tflops:.3g} TFLOP/s{note}",
+        **kw,
+    )
+
+
+def loop_spread(outcomes: list[LoopOutcome], spread_max: float) -> CheckResult:
+    name = stage_name("matmul", "spread")
+    median = statistics.median(o.tflops for o in outcomes)
+    worst = min(o.tflops for o in outcomes) / median if median > 0 else 0.0
+    kw: dict[str, Any] = {
+        "value": worst,
+        "unit": "ratio",
+        "threshold": 1.0 - spread_max,
+        "evidence": tuple(f"{o.device}: {o.tflops:.4g} TFLOP/s" for o in outcomes),
+    }
+    slow = [o.device for o in outcomes if o.tflops < median * (1.0 - spread_max)]
+    if slow:
+        return failed(
+            name,
+            f"sustained throughput below the node's median by more than {spread_max:.0%}: {', '.join(slow)}",
+            remedy="a throttled or degraded GPU: check clocks, power, cooling and PCIe",
+            **kw,
+        )
+    return passed(name, f"{len(outcomes)} devices; the slowest at {worst:.0%} of the median", **kw)
+
+
+def memory_result(o: MemoryOutcome) -> CheckResult:
+    name = stage_name("memory")
+    gib = o.bytes_tested / 2**30
+    share = o.bytes_tested / o.bytes_free if o.bytes_free else 0.0
+    kw: dict[str, Any] = {
+        "gpu_index": o.gpu_index,
+        "value": float(o.bad_words),
+        "unit": "words",
+        "threshold": 0.0,
+        "evidence": (
+            f"device={o.device} tested={o.bytes_tested} B ({share:.0%} of {o.bytes_free} B free) "
+            f"chunks={o.chunks} patterns={','.join(o.patterns)} in {o.seconds:.1f} s",
+            *((o.first_bad,) if o.first_bad else ()),
+            *((o.note,) if o.note else ()),
+        ),
+    }
+    if o.bytes_tested == 0:
+        return failed(
+            name,
+            f"{o.device}: no memory could be allocated to test ({o.note or 'less free than one chunk'})",
+            remedy="another process holds the device memory: find it (nvidia-smi) before the burn-in",
+            **kw,
+        )
+    if o.bad_words:
+        return failed(
+            name,
+            f"{o.device}: {o.bad_words} word(s) read back wrong; {o.first_bad}",
+            remedy="device memory returns wrong data: " + _DRAIN,
+            **kw,
+        )
+    message = f"{o.device}: {gib:.3g} GiB x {len(o.patterns)} patterns read back as written"
+    if o.note:
+        return warned(name, f"{message}, but {o.note}", remedy="rerun with the device idle", **kw)
+    return passed(name, message, **kw)
+
+
+def _has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None  # looks, without importing it
+
+
+def run_matmul(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[CheckResult]:
+    """The matmul stage. `matmul` (a test seam at the torch boundary) runs it in this process."""
+    name = stage_name("matmul")
+    if not _has_torch():
+        return [skipped(name, "torch is not installed on this host")]
+    cfg = ctx.config
+    local = matmul is not None or not cfg.compute.isolate
+
+    def work() -> list[CheckResult]:
+        try:
+            outcomes: list[LoopOutcome] = _device_outcomes(
+                ctx, "matmul", (lambda: matmul_outcomes(cfg.burn_in, cfg.compute, matmul)) if local else None
+            )
+        except TimeoutError as exc:
+            return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
+        except (RuntimeError, OSError) as exc:
+            return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]
+        if not outcomes:
+            return [skipped(name, "device=cuda but torch sees no CUDA device")]
+        results = [loop_result(o, cfg.compute.tflops_floor) for o in outcomes]
+        if len(outcomes) > 1:
+            results.append(loop_spread(outcomes, cfg.compute.gpu_spread_max))
+        return results
+
+    return watched(ctx, "matmul", work)
+
+
+def run_memory(ctx: CheckContext, readback: ReadbackFn | None = None) -> list[CheckResult]:
+    """The memory stage. `readback` (a test seam: what a chunk reads back as) runs it in this process."""
+    name = stage_name("memory")
+    if not _has_torch():
+        return [skipped(name, "torch is not installed on this host")]
+    cfg = ctx.config
+    local = readback is not None or not cfg.compute.isolate
+
+    def work() -> list[CheckResult]:
+        try:
+            outcomes: list[MemoryOutcome] = _device_outcomes(
+                ctx,
+                "memory",
+                (lambda: memory_outcomes(cfg.burn_in, cfg.compute, readback)) if local else None,
+            )
+        except TimeoutError as exc:
+            return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
+        except (RuntimeError, OSError) as exc:
+            return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]
+        if not outcomes:
+            return [skipped(name, "device=cuda but torch sees no CUDA device")]
+        return [memory_result(o) for o in outcomes]
+
+    return watched(ctx, "memory", work)
+
+
+# --- dcgm, allreduce, storage -----------------------------------------------------------------
+
+
+def _renamed(results: list[CheckResult]) -> list[CheckResult]:
+    return [dataclasses.replace(r, name=f"{PREFIX}.{r.name}") for r in results]
+
+
+def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
+    """`dcgmi diag -r [dcgm].burn_in_level` (the check reads the level off the mode); SKIP without DCGM."""
+    return _renamed(dcgm.run_dcgm(ctx))
+
+
+def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
+    name = stage_name("allreduce")
+    rates = list(result.busbw_gbps)
+    w = burn.allreduce_window
+    evidence = [
+        f"backend={result.backend} ranks={result.world_size} bytes={result.size_bytes} "
+        f"rounds={result.rounds} x {result.iterations} all-reduces in {result.duration_s:.1f} s",
+        "busbw per round (GB/s, each result's refill and check included): "
+        + " ".join(f"{r:.3g}" for r in rates[:40])
+        + (" ..." if len(rates) > 40 else ""),
+    ]
+    kw: dict[str, Any] = {"unit": "ratio", "threshold": burn.allreduce_min_ratio}
+    if result.bad_results:
+        return failed(
+            name,
+            f"{result.bad_results} all-reduce result(s) wrong, the first in round {result.first_bad_round}",
+            evidence=tuple(evidence),
+            remedy="drain the node; check NVLink/NVSwitch (nvidia-smi nvlink -e) and NCCL",
+            **kw,
+        )
+    if len(rates) < 2 * w:
+        return passed(
+            name,
+            f"{result.bad_results} wrong results over {result.rounds} rounds; too few rounds "
+            f"({result.rounds} < {2 * w}) to judge a bandwidth sag",
+            evidence=tuple(evidence),
+            **kw,
+        )
+    base = statistics.median(rates[:w])
+    windows = [statistics.median(rates[i : i + w]) for i in range(w, len(rates) - w + 1)]
+    worst = min(windows) / base if base > 0 else 0.0
+    evidence.append(f"first {w} rounds' median {base:.4g} GB/s; the slowest later window at {worst:.0%}")
+    if worst < burn.allreduce_min_ratio:
+        return failed(
+            name,
+            f"bandwidth sagged to {worst:.0%} of its first rounds (limit {burn.allreduce_min_ratio:.0%})",
+            evidence=tuple(evidence),
+            value=worst,
+            remedy="a link that degrades under load: check NVLink/PCIe errors, cooling and NCCL",
+            **kw,
+        )
+    return passed(
+        name,
+        f"{result.rounds} rounds, every result right; bandwidth held at >= {worst:.0%} of its first rounds",
+        evidence=tuple(evidence),
+        value=worst,
+        **kw,
+    )
+
+
+def run_allreduce(ctx: CheckContext) -> list[CheckResult]:
+    name = stage_name("allreduce")
+    if not _has_torch():
+        return [skipped(name, "torch is not installed on this host")]
+    burn, coll = ctx.config.burn_in, ctx.config.collective
+    backend, world = _local_world(ctx)
+    if world < 2:
+        return [
+            skipped(
+                name,
+                f"needs at least 2 ranks on this node, have {world} ({backend}): no in-node link to soak "
+                "(links between nodes are the supervisor's bandwidth gate)",
+            )
+        ]
+    gpu = backend == "nccl"
+    duration = burn.allreduce_duration_s if gpu else burn.allreduce_duration_s_cpu
+    size = coll.size_bytes_gpu if gpu else coll.size_bytes_cpu
+    timeout = _child_timeout(ctx, duration + burn.stage_slack_s)
+    try:
+        data = launch_ranks(
+            world,
+            backend,
+            size,
+            burn.allreduce_iterations,
+            coll.warmup,
+            timeout,
+            extra=("--soak-s", str(duration)),
+        )
+        result = SoakResult(**{**data, "busbw_gbps": tuple(data["busbw_gbps"])})
+    except TimeoutError as exc:
+        return [failed(name, str(exc), remedy="a hung collective: check NCCL/NVLink and the GPUs' health")]
+    except (RuntimeError, OSError, ValueError, TypeError, KeyError) as exc:
+        return [
+            failed(name, f"all-reduce soak failed: {exc}", remedy="read the ranks' errors; check NCCL/NVLink")
+        ]
+    return [evaluate_soak(result, burn)]
+
+
+def run_storage(ctx: CheckContext) -> list[CheckResult]:
+    """The storage check in its full form (the throughput probe included)."""
+    return _renamed(storage.run_storage(dataclasses.replace(ctx, mode="full")))
+
+
+_RUN: dict[str, Callable[[CheckContext], list[CheckResult]]] = {
+    "matmul": run_matmul,
+    "memory": run_memory,
+    "dcgm": run_dcgm,
+    "allreduce": run_allreduce,
+    "storage": run_storage,
+}
+
+
+def _spec(stage: str) -> CheckSpec:
+    return CheckSpec(
+        name=stage_name(stage),
+        run=_RUN[stage],
+        # The stage's own limit, plus a margin so its child's timeout (with a better message) fires first.
+        timeout_s=lambda c, m: _stage_limit(c, stage) + 2.0,
+        modes=lambda c: (BURN_IN,) if stage in c.burn_in.stages else (),
+        serial=True,  # one stage at a time: each would disturb the others' measurements
+    )
+
+
+SPECS: dict[str, CheckSpec] = {stage: _spec(stage) for stage in BURN_IN_STAGES}
+
+
+def stage_specs(config: PreflightConfig) -> list[CheckSpec]:
+    """The configured stages in their configured order, then the others (run only when asked by name)."""
+    order = list(config.burn_in.stages) + [s for s in BURN_IN_STAGES if s not in config.burn_in.stages]
+    return [SPECS[s] for s in order]

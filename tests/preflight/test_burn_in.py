@@ -1,0 +1,449 @@
+"""The burn-in pipeline on its CPU paths with real torch, each stage failing on a real injected fault:
+a corrupted product at the torch matmul boundary, a corrupted memory readback, a wrong all-reduce
+sum, an unwritable checkpoint path; NVML counters before / during / after through the fake at the
+pynvml adapter boundary (tests named ..._fake_nvml); the config's validation; the runner and CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from preflight.burn_in_device import memory_test, sustained_matmul
+from preflight.checks import burn_in
+from preflight.checks.base import CheckContext, NvmlSession
+from preflight.checks.burn_in import Counters, evaluate_soak, judge_counters, loop_result, loop_spread
+from preflight.cli import main as cli_main
+from preflight.collective import SoakResult, soak
+from preflight.config import (
+    BurnInConfig,
+    ComputeConfig,
+    ConfigError,
+    DcgmConfig,
+    ErrorsConfig,
+    PreflightConfig,
+    StorageConfig,
+    load_config,
+)
+from preflight.nvml import THROTTLE_BITS, NvmlUnavailable, RemappedRows
+from preflight.report import PreflightReport
+from preflight.result import CheckResult, CheckStatus
+from preflight.runner import run_preflight
+from tests.preflight.fake_nvml import FakeGpu, FakeNvml
+
+DATA = Path(__file__).parent / "data"
+MiB = 1024 * 1024
+QUICK = BurnInConfig(
+    matmul_duration_s_cpu=0.3,
+    matmul_size_cpu=64,
+    memory_mb_cpu=2,
+    memory_chunk_mb=1,
+    allreduce_duration_s_cpu=0.3,
+    sample_interval_s=0.02,
+    stage_slack_s=30.0,
+)
+
+
+def config(**sections: Any) -> PreflightConfig:
+    base: dict[str, Any] = {"compute": ComputeConfig(device="cpu", isolate=False), "burn_in": QUICK}
+    base.update(sections)
+    return dataclasses.replace(PreflightConfig(), **base)
+
+
+def no_nvml() -> FakeNvml:
+    return FakeNvml(init_error=NvmlUnavailable("NVML Shared Library Not Found"))
+
+
+def ctx(cfg: PreflightConfig | None = None, nvml: Callable[[], Any] = no_nvml) -> CheckContext:
+    return CheckContext(
+        config=cfg or config(), mode="burn_in", nvml=NvmlSession(nvml), deadline=time.monotonic() + 120
+    )
+
+
+def by_name(results: list[CheckResult]) -> dict[str, list[CheckResult]]:
+    out: dict[str, list[CheckResult]] = {}
+    for r in results:
+        out.setdefault(r.name, []).append(r)
+    return out
+
+
+def corrupt_call(
+    k: int, at: tuple[int, int] = (5, 7)
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """torch.matmul, except that the k-th call's result has one element off by one."""
+    calls = [0]
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        out = torch.matmul(a, b)
+        if calls[0] == k:
+            out[at] += 1.0
+        return out
+
+    return mm
+
+
+# --- matmul ----------------------------------------------------------------------------------
+
+
+def test_sustained_matmul_loops_for_its_duration_and_every_product_is_right() -> None:
+    o = sustained_matmul("cpu", 64, 0.3, "float32")
+    assert o.reference_ok and o.bad_iterations == 0 and o.first_bad == ""
+    assert o.iterations > 3 and o.seconds >= 0.3 and o.tflops > 0
+
+
+def test_a_corrupted_product_mid_loop_at_the_torch_boundary_fails_the_stage() -> None:
+    # Call 1 is the reference, 2 the first product: call 4 is product 2, long after a one-shot check.
+    results = burn_in.run_matmul(ctx(), matmul=corrupt_call(4))
+    [r] = by_name(results)["burn_in.matmul"]
+    assert r.status is CheckStatus.FAIL and "1 of" in r.message and "products wrong" in r.message
+    assert any("product 2: 1 element(s) wrong, first [5, 7] = " in e for e in r.evidence), r.evidence
+    assert "silent data corruption" in r.remedy
+
+
+def test_a_corrupted_reference_product_fails_before_the_loop() -> None:
+    [r] = by_name(burn_in.run_matmul(ctx(), matmul=corrupt_call(1)))["burn_in.matmul"]
+    assert r.status is CheckStatus.FAIL and "wrong reference product" in r.message
+    assert "checksums differ" in r.message
+
+
+def test_throughput_below_the_baseline_floor_and_a_slow_gpu_fail() -> None:
+    fast = burn_in.LoopOutcome(
+        device="cuda:0",
+        gpu_index=0,
+        size=8192,
+        dtype="bfloat16",
+        iterations=100,
+        bad_iterations=0,
+        reference_ok=True,
+        first_bad="",
+        tflops=700.0,
+        tflops_min_window=690.0,
+        seconds=300.0,
+    )
+    slow = dataclasses.replace(fast, device="cuda:1", gpu_index=1, tflops=500.0)
+    assert loop_result(fast, 600.0).status is CheckStatus.PASS
+    below = loop_result(slow, 600.0)
+    assert below.status is CheckStatus.FAIL and "below the floor 600.00" in below.message
+    spread = loop_spread([fast, fast, slow, fast], spread_max=0.15)
+    assert spread.status is CheckStatus.FAIL and "cuda:1" in spread.message
+    assert loop_spread([fast, fast], 0.15).status is CheckStatus.PASS
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def test_memory_patterns_over_a_host_buffer_pass() -> None:
+    [r, counters] = burn_in.run_memory(ctx())
+    assert r.name == "burn_in.memory" and r.status is CheckStatus.PASS, r.message
+    assert (
+        "walking_ones,walking_zeros,address,random" in r.evidence[0] and "tested=2097152 B" in r.evidence[0]
+    )
+    assert counters.name == "burn_in.memory.counters" and counters.status is CheckStatus.SKIP
+    assert "no NVML" in counters.message
+
+
+@pytest.mark.parametrize("pattern", ["walking_ones", "walking_zeros", "address", "random"])
+def test_a_corrupted_readback_fails_naming_the_pattern_and_offset(pattern: str) -> None:
+    calls = [0]
+
+    def flip_in_chunk_1(chunk: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1  # chunks are read back in order: the second read is chunk 1
+        if calls[0] != 2:
+            return chunk
+        bad = chunk.clone()
+        bad[100] ^= 1 << 17
+        return bad
+
+    o = memory_test(
+        "cpu",
+        host_bytes=3 * MiB,
+        fraction=1.0,
+        chunk_bytes=MiB,
+        patterns=[pattern],
+        seed=7,
+        readback=flip_in_chunk_1,
+    )
+    offset = (MiB // 8 + 100) * 8
+    r = burn_in.memory_result(o)
+    assert r.status is CheckStatus.FAIL and o.bad_words == 1 and o.chunks == 3
+    assert f"pattern {pattern}: 1 word(s) wrong in chunk 1; first at byte offset {offset}" in r.message
+
+
+def test_memory_stage_fails_through_the_readback_seam() -> None:
+    def flip(chunk: torch.Tensor) -> torch.Tensor:
+        bad = chunk.clone()
+        bad[3] ^= 1
+        return bad
+
+    [r, _] = burn_in.run_memory(ctx(), readback=flip)
+    assert r.status is CheckStatus.FAIL and "read back wrong" in r.message
+    assert "pattern walking_ones: 1 word(s) wrong in chunk 0; first at byte offset 24 (0x18)" in r.message
+
+
+# --- NVML counters around a stage (the fake at the adapter boundary) -------------------------
+
+
+def two_gpus() -> FakeNvml:
+    return FakeNvml(gpus=[FakeGpu(), FakeGpu(pci_bus_id="00000000:19:00.0")])
+
+
+def test_a_new_uncorrectable_ecc_error_during_the_loop_fails_that_gpu_fake_nvml() -> None:
+    fake = two_gpus()
+    calls = [0]
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            fake.gpus[1].ecc_volatile = 2  # the loop's load brings out a bad cell on GPU 1
+        return torch.matmul(a, b)
+
+    results = by_name(burn_in.run_matmul(ctx(nvml=lambda: fake), matmul=mm))
+    assert results["burn_in.matmul"][0].status is CheckStatus.PASS  # the products were right
+    gpu0, gpu1 = results["burn_in.matmul.counters"]
+    assert gpu0.status is CheckStatus.PASS and gpu0.gpu_index == 0
+    assert gpu1.status is CheckStatus.FAIL and gpu1.gpu_index == 1
+    assert "2 new uncorrectable ECC error(s) during the stage" in gpu1.message
+    assert (
+        "ecc_volatile_uncorrectable=0" in gpu1.evidence[0]
+        and "ecc_volatile_uncorrectable=2" in gpu1.evidence[2]
+    )
+
+
+def test_throttling_seen_only_while_the_loop_runs_fails_fake_nvml() -> None:
+    fake = two_gpus()
+    calls = [0]
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            fake.gpus[0].throttle = THROTTLE_BITS["hw_slowdown"]
+            time.sleep(0.2)  # several samples see it ...
+        elif calls[0] == 4:
+            fake.gpus[0].throttle = THROTTLE_BITS["gpu_idle"]  # ... gone again before the stage ends
+        return torch.matmul(a, b)
+
+    results = by_name(burn_in.run_matmul(ctx(nvml=lambda: fake), matmul=mm))
+    gpu0, gpu1 = results["burn_in.matmul.counters"]
+    assert gpu0.status is CheckStatus.FAIL and "clocks throttled under load: hw_slowdown" in gpu0.message
+    assert "hw_slowdown" in gpu0.evidence[1] and "gpu_idle" in gpu0.evidence[2]
+    assert gpu1.status is CheckStatus.PASS
+
+
+def test_a_pending_row_remap_and_an_overheating_gpu_fail_fake_nvml() -> None:
+    fake = two_gpus()
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        fake.gpus[0].remapped = RemappedRows(correctable=0, uncorrectable=1, pending=True, failure=False)
+        fake.gpus[1].temperature = 95
+        return torch.matmul(a, b)
+
+    results = by_name(burn_in.run_matmul(ctx(nvml=lambda: fake), matmul=mm))
+    gpu0, gpu1 = results["burn_in.matmul.counters"]
+    assert gpu0.status is CheckStatus.FAIL
+    assert "row remapping pending" in gpu0.message and "1 new row(s) remapped" in gpu0.message
+    assert gpu1.status is CheckStatus.FAIL and "reached 95 C, above the 87 C limit" in gpu1.message
+    assert gpu1.value == 95.0 and gpu1.unit == "C"
+
+
+def test_counters_judged_from_readings() -> None:
+    ok = Counters(
+        ecc_volatile=0,
+        remap=RemappedRows(correctable=0, uncorrectable=0, pending=False, failure=False),
+        throttle=0x4,
+        temperature=60,
+    )
+    kw: dict[str, Any] = {
+        "throttle_seen": 0x4,
+        "hottest": 70,
+        "errors": ErrorsConfig(),
+        "temperature_max_c": 87,
+    }
+    assert judge_counters("memory", 0, ok, ok, **kw).status is CheckStatus.PASS  # sw_power_cap is normal
+    warm = judge_counters("memory", 0, ok, ok, **{**kw, "throttle_seen": THROTTLE_BITS["sw_thermal"]})
+    assert warm.status is CheckStatus.WARN
+    lost = Counters(
+        ecc_volatile=None, remap=None, throttle=None, temperature=None, errors=("ecc: GPU is lost",)
+    )
+    gone = judge_counters("memory", 0, ok, lost, **kw)
+    assert gone.status is CheckStatus.FAIL and "GPU is lost" in gone.message
+    none = Counters(ecc_volatile=None, remap=None, throttle=None, temperature=None)
+    assert judge_counters("memory", 0, none, none, **kw).status is CheckStatus.SKIP
+
+
+# --- dcgm, allreduce, storage ----------------------------------------------------------------
+
+
+def test_dcgm_stage_runs_diag_level_3(tmp_path: Path) -> None:
+    args = tmp_path / "args"
+    dcgmi = tmp_path / "dcgmi"
+    dcgmi.write_text(f'#!/bin/sh\necho "$@" > {args}\ncat {DATA / "dcgm_diag_r2_fail.json"}\nexit 226\n')
+    dcgmi.chmod(dcgmi.stat().st_mode | stat.S_IEXEC)
+    results = burn_in.run_dcgm(ctx(config(dcgm=DcgmConfig(dcgmi=str(dcgmi), burn_in_timeout_s=10.0))))
+    assert args.read_text().strip() == "diag -r 3 -j"
+    failing = [r for r in results if r.status is CheckStatus.FAIL]
+    assert failing and all(r.name.startswith("burn_in.dcgm.") for r in results)
+
+
+def test_dcgm_stage_without_dcgm_is_skip() -> None:
+    [r] = burn_in.run_dcgm(ctx(config(dcgm=DcgmConfig(dcgmi="/nonexistent/dcgmi"))))
+    assert r.name == "burn_in.dcgm.diag" and r.status is CheckStatus.SKIP and "not found" in r.message
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real gloo group of one rank in this process (the soak's code path without processes)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_soak_checks_every_result_and_a_wrong_sum_fails(one_rank_group: None) -> None:
+    calls = [0]
+
+    def bad_all_reduce(tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        out = dist.all_reduce(tensor, *args, **kw)
+        calls[0] += 1
+        if calls[0] == 9:  # round 1 (iterations=5, no warm-up): one element of one result wrong
+            tensor[11] += 1.0
+        return out
+
+    good = soak(4096, iterations=5, warmup=0, duration_s=0.2)
+    assert good.bad_results == 0 and good.rounds >= 1 and len(good.busbw_gbps) == good.rounds
+    bad = soak(4096, iterations=5, warmup=0, duration_s=0.2, all_reduce=bad_all_reduce)
+    assert bad.bad_results == 1 and bad.first_bad_round == 1
+    r = evaluate_soak(bad, QUICK)
+    assert r.status is CheckStatus.FAIL and "1 all-reduce result(s) wrong, the first in round 1" in r.message
+
+
+def soak_result(rates: list[float]) -> SoakResult:
+    return SoakResult(
+        world_size=8,
+        backend="nccl",
+        size_bytes=1 << 28,
+        iterations=5,
+        rounds=len(rates),
+        busbw_gbps=tuple(rates),
+        bad_results=0,
+        first_bad_round=-1,
+        duration_s=120.0,
+    )
+
+
+def test_bandwidth_that_sags_below_its_first_rounds_fails() -> None:
+    steady = evaluate_soak(soak_result([400, 410, 405, 395, 400, 402, 398, 150]), BurnInConfig())
+    assert steady.status is CheckStatus.PASS  # one slow round is noise: windows take the median
+    sagging = evaluate_soak(soak_result([400, 410, 405, 395, 250, 240, 245, 240]), BurnInConfig())
+    assert (
+        sagging.status is CheckStatus.FAIL and "sagged to 59% of its first rounds" in sagging.message
+    )  # 240 / 405
+    few = evaluate_soak(soak_result([400, 100]), BurnInConfig())
+    assert few.status is CheckStatus.PASS and "too few rounds (2 < 6)" in few.message
+
+
+@pytest.mark.slow
+def test_allreduce_stage_soaks_across_two_local_gloo_processes() -> None:
+    [r] = burn_in.run_allreduce(ctx())
+    assert r.name == "burn_in.allreduce" and r.status is CheckStatus.PASS, r.message
+    assert "backend=gloo ranks=2" in r.evidence[0]
+
+
+def test_allreduce_stage_with_one_gpu_is_skip_fake_nvml() -> None:
+    cfg = config(compute=ComputeConfig(device="auto", isolate=False))
+    [r] = burn_in.run_allreduce(ctx(cfg, nvml=lambda: FakeNvml(gpus=[FakeGpu()])))
+    assert r.status is CheckStatus.SKIP and "have 1 (nccl)" in r.message
+
+
+def test_storage_stage_fails_on_an_unwritable_checkpoint_path() -> None:
+    # /sys refuses new files even to root; the throughput probe is not attempted after that.
+    results = burn_in.run_storage(ctx(config(storage=StorageConfig(checkpoint_path="/sys/kernel"))))
+    [w] = [r for r in results if r.name == "burn_in.storage.checkpoint_writable"]
+    assert w.status is CheckStatus.FAIL and "is not writable" in w.message
+    assert "burn_in.storage.throughput" not in {r.name for r in results}
+
+
+def test_storage_stage_is_the_full_form_with_throughput(tmp_path: Path) -> None:
+    cfg = config(
+        storage=StorageConfig(checkpoint_path=str(tmp_path), free_space_floor_gb=0.001, throughput_mb=2)
+    )
+    names = {r.name: r.status for r in burn_in.run_storage(ctx(cfg))}
+    assert names["burn_in.storage.checkpoint_writable"] is CheckStatus.PASS
+    assert names["burn_in.storage.throughput"] is CheckStatus.PASS
+
+
+# --- the pipeline: runner, config, CLI -------------------------------------------------------
+
+
+def test_the_pipeline_runs_its_stages_in_order_one_at_a_time(tmp_path: Path) -> None:
+    cfg = config(
+        burn_in=dataclasses.replace(QUICK, stages=("storage", "memory", "matmul", "dcgm")),
+        storage=StorageConfig(checkpoint_path=str(tmp_path), free_space_floor_gb=0.001, throughput_mb=1),
+        dcgm=DcgmConfig(dcgmi="/nonexistent/dcgmi"),
+    )
+    streamed: list[str] = []
+    report = run_preflight(cfg, "burn_in", on_result=lambda r: streamed.append(r.name), nvml_factory=no_nvml)
+    assert report.mode == "burn_in" and report.budget_s == 3600.0 and report.passed
+    stages = [s for s, _, _ in report.stages()]
+    assert stages == ["storage", "memory", "matmul", "dcgm"]
+    assert [n.split(".")[1] for n in streamed] == sorted(
+        (n.split(".")[1] for n in streamed), key=["storage", "memory", "matmul", "dcgm"].index
+    )
+    verdicts = {s: v for s, v, _ in report.stages()}
+    assert verdicts["dcgm"] is CheckStatus.SKIP and verdicts["matmul"] is CheckStatus.PASS
+    assert "stage dcgm: SKIP (1 SKIP)" in report.render_table()
+    only = run_preflight(cfg, "burn_in", only=["memory"], nvml_factory=no_nvml)
+    assert {r.name for r in only.results} == {"burn_in.memory", "burn_in.memory.counters"}
+
+
+def test_a_burn_in_report_round_trips_and_names_the_failed_stage() -> None:
+    report = run_preflight(config(), "burn_in", only=["dcgm"], nvml_factory=no_nvml)
+    again = PreflightReport.from_json(json.loads(report.dumps()))
+    assert again == report and again.summary().mode == "burn_in"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[burn_in]\nmatmul_minutes = 5\n", "unknown key(s) matmul_minutes"),
+        (
+            "[burn_in]\nstages = ['matmul', 'gpu_burn']\n",
+            "stages: ['matmul', 'gpu_burn'] must name each stage",
+        ),
+        ("[burn_in]\nstages = ['matmul', 'matmul']\n", "at most once"),
+        ("[burn_in]\nmemory_patterns = ['checkerboard']\n", "memory_patterns: ['checkerboard'] must be"),
+        ("[burn_in]\nmemory_patterns = []\n", "must be one or more of"),
+        ("[burn_in]\nmemory_fraction = 1.5\n", "memory_fraction: must be in (0, 1]"),
+        ("[burn_in]\nmatmul_duration_s = 0\n", "matmul_duration_s: must be positive"),
+        ("[burn_in]\nallreduce_duration_s_cpu = -1\n", "must not be negative"),
+        ("[burn_in]\nmatmul_dtype = 'int8'\n", "not one of auto, float32"),
+        ("[burn_in]\nmatmul_size = 'big'\n", "expected an integer"),
+        ("[dcgm]\nburn_in_level = 5\n", "burn_in_level: dcgmi diag runs levels 1-4"),
+        ("[compute]\nmodes = ['burn_in']\n", "may contain only quick, full"),
+        ("[run]\nburn_in_budget_s = 0\n", "budgets must be positive"),
+    ],
+)
+def test_bad_burn_in_config_names_file_and_key(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert words in str(info.value) and str(path) in str(info.value)
+
+
+def test_cli_burn_in_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[dcgm]\ndcgmi = '/nonexistent/dcgmi'\n[run]\nburn_in_budget_s = 30.0\n")
+    code = cli_main(["run", "--burn-in", "--only", "dcgm", "--json", "--config", str(path)])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["mode"] == "burn_in" and doc["budget_s"] == 30.0
+    assert [r["name"] for r in doc["results"]] == ["burn_in.dcgm.diag"]
+    assert cli_main(["run", "--burn-in", "--only", "nosuch", "--config", str(path)]) == 2
