@@ -80,7 +80,7 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
 
 
 def one_run(
-    faults: list[str], rounds: int, timeout_s: float, fleet: bool = False
+    faults: list[str], rounds: int, timeout_s: float, fleet: bool = False, warm: bool = False
 ) -> list[tuple[str, dict[str, float] | None]]:
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
     if rounds > 1:
@@ -91,9 +91,9 @@ def one_run(
         cluster: LocalCluster | FleetCluster
         if fleet:
             hosts = stack.enter_context(Fleet(default_prefix()))
-            cluster = FleetCluster(hosts, Path(tmp) / "c", ClusterSpec(policy=policy))
+            cluster = FleetCluster(hosts, Path(tmp) / "c", ClusterSpec(policy=policy, warm_workers=warm))
         else:
-            cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy))
+            cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy, warm_workers=warm))
         try:
             cluster.start()
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
@@ -118,28 +118,80 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--fleet", action="store_true", help="across network-namespace hosts (root)")
+    p.add_argument(
+        "--warm",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the agents' warm workers; both: cold and warm clusters alternate, one result per mode",
+    )
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
-    samples: dict[str, list[dict[str, float]]] = {f: [] for f in faults}
-    failures: dict[str, int] = dict.fromkeys(faults, 0)
+    modes = {"off": ["cold"], "on": ["warm"], "both": ["cold", "warm"]}[args.warm]
+    samples = {m: {f: [] for f in faults} for m in modes}
+    failures = {m: dict.fromkeys(faults, 0) for m in modes}
     t0 = time.time()
-    while (done := min(len(v) + failures[k] for k, v in samples.items())) < args.trials:
-        # The last cluster runs only the rounds still missing (5 trials at 3 per run: 3 + 2).
-        for fault, ph in one_run(faults, min(args.per_run, args.trials - done), args.timeout, args.fleet):
-            if ph is None:
-                failures[fault] += 1
-            else:
-                samples[fault].append(ph)
-        report(
-            samples, failures, time.time() - t0, args.out
-        )  # after every cluster: a cut-off run keeps its data
+
+    def done(mode: str) -> int:
+        return min(len(v) + failures[mode][k] for k, v in samples[mode].items())
+
+    while todo := [m for m in modes if done(m) < args.trials]:
+        for mode in todo:  # alternating modes: the machine's noise falls on both alike
+            # The last cluster runs only the rounds still missing (5 trials at 3 per run: 3 + 2).
+            rounds = min(args.per_run, args.trials - done(mode))
+            for fault, ph in one_run(faults, rounds, args.timeout, args.fleet, warm=mode == "warm"):
+                if ph is None:
+                    failures[mode][fault] += 1
+                else:
+                    samples[mode][fault].append(ph)
+            # after every cluster: a cut-off run keeps its data
+            report(samples, failures, time.time() - t0, args.out)
     return 0
 
 
+def summary(rows: list[dict[str, float]], unrecovered: int) -> dict[str, object]:
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    det = sorted(r["time_to_detect"] for r in rows)
+    p99 = det[min(len(det) - 1, round(0.99 * (len(det) - 1)))]
+    return {"n": len(rows), "unrecovered": unrecovered, "median": med, "detect_p99": p99, "samples": rows}
+
+
 def report(
-    samples: dict[str, list[dict[str, float]]], failures: dict[str, int], wall_s: float, out: Path | None
+    samples: dict[str, dict[str, list[dict[str, float]]]],
+    failures: dict[str, dict[str, int]],
+    wall_s: float,
+    out: Path | None,
 ) -> None:
-    result: dict[str, object] = {"wall_s": wall_s, "faults": {}}
+    """One mode: {"faults": ...} as before; both: {"modes": {"cold": ..., "warm": ...}} and, per fault,
+    the ratio warm/cold of the median first new step after detection."""
+    per_mode = {m: report_mode(samples[m], failures[m], m) for m in samples}
+    result: dict[str, object] = {"wall_s": wall_s}
+    if len(per_mode) == 1:
+        ((mode, faults),) = per_mode.items()
+        result |= {"warm_workers": mode == "warm", "faults": faults}
+    else:
+        ratios = {}
+        for fault, cold in per_mode["cold"].items():
+            warm = per_mode["warm"].get(fault)
+            if warm is not None and cold["median"]["first_step_after_detection"] > 0:
+                ratios[fault] = (
+                    warm["median"]["first_step_after_detection"]
+                    / cold["median"]["first_step_after_detection"]
+                )
+        result |= {"modes": per_mode, "ratio_warm_cold_first_step_after_detection": ratios}
+        print(
+            "warm/cold, first new step after detection: "
+            + ", ".join(f"{f} {r:.2f}" for f, r in ratios.items())
+        )
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+
+def report_mode(
+    samples: dict[str, list[dict[str, float]]], failures: dict[str, int], mode: str
+) -> dict[str, dict[str, object]]:
+    faults: dict[str, dict[str, object]] = {}
+    print(f"-- {mode}")
     print(
         f"{'fault':<10} {'n':>3} {'detect':>7} {'p99':>6} {'1st step':>8} "
         + " ".join(f"{ph:>10}" for ph in PHASES)
@@ -147,24 +199,14 @@ def report(
     for fault, rows in samples.items():
         if not rows:
             continue
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        det = sorted(r["time_to_detect"] for r in rows)
-        p99 = det[min(len(det) - 1, round(0.99 * (len(det) - 1)))]
-        result["faults"][fault] = {
-            "n": len(rows),
-            "unrecovered": failures[fault],
-            "median": med,
-            "detect_p99": p99,
-            "samples": rows,
-        }
+        faults[fault] = s = summary(rows, failures[fault])
+        med, p99 = s["median"], s["detect_p99"]
         print(
             f"{fault:<10} {len(rows):>3} {med['time_to_detect']:6.2f}s {p99:5.2f}s {med['time_to_first_step']:7.1f}s "
             + " ".join(f"{med[ph]:9.2f}s" for ph in PHASES),
             flush=True,
         )
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+    return faults
 
 
 if __name__ == "__main__":
