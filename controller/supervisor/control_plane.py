@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, nodes, prepare
+from controller.supervisor import failure, nodes, prepare, reconfigure
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
@@ -130,6 +130,8 @@ def resolve(sv: Supervisor) -> None:
 
 def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     """Rebuild the view from the store; the same in every state (level-triggered)."""
+    if snap.policy is not None:  # the stored policy first: every decision below is made under it
+        reconfigure.apply(sv, snap.policy)
     sv.pool.load(snap.records)
     quiet = sv.state is RunState.CONTROL_PLANE or (sv.attempt == 0 and sv.state is RunState.WAITING_NODES)
     for name in [n for n, p in sv.pool.nodes.items() if p.alive and n not in snap.alive]:

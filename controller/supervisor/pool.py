@@ -118,6 +118,11 @@ class Pool:
         self.nodes: dict[str, PoolNode] = {}
         self._free: set[str] = set()  # alive and SPARE: O(1) membership for picking
 
+    def reconfigure(self, cfg: SupervisorConfig) -> None:
+        """The policy changed live (controller/supervisor/reconfigure.py): hold windows, burn-in
+        passes and golden hosts are judged with `cfg` from now on."""
+        self._cfg = cfg
+
     # --- membership ---------------------------------------------------------------------------
 
     def get(self, name: str) -> PoolNode:

@@ -494,3 +494,69 @@ class ExitStatus(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__signal) -> _WhichOneofReturnType__signal | None: ...
 
 Global___ExitStatus: _TypeAlias = ExitStatus  # noqa: Y015
+
+@_typing.final
+class PolicyValue(_message.Message):
+    """One supervisor policy value (a field of controller/supervisor/policy.py's SupervisorConfig),
+    typed as TOML writes it; `unset` is the None of an optional field (hang_timeout_s).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FLAG_FIELD_NUMBER: _builtins.int
+    INTEGER_FIELD_NUMBER: _builtins.int
+    NUMBER_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    UNSET_FIELD_NUMBER: _builtins.int
+    flag: _builtins.bool
+    integer: _builtins.int
+    number: _builtins.float
+    text: _builtins.str
+    unset: _builtins.bool
+    def __init__(
+        self,
+        *,
+        flag: _builtins.bool = ...,
+        integer: _builtins.int = ...,
+        number: _builtins.float = ...,
+        text: _builtins.str = ...,
+        unset: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["flag", b"flag", "integer", b"integer", "number", b"number", "text", b"text", "unset", b"unset", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flag", b"flag", "integer", b"integer", "number", b"number", "text", b"text", "unset", b"unset", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_value: _TypeAlias = _typing.Literal["flag", "integer", "number", "text", "unset"]  # noqa: Y015
+    _WhichOneofArgType_value: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_value) -> _WhichOneofReturnType_value | None: ...
+
+Global___PolicyValue: _TypeAlias = PolicyValue  # noqa: Y015
+
+@_typing.final
+class PolicyChange(_message.Message):
+    """One changed policy key: its value before and after (the event log's POLICY_CHANGED, the API's answer)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    OLD_FIELD_NUMBER: _builtins.int
+    NEW_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    @_builtins.property
+    def old(self) -> Global___PolicyValue: ...
+    @_builtins.property
+    def new(self) -> Global___PolicyValue: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        old: Global___PolicyValue | None = ...,
+        new: Global___PolicyValue | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["new", b"new", "old", b"old"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "new", b"new", "old", b"old"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyChange: _TypeAlias = PolicyChange  # noqa: Y015
