@@ -1,5 +1,7 @@
 """Every GPU code path of preflight on a real GPU node: the NVML adapter (inventory and counters),
-the CUDA known-answer matmul, the NCCL all-reduce, then the full preflight through the CLI.
+the CUDA known-answer matmul, the NCCL all-reduce, the burn-in's GPU paths (the sustained matmul
+loop and the device-memory test on CUDA, with NVML counters around them; the NCCL soak on >= 2 GPUs),
+then the full preflight through the CLI.
 
 Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU). Exits nonzero on
 the first path that does not work; prints what it measured.
@@ -19,10 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from preflight.checks import burn_in  # noqa: E402
 from preflight.checks.base import CheckContext, NvmlSession  # noqa: E402
 from preflight.checks.collective_check import launch_local  # noqa: E402
 from preflight.checks.compute import run_compute  # noqa: E402
-from preflight.config import ComputeConfig, PreflightConfig  # noqa: E402
+from preflight.config import BurnInConfig, ComputeConfig, PreflightConfig  # noqa: E402
 from preflight.nvml import NvmlNotSupported, PynvmlAdapter  # noqa: E402
 from preflight.result import CheckStatus  # noqa: E402
 from preflight.runner import run_preflight  # noqa: E402
@@ -122,6 +125,87 @@ def nccl_all_reduce(count: int) -> None:
     assert result.backend == "nccl" and result.correct and result.algbw_gbps > 0
 
 
+def burn_in_gpu_paths(count: int) -> None:
+    step(f"burn-in on {count} GPU(s): sustained matmul, memory test, NCCL soak (short durations)")
+    import torch
+
+    # Short: the paths, not a real burn-in (minutes per stage by default).
+    short = BurnInConfig(
+        matmul_duration_s=10.0, memory_fraction=0.5, allreduce_duration_s=10.0, stage_slack_s=90.0
+    )
+    config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cuda"), burn_in=short)
+
+    def ctx() -> CheckContext:
+        return CheckContext(
+            config=config, mode="burn_in", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 150
+        )
+
+    stages = {
+        "matmul": burn_in.run_matmul,  # in a child process (the agent's path)
+        "memory": burn_in.run_memory,
+        "allreduce": burn_in.run_allreduce,
+    }
+    for stage, run in stages.items():
+        started = time.monotonic()
+        results = run(ctx())
+        print(f"  {stage}: {time.monotonic() - started:.1f} s")
+        for r in results:
+            gpu = "" if r.gpu_index is None else f"[gpu{r.gpu_index}]"
+            print(f"    {r.status.value:4} {r.name}{gpu}: {r.message} | {' | '.join(r.evidence)}")
+        assert not any(r.status is CheckStatus.FAIL for r in results), f"burn-in {stage} failed on a GPU"
+        if stage == "allreduce" and count < 2:
+            assert results[0].status is CheckStatus.SKIP and "have 1" in results[0].message
+            print("  NCCL soak: SKIPPED (needs >= 2 GPUs on the node)")
+            continue
+        main = [r for r in results if r.name == f"burn_in.{stage}"]
+        assert main and all(r.status is CheckStatus.PASS for r in main), main
+        if stage in ("matmul", "memory"):
+            assert len(main) == count and {r.gpu_index for r in main} == set(range(count))
+            counters = [r for r in results if r.name == f"burn_in.{stage}.counters"]
+            assert len(counters) == count and not any("no NVML" in r.message for r in counters)
+
+    # The same loop in this process with one product corrupted at the torch boundary: caught on a GPU.
+    calls = [0]
+
+    def flip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        out = torch.matmul(a, b)
+        if calls[0] == 5:
+            out[123, 45] += 1.0
+        return out
+
+    one = dataclasses.replace(
+        config,
+        compute=ComputeConfig(device="cuda"),
+        burn_in=dataclasses.replace(short, matmul_duration_s=2.0),
+    )
+    results = burn_in.run_matmul(
+        CheckContext(
+            config=one, mode="burn_in", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60
+        ),
+        matmul=flip,
+    )
+    bad = [r for r in results if r.name == "burn_in.matmul" and r.status is CheckStatus.FAIL]
+    assert bad, "a corrupted product in the CUDA loop was not caught"
+    print(f"  injected corruption caught: {bad[0].message}")
+
+    def flip_word(chunk: torch.Tensor) -> torch.Tensor:
+        out = chunk.clone()
+        out[77] ^= 1 << 40
+        return out
+
+    small = dataclasses.replace(one, burn_in=dataclasses.replace(short, memory_fraction=0.05))
+    results = burn_in.run_memory(
+        CheckContext(
+            config=small, mode="burn_in", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60
+        ),
+        readback=flip_word,
+    )
+    bad = [r for r in results if r.name == "burn_in.memory" and r.status is CheckStatus.FAIL]
+    assert bad and "byte offset 616" in bad[0].message, [r.message for r in results]
+    print(f"  injected readback corruption caught: {bad[0].message}")
+
+
 def full_cli() -> None:
     step("preflight run --full --json (the CLI, every check)")
     with tempfile.TemporaryDirectory() as ckpt:
@@ -155,6 +239,7 @@ def main() -> int:
     count = nvml_paths()
     cuda_matmul(count)
     nccl_all_reduce(count)
+    burn_in_gpu_paths(count)
     full_cli()
     print(f"\nGPU checks passed in {time.monotonic() - started:.1f} s")
     return 0
