@@ -54,6 +54,12 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
                               same setting
     warm_wait_s               how long a launch waits for a parked group that is still starting before
                               it goes cold; default 30, 0..600
+    checkpoint_dir            this node's path to the runs' checkpoint directory: preflight's storage
+                              checks use it when the preflight config's checkpoint_path is empty
+    expected_driver_version   the NVIDIA driver and CUDA versions the node's image was built for (e.g.
+    expected_cuda_version     "550.127.05", "12.4"): preflight's expected versions when its config
+                              leaves them empty ("" = not checked). local_ranks, when set, is likewise
+                              the GPU count preflight expects when its expected_gpu_count is 0
 
 A structured launch runs `--nproc-per-node` = local_ranks, or the GPU count when local_ranks is 0 and
 NVML sees GPUs, else 1; the node record reports that number.
@@ -80,6 +86,7 @@ KERNEL_LOG_SOURCES = ("auto", "kmsg", "journalctl", "dmesg", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Linux interface names: at most 15 bytes (IFNAMSIZ - 1), no '/', no whitespace, not "." or "..".
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+-]{0,63}$")  # what NVML reports: digits and dots
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +127,9 @@ class AgentConfig:
     rdzv_port: int = 0
     warm_workers: bool = False
     warm_wait_s: float = 30.0
+    checkpoint_dir: str = ""
+    expected_driver_version: str = ""
+    expected_cuda_version: str = ""
 
     def __post_init__(self) -> None:
         where = "nodeagent"
@@ -139,6 +149,12 @@ class AgentConfig:
             raise ConfigError(
                 f"{where}.collective_ifname: not a network interface name: {self.collective_ifname!r}"
             )
+        if self.checkpoint_dir and (not os.path.isabs(self.checkpoint_dir) or "\0" in self.checkpoint_dir):
+            raise ConfigError(f"{where}.checkpoint_dir: an absolute path, got {self.checkpoint_dir!r}")
+        for key in ("expected_driver_version", "expected_cuda_version"):
+            version = getattr(self, key)
+            if version and not _VERSION.match(version):
+                raise ConfigError(f"{where}.{key}: a version like 550.127.05 or 12.4, got {version!r}")
         if not 0 <= self.rdzv_port <= 65535:
             raise ConfigError(
                 f"{where}.rdzv_port: must be within 0..65535 (0 = pick one), got {self.rdzv_port}"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from nodeagent import proctree
 from nodeagent.launcher import Worker
-from preflight.checks import inventory, processes
+from preflight.checks import processes
 from preflight.checks.base import CheckSpec, process_name
 from preflight.checks.processes import Leftover, Origin
 
@@ -194,13 +194,10 @@ def _state(pid: int) -> str:
     return "?" if info is None else info.state
 
 
-def agent_specs(view: AgentProcesses, specs: Sequence[CheckSpec], grace_s: float) -> list[CheckSpec]:
-    """The preflight units as the agent runs them: inventory judging GPU memory by `view`, and the
-    leftover check, which says what the agent does next."""
+def spec(view: AgentProcesses, grace_s: float) -> CheckSpec:
+    """The `processes` unit over `view`; its remedy says what the agent does after the preflight."""
     remedy = (
         f"the agent kills them when this preflight ends (SIGTERM, SIGKILL after {grace_s:g} s) and says so "
         "in its log; one that survives SIGKILL is stuck in the kernel: drain the node and reset the GPU"
     )
-    return [inventory.spec_for(view) if s.name == inventory.SPEC.name else s for s in specs] + [
-        processes.leftovers_spec(view.leftovers, remedy)
-    ]
+    return processes.leftovers_spec(view.leftovers, remedy)

@@ -13,13 +13,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 
-from nodeagent import leftovers
+from nodeagent import leftovers, preflight_defaults
 from nodeagent.validate import ValidationError
+from preflight.checks import expectations, inventory
+from preflight.checks.base import CheckSpec
+from preflight.config import MODES, PreflightConfig, load_config
 from preflight.runner import ALL_SPECS
 from runwarden.v1 import agent_pb2, common_pb2
 
@@ -39,10 +42,20 @@ def _runner() -> Callable[..., Any] | None:
     return None
 
 
-def _config(agent: Any) -> Any:
-    from preflight.config import load_config
+def _config(agent: Any) -> tuple[PreflightConfig, dict[str, str]]:
+    """The preflight config with the agent's own expected values where it leaves them unset."""
+    return preflight_defaults.fill(load_config(agent.config.preflight_config or None), agent.config)
 
-    return load_config(agent.config.preflight_config or None)
+
+def agent_specs(view: leftovers.AgentProcesses, sources: Mapping[str, str]) -> list[CheckSpec]:
+    """The per-attempt units as the agent runs them: inventory judging GPU memory by `view` (the
+    running attempt's, never a leftover's), the expected values with their sources, and the
+    leftover check."""
+    bound = {
+        inventory.SPEC.name: inventory.spec_for(view),
+        expectations.SPEC.name: expectations.spec_with(sources),
+    }
+    return [bound.get(s.name, s) for s in ALL_SPECS] + [leftovers.spec(view, LEFTOVER_GRACE_S)]
 
 
 def summarize(
@@ -93,13 +106,14 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
     if request.budget_s and "budget_s" in params:
         kwargs["budget_s"] = request.budget_s
     view = leftovers.AgentProcesses(node=agent.config.node, workers=agent.launcher.workers)
-    if "specs" in params:
-        kwargs["specs"] = leftovers.agent_specs(view, ALL_SPECS, LEFTOVER_GRACE_S)
     failure: list[BaseException] = []
 
     def work() -> None:
         try:
-            run(_config(agent), request.mode, **kwargs)
+            config, sources = _config(agent)
+            if request.mode in MODES and "specs" in params:  # the per-attempt modes; burn_in has its own
+                kwargs["specs"] = agent_specs(view, sources)
+            run(config, request.mode, **kwargs)
         except BaseException as exc:
             failure.append(exc)
         finally:

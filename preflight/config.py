@@ -99,11 +99,16 @@ class ComputeConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveConfig:
-    modes: tuple[str, ...] = ("full",)
-    timeout_s: float = 60.0
+    # quick: before every attempt, a short NCCL all-reduce on >= 2 local GPUs; a SKIP costing nothing
+    # on one device (one GPU, or a CPU-only host). full: every GPU's all-reduce, gloo ranks on CPU.
+    modes: tuple[str, ...] = MODES
+    timeout_s: float = 60.0  # full mode
+    quick_timeout_s: float = 10.0  # quick mode: starting the ranks, torch and NCCL are most of it
     size_bytes_gpu: int = 256 * 1024 * 1024
+    size_bytes_quick: int = 32 * 1024 * 1024  # quick mode (GPUs)
     size_bytes_cpu: int = 4 * 1024 * 1024
     iterations: int = 10
+    iterations_quick: int = 5
     warmup: int = 2
     cpu_processes: int = 2  # gloo ranks on a CPU-only host
     busbw_floor_gbps: float = 0.0  # GB/s; 0: not checked (set by `preflight baseline`)

@@ -20,6 +20,7 @@ from preflight.checks import (
     counters,
     cpu,
     dcgm,
+    expectations,
     inventory,
     network,
     storage,
@@ -34,6 +35,7 @@ from preflight.result import CheckResult, failed, skipped
 # Order matters only within the serial lane: the known-answer matmul first (cheap, most telling),
 # then the collective, then DCGM's diag, which takes whatever budget is left.
 ALL_SPECS: tuple[CheckSpec, ...] = (
+    expectations.SPEC,
     inventory.SPEC,
     counters.SPEC,
     xid_check.SPEC,

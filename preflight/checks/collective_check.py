@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.expectations import no_floor
 from preflight.collective import AllReduceResult
 from preflight.nvml import NvmlError
 from preflight.result import CheckResult, failed, passed, skipped
@@ -159,24 +160,33 @@ def evaluate(result: AllReduceResult, floor_gbps: float) -> CheckResult:
             remedy="check NVLink/NVSwitch (nvidia-smi nvlink -s), PCIe and NCCL settings",
             **kw,
         )
-    note = "" if floor_gbps else " (no floor configured)"
+    note = "" if floor_gbps else no_floor("collective.busbw_floor_gbps")
     return passed(
         name, f"bus bandwidth {result.busbw_gbps:.3g} GB/s over {result.world_size} ranks{note}", **kw
     )
 
 
 def run_collective(ctx: CheckContext) -> list[CheckResult]:
+    """Full mode: the all-reduce over every local GPU (NCCL), or gloo ranks on a CPU-only host.
+    Quick mode, before every attempt: a short NCCL all-reduce on two or more GPUs, and on one local
+    device (one GPU, or only the CPU) a SKIP that costs nothing: no process is started."""
     cfg = ctx.config.collective
     name = "collective.all_reduce"
+    backend, world = _local_world(ctx)
+    quick = ctx.mode == "quick"
+    if quick and (backend != "nccl" or world < 2):
+        seen = f"{world} GPU" if backend == "nccl" else "no GPU, the CPU only"
+        return [skipped(name, f"one local device: no in-node all-reduce ({seen})")]
     if importlib.util.find_spec("torch") is None:  # looks, without importing it
         return [skipped(name, "torch is not installed on this host")]
-    backend, world = _local_world(ctx)
     if world < 2:
         return [skipped(name, f"needs at least 2 ranks on this node, have {world}")]
-    size = cfg.size_bytes_gpu if backend == "nccl" else cfg.size_bytes_cpu
-    timeout = min(cfg.timeout_s, max(1.0, ctx.deadline - time.monotonic() - 0.5))
+    size = cfg.size_bytes_quick if quick else cfg.size_bytes_gpu if backend == "nccl" else cfg.size_bytes_cpu
+    iterations = cfg.iterations_quick if quick else cfg.iterations
+    limit = cfg.quick_timeout_s if quick else cfg.timeout_s
+    timeout = min(limit, max(1.0, ctx.deadline - time.monotonic() - 0.5))
     try:
-        result = launch_local(world, backend, size, cfg.iterations, cfg.warmup, timeout)
+        result = launch_local(world, backend, size, iterations, cfg.warmup, timeout)
     except TimeoutError as exc:
         return [failed(name, str(exc), remedy="a hung collective: check NCCL/NVLink and the GPUs' health")]
     except (RuntimeError, OSError, ValueError, TypeError) as exc:
@@ -187,7 +197,7 @@ def run_collective(ctx: CheckContext) -> list[CheckResult]:
 SPEC = CheckSpec(
     name="collective",
     run=run_collective,
-    timeout_s=lambda c, m: c.collective.timeout_s + 2.0,
+    timeout_s=lambda c, m: (c.collective.quick_timeout_s if m == "quick" else c.collective.timeout_s) + 2.0,
     modes=lambda c: c.collective.modes,
     serial=True,
 )

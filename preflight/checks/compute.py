@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.expectations import no_floor
 from preflight.config import MODES, ComputeConfig, config_from_mapping
 from preflight.result import CheckResult, failed, passed, skipped
 
@@ -185,7 +186,7 @@ def outcome_result(o: MatmulOutcome, floor: float) -> CheckResult:
             remedy="check clocks, throttle reasons and power; compare with `preflight baseline`",
             **kw,
         )
-    note = "" if floor else " (no floor configured)"
+    note = "" if floor else no_floor("compute.tflops_floor")
     return passed(name, f"{o.device}: exact result, {o.tflops:.3g} TFLOP/s{note}", **kw)
 
 

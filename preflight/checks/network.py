@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.expectations import no_floor
 from preflight.config import NetworkConfig
 from preflight.result import CheckResult, failed, passed, skipped, warned
 
@@ -209,8 +210,14 @@ def _speed_result(nic: str, speed: str, floor_mbps: int, evidence: tuple[str, ..
             unit="Mb/s",
             remedy="the link trained down: reseat or replace the cable or transceiver",
         )
+    note = "" if floor_mbps else no_floor("network.min_speed_mbps")
     return passed(
-        "network.nic_link", f"{nic} up at {mbps} Mb/s", evidence=evidence, value=float(mbps), unit="Mb/s"
+        "network.nic_link",
+        f"{nic} up at {mbps} Mb/s{note}",
+        evidence=evidence,
+        value=float(mbps),
+        unit="Mb/s",
+        threshold=float(floor_mbps) if floor_mbps else None,
     )
 
 

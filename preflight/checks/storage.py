@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.expectations import no_floor
 from preflight.config import StorageConfig
 from preflight.result import CheckResult, CheckStatus, failed, passed, skipped
 
@@ -132,7 +133,8 @@ def check_free_space(cfg: StorageConfig) -> CheckResult:
             remedy="free space or prune old checkpoints (keep the last committed one)",
             **kw,
         )
-    return passed(name, f"{free_gb:.3g} GB free", **kw)
+    note = "" if cfg.free_space_floor_gb else no_floor("storage.free_space_floor_gb")
+    return passed(name, f"{free_gb:.3g} GB free{note}", **kw)
 
 
 def check_dataset_index(cfg: StorageConfig) -> CheckResult:
@@ -256,13 +258,8 @@ def check_throughput(cfg: StorageConfig) -> CheckResult:
             threshold=cfg.min_read_mbps or cfg.min_write_mbps,
             remedy=remedy,
         )
-    unset = (
-        ""
-        if (cfg.min_write_mbps and cfg.min_read_mbps)
-        else " (no floor set for "
-        + " and ".join(w for w, f in (("write", cfg.min_write_mbps), ("read", cfg.min_read_mbps)) if not f)
-        + ")"
-    )
+    unset_keys = [f"storage.{k}" for k in ("min_write_mbps", "min_read_mbps") if not getattr(cfg, k)]
+    unset = no_floor(*unset_keys) if unset_keys else ""
     return passed(
         name,
         f"write {t.write_mbps:.0f} MB/s, read {t.read_mbps:.0f} MB/s{unset}",

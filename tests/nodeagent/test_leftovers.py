@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent import leftovers, proctree
+from nodeagent import leftovers, preflight_bridge, proctree
 from nodeagent.launcher import ExitInfo, Worker
 from preflight.checks.base import process_name
 from preflight.config import PreflightConfig
 from preflight.nvml import GpuProcess
 from preflight.result import CheckStatus
-from preflight.runner import ALL_SPECS, run_preflight
+from preflight.runner import run_preflight
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import ROOT, wait_for
 from tests.preflight.fake_nvml import FakeGpu, FakeNvml
@@ -184,7 +184,7 @@ def test_gpu_memory_of_a_leftover_fails_with_its_attempt_the_running_attempts_do
         PreflightConfig(),
         "quick",
         only=["inventory", "processes"],
-        specs=leftovers.agent_specs(view, ALL_SPECS, 0.5),
+        specs=preflight_bridge.agent_specs(view, {}),
         nvml_factory=lambda: fake,
     )
     gpu0, gpu1 = [r for r in report.results if r.name == "inventory.gpu_processes"]

@@ -40,7 +40,7 @@ def test_cpu_matmul_is_exact_and_passes() -> None:
     [result] = run_compute(ctx(size_cpu=128, iterations_cpu=2))
     assert result.status is CheckStatus.PASS, result.message
     assert result.value is not None and result.value > 0 and result.unit == "TFLOP/s"
-    assert "no floor configured" in result.message
+    assert "no floor set: compute.tflops_floor = 0; not checked" in result.message
 
 
 def corrupt_one_element(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from preflight.checks.base import CheckContext, CheckSpec
-from preflight.config import PreflightConfig
+from preflight.config import CollectiveConfig, PreflightConfig
 from preflight.report import PreflightReport
 from preflight.result import CheckResult, CheckStatus, failed, passed, skipped
 from preflight.runner import ALL_SPECS, run_preflight, select_specs
@@ -150,10 +150,12 @@ def test_skip_must_say_why_and_evidence_is_bounded() -> None:
 
 
 def test_mode_selection_and_only() -> None:
-    cfg = PreflightConfig()
+    cfg = PreflightConfig(collective=CollectiveConfig(modes=("full",)))
     quick = [s.name for s in select_specs(cfg, "quick")]
     full = [s.name for s in select_specs(cfg, "full")]
     assert "collective" not in quick and "collective" in full
+    # by default the quick mode has it too (a SKIP on one local device, see test_collective)
+    assert "collective" in [s.name for s in select_specs(PreflightConfig(), "quick")]
     assert [s.name for s in select_specs(cfg, "quick", only=["collective"])] == ["collective"]
     with pytest.raises(ValueError):
         select_specs(cfg, "quick", only=["nope"])
