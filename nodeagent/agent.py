@@ -33,8 +33,8 @@ from nodeagent.liveness import Registration
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
-from nodeagent.sdnotify import Notifier, watchdog_interval_s
 from runwarden.evidence import is_fatal
+from runwarden.sdnotify import Notifier, watchdog_interval_s
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)

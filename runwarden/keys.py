@@ -12,6 +12,7 @@ Layout (``N`` = a name, ``#`` = a zero-padded non-negative integer, so lexical o
     <root>/v1/runs/N/stop                a stop request for a run
     <root>/v1/runs/N/attempt             the run's current attempt (fencing for launches)
     <root>/v1/runs/N/spec                the run's spec
+    <root>/v1/runs/N/policy              the run's supervisor policy in force (changed live)
     <root>/v1/evidence/N/#               fault evidence reported by a node, by sequence
     <root>/v1/pool/N                     a node's pool membership (spare, active, quarantined)
     <root>/v1/reputation/N               a node's reputation record
@@ -98,6 +99,9 @@ class KeySchema:
 
     def spec(self, run: str) -> str:
         return self.run_prefix(run) + "spec"
+
+    def policy(self, run: str) -> str:
+        return self.run_prefix(run) + "policy"
 
     # Evidence, pool, reputation
     def evidence_prefix(self, node: str | None = None) -> str:

@@ -7,7 +7,7 @@ gRPC server. Rules:
 
 * every request field is validated first; a bad one is INVALID_ARGUMENT with a one-line reason;
 * with TLS, the client certificate decides the role (`AccessPolicy`): read-only callers may use
-  the Get/List/Watch RPCs; QuarantineNode, ReleaseNode, RequestStop and DrainNode need an admin certificate
+  the Get/List/Watch RPCs; QuarantineNode, ReleaseNode, RequestStop, DrainNode and SetPolicy need an admin certificate
   and are otherwise PERMISSION_DENIED. Plaintext is only served on loopback (demo, tests);
 * the servicer never crashes on a view failure: it becomes UNAVAILABLE / NOT_FOUND /
   FAILED_PRECONDITION / INTERNAL with a message;
@@ -29,7 +29,7 @@ from typing import TypeVar
 import grpc
 
 from controller.api.access import AccessPolicy, Caller, Role, caller_of
-from controller.api.view import ControllerView, ViewNotFound, ViewRefused, ViewUnavailable
+from controller.api.view import ControllerView, ViewInvalid, ViewNotFound, ViewRefused, ViewUnavailable
 from controller.goodput.report import compute_goodput, normalise_by, shape_report
 from runwarden.eventlog import decode_line, read_events
 from runwarden.names import check_name
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_EVENT_LIMIT = 1000
 MAX_EVENT_LIMIT = 100_000
 MAX_REASON_CHARS = 512
+MAX_POLICY_KEYS = 256  # SupervisorConfig has ~50 fields: a request with more is not a policy
 WATCH_POLL_S = 0.2
 
 T = TypeVar("T")
@@ -122,7 +123,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         """Run a request body, turning validation and view errors into status codes."""
         try:
             return fn()
-        except _Invalid as exc:
+        except (_Invalid, ViewInvalid) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ViewNotFound as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -297,6 +298,36 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 )
             ),
         )
+
+    def GetPolicy(
+        self, request: controller_pb2.GetPolicyRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.GetPolicyResponse:
+        return self._call(
+            context, lambda: self._view.policy(_name(request.run, "run") if request.run else "")
+        )
+
+    def SetPolicy(
+        self, request: controller_pb2.SetPolicyRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.SetPolicyResponse:
+        caller = self._admin(context, "SetPolicy")
+
+        def body() -> controller_pb2.SetPolicyResponse:
+            run = _name(request.run, "run") if request.run else ""
+            if not request.values and not request.replace:
+                raise _Invalid("values must name at least one policy key to change")
+            if len(request.values) > MAX_POLICY_KEYS:
+                raise _Invalid(
+                    f"{len(request.values)} policy keys; the policy has fewer than {MAX_POLICY_KEYS}"
+                )
+            return self._view.set_policy(
+                run,
+                dict(request.values),
+                replace=request.replace,
+                actor=caller.identity,
+                reason=_reason(request.reason, required=False),
+            )
+
+        return self._call(context, body)
 
 
 def _run_is_open(events: Sequence[events_pb2.Event], run: str) -> bool:

@@ -11,13 +11,16 @@ Every pool write is a compare-and-swap, so it never overwrites a concurrent cont
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
+from controller.api import policy as policy_store
+from controller.api.view import ViewInvalid, ViewNotFound, ViewRefused, ViewUnavailable
+from controller.supervisor.policy import SupervisorConfig
+from runwarden.config import ConfigError
 from runwarden.eventlog import read_events
 from runwarden.store import KeyValue, Store, StoreError
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
@@ -239,6 +242,77 @@ class StoreBackedView:
         except StoreError as exc:
             raise ViewUnavailable(f"etcd: {exc}") from None
         return True
+
+    # -- the supervisor policy (controller/api/policy.py) ----------------------------------------
+
+    def _policy_run(self, run: str) -> str:
+        names = self._run_names()
+        if run and run not in names:
+            raise ViewNotFound(f"no run named {run!r}")
+        if run:
+            return run
+        if len(names) == 1:
+            return names[0]
+        if not names:
+            raise ViewNotFound("no run is stored under this etcd root")
+        raise ViewInvalid(f"several runs here ({', '.join(names)}): name one")
+
+    def policy(self, run: str) -> controller_pb2.GetPolicyResponse:
+        run = self._policy_run(run)
+        try:
+            stored = policy_store.read(self._store, run)
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+        except ConfigError as exc:
+            raise ViewRefused(
+                f"the stored policy is bad ({exc}); replace it whole with config apply"
+            ) from None
+        if stored is None:
+            raise ViewRefused(f"no policy stored for run {run!r} yet: no controller has led it")
+        rec = stored.record
+        return controller_pb2.GetPolicyResponse(
+            run=run,
+            values=rec.values,
+            revision=stored.revision,
+            changed_at=rec.changed_at,
+            changed_by=rec.changed_by,
+            reason=rec.reason,
+        )
+
+    def set_policy(
+        self,
+        run: str,
+        values: Mapping[str, common_pb2.PolicyValue],
+        *,
+        replace: bool,
+        actor: str,
+        reason: str,
+    ) -> controller_pb2.SetPolicyResponse:
+        run = self._policy_run(run)
+        try:
+            proposed = policy_store.plain(values, "policy")
+        except ConfigError as exc:
+            raise ViewInvalid(str(exc)) from None
+
+        def change(current: SupervisorConfig | None) -> SupervisorConfig:
+            if current is None and not replace:
+                raise ViewRefused(
+                    f"no readable policy stored for run {run!r} (no controller has led it, or the record "
+                    "is bad): only a whole policy can be written (config apply FILE)"
+                )
+            return policy_store.build(current, proposed, replace=replace, where="policy")
+
+        try:
+            diff, revision = policy_store.update(
+                self._store, run, change, changed_by=actor, reason=reason, now=self._clock()
+            )
+        except ConfigError as exc:
+            raise ViewInvalid(str(exc)) from None
+        except policy_store.PolicyConflict as exc:
+            raise ViewUnavailable(str(exc)) from None
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+        return controller_pb2.SetPolicyResponse(changes=diff, revision=revision)
 
     def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
         raise ViewRefused("draining goes through a node's agent: ask a running controller")

@@ -2,13 +2,13 @@
 
 The live controller shell implements it (`controller.live.view`); `controller.api.store_view`
 implements it from etcd for tools and tests. A view method reports a failure by raising one of the
-three errors below; the servicer turns each into a status code (NOT_FOUND, FAILED_PRECONDITION,
-UNAVAILABLE), never a crash.
+errors below; the servicer turns each into a status code (NOT_FOUND, FAILED_PRECONDITION,
+UNAVAILABLE, INVALID_ARGUMENT), never a crash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +25,10 @@ class ViewUnavailable(RuntimeError):
 
 class ViewRefused(RuntimeError):
     """The request is valid but cannot be done in the current state (e.g. releasing a spare)."""
+
+
+class ViewInvalid(ValueError):
+    """The request names a bad key or value (a policy change SupervisorConfig refuses)."""
 
 
 class ControllerView(Protocol):
@@ -49,4 +53,20 @@ class ControllerView(Protocol):
 
     def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
         """Drain the node through its agent (or end the drain); whether it drains now."""
+        ...
+
+    def policy(self, run: str) -> controller_pb2.GetPolicyResponse:
+        """The run's stored supervisor policy ("" : the controller's run)."""
+        ...
+
+    def set_policy(
+        self,
+        run: str,
+        values: Mapping[str, common_pb2.PolicyValue],
+        *,
+        replace: bool,
+        actor: str,
+        reason: str,
+    ) -> controller_pb2.SetPolicyResponse:
+        """Change the run's policy (controller/api/policy.py); ViewInvalid names a bad key or value."""
         ...

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from controller.ctl import (
+    config,
     drain,
     events,
     goodput,
@@ -44,6 +45,7 @@ BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (
     drain,
     stop,
     goodput,
+    config,
 )
 
 # name -> (module, one-line help). Each module exposes add_parser(subparsers) and run(args) -> int.

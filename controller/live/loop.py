@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from controller.api import policy as policy_store
 from controller.backends.base import BackendError, RunOutcome, Scheduler, StaticFleet
 from controller.backends.local import LocalBackend, LocalConfig
 from controller.live.agents import AgentClients
@@ -214,12 +215,16 @@ class LiveController:
         self.is_leader = threading.Event()
         self.status: controller_pb2.RunStatus | None = None
         self.rebuilds = 0  # how often a failed core was replaced (tests and logs read it)
+        # monotonic time of the supervisor thread's last loop turn (campaigning or leading): the
+        # systemd watchdog is fed only while it moves (controller/live/main.py)
+        self.alive_at = time.monotonic()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def run(self) -> None:
         """Campaign, then lead until `stop()`; on losing leadership, campaign again."""
         while not self.stopping.is_set():
+            self.alive_at = time.monotonic()
             try:
                 self.leadership = self.store.campaign(
                     "controller", self.cfg.identity.encode(), self.cfg.election_ttl_s, timeout_s=1.0
@@ -315,7 +320,15 @@ class LiveController:
             clock=self.clock,
         )
         self.executor.unwritten.extend(unwritten)  # entries of a failed append are still owed to the log
-        revision = self._relist()
+        if policy_store.seed(  # a new run's first leader: its file's policy is the one in force
+            self.store,
+            self.cfg.run,
+            self.core.cfg,
+            changed_by=f"controller {self.cfg.identity}",
+            now=self.clock(),
+        ):
+            log.info("stored this controller's policy for run %s (none was stored)", self.cfg.run)
+        revision = self._relist()  # its Snapshot carries the stored policy: the core starts with it
         # An attempt found in the store was launched by an earlier leader; it may never have reached
         # the agents (that leader died between the record and the RPCs). `_check_adopted` asks them.
         attempt = self.executor.attempt
@@ -389,6 +402,7 @@ class LiveController:
         assert self.leadership is not None
         next_tick = self.clock()
         while not self.stopping.is_set():
+            self.alive_at = time.monotonic()
             if not self._certain():
                 return
             now = self.clock()
@@ -522,6 +536,7 @@ class LiveController:
             stop=self.store.get(k.stop(run)),
             progress=tuple(self.store.get_prefix(k.progress_prefix(run))[0]),
             now=self.clock(),
+            policy=self.store.get(k.policy(run)),
         )
         snap, addresses, exits, attempt = self.translator.snapshot(listing)
         self._apply(addresses)

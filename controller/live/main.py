@@ -4,7 +4,14 @@
 
 It campaigns for leadership in etcd (a standby waits), rebuilds its view from etcd, and supervises
 the run; the Controller gRPC API (for `controllerctl`) is served by every replica, and a standby
-answers reads from etcd. SIGTERM/SIGINT stop it cleanly.
+answers reads from etcd. SIGTERM/SIGINT stop it cleanly. SIGHUP re-reads the config file's [policy]
+and makes it the run's policy the way `controllerctl config apply` does (validated whole, written to
+etcd with a compare-and-swap, applied by the leader; a bad file is refused with a log line and
+nothing changes); the other sections take effect at the next start.
+
+Under systemd (deploy/systemd/controller.service, Type=notify) it sends READY=1 once its API serves,
+and WATCHDOG=1 every WatchdogSec/2 while the supervisor thread's loop turns (campaigning or leading):
+a wedged controller is killed and restarted, and its standby takes over meanwhile.
 
 `[controller] backend` says who places the node agents (agents, slurm, ray, kubernetes); the leader
 allocates through it and gives the allocation back when the run is over.
@@ -22,9 +29,14 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from runwarden.config import ConfigError
+from runwarden.sdnotify import Notifier, watchdog_interval_s
+
+if TYPE_CHECKING:
+    from runwarden.store import Store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from controller.api.access import AccessPolicy
     from controller.api.server import ServerTLS, build_server
-    from controller.live.config import load_controller_config
+    from controller.live.config import DEFAULT_METRICS_ADDRESS, load_controller_config
     from controller.live.loop import LiveController, ShellConfig
     from controller.live.paging import Pager
     from controller.live.view import LiveView
@@ -121,28 +133,53 @@ def _run(args: argparse.Namespace) -> int:
     server.start()
     if run.metrics_address:
         try:
-            _serve_metrics(run.metrics_address, shell.cfg.event_log_path, run.run)
-        except OSError as exc:
-            print(
-                f"controller: cannot serve metrics on {run.metrics_address}: {exc.strerror}", file=sys.stderr
-            )
-            server.stop(grace=None)
-            return 2
+            _serve_metrics(run.metrics_address, shell.cfg.event_log_path)
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            if run.metrics_address == DEFAULT_METRICS_ADDRESS:
+                # the default port taken (a second replica on this host): supervise without metrics
+                logging.getLogger("controller").warning(
+                    "no /metrics: cannot serve on the default %s (%s); give --metrics HOST:PORT",
+                    run.metrics_address,
+                    why,
+                )
+            else:
+                print(f"controller: cannot serve metrics on {run.metrics_address}: {why}", file=sys.stderr)
+                server.stop(grace=None)
+                return 2
     logging.getLogger("controller").info("Controller API on port %d; identity %s", port, shell.cfg.identity)
     done = threading.Event()
+    reload = threading.Event()
+    wake = threading.Event()  # the main loop's sleep, cut short by any signal
 
     def on_signal(signum: int, _frame: Any) -> None:
         shell.stop()
         done.set()
+        wake.set()
+
+    def on_hangup(signum: int, _frame: Any) -> None:
+        reload.set()  # the main loop re-reads the file: no I/O inside a signal handler
+        wake.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     worker = threading.Thread(target=shell.run, name="supervisor", daemon=True)
     worker.start()
+    notifier = Notifier()
+    watchdog_s = watchdog_interval_s()
+    notifier.ready(f"{shell.cfg.identity}: API on port {port}")
     while not done.is_set() and worker.is_alive():
         if args.exit_when_done and shell.done.is_set():
             break
-        done.wait(0.5)
+        if reload.is_set():
+            reload.clear()
+            reload_policy(args.config, overrides, store, run.run, shell.cfg.identity)
+        if watchdog_s and time.monotonic() - shell.alive_at < 2 * watchdog_s:
+            notifier.watchdog()  # a supervisor loop stuck for WatchdogSec gets no more pings
+        wake.wait(min(0.5, watchdog_s or 0.5))
+        wake.clear()
+    notifier.stopping()
     shell.close()
     server.stop(grace=1.0)
     store.close()
@@ -155,18 +192,57 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_metrics(address: str, event_log: Any, run: str) -> None:
-    """Prometheus /metrics: the goodput report, computed from the event log at scrape time."""
+def reload_policy(path: str | None, overrides: dict[str, Any], store: Store, run: str, identity: str) -> bool:
+    """SIGHUP: the config file's [policy] becomes the run's policy, whole (controller/api/policy.py);
+    whether it was written. A bad file or an unreachable etcd is a log line, never an exit."""
+    from controller.api import policy as policy_store
+    from controller.live.config import load_controller_config
+    from controller.supervisor.reconfigure import describe
+    from runwarden.store import StoreError
+
+    log = logging.getLogger("controller")
+    if not path:
+        log.warning("SIGHUP: no --config file to re-read; the policy is unchanged")
+        return False
+    try:
+        new = load_controller_config(path, overrides).policy
+        changed, revision = policy_store.update(
+            store,
+            run,
+            lambda _current: new,
+            changed_by=f"controller {identity} (SIGHUP)",
+            reason=f"re-read {path}",
+            now=time.time(),
+        )
+    except ConfigError as exc:
+        log.error("SIGHUP: %s; the policy is unchanged", exc)
+        return False
+    except (StoreError, policy_store.PolicyConflict) as exc:
+        log.error("SIGHUP: the policy from %s was not stored: %s; it is unchanged", path, exc)
+        return False
+    if changed:
+        log.info("SIGHUP: policy from %s stored (revision %d): %s", path, revision, describe(changed))
+    else:
+        log.info("SIGHUP: %s has the policy in force already; nothing changed", path)
+    return True
+
+
+def _serve_metrics(address: str, event_log: Any) -> None:
+    """Prometheus /metrics: every run's windowed rates (1 h, 24 h, 7 d) and whole-run goodput, folded
+    in from the event log by a follower thread as lines are appended; a scrape never re-reads the log
+    (controller/goodput/windows.py). ValueError for an address that is not HOST:PORT."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from controller.goodput.metrics import register_goodput_metrics
-    from controller.goodput.report import compute_goodput
-    from runwarden.eventlog import read_events
+    from controller.goodput.metrics import WindowedRatesCollector
 
-    registry = CollectorRegistry()
-    register_goodput_metrics(registry, lambda: [compute_goodput(read_events(event_log).events, run=run)])
     host, _, port = address.rpartition(":")
-    start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {address!r}")
+    registry = CollectorRegistry()
+    collector = WindowedRatesCollector(event_log)
+    registry.register(collector)
+    start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
+    threading.Thread(target=collector.follow, args=(threading.Event(),), name="metrics", daemon=True).start()
     logging.getLogger("controller").info("Prometheus metrics on %s", address)
 
 

@@ -10,12 +10,14 @@ drops that one value, and everything else carries on.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from controller.api import policy as policy_store
 from controller.backends.local import Rendezvous
 from controller.supervisor.events import (
     AttemptExited,
@@ -27,6 +29,7 @@ from controller.supervisor.events import (
     NodeJoined,
     NodeLost,
     NodeRecordView,
+    PolicyChanged,
     ProgressObserved,
     RankSample,
     Snapshot,
@@ -37,6 +40,7 @@ from runwarden.store import KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
 
 _M = TypeVar("_M", bound=Message)
+log = logging.getLogger(__name__)
 
 
 def parse(cls: type[_M], data: bytes, what: str = "") -> _M:
@@ -69,6 +73,7 @@ class Listing:
     stop: KeyValue | None
     progress: tuple[KeyValue, ...]
     now: float
+    policy: KeyValue | None = None  # the run's stored supervisor policy
 
 
 class Translator:
@@ -157,6 +162,7 @@ class Translator:
                 committed_steps=committed,
                 stop_requested=stop,
                 draining=draining,
+                policy=self._stored_policy(listing.policy),
             )
         return snap, Addresses(set=addresses), exits, attempt
 
@@ -182,7 +188,18 @@ class Translator:
                 return [EvidenceObserved(evidence=rec.evidence)], Addresses()
             if key == k.stop(self.run) and not deleted:
                 return [_stop_requested(parse(store_pb2.StopRequest, item.value, key))], Addresses()
+            if key == k.policy(self.run) and not deleted:  # a deleted policy: the core keeps its own
+                return [policy_changed(item.value, key)], Addresses()
         return [], Addresses()
+
+    def _stored_policy(self, kv: KeyValue | None) -> PolicyChanged | None:
+        if kv is None:
+            return None
+        try:
+            return policy_changed(kv.value, kv.key)
+        except ValueError as exc:  # keep deciding with the policy in force; `config apply` repairs it
+            log.warning("ignoring the stored policy: %s", exc)
+            return None
 
     def _node(self, node: str, value: bytes | None) -> tuple[list[Event], Addresses]:
         if value is None:
@@ -287,6 +304,12 @@ class Translator:
         if rec is None or not rec.torch_host or not 0 < rec.rdzv_port <= 65535:
             return None
         return Rendezvous(host=rec.torch_host, port=rec.rdzv_port)
+
+
+def policy_changed(data: bytes, where: str) -> PolicyChanged:
+    """A stored policy record as the core's event (ValueError, a ConfigError, for a bad one)."""
+    cfg, rec = policy_store.decode(data, where)
+    return PolicyChanged(config=cfg, changed_by=_text(rec.changed_by), reason=_text(rec.reason))
 
 
 def _stop_requested(req: store_pb2.StopRequest) -> StopRequested:

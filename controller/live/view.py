@@ -4,24 +4,29 @@ Nodes, evidence and reputation are read from etcd exactly as any tool would (`St
 the run's phase comes from the core itself (the shell publishes a `RunStatus` after every batch);
 operator quarantine and release go *through the core* like every other event, so the pool, the
 event log and the next placement agree. A stop request is written to the run's stop key, the same
-path a Slurm USR1 trap or `controllerctl stop` takes, and the watch delivers it to the core.
+path a Slurm USR1 trap or `controllerctl stop` takes, and the watch delivers it to the core. A
+policy change is written to the run's policy key (controller/api/policy.py) and reaches the core
+the same way, through the watch; on the leader the answer waits until the core decides with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from controller.api.store_view import StoreBackedView
 from controller.api.view import ViewNotFound, ViewRefused, ViewUnavailable
 from controller.supervisor.events import OperatorQuarantine, OperatorRelease
+from controller.supervisor.reconfigure import from_value, values_of
 from runwarden.v1 import agent_pb2, common_pb2, controller_pb2
 
 if TYPE_CHECKING:
     from controller.live.loop import LiveController
 
 OPERATOR_TIMEOUT_S = 10.0
+APPLIED_POLL_S = 0.02
 
 
 class LiveView(StoreBackedView):
@@ -75,3 +80,33 @@ class LiveView(StoreBackedView):
         if not out.ok or resp is None:
             raise ViewUnavailable(f"node {node!r}: its agent did not answer the drain ({out.error})")
         return bool(resp.draining)
+
+    def policy(self, run: str) -> controller_pb2.GetPolicyResponse:
+        return super().policy(run or self._shell.cfg.run)
+
+    def set_policy(
+        self,
+        run: str,
+        values: Mapping[str, common_pb2.PolicyValue],
+        *,
+        replace: bool,
+        actor: str,
+        reason: str,
+    ) -> controller_pb2.SetPolicyResponse:
+        run = run or self._shell.cfg.run
+        resp = super().set_policy(run, values, replace=replace, actor=actor, reason=reason)
+        if run == self._shell.cfg.run:
+            resp.applied = self._applied(resp, time.monotonic() + OPERATOR_TIMEOUT_S)
+        return resp
+
+    def _applied(self, resp: controller_pb2.SetPolicyResponse, deadline: float) -> bool:
+        """Whether this leader's core decides with the written values (False on a standby)."""
+        want = {c.key: from_value(c.new) for c in resp.changes}
+        while self._shell.is_leader.is_set():
+            core = self._shell.core  # read once: a rebuild may replace it
+            if core is not None and all(values_of(core.cfg)[k] == v for k, v in want.items()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(APPLIED_POLL_S)
+        return False

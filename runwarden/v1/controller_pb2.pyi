@@ -4,7 +4,7 @@ isort:skip_file
 The Controller service: what `controllerctl` and other tools use.
 
 With TLS on, the client certificate decides the role: read-only clients may call the Get/List/
-Watch RPCs; mutating RPCs (QuarantineNode, ReleaseNode, RequestStop) need an admin certificate
+Watch RPCs; mutating RPCs (QuarantineNode, ReleaseNode, RequestStop, DrainNode, SetPolicy) need an admin certificate
 and are otherwise refused with PERMISSION_DENIED.
 """
 
@@ -733,3 +733,169 @@ class DrainNodeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainNodeResponse: _TypeAlias = DrainNodeResponse  # noqa: Y015
+
+@_typing.final
+class GetPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    """empty: the controller's run (when it has one)"""
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPolicyRequest: _TypeAlias = GetPolicyRequest  # noqa: Y015
+
+@_typing.final
+class GetPolicyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.PolicyValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.PolicyValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RUN_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    CHANGED_AT_FIELD_NUMBER: _builtins.int
+    CHANGED_BY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    revision: _builtins.int
+    """the etcd mod revision of the stored policy"""
+    changed_at: _builtins.float
+    changed_by: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def values(self) -> _containers.MessageMap[_builtins.str, _common_pb2.PolicyValue]:
+        """every SupervisorConfig field"""
+
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        values: _abc.Mapping[_builtins.str, _common_pb2.PolicyValue] | None = ...,
+        revision: _builtins.int = ...,
+        changed_at: _builtins.float = ...,
+        changed_by: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_at", b"changed_at", "changed_by", b"changed_by", "reason", b"reason", "revision", b"revision", "run", b"run", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPolicyResponse: _TypeAlias = GetPolicyResponse  # noqa: Y015
+
+@_typing.final
+class SetPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.PolicyValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.PolicyValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RUN_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    """empty: the controller's run (when it has one)"""
+    replace: _builtins.bool
+    """true: `values` is the whole policy (absent keys take their defaults), as `config apply FILE`
+    and SIGHUP; false: only the keys named change.
+    """
+    reason: _builtins.str
+    @_builtins.property
+    def values(self) -> _containers.MessageMap[_builtins.str, _common_pb2.PolicyValue]:
+        """The keys to change; a text value is read as the key's type ("2.5", "true", "none" for unset)."""
+
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        values: _abc.Mapping[_builtins.str, _common_pb2.PolicyValue] | None = ...,
+        replace: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "replace", b"replace", "run", b"run", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPolicyRequest: _TypeAlias = SetPolicyRequest  # noqa: Y015
+
+@_typing.final
+class SetPolicyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    APPLIED_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    applied: _builtins.bool
+    """Whether the leader had applied it when the answer left (false: a standby answered, or the leader
+    is still catching up; it applies it from its watch).
+    """
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PolicyChange]:
+        """empty: the policy already had these values"""
+
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[_common_pb2.PolicyChange] | None = ...,
+        revision: _builtins.int = ...,
+        applied: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "changes", b"changes", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPolicyResponse: _TypeAlias = SetPolicyResponse  # noqa: Y015

@@ -84,6 +84,16 @@ class ControllerStub:
                 request_serializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
                 response_deserializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
                 _registered_method=True)
+        self.GetPolicy = channel.unary_unary(
+                '/runwarden.v1.Controller/GetPolicy',
+                request_serializer=runwarden_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_controller__pb2.GetPolicyResponse.FromString,
+                _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/runwarden.v1.Controller/SetPolicy',
+                request_serializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -151,6 +161,21 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPolicy(self, request, context):
+        """The supervisor policy in force (SupervisorConfig), as stored in etcd.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPolicy(self, request, context):
+        """Change the policy of a running controller (admin): validated whole, written with a
+        compare-and-swap; the leader applies it on its next decision. Nothing changes on a bad key or value.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +228,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.DrainNode,
                     request_deserializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.FromString,
                     response_serializer=runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'GetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPolicy,
+                    request_deserializer=runwarden_dot_v1_dot_controller__pb2.GetPolicyRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_controller__pb2.GetPolicyResponse.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +510,60 @@ class Controller:
             '/runwarden.v1.Controller/DrainNode',
             runwarden_dot_v1_dot_controller__pb2.DrainNodeRequest.SerializeToString,
             runwarden_dot_v1_dot_controller__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runwarden.v1.Controller/GetPolicy',
+            runwarden_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
+            runwarden_dot_v1_dot_controller__pb2.GetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runwarden.v1.Controller/SetPolicy',
+            runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.SerializeToString,
+            runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -432,3 +432,63 @@ class AttemptRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttemptRecord: _TypeAlias = AttemptRecord  # noqa: Y015
+
+@_typing.final
+class PolicyRecord(_message.Message):
+    """<root>/v1/runs/<run>/policy: the supervisor policy in force, every field of SupervisorConfig
+    (controller/api/policy.py). Written whole with a compare-and-swap on its mod revision (controllerctl
+    config set/apply, SIGHUP to `controller run`); the first leader seeds it from its config file. The
+    leader watches it; a new leader starts with it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.PolicyValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.PolicyValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RUN_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    CHANGED_AT_FIELD_NUMBER: _builtins.int
+    CHANGED_BY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    changed_at: _builtins.float
+    changed_by: _builtins.str
+    """the operator's certificate name, or "controller <identity> (SIGHUP ...)" """
+    reason: _builtins.str
+    @_builtins.property
+    def values(self) -> _containers.MessageMap[_builtins.str, _common_pb2.PolicyValue]: ...
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        values: _abc.Mapping[_builtins.str, _common_pb2.PolicyValue] | None = ...,
+        changed_at: _builtins.float = ...,
+        changed_by: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_at", b"changed_at", "changed_by", b"changed_by", "reason", b"reason", "run", b"run", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyRecord: _TypeAlias = PolicyRecord  # noqa: Y015

@@ -56,6 +56,8 @@ def test_read_only_certificate_can_read_but_not_mutate(
     )
     assert main([*base, "stop", RUN]) == 4
     assert main([*base, "release", "n2"]) == 4
+    assert main([*base, "config", "set", "restart_budget", "3"]) == 4
+    assert "SetPolicy needs an admin certificate" in capsys.readouterr().err
     capsys.readouterr()
     # nothing was written
     entry = store_pb2.PoolEntry.FromString(live_tls.store.get(live_tls.store.keys.pool("n1")).value)

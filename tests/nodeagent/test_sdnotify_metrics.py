@@ -7,7 +7,7 @@ import socket
 import time
 import urllib.request
 
-from nodeagent.sdnotify import Notifier, watchdog_interval_s
+from runwarden.sdnotify import Notifier, watchdog_interval_s
 from runwarden.v1 import agent_pb2, common_pb2
 
 
