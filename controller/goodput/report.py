@@ -242,7 +242,7 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return ordered[rank - 1]
 
 
-class _Tentative:
+class Tentative:
     """Training since the last commit: kept on the next commit, lost to an incident's cause on a fault."""
 
     __slots__ = ("incident", "kept", "planned", "us")
@@ -250,11 +250,11 @@ class _Tentative:
     def __init__(self) -> None:
         self.kept = False
         self.planned = False  # a stop ended it uncommitted: lost to "planned"
-        self.incident: _OpenIncident | None = None
+        self.incident: OpenIncident | None = None
         self.us = 0  # its length so far: the rollback if a fault ends it (no rescan of the spans)
 
 
-class _OpenIncident:
+class OpenIncident:
     __slots__ = (
         "cause",
         "detected_ts",
@@ -281,7 +281,7 @@ class _OpenIncident:
         self.first_step_ts: float | None = None
 
 
-Label = str | _Tentative | _OpenIncident  # an incident label means: rolled back to that incident's cause
+Label = str | Tentative | OpenIncident  # an incident label means: rolled back to that incident's cause
 
 
 class SpanSink(Protocol):
@@ -289,11 +289,11 @@ class SpanSink(Protocol):
 
     def span(self, start_us: int, end_us: int, label: Label, nodes: int) -> None: ...
 
-    def rolled_back(self, tentative: _Tentative) -> None:
+    def rolled_back(self, tentative: Tentative) -> None:
         """The tentative's spans, already passed to span(), are lost after all."""
 
 
-class _RunAccountant:
+class RunAccountant:
     """Walks one run's events in order and labels every microsecond of its allocated time.
 
     With ``history=False`` (the live windowed rates) it keeps no spans, markers or past incidents,
@@ -309,10 +309,10 @@ class _RunAccountant:
         self.mode = "idle"  # idle | startup | training | recovering | stopping | ended
         self.last_phase = "allocate"
         self.spans: list[tuple[int, int, Label]] = []
-        self.tentative = _Tentative()
-        self.incident: _OpenIncident | None = None
-        self.incidents: list[_OpenIncident] = []  # every incident (history) for the report
-        self.awaiting_first_step: list[_OpenIncident] = []  # faults since the last FIRST_STEP
+        self.tentative = Tentative()
+        self.incident: OpenIncident | None = None
+        self.incidents: list[OpenIncident] = []  # every incident (history) for the report
+        self.awaiting_first_step: list[OpenIncident] = []  # faults since the last FIRST_STEP
         self.stop_pending = False
         self.nodes_now = 0
         self.node_seconds = 0.0
@@ -344,7 +344,7 @@ class _RunAccountant:
         """Close the span [cursor, t_us) with ``label``."""
         if self.history:
             self.spans.append((self.cursor, t_us, label))
-        if isinstance(label, _Tentative):
+        if isinstance(label, Tentative):
             label.us += t_us - self.cursor
         if self.sink is not None:
             self.sink.span(self.cursor, t_us, label, self.nodes_now)
@@ -395,7 +395,7 @@ class _RunAccountant:
         if self.mode == "recovering" and self.incident is not None and not self.incident.launched:
             return  # overlapping fault: the same interruption, nothing new to roll back
         self._advance(fault)  # a fault during a restart closes the open incident's recovery here
-        inc = _OpenIncident(fault_ts=fault / US, detected_ts=t / US, step=ev.step, nodes=nodes)
+        inc = OpenIncident(fault_ts=fault / US, detected_ts=t / US, step=ev.step, nodes=nodes)
         if ev.HasField("detection") and ev.detection.detector == E.DETECTOR_NODE_LOST:
             inc.fallback = "hardware:node_lost"
         if self.mode == "training":
@@ -403,7 +403,7 @@ class _RunAccountant:
             inc.rollback = self.tentative.us
             if self.sink is not None:
                 self.sink.rolled_back(self.tentative)
-            self.tentative = _Tentative()
+            self.tentative = Tentative()
         self.stop_pending = False
         self.incident = inc
         if self.history:
@@ -479,7 +479,7 @@ class _RunAccountant:
             self._advance(save_start)
             if not failed:
                 self.tentative.kept = True
-                self.tentative = _Tentative()
+                self.tentative = Tentative()
                 self._mark(
                     Marker(ts=ev.ts, kind="commit", attempt=ev.attempt, step=ev.step, text=f"step {ev.step}")
                 )
@@ -518,7 +518,7 @@ class _RunAccountant:
         self.tentative.planned = True
         if self.sink is not None:
             self.sink.rolled_back(self.tentative)
-        self.tentative = _Tentative()
+        self.tentative = Tentative()
         self.mode = "stopping"
         self.stop_pending = False
 
@@ -527,7 +527,7 @@ class _RunAccountant:
         outcome = ev.run_detail.outcome if ev.HasField("run_detail") else ""
         if self.mode == "training" and outcome in ("completed", "stopped", ""):
             self.tentative.kept = True  # the final save commits the last steps
-        self.tentative = _Tentative()
+        self.tentative = Tentative()
         self.mode = "ended"
 
     def _mark(self, marker: Marker) -> None:
@@ -540,24 +540,24 @@ class _RunAccountant:
 
 
 _HANDLERS = {
-    E.EVENT_KIND_DETECTION: _RunAccountant.on_detection,
-    E.EVENT_KIND_ATTRIBUTION: _RunAccountant.on_attribution,
-    E.EVENT_KIND_CONTROL_PLANE: _RunAccountant.on_control_plane,
-    E.EVENT_KIND_PREFLIGHT_RESULT: _RunAccountant.on_preflight,
-    E.EVENT_KIND_LAUNCH: _RunAccountant.on_launch,
-    E.EVENT_KIND_FIRST_STEP: _RunAccountant.on_first_step,
-    E.EVENT_KIND_CHECKPOINT_COMMIT: _RunAccountant.on_commit,
-    E.EVENT_KIND_CHECKPOINT_FAILED: _RunAccountant.on_commit,
-    E.EVENT_KIND_STOP_REQUEST: _RunAccountant.on_stop_request,
-    E.EVENT_KIND_EXIT: _RunAccountant.on_exit,
-    E.EVENT_KIND_RUN_END: _RunAccountant.on_run_end,
+    E.EVENT_KIND_DETECTION: RunAccountant.on_detection,
+    E.EVENT_KIND_ATTRIBUTION: RunAccountant.on_attribution,
+    E.EVENT_KIND_CONTROL_PLANE: RunAccountant.on_control_plane,
+    E.EVENT_KIND_PREFLIGHT_RESULT: RunAccountant.on_preflight,
+    E.EVENT_KIND_LAUNCH: RunAccountant.on_launch,
+    E.EVENT_KIND_FIRST_STEP: RunAccountant.on_first_step,
+    E.EVENT_KIND_CHECKPOINT_COMMIT: RunAccountant.on_commit,
+    E.EVENT_KIND_CHECKPOINT_FAILED: RunAccountant.on_commit,
+    E.EVENT_KIND_STOP_REQUEST: RunAccountant.on_stop_request,
+    E.EVENT_KIND_EXIT: RunAccountant.on_exit,
+    E.EVENT_KIND_RUN_END: RunAccountant.on_run_end,
 }
 
 
 def _resolve(label: Label, incident_causes: dict[int, str]) -> str:
     if isinstance(label, str):
         return label
-    if isinstance(label, _OpenIncident):
+    if isinstance(label, OpenIncident):
         return incident_causes[id(label)]
     if label.incident is not None:
         return incident_causes[id(label.incident)]
@@ -566,10 +566,10 @@ def _resolve(label: Label, incident_causes: dict[int, str]) -> str:
 
 def is_productive(label: Label) -> bool:
     """Whether time with this label counts as productive now (a tentative may still be rolled back)."""
-    return isinstance(label, _Tentative) and label.incident is None and not label.planned
+    return isinstance(label, Tentative) and label.incident is None and not label.planned
 
 
-def _incident_cause(inc: _OpenIncident) -> str:
+def _incident_cause(inc: OpenIncident) -> str:
     return inc.cause or inc.fallback
 
 
@@ -595,7 +595,7 @@ def compute_goodput(
 
 
 def _one_run(run: str, events: list[events_pb2.Event], since: float | None, until: float) -> GoodputReport:
-    acct = _RunAccountant(run)
+    acct = RunAccountant(run)
     for ev in events:
         if ev.ts > until:
             break
@@ -610,7 +610,7 @@ def _one_run(run: str, events: list[events_pb2.Event], since: float | None, unti
         if e <= s2:
             continue
         spans.append(Span(start_us=s2, end_us=e, label=_resolve(lab, causes)))
-        if is_productive(lab) and isinstance(lab, _Tentative) and not lab.kept:
+        if is_productive(lab) and isinstance(lab, Tentative) and not lab.kept:
             uncommitted += e - s2
     return _build_report(run, spans, acct, causes, uncommitted, lo)
 
@@ -618,7 +618,7 @@ def _one_run(run: str, events: list[events_pb2.Event], since: float | None, unti
 def _build_report(
     run: str,
     spans: list[Span],
-    acct: _RunAccountant,
+    acct: RunAccountant,
     causes: dict[int, str],
     uncommitted: int,
     lo: int | None,

@@ -28,6 +28,8 @@ from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError, load_section, read_toml
 from runwarden.store import StoreConfig, StoreError
 
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9401"  # the agent's default is 9400: both fit on one host
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunSection:
@@ -36,7 +38,9 @@ class RunSection:
     command: tuple[str, ...]
     run_dir: Path
     api_address: str = "127.0.0.1:7070"
-    metrics_address: str = ""  # "host:port" for Prometheus /metrics (goodput); "" = off
+    # "host:port" for Prometheus /metrics (windowed rates, goodput); "" = off. On by default, on
+    # loopback: a scraper on the host (or a port forward) reads it, nothing else can.
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     identity: str = ""
     procs_per_node: int = 1
     backend: str = "agents"  # who places the node agents: agents (systemd) | slurm | ray | kubernetes

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runwarden.config import ConfigError
@@ -47,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--etcd", help="etcd endpoints, comma-separated (overrides the file and env)")
     run.add_argument("--api", help="Controller API listen address (host:port)")
     run.add_argument("--identity", help="this replica's name in the election")
-    run.add_argument("--metrics", help="Prometheus /metrics address (host:port; '' = off)")
+    run.add_argument(
+        "--metrics",
+        help="Prometheus /metrics address (host:port; default 127.0.0.1:9401, loopback; '' = off)",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument(
         "--exit-when-done",
@@ -181,6 +185,9 @@ def _run(args: argparse.Namespace) -> int:
         wake.clear()
     notifier.stopping()
     shell.close()
+    # the supervisor thread resigns its election key on the way out: the standby leads now, not
+    # after the lease TTL (an upgrade's handover), so etcd is closed only after it
+    pass
     server.stop(grace=1.0)
     store.close()
     if not pager.flush():  # a page in flight (the crash loop's, the budget's) is delivered first
@@ -227,10 +234,11 @@ def reload_policy(path: str | None, overrides: dict[str, Any], store: Store, run
     return True
 
 
-def _serve_metrics(address: str, event_log: Any) -> None:
+def _serve_metrics(address: str, event_log: Any) -> Callable[[], None]:
     """Prometheus /metrics: every run's windowed rates (1 h, 24 h, 7 d) and whole-run goodput, folded
     in from the event log by a follower thread as lines are appended; a scrape never re-reads the log
-    (controller/goodput/windows.py). ValueError for an address that is not HOST:PORT."""
+    (controller/goodput/windows.py). Returns what stops both; ValueError for an address that is not
+    HOST:PORT."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from controller.goodput.metrics import WindowedRatesCollector
@@ -241,9 +249,17 @@ def _serve_metrics(address: str, event_log: Any) -> None:
     registry = CollectorRegistry()
     collector = WindowedRatesCollector(event_log)
     registry.register(collector)
-    start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
-    threading.Thread(target=collector.follow, args=(threading.Event(),), name="metrics", daemon=True).start()
+    httpd, _ = start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
+    stop = threading.Event()
+    threading.Thread(target=collector.follow, args=(stop,), name="metrics", daemon=True).start()
     logging.getLogger("controller").info("Prometheus metrics on %s", address)
+
+    def close() -> None:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+    return close
 
 
 if __name__ == "__main__":
