@@ -1,7 +1,7 @@
 """The burn-in's device work: a sustained known-answer matmul loop and a device-memory pattern test,
-on every GPU at once (one thread per GPU) or on the CPU. Run in a child process by the burn-in
-stages (`python -m preflight.burn_in_device --stage matmul|memory`), so neither torch nor a CUDA
-context stays in the agent; tests call the functions in-process through their seams.
+on every GPU at once (one thread per GPU) or on the CPU. Run in one child process per burn-in, which
+serves its device stages in turn (`python -m preflight.burn_in_device`, see `serve`), so neither torch
+nor a CUDA context stays in the agent; tests call the functions in-process through their seams.
 
 matmul: the inputs of preflight.checks.compute (integer-valued, so an fp32 product is exact). The
 reference product is computed on the device and verified exactly by its row and column checksums;
@@ -315,10 +315,8 @@ def memory_outcomes(
     )
 
 
-def child_args(stage: str, burn: BurnInConfig, compute: ComputeConfig) -> list[str]:
+def child_args(burn: BurnInConfig, compute: ComputeConfig) -> list[str]:
     return [
-        "--stage",
-        stage,
         "--burn-in",
         json.dumps(dataclasses.asdict(burn)),
         "--compute",
@@ -326,19 +324,34 @@ def child_args(stage: str, burn: BurnInConfig, compute: ComputeConfig) -> list[s
     ]
 
 
+def serve(burn: BurnInConfig, compute: ComputeConfig) -> int:
+    """The device worker's loop: a stage name a line on stdin; its outcomes as JSON lines on stdout,
+    then {"done": stage}. Ends at EOF. One process serves a burn-in's device stages one after the
+    other, so torch and CUDA start once per burn-in, not once per stage."""
+    work: dict[str, Callable[[BurnInConfig, ComputeConfig], Sequence[Any]]] = {
+        "matmul": matmul_outcomes,
+        "memory": memory_outcomes,
+    }
+    for line in sys.stdin:
+        stage = line.strip()
+        if stage not in work:
+            print(f"preflight.burn_in_device: unknown stage {stage[:40]!r}", file=sys.stderr, flush=True)
+            return 2
+        for outcome in work[stage](burn, compute):
+            print(json.dumps(dataclasses.asdict(outcome)), flush=True)
+        print(json.dumps({"done": stage}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preflight.burn_in_device")
-    parser.add_argument("--stage", choices=("matmul", "memory"), required=True)
     parser.add_argument("--burn-in", dest="burn_in", required=True, help="the [burn_in] section as JSON")
     parser.add_argument("--compute", required=True, help="the [compute] section as JSON")
     args = parser.parse_args(argv)
     config = config_from_mapping(
         {"burn_in": json.loads(args.burn_in), "compute": json.loads(args.compute)}, "--burn-in/--compute"
     )
-    work = matmul_outcomes if args.stage == "matmul" else memory_outcomes
-    for outcome in work(config.burn_in, config.compute):
-        print(json.dumps(dataclasses.asdict(outcome)), flush=True)
-    return 0
+    return serve(config.burn_in, config.compute)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ def soak(
     for _ in range(warmup):
         tensor.fill_(float(rank + 1))
         reduce(tensor)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()  # the first round starts together: it is the baseline a sag is measured against
     rates: list[float] = []
     bad_total, first_bad = 0, -1
     started = time.perf_counter()

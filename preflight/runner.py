@@ -27,7 +27,7 @@ from preflight.checks import (
     xid_check,
 )
 from preflight.checks.base import CheckContext, CheckSpec, NvmlSession
-from preflight.config import BURN_IN, RUN_MODES, PreflightConfig
+from preflight.config import BURN_IN, BURN_IN_STAGES, RUN_MODES, PreflightConfig
 from preflight.nvml import Nvml, PynvmlAdapter
 from preflight.report import PreflightReport
 from preflight.result import CheckResult, failed, skipped
@@ -130,8 +130,8 @@ def select_specs(
     if mode not in RUN_MODES:
         raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, got {mode!r}")
     if specs is None:
-        specs = burn_in.stage_specs(config) if mode == BURN_IN else ALL_SPECS
-    wanted = {burn_in.stage_name(n) if mode == BURN_IN and n in burn_in.SPECS else n for n in only}
+        specs = burn_in.stage_specs(config, burn_in.DeviceWorker()) if mode == BURN_IN else ALL_SPECS
+    wanted = {burn_in.stage_name(n) if mode == BURN_IN and n in BURN_IN_STAGES else n for n in only}
     unknown = wanted - {s.name for s in specs}
     if unknown:
         raise ValueError(
@@ -156,6 +156,9 @@ def run_preflight(
     `on_result` is called from this thread as each result arrives, so an agent can stream them.
     Raises ValueError for a bad mode or check name; never raises for a failing or hanging check.
     """
+    worker = burn_in.DeviceWorker()  # the burn-in's device stages share one child process
+    if specs is None and mode == BURN_IN:
+        specs = burn_in.stage_specs(config, worker)
     chosen = select_specs(config, mode, only, specs)
     budget = budget_s if budget_s and budget_s > 0 else config.budget_s(mode)
     started_wall, started = time.time(), clock()
@@ -184,7 +187,10 @@ def run_preflight(
         else:
             run.finish(name, results, duration)
         next_serial()
-    if not run.abandoned:
+    if run.abandoned:
+        worker.kill()  # an abandoned stage may be waiting on it
+    else:
+        worker.close()
         nvml.close()  # an abandoned NVML call may still be running; leave the library loaded then
     return PreflightReport(
         mode=mode,

@@ -20,14 +20,23 @@ temperature_max_c is a FAIL with the before/during/after readings as evidence.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import json
+import os
+import select
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from preflight.burn_in_device import (
     LoopOutcome,
@@ -40,13 +49,14 @@ from preflight.burn_in_device import (
 from preflight.checks import dcgm, storage
 from preflight.checks.base import CheckContext, CheckSpec
 from preflight.checks.collective_check import _local_world, launch_ranks
-from preflight.checks.compute import MatmulFn, json_lines_in_child
+from preflight.checks.compute import MatmulFn
 from preflight.collective import SoakResult
 from preflight.config import BURN_IN, BURN_IN_STAGES, BurnInConfig, ErrorsConfig, PreflightConfig
 from preflight.nvml import THROTTLE_BITS, Nvml, NvmlError, NvmlNotSupported, RemappedRows
 from preflight.result import CheckResult, failed, passed, skipped, warned
 
 PREFIX = "burn_in"
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _DRAIN = "drain the node; reset the GPU and run the vendor's field diagnostics; RMA if it repeats"
 _SDC = "silent data corruption: drain the node and run the vendor diagnostics (dcgmi diag -r 3)"
 
@@ -274,18 +284,116 @@ def _stage_limit(config: PreflightConfig, stage: str) -> float:
     return longest + b.stage_slack_s
 
 
-def _device_outcomes(ctx: CheckContext, stage: str, in_process: Callable[[], list[Any]] | None) -> list[Any]:
-    """The stage's outcomes from a child process, or in-process when a test passed a seam
-    (or [compute] isolate is off). Raises TimeoutError or RuntimeError."""
+class DeviceWorker:
+    """The child process that runs a burn-in's device stages one after the other
+    (preflight.burn_in_device's `serve`): torch and CUDA start once per burn-in, never in the
+    caller (a long-lived agent). Started on first use; `close()` ends it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
+
+    def _start(self, config: PreflightConfig) -> subprocess.Popen[bytes]:
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p),
+        )
+        # A file, not a pipe: a chatty child never blocks. Closed in close().
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "preflight.burn_in_device", *child_args(config.burn_in, config.compute)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+            bufsize=0,  # unbuffered: select() on stdout sees every line the child wrote
+            start_new_session=True,
+        )
+        return self._proc
+
+    def _last_words(self) -> str:
+        if self._stderr is None:
+            return "(no output)"
+        self._stderr.seek(0)
+        tail = self._stderr.read().decode("utf-8", "replace").strip().splitlines()[-1:]
+        return tail[0][:300] if tail else "(no output)"
+
+    def run(self, stage: str, config: PreflightConfig, timeout_s: float) -> list[dict[str, Any]]:
+        """The stage's outcomes as mappings. Raises TimeoutError (the child killed) or RuntimeError."""
+        with self._lock:
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start(config)
+            assert proc.stdin is not None and proc.stdout is not None  # both are pipes
+            deadline = time.monotonic() + timeout_s
+            try:
+                proc.stdin.write(f"{stage}\n".encode())
+            except OSError as exc:
+                self._reap()
+                raise RuntimeError(f"burn-in {stage} process is gone: {exc}; {self._last_words()}") from exc
+            lines: list[dict[str, Any]] = []
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.kill()
+                    raise TimeoutError(f"burn-in {stage} did not finish in {timeout_s:.1f} s (killed)")
+                ready, _, _ = select.select([proc.stdout], [], [], left)
+                if not ready:
+                    continue
+                line = proc.stdout.readline()
+                if not line:
+                    code = self._reap()
+                    raise RuntimeError(f"burn-in {stage} process exited {code}: {self._last_words()}")
+                try:
+                    item = json.loads(line)
+                except ValueError as exc:
+                    self.kill()
+                    raise RuntimeError(f"burn-in {stage} process wrote something unexpected: {exc}") from exc
+                if item == {"done": stage}:
+                    return lines
+                lines.append(item)
+
+    def _reap(self) -> int | None:
+        proc, self._proc = self._proc, None
+        return None if proc is None else proc.wait()
+
+    def kill(self) -> None:
+        """Ends the child now (a timed-out stage, an abandoned run); safe while a stage waits on it."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def close(self) -> None:
+        """Ends the child once its current stage (if any) is over: EOF on its stdin, then a kill after 10 s."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        if self._stderr is not None:
+            self._stderr.close()
+
+
+def _device_outcomes(
+    ctx: CheckContext, stage: str, in_process: Callable[[], list[Any]] | None, worker: DeviceWorker | None
+) -> list[Any]:
+    """The stage's outcomes from the run's device worker (a one-off one when none is given), or
+    in-process when a test passed a seam (or [compute] isolate is off). Raises TimeoutError or RuntimeError."""
     if in_process is not None:
         return in_process()
-    cfg = ctx.config
-    lines = json_lines_in_child(
-        "preflight.burn_in_device",
-        child_args(stage, cfg.burn_in, cfg.compute),
-        _child_timeout(ctx, _stage_limit(cfg, stage)),
-        f"burn-in {stage}",
-    )
+    own = worker is None
+    child = worker or DeviceWorker()
+    try:
+        lines = child.run(stage, ctx.config, _child_timeout(ctx, _stage_limit(ctx.config, stage)))
+    finally:
+        if own:
+            child.close()
     try:
         if stage == "matmul":
             return [LoopOutcome(**line) for line in lines]
@@ -392,8 +500,10 @@ def _has_torch() -> bool:
     return importlib.util.find_spec("torch") is not None  # looks, without importing it
 
 
-def run_matmul(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[CheckResult]:
-    """The matmul stage. `matmul` (a test seam at the torch boundary) runs it in this process."""
+def run_matmul(
+    ctx: CheckContext, matmul: MatmulFn | None = None, worker: DeviceWorker | None = None
+) -> list[CheckResult]:
+    """The matmul stage, in `worker`. `matmul` (a test seam at the torch boundary) runs it in this process."""
     name = stage_name("matmul")
     if not _has_torch():
         return [skipped(name, "torch is not installed on this host")]
@@ -403,7 +513,10 @@ def run_matmul(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[CheckR
     def work() -> list[CheckResult]:
         try:
             outcomes: list[LoopOutcome] = _device_outcomes(
-                ctx, "matmul", (lambda: matmul_outcomes(cfg.burn_in, cfg.compute, matmul)) if local else None
+                ctx,
+                "matmul",
+                (lambda: matmul_outcomes(cfg.burn_in, cfg.compute, matmul)) if local else None,
+                worker,
             )
         except TimeoutError as exc:
             return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
@@ -419,8 +532,11 @@ def run_matmul(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[CheckR
     return watched(ctx, "matmul", work)
 
 
-def run_memory(ctx: CheckContext, readback: ReadbackFn | None = None) -> list[CheckResult]:
-    """The memory stage. `readback` (a test seam: what a chunk reads back as) runs it in this process."""
+def run_memory(
+    ctx: CheckContext, readback: ReadbackFn | None = None, worker: DeviceWorker | None = None
+) -> list[CheckResult]:
+    """The memory stage, in `worker`. `readback` (a test seam: what a chunk reads back as) runs it in
+    this process."""
     name = stage_name("memory")
     if not _has_torch():
         return [skipped(name, "torch is not installed on this host")]
@@ -433,6 +549,7 @@ def run_memory(ctx: CheckContext, readback: ReadbackFn | None = None) -> list[Ch
                 ctx,
                 "memory",
                 (lambda: memory_outcomes(cfg.burn_in, cfg.compute, readback)) if local else None,
+                worker,
             )
         except TimeoutError as exc:
             return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
@@ -550,19 +667,18 @@ def run_storage(ctx: CheckContext) -> list[CheckResult]:
     return _renamed(storage.run_storage(dataclasses.replace(ctx, mode="full")))
 
 
-_RUN: dict[str, Callable[[CheckContext], list[CheckResult]]] = {
-    "matmul": run_matmul,
-    "memory": run_memory,
-    "dcgm": run_dcgm,
-    "allreduce": run_allreduce,
-    "storage": run_storage,
-}
+def _runner_of(stage: str, worker: DeviceWorker) -> Callable[[CheckContext], list[CheckResult]]:
+    if stage == "matmul":
+        return lambda ctx: run_matmul(ctx, worker=worker)
+    if stage == "memory":
+        return lambda ctx: run_memory(ctx, worker=worker)
+    return {"dcgm": run_dcgm, "allreduce": run_allreduce, "storage": run_storage}[stage]
 
 
-def _spec(stage: str) -> CheckSpec:
+def _spec(stage: str, worker: DeviceWorker) -> CheckSpec:
     return CheckSpec(
         name=stage_name(stage),
-        run=_RUN[stage],
+        run=_runner_of(stage, worker),
         # The stage's own limit, plus a margin so its child's timeout (with a better message) fires first.
         timeout_s=lambda c, m: _stage_limit(c, stage) + 2.0,
         modes=lambda c: (BURN_IN,) if stage in c.burn_in.stages else (),
@@ -570,10 +686,8 @@ def _spec(stage: str) -> CheckSpec:
     )
 
 
-SPECS: dict[str, CheckSpec] = {stage: _spec(stage) for stage in BURN_IN_STAGES}
-
-
-def stage_specs(config: PreflightConfig) -> list[CheckSpec]:
-    """The configured stages in their configured order, then the others (run only when asked by name)."""
+def stage_specs(config: PreflightConfig, worker: DeviceWorker) -> list[CheckSpec]:
+    """The configured stages in their configured order, then the others (run only when asked by
+    name); the device stages run in `worker` (the caller closes it when the run is over)."""
     order = list(config.burn_in.stages) + [s for s in BURN_IN_STAGES if s not in config.burn_in.stages]
-    return [SPECS[s] for s in order]
+    return [_spec(s, worker) for s in order]

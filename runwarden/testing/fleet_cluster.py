@@ -123,8 +123,8 @@ def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str,
     kernel log, the counters, storage and network; compute and the all-reduce run in the full
     preflight. On a GPU node the quick mode includes the matmul too: here 2 CPU cores would spend
     seconds on it per node. A burn-in runs every stage of the burn-in pipeline on its CPU path, cut
-    to about the cost of the full preflight it replaced (half a second of matmul loop and of
-    all-reduce soak, a 4 MiB memory test). `nics`: interfaces that must be up (() = physical ones)."""
+    to about the cost of the full preflight it replaced (0.3 s of matmul loop and of all-reduce
+    soak, a 4 MiB memory test). `nics`: interfaces that must be up (() = physical ones)."""
     settings: dict[str, dict[str, object]] = {
         "compute": {"modes": ["full"], "size_cpu": 128, "iterations_cpu": 2},
         "collective": {
@@ -135,10 +135,10 @@ def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str,
         },
         "storage": {"checkpoint_path": str(ckpt_dir), "free_space_floor_gb": 0.1},
         "burn_in": {
-            "matmul_duration_s_cpu": 0.5,
+            "matmul_duration_s_cpu": 0.3,
             "matmul_size_cpu": 128,
             "memory_mb_cpu": 4,
-            "allreduce_duration_s_cpu": 0.5,
+            "allreduce_duration_s_cpu": 0.3,
             # Several clusters' gloo ranks share two cores here: bandwidth swings are load, not a link.
             "allreduce_min_ratio": 0.2,
             "stage_slack_s": 60.0,

@@ -447,3 +447,37 @@ def test_cli_burn_in_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and doc["mode"] == "burn_in" and doc["budget_s"] == 30.0
     assert [r["name"] for r in doc["results"]] == ["burn_in.dcgm.diag"]
     assert cli_main(["run", "--burn-in", "--only", "nosuch", "--config", str(path)]) == 2
+
+
+# --- the device worker: one child process for a burn-in's device stages ----------------------
+
+
+def test_device_stages_share_one_child_process_and_it_ends_with_the_run() -> None:
+    isolated = config(compute=ComputeConfig(device="cpu", isolate=True))
+    worker = burn_in.DeviceWorker()
+    c = ctx(isolated)
+    try:
+        [loop, _] = burn_in.run_matmul(c, worker=worker)
+        child = worker._proc
+        [mem, _] = burn_in.run_memory(c, worker=worker)
+        assert loop.status is CheckStatus.PASS and mem.status is CheckStatus.PASS, (loop, mem)
+        assert child is not None and worker._proc is child and child.poll() is None  # torch started once
+    finally:
+        worker.close()
+    assert child.poll() == 0
+
+
+def test_a_device_stage_past_its_time_is_killed_and_fails() -> None:
+    # 0.5 s is less than the child needs to import torch: the stage must not wait past its limit.
+    slow = config(
+        compute=ComputeConfig(device="cpu", isolate=True),
+        burn_in=dataclasses.replace(
+            QUICK, matmul_duration_s=0.1, matmul_duration_s_cpu=0.1, stage_slack_s=0.4
+        ),
+    )
+    worker = burn_in.DeviceWorker()
+    started = time.monotonic()
+    [r, _] = burn_in.run_matmul(ctx(slow), worker=worker)
+    assert r.status is CheckStatus.FAIL and "did not finish in 0.5 s (killed)" in r.message
+    assert time.monotonic() - started < 5 and worker._proc is not None and worker._proc.poll() is not None
+    worker.close()
