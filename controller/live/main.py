@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
     shell.close()
     # the supervisor thread resigns its election key on the way out: the standby leads now, not
     # after the lease TTL (an upgrade's handover), so etcd is closed only after it
-    pass
+    worker.join(timeout=5.0)
     server.stop(grace=1.0)
     store.close()
     if not pager.flush():  # a page in flight (the crash loop's, the budget's) is delivered first

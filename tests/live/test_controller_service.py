@@ -97,6 +97,8 @@ def test_controller_run_notifies_systemd_and_rereads_its_policy_on_sighup(
         while (msg := sock.recv(4096)) == b"WATCHDOG=1":
             pass
         assert msg == b"STOPPING=1"
+        # it resigned on the way out: a standby would lead at once, not after the election TTL
+        assert store.get_prefix(store.keys.election("controller"))[0] == []
     finally:
         if proc.poll() is None:
             proc.kill()
