@@ -90,6 +90,7 @@ class Failure:
     control_plane: bool = False
     first_exit: str | None = None
     verdict: FlightRecorderVerdict | None = None
+    dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
 
     def facts(self) -> FailureFacts:
         return FailureFacts(

@@ -51,6 +51,30 @@ class NodeLost:
         _check_name("NodeLost.node", self.node)
 
 
+def proto_losses(p: common_pb2.RankProgress) -> tuple[tuple[int, float], ...]:
+    """A RankProgress's (step, loss) list: recent_losses, or the one `loss` of an older trainer."""
+    if p.recent_losses:
+        return tuple((x.step, x.loss) for x in p.recent_losses)
+    return ((p.step, p.loss),) if p.HasField("loss") else ()
+
+
+def _check_losses(losses: tuple[tuple[int, float], ...], dropped: int) -> None:
+    if not isinstance(dropped, int) or isinstance(dropped, bool) or dropped < 0:
+        raise ValueError(f"RankSample.losses_dropped: must be an integer >= 0, got {dropped!r}")
+    for item in losses:
+        ok = isinstance(item, tuple) and len(item) == 2
+        step, loss = item if ok else (None, None)
+        if not (
+            ok
+            and isinstance(step, int)
+            and not isinstance(step, bool)
+            and step >= 0
+            and isinstance(loss, int | float)
+            and not isinstance(loss, bool)
+        ):
+            raise ValueError(f"RankSample.losses: (step >= 0, loss) pairs required, got {item!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSample:
     """One rank's latest progress, as aggregated by its node agent (mirrors `RankProgress`)."""
@@ -64,8 +88,14 @@ class RankSample:
     reported_at: float = 0.0
     loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
     finished: bool = False  # took its last step and is exiting (training is done)
+    # (step, loss) of every step since the rank's previous report, oldest first (RankProgress's
+    # recent_losses, or its one `loss` from an older trainer); NaN and inf are reports, not errors
+    losses: tuple[tuple[int, float], ...] = ()
+    losses_dropped: int = 0  # more steps than the agent keeps per write: the oldest were dropped
 
     def __post_init__(self) -> None:
+        if self.losses or self.losses_dropped:
+            _check_losses(self.losses, self.losses_dropped)
         try:  # one chained comparison each: NaN, infinities and negatives all fail it
             ok = (
                 self.rank >= 0
@@ -85,8 +115,15 @@ class RankSample:
             )
 
     @classmethod
-    def from_proto(cls, p: common_pb2.RankProgress) -> RankSample:
+    def from_proto(
+        cls, p: common_pb2.RankProgress, losses: tuple[tuple[int, float], ...] | None = None
+    ) -> RankSample:
+        """losses: the rank's (step, loss) list as the shell validated it (None: taken as stored)."""
+        if losses is None:
+            losses = proto_losses(p)
         return cls(
+            losses=losses,
+            losses_dropped=max(0, p.losses_dropped),
             rank=p.rank,
             step=p.step,
             step_time_s=max(0.0, p.step_time_s),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import restart
+from controller.supervisor import loss, restart
 from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
     """A failure of the running attempt (or a planned stop) was detected: collect dumps, or stop."""
     sv.failure = f
+    loss.flush_replay(sv)  # the attempt's replay comparisons so far, before it ends
     if not f.planned:
         sv.log(
             E.EVENT_KIND_DETECTION,
@@ -39,7 +40,7 @@ def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
             ),
         )
     live = sv.live_nodes()
-    if sv.cfg.collect_dumps and not f.planned and not f.control_plane and live:
+    if sv.cfg.collect_dumps and f.dumps and not f.planned and not f.control_plane and live:
         sv.state = RunState.COLLECTING
         sv.deadline = sv.now + sv.cfg.dump_timeout_s
         sv.emit(CollectDumps(attempt=sv.attempt, nodes=tuple(live), timeout_s=sv.cfg.dump_timeout_s))

@@ -50,6 +50,7 @@ from controller.supervisor.events import (
     Event,
     StopRequested,
 )
+from controller.supervisor.loss import LossBook
 from controller.supervisor.policy import RunPlan, SupervisorConfig, burn_in_passes_text
 from controller.supervisor.pool import Pool, PoolState, needs_repair
 from controller.supervisor.restart import RestartHistory
@@ -139,6 +140,7 @@ class Supervisor:
         self.history = RestartHistory()
         self.offences: dict[str, set[int]] = {}
         self.loss_times: deque[float] = deque(maxlen=4096)
+        self.losses = LossBook()  # the training loss: per (step, rank), spike windows (loss.py)
         # the failure pipeline and the control plane
         self.failure: Failure | None = None
         self.deadline = 0.0  # COLLECTING / STOPPING / BACKOFF / CONTROL_PLANE deadline
@@ -222,13 +224,18 @@ class Supervisor:
     # --- effects (the rules' shared vocabulary) -----------------------------------------------
 
     def log(
-        self, kind: events_pb2.EventKind.ValueType, message: str, step: int | None = None, **detail: Any
+        self,
+        kind: events_pb2.EventKind.ValueType,
+        message: str,
+        step: int | None = None,
+        attempt: int | None = None,
+        **detail: Any,
     ) -> None:
         self._entries.append(
             E.Event(
                 ts=self.now,
                 run=self.plan.run,
-                attempt=self.attempt,
+                attempt=self.attempt if attempt is None else attempt,
                 step=self.job_step if step is None else step,
                 kind=kind,
                 message=message,

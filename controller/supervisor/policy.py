@@ -103,8 +103,27 @@ class SupervisorConfig:
     exit_timeout_s: float = 120.0
     stop_margin_s: float = 10.0
 
+    # The training loss (controller/supervisor/loss.py); never blamed on a node. A non-finite loss is
+    # always an anomaly; a loss above loss_spike_factor x the rank's running median (its last
+    # loss_spike_window finite losses, once the rank is past loss_spike_warmup_steps and the window
+    # is full) is a spike (0: off). on_loss_anomaly: "page", or "stop": stop the attempt and relaunch
+    # from the newest commit before the anomaly's step. A resumed attempt's loss at a (step, rank) an
+    # earlier attempt reported, relatively further than divergence_tolerance from it (0: off), is a
+    # DIVERGENCE: on_divergence "page" or "stop" (relaunch from the latest commit). The core keeps the
+    # losses of the last loss_history_steps steps for that comparison.
+    loss_spike_factor: float = 0.0
+    loss_spike_window: int = 50
+    loss_spike_warmup_steps: int = 100
+    on_loss_anomaly: str = "page"
+    divergence_tolerance: float = 1e-6
+    on_divergence: str = "page"
+    loss_history_steps: int = 1024
+
     def __post_init__(self) -> None:
         ints = {
+            "loss_spike_window": 1,
+            "loss_spike_warmup_steps": 0,
+            "loss_history_steps": 1,
             "restart_budget": 0,
             "burn_in_passes": 1,
             "hold_after_failures": 1,
@@ -144,6 +163,7 @@ class SupervisorConfig:
             "stop_grace_s",
             "exit_timeout_s",
             "stop_margin_s",
+            "divergence_tolerance",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0 or value != value or value == float("inf"):
@@ -174,6 +194,18 @@ class SupervisorConfig:
                 f"SupervisorConfig.checkpoint_save_multiple: must be a finite number >= 1, "
                 f"got {self.checkpoint_save_multiple!r}"
             )
+        if not isinstance(self.loss_spike_factor, int | float) or not (
+            self.loss_spike_factor == 0 or 1 < self.loss_spike_factor < float("inf")
+        ):
+            raise ValueError(
+                f"SupervisorConfig.loss_spike_factor: must be 0 (off) or a finite number > 1, "
+                f"got {self.loss_spike_factor!r}"
+            )
+        for name in ("on_loss_anomaly", "on_divergence"):
+            if getattr(self, name) not in ("page", "stop"):
+                raise ValueError(
+                    f"SupervisorConfig.{name}: must be 'page' or 'stop', got {getattr(self, name)!r}"
+                )
         if self.preflight_mode not in ("quick", "full"):
             raise ValueError(
                 f"SupervisorConfig.preflight_mode: must be 'quick' or 'full', got {self.preflight_mode!r}"

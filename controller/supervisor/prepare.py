@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure
+from controller.supervisor import failure, loss
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
@@ -298,7 +298,7 @@ def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
     sv.cur = Attempt.launched(
         sv.attempt,
         nodes,
-        resume_step=sv.latest_committed,
+        resume_step=loss.resume_step(sv),
         now=sv.now,
         straggler_window=sv.cfg.straggler_window,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, nodes
+from controller.supervisor import detectors, failure, loss, nodes
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -31,6 +31,10 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
     if old is None or ev.attempt != a.number or not ev.ranks:
         return
     a.node_seen_at[ev.node] = sv.now
+    stop = loss.observe(sv, ev)
+    if stop is not None:
+        failure.begin(sv, stop, latency=sv.now - sv.losses.stop_since)
+        return
     if not a.load_logged:
         loaded = True
         stepped = False

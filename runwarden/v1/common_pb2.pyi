@@ -375,6 +375,8 @@ class RankProgress(_message.Message):
     LOADED_STEP_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    RECENT_LOSSES_FIELD_NUMBER: _builtins.int
+    LOSSES_DROPPED_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -411,6 +413,15 @@ class RankProgress(_message.Message):
     """Set once this rank took its last step (training is done) and is exiting: its silence from now
     on is the teardown (destroying the process group, the interpreter's exit), not a hang.
     """
+    losses_dropped: _builtins.int
+    @_builtins.property
+    def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
+        """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
+        merges a rank's reports between two etcd writes, so the controller sees each step's loss, not
+        one sample per interval. At most MAX_RECENT_LOSSES (64) per rank per write; the oldest beyond
+        that are dropped and counted in losses_dropped. `loss` (10) stays: the newest one, for old readers.
+        """
+
     def __init__(
         self,
         *,
@@ -430,10 +441,12 @@ class RankProgress(_message.Message):
         loaded_step: _builtins.int | None = ...,
         stop_reason: _builtins.str = ...,
         finished: _builtins.bool = ...,
+        recent_losses: _abc.Iterable[Global___StepLoss] | None = ...,
+        losses_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "pid", b"pid", "rank", b"rank", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
@@ -449,6 +462,31 @@ class RankProgress(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___RankProgress: _TypeAlias = RankProgress  # noqa: Y015
+
+@_typing.final
+class StepLoss(_message.Message):
+    """One step's training loss, as the rank computed it (NaN and infinities are reports, not errors)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """steps completed after that step (the `step` it was reported with)"""
+    loss: _builtins.float
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        loss: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss", b"loss", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepLoss: _TypeAlias = StepLoss  # noqa: Y015
 
 @_typing.final
 class ExitStatus(_message.Message):

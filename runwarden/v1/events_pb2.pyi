@@ -63,6 +63,12 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """every node of the attempt started its ranks: warm or cold, and why"""
     EVENT_KIND_POLICY_CHANGED: _EventKind.ValueType  # 23
     """the supervisor policy changed live: the changed keys, old and new"""
+    EVENT_KIND_LOSS_ANOMALY: _EventKind.ValueType  # 24
+    """a rank reported a non-finite loss, or one above k x its running median"""
+    EVENT_KIND_DIVERGENCE: _EventKind.ValueType  # 25
+    """a resumed attempt's loss differs from an earlier attempt's at the same (step, rank)"""
+    EVENT_KIND_LOSS_REPLAY: _EventKind.ValueType  # 26
+    """replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -96,6 +102,12 @@ EVENT_KIND_WORKERS_STARTED: EventKind.ValueType  # 22
 """every node of the attempt started its ranks: warm or cold, and why"""
 EVENT_KIND_POLICY_CHANGED: EventKind.ValueType  # 23
 """the supervisor policy changed live: the changed keys, old and new"""
+EVENT_KIND_LOSS_ANOMALY: EventKind.ValueType  # 24
+"""a rank reported a non-finite loss, or one above k x its running median"""
+EVENT_KIND_DIVERGENCE: EventKind.ValueType  # 25
+"""a resumed attempt's loss differs from an earlier attempt's at the same (step, rank)"""
+EVENT_KIND_LOSS_REPLAY: EventKind.ValueType  # 26
+"""replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -112,6 +124,8 @@ class _DetectorEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Detector.Val
     DETECTOR_EVIDENCE: _Detector.ValueType  # 5
     """fatal hardware evidence published by an agent"""
     DETECTOR_PREFLIGHT: _Detector.ValueType  # 6
+    DETECTOR_LOSS: _Detector.ValueType  # 7
+    """the training loss (anomaly or divergence): the model or data, never a node"""
 
 class Detector(_Detector, metaclass=_DetectorEnumTypeWrapper): ...
 
@@ -123,6 +137,8 @@ DETECTOR_CRASH: Detector.ValueType  # 4
 DETECTOR_EVIDENCE: Detector.ValueType  # 5
 """fatal hardware evidence published by an agent"""
 DETECTOR_PREFLIGHT: Detector.ValueType  # 6
+DETECTOR_LOSS: Detector.ValueType  # 7
+"""the training loss (anomaly or divergence): the model or data, never a node"""
 Global___Detector: _TypeAlias = Detector  # noqa: Y015
 
 class _BlameMethod:
@@ -610,6 +626,100 @@ class PolicyDetail(_message.Message):
 Global___PolicyDetail: _TypeAlias = PolicyDetail  # noqa: Y015
 
 @_typing.final
+class LossPoint(_message.Message):
+    """One compared or anomalous loss: a (step, rank) of the run and its values."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    EARLIER_LOSS_FIELD_NUMBER: _builtins.int
+    EARLIER_ATTEMPT_FIELD_NUMBER: _builtins.int
+    REL_DIFF_FIELD_NUMBER: _builtins.int
+    RANKS_COMPARED_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    rank: _builtins.int
+    node: _builtins.str
+    loss: _builtins.float
+    """the value reported now (this event's attempt)"""
+    earlier_loss: _builtins.float
+    """DIVERGENCE / LOSS_REPLAY: the value an earlier attempt reported"""
+    earlier_attempt: _builtins.int
+    rel_diff: _builtins.float
+    """|loss - earlier_loss| / max(|earlier_loss|, 1e-12); inf when one is non-finite"""
+    ranks_compared: _builtins.int
+    """LOSS_REPLAY: ranks compared at this step (the point is the worst of them)"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        node: _builtins.str = ...,
+        loss: _builtins.float = ...,
+        earlier_loss: _builtins.float = ...,
+        earlier_attempt: _builtins.int = ...,
+        rel_diff: _builtins.float = ...,
+        ranks_compared: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["earlier_attempt", b"earlier_attempt", "earlier_loss", b"earlier_loss", "loss", b"loss", "node", b"node", "rank", b"rank", "ranks_compared", b"ranks_compared", "rel_diff", b"rel_diff", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LossPoint: _TypeAlias = LossPoint  # noqa: Y015
+
+@_typing.final
+class LossDetail(_message.Message):
+    """LOSS_ANOMALY, DIVERGENCE and LOSS_REPLAY."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_FIELD_NUMBER: _builtins.int
+    POINTS_FIELD_NUMBER: _builtins.int
+    MEDIAN_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    MAX_REL_DIFF_FIELD_NUMBER: _builtins.int
+    RESUME_STEP_FIELD_NUMBER: _builtins.int
+    rule: _builtins.str
+    """"non_finite" | "spike" | "divergence" | "replay" """
+    median: _builtins.float
+    """spike: the rank's running median"""
+    threshold: _builtins.float
+    """spike: loss_spike_factor; divergence: divergence_tolerance"""
+    action: _builtins.str
+    """"page" | "stop" """
+    max_rel_diff: _builtins.float
+    """LOSS_REPLAY: the largest rel_diff of its points"""
+    resume_step: _builtins.int
+    """the attempt's resume step (LOSS_REPLAY) or the rollback's (stop)"""
+    @_builtins.property
+    def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___LossPoint]:
+        """the anomaly or first divergence; LOSS_REPLAY: one per replayed step"""
+
+    def __init__(
+        self,
+        *,
+        rule: _builtins.str = ...,
+        points: _abc.Iterable[Global___LossPoint] | None = ...,
+        median: _builtins.float = ...,
+        threshold: _builtins.float = ...,
+        action: _builtins.str = ...,
+        max_rel_diff: _builtins.float = ...,
+        resume_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "max_rel_diff", b"max_rel_diff", "median", b"median", "points", b"points", "resume_step", b"resume_step", "rule", b"rule", "threshold", b"threshold"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LossDetail: _TypeAlias = LossDetail  # noqa: Y015
+
+@_typing.final
 class RunDetail(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -663,6 +773,7 @@ class Event(_message.Message):
     RUN_DETAIL_FIELD_NUMBER: _builtins.int
     WORKERS_STARTED_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """strictly increasing within one log file"""
     ts: _builtins.float
@@ -703,6 +814,8 @@ class Event(_message.Message):
     def workers_started(self) -> Global___WorkersStartedDetail: ...
     @_builtins.property
     def policy(self) -> Global___PolicyDetail: ...
+    @_builtins.property
+    def loss(self) -> Global___LossDetail: ...
     def __init__(
         self,
         *,
@@ -728,12 +841,13 @@ class Event(_message.Message):
         run_detail: Global___RunDetail | None = ...,
         workers_started: Global___WorkersStartedDetail | None = ...,
         policy: Global___PolicyDetail | None = ...,
+        loss: Global___LossDetail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop", "workers_started", b"workers_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "loss", b"loss", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop", "workers_started", b"workers_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "message", b"message", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts", "workers_started", b"workers_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "loss", b"loss", "message", b"message", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts", "workers_started", b"workers_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail", "workers_started", "policy"]  # noqa: Y015
+    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail", "workers_started", "policy", "loss"]  # noqa: Y015
     _WhichOneofArgType_detail: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_detail) -> _WhichOneofReturnType_detail | None: ...
 

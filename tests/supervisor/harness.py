@@ -8,6 +8,7 @@ also renders items as one line each, for the golden scenario scripts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,9 +148,11 @@ class Driver:
         compute: dict[str, float] | None = None,
         in_checkpoint: tuple[str, ...] = (),
         loaded: int | None = None,
+        loss: Callable[[int, int], float] | None = None,
     ) -> list[Item]:
         """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
-        ranks' `loaded_step` (their load mark, carried on every report after it)."""
+        ranks' `loaded_step` (their load mark, carried on every report after it); `loss(step, rank)`:
+        each rank's loss of the step."""
         self.now += dt
         out: list[Item] = []
         for node_rank, node in enumerate(self.running_nodes()):
@@ -167,6 +170,7 @@ class Driver:
                     in_checkpoint=node in in_checkpoint,
                     reported_at=self.now,
                     loaded_step=loaded,
+                    losses=((step, loss(step, node_rank * self.ranks_per_node + i)),) if loss else (),
                 )
                 for i in range(self.ranks_per_node)
             )

@@ -1,0 +1,358 @@
+"""The training-loss rules: NaN / loss spike, and divergence after a resume. Pure, like every rule.
+
+Every step's loss of every rank reaches the core (`RankSample.losses`, the agent's `recent_losses`).
+
+* **Anomaly** (`LOSS_ANOMALY`): a non-finite loss, always; or, with `loss_spike_factor` k > 0, a
+  loss above k x the rank's running median (the median of its last `loss_spike_window` finite,
+  non-anomalous losses), once the rank is past `loss_spike_warmup_steps` and its window is full, and
+  only while that median is > 0 (k x a median <= 0 means nothing). Logged once per rule per attempt
+  with the step, rank, node and values. `on_loss_anomaly = "page"` pages; `"stop"` stops the attempt
+  and relaunches from the newest commit *before* the anomaly's step: commits at or after it hold
+  the state that produced it and stop being resume points (older commits stay on disk: the trainer
+  never prunes them, nodeagent/checkpoint.py). If no commit is older, the relaunch is from scratch.
+* **Divergence** (`DIVERGENCE`): a resumed attempt that replays a (step, rank) an earlier attempt
+  reported is compared with it: relative difference |new - old| / max(|old|, 1e-12), inf when one
+  of the two is non-finite and the other is not the same value. Beyond `divergence_tolerance`
+  (0: off) the first divergence of the attempt is logged with both values and pages, or stops
+  (`on_divergence`), relaunching from the latest commit as any failure does. Every replayed step is
+  summarised in `LOSS_REPLAY` events (one point per step: its worst rank; at most
+  `REPLAY_POINTS_PER_EVENT` points an event; a step's ranks may be split over two events, a reader
+  merges them), which `controllerctl compare-loss` reads offline.
+
+Neither is blamed on a node: the stop is a `DETECTOR_LOSS` failure with no node, so the blame ladder
+finds no suspect (BLAME_METHOD_NONE: goodput's cause is "software", the model or data) and the
+crash-loop rule sees the same label at the same step if the rollback does not help.
+
+Memory: the losses of the last `loss_history_steps` steps (by step number, from the newest seen)
+and at most `MAX_HISTORY_VALUES` (step, rank) values in all, the oldest steps dropped first; plus
+each rank's spike window (`loss_spike_window` values per rank).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from controller.supervisor.attempt import Failure
+from controller.supervisor.events import ProgressObserved
+from runwarden.v1 import events_pb2 as E
+
+if TYPE_CHECKING:
+    from controller.supervisor.machine import Supervisor
+
+MAX_HISTORY_VALUES = 1 << 20  # (step, rank) losses kept for the replay comparison, at most
+REPLAY_POINTS_PER_EVENT = 64
+_TINY = 1e-12
+
+
+@dataclass(slots=True)
+class _Replayed:
+    """The worst comparison of one replayed step so far."""
+
+    rank: int
+    node: str
+    loss: float
+    earlier: float
+    earlier_attempt: int
+    rel: float
+    ranks: int = 1
+
+
+@dataclass(slots=True)
+class LossBook:
+    """The run's loss memory (outlives attempts) and the current attempt's loss bookkeeping."""
+
+    history: dict[int, dict[int, tuple[int, float]]] = field(
+        default_factory=dict
+    )  # step -> rank -> (attempt, loss)
+    values: int = 0
+    max_step: int = -1
+    windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> (step, loss)
+    rollback_before: int | None = None  # a stop for an anomaly: resume from a commit before this step
+    stop_since: float = 0.0  # when the report that stops the attempt was made (detection latency)
+    # the current attempt
+    attempt: int = 0
+    resume_step: int = -1
+    replay_until: int = -1  # the newest step seen before this attempt: steps up to it are replays
+    logged: set[str] = field(default_factory=set)  # rules logged in this attempt
+    pending: dict[int, _Replayed] = field(default_factory=dict)  # replayed step -> worst point
+    diverged: int = 0  # (step, rank) comparisons beyond the tolerance in this attempt
+
+    def new_attempt(self, number: int, resume_step: int) -> None:
+        self.attempt, self.resume_step = number, resume_step
+        self.replay_until = self.max_step
+        self.logged = set()
+        self.pending = {}
+        self.diverged = 0
+        for w in self.windows.values():  # losses past the resume point were undone with the state
+            while w and w[-1][0] > resume_step:
+                w.pop()
+
+    def prune(self, keep_steps: int) -> None:
+        if len(self.history) <= keep_steps + 64 and self.values <= MAX_HISTORY_VALUES:
+            return
+        steps = sorted(self.history)
+        low = self.max_step - keep_steps
+        for s in steps:
+            if s > low and self.values <= MAX_HISTORY_VALUES:
+                break
+            self.values -= len(self.history.pop(s))
+
+
+def rel_diff(new: float, old: float) -> float:
+    if math.isfinite(new) and math.isfinite(old):
+        return abs(new - old) / max(abs(old), _TINY)
+    if new == old or (math.isnan(new) and math.isnan(old)):
+        return 0.0
+    return math.inf
+
+
+def _median(values: list[float]) -> float:
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _num(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
+    """RUNNING: one node's progress put of the current attempt. The failure to begin, if a rule
+    stops the attempt (the caller begins it); None otherwise."""
+    a = sv.cur
+    book: LossBook = sv.losses
+    if book.attempt != a.number:
+        flush_replay(sv)  # an earlier attempt's replay that ended unlogged
+        book.new_attempt(a.number, a.resume_step)
+    cfg = sv.cfg
+    tol = cfg.divergence_tolerance
+    factor = cfg.loss_spike_factor
+    stop: Failure | None = None
+    seen_any = False
+    for r in ev.ranks:
+        if not r.losses:
+            continue
+        seen_any = True
+        window = book.windows.get(r.rank)
+        if window is None:
+            window = book.windows[r.rank] = deque(maxlen=cfg.loss_spike_window)
+        for step, value in r.losses:
+            at = book.history.get(step)
+            if at is None:
+                at = book.history[step] = {}
+            prev = at.get(r.rank)
+            if prev is not None and prev[0] >= a.number:
+                continue  # already seen in this attempt (a report sent twice)
+            if prev is None:
+                book.values += 1
+            at[r.rank] = (a.number, value)
+            if step > book.max_step:
+                book.max_step = step
+            if prev is not None:
+                f = _compare(sv, ev.node, r.rank, step, value, prev, tol)
+                stop = stop or f
+            if not math.isfinite(value):
+                f = _anomaly(sv, ev.node, r.rank, step, value, "non_finite", 0.0, r.reported_at)
+                stop = stop or f
+                continue
+            if factor > 0 and len(window) == window.maxlen and step > cfg.loss_spike_warmup_steps:
+                med = _median([v for _, v in window])
+                if med > 0 and value > factor * med:
+                    f = _anomaly(sv, ev.node, r.rank, step, value, "spike", med, r.reported_at)
+                    stop = stop or f
+                    continue  # a spike does not become part of the rank's normal
+            if window and window[-1][0] >= step:
+                continue  # a step out of order (replayed after a resume the window already covers)
+            window.append((step, value))
+    if not seen_any:
+        return stop
+    if book.pending and (
+        len(book.pending) >= REPLAY_POINTS_PER_EVENT or a.min_step > book.replay_until or _replayed_all(book)
+    ):
+        flush_replay(sv)
+    book.prune(cfg.loss_history_steps)
+    return stop
+
+
+def _replayed_all(book: LossBook) -> bool:
+    """Every rank that reported the last step seen before this attempt has reported it again."""
+    last = book.pending.get(book.replay_until)
+    return last is not None and last.ranks >= len(book.history.get(book.replay_until, ()))
+
+
+def _compare(
+    sv: Supervisor, node: str, rank: int, step: int, value: float, prev: tuple[int, float], tol: float
+) -> Failure | None:
+    book: LossBook = sv.losses
+    old_attempt, old = prev
+    rel = rel_diff(value, old)
+    p = book.pending.get(step)
+    if p is None:
+        book.pending[step] = _Replayed(rank, node, value, old, old_attempt, rel)
+    else:
+        p.ranks += 1
+        if rel > p.rel or (rel == p.rel and rank < p.rank):
+            p.rank, p.node, p.loss, p.earlier, p.earlier_attempt, p.rel = (
+                rank,
+                node,
+                value,
+                old,
+                old_attempt,
+                rel,
+            )
+    if tol <= 0 or rel <= tol:
+        return None
+    book.diverged += 1
+    if "divergence" in book.logged:
+        return None
+    book.logged.add("divergence")
+    action = sv.cfg.on_divergence
+    what = "stopping the attempt; relaunching from the latest commit" if action == "stop" else "paging"
+    reason = (
+        f"divergence after resume: step {step} rank {rank} on {node}: loss {_num(value)} in attempt "
+        f"{sv.attempt} vs {_num(old)} in attempt {old_attempt} (relative difference {_num(rel)} > "
+        f"tolerance {_num(tol)}; resumed from step {book.resume_step}); {what}"
+    )
+    sv.log(
+        E.EVENT_KIND_DIVERGENCE,
+        reason,
+        step=step,
+        loss=E.LossDetail(
+            rule="divergence",
+            points=[_point(step, rank, node, value, old, old_attempt, rel)],
+            threshold=tol,
+            action=action,
+            resume_step=book.resume_step,
+        ),
+    )
+    if action != "stop":
+        sv.page(reason)
+        return None
+    book.stop_since = sv.now
+    return Failure(
+        detector=E.DETECTOR_LOSS,
+        nodes=[],
+        ranks=[rank],
+        step=step,
+        label="loss:divergence",
+        reason=reason,
+        dumps=False,
+    )
+
+
+def _anomaly(
+    sv: Supervisor, node: str, rank: int, step: int, value: float, rule: str, med: float, reported_at: float
+) -> Failure | None:
+    book: LossBook = sv.losses
+    if rule in book.logged:
+        return None
+    book.logged.add(rule)
+    cfg = sv.cfg
+    action = cfg.on_loss_anomaly
+    if rule == "spike":
+        what = (
+            f"loss spike at step {step}: rank {rank} on {node} reported {_num(value)}, above "
+            f"{cfg.loss_spike_factor:g} x its running median {_num(med)} (last {cfg.loss_spike_window} steps)"
+        )
+    else:
+        what = f"non-finite loss at step {step}: rank {rank} on {node} reported {value}"
+    rollback = -1
+    if action == "stop":
+        before = [c for c in sv.committed if c < step]
+        rollback = max(before) if before else -1
+        later = sorted(c for c in sv.committed if c >= step)
+        undone = f"; commits {later} hold its state and are no longer resume points" if later else ""
+        where = f"committed step {rollback}" if rollback >= 0 else "scratch (no commit before it)"
+        reason = f"{what}; stopping the attempt, relaunching from {where}, before the anomaly{undone}"
+    else:
+        reason = f"{what}; paging (on_loss_anomaly = page): the attempt goes on"
+    sv.log(
+        E.EVENT_KIND_LOSS_ANOMALY,
+        reason,
+        step=step,
+        loss=E.LossDetail(
+            rule=rule,
+            points=[E.LossPoint(step=step, rank=rank, node=node, loss=value)],
+            median=med,
+            threshold=cfg.loss_spike_factor if rule == "spike" else 0.0,
+            action=action,
+            resume_step=rollback,
+        ),
+    )
+    if action != "stop":
+        sv.page(reason)
+        return None
+    book.rollback_before = step if book.rollback_before is None else min(book.rollback_before, step)
+    book.stop_since = reported_at if 0 < reported_at <= sv.now else sv.now
+    return Failure(
+        detector=E.DETECTOR_LOSS,
+        nodes=[],
+        ranks=[rank],
+        step=step,
+        label=f"loss:{rule}",
+        reason=reason,
+        dumps=False,
+    )
+
+
+def _point(
+    step: int,
+    rank: int,
+    node: str,
+    loss: float,
+    earlier: float,
+    earlier_attempt: int,
+    rel: float,
+    ranks: int = 1,
+) -> E.LossPoint:
+    return E.LossPoint(
+        step=step,
+        rank=rank,
+        node=node,
+        loss=loss,
+        earlier_loss=earlier,
+        earlier_attempt=earlier_attempt,
+        rel_diff=rel,
+        ranks_compared=ranks,
+    )
+
+
+def flush_replay(sv: Supervisor) -> None:
+    """Log the attempt's pending replay comparisons (one LOSS_REPLAY event), if any."""
+    book: LossBook = sv.losses
+    if not book.pending:
+        return
+    pending, book.pending = book.pending, {}
+    points = [
+        _point(s, p.rank, p.node, p.loss, p.earlier, p.earlier_attempt, p.rel, p.ranks)
+        for s, p in sorted(pending.items())
+    ]
+    worst = max(p.rel for p in pending.values())
+    first, last = points[0].step, points[-1].step
+    tol = sv.cfg.divergence_tolerance
+    verdict = "within" if tol > 0 and worst <= tol else "beyond" if tol > 0 else "no tolerance set for"
+    sv.log(
+        E.EVENT_KIND_LOSS_REPLAY,
+        f"replayed steps {first}-{last} of attempt {book.attempt} (resumed from {book.resume_step}) "
+        f"compared with earlier attempts: max relative difference {_num(worst)}, {verdict} "
+        f"tolerance {_num(tol)}",
+        step=last,
+        attempt=book.attempt,
+        loss=E.LossDetail(
+            rule="replay", points=points, threshold=tol, max_rel_diff=worst, resume_step=book.resume_step
+        ),
+    )
+
+
+def resume_step(sv: Supervisor) -> int:
+    """The step the next launch resumes from: the latest commit, or, after a stop for a loss anomaly,
+    the newest commit before its step (the commits at or after it stop being resume points)."""
+    book: LossBook = sv.losses
+    if book.rollback_before is not None:
+        cut, book.rollback_before = book.rollback_before, None
+        sv.committed = {c for c in sv.committed if c < cut}
+        sv.latest_committed = max(sv.committed, default=-1)
+    return sv.latest_committed
