@@ -50,6 +50,7 @@ from preflight.checks import dcgm, storage
 from preflight.checks.base import CheckContext, CheckSpec
 from preflight.checks.collective_check import _local_world, launch_ranks
 from preflight.checks.compute import MatmulFn
+from preflight.checks.expectations import no_floor
 from preflight.collective import SoakResult
 from preflight.config import BURN_IN, BURN_IN_STAGES, BurnInConfig, ErrorsConfig, PreflightConfig
 from preflight.nvml import THROTTLE_BITS, Nvml, NvmlError, NvmlNotSupported, RemappedRows
@@ -431,7 +432,7 @@ def loop_result(o: LoopOutcome, floor: float) -> CheckResult:
             remedy="check clocks, throttle reasons, power and cooling; compare with `preflight baseline`",
             **kw,
         )
-    note = "" if floor else " (no floor configured)"
+    note = "" if floor else no_floor("compute.tflops_floor")
     return passed(
         name,
         f"{o.device}: {o.iterations} products in {o.seconds:.0f} s all right, {o.tflops:.3g} TFLOP/s{note}",
