@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything runwarden needs on a fresh Debian machine (Python 3.11, root):
-# Debian's etcd-server, then a virtual environment in .venv with runwarden and its extras.
+# Debian's etcd-server and prometheus (for promtool: the alert-rule tests), then a virtual
+# environment in .venv with runwarden and its extras.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
+# promtool checks and unit-tests deploy/prometheus/alerts.yaml; the prometheus service itself stays off.
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 if [[ "${RUNWARDEN_WITH_SLURM:-0}" == 1 ]]; then
   command -v slurmctld >/dev/null 2>&1 || need_apt+=(slurmctld slurmd slurm-client munge)
 fi

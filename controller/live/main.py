@@ -37,6 +37,8 @@ from runwarden.config import ConfigError
 from runwarden.sdnotify import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from runwarden.store import Store
 
 
@@ -137,7 +139,16 @@ def _run(args: argparse.Namespace) -> int:
     server.start()
     if run.metrics_address:
         try:
-            _serve_metrics(run.metrics_address, shell.cfg.event_log_path)
+            from controller.live.metrics import ControlPlaneCollector
+
+            control_plane = ControlPlaneCollector(
+                LiveView(shell),
+                run=run.run,
+                identity=shell.cfg.identity,
+                spares_wanted=run.spares,
+                is_leader=shell.is_leader.is_set,
+            )
+            _serve_metrics(run.metrics_address, shell.cfg.event_log_path, control_plane)
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
             if run.metrics_address == DEFAULT_METRICS_ADDRESS:
@@ -234,10 +245,11 @@ def reload_policy(path: str | None, overrides: dict[str, Any], store: Store, run
     return True
 
 
-def _serve_metrics(address: str, event_log: Any) -> Callable[[], None]:
+def _serve_metrics(address: str, event_log: Any, *extra: Collector) -> Callable[[], None]:
     """Prometheus /metrics: every run's windowed rates (1 h, 24 h, 7 d) and whole-run goodput, folded
     in from the event log by a follower thread as lines are appended; a scrape never re-reads the log
-    (controller/goodput/windows.py). Returns what stops both; ValueError for an address that is not
+    (controller/goodput/windows.py); and ``extra`` collectors (the leader and the pool,
+    controller/live/metrics.py). Returns what stops them; ValueError for an address that is not
     HOST:PORT."""
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -249,6 +261,8 @@ def _serve_metrics(address: str, event_log: Any) -> Callable[[], None]:
     registry = CollectorRegistry()
     collector = WindowedRatesCollector(event_log)
     registry.register(collector)
+    for c in extra:
+        registry.register(c)
     httpd, _ = start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=registry)
     stop = threading.Event()
     threading.Thread(target=collector.follow, args=(stop,), name="metrics", daemon=True).start()
