@@ -215,3 +215,33 @@ def test_a_process_seen_in_an_ended_attempts_tree_is_a_leftover_a_reused_pid_is_
     assert found.leftover.origin.how == leftovers.SEEN_IN_TREE
     worker.seen[rank.pid] += 1  # the same pid, another start time: another process
     assert leftovers.find("n1", [worker], proctree.all_procs()) == {}
+
+
+def test_a_leftovers_whole_tree_is_killed_term_then_kill(tmp_path) -> None:
+    """A leftover rank with a child of its own (a data loader, say), both ignoring SIGTERM."""
+    pidfile = tmp_path / "child"
+    code = (
+        "import os,signal,sys,time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "if os.fork()==0:\n  open(sys.argv[1],'w').write(str(os.getpid()))\n  time.sleep(1000)\n"
+        "time.sleep(1000)"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code, str(pidfile)],
+        env={**os.environ, **_marks("r", 4)},
+        start_new_session=True,
+    )
+    try:
+        child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the rank's child"))
+        view = leftovers.AgentProcesses(node="n1", workers=list)
+        assert [(o.pid, o.origin.attempt) for o in view.leftovers()] == [(rank.pid, 4), (child, 4)]
+        t0 = time.monotonic()
+        lines = view.clean(0.5)
+        assert time.monotonic() - t0 >= 0.5  # SIGTERM was given its grace first
+        assert len(lines) == 2 and all(
+            line.endswith("killed with SIGKILL (0.5 s after SIGTERM)") for line in lines
+        )
+        assert not _alive(rank.pid) and not _alive(child)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
