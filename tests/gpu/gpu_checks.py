@@ -1,7 +1,9 @@
 """Every GPU code path of preflight on a real GPU node: the NVML adapter (inventory and counters),
 the CUDA known-answer matmul, the NCCL all-reduce, the burn-in's GPU paths (the sustained matmul
 loop and the device-memory test on CUDA, with NVML counters around them; the NCCL soak on >= 2 GPUs),
-then the full preflight through the CLI.
+the quick preflight's all-reduce (a short NCCL one on >= 2 GPUs, a SKIP on one), a leftover rank
+holding real GPU memory (named with its attempt by the agent's view, killed, the memory freed), then
+the full preflight through the CLI.
 
 Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU). Exits nonzero on
 the first path that does not work; prints what it measured.
@@ -27,7 +29,7 @@ from preflight.checks.collective_check import launch_local  # noqa: E402
 from preflight.checks.compute import run_compute  # noqa: E402
 from preflight.config import BurnInConfig, ComputeConfig, PreflightConfig  # noqa: E402
 from preflight.nvml import NvmlNotSupported, PynvmlAdapter  # noqa: E402
-from preflight.result import CheckStatus  # noqa: E402
+from preflight.result import CheckResult, CheckStatus  # noqa: E402
 from preflight.runner import run_preflight  # noqa: E402
 
 
@@ -206,6 +208,61 @@ def burn_in_gpu_paths(count: int) -> None:
     print(f"  injected readback corruption caught: {bad[0].message}")
 
 
+def quick_all_reduce(count: int) -> None:
+    step(f"the quick preflight's in-node all-reduce on {count} GPU(s)")
+    started = time.monotonic()
+    (r,) = run_preflight(PreflightConfig(), "quick", only=["collective"]).results
+    took = time.monotonic() - started
+    print(f"  {r.status.value} {r.message} ({took:.2f} s)")
+    if count < 2:
+        assert r.status is CheckStatus.SKIP and r.message.startswith("one local device") and took < 1.0, r
+    else:
+        assert r.status is CheckStatus.PASS and took <= PreflightConfig().collective.quick_timeout_s + 2.0, r
+
+
+def leftover_gpu_memory() -> None:
+    step("a leftover rank holding GPU memory: named with its attempt, killed by the agent's view, gone")
+    from nodeagent import leftovers, preflight_bridge
+
+    code = (
+        "import time, torch\nx = torch.empty(1 << 30, dtype=torch.uint8, device='cuda:0')\n"
+        "torch.cuda.synchronize()\nprint('up', flush=True)\ntime.sleep(600)"
+    )
+    marks = {"RUNWARDEN_NODE": "gpu-check", "RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1"}
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **marks),
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+    def check() -> tuple[leftovers.AgentProcesses, dict[tuple[str, int | None], CheckResult]]:
+        view = leftovers.AgentProcesses(node="gpu-check", workers=list)
+        specs = preflight_bridge.agent_specs(view, {})
+        report = run_preflight(PreflightConfig(), "quick", only=["inventory", "processes"], specs=specs)
+        return view, {(r.name, r.gpu_index): r for r in report.results}
+
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == b"up", "the rank did not start"
+        view, results = check()
+        gpu0, left = results[("inventory.gpu_processes", 0)], results[("processes.leftover_ranks", None)]
+        print(f"  {gpu0.status.value} {gpu0.message}: {gpu0.evidence}")
+        mine = [e for e in gpu0.evidence if e.startswith(f"pid={rank.pid} ")]
+        assert mine and "run r attempt 1" in mine[0], f"NVML does not list pid {rank.pid}: {gpu0}"
+        assert left.status is CheckStatus.FAIL, left
+        print(f"  cleaned: {view.clean(2.0)}")
+        deadline = time.monotonic() + 15.0
+        while results[("inventory.gpu_processes", 0)].status is not CheckStatus.PASS:
+            assert time.monotonic() < deadline, f"the GPU memory was not released: {results}"
+            time.sleep(0.5)
+            _, results = check()
+        print("  the next check passes: the memory is free")
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
+
+
 def full_cli() -> None:
     step("preflight run --full --json (the CLI, every check)")
     with tempfile.TemporaryDirectory() as ckpt:
@@ -240,6 +297,8 @@ def main() -> int:
     cuda_matmul(count)
     nccl_all_reduce(count)
     burn_in_gpu_paths(count)
+    quick_all_reduce(count)
+    leftover_gpu_memory()
     full_cli()
     print(f"\nGPU checks passed in {time.monotonic() - started:.1f} s")
     return 0
