@@ -136,8 +136,8 @@ class WindowRates:
     """One run's figures over one window (or, for ``window == "run"``, its whole life so far)."""
 
     window: str
-    allocated_s: float
-    productive_s: float
+    allocated_us: int  # integers, as in the report: goodput is the same division, to the last digit
+    productive_us: int
     node_hours: float
     failures: int
     detect_minutes_mean: float
@@ -151,7 +151,15 @@ class WindowRates:
     @property
     def goodput(self) -> float | None:
         """None when nothing was allocated in the window (no run going: no figure, not zero)."""
-        return self.productive_s / self.allocated_s if self.allocated_s > 0 else None
+        return self.productive_us / self.allocated_us if self.allocated_us > 0 else None
+
+    @property
+    def allocated_s(self) -> float:
+        return self.allocated_us / US
+
+    @property
+    def productive_s(self) -> float:
+        return self.productive_us / US
 
     @property
     def failures_per_1000_node_hours(self) -> float | None:
@@ -163,8 +171,8 @@ class RunTotals:
     """The whole run so far: the report's headline figures, kept incrementally."""
 
     run: str
-    allocated_s: float
-    productive_s: float
+    allocated_us: int
+    productive_us: int
     lost_by_cause_s: dict[str, float]
     node_hours: float
     failures: int
@@ -174,7 +182,15 @@ class RunTotals:
 
     @property
     def goodput(self) -> float:
-        return self.productive_s / self.allocated_s if self.allocated_s > 0 else 0.0
+        return self.productive_us / self.allocated_us if self.allocated_us > 0 else 0.0
+
+    @property
+    def allocated_s(self) -> float:
+        return self.allocated_us / US
+
+    @property
+    def productive_s(self) -> float:
+        return self.productive_us / US
 
     @property
     def failures_per_1000_node_hours(self) -> float:
@@ -293,9 +309,9 @@ class RunRates:
         return (self._acct.cursor, label) if label is not None and now > self._acct.cursor else (now, None)
 
     def window(self, name: str, now_s: float) -> WindowRates:
-        now = to_us(now_s)
+        now = max(to_us(now_s), self._latest)  # a clock behind the newest event: read at that event
         w = self._windows[name]
-        w.expire(max(now, self._latest))
+        w.expire(now)
         cutoff = now - w.length
         allocated, productive, node_us = w.spans.sums(cutoff)
         start, label = self._open(now)
@@ -306,8 +322,8 @@ class RunRates:
             productive += d if is_productive(label) else 0
         return WindowRates(
             window=name,
-            allocated_s=allocated / US,
-            productive_s=productive / US,
+            allocated_us=allocated,
+            productive_us=productive,
             node_hours=node_us / US / 3600,
             failures=w.failures.count,
             detect_minutes_mean=_mean_min(w.detect),
@@ -320,7 +336,7 @@ class RunRates:
         )
 
     def totals(self, now_s: float) -> RunTotals:
-        now = to_us(now_s)
+        now = max(to_us(now_s), self._latest)
         allocated, productive, node_us = self._allocated, self._productive, self._node_us
         lost = dict(self._lost)
         for inc, us in self._rolled:
@@ -336,8 +352,8 @@ class RunRates:
                 productive += now - start
         return RunTotals(
             run=self.run,
-            allocated_s=allocated / US,
-            productive_s=productive / US,
+            allocated_us=allocated,
+            productive_us=productive,
             lost_by_cause_s={c: us / US for c, us in lost.items() if us > 0},
             node_hours=node_us / US / 3600,
             failures=len(self._detect),
