@@ -301,6 +301,8 @@ class DeviceWorker:
             PYTHONPATH=os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p),
         )
         # A file, not a pipe: a chatty child never blocks. Closed in close().
+        if self._stderr is not None:
+            self._stderr.close()  # the last child's (it was killed or died)
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "preflight.burn_in_device", *child_args(config.burn_in, config.compute)],
