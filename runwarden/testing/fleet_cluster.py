@@ -140,7 +140,7 @@ def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str,
             "memory_mb_cpu": 4,
             "allreduce_duration_s_cpu": 0.3,
             # Several clusters' gloo ranks share two cores here: bandwidth swings are load, not a link.
-            "allreduce_min_ratio": 0.2,
+            "allreduce_min_ratio": 0.1,
             "stage_slack_s": 60.0,
         },
     }
