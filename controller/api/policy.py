@@ -38,8 +38,10 @@ class PolicyConflict(RuntimeError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredPolicy:
+    """The policy in force as read back: validated, with the record's etcd mod revision."""
+
     config: SupervisorConfig
-    revision: int  # the record's mod revision (0: none stored)
+    revision: int
     record: store_pb2.PolicyRecord
 
 
