@@ -158,7 +158,7 @@ def test_weekly_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert empty.stat().st_size > 5_000
 
 
-def test_by_flags_and_api(store: Store, tmp_path: Path) -> None:
+def test_by_flags_and_api(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert normalise_by(["cause", "week", "week"]) == "week,cause" == normalise_by(["cause", "week"])
     with pytest.raises(ValueError, match="'month'"):
         normalise_by(["week", "month"])
@@ -169,6 +169,9 @@ def test_by_flags_and_api(store: Store, tmp_path: Path) -> None:
         stub = controller_pb2_grpc.ControllerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         both = stub.GetGoodput(controller_pb2.GetGoodputRequest(by="week,cause"), timeout=10).report
         weeks = stub.GetGoodput(controller_pb2.GetGoodputRequest(by="week"), timeout=10).report
+        argv = ["goodput", "--by", "week", "--by", "cause", "--json"]
+        assert main(["--controller", f"127.0.0.1:{port}", *argv]) == 0
+        online = json.loads(capsys.readouterr().out)
     finally:
         server.stop(grace=None)
     offline = compute_goodput(four_weeks().events).weeks
@@ -177,6 +180,8 @@ def test_by_flags_and_api(store: Store, tmp_path: Path) -> None:
         assert {c.cause: c.seconds for c in got.lost_by_cause} == {
             c: us / US for c, us in want.lost_by_cause_us.items()
         }
+    assert main([*argv, "--log", str(log)]) == 0
+    assert online["weeks"] == json.loads(capsys.readouterr().out)["weeks"]  # the CLI online = offline
     assert all(not w.lost_by_cause for w in weeks.weeks) and weeks.weeks[1].lost_s == both.weeks[1].lost_s
 
 
