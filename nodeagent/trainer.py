@@ -5,9 +5,10 @@
     ckpt = trainer.resume_point(ckpt_root)              # the supervisor's resume step, never half-written
     start = ... load ckpt (its step) or 0 ...
     reporter.loaded(ckpt.step if ckpt else -1)         # the restart's load phase ends here
+    reporter.time_collectives(ddp_model)               # per-step wait in DDP's all-reduce (a comm hook)
     for step in range(start, steps):
         ...train one step...
-        reporter.report(step + 1, step_time_s=dt, compute_s=c, wait_s=w, loss=loss)   # ~1 microsecond
+        reporter.report(step + 1, loss=loss)            # step time, compute and wait measured
         if reporter.stop_requested():                   # SIGTERM, the stop file or the agent's flag
             trainer.save_checkpoint(ckpt_root, step + 1, model=m, optimizer=o, data_state={...})
             reporter.close(); sys.exit(0)
@@ -26,10 +27,22 @@ that stops because its peers agreed to (a collective over their flags) calls
 
 Steps are counted as steps completed, the same number a checkpoint saved at that point carries.
 
+Timings: a `report()` without `step_time_s`/`compute_s`/`wait_s` measures them. The step time is
+the host time since the previous report (or since `loaded()`); the wait is what
+the collective timer (`time_collectives()`, nodeagent.timing: DDP's gradient all-reduce after
+backward compute is done, plus `waiting()` blocks) counted meanwhile; compute is the rest. An
+injected slow-down (the agent's `slow_s`, from `controllerctl chaos NODE slow-rank`) is slept at the end of
+`report()`, outside any collective, so it lands in the next step's compute. A report repeating the
+step just reported (the marks around a checkpoint save) carries that step's timings again and
+starts the next interval, so a save's time is no step's compute. Without a timer (no
+`time_collectives()`, no `waiting()`) compute and wait are sent as 0: not measured. Timings passed
+explicitly are sent as given (missing ones as 0).
+
 `report()` only appends to a bounded deque; a background thread sends the newest report to the
 local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_AGENT_SOCKET>.progress`,
 see nodeagent.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
-dropped and training goes on. torch is imported only by the checkpoint save/load functions.
+dropped and training goes on. torch is imported only by the checkpoint save/load functions and
+the collective timer's hook.
 """
 
 from __future__ import annotations
@@ -55,8 +68,10 @@ from nodeagent.checkpoint import (
     read_commit,
     step_dir,
 )
+from nodeagent.timing import CollectiveTimer
 
 __all__ = [
+    "CollectiveTimer",
     "CommittedCheckpoint",
     "LoadedCheckpoint",
     "ProgressReporter",
@@ -112,6 +127,10 @@ class ProgressReporter:
         self._finished = False
         self._last_step = 0
         self._previous_sigterm: Any = None
+        self._timer: CollectiveTimer | None = None
+        self._interval_start = time.perf_counter()
+        self._timed_step: int | None = None  # the step the last measured timings belong to
+        self._timings = (0.0, 0.0, 0.0)  # its (step time, compute, wait)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -143,21 +162,55 @@ class ProgressReporter:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    def time_collectives(self, ddp_model: Any, *, process_group: Any = None) -> CollectiveTimer:
+        """Time DDP's gradient all-reduce from now on (a communication hook on `ddp_model`, before
+        its first forward); `report()` without timings then sends the measured compute and wait.
+        See nodeagent.timing for what is measured and what is not."""
+        self._timer = CollectiveTimer.attach(ddp_model, process_group=process_group)
+        return self._timer
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """`with reporter.waiting(): dist.all_reduce(...)`: the block's time counts as this step's wait."""
+        if self._timer is None:
+            self._timer = CollectiveTimer()
+        return self._timer.waiting()
+
+    def _measure(self, step: int) -> tuple[float, float, float]:
+        """(step time, compute, wait) since the previous report of an earlier step (see the module doc)."""
+        now = time.perf_counter()
+        wait = self._timer.take() if self._timer is not None else 0.0
+        start, self._interval_start = self._interval_start, now
+        if step == self._timed_step:  # a repeat (around a save): that step's timings, a new interval
+            return self._timings
+        step_time = max(0.0, now - start)
+        if self._timer is None:
+            timings = (step_time, 0.0, 0.0)
+        else:
+            wait = min(wait, step_time)
+            timings = (step_time, step_time - wait, wait)
+        self._timed_step, self._timings = step, timings
+        return timings
+
     def report(
         self,
         step: int,
         *,
-        step_time_s: float = 0.0,
-        compute_s: float = 0.0,
-        wait_s: float = 0.0,
+        step_time_s: float | None = None,
+        compute_s: float | None = None,
+        wait_s: float | None = None,
         in_checkpoint: bool = False,
         loss: float | None = None,
     ) -> None:
         """Record progress: `step` steps completed (~1 us). Sleeps only if chaos made this rank slow.
 
-        Entering or leaving a checkpoint save is sent at once, not at the next flush: the supervisor
-        allows a saving rank the long checkpoint timeout, so a stale "saving" (a rank that stops
-        right after its save) would hold hang detection back by that much."""
+        Timings left out are measured (the module doc says how). Entering or leaving a checkpoint
+        save is sent at once, not at the next flush: the supervisor allows a saving rank the long
+        checkpoint timeout, so a stale "saving" (a rank that stops right after its save) would hold
+        hang detection back by that much."""
+        if step_time_s is None and compute_s is None and wait_s is None:
+            step_time_s, compute_s, wait_s = self._measure(step)
+        else:
+            step_time_s, compute_s, wait_s = step_time_s or 0.0, compute_s or 0.0, wait_s or 0.0
         self._last_step = step
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
         if in_checkpoint != self._in_checkpoint:
@@ -180,6 +233,9 @@ class ProgressReporter:
         every node of the attempt has said so the controller logs LOAD_DONE, which splits the
         restart's "load" phase from its "first step" phase in the goodput breakdown."""
         self._loaded = max(-1, int(step))
+        if self._timer is not None:
+            self._timer.take()  # collectives of the load belong to no step
+        self._interval_start = time.perf_counter()  # the first step's time starts here
         self._pending.append((max(0, self._loaded), 0.0, 0.0, 0.0, False, None, time.time()))
         self.flush()
 
@@ -254,6 +310,13 @@ class ProgressReporter:
     @property
     def injected_delay_s(self) -> float:
         return self._slow_s
+
+    @property
+    def last_timings(self) -> tuple[int, float, float, float] | None:
+        """(step, step time, compute, wait) of the last measured report; None before the first."""
+        if self._timed_step is None:
+            return None
+        return (self._timed_step, *self._timings)
 
     def flush(self) -> bool:
         """Send the newest pending report now; False if the agent could not be reached."""

@@ -1,0 +1,175 @@
+"""How long a rank waits in collectives, per step, measured by a DDP communication hook.
+
+    reporter = trainer.ProgressReporter.from_env()
+    ddp = DistributedDataParallel(model)
+    reporter.time_collectives(ddp)            # once, before the first forward
+    for step in ...:
+        loss = ddp(x).loss; loss.backward(); opt.step()
+        with reporter.waiting():               # an explicit collective of the loop's own
+            dist.all_reduce(flag)
+        reporter.report(step + 1, loss=loss.item())   # step time, compute and wait filled in
+
+The hook replaces DDP's built-in gradient all-reduce with the same arithmetic (each bucket scaled
+by 1/world size, then summed across ranks: the reducer's own order of operations, so gradients and
+losses are bit-identical to an unhooked run; torch's `allreduce_hook` divides instead, which is not
+bit-identical for a world size that is not a power of two) and stamps two moments per bucket: when
+the bucket became ready (the hook is called: backward has computed its gradients) and when its
+all-reduce completed (the future's callback). A backward pass's wait is the time from the last
+bucket's readiness (backward compute is done) to the last completion (every rank's gradients have
+arrived); what the all-reduces overlap with backward compute is compute, not wait. A step's wait is
+the sum over its backward passes plus the `waiting()` blocks; compute is the step time (the time
+between two reports) minus the wait.
+
+What the future's completion means:
+
+* gloo (CPU tensors): the callback runs on gloo's thread when the all-reduce is done: host
+  timestamps (`time.perf_counter`) are the truth.
+* NCCL (CUDA tensors): the future is marked complete as soon as the collective is *enqueued*, and
+  its callback runs at once on the host, with its current stream made to wait for the NCCL stream.
+  A host timestamp there says nothing about the device, so on CUDA both moments are CUDA events
+  instead: one recorded on the backward's stream when the bucket is ready, one on the callback's
+  stream (ordered after the all-reduce on the device). `take()` waits for the step's last events
+  (the optimizer step's kernels follow the all-reduce anyway) and reads their elapsed time.
+
+What the timer cannot see: collectives outside DDP's gradient all-reduce that are not inside
+`waiting()` (they count as compute); time a rank waits before its first bucket is ready (e.g. a
+peer still in its forward pass while this rank is already in backward: the all-reduces it waits
+for overlap its own backward); a backward under `no_sync()` (no all-reduce, all compute); on CUDA,
+host-side stalls inside `waiting()` are host time while the DDP part is device time.
+"""
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CollectiveTimer"]
+
+
+class _HostStamps:
+    """Moments as host `perf_counter` seconds (CPU tensors: gloo completes on the host)."""
+
+    def stamp(self) -> Any:
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
+class _CudaStamps:
+    """Moments as CUDA events on the current stream (CUDA tensors: NCCL completes on the device)."""
+
+    def stamp(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000.0  # elapsed_time is in milliseconds
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One backward pass's buckets: the last bucket's readiness, every bucket's completion."""
+
+    ready: Any = None
+    done: list[Any] = field(default_factory=list)
+    outstanding: int = 0
+
+
+class CollectiveTimer:
+    """Per-step time in collectives: DDP's gradient all-reduce (a comm hook) and `waiting()` blocks.
+
+    Thread-safe: the hook runs on the autograd thread, the completion callbacks on the process
+    group's thread, `take()` on the training loop's."""
+
+    def __init__(self, *, device: str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+        """`device`: where the hooked model's gradients live ("cuda": CUDA events, else host time)."""
+        self._stamps: _HostStamps | _CudaStamps = _CudaStamps() if device == "cuda" else _HostStamps()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._passes: list[_Pass] = []
+        self._explicit_s = 0.0
+
+    @classmethod
+    def attach(cls, ddp_model: Any, *, process_group: Any = None) -> "CollectiveTimer":
+        """A timer installed on `ddp_model` (a DistributedDataParallel) as its communication hook.
+
+        Call before the first forward pass; DDP allows one hook per model. `process_group`: the
+        group DDP reduces over (default: the one it was built with)."""
+        first = next(ddp_model.parameters(), None)
+        device = first.device.type if first is not None else "cpu"
+        timer = cls(device=device)
+        group = process_group if process_group is not None else ddp_model.process_group
+        ddp_model.register_comm_hook(group, timer.comm_hook())
+        return timer
+
+    def comm_hook(self) -> Callable[[Any, Any], Any]:
+        """The hook for `DistributedDataParallel.register_comm_hook(process_group, hook)`: DDP's
+        default all-reduce, stamped (annotated with the real torch types, which DDP checks)."""
+        import torch
+        import torch.distributed as dist
+
+        def hook(
+            process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+        ) -> torch.futures.Future[torch.Tensor]:
+            return self._allreduce(process_group, bucket)
+
+        return hook
+
+    def _allreduce(self, process_group: Any, bucket: Any) -> Any:
+        """Scale the bucket by 1/world size, sum it across ranks, hand it back; stamp both moments."""
+        import torch.distributed as dist
+
+        tensor = bucket.buffer()
+        ready = self._stamps.stamp()
+        with self._lock:
+            if not self._passes or self._passes[-1].ready is not None:
+                self._passes.append(_Pass())
+            current = self._passes[-1]
+            current.outstanding += 1
+            if bucket.is_last():
+                current.ready = ready
+        group = process_group if process_group is not None else dist.group.WORLD
+        # the reducer's own arithmetic (grad * (1/world) into the bucket), so gradients are identical
+        tensor.mul_(1.0 / dist.get_world_size(group))
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+        def completed(f: Any) -> Any:
+            done = self._stamps.stamp()
+            with self._lock:
+                current.done.append(done)
+                current.outstanding -= 1
+            return f.value()[0]
+
+        return fut.then(completed)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's host time as wait (an explicit collective: a barrier, a flag all-reduce)."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            elapsed = self._clock() - start
+            with self._lock:
+                self._explicit_s += max(0.0, elapsed)
+
+    def take(self) -> float:
+        """The wait since the last `take()`, in seconds, and start counting afresh.
+
+        A backward pass whose last bucket is not ready or whose all-reduces have not all completed
+        (take() called from inside a backward) stays for the next take()."""
+        with self._lock:
+            finished = [p for p in self._passes if p.ready is not None and p.outstanding == 0]
+            self._passes = [p for p in self._passes if p.ready is None or p.outstanding > 0]
+            wait = self._explicit_s
+            self._explicit_s = 0.0
+        for p in finished:
+            wait += max(0.0, max(self._stamps.seconds(p.ready, d) for d in p.done))
+        return wait
