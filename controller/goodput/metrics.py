@@ -18,11 +18,14 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.registry import Collector
 
 from controller.goodput.report import US, GoodputReport, percentile
-from controller.goodput.tail import CHUNK_BYTES, LogTail
+from controller.goodput.tail import LogTail
 from controller.goodput.windows import RatesBook, RunTotals, WindowRates
 from runwarden.v1 import events_pb2
 
 ReportSource = Callable[[], Sequence[GoodputReport]]
+# Lines folded per hold of the collector's lock (~5,000 events, well under a second): a scrape
+# waits at most that long behind the follower thread working through a long backlog.
+HOLD_BYTES = 1 << 20
 
 
 class GoodputCollector(Collector):
@@ -109,7 +112,7 @@ class WindowedRatesCollector(Collector):
         """Fold in everything appended so far, a chunk per lock hold (scrapes get in between)."""
         while True:
             with self._lock:
-                if self._tail.poll(CHUNK_BYTES) == 0:
+                if self._tail.poll(HOLD_BYTES) == 0:
                     return
 
     def follow(self, stop: threading.Event, interval_s: float = 1.0) -> None:
@@ -120,7 +123,7 @@ class WindowedRatesCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            self._tail.poll(CHUNK_BYTES)  # bounded: a long backlog is left to the follower thread
+            self._tail.poll(HOLD_BYTES)  # bounded: a long backlog is left to the follower thread
             now = self._clock()
             runs = list(self._book.runs.values())
             totals = [r.totals(now) for r in runs]

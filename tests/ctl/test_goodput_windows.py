@@ -130,7 +130,8 @@ def test_totals_equal_the_report() -> None:
 @given(event_logs(), st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=4))
 @settings(max_examples=80, deadline=None)
 def test_windows_equal_the_report_clipped_to_them(b: LogBuilder, fracs: list[float]) -> None:
-    """Folded once, read at several times: each window is the report over (now - length, now]."""
+    """Folded once, read at several times: each window is the report over (now - length, now], the
+    totals the report up to now."""
     windows = (("a", 1_234_567_891), ("b", 9_876_543_210), ("c", 45_678_901_234))  # microseconds
     first, last = b.events[0].ts, b.events[-1].ts
     book = RatesBook(windows)
@@ -144,8 +145,15 @@ def test_windows_equal_the_report_clipped_to_them(b: LogBuilder, fracs: list[flo
             w = rates.window(name, now)
             since = (to_us(now) - length) / US  # the window's own cutoff, not a float sum
             want = compute_goodput(b.events, since=since, until=now)
-            assert round(w.allocated_s * US) == want.allocated_us
-            assert round(w.productive_s * US) == want.productive_us
+            assert (w.allocated_us, w.productive_us) == (want.allocated_us, want.productive_us)
+        whole = compute_goodput(b.events, until=now)
+        totals = rates.totals(now)
+        assert (totals.allocated_us, totals.productive_us, totals.failures) == (
+            whole.allocated_us,
+            whole.productive_us,
+            whole.failures,
+        )
+        assert totals.lost_by_cause_s == {c: us / US for c, us in whole.lost_by_cause_us.items() if us}
 
 
 def _write(path: Path, events: list[events_pb2.Event], mode: str = "ab") -> None:
