@@ -22,6 +22,8 @@ from typing import Any
 
 from runwarden.v1 import common_pb2, store_pb2
 
+MAX_RECENT_LOSSES = 64  # per rank per write (RankProgress.recent_losses); the oldest beyond: dropped
+
 
 class ProgressTable:
     def __init__(self) -> None:
@@ -54,7 +56,11 @@ class ProgressTable:
                 if old is None or report.step >= old.step or report.reported_at >= old.reported_at:
                     if report.HasField("loaded_step") and (old is None or not old.HasField("loaded_step")):
                         self._new_load_marks += 1
+                    if old is not None and (old.recent_losses or old.losses_dropped):
+                        _merge_losses(report, old, keep_first=False)  # not written yet: kept
                     table[report.rank] = report
+                elif report.recent_losses or report.losses_dropped:
+                    _merge_losses(old, report, keep_first=True)  # an older report's losses still count
             self._dirty.add(run)
             return True
 
@@ -116,7 +122,7 @@ class ProgressTable:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             now = time.time()
-            return [
+            out = [
                 (
                     run,
                     store_pb2.NodeProgress(
@@ -131,10 +137,31 @@ class ProgressTable:
                 for run in sorted(dirty)
                 if run in self._attempt
             ]
+            for run in dirty:  # each loss is written once (a failed put loses them: training goes on)
+                for r in self._ranks.get(run, {}).values():
+                    if r.recent_losses or r.losses_dropped:
+                        del r.recent_losses[:]
+                        r.losses_dropped = 0
+            return out
 
     def mark_dirty(self, run: str) -> None:
         with self._lock:
             self._dirty.add(run)
+
+
+def _merge_losses(into: common_pb2.RankProgress, other: common_pb2.RankProgress, *, keep_first: bool) -> None:
+    """Put `other`'s unwritten losses into `into` (before its own unless keep_first), at most
+    MAX_RECENT_LOSSES, the oldest dropped and counted: each step's loss reaches etcd once."""
+    first, then = (into, other) if keep_first else (other, into)
+    merged = [(x.step, x.loss) for x in (*first.recent_losses, *then.recent_losses)]
+    dropped = into.losses_dropped + other.losses_dropped
+    if len(merged) > MAX_RECENT_LOSSES:
+        merged.sort(key=lambda x: x[0])
+        dropped += len(merged) - MAX_RECENT_LOSSES
+        merged = merged[-MAX_RECENT_LOSSES:]
+    del into.recent_losses[:]
+    into.recent_losses.extend(common_pb2.StepLoss(step=s, loss=v) for s, v in merged)
+    into.losses_dropped = dropped
 
 
 def flush(table: ProgressTable, store: Any, node: str) -> int:

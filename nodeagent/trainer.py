@@ -83,6 +83,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+MAX_RECENT_LOSSES = 64  # losses a rank sends per report (RankProgress.recent_losses); older: dropped
 _Report = tuple[int, float, float, float, bool, "float | None", float]
 
 
@@ -116,6 +117,10 @@ class ProgressReporter:
         self._answer_timeout_s = answer_timeout_s
         self._sock: socket.socket | None = None
         self._pending: deque[_Report] = deque(maxlen=64)
+        # every step's loss since the last send (RankProgress.recent_losses), the oldest dropped
+        self._losses: deque[tuple[int, float]] = deque()
+        self._losses_dropped = 0
+        self._loss_lock = threading.Lock()
         self._agent_stop = False
         self._slow_s = 0.0
         self._committed: int | None = None
@@ -212,12 +217,22 @@ class ProgressReporter:
         else:
             step_time_s, compute_s, wait_s = step_time_s or 0.0, compute_s or 0.0, wait_s or 0.0
         self._last_step = step
+        if loss is not None:
+            self._keep_loss(step, loss)
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
         if in_checkpoint != self._in_checkpoint:
             self._in_checkpoint = in_checkpoint
             self.flush()
         if self._slow_s > 0:
             time.sleep(self._slow_s)
+
+    def _keep_loss(self, step: int, loss: float) -> None:
+        """Every step's loss reaches the agent (at most MAX_RECENT_LOSSES a send; NaN is news too)."""
+        with self._loss_lock:
+            if len(self._losses) >= MAX_RECENT_LOSSES:
+                self._losses.popleft()
+                self._losses_dropped += 1
+            self._losses.append((int(step), float(loss)))
 
     def set_committed(self, step: int) -> None:
         """Tell the supervisor that checkpoint `step` is committed (its marker written, after fsync).
@@ -381,6 +396,11 @@ class ProgressReporter:
         )
         if loss is not None:
             progress.loss = loss
+        with self._loss_lock:
+            losses, self._losses = self._losses, deque()
+            dropped, self._losses_dropped = self._losses_dropped, 0
+        progress.recent_losses.extend(common_pb2.StepLoss(step=s, loss=v) for s, v in losses)
+        progress.losses_dropped = dropped
         if self._committed is not None:
             progress.committed_step = self._committed
         if self._loaded is not None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from nodeagent import torchrun
 from runwarden.names import check_name
-from runwarden.v1 import agent_pb2
+from runwarden.v1 import agent_pb2, common_pb2
 
 MAX_REPORTS = 4096
 MAX_RANK = 1 << 20
@@ -50,6 +50,21 @@ def integer(value: int, field: str, *, low: int, high: int) -> int:
     return value
 
 
+MAX_RECENT_LOSSES = 64
+
+
+def _step_losses(r: common_pb2.RankProgress) -> None:
+    kept = [(x.step, x.loss) for x in r.recent_losses if 0 <= x.step <= MAX_STEP]
+    dropped = len(r.recent_losses) - len(kept)
+    if len(kept) > MAX_RECENT_LOSSES:
+        dropped += len(kept) - MAX_RECENT_LOSSES
+        kept = kept[-MAX_RECENT_LOSSES:]
+    if dropped:
+        del r.recent_losses[:]
+        r.recent_losses.extend(common_pb2.StepLoss(step=s, loss=v) for s, v in kept)
+        r.losses_dropped = max(0, r.losses_dropped) + dropped
+
+
 def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
     run_name(req.run)
     integer(req.attempt, "attempt", low=0, high=MAX_STEP)
@@ -67,8 +82,11 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
         integer(r.world_size, f"{where}.world_size", low=0, high=MAX_RANK)
         for name in ("step_time_s", "compute_s", "wait_s"):
             seconds(getattr(r, name), f"{where}.{name}")
-        if r.HasField("loss") and not math.isfinite(r.loss):
-            r.ClearField("loss")  # a NaN loss is the trainer's news, not a bad request
+        # NaN and infinite losses are the trainer's news (the controller's loss rules), not bad input;
+        # a loss at a step out of range is dropped alone, and a list over the limit keeps its newest
+        if r.recent_losses:
+            _step_losses(r)
+        r.losses_dropped = max(0, r.losses_dropped)
         if len(r.checkpoint_error) > 1024:
             raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
         if len(r.stop_reason) > 1024:

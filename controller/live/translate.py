@@ -34,6 +34,7 @@ from controller.supervisor.events import (
     RankSample,
     Snapshot,
     StopRequested,
+    proto_losses,
 )
 from runwarden.keys import KeySchema
 from runwarden.store import KeyValue, WatchEvent
@@ -87,6 +88,7 @@ class Translator:
         self.rank_to_node: dict[int, str] = {}  # global rank (torch's RANK) -> node, of `attempt`
         self.exited: set[tuple[str, int]] = set()  # (node, attempt) whose exit was reported
         self.committed_seen = -1
+        self.committed_attempt = 0  # the attempt whose rank 0 reported committed_seen
         self._ckpt_failures: set[tuple[int, int]] = set()
 
     # -- relist --------------------------------------------------------------------------------
@@ -231,14 +233,21 @@ class Translator:
                         step=r.step, error=r.checkpoint_error, node=prog.node, attempt=prog.attempt
                     )
                 )
-            if r.rank == 0 and r.HasField("committed_step") and r.committed_step > self.committed_seen:
+            if (
+                r.rank == 0
+                and r.HasField("committed_step")
+                and (r.committed_step > self.committed_seen or prog.attempt > self.committed_attempt)
+            ):
+                # per attempt: after a rollback (a loss anomaly) a new attempt commits steps an
+                # earlier one committed; the core drops the commits it already holds
                 self.committed_seen = r.committed_step
+                self.committed_attempt = max(self.committed_attempt, prog.attempt)
                 out.append(CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
         out.append(
             ProgressObserved(
                 node=prog.node,
                 attempt=prog.attempt,
-                ranks=tuple(RankSample.from_proto(r) for r in prog.ranks),
+                ranks=tuple(RankSample.from_proto(r, losses=_losses(prog, r)) for r in prog.ranks),
             )
         )
         if prog.HasField("exit"):
@@ -304,6 +313,40 @@ class Translator:
         if rec is None or not rec.torch_host or not 0 < rec.rdzv_port <= 65535:
             return None
         return Rendezvous(host=rec.torch_host, port=rec.rdzv_port)
+
+
+MAX_RECENT_LOSSES = 64  # per rank per write, as the agent sends them (nodeagent/progress.py)
+
+
+def _losses(prog: store_pb2.NodeProgress, r: common_pb2.RankProgress) -> tuple[tuple[int, float], ...]:
+    """A rank's (step, loss) list, each bad pair dropped alone with a log line (a negative step);
+    NaN and infinite losses are reports (the loss rules' signal), kept."""
+    pairs = proto_losses(r)
+    if not pairs:
+        return ()
+    kept = tuple((s, v) for s, v in pairs if s >= 0)
+    if len(kept) < len(pairs):
+        bad = sorted({s for s, _ in pairs if s < 0})[:5]
+        log.warning(
+            "progress of %s (attempt %d) rank %d: %d loss(es) at negative steps %s dropped",
+            prog.node,
+            prog.attempt,
+            r.rank,
+            len(pairs) - len(kept),
+            bad,
+        )
+    if len(kept) > MAX_RECENT_LOSSES:
+        log.warning(
+            "progress of %s (attempt %d) rank %d: %d losses, over %d: the newest %d kept",
+            prog.node,
+            prog.attempt,
+            r.rank,
+            len(kept),
+            MAX_RECENT_LOSSES,
+            MAX_RECENT_LOSSES,
+        )
+        kept = kept[-MAX_RECENT_LOSSES:]
+    return kept
 
 
 def policy_changed(data: bytes, where: str) -> PolicyChanged:
