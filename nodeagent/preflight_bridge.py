@@ -3,6 +3,12 @@
 The library call runs in a thread and hands results to `on_result`; this generator yields them to
 the client as they come. The summary is computed here from the streamed results, stored as the
 node's last preflight (it goes into the node record) and published as evidence when it failed.
+
+In the per-attempt modes the agent runs the units its own way (`agent_specs`): the preflight config
+gets the agent's expected values where it leaves them unset (nodeagent.preflight_defaults), the
+stray-GPU-process check knows the running attempt, and `processes.leftover_ranks` finds the live
+processes of ended attempts, which the agent kills once the results are out and before the summary
+(nodeagent.leftovers), so a client holding the summary finds them gone.
 """
 
 from __future__ import annotations
