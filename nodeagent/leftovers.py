@@ -129,7 +129,11 @@ class AgentProcesses:
             found = dict(self._found or {})
         if not found:
             return []
-        lines = kill(found, grace_s)
+        try:
+            lines = kill(found, grace_s)
+        except Exception as exc:  # a bug here must not end the RunPreflight stream: said, not raised
+            log.exception("node %s: killing the leftovers failed", self._node)
+            return [f"killing the leftovers failed: {type(exc).__name__}: {exc}"]
         for line in lines:
             log.warning("node %s: leftover of an ended attempt: %s", self._node, line)
         return lines

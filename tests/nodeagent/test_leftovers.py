@@ -245,3 +245,16 @@ def test_a_leftovers_whole_tree_is_killed_term_then_kill(tmp_path) -> None:
         if rank.poll() is None:
             rank.kill()
         rank.wait()
+
+
+def test_a_failing_kill_is_said_not_raised(monkeypatch, procs) -> None:
+    rank = procs(_marks("r", 6), session=True)
+    wait_for(lambda: _alive(rank.pid), 10, "the rank")
+    view = leftovers.AgentProcesses(node="n1", workers=list)
+    assert [o.pid for o in view.leftovers()] == [rank.pid]
+
+    def broken(*args: object) -> list[str]:
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(leftovers, "kill", broken)
+    assert view.clean(0.1) == ["killing the leftovers failed: OSError: no /proc"]
