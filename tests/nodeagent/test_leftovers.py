@@ -258,3 +258,17 @@ def test_a_failing_kill_is_said_not_raised(monkeypatch, procs) -> None:
 
     monkeypatch.setattr(leftovers, "kill", broken)
     assert view.clean(0.1) == ["killing the leftovers failed: OSError: no /proc"]
+
+
+def test_an_attempt_stopped_as_usual_leaves_no_leftover(agent_factory, tmp_path) -> None:
+    """No false alarm: a tree the launcher stopped (a grandchild in a session of its own included)."""
+    agent = agent_factory(flags=["--allow-exec", sys.executable])
+    pidfile = tmp_path / "pids"
+    tree = [sys.executable, str(ROOT / "tests/nodeagent/tree.py"), str(pidfile), "obedient"]
+    leader = agent.stub.LaunchWorkers(agent_pb2.LaunchWorkersRequest(run="r5", attempt=1, argv=tree)).pid
+    wait_for(lambda: pidfile.exists() and len(pidfile.read_text().split()) >= 5, 20, "the tree")
+    pids = [int(p) for p in pidfile.read_text().split()]
+    agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="r5", grace_s=2.0), timeout=30)
+    assert leader in pids and not [p for p in pids if _alive(p)]
+    result, summary = _preflight(agent)
+    assert result.status == common_pb2.CHECK_STATUS_PASS and summary.passed
