@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from controller.ctl import (
+    compare_loss,
     config,
     drain,
     events,
@@ -45,6 +46,7 @@ BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (
     drain,
     stop,
     goodput,
+    compare_loss,
     config,
 )
 
