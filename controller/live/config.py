@@ -38,7 +38,7 @@ class RunSection:
     command: tuple[str, ...]
     run_dir: Path
     api_address: str = "127.0.0.1:7070"
-    # "host:port" for Prometheus /metrics (windowed rates, goodput); "" = off. On by default, on
+    # "host:port" for Prometheus /metrics (windowed rates, goodput); "" or port 0 = off. On by default, on
     # loopback: a scraper on the host (or a port forward) reads it, nothing else can.
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     identity: str = ""

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--identity", help="this replica's name in the election")
     run.add_argument(
         "--metrics",
-        help="Prometheus /metrics address (host:port; default 127.0.0.1:9401, loopback; '' = off)",
+        help="Prometheus /metrics address (host:port; default 127.0.0.1:9401, loopback; '' or port 0 = off)",
     )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument(
@@ -245,19 +245,22 @@ def reload_policy(path: str | None, overrides: dict[str, Any], store: Store, run
     return True
 
 
-def _serve_metrics(address: str, event_log: Any, *extra: Collector) -> Callable[[], None]:
+def _serve_metrics(address: str, event_log: Any, *extra: Collector) -> Callable[[], None] | None:
     """Prometheus /metrics: every run's windowed rates (1 h, 24 h, 7 d) and whole-run goodput, folded
     in from the event log by a follower thread as lines are appended; a scrape never re-reads the log
     (controller/goodput/windows.py); and ``extra`` collectors (the leader and the pool,
-    controller/live/metrics.py). Returns what stops them; ValueError for an address that is not
-    HOST:PORT."""
+    controller/live/metrics.py). Returns what stops them, or None for port 0 ("0", "HOST:0": off, as
+    "" is); ValueError for an address that is not HOST:PORT."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from controller.goodput.metrics import WindowedRatesCollector
 
     host, _, port = address.rpartition(":")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {address!r}")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0..65535 (0 = off), got {address!r}")
+    if int(port) == 0:
+        logging.getLogger("controller").info("Prometheus metrics off (port 0)")
+        return None
     registry = CollectorRegistry()
     collector = WindowedRatesCollector(event_log)
     registry.register(collector)

@@ -258,6 +258,7 @@ def test_the_controller_serves_them_on_loopback_by_default(tmp_path: Path) -> No
     finally:
         close()
     assert 'runwarden_goodput_failures{run="llm"} 2.0' in text and 'window="7d"' in text
+    assert _serve_metrics("0", log) is None and _serve_metrics("127.0.0.1:0", log) is None  # off, as ""
     for bad in ("localhost", "127.0.0.1:http", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             _serve_metrics(bad, log)
