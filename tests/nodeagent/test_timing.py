@@ -1,5 +1,6 @@
 """Automatic compute/wait timing (nodeagent.timing through ProgressReporter): the numbers a real
-2-rank gloo DDP run measures, fed to the supervisor core's straggler rule (tests/supervisor/harness.py
+3-rank gloo DDP run measures (3, not 2: scaling a gradient by 1/3 is where torch's allreduce_hook
+and DDP's built-in reduction differ in the last bit), fed to the supervisor core's straggler rule (tests/supervisor/harness.py
 Driver), and the CUDA-event path at the torch boundary with only torch.cuda mocked."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from runwarden.v1 import events_pb2 as E
 from tests.nodeagent import timing_job
 from tests.supervisor.harness import Driver, fast
 
+WORLD = 3
 SLOW = 1  # the rank slowed in the slow scenarios
 Timings = list[tuple[int, float, float, float]]  # per step: (step, step time, compute, wait)
 
@@ -37,11 +39,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[int, dict[str, Any]]:
-    """Both ranks' results of one real 2-rank gloo DDP run of every scenario (tests/nodeagent/timing_job.py)."""
+    """Every rank's results of one real gloo DDP run of every scenario (tests/nodeagent/timing_job.py)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=timing_job.run_rank, args=(r, 2, port, SLOW, out)) for r in range(2)]
+    procs = [ctx.Process(target=timing_job.run_rank, args=(r, WORLD, port, SLOW, out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -65,9 +67,9 @@ def measured() -> dict[int, dict[str, Any]]:
 
 def _straggler_detections(by_rank: dict[int, Timings]) -> list[E.Event]:
     """The core's straggler rule over the measured numbers, one ProgressObserved per node per step."""
-    d = Driver(cfg=fast(), nodes=2)
+    d = Driver(cfg=fast(), nodes=WORLD)
     d.ranks_per_node = 1
-    d.start(2)
+    d.start(WORLD)
     nodes = d.running_nodes()
     for i in range(len(by_rank[0])):
         d.now += max(t[i][1] for t in by_rank.values())
@@ -81,7 +83,7 @@ def _straggler_detections(by_rank: dict[int, Timings]) -> list[E.Event]:
 
 
 def _scenario(measured: dict[int, dict[str, Any]], name: str) -> dict[int, Timings]:
-    return {rank: measured[rank][name] for rank in (0, 1)}
+    return {rank: measured[rank][name] for rank in range(WORLD)}
 
 
 def _median(timings: Timings, field: int) -> float:
@@ -89,12 +91,12 @@ def _median(timings: Timings, field: int) -> float:
 
 
 def test_hooked_ddp_losses_equal_the_unhooked_run(measured: dict[int, dict[str, Any]]) -> None:
-    for rank in (0, 1):
+    for rank in range(WORLD):
         assert measured[rank]["hooked"] == measured[rank]["unhooked"]  # bit for bit
 
 
 def test_timings_add_up_to_the_time_between_reports(measured: dict[int, dict[str, Any]]) -> None:
-    for rank in (0, 1):
+    for rank in range(WORLD):
         timings = measured[rank]["clean"]
         assert [t[0] for t in timings] == list(range(1, timing_job.STEPS + 1))
         for _, step_time, compute, wait in timings:
@@ -112,20 +114,22 @@ def test_rank_slowed_before_the_collective_is_flagged_the_straggler(
 ) -> None:
     """A sleep in the forward pass, or the agent's injected slow-down (slept in report()), is compute."""
     by_rank = _scenario(measured, scenario)
-    slow, peer = by_rank[SLOW], by_rank[1 - SLOW]
+    slow = by_rank[SLOW]
     assert _median(slow, 2) >= timing_job.BASE_S + 0.8 * timing_job.EXTRA_S
-    assert _median(peer, 3) >= 0.6 * timing_job.EXTRA_S  # the peer waits for it in the all-reduce
     assert _median(slow, 3) < 0.3 * timing_job.EXTRA_S
+    for rank in set(by_rank) - {SLOW}:  # the peers wait for it in the all-reduce
+        assert _median(by_rank[rank], 3) >= 0.6 * timing_job.EXTRA_S
     det = _straggler_detections(by_rank)
     assert len(det) == 1 and det[0].detection.ranks == [SLOW], det
 
 
 def test_heavy_backward_counts_as_compute_not_wait(measured: dict[int, dict[str, Any]]) -> None:
     by_rank = _scenario(measured, "backward")
-    slow, peer = by_rank[SLOW], by_rank[1 - SLOW]
+    slow = by_rank[SLOW]
     assert _median(slow, 2) >= timing_job.BASE_S + 0.8 * timing_job.EXTRA_S
     assert _median(slow, 3) < 0.3 * timing_job.EXTRA_S  # timing around loss.backward() would say ~EXTRA_S
-    assert _median(peer, 3) >= 0.6 * timing_job.EXTRA_S
+    for rank in set(by_rank) - {SLOW}:
+        assert _median(by_rank[rank], 3) >= 0.6 * timing_job.EXTRA_S
     det = _straggler_detections(by_rank)
     assert len(det) == 1 and det[0].detection.ranks == [SLOW], det
 
