@@ -20,6 +20,10 @@ if (( ${#need_apt[@]} )); then
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  if [[ " ${need_apt[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1; then
+    # only promtool is wanted: the package enables a Prometheus server for the next boot; not that
+    systemctl disable prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 PY=${PYTHON:-python3}
