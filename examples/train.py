@@ -2,7 +2,9 @@
 
 Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a node agent:
 
-* progress every step through `nodeagent.trainer.ProgressReporter` (microseconds, non-blocking);
+* progress every step through `nodeagent.trainer.ProgressReporter` (microseconds, non-blocking),
+  timed by the reporter itself: a communication hook on the DDP model measures the wait in the
+  gradient all-reduce, `reporter.waiting()` the stop-flag all-reduce; no timers in the loop;
 * a stop request polled every step: finish the step, save, commit, exit 0;
 * a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
   states, data position), and resume from the latest *committed* checkpoint;
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     model = nn.parallel.DistributedDataParallel(MLP(args.width))
+    reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.timing)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
@@ -96,36 +99,26 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
     loss_fn = nn.MSELoss()
-    step_start = time.perf_counter()
     for step in range(start, args.steps):
         x, y = batch_for(args.seed, step, rank, args.batch)
         opt.zero_grad()
         loss = loss_fn(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()  # DDP's gradient all-reduce happens in here
-        t2 = time.perf_counter()
+        loss.backward()  # DDP's gradient all-reduce happens in here (timed by the hook)
         opt.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        t3 = time.perf_counter()
         # Every rank must agree to stop at the same step (the save below has a barrier).
         flag = torch.tensor([1 if reporter.stop_requested() else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with reporter.waiting():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
         if stop and not reporter.stop_reason:
             reporter.stopping("a peer rank's stop request")  # so this node's exit is a planned stop too
-        t4 = time.perf_counter()
-        # Time in the collectives counts as waiting: a rank slow before them shows high compute and low
-        # wait, its peers the reverse. Everything between the previous step's end and the backward pass
-        # (including any delay a slow rank adds there) counts as this step's compute.
-        compute = (t1 - step_start) + (t3 - t2)
-        wait = (t2 - t1) + (t4 - t3)
         loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
-        reporter.report(done, step_time_s=t4 - step_start, compute_s=compute, wait_s=wait, loss=loss.item())
-        step_start = t4
+        reporter.report(done, loss=loss.item())  # step time, compute and wait measured by the reporter
         if done % args.ckpt_every == 0 or stop or done == args.steps:
-            reporter.report(done, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, in_checkpoint=True)
+            reporter.report(done, in_checkpoint=True)  # a repeat of the step: its timings, not the save's
             try:
                 commit = trainer.save_checkpoint(
                     args.ckpt_dir,
@@ -145,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if commit is not None:
                 reporter.set_committed(done)
-            reporter.report(done, step_time_s=t4 - t1, compute_s=compute, wait_s=wait, loss=loss.item())
-            step_start = time.perf_counter()
+            reporter.report(done, loss=loss.item())
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break
