@@ -137,8 +137,8 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
             continue
         seen_any = True
         window = book.windows.get(r.rank)
-        if window is None:
-            window = book.windows[r.rank] = deque(maxlen=cfg.loss_spike_window)
+        if window is None or window.maxlen != cfg.loss_spike_window:  # new, or the policy changed live
+            window = book.windows[r.rank] = deque(window or (), maxlen=cfg.loss_spike_window)
         for step, value in r.losses:
             at = book.history.get(step)
             if at is None:

@@ -15,6 +15,7 @@ from controller.supervisor.events import (
     AttemptExited,
     CheckpointCommitted,
     DumpsCollected,
+    PolicyChanged,
     ProgressObserved,
     RankSample,
 )
@@ -289,3 +290,43 @@ def test_a_bad_loss_pair_is_refused_by_the_event() -> None:
     with pytest.raises(ValueError, match="losses_dropped"):
         RankSample(rank=0, step=3, losses_dropped=-1)
     assert math.isnan(RankSample(rank=0, step=3, losses=((3, math.nan),)).losses[0][1])
+
+
+def script(d: Driver) -> list[bytes]:
+    """A run with every loss rule firing: replay, divergence, NaN, spike; every item serialised."""
+    d.start()
+    d.steps(1, 40, loss=curve)
+    d.send(CheckpointCommitted(step=30))
+    crash_and_restart(d)
+    d.steps(31, 60, loss=lambda s, r: curve(s, r) * (1.1 if s > 35 else 1.0))
+    d.progress(61, loss=lambda s, r: math.nan)
+    d.progress(62, loss=lambda s, r: 1e6)
+    return [a.SerializeToString() if isinstance(a, E.Event) else repr(a).encode() for a in d.actions]
+
+
+def d_events(cfg: SupervisorConfig) -> list[E.Event]:
+    d = Driver(cfg=cfg, nodes=2, ranks_per_node=2)
+    script(d)
+    return d.events()
+
+
+def test_the_loss_rules_are_deterministic() -> None:
+    cfg = fast(loss_spike_factor=3.0, loss_spike_window=5, loss_spike_warmup_steps=0)
+    one, two = (
+        script(Driver(cfg=cfg, nodes=2, ranks_per_node=2)),
+        script(Driver(cfg=cfg, nodes=2, ranks_per_node=2)),
+    )
+    assert one == two
+    kinds = {e.kind for e in d_events(cfg)}
+    assert {E.EVENT_KIND_LOSS_REPLAY, E.EVENT_KIND_DIVERGENCE, E.EVENT_KIND_LOSS_ANOMALY} <= kinds
+
+
+def test_a_live_policy_change_of_the_window_keeps_the_newest_losses() -> None:
+    d = Driver(cfg=fast(loss_spike_factor=3.0, loss_spike_window=10, loss_spike_warmup_steps=0), nodes=1)
+    d.start()
+    d.steps(1, 12, loss=curve)
+    d.send(PolicyChanged(config=fast(loss_spike_factor=3.0, loss_spike_window=4, loss_spike_warmup_steps=0)))
+    d.steps(13, 13, loss=curve)
+    assert [s for s, _ in d.sup.losses.windows[0]] == [10, 11, 12, 13]
+    out = d.steps(14, 14, loss=lambda s, r: 10.0)
+    assert [e.loss.rule for e in d.events(E.EVENT_KIND_LOSS_ANOMALY, out)] == ["spike"]
