@@ -124,14 +124,23 @@ class WindowedRatesCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             self._tail.poll(HOLD_BYTES)  # bounded: a long backlog is left to the follower thread
-            now = self._clock()
-            runs = list(self._book.runs.values())
-            totals = [r.totals(now) for r in runs]
-            windows = [r.window(name, now) for r in runs for name in r.window_names()]
-            names = [r.run for r in runs for _ in r.window_names()]
+            backlog = self._tail.backlog_bytes
             bad = self._tail.bad_lines
-        yield from _total_families(totals)
-        yield from _window_families(list(zip(names, windows, strict=True)))
+            # Still folding a long log in (a restart on months of events): the figures so far
+            # describe the past and, read at now, would mislead an alert. Absent until caught up.
+            runs = list(self._book.runs.values()) if backlog == 0 else []
+            now = self._clock()
+            totals = [r.totals(now) for r in runs]
+            windows = [(r.run, r.window(name, now)) for r in runs for name in r.window_names()]
+        if runs:
+            yield from _total_families(totals)
+            yield from _window_families(windows)
+        behind = GaugeMetricFamily(
+            "runwarden_event_log_backlog_bytes",
+            "Event-log bytes not folded in yet (the rates are absent until this is 0).",
+        )
+        behind.add_metric([], backlog)
+        yield behind
         skipped = CounterMetricFamily(
             "runwarden_event_log_bad_lines",
             "Event-log lines skipped as unreadable (see the controller's log).",

@@ -44,6 +44,7 @@ class LogTail:
         self._last_seq = 0
         self.events = 0
         self.bad_lines = 0
+        self.backlog_bytes = 0  # what the last poll saw in the file and left for later
 
     def poll(self, max_bytes: int | None = None) -> int:
         """Fold in the complete lines appended since the last poll (at most about ``max_bytes`` of
@@ -70,8 +71,6 @@ class LogTail:
                 if self._partial and (st.st_size < end or self._rewritten(f)):
                     self._partial = b""  # the writer cut off a torn tail we had half-read
                     end = self._consumed
-                if st.st_size == end:
-                    return 0
                 f.seek(end)
                 remaining = st.st_size - end  # what was there at the stat; the rest is the next poll's
                 if max_bytes is not None:
@@ -85,6 +84,7 @@ class LogTail:
                     self._take(chunk)
         except OSError as exc:
             log.warning("event log %s: cannot read: %s", self.path, exc.strerror)
+        self.backlog_bytes = max(0, st.st_size - self._consumed - len(self._partial))
         return read
 
     def _start_over(self) -> None:

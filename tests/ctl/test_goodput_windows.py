@@ -262,3 +262,24 @@ def test_the_controller_serves_them_on_loopback_by_default(tmp_path: Path) -> No
     for bad in ("localhost", "127.0.0.1:http", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             _serve_metrics(bad, log)
+
+
+def test_no_rates_while_a_backlog_is_being_folded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import controller.goodput.metrics as metrics
+
+    monkeypatch.setattr(metrics, "HOLD_BYTES", 2000)  # a scrape folds ~5 lines: the rest is a backlog
+    log = tmp_path / "events.jsonl"
+    b = long_run()
+    _write(log, b.events)
+    collector = WindowedRatesCollector(log, clock=lambda: b.events[-1].ts)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert "runwarden_goodput_ratio{" not in text and "runwarden_window_" not in text
+    assert "runwarden_event_log_backlog_bytes 0.0" not in text and "runwarden_event_log_backlog_bytes" in text
+    collector.catch_up()
+    text = generate_latest(registry).decode()
+    assert (
+        "runwarden_event_log_backlog_bytes 0.0" in text
+        and 'runwarden_goodput_failures{run="llm"} 2.0' in text
+    )
