@@ -2,8 +2,10 @@
 the CUDA known-answer matmul, the NCCL all-reduce, the burn-in's GPU paths (the sustained matmul
 loop and the device-memory test on CUDA, with NVML counters around them; the NCCL soak on >= 2 GPUs),
 the quick preflight's all-reduce (a short NCCL one on >= 2 GPUs, a SKIP on one), a leftover rank
-holding real GPU memory (named with its attempt by the agent's view, killed, the memory freed), then
-the full preflight through the CLI.
+holding real GPU memory (named with its attempt by the agent's view, killed, the memory freed), the
+trainer's collective timer on CUDA (its DDP comm hook over a one-process NCCL group: CUDA events
+recorded, gradients equal to an unhooked model's, compute + wait = the step), then the full
+preflight through the CLI.
 
 Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU). Exits nonzero on
 the first path that does not work; prints what it measured.
@@ -263,6 +265,68 @@ def leftover_gpu_memory() -> None:
         rank.wait()
 
 
+def collective_timer() -> None:
+    step("the trainer's collective timer on CUDA: DDP comm hook over a one-process NCCL group")
+    import copy
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from nodeagent import trainer
+
+    made: list[torch.cuda.Event] = []
+    real_event = torch.cuda.Event
+
+    def counted(*args: object, **kwargs: object) -> torch.cuda.Event:
+        event = real_event(*args, **kwargs)
+        made.append(event)
+        return event
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    torch.cuda.Event = counted  # type: ignore[assignment,misc]  # counts the timer's events
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1)).cuda()
+        plain = copy.deepcopy(net)
+        ddp = nn.parallel.DistributedDataParallel(net, device_ids=[0])
+        reporter = trainer.ProgressReporter(
+            run="gpu", attempt=1, rank=0, local_rank=0, world_size=1, handle_sigterm=False
+        )
+        reporter.time_collectives(ddp)
+        x = torch.randn(512, 256, device="cuda")
+        ddp(x).square().mean().backward()
+        plain(x).square().mean().backward()
+        for a, b in zip(net.parameters(), plain.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        assert made, "the hook recorded no CUDA event"
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        reporter.loaded(-1)
+        timings = []
+        for i in range(20):
+            opt.zero_grad()
+            loss = ddp(x).square().mean()
+            loss.backward()
+            opt.step()
+            reporter.report(i + 1, loss=loss.item())
+            last = reporter.last_timings
+            assert last is not None and last[0] == i + 1
+            timings.append(last[1:])
+        reporter.close()
+        assert len(made) >= 2 * 21 and len(made) % 2 == 0, len(made)  # ready + done, per bucket
+        for step_time, compute, wait in timings:
+            assert 0.0 <= wait <= step_time and abs(compute + wait - step_time) < 1e-9, timings
+        print(
+            f"  {len(made)} CUDA events; median step {statistics.median(t[0] for t in timings) * 1e3:.2f} ms, "
+            f"wait {statistics.median(t[2] for t in timings) * 1e3:.3f} ms (one rank: no peer to wait for)"
+        )
+    finally:
+        torch.cuda.Event = real_event  # type: ignore[misc]
+        dist.destroy_process_group()
+
+
 def full_cli() -> None:
     step("preflight run --full --json (the CLI, every check)")
     with tempfile.TemporaryDirectory() as ckpt:
@@ -299,6 +363,7 @@ def main() -> int:
     burn_in_gpu_paths(count)
     quick_all_reduce(count)
     leftover_gpu_memory()
+    collective_timer()
     full_cli()
     print(f"\nGPU checks passed in {time.monotonic() - started:.1f} s")
     return 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Exercises every GPU code path of preflight on a real GPU node (NVML inventory and counters, CUDA
 # known-answer matmul, NCCL all-reduce, the burn-in's sustained matmul / memory test / NCCL soak at
-# short durations, then `preflight run --full`), in well under 5 minutes.
+# short durations, the trainer's collective timer (DDP comm hook, CUDA events), then
+# `preflight run --full`), in well under 5 minutes.
 # On a host without an NVIDIA GPU it prints SKIPPED with the reason and exits 0 (CPU-only CI).
 # Needs a torch with CUDA: set PYTHON to its interpreter (default: .venv/bin/python, else python3).
 set -euo pipefail
