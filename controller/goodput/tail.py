@@ -28,6 +28,8 @@ CHUNK_BYTES = 4 << 20  # read a long backlog (a restart on a months-old log) in 
 
 
 class LogTail:
+    """Calls ``on_event`` for each valid line appended to ``path`` (see the module docstring)."""
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -96,18 +98,20 @@ class LogTail:
         return f.read(len(self._partial)) != self._partial
 
     def _take(self, chunk: bytes) -> None:
+        if self._skipping:  # the rest of a line already reported as over-long: up to its newline
+            nl = chunk.find(b"\n")
+            self._consumed += len(chunk) if nl < 0 else nl + 1
+            if nl < 0:
+                return
+            chunk, self._skipping = chunk[nl + 1 :], False
         data = self._partial + chunk
         start = 0
         while True:
             nl = data.find(b"\n", start)
             if nl < 0:
                 break
-            line = data[start:nl]
+            self._line(data[start:nl])
             start = nl + 1
-            if self._skipping:
-                self._skipping = False
-                continue
-            self._line(line)
         self._consumed += start  # data began at the old offset
         self._partial = data[start:]
         if len(self._partial) > MAX_LINE_BYTES:
