@@ -10,6 +10,8 @@ Every step's loss of every rank reaches the core (`RankSample.losses`, the agent
   and relaunches from the newest commit *before* the anomaly's step: commits at or after it hold
   the state that produced it and stop being resume points (older commits stay on disk: the trainer
   never prunes them, nodeagent/checkpoint.py). If no commit is older, the relaunch is from scratch.
+  An anomalous loss is kept out of the history and the rank's window (no reference for a replay,
+  not part of the normal), and a rollback forgets the losses from the anomaly's step on.
 * **Divergence** (`DIVERGENCE`): a resumed attempt that replays a (step, rank) an earlier attempt
   reported is compared with it: relative difference |new - old| / max(|old|, 1e-12), inf when one
   of the two is non-finite and the other is not the same value. Beyond `divergence_tolerance`
@@ -141,19 +143,11 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
             window = book.windows[r.rank] = deque(window or (), maxlen=cfg.loss_spike_window)
         for step, value in r.losses:
             at = book.history.get(step)
-            if at is None:
-                at = book.history[step] = {}
-            prev = at.get(r.rank)
+            prev = at.get(r.rank) if at is not None else None
             if prev is not None and prev[0] >= a.number:
                 continue  # already seen in this attempt (a report sent twice)
-            if prev is None:
-                book.values += 1
-            at[r.rank] = (a.number, value)
-            if step > book.max_step:
-                book.max_step = step
-            if prev is not None:
-                f = _compare(sv, ev.node, r.rank, step, value, prev, tol)
-                stop = stop or f
+            # An anomaly is reported as one, and kept out of the history and the rank's window: it is
+            # no reference for a replay (a rollback is meant not to repeat it) nor part of the normal.
             if not math.isfinite(value):
                 f = _anomaly(sv, ev.node, r.rank, step, value, "non_finite", 0.0, r.reported_at)
                 stop = stop or f
@@ -163,7 +157,17 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
                 if med > 0 and value > factor * med:
                     f = _anomaly(sv, ev.node, r.rank, step, value, "spike", med, r.reported_at)
                     stop = stop or f
-                    continue  # a spike does not become part of the rank's normal
+                    continue
+            if at is None:
+                at = book.history[step] = {}
+            if prev is None:
+                book.values += 1
+            at[r.rank] = (a.number, value)
+            if step > book.max_step:
+                book.max_step = step
+            if prev is not None:
+                f = _compare(sv, ev.node, r.rank, step, value, prev, tol)
+                stop = stop or f
             if window and window[-1][0] >= step:
                 continue  # a step out of order (replayed after a resume the window already covers)
             window.append((step, value))
@@ -355,4 +359,7 @@ def resume_step(sv: Supervisor) -> int:
         cut, book.rollback_before = book.rollback_before, None
         sv.committed = {c for c in sv.committed if c < cut}
         sv.latest_committed = max(sv.committed, default=-1)
+        for s in [s for s in book.history if s >= cut]:  # the state that made the anomaly: no reference
+            book.values -= len(book.history.pop(s))
+        book.max_step = max(book.history, default=-1)
     return sv.latest_committed

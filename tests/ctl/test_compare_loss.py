@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.ctl.compare_loss import compare
+from controller.ctl.compare_loss import compare, to_json
 from controller.ctl.main import main
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import AttemptExited, CheckpointCommitted, DumpsCollected
@@ -32,7 +32,7 @@ def restart(d: Driver) -> None:
 
 def synthetic_log(path: Path) -> Path:
     """Attempt 1 runs to step 30 (commit 20); attempt 2 replays 21-30 identically, runs to 45 (commit
-    40); attempt 3 replays 41-45 with rank 1's loss off by 1 % from step 43, then a NaN at 45."""
+    40); attempt 3 replays 41-45 with rank 1's loss off by 1 % from step 43, then a NaN at 45 (a LOSS_ANOMALY, no comparison)."""
     d = Driver(cfg=fast(), nodes=2, run="llm")
     d.start()
     d.steps(1, 30, loss=curve)
@@ -64,7 +64,7 @@ def test_compare_loss_shows_each_resumed_attempt_offline(
     a2, a3 = out.split("\nattempt 3")
     assert "attempt 2 resumed from step 20: 10 replayed (steps 21-30), max relative difference 0" in a2
     assert "identical" in a2 and "DIVERGED" not in a2
-    assert " resumed from step 40: 5 replayed (steps 41-45), max relative difference inf" in a3
+    assert " resumed from step 40: 5 replayed (steps 41-45), max relative difference 0.01" in a3
     assert "DIVERGED" in a3 and "divergence after resume: step 43 rank 1 on n2" in a3
     row43 = next(line for line in a3.splitlines() if line.split()[:1] == ["43"])
     assert "n2" in row43 and "(a2)" in row43 and "0.01" in row43
@@ -80,11 +80,11 @@ def test_compare_loss_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert a2["divergence"] is None and a2["resume_step"] == 20 and a2["tolerance"] == 1e-6
     assert [s["step"] for s in a2["steps"]] == list(range(21, 31))
     assert all(s["earlier_attempt"] == 1 and s["ranks_compared"] == 2 for s in a2["steps"])
-    assert a3["diverged"] and a3["max_rel_diff"] == "Infinity"
+    assert a3["diverged"] and a3["max_rel_diff"] == pytest.approx(0.01)
     assert a3["divergence"]["step"] == 43 and a3["divergence"]["rank"] == 1
     assert a3["divergence"]["rel_diff"] == pytest.approx(0.01)
-    s45 = a3["steps"][-1]
-    assert s45["step"] == 45 and s45["loss"] == "NaN" and s45["earlier_loss"] == pytest.approx(curve(45, 1))
+    s45 = a3["steps"][-1]  # rank 1's NaN is a LOSS_ANOMALY, not a comparison: rank 0 alone
+    assert s45["step"] == 45 and s45["rank"] == 0 and s45["ranks_compared"] == 1 and s45["rel_diff"] == 0
     assert main(["compare-loss", "llm", "--log", str(log), "--json", "--attempt", "2"]) == 0
     assert [a["attempt"] for a in json.loads(capsys.readouterr().out)["attempts"]] == [2]
 
@@ -109,6 +109,11 @@ def test_a_step_split_over_two_events_is_merged() -> None:
     (c,) = compare([replay([(11, 0, 0.0, 3), (12, 0, 0.0, 3)]), replay([(12, 5, 0.5, 1)])], "r")
     assert (
         c.points[12].rank == 5 and c.points[12].ranks_compared == 4 and c.max_rel_diff == 0.5 and c.diverged
+    )
+    c.points[12].loss, c.points[12].rel_diff = math.nan, math.inf
+    doc = json.loads(json.dumps(to_json("r", [c]), allow_nan=False))  # strict JSON
+    assert (
+        doc["attempts"][0]["steps"][1]["loss"] == "NaN" and doc["attempts"][0]["max_rel_diff"] == "Infinity"
     )
 
 

@@ -330,3 +330,40 @@ def test_a_live_policy_change_of_the_window_keeps_the_newest_losses() -> None:
     assert [s for s, _ in d.sup.losses.windows[0]] == [10, 11, 12, 13]
     out = d.steps(14, 14, loss=lambda s, r: 10.0)
     assert [e.loss.rule for e in d.events(E.EVENT_KIND_LOSS_ANOMALY, out)] == ["spike"]
+
+
+def test_after_a_rollback_the_replay_to_the_anomaly_is_compared_and_nothing_past_it() -> None:
+    cfg = fast(on_loss_anomaly="stop", loss_spike_factor=5.0, loss_spike_window=5, loss_spike_warmup_steps=0)
+    d = Driver(cfg=cfg, nodes=2)
+    d.start()
+    d.steps(1, 24, loss=curve)
+    d.send(CheckpointCommitted(step=20))
+    d.progress(25, nodes=["n1"], loss=curve)  # n1's report of step 25 came first, and then n2's spike
+    out = d.progress(25, nodes=["n2"], loss=lambda s, r: 100.0)
+    assert [e.loss.rule for e in d.events(E.EVENT_KIND_LOSS_ANOMALY, out)] == ["spike"]
+    stop_all(d, 1)
+    assert d.launches[-1].resume_step == 20 and max(d.sup.losses.history) == 24
+    out = d.steps(21, 30, loss=curve)  # a clean replay: the spike does not come back
+    assert not d.events(E.EVENT_KIND_DIVERGENCE, out) and not d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    (rep,) = d.events(E.EVENT_KIND_LOSS_REPLAY, out)
+    assert [p.step for p in rep.loss.points] == [21, 22, 23, 24] and rep.loss.max_rel_diff == 0
+
+
+def test_a_nan_is_no_reference_for_a_replay() -> None:
+    d = Driver(cfg=fast(), nodes=1)
+    d.start()
+    d.steps(1, 24, loss=curve)
+    d.send(CheckpointCommitted(step=20))
+    d.progress(25, loss=lambda s, r: math.nan)  # paged, the attempt goes on
+    d.steps(26, 27, loss=curve)
+    crash_and_restart(d)
+    out = d.steps(21, 27, loss=curve)
+    assert not d.events(E.EVENT_KIND_DIVERGENCE, out)
+    assert [p.step for r in d.events(E.EVENT_KIND_LOSS_REPLAY, out) for p in r.loss.points] == [
+        21,
+        22,
+        23,
+        24,
+        26,
+        27,
+    ]
