@@ -27,13 +27,14 @@ that stops because its peers agreed to (a collective over their flags) calls
 
 Steps are counted as steps completed, the same number a checkpoint saved at that point carries.
 
-Timings: a `report()` without `step_time_s`/`compute_s`/`wait_s` measures them. The step time is
-the host time since the previous report (or since `loaded()`); the wait is what
-the collective timer (`time_collectives()`, nodeagent.timing: DDP's gradient all-reduce after
-backward compute is done, plus `waiting()` blocks) counted meanwhile; compute is the rest. An
-injected slow-down (the agent's `slow_s`, from `controllerctl chaos NODE slow-rank`) is slept at the end of
-`report()`, outside any collective, so it lands in the next step's compute. A report repeating the
-step just reported (the marks around a checkpoint save) carries that step's timings again and
+Timings: a `report()` without `step_time_s`/`compute_s`/`wait_s` measures them. The step time
+is the host time since the previous report (or since `loaded()`), divided by the steps it covers
+(a report every k steps sends per-step averages); the wait is what the collective timer
+(`time_collectives()`, nodeagent.timing: DDP's gradient all-reduce after backward compute is done,
+plus `waiting()` blocks) counted meanwhile, likewise per step; compute is the rest. An injected
+slow-down (the agent's `slow_s`, from `controllerctl chaos NODE slow-rank`) is slept at the end
+of `report()`, outside any collective, so it lands in the next step's compute. A report repeating
+the step just reported (the marks around a checkpoint save) carries that step's timings again and
 starts the next interval, so a save's time is no step's compute. Without a timer (no
 `time_collectives()`, no `waiting()`) compute and wait are sent as 0: not measured. Timings passed
 explicitly are sent as given (missing ones as 0).
@@ -135,6 +136,7 @@ class ProgressReporter:
         self._timer: CollectiveTimer | None = None
         self._interval_start = time.perf_counter()
         self._timed_step: int | None = None  # the step the last measured timings belong to
+        self._interval_step: int | None = None  # the step the current interval starts after
         self._timings = (0.0, 0.0, 0.0)  # its (step time, compute, wait)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
@@ -181,17 +183,21 @@ class ProgressReporter:
         return self._timer.waiting()
 
     def _measure(self, step: int) -> tuple[float, float, float]:
-        """(step time, compute, wait) since the previous report of an earlier step (see the module doc)."""
+        """Per-step (step time, compute, wait) since the previous report (see the module doc): a
+        report every k steps sends the interval's averages."""
         now = time.perf_counter()
         wait = self._timer.take() if self._timer is not None else 0.0
         start, self._interval_start = self._interval_start, now
         if step == self._timed_step:  # a repeat (around a save): that step's timings, a new interval
             return self._timings
-        step_time = max(0.0, now - start)
+        since = self._interval_step
+        steps = step - since if since is not None and step > since else 1
+        self._interval_step = step
+        step_time = max(0.0, now - start) / steps
         if self._timer is None:
             timings = (step_time, 0.0, 0.0)
         else:
-            wait = min(wait, step_time)
+            wait = min(wait / steps, step_time)
             timings = (step_time, step_time - wait, wait)
         self._timed_step, self._timings = step, timings
         return timings
@@ -215,6 +221,8 @@ class ProgressReporter:
         if step_time_s is None and compute_s is None and wait_s is None:
             step_time_s, compute_s, wait_s = self._measure(step)
         else:
+            if self._timer is not None:
+                self._timer.take()  # superseded by the caller's own numbers (and kept from piling up)
             step_time_s, compute_s, wait_s = step_time_s or 0.0, compute_s or 0.0, wait_s or 0.0
         self._last_step = step
         if loss is not None:
@@ -251,6 +259,7 @@ class ProgressReporter:
         if self._timer is not None:
             self._timer.take()  # collectives of the load belong to no step
         self._interval_start = time.perf_counter()  # the first step's time starts here
+        self._interval_step = max(0, self._loaded)
         self._pending.append((max(0, self._loaded), 0.0, 0.0, 0.0, False, None, time.time()))
         self.flush()
 

@@ -165,6 +165,20 @@ def test_explicit_wait_and_repeated_step_reports() -> None:
     r.close()
 
 
+def test_a_report_every_k_steps_sends_per_step_averages() -> None:
+    r = _reporter()
+    r.loaded(10)  # resumed at step 10: the interval starts there
+    time.sleep(0.06)
+    with r.waiting():
+        time.sleep(0.06)
+    r.report(13)  # three steps in one report: per step 0.04 s, 0.02 of it waiting (undivided: 0.12)
+    timings = r.last_timings
+    assert timings is not None
+    step, step_time, compute, wait = timings
+    assert step == 13 and 0.04 <= step_time < 0.1 and 0.02 <= wait < 0.05 and compute >= 0.02
+    r.close()
+
+
 def test_without_a_timer_compute_and_wait_are_not_guessed() -> None:
     r = _reporter()
     time.sleep(0.01)
