@@ -12,7 +12,7 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
 
 The data is synthetic and deterministic: batch `i` of rank `r` is a function of (seed, i, r) only,
 so the data position is the step and a resumed run sees exactly the batches an uninterrupted run
-would. Every rank appends `{"step", "loss", "attempt"}` to `<out>/loss-rank<r>.jsonl`; the e2e
+would. Every rank appends `{"step", "loss", "attempt", "ts"}` to `<out>/loss-rank<r>.jsonl`; the e2e
 test compares those losses with an uninterrupted run of the same seed.
 
     torchrun --nproc-per-node=2 examples/train.py --steps 50 --ckpt-dir /tmp/ck --out /tmp/out
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -52,14 +53,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=600.0,
         help="per-collective timeout (PyTorch's default is 10 minutes)",
     )
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout after each hidden layer (uses the RNG)"
+    )
+    # Test-only switches (tests/e2e/test_loss_checks.py): what the supervisor's loss rules must catch.
+    p.add_argument(
+        "--test-skip-rng-restore",
+        action="store_true",
+        help="TEST ONLY: resume without restoring the RNG states (a resume bug: the replay diverges)",
+    )
+    p.add_argument(
+        "--test-nan-at-step",
+        type=int,
+        default=-1,
+        help="TEST ONLY: in attempt 1, report a NaN loss for this step (steps completed)",
+    )
     return p.parse_args(argv)
 
 
 class MLP(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
         super().__init__()
+        drop = [nn.Dropout(dropout)] if dropout > 0 else []
         self.net = nn.Sequential(
-            nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+            nn.Linear(16, width),
+            nn.Tanh(),
+            *drop,
+            nn.Linear(width, width),
+            nn.Tanh(),
+            *drop,
+            nn.Linear(width, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     attempt = int(os.environ.get("RUNWARDEN_ATTEMPT", "0") or 0)
 
     torch.manual_seed(args.seed)
-    model = nn.parallel.DistributedDataParallel(MLP(args.width))
+    model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout))
     reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.timing)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
-        loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
+        loaded = trainer.load_checkpoint(
+            found, model=model, optimizer=opt, rank=rank, restore_rng=not args.test_skip_rng_restore
+        )
         start = int(loaded.data_state["next_step"])
         if rank == 0:
             reporter.set_committed(loaded.step)
@@ -114,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         stop = bool(flag.item())
         if stop and not reporter.stop_reason:
             reporter.stopping("a peer rank's stop request")  # so this node's exit is a planned stop too
-        loss_log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt}) + "\n")
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
-        reporter.report(done, loss=loss.item())  # step time, compute and wait measured by the reporter
+        reported = math.nan if done == args.test_nan_at_step and attempt == 1 else loss.item()
+        loss_log.write(
+            json.dumps({"step": step, "loss": loss.item(), "attempt": attempt, "ts": time.time()}) + "\n"
+        )
+        reporter.report(done, loss=reported)  # step time, compute and wait measured by the reporter
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, in_checkpoint=True)  # a repeat of the step: its timings, not the save's
             try:
@@ -138,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if commit is not None:
                 reporter.set_committed(done)
-            reporter.report(done, loss=loss.item())
+            reporter.report(done, loss=reported)
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break
