@@ -4,7 +4,7 @@
     ddp = DistributedDataParallel(model)
     reporter.time_collectives(ddp)            # once, before the first forward
     for step in ...:
-        loss = ddp(x).loss; loss.backward(); opt.step()
+        loss = loss_fn(ddp(x), y); loss.backward(); opt.step()
         with reporter.waiting():               # an explicit collective of the loop's own
             dist.all_reduce(flag)
         reporter.report(step + 1, loss=loss.item())   # step time, compute and wait filled in
@@ -28,14 +28,18 @@ What the future's completion means:
   its callback runs at once on the host, with its current stream made to wait for the NCCL stream.
   A host timestamp there says nothing about the device, so on CUDA both moments are CUDA events
   instead: one recorded on the backward's stream when the bucket is ready, one on the callback's
-  stream (ordered after the all-reduce on the device). `take()` waits for the step's last events
-  (the optimizer step's kernels follow the all-reduce anyway) and reads their elapsed time.
+  stream (ordered after the all-reduce on the device). `take()` (at each report) synchronizes on
+  the step's last events, a host wait for the all-reduce the optimizer step's kernels follow
+  anyway, and reads their elapsed time. The step time stays host time between reports: a loop
+  that never synchronizes lets the host run ahead of the device, so the wait is capped at it.
 
 What the timer cannot see: collectives outside DDP's gradient all-reduce that are not inside
-`waiting()` (they count as compute); time a rank waits before its first bucket is ready (e.g. a
-peer still in its forward pass while this rank is already in backward: the all-reduces it waits
-for overlap its own backward); a backward under `no_sync()` (no all-reduce, all compute); on CUDA,
-host-side stalls inside `waiting()` are host time while the DDP part is device time.
+`waiting()` (they count as compute); waiting that overlaps this rank's own backward (an early
+bucket's all-reduce blocked on a slow peer while later buckets are still being computed): only
+what is left after the last bucket is ready counts, so a peer's delay shorter than this rank's
+remaining backward does not show; a backward under `no_sync()` (no all-reduce, all compute). A
+`waiting()` block is host time: on CUDA an asynchronous collective inside it times only its
+enqueue unless the block also synchronizes (e.g. `.item()` on the result).
 """
 
 import contextlib
@@ -81,6 +85,10 @@ class _Pass:
     done: list[Any] = field(default_factory=list)
     outstanding: int = 0
 
+    @property
+    def finished(self) -> bool:
+        return self.ready is not None and self.outstanding == 0
+
 
 class CollectiveTimer:
     """Per-step time in collectives: DDP's gradient all-reduce (a comm hook) and `waiting()` blocks.
@@ -88,10 +96,9 @@ class CollectiveTimer:
     Thread-safe: the hook runs on the autograd thread, the completion callbacks on the process
     group's thread, `take()` on the training loop's."""
 
-    def __init__(self, *, device: str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, *, device: str = "cpu") -> None:
         """`device`: where the hooked model's gradients live ("cuda": CUDA events, else host time)."""
         self._stamps: _HostStamps | _CudaStamps = _CudaStamps() if device == "cuda" else _HostStamps()
-        self._clock = clock
         self._lock = threading.Lock()
         self._passes: list[_Pass] = []
         self._explicit_s = 0.0
@@ -129,7 +136,8 @@ class CollectiveTimer:
         tensor = bucket.buffer()
         ready = self._stamps.stamp()
         with self._lock:
-            if not self._passes or self._passes[-1].ready is not None:
+            # DDP launches a backward's buckets in index order: bucket 0 opens a pass
+            if bucket.index() == 0 or not self._passes or self._passes[-1].ready is not None:
                 self._passes.append(_Pass())
             current = self._passes[-1]
             current.outstanding += 1
@@ -152,22 +160,24 @@ class CollectiveTimer:
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         """Count the block's host time as wait (an explicit collective: a barrier, a flag all-reduce)."""
-        start = self._clock()
+        start = time.perf_counter()
         try:
             yield
         finally:
-            elapsed = self._clock() - start
+            elapsed = time.perf_counter() - start
             with self._lock:
                 self._explicit_s += max(0.0, elapsed)
 
     def take(self) -> float:
         """The wait since the last `take()`, in seconds, and start counting afresh.
 
-        A backward pass whose last bucket is not ready or whose all-reduces have not all completed
-        (take() called from inside a backward) stays for the next take()."""
+        The current backward pass, if its last bucket is not ready or its all-reduces have not all
+        completed (take() called from inside a backward), stays for the next take(); an earlier
+        unfinished one (a backward that raised) is dropped."""
         with self._lock:
-            finished = [p for p in self._passes if p.ready is not None and p.outstanding == 0]
-            self._passes = [p for p in self._passes if p.ready is None or p.outstanding > 0]
+            finished = [p for p in self._passes if p.finished]
+            last = self._passes[-1] if self._passes else None
+            self._passes = [last] if last is not None and not last.finished else []
             wait = self._explicit_s
             self._explicit_s = 0.0
         for p in finished:
