@@ -6,8 +6,9 @@ outlived it. A process is a *leftover* when it is alive and
 
 * it was seen in an ended attempt's process tree (the launcher records every pid with its start
   time, so a reused pid is never mistaken for it), or
-* its environment says it was started for this node by an attempt that is not running here now
-  (`RUNWARDEN_NODE/RUN/ATTEMPT`, which torchrun, the ranks and their children inherit): this finds
+* its environment says this agent started it (this node's name and this agent's socket) for an
+  attempt that is not running here now (`RUNWARDEN_NODE/RUN/ATTEMPT`, `RUNWARDEN_AGENT_SOCKET`,
+  which torchrun, the ranks and their children inherit): this finds
   a process that escaped before the launcher first saw it (setsid and a double fork) and the ranks
   of an earlier incarnation of this agent (a crashed agent's ranks are re-parented to init),
 
@@ -49,8 +50,10 @@ class _Found:
     start_ticks: int
 
 
-def find(node: str, workers: Sequence[Worker], procs: list[proctree.ProcInfo]) -> dict[int, _Found]:
-    """The leftovers in `procs` (a /proc snapshot), by pid."""
+def find(
+    node: str, socket: str, workers: Sequence[Worker], procs: list[proctree.ProcInfo]
+) -> dict[int, _Found]:
+    """The leftovers in `procs` (a /proc snapshot), by pid, of the agent of `node` serving `socket`."""
     me = os.getpid()
     live = {p.pid: p for p in proctree.alive(procs)}
     running = [w for w in workers if w.running]
@@ -63,14 +66,14 @@ def find(node: str, workers: Sequence[Worker], procs: list[proctree.ProcInfo]) -
         for pid, start in dict(w.seen).items():
             p = live.get(pid)
             if p is not None and p.start_ticks == start and pid not in current:
-                origins[pid] = Origin(node=node, run=w.run, attempt=w.attempt, how=SEEN_IN_TREE)
+                origins[pid] = Origin(node=node, run=w.run, attempt=w.attempt, how=SEEN_IN_TREE, agent=socket)
     for pid in live:
         if pid in origins or pid in current or pid == me:
             continue
         origin = processes.origin_from_environ(pid)
         if (
             origin is not None
-            and origin.node == node
+            and (origin.node, origin.agent) == (node, socket)  # this agent's, not a neighbour's
             and (origin.run, origin.attempt) not in current_attempts
         ):
             origins[pid] = origin
@@ -90,8 +93,9 @@ class AgentProcesses:
     """One preflight's view of the node's processes (a preflight ProcessView). The leftovers come from
     one /proc snapshot, taken when a check first asks; the GPU-memory holders are judged when asked."""
 
-    def __init__(self, *, node: str, workers: Callable[[], list[Worker]]) -> None:
+    def __init__(self, *, node: str, socket: str, workers: Callable[[], list[Worker]]) -> None:
         self._node = node
+        self._socket = socket
         self._workers = workers
         self._lock = threading.Lock()
         self._found: dict[int, _Found] | None = None
@@ -99,7 +103,7 @@ class AgentProcesses:
     def _snapshot(self) -> dict[int, _Found]:
         with self._lock:
             if self._found is None:
-                self._found = find(self._node, self._workers(), proctree.all_procs())
+                self._found = find(self._node, self._socket, self._workers(), proctree.all_procs())
             return self._found
 
     def leftovers(self) -> list[Leftover]:

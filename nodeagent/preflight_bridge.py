@@ -111,7 +111,9 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         kwargs["only"] = list(request.only)
     if request.budget_s and "budget_s" in params:
         kwargs["budget_s"] = request.budget_s
-    view = leftovers.AgentProcesses(node=agent.config.node, workers=agent.launcher.workers)
+    view = leftovers.AgentProcesses(
+        node=agent.config.node, socket=agent.config.unix_socket, workers=agent.launcher.workers
+    )
     failure: list[BaseException] = []
 
     def work() -> None:

@@ -8,9 +8,10 @@ subreaper of its earlier ranks (the seed's failure: a killed attempt's rank keep
 the next attempt runs out of memory on a healthy node).
 
 Which attempt a process came from is read from the environment the agent's launcher gives every
-rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, nodeagent.launcher.worker_env), which
-torchrun, the ranks and their children inherit; /proc/<pid>/environ is the environment at exec, so a
-rank that changes its own environment later still shows it.
+rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, and `RUNWARDEN_AGENT_SOCKET`, the
+agent it reports to: nodeagent.launcher.worker_env), which torchrun, the ranks and their children
+inherit; /proc/<pid>/environ is the environment at exec, so a rank that changes its own environment
+later still shows it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from preflight.result import CheckResult, failed, passed
 
 # The variables nodeagent.launcher.worker_env sets (preflight does not import the agent).
 NODE_ENV, RUN_ENV, ATTEMPT_ENV = "RUNWARDEN_NODE", "RUNWARDEN_RUN", "RUNWARDEN_ATTEMPT"
+AGENT_ENV = "RUNWARDEN_AGENT_SOCKET"
 MAX_ENVIRON_BYTES = 1 << 20  # a bound on what is read of one process's environment
 LEFTOVERS_TIMEOUT_S = 5.0  # a /proc scan: milliseconds on a busy host; more means /proc is stuck
 
@@ -38,6 +40,9 @@ class Origin:
     run: str
     attempt: int
     how: str  # "its environment" | "seen in the attempt's process tree"
+    # The socket of the agent that launched it ("" unknown): two agents on one host (tests, a demo)
+    # may share a node name, never a socket; an agent restarted with its config keeps its socket.
+    agent: str = ""
 
     def describe(self) -> str:
         node = f"node {self.node} " if self.node else ""
@@ -71,7 +76,9 @@ def origin_in(env: Mapping[str, str], how: str) -> Origin | None:
     run, attempt = env.get(RUN_ENV, ""), env.get(ATTEMPT_ENV, "")
     if not run or not attempt.isdigit():
         return None
-    return Origin(node=env.get(NODE_ENV, ""), run=run, attempt=int(attempt), how=how)
+    return Origin(
+        node=env.get(NODE_ENV, ""), run=run, attempt=int(attempt), how=how, agent=env.get(AGENT_ENV, "")
+    )
 
 
 def environ_of(pid: int) -> dict[str, str] | None:

@@ -230,7 +230,9 @@ def leftover_gpu_memory() -> None:
         "import time, torch\nx = torch.empty(1 << 30, dtype=torch.uint8, device='cuda:0')\n"
         "torch.cuda.synchronize()\nprint('up', flush=True)\ntime.sleep(600)"
     )
+    socket = f"/tmp/gpu-check-{os.getpid()}.sock"  # the agent it claims to come from (never created)
     marks = {"RUNWARDEN_NODE": "gpu-check", "RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1"}
+    marks["RUNWARDEN_AGENT_SOCKET"] = socket
     rank = subprocess.Popen(
         [sys.executable, "-c", code],
         env=dict(os.environ, PYTHONPATH=str(ROOT), **marks),
@@ -239,7 +241,7 @@ def leftover_gpu_memory() -> None:
     )
 
     def check() -> tuple[leftovers.AgentProcesses, dict[tuple[str, int | None], CheckResult]]:
-        view = leftovers.AgentProcesses(node="gpu-check", workers=list)
+        view = leftovers.AgentProcesses(node="gpu-check", socket=socket, workers=list)
         specs = preflight_bridge.agent_specs(view, {})
         report = run_preflight(PreflightConfig(), "quick", only=["inventory", "processes"], specs=specs)
         return view, {(r.name, r.gpu_index): r for r in report.results}
@@ -318,10 +320,9 @@ def collective_timer() -> None:
         assert len(made) >= 2 * 21 and len(made) % 2 == 0, len(made)  # ready + done, per bucket
         for step_time, compute, wait in timings:
             assert 0.0 <= wait <= step_time and abs(compute + wait - step_time) < 1e-9, timings
-        print(
-            f"  {len(made)} CUDA events; median step {statistics.median(t[0] for t in timings) * 1e3:.2f} ms, "
-            f"wait {statistics.median(t[2] for t in timings) * 1e3:.3f} ms (one rank: no peer to wait for)"
-        )
+        step_ms = statistics.median(t[0] for t in timings) * 1e3
+        wait_ms = statistics.median(t[2] for t in timings) * 1e3
+        print(f"  {len(made)} CUDA events; median step {step_ms:.2f} ms, wait {wait_ms:.3f} ms (no peer)")
     finally:
         torch.cuda.Event = real_event  # type: ignore[misc]
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ from preflight.nvml import GpuProcess
 from preflight.result import CheckStatus
 from preflight.runner import run_preflight
 from runwarden.v1 import agent_pb2, common_pb2
-from tests.nodeagent.helpers import ROOT, wait_for
+from tests.nodeagent.helpers import ROOT, AgentProc, wait_for
 from tests.preflight.fake_nvml import FakeGpu, FakeNvml
 
 # The leader forks; the child leaves the session and forks the grandchild (SIGTERM ignored, pid in
@@ -116,14 +116,21 @@ def test_a_crashed_agents_ranks_fail_its_successors_preflight_and_are_killed(age
     wait_for(up.exists, 10, "the worker")
     first.kill()  # SIGKILL: no stop, the rank is re-parented away from the agent
     assert _alive(rank)
-    second = agent_factory(node="n7", flags=["--allow-exec", sys.executable])
+    # Another agent on this host with the same node name (tests, a demo) is not its agent: no claim.
+    other = agent_factory(node="n7", flags=["--allow-exec", sys.executable])
+    result, summary = _preflight(other)
+    assert result.status == common_pb2.CHECK_STATUS_PASS and _alive(rank)
+    # Its successor (what systemd restarts: the same config, so the same socket) claims and kills it.
+    second = AgentProc(first.tmp, node="n7", flags=["--allow-exec", sys.executable])
     try:
+        assert second.socket == first.socket
         result, summary = _preflight(second)
         assert result.status == common_pb2.CHECK_STATUS_FAIL and f"pid {rank}" in result.message
         assert "run r3 attempt 2" in result.message and not summary.passed
         assert not _alive(rank)  # the rank obeyed SIGTERM
         assert "ended after SIGTERM" in second.log()
     finally:
+        second.close()
         if _alive(rank):
             os.kill(rank, signal.SIGKILL)
 
@@ -148,8 +155,18 @@ def procs():
         p.wait()
 
 
+# The agent these processes claim to come from: its own socket path, so that another session's agent
+# named n1 on this host (its ranks are marked with its socket) is never this test's.
+SOCKET = f"/tmp/test-leftovers-{os.getpid()}.sock"
+
+
 def _marks(run: str, attempt: int, node: str = "n1") -> dict[str, str]:
-    return {"RUNWARDEN_NODE": node, "RUNWARDEN_RUN": run, "RUNWARDEN_ATTEMPT": str(attempt)}
+    return {
+        "RUNWARDEN_NODE": node,
+        "RUNWARDEN_RUN": run,
+        "RUNWARDEN_ATTEMPT": str(attempt),
+        "RUNWARDEN_AGENT_SOCKET": SOCKET,
+    }
 
 
 def _worker(popen, run: str, attempt: int, *, ended: bool) -> Worker:
@@ -166,7 +183,9 @@ def test_gpu_memory_of_a_leftover_fails_with_its_attempt_the_running_attempts_do
     current = procs(_marks("r", 3), session=True)  # attempt 3 runs now
     own = procs()  # a child of the agent's own (preflight's matmul, say)
     wait_for(lambda: all(_alive(p.pid) for p in (leftover, current, own)), 10, "the processes")
-    view = leftovers.AgentProcesses(node="n1", workers=lambda: [_worker(current, "r", 3, ended=False)])
+    view = leftovers.AgentProcesses(
+        node="n1", socket=SOCKET, workers=lambda: [_worker(current, "r", 3, ended=False)]
+    )
     gib = 2**30
     fake = FakeNvml(
         gpus=[
@@ -210,11 +229,11 @@ def test_a_process_seen_in_an_ended_attempts_tree_is_a_leftover_a_reused_pid_is_
     wait_for(lambda: _alive(rank.pid), 10, "the rank")
     worker = _worker(rank, "r", 5, ended=True)
     assert worker.seen == {rank.pid: proctree.read_proc(rank.pid).start_ticks}
-    (found,) = leftovers.find("n1", [worker], proctree.all_procs()).values()
+    (found,) = leftovers.find("n1", SOCKET, [worker], proctree.all_procs()).values()
     assert found.leftover.pid == rank.pid and found.leftover.origin.attempt == 5
     assert found.leftover.origin.how == leftovers.SEEN_IN_TREE
     worker.seen[rank.pid] += 1  # the same pid, another start time: another process
-    assert leftovers.find("n1", [worker], proctree.all_procs()) == {}
+    assert leftovers.find("n1", SOCKET, [worker], proctree.all_procs()) == {}
 
 
 def test_a_leftovers_whole_tree_is_killed_term_then_kill(tmp_path) -> None:
@@ -232,7 +251,7 @@ def test_a_leftovers_whole_tree_is_killed_term_then_kill(tmp_path) -> None:
     )
     try:
         child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the rank's child"))
-        view = leftovers.AgentProcesses(node="n1", workers=list)
+        view = leftovers.AgentProcesses(node="n1", socket=SOCKET, workers=list)
         assert [(o.pid, o.origin.attempt) for o in view.leftovers()] == [(rank.pid, 4), (child, 4)]
         t0 = time.monotonic()
         lines = view.clean(0.5)
@@ -250,7 +269,7 @@ def test_a_leftovers_whole_tree_is_killed_term_then_kill(tmp_path) -> None:
 def test_a_failing_kill_is_said_not_raised(monkeypatch, procs) -> None:
     rank = procs(_marks("r", 6), session=True)
     wait_for(lambda: _alive(rank.pid), 10, "the rank")
-    view = leftovers.AgentProcesses(node="n1", workers=list)
+    view = leftovers.AgentProcesses(node="n1", socket=SOCKET, workers=list)
     assert [o.pid for o in view.leftovers()] == [rank.pid]
 
     def broken(*args: object) -> list[str]:
