@@ -1,7 +1,8 @@
 """Automatic compute/wait timing (nodeagent.timing through ProgressReporter): the numbers a real
 3-rank gloo DDP run measures (3, not 2: scaling a gradient by 1/3 is where torch's allreduce_hook
-and DDP's built-in reduction differ in the last bit), fed to the supervisor core's straggler rule (tests/supervisor/harness.py
-Driver), and the CUDA-event path at the torch boundary with only torch.cuda mocked."""
+and DDP's built-in reduction differ in the last bit), fed to the supervisor core's straggler rule
+(tests/supervisor/harness.py Driver); the reporter's arithmetic; and the CUDA-event path at the
+torch boundary with only torch.cuda mocked."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def measured() -> dict[int, dict[str, Any]]:
                 results[rank] = result
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=30)  # a loaded host tears torch down slowly
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
