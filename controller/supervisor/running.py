@@ -31,10 +31,15 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
     if old is None or ev.attempt != a.number or not ev.ranks:
         return
     a.node_seen_at[ev.node] = sv.now
-    stop = loss.observe(sv, ev)
-    if stop is not None:
-        failure.begin(sv, stop, latency=sv.now - sv.losses.stop_since)
-        return
+    _on_steps(sv, ev, old)
+    if sv.state is RunState.RUNNING:  # the step rules may have ended the attempt (a straggler killed)
+        stop = loss.observe(sv, ev)  # the losses the put carries, after its steps are counted
+        if stop is not None:
+            failure.begin(sv, stop, latency=sv.now - sv.losses.stop_since)
+
+
+def _on_steps(sv: Supervisor, ev: ProgressObserved, old: int) -> None:
+    a = sv.cur
     if not a.load_logged:
         loaded = True
         stepped = False

@@ -10,6 +10,7 @@ Commands (one handler each):
   add-nodes 6                       nodes n1..n6 join
   preflight [fail=n3:gpu.count;n4:x]  answer every outstanding preflight (pass unless named)
   steps 1..30 [dt=1] [without=n3] [slow=n3:1.1]   job steps on the running nodes
+        [loss=curve] [nan=n2] [scale=n2:1.001]  each rank's loss (2/(1+0.05 step) + 0.001 rank); n2's NaN; x1.001
   commit 20                         a checkpoint's commit marker was written
   tick 40                           time passes (due timers fire, then one tick)
   lose n3 | join n3                 a lease DELETE / a node registering
@@ -33,7 +34,9 @@ Errors (an unknown pair, a bad value) are output lines (`error: ...`), never an 
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,6 +74,22 @@ def _kv(args: list[str]) -> tuple[list[str], dict[str, str]]:
     pos = [a for a in args if "=" not in a]
     kv = dict(a.split("=", 1) for a in args if "=" in a)
     return pos, kv
+
+
+def _loss(d: Driver, kv: dict[str, str]) -> Callable[[int, int], float]:
+    """steps' loss=curve [nan=NODE] [scale=NODE:FACTOR]: a deterministic curve per (step, rank)."""
+    ranks = {node: i for i, node in enumerate(d.running_nodes())}  # node rank: its ranks' block
+    per = d.ranks_per_node
+    nan = {ranks[kv["nan"]]} if "nan" in kv else set()
+    node, _, factor = kv.get("scale", ":1").partition(":")
+    scaled = {ranks[node]} if node else set()
+
+    def loss(step: int, rank: int) -> float:
+        if rank // per in nan:
+            return math.nan
+        return (2.0 / (1.0 + 0.05 * step) + 0.001 * rank) * (float(factor) if rank // per in scaled else 1.0)
+
+    return loss
 
 
 class Runner:
@@ -209,6 +228,8 @@ class Runner:
             else int(v)
             if fields[k].type == "int"
             else float(v)
+            if fields[k].type != "str"
+            else v
             for k, v in kv.items()
         }
         self.d = Driver(cfg=SupervisorConfig(**typed), nodes=nodes)  # typed above
@@ -234,8 +255,9 @@ class Runner:
             node, factor = kv["slow"].split(":")
             compute[node] = 0.8 * dt * float(factor)
         nodes = [n for n in self.d.running_nodes() if n not in without]
+        loss = _loss(self.d, kv) if "loss" in kv else None
         for s in range(first, last + 1):
-            self.d.progress(s, dt=dt, nodes=nodes, compute=compute)
+            self.d.progress(s, dt=dt, nodes=nodes, compute=compute, loss=loss)
             self.d.advance(0)
 
     def cmd_commit(self, args: list[str]) -> None:
