@@ -21,6 +21,8 @@ _KIND_COLOUR = {
     "attribution": "red",
     "quarantine": "red",
     "page": "red",
+    "loss-anomaly": "red",
+    "divergence": "red",
     "first-step": "green",
     "checkpoint-commit": "green",
     "launch": "blue",
