@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -32,19 +31,13 @@ SLOW = 1  # the rank slowed in the slow scenarios
 Timings = list[tuple[int, float, float, float]]  # per step: (step, step time, compute, wait)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def measured() -> dict[int, dict[str, Any]]:
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Every rank's results of one real gloo DDP run of every scenario (tests/nodeagent/timing_job.py)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=timing_job.run_rank, args=(r, WORLD, port, SLOW, out)) for r in range(WORLD)]
+    store = str(tmp_path_factory.mktemp("timing") / "store")
+    procs = [ctx.Process(target=timing_job.run_rank, args=(r, WORLD, store, SLOW, out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}

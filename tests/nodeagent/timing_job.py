@@ -16,7 +16,6 @@ scenario the reporter's own timings of every step (`ProgressReporter.last_timing
 
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
 import threading
@@ -149,10 +148,12 @@ def _timed(
     return measured
 
 
-def run_rank(rank: int, world: int, port: int, slow_rank: int, out: Any) -> None:
+def run_rank(rank: int, world: int, store: str, slow_rank: int, out: Any) -> None:
+    """`store`: a file for the rendezvous (no TCP port to pick, so none another process can take)."""
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     result: dict[str, Any] = {
         "unhooked": _losses(rank, hooked=False),
         "hooked": _losses(rank, hooked=True),
