@@ -92,7 +92,13 @@ def ring_rounds(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
 
 
 def measure_group(
-    rpc: AllReduceRpc, nodes: tuple[str, ...], group_id: str, timeout_s: float, clock: Callable[[], float]
+    rpc: AllReduceRpc,
+    nodes: tuple[str, ...],
+    group_id: str,
+    timeout_s: float,
+    clock: Callable[[], float],
+    *,
+    iterations: int = ITERATIONS,
 ) -> Figure:
     """One all-reduce across `nodes` (nodes[0] is rank 0), within `timeout_s`.
 
@@ -111,7 +117,7 @@ def measure_group(
             master_addr=addr,
             master_port=port,
             size_bytes=SIZE_BYTES,
-            iterations=ITERATIONS,
+            iterations=iterations,
             warmup=WARMUP,
             timeout_s=max(0.1, end - clock()),
         )
@@ -169,9 +175,11 @@ def run_gate(
     nodes: tuple[str, ...],
     timeout_s: float,
     *,
+    iterations: int = ITERATIONS,
     clock: Callable[[], float] = time.monotonic,
 ) -> BandwidthMeasured | str:
-    """The set, then the ring pairs; a `BandwidthMeasured`, or the reason nothing could be measured."""
+    """The set, then the ring pairs; a `BandwidthMeasured`, or the reason nothing could be measured.
+    iterations: timed all-reduces per group (a burn-in soak runs many more than the gate)."""
     start = clock()
     deadline = start + timeout_s * (1 - _MARGIN_RATIO) - _MARGIN_S
     token = uuid.uuid4().hex[:8]
@@ -184,7 +192,7 @@ def run_gate(
     def group(members: tuple[str, ...], group_id: str, budget: float) -> Figure:
         if budget < _MIN_GROUP_S:
             return Figure(nodes=members, error=f"no time left in the gate's budget of {timeout_s:g}s")
-        return measure_group(rpc, members, group_id, budget, clock)
+        return measure_group(rpc, members, group_id, budget, clock, iterations=iterations)
 
     whole = group(nodes, f"bw-{token}-set", share(stages))
     figures: list[Figure] = [whole]
@@ -209,7 +217,7 @@ def run_gate(
     if not any(f.ok for f in figures):
         return f"no all-reduce could run ({duration:.1f}s): {_failures(figures)}"
     backend = next(f.backend for f in figures if f.ok)
-    detail = f"{backend}, {SIZE_BYTES / (1 << 20):g} MiB x {ITERATIONS}"
+    detail = f"{backend}, {SIZE_BYTES / (1 << 20):g} MiB x {iterations}"
     if not all(f.ok for f in figures):
         detail += f"; failed: {_failures(figures)}"
     return BandwidthMeasured(

@@ -455,7 +455,12 @@ class Executor:
         """The set, then the ring pairs (controller.live.bandwidth), within the action's timeout.
         Nothing measured at all is a temporary ActionFailed: the core launches without the gate."""
         try:
-            answer: BandwidthMeasured | str = bandwidth.run_gate(self.agents, action.nodes, action.timeout_s)
+            answer: BandwidthMeasured | str = bandwidth.run_gate(
+                self.agents,
+                action.nodes,
+                action.timeout_s,
+                iterations=action.iterations or bandwidth.ITERATIONS,
+            )
         except Exception as exc:  # a bug here must not leave the core waiting out its timer
             log.exception("bandwidth gate")
             answer = f"the measurement failed: {type(exc).__name__}: {exc}"[:500]

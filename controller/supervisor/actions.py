@@ -46,10 +46,15 @@ class MeasureBandwidth:
 
     The shell runs `preflight.collective` on the nodes together (one rank per node: gloo on CPU, NCCL
     on GPUs) and, to locate a slow link, in pairs around the ring ((0,1), (2,3), ... then (1,2), ...).
-    Answer with `BandwidthMeasured`: the set's figure and each node's best pair figure."""
+    Answer with `BandwidthMeasured`: the set's figure and each node's best pair figure.
+
+    purpose: "gate" (the next attempt's set) or "burn_in" (a burned-in node soaked with idle
+    neighbours, `nodes[0]` the node). iterations: timed all-reduces per group (0: the shell's own)."""
 
     nodes: tuple[str, ...]
     timeout_s: float
+    purpose: str = "gate"
+    iterations: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, prepare, restart
+from controller.supervisor import failure, nodes, prepare, restart, soak
 from controller.supervisor.actions import (
     AllocateFromQueue,
     CollectDumps,
@@ -81,6 +81,8 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
             for node in (ev.node,) if ev.node else act.nodes:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
             sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
+        case MeasureBandwidth(purpose="burn_in"):
+            soak.unanswered(sv, act.nodes, what, nodes.record_burn_in)
         case MeasureBandwidth() if sv.state is RunState.PREFLIGHT and act.nodes == sv.gate_pending:
             prepare.gate_unanswered(sv, what)
         case CollectDumps() if sv.state is RunState.COLLECTING and act.attempt == sv.attempt:

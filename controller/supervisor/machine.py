@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.supervisor import prepare
+from controller.supervisor import prepare, soak
 from controller.supervisor.actions import (
     Action,
     Batch,
@@ -134,6 +134,7 @@ class Supervisor:
         self.queue_retry_at = 0.0
         self.from_queue: set[str] = set()
         self.burn_in: set[str] = set()
+        self.soaks: dict[str, soak.Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)

@@ -3,12 +3,13 @@ operators, burn-in. The table (controller/supervisor/machine.py) says which stat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from controller.supervisor import detectors, failure, prepare
+from controller.supervisor import detectors, failure, prepare, soak
 from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
+    BandwidthMeasured,
     CheckpointCommitted,
     CheckpointFailed,
     EvidenceObserved,
@@ -293,31 +294,59 @@ def on_preflight_preparing(sv: Supervisor, ev: PreflightResult) -> None:
 
 def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
     sv.burn_in.discard(ev.node)
-    outcome = sv.pool.burn_in_result(ev.node, ev.passed, ev.failed_checks)
+    node = sv.pool.get(ev.node)
+    last_pass = (
+        ev.passed and node.state is PoolState.BURN_IN and node.burn_in_passes + 1 >= sv.cfg.burn_in_passes
+    )
+    if last_pass and ev.node not in sv.soaks and soak.start(sv, ev.node, prepare.detail(ev)):
+        return  # the release waits for the soak's verdict (on_bandwidth, or its deadline)
+    record_burn_in(sv, ev.node, ev.passed, ev.failed_checks, "", detail=prepare.detail(ev))
+
+
+def record_burn_in(
+    sv: Supervisor,
+    name: str,
+    passed: bool,
+    failed_checks: tuple[str, ...],
+    why: str,
+    detail: E.PreflightDetail | None = None,
+) -> None:
+    """A burn-in's result (its last stage's: node-local, or the neighbour soak): release, again, or out."""
+    outcome = sv.pool.burn_in_result(name, passed, failed_checks)
     if outcome == "stale":
         return
-    node = sv.pool.get(ev.node)
+    node = sv.pool.get(name)
     done = node.burn_in_passes if outcome != "released" else sv.cfg.burn_in_passes
+    extra: dict[str, Any] = {} if detail is None else {"preflight": detail}
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
-        f"burn-in of {ev.node}: {'passed' if ev.passed else 'failed'} "
+        f"burn-in of {name}: {'passed' if passed else 'failed'} "
         f"({done}/{sv.cfg.burn_in_passes} in a row)"
-        + (f"; failed {', '.join(ev.failed_checks)}" if ev.failed_checks else ""),
-        preflight=prepare.detail(ev),
+        + (f"; failed {', '.join(failed_checks)}" if failed_checks else "")
+        + (f"; {why}" if why else ""),
+        **extra,
     )
-    sv.persist(ev.node)
+    sv.persist(name)
     if outcome == "released":
         reason = f"passed {burn_in_passes_text(sv.cfg.burn_in_passes)} in a row"
         sv.log(
             E.EVENT_KIND_RELEASE,
-            f"{ev.node} returns to the spare pool: {reason}",
-            release=E.ReleaseDetail(node=ev.node, reason=reason),
+            f"{name} returns to the spare pool: {reason}",
+            release=E.ReleaseDetail(node=name, reason=reason),
         )
-        sv.emit_release(ev.node, reason)
+        sv.emit_release(name, reason)
         if sv.state is RunState.PREFLIGHT:
             prepare.fill_slots(sv)
     elif outcome == "again" and node.alive:
-        sv.begin_burn_in(ev.node)
+        sv.begin_burn_in(name)
+
+
+def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
+    """Every state: a burn-in soak's answer; in PREFLIGHT otherwise the gate's."""
+    if soak.on_measured(sv, ev, record_burn_in):
+        return
+    if sv.state is RunState.PREFLIGHT:
+        prepare.on_bandwidth(sv, ev)
     # "failed": needs repair; burn-in again when it re-registers or an operator releases it
 
 

@@ -48,6 +48,14 @@ class SupervisorConfig:
     burn_in_mode: str = "burn_in"
     burn_in_passes: int = 1
     burn_in_timeout_s: float = 4000.0
+    # After its node-local stages pass, a burned-in node soaks an all-reduce with this many idle
+    # spares (best reputation first; 0: off): the link burn-in no node can do alone. It passes at
+    # bandwidth_gate_ratio x the floor (bandwidth_floor_gbps, or the neighbours' own median), with
+    # burn_in_soak_iterations timed all-reduces per group, within burn_in_soak_timeout_s (no answer
+    # in time, or no idle neighbour: released on the node-local stages alone, and the log says so).
+    burn_in_soak_neighbours: int = 2
+    burn_in_soak_iterations: int = 50
+    burn_in_soak_timeout_s: float = 300.0
     hold_after_failures: int = 2  # failures within hold_window_s that put a node on hold
     hold_window_s: float = 7 * DAY_S
     # A node clean this long (since first seen or its last failure; never with a straggler flag or a
@@ -126,6 +134,8 @@ class SupervisorConfig:
             "loss_history_steps": 1,
             "restart_budget": 0,
             "burn_in_passes": 1,
+            "burn_in_soak_neighbours": 0,
+            "burn_in_soak_iterations": 1,
             "hold_after_failures": 1,
             "straggler_window": 1,
             "crash_loop_count": 2,
@@ -144,6 +154,7 @@ class SupervisorConfig:
             "backoff_reset_s",
             "preflight_timeout_s",
             "burn_in_timeout_s",
+            "burn_in_soak_timeout_s",
             "bandwidth_floor_gbps",
             "bandwidth_gate_timeout_s",
             "queue_wait_s",

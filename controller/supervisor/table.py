@@ -62,6 +62,7 @@ from controller.supervisor import (
     prepare,
     reconfigure,
     running,
+    soak,
 )
 from controller.supervisor.events import (
     ActionFailed,
@@ -121,6 +122,7 @@ _AFTER_CP = (S.RUNNING, S.COLLECTING, S.STOPPING, S.PREFLIGHT, S.WAITING_NODES, 
 
 def _tick(fn: Callable[[Any], None]) -> Handler:
     def on_tick(sv: Any, ev: Tick) -> None:
+        soak.expire(sv, nodes.record_burn_in)  # a burn-in soak past its deadline, in any live state
         fn(sv)
 
     on_tick.__name__ = f"tick:{getattr(fn, '__module__', '').rsplit('.', 1)[-1]}.{fn.__name__}"
@@ -167,7 +169,8 @@ def _row(
         ControlPlaneRestored: cp_restored,
         Snapshot: snapshot,
         ActionFailed: failed,
-        BandwidthMeasured: bandwidth or IGNORE,  # outside PREFLIGHT: for a set no longer in play
+        # a burn-in soak's answer in any state; in PREFLIGHT also the gate's (else a set no longer in play)
+        BandwidthMeasured: bandwidth or _on(nodes.on_bandwidth),
         PolicyChanged: _on(reconfigure.on_policy_changed),  # every state: the next decision uses it
     }
 
@@ -209,7 +212,7 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
         failed=_on(failed_actions.on_action_failed, S.RUNNING),
-        bandwidth=_on(prepare.on_bandwidth, S.RUNNING),
+        bandwidth=_on(nodes.on_bandwidth, S.RUNNING),
         drain=_on(nodes.on_draining, S.RUNNING),
     ),
     S.RUNNING: _row(

@@ -31,6 +31,7 @@ from controller.supervisor.actions import (
 )
 from controller.supervisor.events import (
     AttemptExited,
+    BandwidthMeasured,
     Event,
     NodeJoined,
     PreflightResult,
@@ -74,6 +75,7 @@ class Driver:
         self.batch: list[Item] = []
         self.timers = Timers()
         self.preflight_out: list[RunPreflight] = []
+        self.soaks_out: list[MeasureBandwidth] = []  # burn-in soaks, answered with the preflights
         self.launches: list[Launch] = []
 
     # --- feeding events -----------------------------------------------------------------------
@@ -94,6 +96,8 @@ class Driver:
                 self.timers.set(a.key, a.at)
             elif isinstance(a, RunPreflight):
                 self.preflight_out.append(a)
+            elif isinstance(a, MeasureBandwidth) and a.purpose == "burn_in":
+                self.soaks_out.append(a)
             elif isinstance(a, Launch):
                 self.launches.append(a)
 
@@ -118,16 +122,26 @@ class Driver:
         return names
 
     def answer_preflight(self, fail: dict[str, tuple[str, ...]] | None = None) -> list[Item]:
-        """Answer every outstanding RunPreflight: pass, except nodes in `fail` (name -> checks)."""
+        """Answer every outstanding RunPreflight: pass, except nodes in `fail` (name -> checks); then
+        every burn-in soak, on a flat fabric (1 GB/s everywhere, as the simulator's)."""
         fail = fail or {}
         out: list[Item] = []
-        while self.preflight_out:
-            req = self.preflight_out.pop(0)
-            for n in req.nodes:
-                checks = fail.get(n)
-                out += self.send(
-                    PreflightResult(node=n, passed=checks is None, mode=req.mode, failed_checks=checks or ())
-                )
+        while self.preflight_out or self.soaks_out:
+            if self.preflight_out:
+                req = self.preflight_out.pop(0)
+                for n in req.nodes:
+                    checks = fail.get(n)
+                    out += self.send(
+                        PreflightResult(
+                            node=n, passed=checks is None, mode=req.mode, failed_checks=checks or ()
+                        )
+                    )
+                continue
+            soak = self.soaks_out.pop(0)
+            flat = tuple((n, 1.0) for n in soak.nodes)
+            out += self.send(
+                BandwidthMeasured(nodes=soak.nodes, set_gbps=1.0, per_node_gbps=flat, duration_s=1.0)
+            )
         return out
 
     def start(self, nodes: int | None = None) -> Launch:
@@ -229,7 +243,8 @@ def render(action: Item) -> str | None:
     if isinstance(action, StopAttempt):
         return f"stop attempt={action.attempt} planned={action.planned} grace={action.grace_s:g} {','.join(action.nodes)}"
     if isinstance(action, MeasureBandwidth):
-        return f"measure-bandwidth {','.join(action.nodes)} within {action.timeout_s:g}s"
+        soaked = f" ({action.purpose}, {action.iterations} iterations)" if action.purpose != "gate" else ""
+        return f"measure-bandwidth {','.join(action.nodes)} within {action.timeout_s:g}s{soaked}"
     if isinstance(action, CollectDumps):
         return f"collect-dumps attempt={action.attempt} {','.join(action.nodes)}"
     if isinstance(action, Quarantine):
