@@ -14,7 +14,7 @@ from runwarden.v1 import agent_pb2, common_pb2
 
 
 def _agent_config(**kw: object) -> AgentConfig:
-    return AgentConfig(node="n1", listen="", unix_socket="/tmp/x.sock", **kw)  # type: ignore[arg-type]
+    return AgentConfig(node="n1", listen="", unix_socket="/tmp/x.sock", **kw)
 
 
 def test_unset_values_come_from_the_agent_config_set_ones_stay() -> None:
