@@ -288,7 +288,7 @@ def collective_timer() -> None:
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    torch.cuda.Event = counted  # type: ignore[assignment,misc]  # counts the timer's events
+    torch.cuda.Event = counted  # counts the timer's events
     try:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1)).cuda()
@@ -324,7 +324,7 @@ def collective_timer() -> None:
         wait_ms = statistics.median(t[2] for t in timings) * 1e3
         print(f"  {len(made)} CUDA events; median step {step_ms:.2f} ms, wait {wait_ms:.3f} ms (no peer)")
     finally:
-        torch.cuda.Event = real_event  # type: ignore[misc]
+        torch.cuda.Event = real_event
         dist.destroy_process_group()
 
 
