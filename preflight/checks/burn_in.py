@@ -503,36 +503,48 @@ def _has_torch() -> bool:
     return importlib.util.find_spec("torch") is not None  # looks, without importing it
 
 
-def run_matmul(
-    ctx: CheckContext, matmul: MatmulFn | None = None, worker: DeviceWorker | None = None
+def _device_stage(
+    ctx: CheckContext,
+    stage: str,
+    local: Callable[[], list[Any]] | None,
+    worker: DeviceWorker | None,
+    judge: Callable[[list[Any]], list[CheckResult]],
 ) -> list[CheckResult]:
-    """The matmul stage, in `worker`. `matmul` (a test seam at the torch boundary) runs it in this process."""
-    name = stage_name("matmul")
+    """A device stage (matmul, memory): run in `worker` (or `local`, in this process), under the
+    counters watch; errors and a missing device are results, the outcomes are judged by `judge`."""
+    name = stage_name(stage)
     if not _has_torch():
         return [skipped(name, "torch is not installed on this host")]
-    cfg = ctx.config
-    local = matmul is not None or not cfg.compute.isolate
 
     def work() -> list[CheckResult]:
         try:
-            outcomes: list[LoopOutcome] = _device_outcomes(
-                ctx,
-                "matmul",
-                (lambda: matmul_outcomes(cfg.burn_in, cfg.compute, matmul)) if local else None,
-                worker,
-            )
+            outcomes = _device_outcomes(ctx, stage, local, worker)
         except TimeoutError as exc:
             return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
         except (RuntimeError, OSError) as exc:
             return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]
         if not outcomes:
             return [skipped(name, "device=cuda but torch sees no CUDA device")]
+        return judge(outcomes)
+
+    return watched(ctx, stage, work)
+
+
+def run_matmul(
+    ctx: CheckContext, matmul: MatmulFn | None = None, worker: DeviceWorker | None = None
+) -> list[CheckResult]:
+    """The matmul stage, in `worker`. `matmul` (a test seam at the torch boundary) runs it in this process."""
+    cfg = ctx.config
+    local = matmul is not None or not cfg.compute.isolate
+
+    def judge(outcomes: list[LoopOutcome]) -> list[CheckResult]:
         results = [loop_result(o, cfg.compute.tflops_floor) for o in outcomes]
         if len(outcomes) > 1:
             results.append(loop_spread(outcomes, cfg.compute.gpu_spread_max))
         return results
 
-    return watched(ctx, "matmul", work)
+    run = (lambda: matmul_outcomes(cfg.burn_in, cfg.compute, matmul)) if local else None
+    return _device_stage(ctx, "matmul", run, worker, judge)
 
 
 def run_memory(
@@ -540,29 +552,10 @@ def run_memory(
 ) -> list[CheckResult]:
     """The memory stage, in `worker`. `readback` (a test seam: what a chunk reads back as) runs it in
     this process."""
-    name = stage_name("memory")
-    if not _has_torch():
-        return [skipped(name, "torch is not installed on this host")]
     cfg = ctx.config
     local = readback is not None or not cfg.compute.isolate
-
-    def work() -> list[CheckResult]:
-        try:
-            outcomes: list[MemoryOutcome] = _device_outcomes(
-                ctx,
-                "memory",
-                (lambda: memory_outcomes(cfg.burn_in, cfg.compute, readback)) if local else None,
-                worker,
-            )
-        except TimeoutError as exc:
-            return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
-        except (RuntimeError, OSError) as exc:
-            return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]
-        if not outcomes:
-            return [skipped(name, "device=cuda but torch sees no CUDA device")]
-        return [memory_result(o) for o in outcomes]
-
-    return watched(ctx, "memory", work)
+    run = (lambda: memory_outcomes(cfg.burn_in, cfg.compute, readback)) if local else None
+    return _device_stage(ctx, "memory", run, worker, lambda outcomes: [memory_result(o) for o in outcomes])
 
 
 # --- dcgm, allreduce, storage -----------------------------------------------------------------
