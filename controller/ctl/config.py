@@ -48,14 +48,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _show(value: common_pb2.PolicyValue) -> str:
-    which = value.WhichOneof("value")
-    if which in (None, "unset"):
-        return "none"
-    if which == "flag":
-        return "true" if value.flag else "false"
-    if which == "number":
-        return f"{value.number:g}"
-    return str(getattr(value, which))
+    # imported here, not at the top: `controllerctl status` loads this module and stays light
+    from controller.supervisor.reconfigure import from_value, show
+
+    return show(from_value(value)) if value.WhichOneof("value") else "none"
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -98,18 +94,15 @@ def run_set(args: argparse.Namespace) -> int:
 
 
 def _typed(key: str, value: Any) -> common_pb2.PolicyValue:
-    """A TOML value on the wire (bool before int: a bool is an int in Python)."""
-    if isinstance(value, bool):
-        return common_pb2.PolicyValue(flag=value)
-    if isinstance(value, int):
-        return common_pb2.PolicyValue(integer=value)
-    if isinstance(value, float):
-        return common_pb2.PolicyValue(number=value)
-    if isinstance(value, str):
-        return common_pb2.PolicyValue(text=value)
-    raise CtlError(
-        f"policy key {key}: expected a number, true/false or a string, got {value!r}", ExitCode.USAGE
-    )
+    """A TOML value on the wire, spelled as the core spells it (controller.supervisor.reconfigure)."""
+    from controller.supervisor.reconfigure import to_value
+
+    try:
+        return to_value(value)
+    except ValueError:
+        raise CtlError(
+            f"policy key {key}: expected a number, true/false or a string, got {value!r}", ExitCode.USAGE
+        ) from None
 
 
 def policy_table(data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
