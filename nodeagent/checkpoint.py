@@ -3,30 +3,36 @@
 Layout under a root directory:
 
     <root>/step_000000000120/rank0.pt ...      the step's files, written and fsynced first
-    <root>/step_000000000120/COMMITTED         the marker: JSON {step, files: {name: size}, ...}
+    <root>/step_000000000120/COMMITTED         the marker: JSON {step, files: {name: size},
+                                               sha256: {name: hex}, meta: {...}, committed_at}
 
 Order of obligations: write every file, fsync each, fsync the step directory; then write the
 marker to a temporary name, fsync it, rename it to COMMITTED (atomic), fsync the directory.
 `latest_committed(root)` returns the newest step whose marker parses and whose listed files all
-exist with the recorded sizes, so a crash at any point leaves the previous committed step as the
-answer. No torch here: `nodeagent.trainer` saves and restores models on top of this.
+exist with the recorded sizes (and, for the files the marker also hashes, the recorded SHA-256),
+so a crash at any point leaves the previous committed step as the answer. The same holds for a
+torch.distributed.checkpoint step (nodeagent.dcp: its shards, DCP's `.metadata` and each rank's
+state file are the listed files; `.metadata` is hashed). No torch here: `nodeagent.trainer`
+saves and restores models on top of this.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
 _MAX_MARKER_BYTES = 1024 * 1024
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(Exception):
@@ -40,12 +46,21 @@ class CommittedCheckpoint:
     files: Mapping[str, int]
     committed_at: float
     meta: Mapping[str, Any]
+    sha256: Mapping[str, str] = field(default_factory=dict)  # file name -> hex digest (the hashed ones)
 
 
 def step_dir(root: Path | str, step: int) -> Path:
     if not 0 <= step < 10**12:
         raise CheckpointError(f"step {step} out of range 0..10^12")
     return Path(root) / f"step_{step:012d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,9 +97,15 @@ class CheckpointWriter:
             f.write(data)
 
     def commit(
-        self, *, files: list[str] | None = None, meta: Mapping[str, Any] | None = None
+        self,
+        *,
+        files: list[str] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        hashed: tuple[str, ...] = (),
     ) -> CommittedCheckpoint:
-        """Write the marker listing `files` (default: every file in the step dir) with sizes."""
+        """Write the marker listing `files` (default: every file in the step dir) with sizes, and the
+        SHA-256 of the `hashed` ones among them (small files a reader must trust, e.g. DCP's
+        `.metadata`). `files` may name dot-files (the default listing leaves them out)."""
         fsync_dir(self.path)
         names = (
             sorted(files)
@@ -101,8 +122,20 @@ class CheckpointWriter:
                 sizes[name] = (self.path / name).stat().st_size
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: file {name!r} to commit is missing") from None
+        for name in hashed:
+            if name not in sizes:
+                raise CheckpointError(f"{self.path}: file {name!r} to hash is not among the committed files")
+        digests = {name: sha256_file(self.path / name) for name in hashed}
         now = time.time()
-        body = json.dumps({"step": self.step, "files": sizes, "committed_at": now, "meta": dict(meta or {})})
+        doc: dict[str, Any] = {
+            "step": self.step,
+            "files": sizes,
+            "committed_at": now,
+            "meta": dict(meta or {}),
+        }
+        if digests:
+            doc["sha256"] = digests
+        body = json.dumps(doc)
         tmp = self.path / f".{MARKER}.tmp"
         with open(tmp, "wb") as f:
             f.write(body.encode())
@@ -111,7 +144,12 @@ class CheckpointWriter:
         os.replace(tmp, self.path / MARKER)
         fsync_dir(self.path)
         return CommittedCheckpoint(
-            step=self.step, path=self.path, files=sizes, committed_at=now, meta=dict(meta or {})
+            step=self.step,
+            path=self.path,
+            files=sizes,
+            committed_at=now,
+            meta=dict(meta or {}),
+            sha256=digests,
         )
 
 
@@ -128,11 +166,24 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
     if len(raw) > _MAX_MARKER_BYTES or not isinstance(doc, dict) or doc.get("step") != int(match.group(1)):
         return None
     files = doc.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
+    if not isinstance(files, dict) or not all(
+        _plain_name(k) and isinstance(v, int) and not isinstance(v, bool) for k, v in files.items()
+    ):
+        return None
+    digests = doc.get("sha256", {})
+    if not isinstance(digests, dict) or not all(
+        k in files and isinstance(v, str) and _SHA256.match(v) for k, v in digests.items()
+    ):
         return None
     for name, size in files.items():
         try:
             if (path / name).stat().st_size != size:
+                return None
+        except OSError:
+            return None
+    for name, digest in digests.items():
+        try:
+            if sha256_file(path / name) != digest:
                 return None
         except OSError:
             return None
@@ -144,6 +195,14 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
         files=files,
         committed_at=float(at) if isinstance(at, int | float) else 0.0,
         meta=meta if isinstance(meta, dict) else {},
+        sha256=digests,
+    )
+
+
+def _plain_name(name: object) -> bool:
+    """A file directly in the step directory (a marker naming ../x or a/b lists nothing of ours)."""
+    return (
+        isinstance(name, str) and name not in ("", ".", "..", MARKER) and "/" not in name and "\0" not in name
     )
 
 

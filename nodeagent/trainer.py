@@ -6,12 +6,16 @@
     start = ... load ckpt (its step) or 0 ...
     reporter.loaded(ckpt.step if ckpt else -1)         # the restart's load phase ends here
     reporter.time_collectives(ddp_model)               # per-step wait in DDP's all-reduce (a comm hook)
+    saver = trainer.DcpCheckpointer(ckpt_root, reporter=reporter)   # torch.distributed.checkpoint, async
     for step in range(start, steps):
         ...train one step...
         reporter.report(step + 1, loss=loss)            # step time, compute and wait measured
         if reporter.stop_requested():                   # SIGTERM, the stop file or the agent's flag
-            trainer.save_checkpoint(ckpt_root, step + 1, model=m, optimizer=o, data_state={...})
+            saver.save(step + 1, model=m, optimizer=o, data_state={...}); saver.wait()
             reporter.close(); sys.exit(0)
+
+Loading: `trainer.load_checkpoint(found, model=m, optimizer=o)` reads either format (DCP, or the
+old `save_checkpoint`'s `rank<r>.pt`); nodeagent.dcp says how a DCP step is committed and checked.
 
 A SIGTERM to the rank (Kubernetes' notice, scancel, preemption, torchrun forwarding its own) is a
 stop request: the reporter, created in the main thread, installs a handler that only sets a flag
@@ -69,11 +73,13 @@ from nodeagent.checkpoint import (
     read_commit,
     step_dir,
 )
+from nodeagent.dcp import DcpCheckpointer
 from nodeagent.timing import CollectiveTimer
 
 __all__ = [
     "CollectiveTimer",
     "CommittedCheckpoint",
+    "DcpCheckpointer",
     "LoadedCheckpoint",
     "ProgressReporter",
     "latest_committed",
@@ -500,15 +506,17 @@ def save_checkpoint(
     *,
     model: Any = None,
     optimizer: Any = None,
+    scheduler: Any = None,
     data_state: Any = None,
     extra: Any = None,
     rank: int = 0,
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
 ) -> CommittedCheckpoint | None:
-    """Every rank writes `rank<r>.pt` (model, optimizer, data position, RNG); after `barrier`
-    (default: torch.distributed.barrier when world_size > 1) rank 0 writes the commit marker.
-    Returns the commit on rank 0, None elsewhere. `data_state` must be plain data."""
+    """The old format, synchronous (DcpCheckpointer is the default of the examples): every rank
+    writes `rank<r>.pt` (model, optimizer, scheduler, data position, RNG); after `barrier` (default:
+    torch.distributed.barrier when world_size > 1) rank 0 writes the commit marker. Returns the
+    commit on rank 0, None elsewhere. `data_state` must be plain data."""
     import torch
 
     writer = CheckpointWriter(root, step)
@@ -516,6 +524,7 @@ def save_checkpoint(
         "step": step,
         "model": model.state_dict() if model is not None else None,
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_state": data_state,
         "extra": extra,
         "rng": _rng_state(),
@@ -530,7 +539,7 @@ def save_checkpoint(
         barrier()
     if rank != 0:
         return None
-    meta: dict[str, Any] = {"world_size": world_size}
+    meta: dict[str, Any] = {"format": "torch", "world_size": world_size}
     attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
     if attempt.isdigit():
         meta["attempt"] = int(attempt)  # which attempt committed it (a superseded one is never resumed from)
@@ -572,25 +581,45 @@ def load_checkpoint(
     *,
     model: Any = None,
     optimizer: Any = None,
+    scheduler: Any = None,
     rank: int = 0,
     restore_rng: bool = True,
     map_location: str = "cpu",
 ) -> LoadedCheckpoint:
-    """Load this rank's file of a committed checkpoint (a commit, or a root: its latest commit)
-    into model and optimizer, restore the RNG states, and return the data position."""
+    """Load a committed checkpoint (a commit, or a root: its latest commit) into model, optimizer
+    and scheduler, restore this rank's RNG states, and return its data position. Either format:
+    a DCP step (DcpCheckpointer; a collective, every rank calls it; validated as nodeagent.dcp
+    says) or the old one (this rank's `rank<r>.pt`, read with torch's weights_only unpickler)."""
     import torch
+
+    from nodeagent.dcp import FORMAT as DCP_FORMAT
+    from nodeagent.dcp import load_dcp
 
     if not isinstance(checkpoint, CommittedCheckpoint):
         found = latest_committed(checkpoint)
         if found is None:
             raise FileNotFoundError(f"no committed checkpoint under {checkpoint}")
         checkpoint = found
+    if checkpoint.meta.get("format") == DCP_FORMAT:
+        state = load_dcp(
+            checkpoint,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rank=rank,
+            restore_rng=restore_rng,
+        )
+        return LoadedCheckpoint(
+            step=state.step, path=state.path, data_state=state.data_state, extra=state.extra
+        )
     path = step_dir(checkpoint.path.parent, checkpoint.step) / f"rank{rank}.pt"
     payload = torch.load(path, map_location=map_location, weights_only=True)
     if model is not None and payload["model"] is not None:
         model.load_state_dict(payload["model"])
     if optimizer is not None and payload["optimizer"] is not None:
         optimizer.load_state_dict(payload["optimizer"])
+    if scheduler is not None and payload.get("scheduler") is not None:
+        scheduler.load_state_dict(payload["scheduler"])
     if restore_rng:
         _restore_rng(payload["rng"])
     return LoadedCheckpoint(

@@ -1,0 +1,555 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), under runwarden's commit protocol.
+
+    ckpt = DcpCheckpointer(root, reporter=reporter)     # collective: every rank, same order
+    ckpt.save(step, model=ddp, optimizer=opt, scheduler=sched, data_state={"next_step": step})
+    ...                                                 # async: training goes on while it uploads
+    ckpt.wait()                                         # before exit (a stop request, the last step)
+    found = resume_point(root); load_dcp(found, model=ddp, optimizer=opt, scheduler=sched)
+
+Layout of one step (nodeagent.checkpoint's `step_<N>/`):
+
+    __0_0.distcp __1_0.distcp ...   DCP's shards: model and optimizer, written by whichever rank
+                                    DCP's planner assigns each tensor to (replicated DDP state is
+                                    spread over the ranks, sharded FSDP/DTensor state stays sharded)
+    .metadata                       DCP's index of the shards, written by its coordinator (rank 0)
+    rank<r>.state.json              rank r's own state: RNG states, data position, scheduler, extra
+    COMMITTED                       the marker, written last by rank 0
+
+Order of obligations in `save()`, and why the marker means "every rank's files are durable":
+
+1. Every rank un-commits the step (removes a marker left by an earlier save of the same step, fsyncs
+   the directory), then writes and fsyncs its `rank<r>.state.json`.
+2. DCP's save (`async_save`: a CPU copy of the state dict is staged now, the upload runs on a
+   background thread) plans collectively first, so no rank writes a shard before every rank has
+   finished step 1. Each rank writes its shards and fsyncs them (FileSystemWriter sync_files);
+   the coordinator gathers every rank's write results, and only then writes `.metadata` (fsynced,
+   renamed into place). So the coordinator is the one rank that knows every rank is done: when
+   its save completes, every shard and every state file (written before that rank's save began)
+   is on disk.
+3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
+   rank's state file with their sizes, hashes `.metadata`, and writes COMMITTED
+   (nodeagent.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
+   (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
+
+One save is in flight at a time: `save()` first waits for the previous one. The saves use their
+own gloo process group, so the background thread's collectives never interleave with the
+training loop's (and async save needs a CPU backend anyway).
+
+Reading is validation first (the files come from storage, outside this process's control):
+
+* the marker must list `.metadata` with its SHA-256, and the bytes handed to DCP must hash to it
+  (a torn or swapped `.metadata` is refused, not unpickled);
+* DCP's own FileSystemReader unpickles `.metadata` with the standard unpickler, which runs any
+  callable a pickle names. `load_dcp` reads it with a restricted unpickler instead, which accepts
+  only DCP's metadata classes, torch.Size, dtypes and layouts, and paths; every shard it names
+  must be a file the marker lists, with an offset and length inside it;
+* DCP's default load planner unpickles non-tensor values (optimizer hyper-parameters) with
+  `torch.load(weights_only=False)`; `load_dcp` uses a planner that loads them with
+  `weights_only=True` (torch's own plain-data unpickler); tensors are loaded that way by DCP already;
+* `rank<r>.state.json` is JSON, bounded in size, and checked field by field.
+
+The old format (`step_N/rank<r>.pt`, nodeagent.trainer.save_checkpoint) stays readable: a
+commit's `meta["format"]` says which one it is (`trainer.load_checkpoint` dispatches on it).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nodeagent.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    CommittedCheckpoint,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dcp"
+DCP_METADATA = ".metadata"
+MAX_METADATA_BYTES = 256 * 1024 * 1024
+MAX_RANK_STATE_BYTES = 64 * 1024 * 1024
+
+
+def rank_state_name(rank: int) -> str:
+    return f"rank{int(rank)}.state.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedState:
+    """What a load gives back besides the model and optimizer it filled in."""
+
+    step: int
+    path: Path
+    data_state: Any
+    extra: Any
+
+
+# --- this rank's own state (JSON) -------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _rng_state_json() -> dict[str, Any]:
+    import torch
+
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _bad(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {what}")
+
+
+def _int_list(value: object, path: Path, field: str, *, length: int | None = None) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _bad(path, f"{field}: expected a list of integers")
+    if length is not None and len(value) != length:
+        raise _bad(path, f"{field}: expected {length} integers, got {len(value)}")
+    return value
+
+
+def _bytes_tensor(value: object, path: Path, field: str) -> Any:
+    import torch
+
+    if not isinstance(value, str):
+        raise _bad(path, f"{field}: expected base64 text")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise _bad(path, f"{field}: not base64") from None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _restore_rng_json(state: object, path: Path) -> None:
+    """Check every field first, then set the generators (a bad file changes nothing)."""
+    import torch
+
+    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+        raise _bad(path, "rng: expected an object with python and torch states")
+    py = state["python"]
+    if not (isinstance(py, list) and len(py) == 3 and isinstance(py[0], int)):
+        raise _bad(path, "rng.python: expected [version, state, gauss]")
+    internal = tuple(_int_list(py[1], path, "rng.python[1]", length=625))
+    gauss = py[2]
+    if gauss is not None and not isinstance(gauss, float):
+        raise _bad(path, "rng.python[2]: expected a number or null")
+    torch_state = _bytes_tensor(state["torch"], path, "rng.torch")
+    numpy_state: tuple[Any, ...] | None = None
+    if "numpy" in state:
+        np_raw = state["numpy"]
+        if not (isinstance(np_raw, list) and len(np_raw) == 5 and isinstance(np_raw[0], str)):
+            raise _bad(path, "rng.numpy: expected [kind, keys, pos, has_gauss, gauss]")
+        keys = _int_list(np_raw[1], path, "rng.numpy[1]", length=624)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in np_raw[2:]):
+            raise _bad(path, "rng.numpy: pos, has_gauss and gauss must be numbers")
+        numpy_state = (np_raw[0], keys, int(np_raw[2]), int(np_raw[3]), float(np_raw[4]))
+    cuda_raw = state.get("cuda", [])
+    if not isinstance(cuda_raw, list):
+        raise _bad(path, "rng.cuda: expected a list")
+    cuda = [_bytes_tensor(s, path, f"rng.cuda[{i}]") for i, s in enumerate(cuda_raw)]
+    random.setstate((py[0], internal, gauss))
+    try:
+        torch.set_rng_state(torch_state)
+    except RuntimeError as exc:
+        raise _bad(path, f"rng.torch: {exc}") from None
+    if numpy_state is not None:
+        try:
+            import numpy as np
+
+            kind, np_keys, pos, has_gauss, cached = numpy_state
+            np.random.set_state((kind, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
+    try:
+        size = path.stat().st_size
+        if size > MAX_RANK_STATE_BYTES:
+            raise _bad(path, f"{size} bytes, over the limit of {MAX_RANK_STATE_BYTES}")
+        doc = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise _bad(path, f"cannot read: {exc}") from None
+    except ValueError as exc:
+        raise _bad(path, f"not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("step") != step:
+        raise _bad(path, f"not the DCP rank state of step {step}")
+    return doc
+
+
+# --- reading DCP's .metadata without the standard unpickler ------------------------------------
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only the names a DCP `.metadata` pickle needs (see the module doc); anything else is refused
+    before it is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointError(f"DCP metadata refers to {module}.{name}: not a DCP metadata type")
+
+    def persistent_load(self, pid: object) -> Any:
+        raise CheckpointError("DCP metadata uses persistent ids: refused")
+
+
+def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
+    """DCP's Metadata of a committed step, verified: hashed as the marker says, unpickled with the
+    restricted unpickler, every shard it points into listed by the marker and long enough."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = commit.path / DCP_METADATA
+    digest = commit.sha256.get(DCP_METADATA)
+    if digest is None:
+        raise _bad(commit.path, f"the commit marker records no SHA-256 of {DCP_METADATA}: not trusted")
+    size = commit.files.get(DCP_METADATA, -1)
+    if not 0 < size <= MAX_METADATA_BYTES:
+        raise _bad(path, f"size {size} outside 1..{MAX_METADATA_BYTES}")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise _bad(path, f"cannot read: {exc}") from None
+    if len(raw) != size or hashlib.sha256(raw).hexdigest() != digest:
+        raise _bad(path, "does not match the commit marker's size and SHA-256")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except CheckpointError as exc:
+        raise _bad(path, str(exc)) from None
+    except Exception as exc:
+        raise _bad(path, f"not a DCP metadata pickle: {type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise _bad(path, "not a DCP Metadata with storage data")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo):
+            raise _bad(path, "storage data entry is not a _StorageInfo")
+        name, offset, length = info.relative_path, info.offset, info.length
+        if not isinstance(name, str) or name not in commit.files or name == DCP_METADATA:
+            raise _bad(path, f"points into {name!r}, which the commit marker does not list")
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise _bad(path, f"bad offset/length in {name!r}")
+        if offset + length > commit.files[name]:
+            raise _bad(
+                path, f"{name!r}: bytes {offset}..{offset + length} past its size {commit.files[name]}"
+            )
+    return metadata
+
+
+def _verified_reader(commit: CommittedCheckpoint) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class VerifiedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_dcp_metadata(commit)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(commit.path)
+
+
+def _plain_data_planner() -> Any:
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    class PlainDataLoadPlanner(DefaultLoadPlanner):
+        """DefaultLoadPlanner, but non-tensor values come back through torch's weights_only
+        unpickler (plain data only), not torch.load(weights_only=False)."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return PlainDataLoadPlanner()
+
+
+# --- saving -----------------------------------------------------------------------------------
+
+
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _model_and_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+class DcpCheckpointer:
+    """Saves through DCP under the commit protocol (the module doc says in which order); one per
+    rank, made by every rank (it creates the saves' process group: a collective).
+
+    `async_save` (default): `save()` blocks only while DCP stages a CPU copy of the state dict;
+    the upload and the commit follow on a background thread. `reporter` (a ProgressReporter):
+    rank 0 tells it each commit, and every rank tells it a failed save."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        reporter: Any = None,
+        async_save: bool = True,
+        process_group: Any = None,
+        storage_writer: Any = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.root = Path(root)
+        self.reporter = reporter
+        self.async_save = async_save
+        self.rank, self.world_size = _dist()
+        if process_group is None and self.world_size > 1:
+            process_group = dist.new_group(backend="gloo")
+        self.process_group = process_group
+        # storage_writer(path) -> a DCP StorageWriter (default FileSystemWriter(path, sync_files=True));
+        # it must make every file durable before its write_data returns.
+        self._storage_writer = storage_writer
+        self._pending: Future[CommittedCheckpoint | None] | None = None
+        self._pending_step = -1
+        self._lock = threading.Lock()
+        self.last_commit: CommittedCheckpoint | None = None
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        data_state: Any = None,
+        extra: Any = None,
+    ) -> CommittedCheckpoint | None:
+        """Save `step` (steps completed). Synchronous: returns the commit on rank 0 (None elsewhere).
+        Async: returns None; the commit follows (`wait()`, `last_commit`, the reporter).
+
+        `data_state`, `extra` and the scheduler's state_dict() must be JSON data. Raises
+        CheckpointError (or OSError) if this save cannot start or the previous one failed."""
+        from torch.distributed.checkpoint import FileSystemWriter, async_save, save
+
+        self.wait()
+        writer = CheckpointWriter(self.root, step)  # un-commits the step (every rank, before any write)
+        rank_state = {
+            "format": FORMAT,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": _rng_state_json(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data_state": data_state,
+            "extra": extra,
+        }
+        try:
+            body = json.dumps(rank_state, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{writer.path}: rank state is not JSON data: {exc}") from None
+        writer.write_bytes(rank_state_name(self.rank), body)
+        state = _model_and_optim_state(model, optimizer)
+        storage = (
+            self._storage_writer(writer.path)
+            if self._storage_writer is not None
+            else FileSystemWriter(writer.path, sync_files=True)
+        )
+        if not self.async_save:
+            metadata = save(state, storage_writer=storage, process_group=self.process_group)
+            commit = self._commit(writer, metadata)
+            self.last_commit = commit or self.last_commit
+            return commit
+        done: Future[CommittedCheckpoint | None] = Future()
+        response = async_save(state, storage_writer=storage, process_group=self.process_group)
+        # A FileSystemWriter stages itself (synchronously, above): a plain Future comes back. A
+        # stager of its own (a custom storage_writer) gives both futures; the upload is the one.
+        upload = response if isinstance(response, Future) else response.upload_completion
+        with self._lock:
+            self._pending, self._pending_step = done, step
+        upload.add_done_callback(lambda f: self._finish(f, writer, done))
+        return None
+
+    def _finish(self, upload: Future[Any], writer: CheckpointWriter, done: Future[Any]) -> None:
+        """On the upload thread: commit (rank 0) once DCP's save returned on this rank."""
+        try:
+            commit = self._commit(writer, upload.result())
+        except BaseException as exc:
+            log.warning("rank %d: async save of step %d failed: %s", self.rank, writer.step, exc)
+            if self.reporter is not None:
+                self.reporter.checkpoint_failed(writer.step, f"{type(exc).__name__}: {exc}")
+            done.set_exception(exc)
+            return
+        if commit is not None:
+            self.last_commit = commit
+        done.set_result(commit)
+
+    def _commit(self, writer: CheckpointWriter, metadata: Any) -> CommittedCheckpoint | None:
+        """Rank 0 only: DCP's save returned there, so its coordinator wrote `.metadata` after every
+        rank's write results came in (the module doc); list and commit."""
+        if self.rank != 0:
+            return None
+        shards = sorted({info.relative_path for info in metadata.storage_data.values()})
+        files = [*shards, DCP_METADATA, *(rank_state_name(r) for r in range(self.world_size))]
+        meta: dict[str, Any] = {"format": FORMAT, "world_size": self.world_size}
+        attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
+        if attempt.isdigit():
+            meta["attempt"] = int(
+                attempt
+            )  # which attempt committed it (a superseded one is never resumed from)
+        commit = writer.commit(files=files, meta=meta, hashed=(DCP_METADATA,))
+        if self.reporter is not None:
+            self.reporter.set_committed(commit.step)
+        return commit
+
+    @property
+    def in_flight(self) -> bool:
+        """An async save started and not yet finished (committed or failed)."""
+        with self._lock:
+            return self._pending is not None and not self._pending.done()
+
+    def wait(self, timeout_s: float | None = None) -> CommittedCheckpoint | None:
+        """Block until the save in flight (if any) is committed; its commit on rank 0, else None.
+        Raises CheckpointError if it failed (after telling the reporter)."""
+        with self._lock:
+            pending, step = self._pending, self._pending_step
+        if pending is None:
+            return None
+        try:
+            result = pending.result(timeout=timeout_s)
+        except TimeoutError:
+            raise  # still in flight
+        except BaseException as exc:
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
+            raise CheckpointError(f"async save of step {step} failed: {type(exc).__name__}: {exc}") from exc
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
+        return result
+
+
+def load_dcp(
+    commit: CommittedCheckpoint,
+    *,
+    model: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rank: int | None = None,
+    restore_rng: bool = True,
+    process_group: Any = None,
+) -> LoadedState:
+    """Load a committed DCP step into model (and optimizer, scheduler) on every rank (collective),
+    restore this rank's RNG states, and return its data position. Validates before it trusts (the
+    module doc)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if commit.meta.get("format") != FORMAT:
+        raise _bad(commit.path, f"not a DCP checkpoint (format {commit.meta.get('format')!r})")
+    if rank is None:
+        rank = _dist()[0]
+    name = rank_state_name(rank)
+    if name not in commit.files:
+        saved = commit.meta.get("world_size")
+        raise _bad(commit.path, f"no state of rank {rank} (saved by {saved} ranks)")
+    rank_state = _read_rank_state(commit.path / name, commit.step)
+    if rank_state.get("rank") != rank:
+        raise _bad(commit.path / name, f"written by rank {rank_state.get('rank')!r}, not {rank}")
+    state = _model_and_optim_state(model, optimizer)
+    load(
+        state,
+        storage_reader=_verified_reader(commit),
+        planner=_plain_data_planner(),
+        process_group=process_group,
+    )
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if scheduler is not None:
+        sched = rank_state.get("scheduler")
+        if not isinstance(sched, dict):
+            raise _bad(commit.path / name, "no scheduler state saved")
+        scheduler.load_state_dict(sched)
+    if restore_rng:
+        _restore_rng_json(rank_state.get("rng"), commit.path / name)
+    return LoadedState(
+        step=commit.step,
+        path=commit.path,
+        data_state=rank_state.get("data_state"),
+        extra=rank_state.get("extra"),
+    )
+
+
+__all__ = [
+    "DCP_METADATA",
+    "FORMAT",
+    "DcpCheckpointer",
+    "LoadedState",
+    "load_dcp",
+    "rank_state_name",
+    "read_dcp_metadata",
+]
