@@ -26,6 +26,29 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ScriptMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ScriptModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScriptMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SCRIPT_MODE_UNSPECIFIED: _ScriptMode.ValueType  # 0
+    """INSTRUMENTED"""
+    SCRIPT_MODE_INSTRUMENTED: _ScriptMode.ValueType  # 1
+    """the script reports progress itself (nodeagent.trainer)"""
+    SCRIPT_MODE_UNMODIFIED: _ScriptMode.ValueType  # 2
+    """run through nodeagent.bootstrap: progress from collective counters"""
+
+class ScriptMode(_ScriptMode, metaclass=_ScriptModeEnumTypeWrapper): ...
+
+SCRIPT_MODE_UNSPECIFIED: ScriptMode.ValueType  # 0
+"""INSTRUMENTED"""
+SCRIPT_MODE_INSTRUMENTED: ScriptMode.ValueType  # 1
+"""the script reports progress itself (nodeagent.trainer)"""
+SCRIPT_MODE_UNMODIFIED: ScriptMode.ValueType  # 2
+"""run through nodeagent.bootstrap: progress from collective counters"""
+Global___ScriptMode: _TypeAlias = ScriptMode  # noqa: Y015
+
 class _FaultKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -533,6 +556,7 @@ class TorchrunLaunch(_message.Message):
     IS_HOST_FIELD_NUMBER: _builtins.int
     NO_PYTHON_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    SCRIPT_MODE_FIELD_NUMBER: _builtins.int
     rdzv_endpoint: _builtins.str
     """interpreter, or a full argv with `no_python`
     "host:port" of the c10d store: node rank 0's torch host and rdzv_port
@@ -541,6 +565,12 @@ class TorchrunLaunch(_message.Message):
     """this node hosts the c10d store (the endpoint must be its own)"""
     no_python: _builtins.bool
     """command[0] is an executable (torchrun --no-python); it must be allowed"""
+    script_mode: Global___ScriptMode.ValueType
+    """What the command is: a script that calls nodeagent.trainer (UNSPECIFIED or INSTRUMENTED), or one
+    with no runwarden calls at all (UNMODIFIED): each rank then runs it through the agent's bootstrap
+    (`-m nodeagent.bootstrap <command...>`), which derives progress from the flight recorder.
+    UNMODIFIED needs a script or `-m module` (never `no_python`) and the agent's flight recorder on.
+    """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """what each rank runs: a script torchrun runs with its own"""
@@ -559,10 +589,11 @@ class TorchrunLaunch(_message.Message):
         is_host: _builtins.bool = ...,
         no_python: _builtins.bool = ...,
         peers: _abc.Iterable[_builtins.str] | None = ...,
+        script_mode: Global___ScriptMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "peers", b"peers", "rdzv_endpoint", b"rdzv_endpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "peers", b"peers", "rdzv_endpoint", b"rdzv_endpoint", "script_mode", b"script_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
