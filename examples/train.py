@@ -7,7 +7,9 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
   gradient all-reduce, `reporter.waiting()` the stop-flag all-reduce; no timers in the loop;
 * a stop request polled every step: finish the step, save, commit, exit 0;
 * a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
-  states, data position), and resume from the latest *committed* checkpoint;
+  states, data position): torch.distributed.checkpoint with async_save by default
+  (`nodeagent.dcp`; `--sync-save` blocks instead, `--ckpt-format torch` writes the old
+  `rank<r>.pt` files), and resume from the latest *committed* checkpoint (either format);
 * flight recording set up before the process group, so a hang can be attributed.
 
 The data is synthetic and deterministic: batch `i` of rank `r` is a function of (seed, i, r) only,
@@ -24,10 +26,13 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,7 @@ from torch import nn
 
 from nodeagent import trainer
 from nodeagent.checkpoint import CheckpointError
+from nodeagent.dcp import SaveFailed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="train until this step (exclusive)")
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument(
+        "--ckpt-format",
+        choices=("dcp", "torch"),
+        default="dcp",
+        help="dcp: torch.distributed.checkpoint (default); torch: the old per-rank rank<r>.pt files",
+    )
+    p.add_argument("--sync-save", action="store_true", help="dcp: save synchronously (default: async_save)")
     p.add_argument("--out", type=Path, required=True, help="where the loss logs go")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch", type=int, default=32)
@@ -68,7 +81,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=-1,
         help="TEST ONLY: in attempt 1, report a NaN loss for this step (steps completed)",
     )
+    p.add_argument(
+        "--test-kill-rank-in-save",
+        default="",
+        metavar="RANK:STEP",
+        help="TEST ONLY: in attempt 1, rank RANK SIGKILLs itself in the middle of the DCP save of STEP "
+        "(its shard written, then torn to half, before DCP hears of it)",
+    )
     return p.parse_args(argv)
+
+
+def killing_writer(rank: int, spec: str, attempt: int) -> Callable[[Path], Any] | None:
+    """TEST ONLY (`--test-kill-rank-in-save`): a DCP storage writer that dies mid-save."""
+    if not spec or attempt != 1:
+        return None
+    victim, step = (int(x) for x in spec.split(":"))
+    if rank != victim:
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class KillingWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            result = super().write_data(plan, planner)
+            if Path(self.path).name == f"step_{step:012d}":
+                for shard in Path(self.path).glob(f"{plan.storage_data.prefix}*"):
+                    os.truncate(shard, shard.stat().st_size // 2)  # torn, as if killed while writing
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+    return lambda path: KillingWriter(path, sync_files=True)
 
 
 class MLP(nn.Module):
@@ -111,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout))
     reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.timing)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    saver = (
+        trainer.DcpCheckpointer(
+            args.ckpt_dir,
+            reporter=reporter,
+            async_save=not args.sync_save,
+            storage_writer=killing_writer(rank, args.test_kill_rank_in_save, attempt),
+        )
+        if args.ckpt_format == "dcp"
+        else None
+    )
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
@@ -148,24 +199,30 @@ def main(argv: list[str] | None = None) -> int:
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, in_checkpoint=True)  # a repeat of the step: its timings, not the save's
             try:
-                commit = trainer.save_checkpoint(
-                    args.ckpt_dir,
-                    done,
-                    model=model,
-                    optimizer=opt,
-                    data_state={"next_step": done},
-                    rank=rank,
-                    world_size=world,
-                )
+                if saver is not None:  # DCP: the saver tells the reporter of each commit
+                    saver.save(done, model=model, optimizer=opt, data_state={"next_step": done})
+                    if stop or done == args.steps:
+                        saver.wait()  # the last save: committed before this rank exits
+                else:
+                    commit = trainer.save_checkpoint(
+                        args.ckpt_dir,
+                        done,
+                        model=model,
+                        optimizer=opt,
+                        data_state={"next_step": done},
+                        rank=rank,
+                        world_size=world,
+                    )
+                    if commit is not None:
+                        reporter.set_committed(done)
             except (OSError, CheckpointError) as exc:
                 # No marker was written: the supervisor resumes from the previous commit. Say why, then
-                # fail this attempt (the other ranks would wait in the save's barrier).
-                reporter.checkpoint_failed(done, f"{type(exc).__name__}: {exc}")
-                print(f"rank {rank}: checkpoint {done} failed: {exc}", file=sys.stderr, flush=True)
+                # fail this attempt (the other ranks would wait in the save's collectives).
+                failed = exc.step if isinstance(exc, SaveFailed) else done  # an async save: an earlier step
+                reporter.checkpoint_failed(failed, f"{type(exc).__name__}: {exc}")
+                print(f"rank {rank}: checkpoint {failed} failed: {exc}", file=sys.stderr, flush=True)
                 reporter.close()
                 return 1
-            if commit is not None:
-                reporter.set_committed(done)
             reporter.report(done, loss=reported)
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)

@@ -63,6 +63,7 @@ import os
 import pickle
 import random
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,14 @@ MAX_RANK_STATE_BYTES = 64 * 1024 * 1024
 
 def rank_state_name(rank: int) -> str:
     return f"rank{int(rank)}.state.json"
+
+
+class SaveFailed(CheckpointError):
+    """An async save failed after `save()` returned: no marker was written for `step`."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,8 +156,9 @@ def _bytes_tensor(value: object, path: Path, field: str) -> Any:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _restore_rng_json(state: object, path: Path) -> None:
-    """Check every field first, then set the generators (a bad file changes nothing)."""
+def _rng_restorer(state: object, path: Path) -> Callable[[], None]:
+    """Check every field of a saved RNG state now; the returned call sets the generators (so a bad
+    file is refused before anything, model included, is loaded)."""
     import torch
 
     if not isinstance(state, dict) or "python" not in state or "torch" not in state:
@@ -174,21 +184,24 @@ def _restore_rng_json(state: object, path: Path) -> None:
     if not isinstance(cuda_raw, list):
         raise _bad(path, "rng.cuda: expected a list")
     cuda = [_bytes_tensor(s, path, f"rng.cuda[{i}]") for i, s in enumerate(cuda_raw)]
-    random.setstate((py[0], internal, gauss))
-    try:
-        torch.set_rng_state(torch_state)
-    except RuntimeError as exc:
-        raise _bad(path, f"rng.torch: {exc}") from None
-    if numpy_state is not None:
-        try:
-            import numpy as np
+    if torch_state.numel() != torch.get_rng_state().numel():
+        raise _bad(path, f"rng.torch: {torch_state.numel()} bytes, not a CPU generator state")
 
-            kind, np_keys, pos, has_gauss, cached = numpy_state
-            np.random.set_state((kind, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
-        except ImportError:
-            pass
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    def restore() -> None:
+        random.setstate((py[0], internal, gauss))
+        torch.set_rng_state(torch_state)
+        if numpy_state is not None:
+            try:
+                import numpy as np
+
+                kind, np_keys, pos, has_gauss, cached = numpy_state
+                np.random.set_state((kind, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
+            except ImportError:
+                pass
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+
+    return restore
 
 
 def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
@@ -287,20 +300,21 @@ def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
     return metadata
 
 
-def _verified_reader(commit: CommittedCheckpoint) -> Any:
+def _verified_reader(path: Path, metadata: Any) -> Any:
+    """A FileSystemReader that hands DCP the metadata read and checked by read_dcp_metadata (the
+    very bytes that were verified: the file is not read a second time)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class VerifiedReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            metadata = read_dcp_metadata(commit)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return VerifiedReader(commit.path)
+    return VerifiedReader(path)
 
 
 def _plain_data_planner() -> Any:
@@ -471,7 +485,7 @@ class DcpCheckpointer:
 
     def wait(self, timeout_s: float | None = None) -> CommittedCheckpoint | None:
         """Block until the save in flight (if any) is committed; its commit on rank 0, else None.
-        Raises CheckpointError if it failed (after telling the reporter)."""
+        Raises SaveFailed (a CheckpointError naming the step) if it failed; the reporter was told."""
         with self._lock:
             pending, step = self._pending, self._pending_step
         if pending is None:
@@ -484,7 +498,7 @@ class DcpCheckpointer:
             with self._lock:
                 if self._pending is pending:
                     self._pending = None
-            raise CheckpointError(f"async save of step {step} failed: {type(exc).__name__}: {exc}") from exc
+            raise SaveFailed(step, f"async save of step {step} failed: {type(exc).__name__}: {exc}") from exc
         with self._lock:
             if self._pending is pending:
                 self._pending = None
@@ -518,10 +532,15 @@ def load_dcp(
     rank_state = _read_rank_state(commit.path / name, commit.step)
     if rank_state.get("rank") != rank:
         raise _bad(commit.path / name, f"written by rank {rank_state.get('rank')!r}, not {rank}")
+    restore_rng_states = _rng_restorer(rank_state.get("rng"), commit.path / name) if restore_rng else None
+    sched = rank_state.get("scheduler")
+    if scheduler is not None and not isinstance(sched, dict):
+        raise _bad(commit.path / name, "no scheduler state saved")
+    metadata = read_dcp_metadata(commit)  # checked here, so a refusal is ours, not wrapped by DCP
     state = _model_and_optim_state(model, optimizer)
     load(
         state,
-        storage_reader=_verified_reader(commit),
+        storage_reader=_verified_reader(commit.path, metadata),
         planner=_plain_data_planner(),
         process_group=process_group,
     )
@@ -530,12 +549,9 @@ def load_dcp(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if scheduler is not None:
-        sched = rank_state.get("scheduler")
-        if not isinstance(sched, dict):
-            raise _bad(commit.path / name, "no scheduler state saved")
         scheduler.load_state_dict(sched)
-    if restore_rng:
-        _restore_rng_json(rank_state.get("rng"), commit.path / name)
+    if restore_rng_states is not None:
+        restore_rng_states()
     return LoadedState(
         step=commit.step,
         path=commit.path,
@@ -549,6 +565,7 @@ __all__ = [
     "FORMAT",
     "DcpCheckpointer",
     "LoadedState",
+    "SaveFailed",
     "load_dcp",
     "rank_state_name",
     "read_dcp_metadata",
