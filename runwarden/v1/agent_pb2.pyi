@@ -163,12 +163,17 @@ class WorkerStatus(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     EXIT_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     pid: _builtins.int
     """the process-group leader"""
     running: _builtins.bool
     started_at: _builtins.float
+    parked: _builtins.bool
+    """Warm workers only: the attempt ended with its ranks parked again, alive, for the next attempt
+    (StopWorkersRequest.park_within_s, or ranks that left a failed attempt by themselves).
+    """
     @_builtins.property
     def exit(self) -> _common_pb2.ExitStatus:
         """set once ended"""
@@ -182,10 +187,11 @@ class WorkerStatus(_message.Message):
         running: _builtins.bool = ...,
         exit: _common_pb2.ExitStatus | None = ...,
         started_at: _builtins.float = ...,
+        parked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "exit", b"exit", "pid", b"pid", "run", b"run", "running", b"running", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "exit", b"exit", "parked", b"parked", "pid", b"pid", "run", b"run", "running", b"running", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -634,21 +640,30 @@ class StopWorkersRequest(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     GRACE_S_FIELD_NUMBER: _builtins.int
+    PARK_WITHIN_S_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     """0: whatever is running for the run"""
     grace_s: _builtins.float
     """TERM, then KILL after this"""
+    park_within_s: _builtins.float
+    """> 0 (an unplanned stop of a run on warm workers, `warm_workers` in the agent's config): the
+    ranks leave their collectives and park again in the same processes, holding their state in
+    memory for the next attempt (nodeagent.warm), within this many seconds; a rank still in the
+    attempt then is killed with its group (TERM, KILL after grace_s) and a fresh group is parked.
+    0: stop as always. Cold workers always stop as always. At most 60.
+    """
     def __init__(
         self,
         *,
         run: _builtins.str = ...,
         attempt: _builtins.int = ...,
         grace_s: _builtins.float = ...,
+        park_within_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "grace_s", b"grace_s", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "grace_s", b"grace_s", "park_within_s", b"park_within_s", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -377,6 +377,7 @@ class RankProgress(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     RECENT_LOSSES_FIELD_NUMBER: _builtins.int
     LOSSES_DROPPED_FIELD_NUMBER: _builtins.int
+    LOADED_FROM_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -414,6 +415,11 @@ class RankProgress(_message.Message):
     on is the teardown (destroying the process group, the interpreter's exit), not a hang.
     """
     losses_dropped: _builtins.int
+    loaded_from: _builtins.str
+    """Where the state loaded at `loaded_step` came from: "memory" (the rank's own in-memory copy of
+    that commit, kept across the attempt boundary by a warm worker), "peer" or "storage"; "" when
+    the trainer did not say. The controller's LOAD_DONE names it per node.
+    """
     @_builtins.property
     def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
         """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
@@ -443,10 +449,11 @@ class RankProgress(_message.Message):
         finished: _builtins.bool = ...,
         recent_losses: _abc.Iterable[Global___StepLoss] | None = ...,
         losses_dropped: _builtins.int = ...,
+        loaded_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
