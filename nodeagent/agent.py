@@ -33,6 +33,7 @@ from nodeagent.liveness import Registration
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
+from runwarden import run_policy
 from runwarden.evidence import is_fatal
 from runwarden.sdnotify import Notifier, watchdog_interval_s
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
@@ -122,7 +123,9 @@ class Agent:
         self.advertise = config.advertise
         self.rdzv_port = config.rdzv_port  # 0 until start() picks one
         self._closed = threading.Event()
-        self._stop_watches: dict[str, Any] = {}
+        self._followed: set[str] = set()  # runs whose stop and policy keys are watched
+        self._watches: list[Any] = []
+        self.run_policies: dict[str, run_policy.AgentPolicy] = {}  # the agents' part, per run
         self.launched_at: dict[str, float] = {}
         self._ticker: threading.Thread | None = None
         self._state_changed = threading.Event()
@@ -284,38 +287,99 @@ class Agent:
         self.config.stop_file(run).unlink(missing_ok=True)
 
     def follow_run(self, run: str) -> None:
-        """Once a run is known here, watch its etcd stop key: a planned stop the controller wrote
-        reaches the local ranks even if no RequestStop call comes."""
-        if self.store is None or run in self._stop_watches:
+        """Once a run is known here, watch two of its etcd keys: the stop key (a planned stop the
+        controller wrote reaches the local ranks even if no RequestStop call comes) and the policy
+        record (the agents' part of the run's policy, runwarden/run_policy.py, changed live)."""
+        if self.store is None or run in self._followed:
             return
         with self.lock:
-            if run in self._stop_watches:
+            if run in self._followed:
                 return
-            self._stop_watches[run] = None
-        threading.Thread(target=self._watch_stop, args=(run,), name=f"stop-watch-{run}", daemon=True).start()
+            self._followed.add(run)
+        keys = self.store.keys
+        for name, key, apply in (
+            ("stop", keys.stop(run), self._apply_stop_key),
+            ("policy", keys.policy(run), self._apply_policy_key),
+        ):
+            threading.Thread(
+                target=self._watch_key, args=(run, key, apply), name=f"{name}-watch-{run}", daemon=True
+            ).start()
 
-    def _watch_stop(self, run: str) -> None:
-        key = self.store.keys.stop(run)
+    def _watch_key(self, run: str, key: str, apply: Callable[[str, bytes | None], None]) -> None:
+        """List `key`, apply it, then watch it from that revision (retried until the store answers)."""
         delay = 0.2
         while not self._closed.is_set():
             try:
                 kvs, revision = self.store.get_prefix(key)
-                self._apply_stop_key(run, kvs[0].value if kvs else None)
-                self._stop_watches[run] = self.store.watch_prefix(
-                    key, revision + 1, lambda ev: self._on_stop_event(run, ev)
-                )
+                apply(run, kvs[0].value if kvs else None)
+
+                def on_event(event: Any) -> None:
+                    kvs = getattr(event, "kvs", None)
+                    if kvs is not None:  # relisted after a compaction: the key as it is now
+                        apply(run, kvs[0].value if kvs else None)
+                    else:
+                        apply(run, event.value if event.type.value == "PUT" else None)
+
+                watch = self.store.watch_prefix(key, revision + 1, on_event)
+                with self.lock:
+                    self._watches.append(watch)
                 return
             except Exception as exc:
-                log.warning("cannot watch the stop key of run %s yet (retrying): %s", run, exc)
+                log.warning("cannot watch %s of run %s yet (retrying): %s", key, run, exc)
                 self._closed.wait(delay)
                 delay = min(delay * 2, 5.0)
 
-    def _on_stop_event(self, run: str, event: Any) -> None:
-        kvs = getattr(event, "kvs", None)
-        if kvs is not None:  # Relisted after a compaction: the prefix as it is now
-            self._apply_stop_key(run, kvs[0].value if kvs else None)
+    def _apply_policy_key(self, run: str, value: bytes | None) -> None:
+        """The agents' part of the run's policy; a bad record keeps the last good one (and says so)."""
+        if value is None:
+            policy = run_policy.AgentPolicy()
         else:
-            self._apply_stop_key(run, event.value if event.type.value == "PUT" else None)
+            try:
+                policy = run_policy.AgentPolicy.parse(value)
+            except ValueError as exc:
+                log.warning(
+                    "run %s: policy record refused, keeping %s: %s", run, self.policy_of(run).describe(), exc
+                )
+                return
+        with self.lock:
+            if self.run_policies.get(run, run_policy.AgentPolicy()) == policy:
+                self.run_policies[run] = policy
+                return
+            self.run_policies[run] = policy
+        log.info("run %s: the agents' policy is now: %s", run, policy.describe())
+        self._state_changed.set()  # the ticker picks up a new progress interval at once
+
+    def read_policy(self, run: str) -> run_policy.AgentPolicy:
+        """Read the run's policy record now (a launch uses the newest, even before its watch has
+        listed it); an unreachable store keeps what the watch last saw."""
+        if self.store is not None:
+            try:
+                kvs, _ = self.store.get_prefix(self.store.keys.policy(run))
+            except Exception as exc:
+                log.warning("run %s: cannot read the policy record (keeping the last one): %s", run, exc)
+            else:
+                self._apply_policy_key(run, kvs[0].value if kvs else None)
+        return self.policy_of(run)
+
+    def policy_of(self, run: str) -> run_policy.AgentPolicy:
+        with self.lock:
+            return self.run_policies.get(run, run_policy.AgentPolicy())
+
+    def fr_buffer_size(self, run: str) -> int:
+        """Flight-recorder entries per rank for the next launch of `run`."""
+        return self.policy_of(run).fr_buffer_size or self.config.fr_buffer_size
+
+    def progress_interval_s(self) -> float:
+        """The progress write interval: the policy of the run whose workers run here (a node serves
+        one run at a time), else of the last run followed, else this agent's config."""
+        running = [w.run for w in self.launcher.workers() if w.running]
+        with self.lock:
+            runs = running or list(self.run_policies)
+            for run in reversed(runs):
+                interval = self.run_policies.get(run, run_policy.AgentPolicy()).progress_interval_s
+                if interval:
+                    return interval
+        return self.config.progress_interval_s
 
     def _apply_stop_key(self, run: str, value: bytes | None) -> None:
         if value is None:
@@ -387,9 +451,10 @@ class Agent:
         if stop_workers:
             self.launcher.stop_all(self.config.stop_grace_s)
             self.wait_exits_recorded()
-        for watch in list(self._stop_watches.values()):
-            if watch is not None:
-                watch.cancel()
+        with self.lock:
+            watches = list(self._watches)
+        for watch in watches:
+            watch.cancel()
         self.xid.stop()
         if self.nvml is not None:
             self.nvml.stop()
@@ -506,17 +571,22 @@ class Agent:
         return written
 
     def _tick_loop(self) -> None:
-        interval = self.config.progress_interval_s
+        interval = self.progress_interval_s()
+        self.metrics.progress_interval.set(interval)
         watchdog = watchdog_interval_s()
-        period = min(interval, watchdog) if watchdog else interval
         next_flush = time.monotonic() + interval
         was_running = False
         while True:
+            period = min(interval, watchdog) if watchdog else interval
             # state_changed wakes the ticker at once: a drain is in the node record within one put
             self._state_changed.wait(max(0.0, min(period, next_flush - time.monotonic())))
             if self._closed.is_set():
                 return
             now = time.monotonic()
+            if (changed := self.progress_interval_s()) != interval:  # the run's policy changed it
+                log.info("progress write interval %.3g s -> %.3g s", interval, changed)
+                interval, next_flush = changed, min(next_flush, now + changed)
+                self.metrics.progress_interval.set(interval)
             if now >= next_flush:
                 self.flush_progress()
                 next_flush = max(next_flush + interval, now)

@@ -28,6 +28,11 @@ class AgentMetrics:
         )
         self.evidence = Counter("runwarden_agent_evidence", "evidence published", ["kind"], registry=r)
         self.progress_writes = Counter("runwarden_agent_progress_writes", "progress puts to etcd", registry=r)
+        self.progress_interval = Gauge(
+            "runwarden_agent_progress_interval_seconds",
+            "the progress write interval in force (the run's policy, else the agent's config)",
+            registry=r,
+        )
         self.rpc_latency = Histogram(
             "runwarden_agent_rpc_seconds",
             "RPC latency",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runwarden import run_policy
 from runwarden.v1 import store_pb2
 
 DAY_S = 86400.0
@@ -127,7 +128,20 @@ class SupervisorConfig:
     on_divergence: str = "page"
     loss_history_steps: int = 1024
 
+    # The agents' part (runwarden/run_policy.py): they read it from the run's policy record, so a
+    # change reaches them without a restart. Flight-recorder entries per rank and the trace level
+    # ("off" | "info" | "detail") apply to the next attempt's ranks, the progress write interval at
+    # once; 0 / "": each agent's own config.
+    agent_fr_buffer_size: int = 0
+    agent_trace_level: str = ""
+    agent_progress_interval_s: float = 0.0
+
     def __post_init__(self) -> None:
+        run_policy.check_fr_buffer_size(self.agent_fr_buffer_size, "SupervisorConfig.agent_fr_buffer_size")
+        run_policy.check_trace_level(self.agent_trace_level, "SupervisorConfig.agent_trace_level")
+        run_policy.check_progress_interval(
+            self.agent_progress_interval_s, "SupervisorConfig.agent_progress_interval_s"
+        )
         ints = {
             "loss_spike_window": 1,
             "loss_spike_warmup_steps": 0,

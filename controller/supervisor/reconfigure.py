@@ -6,7 +6,8 @@ next decision uses the new values; a `SetTimer` due now makes that next decision
 at a deadline armed under the old policy (a shorter hang floor re-arms the hang timer on that tick).
 What an attempt fixed when it started stays until the next one: its straggler window's length.
 The change is logged with only the changed keys, old and new. The codec between policy values and
-`runwarden.v1.PolicyValue` lives here too, so the API, the store and the event log spell values alike.
+`runwarden.v1.PolicyValue` is `to_value` here and `runwarden.run_policy.from_value` (the agents read
+values too), so the API, the store, the agents and the event log spell values alike.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.events import PolicyChanged
 from controller.supervisor.policy import SupervisorConfig
+from runwarden.run_policy import from_value
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
@@ -42,16 +44,6 @@ def to_value(value: Any) -> common_pb2.PolicyValue:
     if isinstance(value, str):
         return common_pb2.PolicyValue(text=value)
     raise ValueError(f"not a policy value: {value!r}")
-
-
-def from_value(value: common_pb2.PolicyValue) -> Any:
-    """The Python value of a `PolicyValue` (None for unset; ValueError when none is set)."""
-    which = value.WhichOneof("value")
-    if which is None:
-        raise ValueError("a policy value with nothing set")
-    if which == "unset":
-        return None
-    return getattr(value, which)
 
 
 def show(value: Any) -> str:
