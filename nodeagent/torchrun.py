@@ -11,7 +11,10 @@ agent's own and never chosen on the controller's host:
   (as the master address when c10d makes this node global rank 0) instead of the host name;
 * the collective interface (`collective_ifname`) becomes GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME;
 * a node told to host the store must be told its own endpoint (its torch host and `rdzv_port`, as
-  its node record says): anything else is a stale record, refused before anything starts.
+  its node record says): anything else is a stale record, refused before anything starts;
+* an unmodified script (`script_mode: SCRIPT_MODE_UNMODIFIED`) runs through the bootstrap:
+  `rank_command` makes the command `-m nodeagent.bootstrap <command...>` (nodeagent.bootstrap),
+  for torchrun's line and the warm path's hand-off alike.
 
 The argv rule itself is `runwarden.launch.torchrun_argv`, the one the controller's backends use.
 """
@@ -26,6 +29,14 @@ from runwarden import launch
 from runwarden.v1 import agent_pb2
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
+BOOTSTRAP = ("-m", "nodeagent.bootstrap")
+
+
+def rank_command(t: agent_pb2.TorchrunLaunch) -> tuple[str, ...]:
+    """What each rank runs: the command, behind the bootstrap for an unmodified script."""
+    if t.script_mode == agent_pb2.SCRIPT_MODE_UNMODIFIED:
+        return (*BOOTSTRAP, *t.command)
+    return tuple(t.command)
 
 
 class TorchrunRefused(Exception):
@@ -82,7 +93,7 @@ def build(
         nproc_per_node=facts.local_ranks,
         endpoint=t.rdzv_endpoint,
         rdzv_id=rendezvous_id,
-        command=tuple(t.command),
+        command=rank_command(t),
         node_rank=req.node_rank,
         is_host=t.is_host,
         local_addr=facts.torch_host,

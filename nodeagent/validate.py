@@ -130,6 +130,19 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
             raise ValidationError(f"torchrun.rdzv_endpoint: {exc}") from None
         if req.nnodes < 1:
             raise ValidationError(f"nnodes: at least 1 with torchrun, got {req.nnodes}")
+        if req.torchrun.script_mode not in agent_pb2.ScriptMode.values():
+            raise ValidationError(f"torchrun.script_mode: unknown value {req.torchrun.script_mode}")
+        if req.torchrun.script_mode == agent_pb2.SCRIPT_MODE_UNMODIFIED:
+            if req.torchrun.no_python:
+                raise ValidationError(
+                    "torchrun.script_mode: an unmodified script runs through the bootstrap under "
+                    "torchrun's interpreter; no_python cannot be set with it"
+                )
+            first = req.torchrun.command[0]
+            if first.startswith("-") and not (first == "-m" and len(req.torchrun.command) >= 2):
+                raise ValidationError(
+                    f"torchrun.command: an unmodified script is a script or -m MODULE, got {first[:40]!r}"
+                )
         if len(req.torchrun.peers) > MAX_PEERS:
             raise ValidationError(f"torchrun.peers: at most {MAX_PEERS}, got {len(req.torchrun.peers)}")
         for peer in req.torchrun.peers:

@@ -40,19 +40,34 @@ from controller.live.agents import AgentClients
 from runwarden import launch as launch_rule
 from runwarden.v1 import agent_pb2
 
+SCRIPT_MODES = {
+    "instrumented": agent_pb2.SCRIPT_MODE_INSTRUMENTED,
+    "unmodified": agent_pb2.SCRIPT_MODE_UNMODIFIED,
+}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalConfig:
     """no_python: the command is a full argv with its own interpreter (its argv[0] must be allowed by
     every agent); by default it starts at the training script, which torchrun runs with the agent's
-    interpreter."""
+    interpreter. script_mode: "instrumented" (the script calls nodeagent.trainer) or "unmodified"
+    (no runwarden calls: each agent runs it through nodeagent.bootstrap)."""
 
     rpc_timeout_s: float = 10.0
     no_python: bool = False
+    script_mode: str = "instrumented"
 
     def __post_init__(self) -> None:
         if not self.rpc_timeout_s > 0:
             raise BackendError(f"local backend: rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        if self.script_mode not in SCRIPT_MODES:
+            raise BackendError(
+                f"local backend: script_mode must be one of {', '.join(SCRIPT_MODES)}, got {self.script_mode!r}"
+            )
+        if self.script_mode == "unmodified" and self.no_python:
+            raise BackendError(
+                "local backend: an unmodified script cannot be no_python (it runs through the bootstrap)"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +146,7 @@ class LocalBackend:
                         rdzv_endpoint=endpoint,
                         is_host=rank == 0,
                         no_python=self.config.no_python,
+                        script_mode=SCRIPT_MODES[self.config.script_mode],
                         peers=[a for n in spec.nodes if n != node and (a := self.agents.address(n))],
                     ),
                 ),

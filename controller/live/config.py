@@ -1,7 +1,7 @@
 """The controller daemon's config: one TOML file, validated once, unknown keys refused.
 
     [store]            runwarden.store.StoreConfig (endpoints, TLS files, user/password, root)
-    [controller]       the run and the shell: run, nodes, command, run_dir, api_address, ...
+    [controller]       the run and the shell: run, nodes, command, script_mode, run_dir, api_address, ...
     [controller.env]   extra environment for every rank
     [policy]           controller.supervisor.policy.SupervisorConfig (restart budget, hang timeout, ...)
     [paging]           controller.live.paging.PagerConfig (webhook_url, command, rate limit)
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.backends.base import Scheduler
+from controller.backends.local import SCRIPT_MODES
 from controller.live.agents import AgentTLS
 from controller.live.paging import PagerConfig
 from controller.live.schedulers import SECTIONS as BACKEND_SECTIONS
@@ -48,10 +49,23 @@ class RunSection:
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
     env: dict[str, str] = field(default_factory=dict)
+    # "instrumented": the command calls nodeagent.trainer; "unmodified": it has no runwarden calls and
+    # every rank runs it through nodeagent.bootstrap (progress from the flight recorder's counters)
+    script_mode: str = "instrumented"
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ConfigError("controller.command: must be a non-empty argv list")
+        if self.script_mode not in SCRIPT_MODES:
+            raise ConfigError(
+                f"controller.script_mode: one of {', '.join(SCRIPT_MODES)}, got {self.script_mode!r}"
+            )
+        first = self.command[0]
+        module = first == "-m" and len(self.command) >= 2
+        if self.script_mode == "unmodified" and first.startswith("-") and not module:
+            raise ConfigError(
+                f"controller.command: an unmodified script is a script or -m MODULE, got {first!r}"
+            )
         if self.nodes < 1 or self.procs_per_node < 1:
             raise ConfigError("controller.nodes and controller.procs_per_node must be >= 1")
         if self.spares < 0:
