@@ -193,11 +193,17 @@ class CollectiveClock:
     outstanding (an unbiased estimate for waits longer than the sample interval). The first
     interval starts at the first collective seen, so the first report's timings are about 0 (not
     measured, like the instrumented path's load mark). A group whose counter goes down was
-    destroyed and made again (torch reuses its id): what it counted stays."""
+    destroyed and made again under its id: what it counted stays.
 
-    def __init__(self, now: float) -> None:
-        self._entered: dict[str, int] = {}
-        self._gone = 0  # entered in groups since re-created
+    `baseline`: the counters before the script ran. A warm rank process runs attempt after attempt;
+    torch keeps a destroyed group's last counters in `pg_status` (and gives the next group a new
+    id), so an attempt counts from its baseline, and a group still exactly at it (a previous
+    attempt's, perhaps left mid-collective) is not taken for a wait."""
+
+    def __init__(self, now: float, baseline: Mapping[str, GroupCounters] | None = None) -> None:
+        self._baseline = dict(baseline or {})
+        self._entered: dict[str, int] = {pg: max(0, c.enqueued) for pg, c in self._baseline.items()}
+        self._gone = -sum(self._entered.values())  # what groups counted before being re-created
         self._waiting = False
         self._at = now
         self._since = now  # start of the current interval
@@ -224,7 +230,7 @@ class CollectiveClock:
             if entered < before:
                 self._gone += before
             self._entered[pg] = entered
-        self._waiting = any(c.in_collective for c in groups.values())
+        self._waiting = any(c.in_collective for pg, c in groups.items() if self._baseline.get(pg) != c)
         if had == 0 and self.entered > 0:
             # the first collective: what came before it (imports, data, init) is no step's time
             self._since, self._wait = now, 0.0
@@ -277,10 +283,14 @@ class CollectiveSampler:
         self._on_new_group = on_new_group
         self._read = read_status
         self._clock_fn = clock
-        self.clock = CollectiveClock(clock())
+        try:
+            baseline = dict(read_status())  # a warm rank's earlier attempts (see CollectiveClock)
+        except Exception:
+            baseline = {}
+        self.clock = CollectiveClock(clock(), baseline)
         self.reports = 0
         self.samples = 0
-        self._groups = 0
+        self._groups = len(baseline)
         self._next_report = 0.0
         self._read_failed = False
         self._stop = threading.Event()

@@ -77,6 +77,18 @@ def test_groups_add_up_and_a_recreated_group_keeps_what_it_counted():
     assert clock.entered == 15
 
 
+def test_a_warm_ranks_next_attempt_counts_from_its_baseline_and_ignores_old_groups():
+    # torch keeps a destroyed group's last counters, here left mid-collective by a hung attempt
+    old = {"0": g(40, 39)}
+    clock = CollectiveClock(now=0.0, baseline=old)
+    clock.observe(1.0, dict(old))
+    assert clock.entered == 0 and not clock.waiting
+    clock.observe(2.0, {**old, "1": g(3, 2)})  # the new attempt's group gets a new id
+    assert clock.entered == 3 and clock.waiting
+    clock.observe(3.0, {"0": g(1, 1), "1": g(3, 3)})  # and an id reused, counting from 0 again
+    assert clock.entered == 4 and not clock.waiting
+
+
 def test_the_device_view_is_used_when_the_started_counter_is_tracked():
     assert g(5, 4).in_collective  # gloo: enqueued and not completed
     assert not g(5, 4, started=4).in_collective  # NCCL with timing: queued behind compute, not waiting
