@@ -4,7 +4,7 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
 
 * progress every step through `nodeagent.trainer.ProgressReporter` (microseconds, non-blocking),
   timed by the reporter itself: a communication hook on the DDP model measures the wait in the
-  gradient all-reduce, `reporter.waiting()` the stop-flag all-reduce; no timers in the loop;
+  gradient all-reduce, `reporter.stop_agreed()` times its stop-flag all-reduce; no timers in the loop;
 * a stop request polled every step: finish the step, save, commit, exit 0;
 * a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
   states, data position): torch.distributed.checkpoint with async_save by default
@@ -143,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     recording = trainer.setup_flight_recording()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if recording is not None:
-        recording.record_process_groups()
     reporter = trainer.ProgressReporter.from_env(rank=rank, world_size=world)
     attempt = int(os.environ.get("RUNWARDEN_ATTEMPT", "0") or 0)
 
@@ -162,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ckpt_format == "dcp"
         else None
     )
+    if recording is not None:
+        recording.record_process_groups()  # after the last new group (the saver's)
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
@@ -183,13 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        # Every rank must agree to stop at the same step (the save below has a barrier).
-        flag = torch.tensor([1 if reporter.stop_requested() else 0])
-        with reporter.waiting():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
-        if stop and not reporter.stop_reason:
-            reporter.stopping("a peer rank's stop request")  # so this node's exit is a planned stop too
+        # Every rank must agree to stop at the same step (the save below is collective): a MAX
+        # all-reduce of the flags, timed as wait; a rank stopping for a peer reports a planned stop.
+        stop = reporter.stop_agreed()
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
         reported = math.nan if done == args.test_nan_at_step and attempt == 1 else loss.item()
         loss_log.write(

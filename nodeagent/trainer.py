@@ -188,6 +188,22 @@ class ProgressReporter:
             self._timer = CollectiveTimer()
         return self._timer.waiting()
 
+    def stop_agreed(self, *, process_group: Any = None, device: Any = None) -> bool:
+        """`stop_requested()` on any rank, agreed by every rank: a MAX all-reduce of the flags (its
+        time counts as wait), so all ranks save and stop at the same step. Call it at the same
+        point of every step on every rank (`device`: where the flag tensor lives, e.g. the rank's
+        GPU under NCCL). A rank that stops because a peer asked reports a planned stop too."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.stop_requested() else 0], device=device)
+        with self.waiting():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        stop = bool(flag.item())
+        if stop and not self._stop_reason:
+            self.stopping("a peer rank's stop request")
+        return stop
+
     def _measure(self, step: int) -> tuple[float, float, float]:
         """Per-step (step time, compute, wait) since the previous report (see the module doc): a
         report every k steps sends the interval's averages."""
@@ -390,6 +406,7 @@ class ProgressReporter:
 
     def _send(self, item: _Report) -> bool:
         """One datagram to the agent's progress socket, then its answer (stop flag, slow-down)."""
+        from nodeagent import memory_state
         from nodeagent.progress_socket import progress_socket_path
         from runwarden.v1 import agent_pb2, common_pb2
 
@@ -420,6 +437,7 @@ class ProgressReporter:
             progress.committed_step = self._committed
         if self._loaded is not None:
             progress.loaded_step = self._loaded
+            progress.loaded_from = memory_state.loaded_from(self._loaded)  # memory | storage | ""
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
         if self._stop_reason:
@@ -537,6 +555,9 @@ def save_checkpoint(
 
             barrier = dist.barrier
         barrier()
+    from nodeagent import memory_state
+
+    memory_state.keep(step, payload, rank=rank, world_size=world_size)  # every rank's file is written
     if rank != 0:
         return None
     meta: dict[str, Any] = {"format": "torch", "world_size": world_size}
@@ -612,8 +633,17 @@ def load_checkpoint(
         return LoadedCheckpoint(
             step=state.step, path=state.path, data_state=state.data_state, extra=state.extra
         )
-    path = step_dir(checkpoint.path.parent, checkpoint.step) / f"rank{rank}.pt"
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    from nodeagent import memory_state
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    attempt = checkpoint.meta.get("attempt")
+    payload = memory_state.take(
+        checkpoint.step, attempt if isinstance(attempt, int) else None, rank=rank, world_size=world_size
+    )
+    memory_state.loaded(checkpoint.step, memory_state.MEMORY if payload is not None else memory_state.STORAGE)
+    if payload is None:
+        path = step_dir(checkpoint.path.parent, checkpoint.step) / f"rank{rank}.pt"
+        payload = torch.load(path, map_location=map_location, weights_only=True)
     if model is not None and payload["model"] is not None:
         model.load_state_dict(payload["model"])
     if optimizer is not None and payload["optimizer"] is not None:

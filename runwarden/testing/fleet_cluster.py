@@ -116,6 +116,8 @@ class ClusterSpec:
     train_args: tuple[str, ...] = ()
     policy: dict[str, object] = field(default_factory=dict)
     warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm.py)
+    # the job, relative to the repository (it takes examples/train.py's flags: examples/decoder.py does)
+    script: str = "examples/train.py"
 
 
 def preflight_settings(ckpt_dir: Path, *, nics: Sequence[str] = ()) -> dict[str, dict[str, object]]:
@@ -190,10 +192,10 @@ def controller_settings(
     api_address: str,
     metrics_address: str,
 ) -> dict[str, dict[str, object]]:
-    """A test controller's config (controller.toml sections) running examples/train.py."""
+    """A test controller's config (controller.toml sections) running the spec's script."""
     # torchrun runs the script with its own interpreter: the command starts at the script.
     command = [
-        str(REPO / "examples" / "train.py"),
+        str(REPO / spec.script),
         "--steps",
         str(spec.steps),
         "--ckpt-dir",
