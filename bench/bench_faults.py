@@ -13,7 +13,13 @@ network-namespace host (mTLS, the collectives on each host's eth0; needs root). 
 fault list into one cluster before starting a fresh one. Phases are read from the event log:
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
-first step (-> FIRST_STEP).
+first step (-> FIRST_STEP). With `--warm on|both`, every agent keeps warm workers (parked ranks,
+torch imported; healthy hosts keep their processes across the restart, nodeagent/warm.py): each row
+also counts the nodes whose processes were kept (`kept_nodes`) and whose state came from their own
+memory (`memory_nodes`).
+
+    flock /tmp/runwarden-heavy.lock .venv/bin/python bench/bench_faults.py --warm both --trials 5 \
+        --per-run 5 --out bench/results/bench_faults_warm.json
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -76,6 +83,17 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
     out["time_to_detect"] = detect.ts - inj.at
     out["time_to_first_step"] = first.ts - inj.at
     out["first_step_after_detection"] = first.ts - detect.ts
+    # the warm path's share: nodes whose processes were kept from the failed attempt, and nodes whose
+    # state came from their own memory (WORKERS_STARTED details, LOAD_DONE's message)
+    started = next(
+        (e for e in window if e.kind == E.EVENT_KIND_WORKERS_STARTED and e.attempt == launch.attempt), None
+    )
+    out["kept_nodes"] = float(
+        sum("kept from attempt" in n.detail for n in started.workers_started.nodes) if started else 0
+    )
+    load = next((e for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None)
+    memory = re.search(r"memory on ([^;]+)", load.message) if load else None
+    out["memory_nodes"] = float(len(memory.group(1).split(", ")) if memory else 0)
     return out
 
 

@@ -132,7 +132,7 @@ class Agent:
         self.drain_reason = ""  # "" = not draining
         self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
         self.warm: warm_pool.WarmPool | None = None  # with warm_workers: the parked rank processes
-        self._warm_pids: set[int] = set()  # leaders of workers the warm path started
+        self._warm_groups: dict[int, warm_pool.ParkedGroup] = {}  # leader pid -> the warm worker's group
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -496,9 +496,14 @@ class Agent:
         if self.progress.record_exit(worker.run, worker.attempt, worker.exit.to_proto()):
             self.flush_progress()
             self._state_changed.set()
-        if self.warm is not None and worker.pid in self._warm_pids:
-            self._warm_pids.discard(worker.pid)
-            self.warm.refill()  # a fresh group for the next attempt: never the one that ran this
+        group = self._warm_groups.pop(worker.pid, None)
+        if self.warm is not None and group is not None:
+            if worker.parked and not self.unhealthy:
+                self.warm.put_back(group)  # the same processes, their state in memory, for the next attempt
+            else:
+                # a rank died or was killed (or this node has fatal evidence): a fresh group
+                warm_pool.discard(group)
+                self.warm.refill()
 
     # --- launching -------------------------------------------------------------------------------
 
@@ -547,15 +552,49 @@ class Agent:
         group, why = pool.take(local_ranks, self.config.warm_wait_s)
         if group is None:
             return None, why
-        if not group.hand_off(message):
+        kept = list(group.attempts)
+        end = group.hand_off(message, spec.attempt)
+        if end is None:
             pool.refill()
             warm_pool.discard(group)
             return None, "the parked group died before the hand-off"
-        self._warm_pids.add(group.popen.pid)
-        worker = self.launcher.adopt(spec, group.popen)
-        detail = f"parked ranks {list(group.rank_pids)} (leader {group.popen.pid}), {why}"
+        self._warm_groups[group.popen.pid] = group
+        worker = self.launcher.adopt(spec, group.popen, end)
+        origin = f"kept from attempt {kept[-1]}" if kept else "fresh"
+        detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
         log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
         return worker, detail
+
+    def stop_workers(
+        self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
+    ) -> list[Worker]:
+        """StopWorkers: with park_within_s > 0, a warm worker's ranks leave the attempt and park again
+        in the same processes (nodeagent.warm's `end`); what has not parked within the bound, a cold
+        worker, or any worker on a node with fatal evidence is stopped as always (TERM, KILL after
+        grace_s)."""
+        parking: list[Worker] = []
+        if park_within_s > 0 and self.warm is not None and not self.unhealthy:
+            for w in self.launcher.workers(run):
+                group = self._warm_groups.get(w.pid)
+                if w.running and (attempt == 0 or w.attempt == attempt) and group is not None:
+                    if group.stopped_ranks():  # SIGSTOPped: it cannot leave; the bound would only wait
+                        log.info("run %s: ranks %s are stopped: not parked", run, group.stopped_ranks())
+                        continue
+                    group.end_attempt()
+                    parking.append(w)
+            deadline = time.monotonic() + park_within_s
+            for w in parking:
+                w.reaped.wait(max(0.0, deadline - time.monotonic()))
+            late = [w for w in parking if not w.reaped.is_set()]
+            if late:
+                log.warning(
+                    "run %s: ranks of %s did not leave their collectives within %.1f s: killed",
+                    run,
+                    ", ".join(f"attempt {w.attempt} (leader {w.pid})" for w in late),
+                    park_within_s,
+                )
+        stopped = self.launcher.stop(run, attempt, grace_s)
+        return [w for w in parking if w not in stopped] + stopped
 
     def flush_progress(self) -> int:
         if self.store is None:

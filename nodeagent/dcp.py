@@ -425,6 +425,11 @@ class DcpCheckpointer:
             raise CheckpointError(f"{writer.path}: rank state is not JSON data: {exc}") from None
         writer.write_bytes(rank_state_name(self.rank), body)
         state = _model_and_optim_state(model, optimizer)
+        from nodeagent import memory_state  # the in-memory copy a warm restart may load from
+
+        memory_state.keep(
+            step, {"state": state, "rank_state": rank_state}, rank=self.rank, world_size=self.world_size
+        )
         storage = (
             self._storage_writer(writer.path)
             if self._storage_writer is not None

@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import socket
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,10 +67,15 @@ def discover_sockets(socket_dir: Path) -> dict[int, Path]:
 class FlightRecording:
     """A rank's flight recorder: the worker server on its socket and the repaired pg_config."""
 
-    def __init__(self, *, socket_path: Path, server: Any) -> None:
+    def __init__(self, *, socket_path: Path, server: Any, since_ns: int = 0) -> None:
         self.socket_path = socket_path
         self._server = server
         self._pg_config: dict[str, dict[str, str]] | None = None
+        # Entries recorded before this recording started belong to an earlier attempt of the same
+        # process (a warm worker kept across attempts, nodeagent.warm): torch's ring outlives the
+        # process group, and a new default group is named "0" again with its sequence from 1, so
+        # those entries would read as this attempt's collectives far ahead. They are left out.
+        self.since_ns = since_ns
 
     def record_process_groups(self) -> dict[str, dict[str, str]]:
         """Write the real pg_config next to the socket; call after every new process group."""
@@ -90,6 +96,17 @@ class FlightRecording:
 
     def _repaired(self, dump: dict[str, Any]) -> dict[str, Any]:
         config = self._pg_config if self._pg_config is not None else self.record_process_groups()
+        entries = dump.get("entries")
+        if self.since_ns and isinstance(entries, list):
+            dump = {
+                **dump,
+                "entries": [
+                    e
+                    for e in entries
+                    if not isinstance(e, dict)
+                    or int(e.get("time_created_ns", self.since_ns)) >= self.since_ns
+                ],
+            }
         return {**dump, "pg_config": config}
 
     def dump_json(self) -> bytes:
@@ -135,7 +152,7 @@ def setup_flight_recording(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # a stale socket from an earlier attempt would make bind fail
     pg_config_path_for(path).unlink(missing_ok=True)
-    return FlightRecording(socket_path=path, server=_WorkerServer(str(path)))
+    return FlightRecording(socket_path=path, server=_WorkerServer(str(path)), since_ns=time.time_ns())
 
 
 def setup_flight_recording_from_env(*, buffer_size: int | None = None) -> FlightRecording | None:

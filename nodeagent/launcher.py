@@ -91,6 +91,24 @@ class ExitInfo:
 
 
 @dataclass(slots=True, kw_only=True)
+class AttemptEnd:
+    """How a worker whose leader outlives its attempt (a warm group, nodeagent.warm_pool) ends: its
+    owner calls `finish` once; parked = the processes live on for the next attempt, so the reaper
+    records the exit without killing the tree (`keep_pids` are then no leftover of this attempt)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    exit_code: int = 0
+    parked: bool = False
+    keep_pids: tuple[int, ...] = ()
+
+    def finish(self, exit_code: int, *, parked: bool, keep_pids: tuple[int, ...] = ()) -> None:
+        if self.done.is_set():
+            return
+        self.exit_code, self.parked, self.keep_pids = exit_code, parked, keep_pids
+        self.done.set()
+
+
+@dataclass(slots=True, kw_only=True)
 class Worker:
     run: str
     attempt: int
@@ -104,6 +122,7 @@ class Worker:
     # every process ever found in the tree, pid -> start ticks (a pid alone may be reused): what a
     # leftover of this attempt is known by after it ended (nodeagent.leftovers)
     seen: dict[int, int] = field(default_factory=dict)
+    parked: bool = False  # ended with its processes parked for the next attempt (AttemptEnd)
 
     def track(self) -> list[proctree.ProcInfo]:
         tree = proctree.tree_of(self.pid, adopted=self.seen.keys())
@@ -207,32 +226,49 @@ class Launcher:
         log.info("launched %s attempt %d: pid %d %s", spec.run, spec.attempt, popen.pid, list(spec.argv))
         return worker
 
-    def adopt(self, spec: LaunchSpec, popen: subprocess.Popen[bytes]) -> Worker:
+    def adopt(
+        self, spec: LaunchSpec, popen: subprocess.Popen[bytes], attempt_end: AttemptEnd | None = None
+    ) -> Worker:
         """`popen` (a session leader this launcher's rules apply to: its own session, USR1 ignored)
         becomes the attempt's worker: reaped, tracked, stopped and killed like a launched one. The
-        warm path's parked group arrives here (nodeagent.warm_pool)."""
+        warm path's parked group arrives here (nodeagent.warm_pool), with `attempt_end`: its
+        attempt may end before its leader does."""
         worker = Worker(
             run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen
         )
         with self._lock:
             self._workers = [w for w in self._workers if w.running or w.run != spec.run] + [worker]
-        threading.Thread(target=self._reap, args=(worker,), name=f"reap-{popen.pid}", daemon=True).start()
+        threading.Thread(
+            target=self._reap, args=(worker, attempt_end), name=f"reap-{popen.pid}", daemon=True
+        ).start()
         return worker
 
-    def _reap(self, worker: Worker) -> None:
+    def _reap(self, worker: Worker, attempt_end: AttemptEnd | None) -> None:
         while True:
+            if attempt_end is not None:  # its owner finishes it on the group's word or the leader's exit
+                if attempt_end.done.wait(TRACK_INTERVAL_S):
+                    rc = attempt_end.exit_code if attempt_end.parked else worker.popen.wait()
+                    break
+                worker.track()
+                continue
             try:
                 rc = worker.popen.wait(timeout=TRACK_INTERVAL_S)
                 break
             except subprocess.TimeoutExpired:
                 worker.track()  # remember members before a double-fork cuts their links
-        # The leader is gone: whatever it left behind in its tree goes too.
-        _kill_tree(worker, grace_s=0.0 if worker.stopping else 2.0)
+        if attempt_end is not None and attempt_end.parked:
+            worker.parked = True
+            for pid in (worker.pid, *attempt_end.keep_pids):  # they live on, parked: no leftover
+                worker.seen.pop(pid, None)
+        else:
+            # The leader is gone: whatever it left behind in its tree goes too.
+            _kill_tree(worker, grace_s=0.0 if worker.stopping else 2.0)
+        detail = f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}"
         worker.exit = ExitInfo(
             exit_code=rc if rc >= 0 else None,
             signal=-rc if rc < 0 else None,
             ended_at=time.time(),
-            detail=f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}",
+            detail=detail + ("; its ranks parked again for the next attempt" if worker.parked else ""),
         )
         worker.done.set()
         log.info(

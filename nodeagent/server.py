@@ -324,9 +324,10 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         v.run_name(request.run)
         v.integer(request.attempt, "attempt", low=0, high=v.MAX_STEP)
         grace = v.seconds(request.grace_s, "grace_s", high=3600) or self.agent.config.stop_grace_s
+        park = v.seconds(request.park_within_s, "park_within_s", high=60)
         if not self.agent.launcher.workers(request.run):
             _abort(context, grpc.StatusCode.NOT_FOUND, f"run {request.run!r} has no workers on this node")
-        stopped = self.agent.launcher.stop(request.run, request.attempt, grace)
+        stopped = self.agent.stop_workers(request.run, request.attempt, grace, park_within_s=park)
         self.agent.state_changed()
         return agent_pb2.StopWorkersResponse(stopped=[_worker_status(w) for w in stopped])
 
@@ -372,7 +373,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
 def _worker_status(w: Any) -> agent_pb2.WorkerStatus:
     status = agent_pb2.WorkerStatus(
-        run=w.run, attempt=w.attempt, pid=w.pid, running=w.running, started_at=w.started_at
+        run=w.run,
+        attempt=w.attempt,
+        pid=w.pid,
+        running=w.running,
+        started_at=w.started_at,
+        parked=getattr(w, "parked", False),
     )
     if w.exit is not None:
         status.exit.CopyFrom(w.exit.to_proto())

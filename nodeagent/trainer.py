@@ -622,6 +622,23 @@ def load_checkpoint(
             raise FileNotFoundError(f"no committed checkpoint under {checkpoint}")
         checkpoint = found
     if checkpoint.meta.get("format") == DCP_FORMAT:
+        from nodeagent import memory_state
+
+        by = checkpoint.meta.get("attempt")
+        kept = memory_state.take_everywhere(checkpoint.step, by if isinstance(by, int) else None, rank=rank)
+        memory_state.loaded(checkpoint.step, memory_state.STORAGE if kept is None else memory_state.MEMORY)
+        if kept is not None:  # every rank holds this commit in memory (warm workers kept their processes)
+            data_state, extra = memory_state.restore_dcp(
+                kept,
+                checkpoint.path,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                restore_rng=restore_rng,
+            )
+            return LoadedCheckpoint(
+                step=checkpoint.step, path=checkpoint.path, data_state=data_state, extra=extra
+            )
         state = load_dcp(
             checkpoint,
             model=model,

@@ -5,8 +5,14 @@ process per local rank, torch imported) started with its own interpreter and env
 structured launch that the warm path can run is handed to it instead of starting torchrun; the
 group's leader then becomes the attempt's worker exactly as torchrun's process would
 (`Launcher.adopt`): the same reaper, exit record, stop and kill of its whole session, stray-process
-rescan, stop file and agent socket. A group runs one attempt only; the next one is started when that
-attempt's worker has ended (not during the attempt: its imports would compete with the ranks).
+rescan, stop file and agent socket. A group outlives its attempts (issue 18): when an attempt ends
+with every rank parked again (`ended <code>` from the leader: the script exited or failed, or a
+StopWorkers with park_within_s asked the ranks to leave their collectives), the worker's exit is
+recorded without killing the tree and the same group goes back to the pool for the next attempt, its
+ranks holding their last checkpoint in memory (nodeagent.memory_state). A group that lost a rank, was
+killed (a hard stop, a rank that did not park within the bound) or ran on a node with fatal evidence
+is closed, and a fresh one is started once that attempt's worker has ended (not during the attempt:
+its imports would compete with the ranks).
 
 The warm path is used only when it starts what torchrun would; anything else goes cold, and the
 launch's answer and the agent's log say which path ran and why (`LaunchPath`):
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent import proctree, torchrun, warm
-from nodeagent.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, LaunchSpec, worker_env
+from nodeagent.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, AttemptEnd, LaunchSpec, worker_env
 
 log = logging.getLogger(__name__)
 # Variables the interpreter, the dynamic loader, the allocator or OpenMP/MKL read once at start-up or
@@ -122,7 +128,8 @@ def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
 
 
 class ParkedGroup:
-    """One leader and its parked ranks, started by the pool; handed to one attempt at most."""
+    """One leader and its parked ranks, started by the pool; it runs one attempt at a time and, when
+    its ranks park again after one (nodeagent.warm), goes back to the pool for the next."""
 
     def __init__(self, popen: subprocess.Popen[bytes], local_ranks: int, env: Mapping[str, str]) -> None:
         self.popen = popen
@@ -132,6 +139,8 @@ class ParkedGroup:
         self.rank_pids: tuple[int, ...] = ()
         self.failure = ""  # why it never became ready
         self.settled = threading.Event()  # ready or failed
+        self.attempts: list[int] = []  # the attempts it ran, oldest first
+        self.current: AttemptEnd | None = None  # the running attempt's end, set by the watcher
 
     @property
     def ready(self) -> bool:
@@ -143,15 +152,45 @@ class ParkedGroup:
         states = [proctree.read_proc(pid) for pid in self.rank_pids]
         return all(s is not None and s.state not in ("Z", "X") for s in states)
 
-    def hand_off(self, message: bytes) -> bool:
-        """Write the launch and close: False if the group died meanwhile (nothing was started)."""
+    def stopped_ranks(self) -> list[int]:
+        """Ranks in state T (SIGSTOPped, a hang): they cannot leave an attempt until continued."""
+        states = {pid: proctree.read_proc(pid) for pid in self.rank_pids}
+        return [pid for pid, st in states.items() if st is not None and st.state in ("T", "t")]
+
+    def hand_off(self, message: bytes, attempt: int) -> AttemptEnd | None:
+        """Write the launch (one line): None if the group died meanwhile (nothing was started)."""
         assert self.popen.stdin is not None
+        end = AttemptEnd()
+        self.current = end
         try:
-            self.popen.stdin.write(message)
-            self.popen.stdin.close()
-        except (BrokenPipeError, OSError):
-            return False
-        return True
+            self.popen.stdin.write(message + b"\n")
+            self.popen.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.current = None
+            return None
+        self.attempts.append(attempt)
+        return end
+
+    def end_attempt(self) -> None:
+        """Ask the ranks to leave the running attempt and park again (nodeagent.warm's `end`)."""
+        assert self.popen.stdin is not None
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            self.popen.stdin.write(b"end\n")
+            self.popen.stdin.flush()
+
+    def on_line(self, line: bytes) -> None:
+        """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again."""
+        words = line.split()
+        end = self.current
+        if end is not None and len(words) == 2 and words[0] == b"ended" and words[1].isdigit():
+            self.current = None
+            end.finish(int(words[1]), parked=True, keep_pids=self.rank_pids)
+
+    def on_gone(self) -> None:
+        """The leader's pipe closed: it exited (or is exiting); a running attempt ended with it."""
+        end, self.current = self.current, None
+        if end is not None:
+            end.finish(0, parked=False)
 
 
 class WarmPool:
@@ -213,23 +252,27 @@ class WarmPool:
         return group
 
     def _watch(self, group: ParkedGroup, fd: int) -> None:
+        lines = warm.Lines(fd, 4096)
         try:
-            line = _read_line(fd, 4096)
+            line = _read_ready(lines)
+            pids = _parse_ready(line, group.local_ranks)
+            if pids:
+                group.rank_pids = pids
+                with self._lock:
+                    self._failures = 0
+                log.info(
+                    "warm workers: %d rank(s) parked in %.1f s: pids %s",
+                    group.local_ranks,
+                    time.time() - group.started_at,
+                    list(pids),
+                )
+                group.settled.set()
+                while (said := _next_line(lines)) is not None:  # the group's life: `ended <code>`
+                    group.on_line(said)
+                group.on_gone()
+                return
         finally:
             os.close(fd)
-        pids = _parse_ready(line, group.local_ranks)
-        if pids:
-            group.rank_pids = pids
-            with self._lock:
-                self._failures = 0
-            log.info(
-                "warm workers: %d rank(s) parked in %.1f s: pids %s",
-                group.local_ranks,
-                time.time() - group.started_at,
-                list(pids),
-            )
-            group.settled.set()
-            return
         rc = group.popen.wait()
         group.failure = f"the parked group exited with {rc} before it was ready"
         group.settled.set()
@@ -281,6 +324,26 @@ class WarmPool:
     def _discard(self, group: ParkedGroup) -> None:
         discard(group)
 
+    def put_back(self, group: ParkedGroup) -> None:
+        """A group whose ranks parked again after an attempt is the next attempt's first choice (its
+        ranks hold their state in memory); a fresh group parked meanwhile is closed."""
+        old: ParkedGroup | None = None
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                old, self._group = self._group, group
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+        if closed:
+            discard(group)
+            return
+        if old is not None and old is not group:
+            discard(old)
+        log.info(
+            "warm workers: ranks %s parked again after attempt(s) %s", list(group.rank_pids), group.attempts
+        )
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -320,14 +383,15 @@ def _close_group(group: ParkedGroup) -> None:
         group.popen.wait()
 
 
-def _read_line(fd: int, limit: int) -> bytes:
-    data = b""
-    while b"\n" not in data and len(data) < limit:
-        chunk = os.read(fd, 512)
-        if not chunk:
-            break
-        data += chunk
-    return data
+def _next_line(lines: warm.Lines) -> bytes | None:
+    try:
+        return lines.read_line()
+    except (warm.HandOffError, OSError):
+        return None
+
+
+def _read_ready(lines: warm.Lines) -> bytes:
+    return _next_line(lines) or b""
 
 
 def _parse_ready(line: bytes, local_ranks: int) -> tuple[int, ...]:
@@ -350,4 +414,6 @@ def handoff_message(spec: LaunchSpec, ask: WarmAsk, env: Mapping[str, str], loca
         "master_port": port,
         "timeout_s": WARM_RENDEZVOUS_TIMEOUT_S,
     }
-    return warm.encode_handoff(argv=ask.command, cwd=spec.cwd, env=env, rendezvous=rendezvous)
+    return warm.encode_handoff(
+        argv=ask.command, cwd=spec.cwd, env=env, rendezvous=rendezvous, attempt=spec.attempt
+    )

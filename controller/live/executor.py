@@ -76,6 +76,10 @@ log = logging.getLogger(__name__)
 # core still waits up to its stop_grace_s for the exits.
 _EXIT_POLL_S = 0.2
 _HARD_STOP_GRACE_S = 2.0
+# An unplanned stop asks warm workers to keep their processes: the ranks leave their collectives and
+# park again, holding their state for the next attempt (StopWorkersRequest.park_within_s); a rank
+# still inside the attempt after this long is killed with its group. Cold workers stop as always.
+_PARK_WITHIN_S = 3.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -403,8 +407,13 @@ class Executor:
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
         out = self.agents.stop(
             node,
-            agent_pb2.StopWorkersRequest(run=self.s.run, attempt=action.attempt, grace_s=grace),
-            grace + self.s.rpc_timeout_s,
+            agent_pb2.StopWorkersRequest(
+                run=self.s.run,
+                attempt=action.attempt,
+                grace_s=grace,
+                park_within_s=0.0 if action.planned else _PARK_WITHIN_S,
+            ),
+            grace + (0.0 if action.planned else _PARK_WITHIN_S) + self.s.rpc_timeout_s,
         )
         if not out.ok:
             self.post(

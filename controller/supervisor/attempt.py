@@ -34,6 +34,7 @@ class Attempt:
     save_started: dict[int, float] = field(default_factory=dict)  # step -> first "saving" report
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load
+    loaded_from: dict[str, str] = field(default_factory=dict)  # node -> where its ranks' state came from
     first_loaded_at: float = 0.0  # when the first of them did (the load-stall rule's clock)
     finished_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all took their last step
     finished_at: float = 0.0  # when the last of them did

@@ -75,6 +75,9 @@ def _check_losses(losses: tuple[tuple[int, float], ...], dropped: int) -> None:
             raise ValueError(f"RankSample.losses: (step >= 0, loss) pairs required, got {item!r}")
 
 
+LOAD_SOURCES = frozenset({"memory", "peer", "storage"})  # RankProgress.loaded_from values
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSample:
     """One rank's latest progress, as aggregated by its node agent (mirrors `RankProgress`)."""
@@ -87,6 +90,7 @@ class RankSample:
     in_checkpoint: bool = False
     reported_at: float = 0.0
     loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
+    loaded_from: str = ""  # where that state came from: "memory", "peer", "storage" ("": not said)
     finished: bool = False  # took its last step and is exiting (training is done)
     # (step, loss) of every step since the rank's previous report, oldest first (RankProgress's
     # recent_losses, or its one `loss` from an older trainer); NaN and inf are reports, not errors
@@ -132,6 +136,7 @@ class RankSample:
             in_checkpoint=p.in_checkpoint,
             reported_at=p.reported_at,
             loaded_step=p.loaded_step if p.HasField("loaded_step") else None,
+            loaded_from=p.loaded_from if p.loaded_from in LOAD_SOURCES else "",
             finished=p.finished,
         )
 

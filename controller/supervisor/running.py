@@ -48,6 +48,9 @@ def _on_steps(sv: Supervisor, ev: ProgressObserved, old: int) -> None:
             loaded = loaded and r.loaded_step is not None
             stepped = stepped or r.step > resume
         if loaded:
+            sources = sorted({r.loaded_from for r in ev.ranks if r.loaded_from})
+            if sources:
+                a.loaded_from[ev.node] = "+".join(sources)
             _node_loaded(sv, ev.node)
             if not stepped:
                 return  # a load mark: no step was taken yet, so no step accounting
@@ -111,9 +114,15 @@ def _node_loaded(sv: Supervisor, node: str) -> None:
         return
     a.load_logged = True
     loaded = f"checkpoint step {a.resume_step}" if a.resume_step >= 0 else "no checkpoint (scratch)"
+    by_source: dict[str, list[str]] = {}
+    for n, source in sorted(a.loaded_from.items()):
+        by_source.setdefault(source, []).append(n)
+    # where each node's state came from (the trainer's load mark): "state from memory on n1, n2; ..."
+    sources = "; ".join(f"{s} on {', '.join(ns)}" for s, ns in sorted(by_source.items()))
     sv.log(
         E.EVENT_KIND_LOAD_DONE,
-        f"all {len(a.node_step)} nodes loaded {loaded}, {sv.now - a.launched_at:.1f}s after launch",
+        f"all {len(a.node_step)} nodes loaded {loaded}, {sv.now - a.launched_at:.1f}s after launch"
+        + (f"; state from {sources}" if sources else ""),
         step=a.resume_step,
     )
 

@@ -14,6 +14,7 @@ in the planned-stop, live-controller and reliability tests.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ class FaultedRun:
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
-    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
+    # Warm workers (issue 18): parked ranks start each attempt, and healthy hosts keep theirs across it.
+    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True}, warm_workers=True)
     with contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         victims: dict[str, int] = {}
@@ -118,3 +120,54 @@ def test_event_log_is_whole_and_goodput_adds_up(faulted: FaultedRun) -> None:
 
 def test_losses_equal_an_uninterrupted_run_of_the_same_seed(faulted: FaultedRun, tmp_path: Path) -> None:
     assert_losses_equal_an_uninterrupted_run(faulted.cluster, tmp_path)
+
+
+_PIDS = re.compile(r"^parked ranks \[([0-9, ]+)\] \((kept from attempt (\d+)|fresh);")
+
+
+def _started(events: list[events_pb2.Event]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None]]]:
+    """attempt -> node -> (its rank pids, the attempt its processes were kept from, None: fresh), from
+    the WORKERS_STARTED events (the agents' launch answers)."""
+    out: dict[int, dict[str, tuple[tuple[int, ...], int | None]]] = {}
+    for ev in events:
+        if ev.kind != E.EVENT_KIND_WORKERS_STARTED:
+            continue
+        nodes = {}
+        for n in ev.workers_started.nodes:
+            assert n.path == "warm", f"attempt {ev.attempt}: {n.node} started {n.path}: {n.detail}"
+            m = _PIDS.match(n.detail)
+            assert m is not None, n.detail
+            pids = tuple(int(p) for p in m.group(1).split(", "))
+            nodes[n.node] = (pids, int(m.group(3)) if m.group(3) else None)
+        out[ev.attempt] = nodes
+    return out
+
+
+def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulted: FaultedRun) -> None:
+    started = _started(faulted.events)
+    launches = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH}
+    assert sorted(started) == sorted(launches), "an attempt without its WORKERS_STARTED"
+    kept = 0
+    for r in faulted.recoveries:
+        assert r.launch is not None
+        new, before = r.launch.attempt, started[r.launch.attempt - 1]
+        for node, (pids, source) in started[new].items():
+            if node in before and not (r.injection.fault == "crash" and node == r.injection.node):
+                # a healthy host of the failed attempt: the same processes, parked again
+                assert (pids, source) == (before[node][0], new - 1), (r.injection.fault, node, pids, source)
+                kept += 1
+            else:  # the replacement, or the crashed rank's host: a fresh parked group, warm
+                assert source is None and not set(pids) & {p for ps, _ in before.values() for p in ps}, (
+                    r.injection.fault,
+                    node,
+                )
+    assert kept >= 3 * len(faulted.recoveries)
+
+
+def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
+    loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
+    for r in faulted.recoveries:
+        assert r.launch is not None
+        message = loads.get(r.launch.attempt, "")
+        # a fresh host in every one of these attempts: DCP's collective load reads storage everywhere
+        assert re.search(r"; state from (memory|peer|storage) on ", message), (r.injection.fault, message)

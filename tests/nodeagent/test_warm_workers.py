@@ -3,8 +3,9 @@ job on parked rank processes, torch imported before the launch, across 2 "nodes"
 
 What is proved with real processes: the ranks that take steps are the processes that were parked
 before the launch; global ranks follow the controller's node ranks; a planned stop (stop flag, save,
-commit, exit 0), a rank's crash (its exit code is the node's exit), a hard stop (nothing of the
-tree left), and that each attempt gets fresh parked ranks; the cold path runs when the switch is off
+commit, exit 0) and a rank's exit code (the node's exit) end the attempt, not the processes: the
+same ranks park again and run the next attempt; a hard stop leaves nothing of the tree and a fresh
+group is parked; the cold path runs when the switch is off
 or the warm path cannot run the launch, and the answer says which path ran; a bad value of the
 switch is a config error.
 """
@@ -100,6 +101,7 @@ def _launch(
     *,
     resume_step: int = -1,
     env: dict[str, str] | None = None,
+    nnodes: int = 0,
 ) -> list[agent_pb2.LaunchWorkersResponse]:
     replies = []
     for node_rank, agent in enumerate(agents):
@@ -109,7 +111,7 @@ def _launch(
                     run="wr",
                     attempt=attempt,
                     env={"PYTHONPATH": str(ROOT), **(env or {})},
-                    nnodes=len(agents),
+                    nnodes=nnodes or len(agents),
                     node_rank=node_rank,
                     resume_step=resume_step,
                     torchrun=agent_pb2.TorchrunLaunch(
@@ -167,7 +169,7 @@ def _tree_gone(leader: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_nodes_launch_on_parked_ranks_and_every_attempt_gets_fresh_ones(tmp_path):
+def test_two_nodes_launch_on_parked_ranks_kept_across_attempts_until_a_hard_stop(tmp_path):
     port = 29611
     agents = [
         _agent(tmp_path, "w0", HOSTS[0], warm_on=True, flags=("--rdzv-port", str(port))),
@@ -204,22 +206,27 @@ def test_two_nodes_launch_on_parked_ranks_and_every_attempt_gets_fresh_ones(tmp_
             1
         }
 
-        # Attempt 2: fresh parked ranks (never the processes that ran attempt 1); a rank exits 7.
+        # Attempt 2: the same processes, parked again after their planned stop; a rank exits 7: the
+        # node's exit, and both ranks park again (a script's exit ends the attempt, not the process).
         crash = tmp_path / "crash.py"
         crash.write_text(CRASH)
-        fresh = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s fresh parked rank") for a in agents]
-        assert not set(sum(fresh, ())) & set(sum(parked, ()))
+        fresh = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s parked rank again") for a in agents]
+        assert fresh == parked
         replies = _launch(agents, port, 2, [str(crash)])
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
+        assert all("kept from attempt 1" in r.launch_detail for r in replies), [
+            r.launch_detail for r in replies
+        ]
         w1 = _ended(agents[1], 2, 60)
-        assert w1.exit.exit_code == 7, w1.exit.detail
+        assert w1.exit.exit_code == 7 and w1.parked, w1.exit.detail
         w0 = _ended(agents[0], 2, 60)
-        assert w0.exit.exit_code != 0, w0.exit.detail
-        assert _tree_gone(w0.pid) and _tree_gone(w1.pid)
+        assert w0.exit.exit_code != 0 and w0.parked, w0.exit.detail
+        assert [parked_ranks(a) for a in agents] == parked
 
-        # Attempt 3: resumes from the commit on fresh parked ranks; a hard stop leaves nothing behind.
+        # Attempt 3: resumes from the commit on the same processes; a hard stop (no park_within_s)
+        # leaves nothing behind, and a fresh group is parked.
         third = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s third parked rank") for a in agents]
-        assert not set(sum(third, ())) & set(sum(fresh, ()))
+        assert third == parked
         replies = _launch(agents, port, 3, _train(tmp_path, 3), resume_step=committed.step)
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
         for agent, pids in zip(agents, third, strict=True):
@@ -249,6 +256,7 @@ def test_two_nodes_launch_on_parked_ranks_and_every_attempt_gets_fresh_ones(tmp_
             wait_for(
                 lambda r=reply: _cmdline(r.pid)[1:3] == ["-m", "torch.distributed.run"], 10, "torchrun's exec"
             )
+        assert not set(sum(fourth, ())) & set(sum(third, ()))
         wait_for(lambda: (tmp_path / "out-4" / "loss-rank1.jsonl").exists(), 90, "cold ranks' first step")
         assert [parked_ranks(a) for a in agents] == fourth
         for agent in agents:
@@ -345,6 +353,7 @@ def test_a_bad_warm_workers_value_is_a_clear_config_error(tmp_path):
 def _handoff(**over: object) -> dict:
     message = {
         "v": warm.PROTOCOL,
+        "attempt": 1,
         "argv": ["train.py", "--steps", "3"],
         "cwd": "",
         "env": {"A": "1"},
@@ -378,7 +387,8 @@ def test_a_hand_off_is_validated_and_gets_torchruns_environment():
     bad = [
         b"\x80not json",
         b"[]",
-        json.dumps(_handoff(v=2)).encode(),
+        json.dumps(_handoff(v=warm.PROTOCOL + 1)).encode(),
+        json.dumps(_handoff(v=1)).encode(),  # protocol 1: one hand-off per group, EOF-framed
         json.dumps(_handoff(argv=[])).encode(),
         json.dumps(_handoff(argv=["-c", "print(1)"])).encode(),
         json.dumps(_handoff(argv=["-m", "not a module"])).encode(),
@@ -390,6 +400,8 @@ def test_a_hand_off_is_validated_and_gets_torchruns_environment():
         json.dumps(_handoff(rendezvous={**rdzv, "master_addr": "a b"})).encode(),
         json.dumps(_handoff(rendezvous={**rdzv, "rdzv_id": "x/../y"})).encode(),
         json.dumps(_handoff(rendezvous={**rdzv, "timeout_s": True})).encode(),
+        json.dumps(_handoff(attempt=-1)).encode(),
+        json.dumps(_handoff(attempt="1")).encode(),
     ]
     for data in bad:
         with pytest.raises(warm.HandOffError):
