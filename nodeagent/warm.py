@@ -433,6 +433,9 @@ class WarmRank:
         finally:
             with self.lock:
                 self.in_attempt = False
+                # whatever of the attempt still waits on a peer (an async save's collective on its own
+                # group, say) fails now instead of holding the teardown
+                shut_sockets(self.before)
             leave_process_group()
             kill_children()
             held.clear()
