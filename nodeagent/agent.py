@@ -560,6 +560,9 @@ class Agent:
             return None, "the parked group died before the hand-off"
         self._warm_groups[group.popen.pid] = group
         worker = self.launcher.adopt(spec, group.popen, end)
+        standby = threading.Timer(warm_pool.STANDBY_DELAY_S, pool.park_standby)
+        standby.daemon = True
+        standby.start()
         origin = f"kept from attempt {kept[-1]}" if kept else "fresh"
         detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
         log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)

@@ -55,6 +55,7 @@ HANDOFF_ENV = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 WARM_RENDEZVOUS_TIMEOUT_S = 120.0
 TORCHRUN_MODULE = ("-m", "torch.distributed.run")
 MAX_RESTART_DELAY_S = 30.0
+STANDBY_DELAY_S = 10.0  # after a warm launch: the standby group's imports wait for the first steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,6 +205,9 @@ class WarmPool:
         self._env = env
         self._lock = threading.Lock()
         self._group: ParkedGroup | None = None
+        # A second group, parked while an attempt runs (park_standby): what the next attempt gets when
+        # this node's running group is lost (its rank crashed), so a restarted node starts warm too.
+        self._standby: ParkedGroup | None = None
         self._failures = 0  # in a row: the next start waits 2**n s
         self._closed = False
         self._timer: threading.Timer | None = None
@@ -218,7 +222,24 @@ class WarmPool:
                 return
             if group is not None:
                 self._discard(group)
+            standby, self._standby = self._standby, None
+            if standby is not None and not (
+                standby.settled.is_set() and (standby.failure or not standby.alive())
+            ):
+                self._group = standby  # parked (or parking) already: no import on the restart path
+                log.info("warm workers: the standby group (leader pid %d) is next", standby.popen.pid)
+                return
+            if standby is not None:
+                self._discard(standby)
             self._group = self._start()
+
+    def park_standby(self) -> None:
+        """Park a second group beside the one a running attempt holds (called some seconds after a
+        warm launch, so its imports do not compete with the rendezvous and the first steps)."""
+        with self._lock:
+            if self._closed or self._standby is not None or self._group is not None:
+                return  # a primary parked here already stands by for the next attempt
+            self._standby = self._start()
 
     def _start(self) -> ParkedGroup:
         local_ranks = self._local_ranks()
@@ -296,8 +317,11 @@ class WarmPool:
         with self._lock:
             group = self._group
         if group is None:
-            self.refill()
-            return None, "no parked group (one is being started)"
+            self.refill()  # the standby, or a fresh group: waited for below like any parked group
+            with self._lock:
+                group = self._group
+            if group is None:
+                return None, "no parked group (one is being started)"
         waited = time.monotonic()
         if not group.settled.wait(wait_s):
             return None, f"the parked group was not ready within warm_wait_s ({wait_s:g} s)"
@@ -335,6 +359,8 @@ class WarmPool:
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
+                if old is not None and old is not group and self._standby is None:
+                    old, self._standby = None, old  # a fresh group parked meanwhile stands by
         if closed:
             discard(group)
             return
@@ -348,15 +374,17 @@ class WarmPool:
         with self._lock:
             self._closed = True
             group, self._group = self._group, None
+            standby, self._standby = self._standby, None
             if self._timer is not None:
                 self._timer.cancel()
-        if group is not None:
-            _close_group(group)
+        for g in (group, standby):
+            if g is not None:
+                _close_group(g)
 
     def parked_pids(self) -> tuple[int, ...]:
         with self._lock:
-            group = self._group
-        return group.rank_pids if group is not None and group.ready else ()
+            groups = (self._group, self._standby)
+        return tuple(pid for g in groups if g is not None and g.ready for pid in g.rank_pids)
 
 
 def discard(group: ParkedGroup) -> None:

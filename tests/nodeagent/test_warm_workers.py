@@ -210,25 +210,29 @@ def test_two_nodes_launch_on_parked_ranks_kept_across_attempts_until_a_hard_stop
         # node's exit, and both ranks park again (a script's exit ends the attempt, not the process).
         crash = tmp_path / "crash.py"
         crash.write_text(CRASH)
+        # (a standby group may be parked beside them: park_standby, some seconds after a warm launch)
         fresh = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s parked rank again") for a in agents]
-        assert fresh == parked
+        assert all(set(p) <= set(f) for p, f in zip(parked, fresh, strict=True)), (parked, fresh)
         replies = _launch(agents, port, 2, [str(crash)])
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
-        assert all("kept from attempt 1" in r.launch_detail for r in replies), [
-            r.launch_detail for r in replies
-        ]
+        for reply, pids in zip(replies, parked, strict=True):
+            assert f"parked ranks {list(pids)} (kept from attempt 1;" in reply.launch_detail, (
+                reply.launch_detail
+            )
         w1 = _ended(agents[1], 2, 60)
         assert w1.exit.exit_code == 7 and w1.parked, w1.exit.detail
         w0 = _ended(agents[0], 2, 60)
         assert w0.exit.exit_code != 0 and w0.parked, w0.exit.detail
-        assert [parked_ranks(a) for a in agents] == parked
+        assert all(set(p) <= set(parked_ranks(a)) for a, p in zip(agents, parked, strict=True))
 
         # Attempt 3: resumes from the commit on the same processes; a hard stop (no park_within_s)
         # leaves nothing behind, and a fresh group is parked.
-        third = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s third parked rank") for a in agents]
-        assert third == parked
+        third = parked
         replies = _launch(agents, port, 3, _train(tmp_path, 3), resume_step=committed.step)
-        assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
+        for reply, pids in zip(replies, parked, strict=True):
+            assert f"parked ranks {list(pids)} (kept from attempt 2;" in reply.launch_detail, (
+                reply.launch_detail
+            )
         for agent, pids in zip(agents, third, strict=True):
             wait_for(lambda a=agent, p=pids: _ranks_at(a, p, committed.step + 2), 60, "steps past the resume")
         first = json.loads((tmp_path / "out-3" / "loss-rank0.jsonl").open().readline())
