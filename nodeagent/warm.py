@@ -640,6 +640,7 @@ class Leader:
     def __init__(self, local_ranks: int, ready_fd: int) -> None:
         self.ready_fd = ready_fd
         self.agent = Lines(sys.stdin.fileno())
+        self.early: list[bytes] = []  # hand-offs read while an attempt was still ending
         self.ranks: list[_Rank] = []
         self.terminated = False
         signal.signal(signal.SIGTERM, self._on_term)
@@ -715,7 +716,7 @@ class Leader:
     def parked_command(self) -> bytes | None:
         """The agent's next hand-off while parked; None at EOF, a TERM or a parked rank's death."""
         while not self.terminated:
-            line = self.agent.pop()
+            line = self.early.pop(0) if self.early else self.agent.pop()
             if line is not None:
                 if line.startswith(b"{"):
                     return line
@@ -774,6 +775,8 @@ class Leader:
                         if line == b"end":
                             for q in running:
                                 q.send(b"abort")
+                        elif line.startswith(b"{"):
+                            self.early.append(line)  # the next attempt's, kept for when this one ended
                     continue
                 r = next(q for q in running if q.status.fd == fd)
                 if not r.status.fill():
