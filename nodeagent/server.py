@@ -252,6 +252,16 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                     )
                 except LaunchError as exc:
                     _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"torchrun.command: {exc}")
+            if (
+                request.torchrun.script_mode == agent_pb2.SCRIPT_MODE_UNMODIFIED
+                and a.fr_buffer_size(run) == 0
+            ):
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "torchrun.script_mode: an unmodified script's progress comes from the flight "
+                    "recorder, which this agent's fr_buffer_size = 0 turns off",
+                )
             argv, env = tuple(line), {**env, **collective}
             a.peers = tuple(request.torchrun.peers)
         with a.lock:
@@ -278,6 +288,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         # a new attempt starts at full speed.
         a.slow_s.clear()
         a.follow_run(run)
+        policy = a.read_policy(run)  # the agents' part of the run's policy (runwarden/run_policy.py)
+        env = {**env, **policy.trace_env()}
         spec = LaunchSpec(
             run=run,
             attempt=request.attempt,
@@ -292,11 +304,11 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             stop_file=a.config.stop_file(run),
             fr_socket_dir=a.config.fr_socket_dir(run, request.attempt),
             agent_socket=a.config.unix_socket,
-            fr_buffer_size=a.config.fr_buffer_size,
+            fr_buffer_size=policy.fr_buffer_size or a.config.fr_buffer_size,
         )
         ask = (
             warm_pool.WarmAsk(
-                command=tuple(request.torchrun.command),
+                command=torchrun.rank_command(request.torchrun),
                 rdzv_endpoint=request.torchrun.rdzv_endpoint,
                 is_host=request.torchrun.is_host,
                 no_python=request.torchrun.no_python,

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from controller.supervisor.flight_recorder import verdict_from_rank_dumps
@@ -387,3 +388,29 @@ def test_a_plain_ddp_script_under_torchrun_reports_steps_a_straggler_and_a_stall
             proc.kill()
             proc.wait()
         server.stop()
+
+
+def test_a_real_agent_refuses_an_unmodified_launch_when_its_flight_recorder_is_off(agent_factory):
+    agent = agent_factory(
+        flags=["--listen", "127.0.0.12:0", "--allow-exec", sys.executable],
+        env={"RUNWARDEN_AGENT_FR_BUFFER_SIZE": "0"},
+    )
+    request = agent_pb2.LaunchWorkersRequest(
+        run="r1",
+        attempt=1,
+        nnodes=2,
+        node_rank=1,
+        torchrun=agent_pb2.TorchrunLaunch(
+            command=[str(PLAIN_DDP)],
+            rdzv_endpoint="127.0.0.13:29400",
+            script_mode=agent_pb2.SCRIPT_MODE_UNMODIFIED,
+        ),
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        agent.stub.LaunchWorkers(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "fr_buffer_size = 0" in err.value.details()
+    request.torchrun.no_python = True
+    with pytest.raises(grpc.RpcError) as bad:
+        agent.stub.LaunchWorkers(request, timeout=10)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no_python" in bad.value.details()
