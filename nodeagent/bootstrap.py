@@ -30,11 +30,12 @@ timing, which the bootstrap turns on, started and not completed: the device's vi
 rest of the interval; both are per-step averages, as the instrumented path sends them. So the
 straggler rule sees the slow rank with high compute and low wait, the others the reverse.
 
-What this mode cannot see: a hang outside every collective until its peers are stuck waiting for
-it (the hang timeout then runs from the last collective the slow rank entered), the loss (no NaN,
-spike or divergence checks), checkpoint saves and commits (a long save without collectives looks
-like a hang: keep `hang_timeout_s` above it; the controller never learns a commit, so every attempt
-resumes where the script's own checkpoint logic says), the load phase (no LOAD_DONE), planned stops
+What this mode cannot see: what happens between collectives (a stretch without any -- an
+evaluation on one rank, a synchronous save, a slow data loader -- is a hang once it outlasts the
+hang timeout: keep `hang_timeout_s` above it; every rank stuck outside a collective at once stops
+all counts equal, so a hang is seen but no culprit named), the loss (no NaN, spike or divergence
+checks), checkpoint commits (the controller never learns one, so every attempt resumes where the
+script's own checkpoint logic says), the load phase (no LOAD_DONE), planned stops
 (the script does not poll a stop flag: a planned stop ends as a hard stop after the grace; a script
 that handles SIGTERM itself still gets it), and chaos `slow-rank` (it only delays this mode's
 reports). DDP overlaps its gradient all-reduce with backward compute: that overlap counts as wait
