@@ -28,7 +28,7 @@ from nodeagent import progress as progress_mod
 from nodeagent import torchrun, warm_pool
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
-from nodeagent.launcher import Launcher, LaunchSpec, Worker, resolve_allowed
+from nodeagent.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
 from nodeagent.liveness import Registration
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
@@ -133,6 +133,7 @@ class Agent:
         self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
         self.warm: warm_pool.WarmPool | None = None  # with warm_workers: the parked rank processes
         self._warm_groups: dict[int, warm_pool.ParkedGroup] = {}  # leader pid -> the warm worker's group
+        self._launch_lock = threading.Lock()  # one launch at a time (a warm one may wait for its group)
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -430,6 +431,10 @@ class Agent:
             log.warning("collective_ifname %s: no such network interface here; collectives will fail", ifname)
         if self.config.warm_workers:
             self._start_warm_pool()
+            # registered once a group is parked, so no launch comes before one can take it (bounded:
+            # the agent serves within its unit's start timeout whatever the imports cost)
+            if self.warm is not None and not self.warm.wait_parked(min(self.config.warm_wait_s, 20.0)):
+                log.warning("warm workers: no group parked within warm_wait_s; registering anyway")
         self.xid.start(self.config.kernel_log, self.config.dmesg_interval_s)
         self.evidence.start()
         if self.registration is not None:
@@ -521,21 +526,43 @@ class Agent:
         )
         self.warm.refill()
 
-    def launch(self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None) -> tuple[Worker, warm_pool.LaunchPath]:
+    def launch(
+        self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None, wait_s: float | None = None
+    ) -> tuple[Worker, warm_pool.LaunchPath]:
         """Start the attempt's workers: handed to the parked group when the warm path can run it
-        (nodeagent.warm_pool), else torchrun as always. LaunchError when refused."""
-        interpreter = self.warm.interpreter if self.warm is not None else ""
-        why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
-        if not why and self.warm is not None and ask is not None:
-            worker, why = self._launch_warm(spec, ask, self.warm)
-            if worker is not None:
-                return worker, warm_pool.LaunchPath(kind="warm", detail=why)
-        if self.config.warm_workers:
-            log.info("run %s attempt %d: cold launch (torchrun): %s", spec.run, spec.attempt, why)
-        return self.launcher.launch(spec), warm_pool.LaunchPath(kind="cold", detail=why)
+        (nodeagent.warm_pool), else torchrun as always. LaunchError when refused.
+
+        One launch at a time, and the attempt is checked again once this one's turn (and its
+        parked group) came: a launch that waited is never started after a newer attempt's. A parked
+        group still starting is waited for at most `wait_s` (the caller's deadline) or warm_wait_s;
+        then the launch is refused (temporarily), not sent cold: a cold node never meets warm ones."""
+        with self._launch_lock:
+            interpreter = self.warm.interpreter if self.warm is not None else ""
+            why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
+            if not why and self.warm is not None and ask is not None:
+                wait = (
+                    self.config.warm_wait_s
+                    if wait_s is None
+                    else max(0.0, min(wait_s, self.config.warm_wait_s))
+                )
+                worker, why = self._launch_warm(spec, ask, self.warm, wait)
+                if worker is not None:
+                    return worker, warm_pool.LaunchPath(kind="warm", detail=why)
+                if why.startswith(warm_pool.NOT_PARKED):
+                    raise LaunchError(f"warm workers: {why}; try again", temporary=True)
+            self._still_latest(spec)
+            if self.config.warm_workers:
+                log.info("run %s attempt %d: cold launch (torchrun): %s", spec.run, spec.attempt, why)
+            return self.launcher.launch(spec), warm_pool.LaunchPath(kind="cold", detail=why)
+
+    def _still_latest(self, spec: LaunchSpec) -> None:
+        with self.lock:
+            latest = self.attempts.get(spec.run, 0)
+        if spec.attempt < latest:
+            raise LaunchError(f"attempt {spec.attempt} was superseded by attempt {latest} while it waited")
 
     def _launch_warm(
-        self, spec: LaunchSpec, ask: warm_pool.WarmAsk, pool: warm_pool.WarmPool
+        self, spec: LaunchSpec, ask: warm_pool.WarmAsk, pool: warm_pool.WarmPool, wait_s: float
     ) -> tuple[Worker | None, str]:
         """(the worker, the parked pids) or (None, why the launch goes cold instead)."""
         local_ranks = self.local_ranks
@@ -549,9 +576,14 @@ class Agent:
         mismatch = warm_pool.startup_mismatch(env, warm_pool.parked_env(os.environ, local_ranks))
         if mismatch:  # the parked group stays parked: a launch with the agent's environment can use it
             return None, f"{mismatch} differs from the parked group's (read at interpreter start-up)"
-        group, why = pool.take(local_ranks, self.config.warm_wait_s)
+        group, why = pool.take(local_ranks, wait_s)
         if group is None:
             return None, why
+        try:
+            self._still_latest(spec)
+        except LaunchError:
+            pool.put_back(group)
+            raise
         kept = list(group.attempts)
         end = group.hand_off(message, spec.attempt)
         if end is None:

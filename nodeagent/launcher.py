@@ -49,11 +49,13 @@ TORCHRUN_SHUTDOWN_TIMEOUT_S = 3600
 
 
 class LaunchError(Exception):
-    """The launch was refused or failed; `permission` says whether config forbids it."""
+    """The launch was refused or failed; `permission` says whether config forbids it, `temporary`
+    whether asking again soon may work (a warm worker's parked group still starting)."""
 
-    def __init__(self, message: str, *, permission: bool = False) -> None:
+    def __init__(self, message: str, *, permission: bool = False, temporary: bool = False) -> None:
         super().__init__(message)
         self.permission = permission
+        self.temporary = temporary
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -319,10 +319,16 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             else None
         )
         try:
-            worker, path = a.launch(spec, ask)
+            # a warm launch waits for its parked group at most until shortly before the caller gives up
+            remaining = context.time_remaining()
+            worker, path = a.launch(spec, ask, None if remaining is None else remaining - 1.0)
         except LaunchError as exc:
             code = (
-                grpc.StatusCode.PERMISSION_DENIED if exc.permission else grpc.StatusCode.FAILED_PRECONDITION
+                grpc.StatusCode.PERMISSION_DENIED
+                if exc.permission
+                else grpc.StatusCode.UNAVAILABLE
+                if exc.temporary
+                else grpc.StatusCode.FAILED_PRECONDITION
             )
             _abort(context, code, str(exc))
         a.state_changed()

@@ -55,6 +55,7 @@ HANDOFF_ENV = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 WARM_RENDEZVOUS_TIMEOUT_S = 120.0
 TORCHRUN_MODULE = ("-m", "torch.distributed.run")
 MAX_RESTART_DELAY_S = 30.0
+NOT_PARKED = "the parked group was not ready"  # a temporary refusal, not a reason to go cold
 STANDBY_DELAY_S = 10.0  # after a warm launch: the standby group's imports wait for the first steps
 
 
@@ -233,6 +234,13 @@ class WarmPool:
                 self._discard(standby)
             self._group = self._start()
 
+    def wait_parked(self, timeout_s: float) -> bool:
+        """Wait until the first group is parked (or failed): the agent registers after it, so no
+        launch comes before a group can take it."""
+        with self._lock:
+            group = self._group
+        return group is not None and group.settled.wait(timeout_s) and not group.failure
+
     def park_standby(self) -> None:
         """Park a second group beside the one a running attempt holds (called some seconds after a
         warm launch, so its imports do not compete with the rendezvous and the first steps)."""
@@ -324,7 +332,7 @@ class WarmPool:
                 return None, "no parked group (one is being started)"
         waited = time.monotonic()
         if not group.settled.wait(wait_s):
-            return None, f"the parked group was not ready within warm_wait_s ({wait_s:g} s)"
+            return None, f"{NOT_PARKED} within {wait_s:g} s (still importing)"
         waited = time.monotonic() - waited
         with self._lock:
             if self._group is not group:
