@@ -16,7 +16,13 @@ Layout (``N`` = a name, ``#`` = a zero-padded non-negative integer, so lexical o
     <root>/v1/evidence/N/#               fault evidence reported by a node, by sequence
     <root>/v1/pool/N                     a node's pool membership (spare, active, quarantined)
     <root>/v1/reputation/N               a node's reputation record
+    <root>/v1/claims/N                   the run that holds node N now (one run at a time)
+    <root>/v1/bids/N/N                   a run's ask for free node N (under its leader's lease)
     <root>/v1/elections/N/               leader-election contenders (one key per contender)
+
+Several runs share one root: each run's controllers (leader + standbys) contend in the run's own
+election, ``elections/<run>/`` (``run_election``); nodes, pool entries, reputation and evidence are
+the fleet's, shared by every run, and a node's claim says which run may use it now.
 
 Every ``*_prefix()`` ends with "/", so that the prefix of node "a1" never matches node "a10".
 """
@@ -29,6 +35,9 @@ from runwarden.names import check_name
 
 SCHEMA_VERSION = "v1"
 DEFAULT_ROOT = "/runwarden"
+# The one election of a root before runs had their own (a controller of an older version contends
+# here): a newer controller does not lead while one of those does (controller/live/loop.py).
+LEGACY_ELECTION = "controller"
 # 16 digits hold any step or sequence number a run will ever reach and keep keys short.
 NUMBER_DIGITS = 16
 
@@ -125,6 +134,20 @@ class KeySchema:
     def reputation(self, node: str) -> str:
         return self.reputation_prefix() + check_name("node name", node)
 
+    # Claims: which run holds a node (controller/live/claims.py)
+    def claims_prefix(self) -> str:
+        return self._join("claims", "")
+
+    def claim(self, node: str) -> str:
+        return self.claims_prefix() + check_name("node name", node)
+
+    def bids_prefix(self, node: str) -> str:
+        """The asks for ``node`` (one key per asking run, ends with '/')."""
+        return self._join("bids", check_name("node name", node), "")
+
+    def bid(self, node: str, run: str) -> str:
+        return self.bids_prefix(node) + check_name("run name", run)
+
     # Elections
     def election(self, name: str) -> str:
         """The prefix under which contenders for election ``name`` put their keys (ends with '/')."""
@@ -146,6 +169,11 @@ class KeySchema:
         if not tail.isdigit() or len(tail) != NUMBER_DIGITS:
             raise ValueError(f"key {key!r} does not end in a {NUMBER_DIGITS}-digit number")
         return int(tail)
+
+
+def run_election(run: str) -> str:
+    """The election name of run ``run``'s controllers: the run's name (one election per run)."""
+    return check_name("run name", run)
 
 
 def _padded(number: int) -> str:

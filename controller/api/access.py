@@ -3,8 +3,8 @@
 With mutual TLS the client certificate decides the role: a certificate whose common name is in
 `AccessPolicy.admin_names`, or whose subject organization (O=) is in `admin_organizations`, is
 admin; any other certificate the CA signed is read-only. Read-only callers may use the
-Get/List/Watch RPCs (GetPolicy too); QuarantineNode, ReleaseNode, RequestStop, DrainNode and
-SetPolicy need admin. Plaintext is served on
+Get/List/Watch RPCs (GetPolicy too); QuarantineNode, ReleaseNode, RequestStop, DrainNode,
+SetPolicy and ReleaseClaims need admin. Plaintext is served on
 loopback only (demo, tests) and gets `plaintext_role`.
 """
 

@@ -299,6 +299,21 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             ),
         )
 
+    def ReleaseClaims(
+        self, request: controller_pb2.ReleaseClaimsRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.ReleaseClaimsResponse:
+        caller = self._admin(context, "ReleaseClaims")
+
+        def body() -> controller_pb2.ReleaseClaimsResponse:
+            if bool(request.node) == bool(request.run):
+                raise _Invalid("name exactly one of node and run")
+            node = _name(request.node, "node") if request.node else ""
+            run = _name(request.run, "run") if request.run else ""
+            released = self._view.release_claims(node=node, run=run, actor=caller.identity)
+            return controller_pb2.ReleaseClaimsResponse(nodes=released)
+
+        return self._call(context, body)
+
     def GetPolicy(
         self, request: controller_pb2.GetPolicyRequest, context: grpc.ServicerContext
     ) -> controller_pb2.GetPolicyResponse:

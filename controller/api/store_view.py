@@ -22,10 +22,10 @@ from controller.api.view import ViewInvalid, ViewNotFound, ViewRefused, ViewUnav
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError
 from runwarden.eventlog import read_events
+from runwarden.keys import LEGACY_ELECTION, run_election
 from runwarden.store import KeyValue, Store, StoreError
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
 
-CONTROLLER_ELECTION = "controller"
 FRESH_PROGRESS_S = 60.0  # progress younger than this means the run is training
 CAS_TRIES = 5
 
@@ -76,12 +76,34 @@ class StoreBackedView:
         return sorted(n for n in names if n)
 
     def run_statuses(self) -> Sequence[controller_pb2.RunStatus]:
+        """Every run under the root (several runs share one fleet), each with its own leader."""
         ended = {
             e.run: e
             for e in read_events(self._event_log_path).events
             if e.kind == events_pb2.EVENT_KIND_RUN_END
         }
-        return [self._run_status(run, ended.get(run)) for run in self._run_names()]
+        claimed = self.claim_counts()
+        statuses = [self._run_status(run, ended.get(run)) for run in self._run_names()]
+        for status in statuses:
+            status.leader, status.fence = self.run_leader(status.run)
+            status.claimed_nodes = claimed.get(status.run, 0)
+        return statuses
+
+    def claim_holders(self) -> dict[str, str]:
+        """node -> the run whose claim holds it (claims/: controller/live/claims.py)."""
+        k = self._keys
+        holders = {}
+        for kv in self._prefix(k.claims_prefix()):
+            claim = _parse(store_pb2.NodeClaim, kv)
+            if claim is not None and claim.run:
+                holders[k.name_under(k.claims_prefix(), kv.key)] = claim.run
+        return holders
+
+    def claim_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for run in self.claim_holders().values():
+            counts[run] = counts.get(run, 0) + 1
+        return counts
 
     def _run_status(self, run: str, end: events_pb2.Event | None) -> controller_pb2.RunStatus:
         now = self._clock()
@@ -161,10 +183,14 @@ class StoreBackedView:
             if rec is not None:
                 evidence.setdefault(rec.evidence.node, []).append(rec.evidence)
         now = self._clock()
-        return [
+        holders = self.claim_holders()
+        infos = [
             self._node_info(n, records.get(n), pool.get(n), reps.get(n), evidence.get(n, []), now)
             for n in sorted(set(records) | set(pool))
         ]
+        for info in infos:
+            info.claimed_by = holders.get(info.node, "")
+        return infos
 
     @staticmethod
     def _node_info(
@@ -314,12 +340,45 @@ class StoreBackedView:
             raise ViewUnavailable(f"etcd: {exc}") from None
         return controller_pb2.SetPolicyResponse(changes=diff, revision=revision)
 
+    def release_claims(self, *, node: str, run: str, actor: str) -> list[str]:
+        """An operator gives back the claims of a run that is gone without ending (its claims
+        outlive its controllers on purpose: controller/live/claims.py). A run with a leader is
+        refused: it gives its nodes back itself, and a node taken from under a running attempt
+        could be launched on by another run while its workers still run there."""
+        from controller.live.claims import release_by_operator
+
+        holders = self.claim_holders()
+        if node and node not in holders:
+            raise ViewNotFound(f"no run holds node {node!r}")
+        owners = {holders[node]} if node else ({run} if run in holders.values() else set())
+        if not owners:
+            raise ViewNotFound(f"run {run!r} holds no node")
+        for owner in owners:
+            leader, _ = self.run_leader(owner)
+            if leader:
+                raise ViewRefused(f"run {owner!r} has a leader ({leader}); it gives its nodes back itself")
+        try:
+            return release_by_operator(self._store, node=node, run=run)
+        except StoreError as exc:
+            raise ViewUnavailable(f"etcd: {exc}") from None
+
     def drain(self, node: str, reason: str, actor: str, *, undo: bool = False) -> bool:
         raise ViewRefused("draining goes through a node's agent: ask a running controller")
 
-    def leader(self) -> tuple[str, int]:
-        contenders = self._prefix(self._keys.election(CONTROLLER_ELECTION))
+    def run_leader(self, run: str) -> tuple[str, int]:
+        """The leader of `run`'s election (its identity and fence), or ("", 0)."""
+        contenders = self._prefix(self._keys.election(run_election(run)))
         if not contenders:
             return "", 0
         first = min(contenders, key=lambda kv: kv.create_revision)
         return first.value.decode("utf-8", "replace"), first.create_revision
+
+    def leader(self) -> tuple[str, int]:
+        """The leader when one controller's is meant: an older version's (the root's single
+        election), else the only run's; ("", 0) when several runs lead (each run's is in its status)."""
+        legacy = self.run_leader(LEGACY_ELECTION)
+        if legacy[0]:
+            return legacy
+        leaders = [self.run_leader(run) for run in self._run_names()]
+        leading = [lead for lead in leaders if lead[0]]
+        return leading[0] if len(leading) == 1 else ("", 0)

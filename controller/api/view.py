@@ -55,6 +55,10 @@ class ControllerView(Protocol):
         """Drain the node through its agent (or end the drain); whether it drains now."""
         ...
 
+    def release_claims(self, *, node: str, run: str, actor: str) -> list[str]:
+        """Give back a node's claim or a run's claims (ViewRefused while that run has a leader)."""
+        ...
+
     def policy(self, run: str) -> controller_pb2.GetPolicyResponse:
         """The run's stored supervisor policy ("" : the controller's run)."""
         ...

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from controller.ctl import (
+    claims,
     compare_loss,
     config,
     drain,
@@ -48,6 +49,7 @@ BUILTIN_SUBCOMMANDS: tuple[ModuleType, ...] = (
     goodput,
     compare_loss,
     config,
+    claims,
 )
 
 # name -> (module, one-line help). Each module exposes add_parser(subparsers) and run(args) -> int.

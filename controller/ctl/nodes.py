@@ -1,4 +1,5 @@
-"""`controllerctl nodes`: every node's pool state, liveness, heartbeat and evidence."""
+"""`controllerctl nodes`: every node's pool state, liveness, heartbeat, evidence, and the run that
+holds it (its claim: one run at a time on a shared fleet; "-" when the node is free for any run)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                 duration(n.last_heartbeat_age_s) if n.last_heartbeat_age_s >= 0 else "-",
                 str(n.failures),
                 f"{n.reputation_score:g}",
-                n.run or "-",
+                n.claimed_by or "-",
                 (evidence, "red" if fatal else None),
                 n.reason or "-",
             ]
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 "heartbeat",
                 "failures",
                 "reputation",
-                "run",
+                "held by",
                 "evidence",
                 "reason",
             ],

@@ -1,4 +1,5 @@
-"""`controllerctl status`: runs, their phase, attempt, step, committed step and restart budget."""
+"""`controllerctl status`: every run under the root (several runs share one fleet), their phase,
+attempt, step, committed step, restart budget, the nodes each holds a claim on, and its leader."""
 
 from __future__ import annotations
 
@@ -57,17 +58,33 @@ def run(args: argparse.Namespace) -> int:
                 str(r.restart_budget_left),
                 duration(r.since_last_progress_s) if r.since_last_progress_s >= 0 else "-",
                 str(len(r.nodes)),
+                str(r.claimed_nodes),
+                r.leader or ("none", "red"),
                 waiting_line(r, time.time()) or r.reason or "-",
             ]
         )
-    leader = f"{resp.leader} (fence {resp.fence})" if resp.leader else "unknown"
-    print(f"leader: {leader}")
+    if resp.leader:  # one controller's answer (several runs: each run's leader is on its row)
+        print(f"leader: {resp.leader} (fence {resp.fence})")
+    elif len(resp.runs) <= 1:
+        print("leader: unknown")
     if not rows:
         print("no runs")
         return 0
     print(
         table(
-            ["run", "phase", "attempt", "step", "committed", "budget", "last progress", "nodes", "reason"],
+            [
+                "run",
+                "phase",
+                "attempt",
+                "step",
+                "committed",
+                "budget",
+                "last progress",
+                "nodes",
+                "claimed",
+                "leader",
+                "reason",
+            ],
             rows,
             paint,
         )

@@ -46,6 +46,9 @@ class RunSection:
     procs_per_node: int = 1
     backend: str = "agents"  # who places the node agents: agents (systemd) | slurm | ray | kubernetes
     spares: int = 0  # nodes allocated beyond `nodes` (inside the allocation: a swap takes seconds)
+    # several runs on one fleet (one etcd root): who gets a free node first when two ask at once
+    # (the higher; the same: first come). controller/live/claims.py
+    priority: int = 0
     election_ttl_s: float = 3.0
     tick_s: float = 0.25
     env: dict[str, str] = field(default_factory=dict)
@@ -70,6 +73,8 @@ class RunSection:
             raise ConfigError("controller.nodes and controller.procs_per_node must be >= 1")
         if self.spares < 0:
             raise ConfigError(f"controller.spares: must be >= 0, got {self.spares}")
+        if not -1000 <= self.priority <= 1000:
+            raise ConfigError(f"controller.priority: must be within -1000..1000, got {self.priority}")
         check_backend(self.backend)
         if not 1.0 <= self.election_ttl_s <= 60.0:
             raise ConfigError(f"controller.election_ttl_s: must be within 1..60 s, got {self.election_ttl_s}")

@@ -5,9 +5,14 @@
    lost), no action runs except `SetTimer`, and each skipped action is answered at once with
    `ActionFailed(temporary=True, reason="event log append failed: ...")`.
 2. Execute the actions in order, one `match` over the `Action` union. `Launch` writes the attempt
-   record with a compare-and-swap first; a refused CAS or a failed write is answered at once with
-   `ActionFailed(temporary=False)` and a relist (the Snapshot raises the core's attempt number past
-   the stored record). The workers are then started through the `Backend`, off the loop.
+   record with a compare-and-swap first, in one transaction with the leader's fence and every
+   node's claim (each must still be this run's: controller/live/claims.py); a refused transaction
+   or a failed write is answered at once with `ActionFailed(temporary=False)` and a relist (the
+   Snapshot raises the core's attempt number past the stored record). The workers are then started
+   through the `Backend`, off the loop. `RunPreflight` first claims its nodes for the run; a node
+   another run holds (or out-bids us for) is answered with `ActionFailed(node=..., temporary=True)`,
+   and the core picks the next spare. `PersistNode` writes a node's record only while this run
+   holds its claim, or no run does (in one fenced transaction that compares the claim).
 
 `execute` returns the answers that are due at once; the loop feeds them to the core in the same
 iteration. Slow work (agent RPCs) runs in a thread pool, and its results come back on the queue:
@@ -32,6 +37,7 @@ from controller.backends.base import AttemptSpec, BackendError, Scheduler, Stati
 from controller.backends.local import LaunchIncomplete, LocalBackend
 from controller.live import bandwidth
 from controller.live.agents import AgentClients
+from controller.live.claims import Claims, read_claim
 from controller.live.paging import Pager
 from controller.live.translate import Translator, parse
 from controller.supervisor import flight_recorder
@@ -64,7 +70,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog, EventLogError
-from runwarden.store import Leadership, Store, StoreError
+from runwarden.store import Compare, Leadership, Put, Store, StoreError
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
 
 log = logging.getLogger(__name__)
@@ -108,6 +114,7 @@ class Executor:
         agents: AgentClients,
         pager: Pager,
         translator: Translator,
+        claims: Claims | None = None,
         pool: ThreadPoolExecutor,
         scheduler: Scheduler | None = None,
         allocated: threading.Event | None = None,
@@ -126,6 +133,7 @@ class Executor:
         self.agents = agents
         self.pager = pager
         self.translator = translator
+        self.claims = claims or Claims(store, settings.run)
         self.pool = pool
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
@@ -179,8 +187,7 @@ class Executor:
             case SetTimer():
                 self.timers.set(action.key, action.at)
             case RunPreflight():
-                for node in action.nodes:
-                    self._submit(self._preflight, action, node)
+                self._submit(self._claim_then_preflight, action)
             case Launch():
                 return self._launch(action)
             case StopAttempt():
@@ -294,6 +301,10 @@ class Executor:
             leader_fence=fence,
         )
         key = self.keys.attempt(action.run)
+        claimed = self.claims.compares(spec.nodes)
+        if isinstance(claimed, str):
+            self.relist()
+            return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {claimed}")]
         try:
             cur = self.store.get(key)
             if cur is not None:
@@ -307,7 +318,15 @@ class Executor:
                             f"records attempt {prev} (another leader launched)",
                         )
                     ]
-            ok = self.store.cas(key, record.SerializeToString(), cur.mod_revision if cur else 0)
+            ok = self.store.txn(
+                f"attempt record {action.attempt}",
+                [
+                    self.store.fence(self.leadership),
+                    Compare(key=key, mod_revision=cur.mod_revision) if cur else Compare(key=key, absent=True),
+                    *claimed,
+                ],
+                [Put(key=key, value=record.SerializeToString())],
+            ).succeeded
         except StoreError as exc:
             self.relist()
             return [
@@ -317,7 +336,9 @@ class Executor:
             self.relist()
             return [
                 self._not_launched(
-                    action, f"attempt {action.attempt} refused by fencing (attempt record changed)"
+                    action,
+                    f"attempt {action.attempt} refused by fencing (the attempt record, the leadership "
+                    "or a node's claim changed)",
                 )
             ]
         self._retire_relaunch_stop()
@@ -372,6 +393,22 @@ class Executor:
             self.post(WorkersStarted(attempt=action.attempt, nodes=tuple(paths)))
 
     # -- agent work ----------------------------------------------------------------------------
+
+    def _claim_then_preflight(self, action: RunPreflight) -> None:
+        """Claim the nodes for this run first (a node another run holds is never preflighted or
+        burned in here); each refused node is answered on its own, the rest are preflighted."""
+        refused = {r.node: r for r in self.claims.take(action.nodes, self.leadership)}
+        for node in action.nodes:
+            if node in refused:
+                r = refused[node]
+                log.info("%s not taken for %s: %s", node, action.purpose, r.reason)
+                self.post(
+                    ActionFailed(
+                        action=action, temporary=r.temporary, node=node, reason=f"not claimed: {r.reason}"
+                    )
+                )
+            else:
+                self._submit(self._preflight, action, node)
 
     def _preflight(self, action: RunPreflight, node: str) -> None:
         out = self.agents.run_preflight(
@@ -521,10 +558,38 @@ class Executor:
             evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]],
         )
         try:
-            self.store.fenced_put(self.keys.pool(rec.node), entry.SerializeToString(), self.leadership)
-            self.store.fenced_put(self.keys.reputation(rec.node), rep.SerializeToString(), self.leadership)
+            claim = self._claim_compare(rec)
+            if claim is None:
+                return
+            ok = self.store.txn(
+                f"persist {rec.node}",
+                [self.store.fence(self.leadership), claim],
+                [
+                    Put(key=self.keys.pool(rec.node), value=entry.SerializeToString()),
+                    Put(key=self.keys.reputation(rec.node), value=rep.SerializeToString()),
+                ],
+            ).succeeded
+            if not ok:
+                log.info("%s's record not written: its claim or this leadership changed meanwhile", rec.node)
         except StoreError as exc:
             log.warning("persisting %s failed: %s", rec.node, exc)
+
+    def _claim_compare(self, rec: NodeRecordView) -> Compare | None:
+        """Only the run holding a node writes its record (or any run, while no run holds it; a node
+        put out of service is claimed first, so the run that quarantined it answers for it). None:
+        another run holds it, and its record is that run's to write."""
+        key = self.keys.claim(rec.node)
+        out_of_service = rec.pool_state not in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED)
+        if out_of_service and not self.claims.holds(rec.node):
+            self.claims.take_now(rec.node, self.leadership)
+        kv = self.store.get(key)
+        if kv is None:
+            return Compare(key=key, absent=True)
+        holder = read_claim(kv)
+        if holder is not None and holder.run == self.s.run:
+            return Compare(key=key, mod_revision=kv.mod_revision)
+        log.debug("%s's record is run %s's to write", rec.node, holder.run if holder else "?")
+        return None
 
     def close(self) -> None:
         with contextlib.suppress(EventLogError):

@@ -3,8 +3,14 @@
 raft's split: `controller.supervisor.machine.Supervisor` is the logic (no sockets, clock or threads); this module
 is the goroutine-shell. It owns every side effect, and nothing else:
 
-* **Leadership.** It campaigns in etcd; only the leader acts. Its fence (the election key's create
-  revision) goes into every attempt record and every fenced write, so a stale leader cannot launch.
+* **Leadership.** It campaigns in etcd, in its run's own election (several runs share one root, one
+  leader + standbys each); only the leader acts. Its fence (the election key's create revision) goes
+  into every attempt record and every fenced write, so a stale leader cannot launch.
+* **Claims.** Nodes are the fleet's, shared by the runs under the root; a run uses a node only while
+  it holds the node's claim (controller/live/claims.py). After every batch the shell gives back the
+  nodes its core no longer holds (`Supervisor.holds`) and takes the out-of-service ones it answers
+  for; an attempt's nodes are taken before their preflight (the executor). Other runs' claims reach
+  the core as `NodeClaimed` events (and in the Snapshot): a node another run holds is no spare here.
 * **Level-triggered view.** On becoming leader, and after any watch gap (a compacted revision, a
   lost etcd), it lists the store and hands the core a `Snapshot`, then watches from that revision.
 * **One loop.** Watch callbacks, RPC results and timers only enqueue events; a single thread
@@ -40,23 +46,26 @@ from controller.api import policy as policy_store
 from controller.backends.base import BackendError, RunOutcome, Scheduler, StaticFleet
 from controller.backends.local import LocalBackend, LocalConfig
 from controller.live.agents import AgentClients
+from controller.live.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
 from controller.live.paging import Pager
-from controller.live.translate import Addresses, Listing, Translator
+from controller.live.translate import Addresses, Listing, Translator, record_view
 from controller.supervisor.actions import Batch
 from controller.supervisor.events import (
     AttemptExited,
     ControlPlaneLost,
     Event,
+    NodeClaimed,
     OperatorQuarantine,
     OperatorRelease,
     Tick,
 )
 from controller.supervisor.machine import SupervisorStatus, TransitionError
 from controller.supervisor.policy import RunPlan, SupervisorConfig
-from controller.supervisor.pool import Pool
+from controller.supervisor.pool import OUT_OF_SERVICE, Pool
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog
+from runwarden.keys import LEGACY_ELECTION, run_election
 from runwarden.store import Leadership, Relisted, Store, StoreError, Watch, WatchEvent
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
 
@@ -78,6 +87,8 @@ class ShellConfig:
     procs_per_node: int = 1
     dump_timeout_s: float = 3.0
     spares: int = 0  # allocated beyond the run's nodes (the scheduler's `allocate`)
+    priority: int = 0  # who gets a free node of the shared fleet first: the higher (then first come)
+    claim_bid_window_s: float = BID_WINDOW_S  # asks of several runs this close are decided by priority
 
     @property
     def event_log_path(self) -> Path:
@@ -99,6 +110,8 @@ class Core(Protocol):
     def handle(self, event: Event, now: float) -> Batch: ...
 
     def status(self, now: float) -> SupervisorStatus: ...
+
+    def holds(self) -> frozenset[str]: ...
 
 
 # After a takeover, launch RPCs the dead leader had in flight may still land for this long.
@@ -208,6 +221,10 @@ class LiveController:
         self.leadership: Leadership | None = None
         self.eventlog: EventLog | None = None
         self.translator = Translator(self.keys, cfg.run, procs_per_node=cfg.procs_per_node)
+        self.claims = Claims(
+            store, cfg.run, priority=cfg.priority, identity=cfg.identity, bid_window_s=cfg.claim_bid_window_s
+        )
+        self.election = run_election(cfg.run)
         self.executor: Executor | None = None
         self._watches: list[Watch] = []
         self._adopted: tuple[int, float] | None = None
@@ -226,8 +243,11 @@ class LiveController:
         while not self.stopping.is_set():
             self.alive_at = time.monotonic()
             try:
+                if self._legacy_leader():
+                    self.stopping.wait(1.0)
+                    continue
                 self.leadership = self.store.campaign(
-                    "controller", self.cfg.identity.encode(), self.cfg.election_ttl_s, timeout_s=1.0
+                    self.election, self.cfg.identity.encode(), self.cfg.election_ttl_s, timeout_s=1.0
                 )
             except StoreError as exc:
                 log.debug("campaign: %s", exc)
@@ -246,6 +266,19 @@ class LiveController:
                     self.eventlog = None
                 with contextlib.suppress(StoreError):
                     self.leadership.resign()
+
+    def _legacy_leader(self) -> bool:
+        """A controller of an older version (one election, "controller", for the whole root) leads:
+        this one does not lead beside it (two leaders of one run), it waits until that one is gone."""
+        if self.election == LEGACY_ELECTION:
+            return False
+        legacy = self.store.leader(LEGACY_ELECTION)
+        if legacy is not None:
+            log.warning(
+                "an older controller (%s) leads in the root's single election; waiting for it to stop",
+                legacy.value.decode("utf-8", "replace"),
+            )
+        return legacy is not None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -311,6 +344,7 @@ class LiveController:
             agents=self.agents,
             pager=self.pager,
             translator=self.translator,
+            claims=self.claims,
             pool=self.pool,
             scheduler=self.scheduler,
             allocated=self._allocated,
@@ -443,6 +477,7 @@ class LiveController:
         future = operator.future if operator is not None else None
         pending: list[Event] = [event]
         fed = 0
+        acted = False  # a batch that logs or acts may change what the run holds (claims)
         while pending:
             ev = pending.pop(0)
             if fed > MAX_ANSWERS_PER_ITERATION:
@@ -464,11 +499,24 @@ class LiveController:
             if not self._certain():
                 # The batch is neither logged nor executed: the next leader rebuilds from the store.
                 raise _SteppedDown
+            acted = acted or bool(batch)
             pending.extend(self.executor.execute(batch))
+        if acted:
+            self._reconcile_claims()
         self._publish_status(now)
         if operator is not None:
             node = operator.event.node
             operator.future.set_result(self.pool_state(node) if node in self.core.pool.nodes else None)
+
+    def _reconcile_claims(self) -> None:
+        """Give back the nodes the core let go of; take the out-of-service ones it answers for and
+        the launched attempt's (taken before its preflight already, unless adopted unclaimed)."""
+        assert self.core is not None and self.leadership is not None
+        core = self.core
+        take = [n for n, p in core.pool.nodes.items() if p.state in OUT_OF_SERVICE]
+        if self.executor is not None:  # a launched attempt's nodes (one adopted from a controller
+            take.extend(self.executor.attempt_nodes)  # that took no claims: an older version)
+        self.claims.reconcile(core.holds(), take, self.leadership)
 
     def _publish_status(self, now: float) -> None:
         assert self.core is not None
@@ -486,6 +534,9 @@ class LiveController:
             reason=st.failure or st.state.value,
             waiting_for_nodes=st.waiting_for_nodes,
             waiting_since=st.waiting_since or 0.0,
+            leader=self.cfg.identity,
+            fence=int(self.leadership.fence) if self.leadership is not None else 0,
+            claimed_nodes=len(self.claims.held()),
         )
         outcome = _OUTCOMES.get(st.state.name)
         if outcome is not None and self.outcome is None:
@@ -537,8 +588,10 @@ class LiveController:
             progress=tuple(self.store.get_prefix(k.progress_prefix(run))[0]),
             now=self.clock(),
             policy=self.store.get(k.policy(run)),
+            claims=tuple(self.store.get_prefix(k.claims_prefix())[0]),
         )
-        snap, addresses, exits, attempt = self.translator.snapshot(listing)
+        elsewhere = self.claims.load(listing.claims)  # this run's claims (a predecessor's too) are its own
+        snap, addresses, exits, attempt = self.translator.snapshot(listing, elsewhere)
         self._apply(addresses)
         if attempt is not None:
             self.executor.attempt = int(attempt.attempt)
@@ -561,6 +614,7 @@ class LiveController:
             k.progress_prefix(self.cfg.run),
             k.base + "evidence/",
             k.run_prefix(self.cfg.run),
+            k.claims_prefix(),
         ):
             self._watches.append(self.store.watch_prefix(prefix, start_revision, self._on_watch))
 
@@ -586,7 +640,20 @@ class LiveController:
             return
         self._apply(addresses)
         for ev in events:
+            if isinstance(ev, NodeClaimed) and not ev.run:
+                ev = self._with_record(ev)
             self.events.put(ev)
+
+    def _with_record(self, ev: NodeClaimed) -> NodeClaimed:
+        """A node given back by another run, with the record that run wrote before it gave it back
+        (its strikes and holds follow it); without one if the store cannot say now (the next relist)."""
+        k = self.keys
+        try:
+            rec = record_view(self.store.get(k.pool(ev.node)), self.store.get(k.reputation(ev.node)))
+        except StoreError as exc:
+            log.warning("reading the record of %s (given back): %s", ev.node, exc)
+            return ev
+        return NodeClaimed(node=ev.node, record=rec) if rec is not None and rec.node == ev.node else ev
 
     def _check_adopted(self, executor: Executor, translator: Translator) -> None:
         """After a takeover: does every node of the adopted attempt actually run it?

@@ -110,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         "env": tuple(sorted(run.env.items())),
         "procs_per_node": run.procs_per_node,
         "spares": run.spares,
+        "priority": run.priority,
     }
     if run.identity:
         shell_kwargs["identity"] = run.identity

@@ -25,6 +25,7 @@ from controller.supervisor.events import (
     CheckpointFailed,
     Event,
     EvidenceObserved,
+    NodeClaimed,
     NodeDraining,
     NodeJoined,
     NodeLost,
@@ -75,6 +76,7 @@ class Listing:
     progress: tuple[KeyValue, ...]
     now: float
     policy: KeyValue | None = None  # the run's stored supervisor policy
+    claims: tuple[KeyValue, ...] = ()  # claims/: which run holds each node of the shared fleet
 
 
 class Translator:
@@ -90,11 +92,12 @@ class Translator:
         self.committed_seen = -1
         self.committed_attempt = 0  # the attempt whose rank 0 reported committed_seen
         self._ckpt_failures: set[tuple[int, int]] = set()
+        self.claim_holders: dict[str, str] = {}  # node -> the run its claim names (every run's)
 
     # -- relist --------------------------------------------------------------------------------
 
     def snapshot(
-        self, listing: Listing
+        self, listing: Listing, claimed_elsewhere: dict[str, str] | None = None
     ) -> tuple[Snapshot, Addresses, list[Event], store_pb2.AttemptRecord | None]:
         """The Snapshot of a listing, the agent addresses it names, the exits written while no
         leader watched (level-triggered: they follow the Snapshot), and the attempt record."""
@@ -111,30 +114,17 @@ class Translator:
                     draining[rec.node] = why
                 addresses[rec.node] = rec.address
                 alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
-            reps = {
-                kv.key.rsplit("/", 1)[-1]: _try(store_pb2.Reputation, kv.value) for kv in listing.reputation
-            }
+            reps = {kv.key.rsplit("/", 1)[-1]: kv for kv in listing.reputation}
             records = []
             for kv in listing.pool:
-                entry = _try(store_pb2.PoolEntry, kv.value)
-                if entry is None or not entry.node:
-                    continue
-                rep = reps.get(entry.node) or store_pb2.Reputation()
-                records.append(
-                    NodeRecordView(
-                        node=entry.node,
-                        pool_state=entry.state or common_pb2.POOL_STATE_SPARE,
-                        reason=entry.reason,
-                        burn_in_passes=entry.burn_in_passes,
-                        operator_hold=entry.operator_hold,
-                        failure_times=tuple(rep.failure_times),
-                        straggler_flags=rep.straggler_flags,
-                        preflight_rejections=rep.preflight_rejections,
-                        evidence=tuple(entry.evidence),
-                        evidence_kinds=tuple(rep.evidence_kinds),
-                        known_since=rep.known_since,
-                    )
-                )
+                rec_view = record_view(kv, reps.get(kv.key.rsplit("/", 1)[-1]))
+                if rec_view is not None:
+                    records.append(rec_view)
+            self.claim_holders = {}
+            for kv in listing.claims:
+                claim = _try(store_pb2.NodeClaim, kv.value)
+                if claim is not None and claim.node and claim.run:
+                    self.claim_holders[claim.node] = claim.run
             attempt = _try(store_pb2.AttemptRecord, listing.attempt.value) if listing.attempt else None
             ckpts = [_try(store_pb2.CheckpointCommit, kv.value) for kv in listing.checkpoints]
             committed = tuple(sorted(c.step for c in ckpts if c is not None))
@@ -165,6 +155,7 @@ class Translator:
                 stop_requested=stop,
                 draining=draining,
                 policy=self._stored_policy(listing.policy),
+                claimed_elsewhere=dict(claimed_elsewhere or {}),
             )
         return snap, Addresses(set=addresses), exits, attempt
 
@@ -188,11 +179,33 @@ class Translator:
                 if not rec.evidence.node:
                     raise ValueError(f"{key}: evidence without a node")
                 return [EvidenceObserved(evidence=rec.evidence)], Addresses()
+            if key.startswith(k.claims_prefix()):
+                return self._claim(k.name_under(k.claims_prefix(), key), None if deleted else item.value)
             if key == k.stop(self.run) and not deleted:
                 return [_stop_requested(parse(store_pb2.StopRequest, item.value, key))], Addresses()
             if key == k.policy(self.run) and not deleted:  # a deleted policy: the core keeps its own
                 return [policy_changed(item.value, key)], Addresses()
         return [], Addresses()
+
+    def _claim(self, node: str, value: bytes | None) -> tuple[list[Event], Addresses]:
+        """Another run took `node` (NodeClaimed with its run) or gave it back (NodeClaimed with run
+        "": the shell adds the node's stored record before the core sees it). This run's own claims
+        are no event: its shell took or gave them back itself."""
+        was = self.claim_holders.pop(node, "")
+        if value is None:
+            return ([NodeClaimed(node=node)] if was and was != self.run else []), Addresses()
+        claim = parse(store_pb2.NodeClaim, value, f"claim of {node}")
+        if not claim.run:
+            raise ValueError(f"claim of {node}: names no run")
+        self.claim_holders[node] = claim.run
+        if claim.run == self.run or claim.run == was:
+            return [], Addresses()
+        return [NodeClaimed(node=node, run=claim.run)], Addresses()
+
+    def holder(self, node: str) -> str:
+        """The run whose claim holds `node` as the watch last saw it ("" : none)."""
+        with self._lock:
+            return self.claim_holders.get(node, "")
 
     def _stored_policy(self, kv: KeyValue | None) -> PolicyChanged | None:
         if kv is None:
@@ -347,6 +360,29 @@ def _losses(prog: store_pb2.NodeProgress, r: common_pb2.RankProgress) -> tuple[t
         )
         kept = kept[-MAX_RECENT_LOSSES:]
     return kept
+
+
+def record_view(pool: KeyValue | None, reputation: KeyValue | None) -> NodeRecordView | None:
+    """A node's stored pool entry and reputation as the core reads them; None without a readable entry."""
+    entry = _try(store_pb2.PoolEntry, pool.value) if pool is not None else None
+    if entry is None or not entry.node:
+        return None
+    rep = (
+        _try(store_pb2.Reputation, reputation.value) if reputation is not None else None
+    ) or store_pb2.Reputation()
+    return NodeRecordView(
+        node=entry.node,
+        pool_state=entry.state or common_pb2.POOL_STATE_SPARE,
+        reason=entry.reason,
+        burn_in_passes=entry.burn_in_passes,
+        operator_hold=entry.operator_hold,
+        failure_times=tuple(rep.failure_times),
+        straggler_flags=rep.straggler_flags,
+        preflight_rejections=rep.preflight_rejections,
+        evidence=tuple(entry.evidence),
+        evidence_kinds=tuple(rep.evidence_kinds),
+        known_since=rep.known_since,
+    )
 
 
 def policy_changed(data: bytes, where: str) -> PolicyChanged:

@@ -35,19 +35,28 @@ class LiveView(StoreBackedView):
         self._shell = shell
 
     def run_statuses(self) -> Sequence[controller_pb2.RunStatus]:
+        """This run as its core has it (while this controller leads), every other run under the
+        root as the store has it (several runs share one fleet: each has its own controllers)."""
+        stored = list(super().run_statuses())
         status = self._shell.status
-        if status is None:
-            return list(super().run_statuses())
-        return [status]
+        if status is None or not self._shell.is_leader.is_set():
+            return stored
+        mine = controller_pb2.RunStatus()
+        mine.CopyFrom(status)
+        mine.claimed_nodes = len(self._shell.claims.held())
+        return sorted([mine, *(r for r in stored if r.run != mine.run)], key=lambda r: r.run)
 
     def leader(self) -> tuple[str, int]:
         if self._shell.is_leader.is_set() and self._shell.leadership is not None:
             return self._shell.cfg.identity, int(self._shell.leadership.fence)
-        return super().leader()
+        return self.run_leader(self._shell.cfg.run)  # this controller's run's leader (a standby asks)
 
     def _operator(self, event: OperatorQuarantine | OperatorRelease) -> common_pb2.PoolState.ValueType:
         if not self._shell.is_leader.is_set():
             raise ViewUnavailable("this controller is not the leader; ask the leader")
+        holder = self._shell.translator.holder(event.node)
+        if holder and holder != self._shell.cfg.run:
+            raise ViewRefused(f"node {event.node!r} is held by run {holder!r}: ask that run's controller")
         fut = self._shell.submit_and_wait(event)
         from controller.live.loop import CoreRebuilding
 

@@ -133,6 +133,8 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     if snap.policy is not None:  # the stored policy first: every decision below is made under it
         reconfigure.apply(sv, snap.policy)
     sv.pool.load(snap.records)
+    for name in {*snap.claimed_elsewhere, *(n for n, p in sv.pool.nodes.items() if p.elsewhere)}:
+        sv.pool.set_elsewhere(name, snap.claimed_elsewhere.get(name, ""))  # before any pick below
     quiet = sv.state is RunState.CONTROL_PLANE or (sv.attempt == 0 and sv.state is RunState.WAITING_NODES)
     for name in [n for n, p in sv.pool.nodes.items() if p.alive and n not in snap.alive]:
         if quiet:
@@ -156,8 +158,9 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     sv.attempt = max(sv.attempt, snap.attempt)
     sv.log(
         E.EVENT_KIND_CONTROL_PLANE,
-        f"reconciled from the store: {len(snap.alive)} nodes alive, "
-        f"attempt record {snap.attempt}, latest committed step {sv.latest_committed}",
+        f"reconciled from the store: {len(snap.alive)} nodes alive"
+        + (f" ({len(snap.claimed_elsewhere)} claimed by other runs)" if snap.claimed_elsewhere else "")
+        + f", attempt record {snap.attempt}, latest committed step {sv.latest_committed}",
     )
     if sv.state is RunState.CONTROL_PLANE:
         sv.cp_etcd_lost = False

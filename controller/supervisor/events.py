@@ -342,6 +342,27 @@ class NodeRecordView:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeClaimed:
+    """The fleet's claims (several runs share one fleet; each node belongs to one run at a time):
+    another run took `node` (`run`: that run), or gave it back to the shared pool (`run` ""). This
+    run's own claims never come as events: the shell takes them (controller/live/claims.py).
+
+    record: the node's stored pool entry and reputation when it was given back, so its failures,
+    strikes, holds and repairs follow it from run to run (None: nothing stored)."""
+
+    node: str
+    run: str = ""
+    record: NodeRecordView | None = None
+
+    def __post_init__(self) -> None:
+        _check_name("NodeClaimed.node", self.node)
+        if self.run:
+            _check_name("NodeClaimed.run", self.run)
+        if self.record is not None and self.record.node != self.node:
+            raise ValueError(f"NodeClaimed: the record is {self.record.node!r}'s, not {self.node!r}'s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """The store's state, listed by the shell after a (re)start or a watch gap (level-triggered).
 
@@ -359,6 +380,7 @@ class Snapshot:
     stop_requested: StopRequested | None = None
     draining: dict[str, str] = field(default_factory=dict)  # node -> why, as the node records say
     policy: PolicyChanged | None = None
+    claimed_elsewhere: dict[str, str] = field(default_factory=dict)  # node -> the other run holding it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -427,4 +449,5 @@ Event = (
     | BandwidthMeasured
     | ActionFailed
     | PolicyChanged
+    | NodeClaimed
 )

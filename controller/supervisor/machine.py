@@ -52,9 +52,9 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.loss import LossBook
 from controller.supervisor.policy import RunPlan, SupervisorConfig, burn_in_passes_text
-from controller.supervisor.pool import Pool, PoolState, needs_repair
+from controller.supervisor.pool import OUT_OF_SERVICE, Pool, PoolState, needs_repair
 from controller.supervisor.restart import RestartHistory
-from controller.supervisor.states import IN_ATTEMPT, IllegalTransition, RunState, TransitionError
+from controller.supervisor.states import IN_ATTEMPT, TERMINAL, IllegalTransition, RunState, TransitionError
 from controller.supervisor.table import EDGES, STATE_TRIGGERED, TABLE, diagram
 from runwarden.v1 import common_pb2, events_pb2
 from runwarden.v1 import events_pb2 as E
@@ -309,7 +309,21 @@ class Supervisor:
         if not held and p.alive:
             self.begin_burn_in(node)
 
+    def holds(self) -> frozenset[str]:
+        """The nodes this run keeps a claim on (controller/live/claims.py takes and gives them back):
+        the attempt's (being prepared, running, or the last one, kept across a restart's backoff so
+        the relaunch finds them) and the out-of-service nodes it answers for (their burn-in, an
+        operator's release). None once the run is over; never a node another run holds."""
+        if self._state in TERMINAL:
+            return frozenset()
+        mine = {n for n in (*self.slots, *self.prev_slots, *self.cur.node_step) if n is not None}
+        mine.update(self.burn_in)
+        mine.update(n for n, p in self.pool.nodes.items() if p.state in OUT_OF_SERVICE)
+        return frozenset(n for n in mine if not self.pool.get(n).elsewhere)
+
     def begin_burn_in(self, node: str) -> None:
+        if self.pool.get(node).elsewhere:
+            return  # the run that holds it burns it in
         if not self.pool.start_burn_in(node):
             return
         self.burn_in.add(node)

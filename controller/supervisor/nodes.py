@@ -13,6 +13,7 @@ from controller.supervisor.events import (
     CheckpointCommitted,
     CheckpointFailed,
     EvidenceObserved,
+    NodeClaimed,
     NodeDraining,
     NodeJoined,
     NodeLost,
@@ -191,6 +192,8 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
     )
     if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):
         return  # blamed by hardware evidence when the attempt's failure is decided
+    if sv.pool.get(e.node).elsewhere:
+        return  # another run holds it: that run quarantines it and writes its record
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
         sv.quarantine(e.node, reason, evidence=[e])
@@ -348,6 +351,41 @@ def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
     if sv.state is RunState.PREFLIGHT:
         prepare.on_bandwidth(sv, ev)
     # "failed": needs repair; burn-in again when it re-registers or an operator releases it
+
+
+def on_claimed(sv: Supervisor, ev: NodeClaimed) -> None:
+    """Every state: another run took a node of the shared fleet (it is no spare here, and its holder
+    alone burns it in and writes its record), or gave it back (free again, with the record it brings:
+    its strikes, holds and repairs follow it). A node in this run's attempt is never taken from it by
+    a run's claim (the claim is taken before a launch); only an operator can, and then the node is
+    out of this attempt's preparation like a drained one."""
+    was = sv.pool.get(ev.node).elsewhere
+    if ev.run == was and ev.record is None:
+        return
+    if ev.run:
+        sv.pool.set_elsewhere(ev.node, ev.run)
+        sv.burn_in.discard(ev.node)
+        sv.log(
+            E.EVENT_KIND_NODE_CLAIMED,
+            f"node {ev.node} is claimed by run {ev.run}: no spare for this run until it is given back",
+            node=E.NodeDetail(node=ev.node, reason=f"claimed by run {ev.run}"),
+        )
+        if sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
+            prepare.drop_from_slots(sv, ev.node, f"run {ev.run} holds it now", logged=True)
+        return
+    if ev.record is not None and not sv.in_attempt(ev.node) and ev.node not in sv.slots:
+        sv.pool.load([ev.record])
+    node = sv.pool.set_elsewhere(ev.node, "")
+    sv.log(
+        E.EVENT_KIND_NODE_CLAIMED,
+        f"node {ev.node} is back in the shared pool{f' from run {was}' if was else ''}: "
+        f"{node.state.label}, {len(node.failure_times)} failure(s) on record",
+        node=E.NodeDetail(node=ev.node, reason="claim given back"),
+    )
+    if node.alive and node.state in (PoolState.QUARANTINED, PoolState.BURN_IN) and ev.node not in sv.burn_in:
+        sv.begin_burn_in(ev.node)  # its holder gave it back before it returned: this run burns it in
+    elif sv.state is RunState.PREFLIGHT:
+        prepare.fill_slots(sv)
 
 
 def on_draining(sv: Supervisor, ev: NodeDraining) -> None:

@@ -93,6 +93,7 @@ class PoolNode:
     quarantine_evidence: list[common_pb2.Evidence] = field(default_factory=list)
     evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
     known_since: float | None = None  # first registration seen (durable: Reputation.known_since)
+    elsewhere: str = ""  # the other run that holds the node's claim now: never picked here
 
     def view(self) -> NodeRecordView:
         return NodeRecordView(
@@ -132,7 +133,7 @@ class Pool:
         return node
 
     def _sync(self, node: PoolNode) -> None:
-        if node.alive and not node.draining and node.state is PoolState.SPARE:
+        if node.alive and not node.draining and not node.elsewhere and node.state is PoolState.SPARE:
             self._free.add(node.name)
         else:
             self._free.discard(node.name)
@@ -163,6 +164,14 @@ class Pool:
         self._sync(node)
         return node
 
+    def set_elsewhere(self, name: str, run: str) -> PoolNode:
+        """Another run holds the node's claim (`run`), or none does (""): only a node no other run
+        holds is free here (the shared spare pool, controller/live/claims.py)."""
+        node = self.get(name)
+        node.elsewhere = run
+        self._sync(node)
+        return node
+
     def load(self, records: Iterable[NodeRecordView]) -> None:
         for r in records:
             node = self.get(r.node)
@@ -187,6 +196,7 @@ class Pool:
             node is not None
             and node.alive
             and not node.draining
+            and not node.elsewhere
             and node.state in (PoolState.SPARE, PoolState.ASSIGNED)
         )
 

@@ -15,7 +15,7 @@ The graph, generated from the table (tests/supervisor/test_machine.py keeps it i
       -> STOPPING          Snapshot
     PREFLIGHT
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> RUNNING           NodeJoined, NodeLost, NodeDraining, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured
+      -> RUNNING           NodeJoined, NodeLost, NodeDraining, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured, NodeClaimed
       -> STOPPED           StopRequested, Snapshot
     RUNNING
       -> BACKOFF           ActionFailed
@@ -74,6 +74,7 @@ from controller.supervisor.events import (
     ControlPlaneRestored,
     DumpsCollected,
     EvidenceObserved,
+    NodeClaimed,
     NodeDraining,
     NodeJoined,
     NodeLost,
@@ -148,6 +149,7 @@ def _row(
     failed: Rule,
     bandwidth: Rule | None = None,
     drain: Rule | None = None,
+    claimed: Rule | None = None,
 ) -> dict[type, Rule]:
     return {
         NodeJoined: joined,
@@ -172,6 +174,7 @@ def _row(
         # a burn-in soak's answer in any state; in PREFLIGHT also the gate's (else a set no longer in play)
         BandwidthMeasured: bandwidth or _on(nodes.on_bandwidth),
         PolicyChanged: _on(reconfigure.on_policy_changed),  # every state: the next decision uses it
+        NodeClaimed: claimed or _on(nodes.on_claimed),  # every state: another run took or gave back a node
     }
 
 
@@ -214,6 +217,7 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         failed=_on(failed_actions.on_action_failed, S.RUNNING),
         bandwidth=_on(nodes.on_bandwidth, S.RUNNING),
         drain=_on(nodes.on_draining, S.RUNNING),
+        claimed=_on(nodes.on_claimed, S.RUNNING),  # a refill may launch
     ),
     S.RUNNING: _row(
         joined=_on(nodes.on_joined),

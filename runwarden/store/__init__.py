@@ -11,14 +11,18 @@ from runwarden.store.election import Leadership
 from runwarden.store.lease import LeaseKeeper
 from runwarden.store.types import (
     CampaignTimeout,
+    Compare,
+    Delete,
     EventType,
     KeyValue,
     Lease,
     NotLeader,
+    Put,
     Relisted,
     RevisionCompacted,
     StoreError,
     StoreUnavailable,
+    TxnResult,
     WatchBatch,
     WatchEvent,
 )
@@ -26,6 +30,8 @@ from runwarden.store.watch import Watch, WatchCallback
 
 __all__ = [
     "CampaignTimeout",
+    "Compare",
+    "Delete",
     "Endpoint",
     "EventType",
     "KeyValue",
@@ -33,12 +39,14 @@ __all__ = [
     "Lease",
     "LeaseKeeper",
     "NotLeader",
+    "Put",
     "Relisted",
     "RevisionCompacted",
     "Store",
     "StoreConfig",
     "StoreError",
     "StoreUnavailable",
+    "TxnResult",
     "Watch",
     "WatchBatch",
     "WatchCallback",

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,17 @@ from runwarden.store.config import Endpoint, StoreConfig
 from runwarden.store.election import Leadership, campaign
 from runwarden.store.lease import LeaseKeeper
 from runwarden.store.types import (
+    Compare,
+    Delete,
     EventType,
     KeyValue,
     Lease,
     NotLeader,
+    Put,
     RevisionCompacted,
     StoreError,
     StoreUnavailable,
+    TxnResult,
     WatchBatch,
     WatchEvent,
 )
@@ -510,6 +514,21 @@ class Store:
             )
         return revision
 
+    def txn(self, what: str, compares: Sequence[Compare], ops: Sequence[Put | Delete]) -> TxnResult:
+        """Apply every op of ``ops`` atomically if every compare holds, else none. Not retried.
+
+        ``fence(leadership)`` is the compare that makes a transaction a fenced write."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(c) for c in compares], success=[_op(op) for op in ops], failure=[]
+        )
+        reply = self.call(what, "KV", "Txn", request, retry=False)
+        return TxnResult(succeeded=bool(reply.succeeded), revision=int(reply.header.revision))
+
+    @staticmethod
+    def fence(leadership: Leadership) -> Compare:
+        """The compare that holds only while ``leadership`` does (its key, created at ``fence``)."""
+        return Compare(key=leadership.key, create_revision=leadership.fence)
+
     def _txn(self, what: str, compare: Any, put: Any) -> tuple[bool, int]:
         request = etcdrpc.TxnRequest(
             compare=[compare], success=[etcdrpc.RequestOp(request_put=put)], failure=[]
@@ -633,6 +652,32 @@ class Store:
                 self._keepers.discard(item)
             else:
                 self._watches.discard(item)
+
+
+def _compare(c: Compare) -> Any:
+    key = _enc(c.key)
+    if c.absent:
+        return etcdrpc.Compare(
+            key=key, target=etcdrpc.Compare.VERSION, result=etcdrpc.Compare.EQUAL, version=0
+        )
+    if c.mod_revision is not None:
+        return etcdrpc.Compare(
+            key=key, target=etcdrpc.Compare.MOD, result=etcdrpc.Compare.EQUAL, mod_revision=c.mod_revision
+        )
+    return etcdrpc.Compare(
+        key=key,
+        target=etcdrpc.Compare.CREATE,
+        result=etcdrpc.Compare.EQUAL,
+        create_revision=c.create_revision,
+    )
+
+
+def _op(op: Put | Delete) -> Any:
+    if isinstance(op, Put):
+        return etcdrpc.RequestOp(
+            request_put=etcdrpc.PutRequest(key=_enc(op.key), value=_as_bytes(op.value), lease=op.lease)
+        )
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=_enc(op.key)))
 
 
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:

@@ -85,3 +85,49 @@ class WatchBatch:
     events: tuple[WatchEvent, ...]
     revision: int
     created: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Compare:
+    """One condition of a transaction (``Store.txn``), on one key: exactly one of ``absent`` (the key
+    must not exist), ``mod_revision`` (its last write) or ``create_revision`` (its creation, a fence)."""
+
+    key: str
+    absent: bool = False
+    mod_revision: int | None = None
+    create_revision: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.absent, self.mod_revision is not None, self.create_revision is not None]
+        if sum(given) != 1:
+            raise StoreError(
+                f"compare on {self.key}: give exactly one of absent, mod_revision, create_revision"
+            )
+        for what in ("mod_revision", "create_revision"):
+            value = getattr(self, what)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise StoreError(f"compare on {self.key}: {what} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Put:
+    """A put inside a transaction; ``lease`` 0: none."""
+
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delete:
+    """A delete of one key inside a transaction."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TxnResult:
+    """Whether every compare held (then every op was applied, atomically), and the store's revision."""
+
+    succeeded: bool
+    revision: int

@@ -77,6 +77,9 @@ class RunStatus(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     WAITING_FOR_NODES_FIELD_NUMBER: _builtins.int
     WAITING_SINCE_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    CLAIMED_NODES_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     phase: Global___RunPhase.ValueType
     attempt: _builtins.int
@@ -89,6 +92,13 @@ class RunStatus(_message.Message):
     waiting_for_nodes: _builtins.int
     """While the run waits for nodes: how many it still needs, and since when (unix time)."""
     waiting_since: _builtins.float
+    leader: _builtins.str
+    """The run's leading controller (its election: one per run under an etcd root) and its fence;
+    "" and 0 when no controller leads it.
+    """
+    fence: _builtins.int
+    claimed_nodes: _builtins.int
+    """nodes the run holds a claim on (claims/<node>)"""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -106,10 +116,13 @@ class RunStatus(_message.Message):
         reason: _builtins.str = ...,
         waiting_for_nodes: _builtins.int = ...,
         waiting_since: _builtins.float = ...,
+        leader: _builtins.str = ...,
+        fence: _builtins.int = ...,
+        claimed_nodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "current_step", b"current_step", "last_committed_step", b"last_committed_step", "nodes", b"nodes", "phase", b"phase", "reason", b"reason", "rendezvous_id", b"rendezvous_id", "restart_budget_left", b"restart_budget_left", "run", b"run", "since_last_progress_s", b"since_last_progress_s", "waiting_for_nodes", b"waiting_for_nodes", "waiting_since", b"waiting_since"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "claimed_nodes", b"claimed_nodes", "current_step", b"current_step", "fence", b"fence", "last_committed_step", b"last_committed_step", "leader", b"leader", "nodes", b"nodes", "phase", b"phase", "reason", b"reason", "rendezvous_id", b"rendezvous_id", "restart_budget_left", b"restart_budget_left", "run", b"run", "since_last_progress_s", b"since_last_progress_s", "waiting_for_nodes", b"waiting_for_nodes", "waiting_since", b"waiting_since"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -179,6 +192,7 @@ class NodeInfo(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     LAST_PREFLIGHT_FIELD_NUMBER: _builtins.int
     GPU_COUNT_FIELD_NUMBER: _builtins.int
+    CLAIMED_BY_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     address: _builtins.str
     state: _common_pb2.NodeState.ValueType
@@ -193,6 +207,8 @@ class NodeInfo(_message.Message):
     run: _builtins.str
     reason: _builtins.str
     gpu_count: _builtins.int
+    claimed_by: _builtins.str
+    """the run holding the node's claim ("" : free for any run)"""
     @_builtins.property
     def evidence(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Evidence]: ...
     @_builtins.property
@@ -214,10 +230,11 @@ class NodeInfo(_message.Message):
         reason: _builtins.str = ...,
         last_preflight: _common_pb2.PreflightSummary | None = ...,
         gpu_count: _builtins.int = ...,
+        claimed_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_preflight", b"last_preflight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "evidence", b"evidence", "failures", b"failures", "gpu_count", b"gpu_count", "last_heartbeat_age_s", b"last_heartbeat_age_s", "last_preflight", b"last_preflight", "node", b"node", "pool_state", b"pool_state", "reason", b"reason", "reputation_score", b"reputation_score", "run", b"run", "state", b"state", "straggler_flags", b"straggler_flags"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "claimed_by", b"claimed_by", "evidence", b"evidence", "failures", b"failures", "gpu_count", b"gpu_count", "last_heartbeat_age_s", b"last_heartbeat_age_s", "last_preflight", b"last_preflight", "node", b"node", "pool_state", b"pool_state", "reason", b"reason", "reputation_score", b"reputation_score", "run", b"run", "state", b"state", "straggler_flags", b"straggler_flags"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -476,6 +493,55 @@ class ReleaseNodeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseNodeResponse: _TypeAlias = ReleaseNodeResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseClaimsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """this node's claim, or"""
+    run: _builtins.str
+    """every claim of this run (exactly one of node and run)"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        run: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "reason", b"reason", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseClaimsRequest: _TypeAlias = ReleaseClaimsRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseClaimsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the nodes given back to the shared pool"""
+
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseClaimsResponse: _TypeAlias = ReleaseClaimsResponse  # noqa: Y015
 
 @_typing.final
 class ControllerRequestStopRequest(_message.Message):

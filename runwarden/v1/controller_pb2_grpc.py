@@ -94,6 +94,11 @@ class ControllerStub:
                 request_serializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.FromString,
                 _registered_method=True)
+        self.ReleaseClaims = channel.unary_unary(
+                '/runwarden.v1.Controller/ReleaseClaims',
+                request_serializer=runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsRequest.SerializeToString,
+                response_deserializer=runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -176,6 +181,14 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseClaims(self, request, context):
+        """Give back node claims (admin): one node's, or every claim of a run (controller/live/claims.py).
+        Refused for a run that has a leader: a live run gives its nodes back itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +251,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.SetPolicy,
                     request_deserializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.FromString,
                     response_serializer=runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.SerializeToString,
+            ),
+            'ReleaseClaims': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClaims,
+                    request_deserializer=runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsRequest.FromString,
+                    response_serializer=runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +582,33 @@ class Controller:
             '/runwarden.v1.Controller/SetPolicy',
             runwarden_dot_v1_dot_controller__pb2.SetPolicyRequest.SerializeToString,
             runwarden_dot_v1_dot_controller__pb2.SetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClaims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runwarden.v1.Controller/ReleaseClaims',
+            runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsRequest.SerializeToString,
+            runwarden_dot_v1_dot_controller__pb2.ReleaseClaimsResponse.FromString,
             options,
             channel_credentials,
             insecure,

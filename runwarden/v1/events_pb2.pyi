@@ -69,6 +69,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """a resumed attempt's loss differs from an earlier attempt's at the same (step, rank)"""
     EVENT_KIND_LOSS_REPLAY: _EventKind.ValueType  # 26
     """replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
+    EVENT_KIND_NODE_CLAIMED: _EventKind.ValueType  # 27
+    """another run took a node of the shared fleet, or gave it back"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -108,6 +110,8 @@ EVENT_KIND_DIVERGENCE: EventKind.ValueType  # 25
 """a resumed attempt's loss differs from an earlier attempt's at the same (step, rank)"""
 EVENT_KIND_LOSS_REPLAY: EventKind.ValueType  # 26
 """replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
+EVENT_KIND_NODE_CLAIMED: EventKind.ValueType  # 27
+"""another run took a node of the shared fleet, or gave it back"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:

@@ -492,3 +492,70 @@ class PolicyRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyRecord: _TypeAlias = PolicyRecord  # noqa: Y015
+
+@_typing.final
+class NodeClaim(_message.Message):
+    """<root>/v1/claims/<node>: the run that holds the node now (one run at a time), taken with a
+    transaction (create if absent) and given back with one (delete if still this run's). Persistent,
+    not under a lease: controller/live/claims.py says why.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    CLAIMED_AT_FIELD_NUMBER: _builtins.int
+    CLAIMED_BY_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    run: _builtins.str
+    priority: _builtins.int
+    """the run's claim priority when it took the node"""
+    claimed_at: _builtins.float
+    claimed_by: _builtins.str
+    """the controller identity that took it"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        run: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        claimed_at: _builtins.float = ...,
+        claimed_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed_at", b"claimed_at", "claimed_by", b"claimed_by", "node", b"node", "priority", b"priority", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeClaim: _TypeAlias = NodeClaim  # noqa: Y015
+
+@_typing.final
+class ClaimBid(_message.Message):
+    """<root>/v1/bids/<node>/<run>: a run asking for a free node, under its leader's lease, for the short
+    window in which asks are compared: the highest priority wins, then the earliest bid.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    ASKED_AT_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    priority: _builtins.int
+    asked_at: _builtins.float
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        asked_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asked_at", b"asked_at", "priority", b"priority", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimBid: _TypeAlias = ClaimBid  # noqa: Y015

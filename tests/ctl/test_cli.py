@@ -52,6 +52,8 @@ def test_status_table_and_json(live: LiveController, capsys: pytest.CaptureFixtu
         "LAST",
         "PROGRESS",
         "NODES",
+        "CLAIMED",
+        "LEADER",
         "REASON",
     ]
     # aligned: every column starts where its header starts

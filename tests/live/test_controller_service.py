@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controller.api import policy as policy_store
+from runwarden.keys import run_election
 from runwarden.store import Store
 from runwarden.testing.etcd_server import EtcdServer
 
@@ -98,7 +99,7 @@ def test_controller_run_notifies_systemd_and_rereads_its_policy_on_sighup(
             pass
         assert msg == b"STOPPING=1"
         # it resigned on the way out: a standby would lead at once, not after the election TTL
-        assert store.get_prefix(store.keys.election("controller"))[0] == []
+        assert store.get_prefix(store.keys.election(run_election(RUN)))[0] == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,6 +16,7 @@ import pytest
 from controller.ctl.main import main
 from examples.cluster import write_toml
 from runwarden.eventlog import read_events
+from runwarden.keys import run_election
 from runwarden.store import Store, StoreConfig
 from runwarden.testing.etcd_server import EtcdServer, free_port
 
@@ -106,7 +107,7 @@ def test_no_secret_in_controller_logs_events_or_errors(
         deadline = time.monotonic() + 60
         while (
             time.monotonic() < deadline
-            and not store.get_prefix(store.keys.election("controller"))[0]
+            and not store.get_prefix(store.keys.election(run_election("secretrun")))[0]
             and proc.poll() is None
         ):
             time.sleep(0.3)
