@@ -123,11 +123,12 @@ def main() -> int:
             port += 4
             cmd = [sys.executable, __file__, "--trial", mode, str(port)]
             try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=CAP_S + 20)
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=CAP_S + 8)
                 row = json.loads(out.stdout.strip().splitlines()[-1])
             except subprocess.TimeoutExpired:
                 row = {"raised_after_s": None, "new_group_ok": False, "new_group_s": None}
             results[mode].append(row)
+            print(mode, json.dumps(row), flush=True)  # a cut-off run keeps what it measured
     print(f"{'mode':<14} {'n':>2} {'raised after (median)':>22} {'new group ok':>13}")
     summary = {}
     for mode, rows in results.items():

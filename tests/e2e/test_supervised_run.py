@@ -9,6 +9,11 @@ host's eth0), where the node-lost fault hits node rank 0, so the rendezvous host
 node; where the kernel gives no network namespaces it runs on one host (every "node" a process on
 127.0.0.1, the demo's layout). Once, not both: the suite's 25 min budget; the one-host layout runs
 in the planned-stop, live-controller and reliability tests.
+
+The agents run warm workers (issue 18): every attempt starts on parked rank processes, the healthy
+hosts' processes survive each restart (the same pids, kept from the failed attempt, in the agents'
+launch answers that WORKERS_STARTED logs), the replacement and the crashed rank's host start on a
+fresh parked group, and LOAD_DONE names where each node's state came from.
 """
 
 from __future__ import annotations
