@@ -87,6 +87,7 @@ class ShellConfig:
     procs_per_node: int = 1
     dump_timeout_s: float = 3.0
     spares: int = 0  # allocated beyond the run's nodes (the scheduler's `allocate`)
+    script_mode: str = "instrumented"  # "unmodified": the agents run the command through nodeagent.bootstrap
     priority: int = 0  # who gets a free node of the shared fleet first: the higher (then first come)
     claim_bid_window_s: float = BID_WINDOW_S  # asks of several runs this close are decided by priority
 
@@ -205,7 +206,7 @@ class LiveController:
         self.backend = backend or LocalBackend(
             self.agents,
             lambda node: self.translator.rendezvous(node),  # node records, as the current view has them
-            LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s),
+            LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s, script_mode=cfg.script_mode),
         )
         self.pager = pager or Pager()
         self.scheduler: Scheduler = scheduler or StaticFleet()

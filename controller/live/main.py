@@ -111,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         "procs_per_node": run.procs_per_node,
         "spares": run.spares,
         "priority": run.priority,
+        "script_mode": run.script_mode,
     }
     if run.identity:
         shell_kwargs["identity"] = run.identity

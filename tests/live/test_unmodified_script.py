@@ -95,6 +95,18 @@ class UnmodifiedCluster(LocalCluster):
         write_toml(cfg, settings)
         return cfg
 
+    def _start_controller(self) -> None:
+        # The first launch waits at most warm_wait_s (30 s) for a group still importing torch, past
+        # the controller's 10 s launch deadline on two loaded cores: the groups park first.
+        deadline = time.monotonic() + WAIT_S
+        logs = [self.root / "nodes" / node / "agent.log" for node in self.nodes]
+        while self.spec.warm_workers and not all(
+            log.exists() and "rank(s) parked in" in log.read_text(errors="replace") for log in logs
+        ):
+            assert time.monotonic() < deadline, "the agents' warm groups did not park"
+            time.sleep(0.2)
+        super()._start_controller()
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UnmodifiedCluster]:
@@ -145,6 +157,7 @@ def _attribution(c: LocalCluster, after_seq: int, detector: int) -> tuple[events
     return detection, blame
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_the_straggler_and_a_stopped_rank_a_hang_blamed_on_its_node(
     cluster: UnmodifiedCluster,
 ) -> None:
@@ -177,6 +190,7 @@ def test_a_slowed_rank_is_the_straggler_and_a_stopped_rank_a_hang_blamed_on_its_
     assert blame.attribution.blame_method == E.BLAME_METHOD_FLIGHT_RECORDER, blame.message
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_a_crash_blamed_on_its_node(cluster: UnmodifiedCluster) -> None:
     c = cluster
     launch = _running(c, 2)  # the hang's relaunch, on the spares
