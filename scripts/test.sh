@@ -10,7 +10,17 @@ echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== pytest"
 set +e
-python -m pytest "$@"
+# Two workers on the 2-core machine: the deployments (one "heavy" scope, tests/conftest.py) on one,
+# the rest beside it. RUNWARDEN_TEST_WORKERS=0 runs everything in this one process.
+# A short base temp dir: agents' and ranks' unix sockets live under the tests' tmp dirs, and a socket
+# path holds 107 bytes (pytest's default /tmp/pytest-of-<user>/pytest-<n>/popen-gw<i>/ eats 40).
+basetemp=$(mktemp -d /tmp/rwXXXX)
+workers="${RUNWARDEN_TEST_WORKERS:-2}"
+if [[ $workers == 0 ]]; then
+  python -m pytest --basetemp "$basetemp" "$@"
+else
+  python -m pytest -n "$workers" --dist loadscope --no-loadscope-reorder --basetemp "$basetemp" "$@"
+fi
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: a suite that ran no test has failed.

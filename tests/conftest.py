@@ -6,11 +6,20 @@
   ones; every server it made is killed at teardown.
 * ``store``: a ``Store`` connected to ``etcd`` (default key root); closed at teardown.
 * ``free_port``: a TCP port free on 127.0.0.1 right now.
+
+With pytest-xdist (`scripts/test.sh` runs two workers on the 2-core machine, `--dist loadscope`) the
+unit of scheduling is set here: the modules that start a whole deployment, a Slurm or Ray cluster or a
+fleet of network namespaces form one scope, "heavy", run in order on one worker (they share
+machine-wide things: Slurm's daemons, namespaces, the CPU their timing assumes), and every other module
+is its own scope, so that its module-scoped fixtures start once. The heavy modules are collected first,
+so one worker starts on them at once while the other takes the light modules, at a lower CPU priority
+(`LIGHT_NICE`). `RUNWARDEN_TEST_WORKERS=0 scripts/test.sh` runs the suite in one process, as before.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +32,58 @@ from runwarden.testing.etcd_server import EtcdServer
 from runwarden.testing.etcd_server import free_port as _free_port
 
 _counter = itertools.count()
+
+# Modules (by path prefix, relative to the repository) that run on the one "heavy" xdist worker: the
+# deployments, and the modules whose assertions are about timing (a rank's compute vs wait, a lease
+# running out, a bandwidth figure, a warm hand-off), which must not share the CPU with a second worker.
+HEAVY_MODULES = (
+    "tests/e2e/",
+    "tests/fleet/",
+    "tests/backends/test_slurm",
+    "tests/backends/test_ray",
+    "tests/bench/",
+    "tests/reliability/test_control_plane_faults.py",
+    "tests/reliability/test_checkpoint_failure.py",
+    "tests/live/test_bandwidth.py",
+    "tests/live/test_unmodified_script.py",
+    "tests/live/test_many_runs.py",
+    "tests/nodeagent/test_timing.py",
+    "tests/nodeagent/test_self_fencing.py",
+    "tests/nodeagent/test_warm_",
+    "tests/supervisor/test_scale.py",
+)
+# The light worker's tests (and what they start) run at this niceness, so that when both workers want
+# the CPU the heavy worker's timing is the one kept; it is set per test, which needs root to lower
+# again (CI runs as root; elsewhere every test keeps the worker's own niceness).
+LIGHT_NICE = 10
+
+
+def _heavy(nodeid: str) -> bool:
+    return nodeid.startswith(HEAVY_MODULES)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        items.sort(key=lambda item: not _heavy(item.nodeid))  # stable: the heavy modules first, in order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.geteuid() == 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0 if _heavy(item.nodeid) else LIGHT_NICE)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's loadscope, with this suite's scopes: "heavy" for the deployments, else the module."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleAndHeavyScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "heavy" if _heavy(nodeid) else nodeid.split("::", 1)[0]
+
+    return ModuleAndHeavyScheduling(config, log)
 
 
 @pytest.fixture

@@ -129,8 +129,9 @@ def test_sigterm_to_an_agent_is_a_drain_and_the_agent_leaves_cleanly(cluster: Lo
     c.start_agent(victim)  # what systemd would do when the host comes back
 
 
-def _rank_pids(node: str, attempt: int) -> list[int]:
-    """The worker processes (they have LOCAL_RANK; torchrun itself does not) of `node`'s attempt."""
+def _rank_pids(node: str, attempt: int, root: Path) -> list[int]:
+    """The worker processes (they have LOCAL_RANK; torchrun itself does not) of `node`'s attempt in
+    the cluster under `root` (another test's cluster may run a node of the same name meanwhile)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -147,6 +148,7 @@ def _rank_pids(node: str, attempt: int) -> list[int]:
             env.get("RUNWARDEN_NODE") == node
             and env.get("RUNWARDEN_ATTEMPT") == str(attempt)
             and "LOCAL_RANK" in env
+            and any(str(root) in value for value in env.values())
         ):
             found.append(int(entry.name))
     return found
@@ -157,7 +159,7 @@ def test_sigterm_to_one_rank_is_a_planned_stop_not_the_end_of_training(cluster: 
     current = _current_launch(c)
     node = current.launch.nodes[1]
     deadline = time.monotonic() + 30
-    while not (pids := _rank_pids(node, current.attempt)) and time.monotonic() < deadline:
+    while not (pids := _rank_pids(node, current.attempt, c.root)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pids, f"no rank of attempt {current.attempt} found on {node}"
     mark = _last_seq(c)
