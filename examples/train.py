@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -68,18 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--dropout", type=float, default=0.0, help="dropout after each hidden layer (uses the RNG)"
-    )
-    # Test-only switches (tests/e2e/test_loss_checks.py): what the supervisor's loss rules must catch.
-    p.add_argument(
-        "--test-skip-rng-restore",
-        action="store_true",
-        help="TEST ONLY: resume without restoring the RNG states (a resume bug: the replay diverges)",
-    )
-    p.add_argument(
-        "--test-nan-at-step",
-        type=int,
-        default=-1,
-        help="TEST ONLY: in attempt 1, report a NaN loss for this step (steps completed)",
     )
     p.add_argument(
         "--test-kill-rank-in-save",
@@ -165,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
-        loaded = trainer.load_checkpoint(
-            found, model=model, optimizer=opt, rank=rank, restore_rng=not args.test_skip_rng_restore
-        )
+        loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
         start = int(loaded.data_state["next_step"])
         if rank == 0:
             reporter.set_committed(loaded.step)
@@ -187,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         # all-reduce of the flags, timed as wait; a rank stopping for a peer reports a planned stop.
         stop = reporter.stop_agreed()
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
-        reported = math.nan if done == args.test_nan_at_step and attempt == 1 else loss.item()
+        reported = loss.item()
         loss_log.write(
             json.dumps({"step": step, "loss": loss.item(), "attempt": attempt, "ts": time.time()}) + "\n"
         )

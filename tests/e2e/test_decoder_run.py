@@ -240,7 +240,7 @@ def test_automatic_timing_flags_the_slowed_rank_and_no_one_on_the_clean_run(run:
         if e.detection.detector == E.DETECTOR_STRAGGLER and e.seq > run.straggler_at_seq
     ]
     assert flagged and list(flagged[0].detection.nodes) == [run.straggler_victim], flagged[0].message
-    assert flagged[0].seq < run.recoveries[0].injection.after_seq  # flagged before the crash
+    assert flagged[0].seq <= run.recoveries[0].injection.after_seq  # flagged before the first fault
 
 
 def test_an_injected_nan_is_caught_within_one_report_interval(run: DecoderRun) -> None:
