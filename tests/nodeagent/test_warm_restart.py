@@ -168,7 +168,9 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
             for a, p in ((k0, kept), (k1, third))
         ]
         assert [r.loaded_from for r in got] == ["memory", "memory"], got
-        first = json.loads((tmp_path / "out-5" / "loss-rank0.jsonl").open().readline())
+        log5 = tmp_path / "out-5" / "loss-rank0.jsonl"
+        wait_for(lambda: log5.exists() and log5.read_text().endswith("\n"), 60, "attempt 5's first loss")
+        first = json.loads(log5.open().readline())
         replayed = [json.loads(x) for x in (tmp_path / "out-4" / "loss-rank0.jsonl").open()]
         # the step after the commit computes the loss attempt 4 computed there
         same = [r["loss"] for r in replayed if r["step"] == first["step"]]
