@@ -39,7 +39,7 @@ import pytest
 
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import Recovery, current_nodes, last_seq, recoveries, run_faults
-from nodeagent.checkpoint import latest_committed
+from nodeagent.checkpoint import read_commit, step_dir
 from runwarden.eventlog import read_events
 from runwarden.v1 import events_pb2
 from tests.e2e.five_faults import EXPECTED_DETECTOR
@@ -222,8 +222,12 @@ def test_every_resume_is_a_committed_dcp_step_with_a_fresh_rendezvous(run: Decod
             assert ev.launch.rendezvous_id == f"{ev.run}-{ev.attempt}"
             assert ev.launch.resume_step == (max(committed) if committed else -1), ev.message
     assert launches >= 1 + len(FAULTS)
-    latest = latest_committed(run.cluster.ckpt_dir)
-    assert latest is not None and latest.meta["format"] == "dcp" and latest.step in committed
+    # Each resume point is a whole DCP commit on disk (not the newest directory: a superseded
+    # attempt may commit after the controller moved on, and is never resumed from).
+    for ev in run.events:
+        if ev.kind == E.EVENT_KIND_LAUNCH and ev.launch.resume_step >= 0:
+            commit = read_commit(step_dir(run.cluster.ckpt_dir, ev.launch.resume_step))
+            assert commit is not None and commit.meta["format"] == "dcp", ev.message
 
 
 def test_automatic_timing_flags_the_slowed_rank_and_no_one_on_the_clean_run(run: DecoderRun) -> None:
