@@ -135,11 +135,11 @@ class LocalCluster(ClusterBase):
         )
         return port
 
-    def _controller_config(self) -> Path:
+    def controller_settings(self) -> dict[str, dict[str, object]]:
+        """The controller's config, section -> key -> value (a subclass changes the job here)."""
         assert self.etcd is not None
         self.metrics_port = self.metrics_port or free_port()
-        cfg = self.run_dir / "controller.toml"
-        settings = controller_settings(
+        return controller_settings(
             self.spec,
             store={"endpoints": [self.etcd.endpoint]},
             run_dir=self.run_dir,
@@ -148,7 +148,10 @@ class LocalCluster(ClusterBase):
             api_address=self.controller_address,
             metrics_address=f"127.0.0.1:{self.metrics_port}",
         )
-        write_toml(cfg, settings)
+
+    def _controller_config(self) -> Path:
+        cfg = self.run_dir / "controller.toml"
+        write_toml(cfg, self.controller_settings())
         return cfg
 
     def stop(self) -> None:

@@ -24,8 +24,6 @@ from controller.live.agents import AgentClients
 from controller.live.config import RunSection
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.config import ConfigError
-from runwarden.testing.etcd_server import free_port
-from runwarden.testing.fleet_cluster import controller_settings, write_toml
 from runwarden.v1 import agent_pb2, events_pb2
 
 E = events_pb2
@@ -66,19 +64,9 @@ class UnmodifiedCluster(LocalCluster):
         super().__init__(root, spec)
         self.faults = self.root / "faults"
 
-    def _controller_config(self) -> Path:
-        assert self.etcd is not None
+    def controller_settings(self) -> dict[str, dict[str, object]]:
         self.faults.mkdir(parents=True, exist_ok=True)
-        self.metrics_port = self.metrics_port or free_port()
-        settings = controller_settings(
-            self.spec,
-            store={"endpoints": [self.etcd.endpoint]},
-            run_dir=self.run_dir,
-            ckpt_dir=self.ckpt_dir,
-            loss_dir=self.loss_dir,
-            api_address=self.controller_address,
-            metrics_address=f"127.0.0.1:{self.metrics_port}",
-        )
+        settings = super().controller_settings()
         settings["controller"]["command"] = [
             str(PLAIN_DDP),
             "--steps",
@@ -91,9 +79,7 @@ class UnmodifiedCluster(LocalCluster):
             str(self.faults),
         ]
         settings["controller"]["script_mode"] = "unmodified"
-        cfg = self.run_dir / "controller.toml"
-        write_toml(cfg, settings)
-        return cfg
+        return settings
 
     def _start_controller(self) -> None:
         # The first launch waits at most warm_wait_s (30 s) for a group still importing torch, past
