@@ -149,6 +149,10 @@ class KeySchema:
         return self.bids_prefix(node) + check_name("run name", run)
 
     # Elections
+    def elections_prefix(self) -> str:
+        """Every election's contenders (one election per run, plus the legacy "controller")."""
+        return self._join("elections", "")
+
     def election(self, name: str) -> str:
         """The prefix under which contenders for election ``name`` put their keys (ends with '/')."""
         return self._join("elections", check_name("election name", name), "")

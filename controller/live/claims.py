@@ -180,10 +180,10 @@ class Claims:
     def _others_contend(self) -> bool:
         """Whether another run's controller contends under this root (else nobody can out-bid us)."""
         try:
-            kvs, _ = self.store.get_prefix(self.keys.base + "elections/")
+            kvs, _ = self.store.get_prefix(self.keys.elections_prefix())
         except StoreError:
             return True
-        prefix = self.keys.base + "elections/"
+        prefix = self.keys.elections_prefix()
         names = {kv.key[len(prefix) :].split("/", 1)[0] for kv in kvs}
         return bool(names - {self.run, LEGACY_ELECTION})
 
