@@ -133,6 +133,9 @@ class Agent:
         self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
         self.warm: warm_pool.WarmPool | None = None  # with warm_workers: the parked rank processes
         self._warm_groups: dict[int, warm_pool.ParkedGroup] = {}  # leader pid -> the warm worker's group
+        # run -> why its last warm group was lost (killed for missing the park bound): the next warm
+        # launch's detail says so, since it starts from a fresh group on a healthy host
+        self._warm_lost: dict[str, str] = {}
         self._launch_lock = threading.Lock()  # one launch at a time (a warm one may wait for its group)
 
     # --- state ---------------------------------------------------------------------------------
@@ -595,7 +598,8 @@ class Agent:
         standby = threading.Timer(warm_pool.STANDBY_DELAY_S, pool.park_standby)
         standby.daemon = True
         standby.start()
-        origin = f"kept from attempt {kept[-1]}" if kept else "fresh"
+        lost = self._warm_lost.pop(spec.run, "")
+        origin = f"kept from attempt {kept[-1]}" if kept else (f"fresh: {lost}" if lost else "fresh")
         detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
         log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
         return worker, detail
@@ -621,6 +625,11 @@ class Agent:
             for w in parking:
                 w.reaped.wait(max(0.0, deadline - time.monotonic()))
             late = [w for w in parking if not w.reaped.is_set()]
+            for w in late:
+                self._warm_lost[run] = (
+                    f"the ranks of attempt {w.attempt} did not leave their collectives within "
+                    f"{park_within_s:.1f} s and were killed"
+                )
             if late:
                 log.warning(
                     "run %s: ranks of %s did not leave their collectives within %.1f s: killed",

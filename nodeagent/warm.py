@@ -25,7 +25,9 @@ parks again in the same process, keeping what lives in imported modules: nodeage
 in-memory copy of the last checkpoint it saved. `abort` gets a rank out of a collective that would
 otherwise block until the collective timeout (a hung peer, a lost host): the rank shuts down the TCP
 sockets the attempt opened (the measurement is in `shut_sockets`). A rank that cannot leave in time
-is killed with its group by the agent (StopWorkersRequest.park_within_s), which parks a fresh one.
+is killed with its group by the agent (StopWorkersRequest.park_within_s), which parks a fresh one;
+it first prints every thread's stack to the agent's log (LEAVE_STACKS_AFTER_S after the abort), so
+the log says where it was stuck, and the next launch's detail says why that host's group is fresh.
 
 Fencing by attempt: a hand-off names its attempt and a rank runs only attempts newer than the last
 it ran; the warm rendezvous store's host writes the one rendezvous id it serves, and a rank of any
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -92,6 +95,9 @@ EXIT_NOT_READY = 3  # a parked rank died (or hung) before it was ready
 EXIT_BAD_HANDOFF = 4  # the hand-off was malformed (a bug in the agent, never guessed around)
 EXIT_RENDEZVOUS = 5  # the warm rendezvous did not complete (a peer node fell back to cold, say)
 EXIT_FENCED = 6  # a hand-off for an attempt this process already ran, or an older one
+# A rank still inside the attempt this long after an abort prints every thread's stack (stderr: the
+# agent's log), so a rank the agent then kills for missing its park bound (3 s) says where it was.
+LEAVE_STACKS_AFTER_S = 1.5
 PREFIX = "runwarden-warm"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -386,6 +392,7 @@ class WarmRank:
             if not self.in_attempt:
                 return
             shut = shut_sockets(self.before)
+            faulthandler.dump_traceback_later(LEAVE_STACKS_AFTER_S, exit=False, file=sys.stderr)
         print(f"runwarden warm: leaving the attempt: {shut} socket(s) shut", file=sys.stderr, flush=True)
         import torch.distributed as dist
 
@@ -433,6 +440,7 @@ class WarmRank:
         finally:
             with self.lock:
                 self.in_attempt = False
+                faulthandler.cancel_dump_traceback_later()
                 # whatever of the attempt still waits on a peer (an async save's collective on its own
                 # group, say) fails now instead of holding the teardown
                 shut_sockets(self.before)

@@ -127,13 +127,15 @@ def test_losses_equal_an_uninterrupted_run_of_the_same_seed(faulted: FaultedRun,
     assert_losses_equal_an_uninterrupted_run(faulted.cluster, tmp_path)
 
 
-_PIDS = re.compile(r"^parked ranks \[([0-9, ]+)\] \((kept from attempt (\d+)|fresh);")
+_PIDS = re.compile(r"^parked ranks \[([0-9, ]+)\] \((kept from attempt (\d+)|fresh(: [^;]*)?);")
+# the agent's reason for a fresh group on a healthy host: its ranks missed the park bound (killed)
+_PARK_MISSED = re.compile(r"did not leave their collectives within [0-9.]+ s and were killed")
 
 
-def _started(events: list[events_pb2.Event]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None]]]:
-    """attempt -> node -> (its rank pids, the attempt its processes were kept from, None: fresh), from
-    the WORKERS_STARTED events (the agents' launch answers)."""
-    out: dict[int, dict[str, tuple[tuple[int, ...], int | None]]] = {}
+def _started(events: list[events_pb2.Event]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]]:
+    """attempt -> node -> (its rank pids, the attempt its processes were kept from or None: fresh, why
+    fresh if the agent said), from the WORKERS_STARTED events (the agents' launch answers)."""
+    out: dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]] = {}
     for ev in events:
         if ev.kind != E.EVENT_KIND_WORKERS_STARTED:
             continue
@@ -143,7 +145,7 @@ def _started(events: list[events_pb2.Event]) -> dict[int, dict[str, tuple[tuple[
             m = _PIDS.match(n.detail)
             assert m is not None, n.detail
             pids = tuple(int(p) for p in m.group(1).split(", "))
-            nodes[n.node] = (pids, int(m.group(3)) if m.group(3) else None)
+            nodes[n.node] = (pids, int(m.group(3)) if m.group(3) else None, (m.group(4) or "")[2:])
         out[ev.attempt] = nodes
     return out
 
@@ -152,21 +154,32 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
     started = _started(faulted.events)
     launches = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH}
     assert sorted(started) == sorted(launches), "an attempt without its WORKERS_STARTED"
-    kept = 0
+    kept = healthy = 0
     for r in faulted.recoveries:
         assert r.launch is not None
         new, before = r.launch.attempt, started[r.launch.attempt - 1]
-        for node, (pids, source) in started[new].items():
+        earlier = {p for ps, _, _ in before.values() for p in ps}
+        for node, (pids, source, why) in started[new].items():
             if node in before and not (r.injection.fault == "crash" and node == r.injection.node):
+                healthy += 1
+                if source is None and _PARK_MISSED.search(why):
+                    # the designed fallback: its ranks did not leave the attempt within the bound
+                    # (a loaded machine), so the agent killed them and handed over a fresh group
+                    assert not set(pids) & earlier, (r.injection.fault, node, why)
+                    continue
                 # a healthy host of the failed attempt: the same processes, parked again
-                assert (pids, source) == (before[node][0], new - 1), (r.injection.fault, node, pids, source)
-                kept += 1
-            else:  # the replacement, or the crashed rank's host: a fresh parked group, warm
-                assert source is None and not set(pids) & {p for ps, _ in before.values() for p in ps}, (
+                assert (pids, source) == (before[node][0], new - 1), (
                     r.injection.fault,
                     node,
+                    pids,
+                    source,
+                    why,
                 )
-    assert kept >= 3 * len(faulted.recoveries)
+                kept += 1
+            else:  # the replacement, or the crashed rank's host: a fresh parked group, warm
+                assert source is None and not set(pids) & earlier, (r.injection.fault, node)
+    # the fallback is the exception: nearly every healthy host keeps its processes
+    assert healthy >= 3 * len(faulted.recoveries) and kept >= healthy - 2, (kept, healthy)
 
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:

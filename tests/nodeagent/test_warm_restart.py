@@ -42,7 +42,7 @@ while True:
 
 def _pids(reply: agent_pb2.LaunchWorkersResponse) -> tuple[tuple[int, ...], str]:
     """(the rank pids, "fresh" | "kept from attempt N") from a warm launch's answer."""
-    m = re.match(r"parked ranks \[([0-9, ]+)\] \((fresh|kept from attempt \d+);", reply.launch_detail)
+    m = re.match(r"parked ranks \[([0-9, ]+)\] \((fresh|kept from attempt \d+)[;:]", reply.launch_detail)
     assert m is not None, reply.launch_detail
     return tuple(int(p) for p in m.group(1).split(", ")), m.group(2)
 
@@ -184,11 +184,20 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         stubborn.write_text(STUBBORN)
         _launch([k0], port, 6, [str(stubborn)], nnodes=1)
         time.sleep(1.0)
-        _stop(k0, 6, 1.5, out)
+        _stop(k0, 6, 2.5, out)
         (s0,), t0 = out["k0"][0].stopped, out["k0"][1]
-        assert not s0.parked and t0 >= 1.5, (s0, t0)
+        assert not s0.parked and t0 >= 2.5, (s0, t0)
         assert proctree.read_proc(kept) is None
+        # before the kill it printed where it was (every thread's stack, after LEAVE_STACKS_AFTER_S)
+        assert "(most recent call first)" in k0.log() and "stubborn.py\", line" in k0.log(), k0.log()[-3000:]
         wait_for(lambda: (p := parked_ranks(k0)) and kept not in p, 60, "k0's next group")
+        # the next launch comes from a fresh group, and its detail says why this healthy host has one
+        (reply,) = _launch([k0], port, 7, [str(stubborn)], nnodes=1)
+        assert reply.launch_path == "warm", reply.launch_detail
+        assert "(fresh: the ranks of attempt 6 did not leave their collectives within 2.5 s" in (
+            reply.launch_detail
+        ), reply.launch_detail
+        _stop(k0, 7, 0.5, out)
     finally:
         for a in agents:
             a.close()
