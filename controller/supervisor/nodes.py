@@ -168,6 +168,11 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
     sv.pool.add_evidence(e.node, e, sv.now)
     if not is_fatal(e):
         return
+    if sv.pool.get(e.node).elsewhere and e.node not in sv.cur.node_step:
+        # Another run holds it: that run detects, quarantines and writes its record. A detection
+        # logged here would be a fault of this run (goodput: an incident, and lost time until a
+        # relaunch that nothing calls for).
+        return
     latency = max(0.0, sv.now - e.observed_at) if e.observed_at > 0 else 0.0
     reason = f"fatal {kind_name(e.kind)} on {e.node}: {e.detail}".rstrip(": ")
     if sv.state is RunState.RUNNING and e.node in sv.cur.node_step:
@@ -192,8 +197,6 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
     )
     if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):
         return  # blamed by hardware evidence when the attempt's failure is decided
-    if sv.pool.get(e.node).elsewhere:
-        return  # another run holds it: that run quarantines it and writes its record
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
         sv.quarantine(e.node, reason, evidence=[e])

@@ -15,6 +15,7 @@ from controller.supervisor.events import (
 from controller.supervisor.machine import RunState
 from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2
+from runwarden.v1 import events_pb2 as E
 
 from .harness import Driver, fast
 
@@ -45,8 +46,9 @@ def test_given_back_with_its_record_a_held_node_stays_out_and_its_strike_follows
     xid = common_pb2.Evidence(
         node="n1", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_FATAL, xid=79
     )
-    d.send(EvidenceObserved(evidence=xid))  # the holder's business: not quarantined here
+    out = d.send(EvidenceObserved(evidence=xid))  # the holder's business: not quarantined here
     assert d.sup.pool.get("n1").state is PoolState.SPARE and not d.sup.pool.get("n1").failure_times
+    assert not d.events(E.EVENT_KIND_DETECTION, out)  # nor a fault of this run (its goodput)
     held = NodeRecordView(
         node="n1", pool_state=common_pb2.POOL_STATE_HELD, reason="fatal Xid 79", failure_times=(900.0,)
     )
