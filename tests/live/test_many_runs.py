@@ -3,8 +3,9 @@ in its own election, under one etcd root (a real etcd), on one fleet of five nod
 
 The agents are the in-process gRPC doubles of tests/live/shell.py (every preflight passes, a launch
 starts no workers, a stop writes the node's exit into its progress key as a real agent does): the
-claims are between the controllers and etcd, and no agent takes part in them, so a real torch job
-would prove nothing more here. What is proven, through the shells' real paths (bids, claim
+claims are between the controllers and etcd, and no agent takes part in them. The same story on
+real node agents and real torch jobs, with a standby's takeover, is tests/e2e/test_two_runs.py; this
+module is the fast one (both runs in one process, their cores inspected). What is proven, through the shells' real paths (bids, claim
 transactions, watches, NodeClaimed events, the attempt record's compares):
 
 * both runs run, each on nodes only it holds;
