@@ -5,8 +5,9 @@ The agents are the in-process gRPC doubles of tests/live/shell.py (every preflig
 starts no workers, a stop writes the node's exit into its progress key as a real agent does): the
 claims are between the controllers and etcd, and no agent takes part in them. The same story on
 real node agents and real torch jobs, with a standby's takeover, is tests/e2e/test_two_runs.py; this
-module is the fast one (both runs in one process, their cores inspected). What is proven, through the shells' real paths (bids, claim
-transactions, watches, NodeClaimed events, the attempt record's compares):
+module is the fast one (both runs in one process, their cores inspected). What is proven, through
+the shells' real paths (bids, claim transactions, watches, NodeClaimed events, the attempt record's
+compares):
 
 * both runs run, each on nodes only it holds;
 * a fatal fault in each run at the same moment, with one spare left: both ask for it at once, the
