@@ -42,7 +42,7 @@ class TrainedRun(Protocol):
     def loss_dir(self) -> Path: ...
 
 
-def _losses(loss_dir: Path) -> dict[int, list[float]]:
+def rank0_losses(loss_dir: Path) -> dict[int, list[float]]:
     """step -> every loss rank 0 logged for it (a step replayed after a resume appears twice)."""
     out: dict[int, list[float]] = defaultdict(list)
     for line in (loss_dir / "loss-rank0.jsonl").read_text().splitlines():
@@ -141,6 +141,38 @@ _REFERENCES: dict[tuple[str, int, int], tuple[int, dict[int, list[float]]]] = {}
 REFERENCE_MIN_STEPS = 600
 
 
+def reference_command(spec: ClusterSpec, steps: int, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """The uninterrupted run of `spec`'s job: torchrun --standalone, the same world size and seed, no
+    step sleep, one save at the end; rank 0's losses go to tmp_path/reference (read them with
+    rank0_losses). The command line and its environment, for a caller that runs it alongside a
+    cluster instead of after it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for k in [k for k in env if k.startswith("RUNWARDEN_")]:
+        del env[k]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={spec.active}",
+        "--max-restarts=0",
+        str(REPO / spec.script),
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        str(steps),
+        "--out",
+        str(tmp_path / "reference"),
+        "--seed",
+        str(spec.seed),
+        "--step-sleep",
+        "0",
+    ]
+    return argv, env
+
+
 def reference_losses(spec: ClusterSpec, steps: int, tmp_path: Path) -> dict[int, list[float]]:
     """Rank 0's loss per step of an uninterrupted torchrun --standalone run of the same job."""
     key = (spec.script, spec.active, spec.seed)
@@ -148,38 +180,9 @@ def reference_losses(spec: ClusterSpec, steps: int, tmp_path: Path) -> dict[int,
     if cached is not None and cached[0] >= steps:
         return cached[1]
     steps = max(steps, REFERENCE_MIN_STEPS)
-    ref_dir = tmp_path / "reference"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for k in [k for k in env if k.startswith("RUNWARDEN_")]:
-        del env[k]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={spec.active}",
-            "--max-restarts=0",
-            str(REPO / spec.script),
-            "--steps",
-            str(steps),
-            "--ckpt-dir",
-            str(tmp_path / "ckpt"),
-            "--ckpt-every",
-            str(steps),
-            "--out",
-            str(ref_dir),
-            "--seed",
-            str(spec.seed),
-            "--step-sleep",
-            "0",
-        ],
-        check=True,
-        env=env,
-        timeout=300,
-        capture_output=True,
-    )
-    losses = _losses(ref_dir)
+    argv, env = reference_command(spec, steps, tmp_path)
+    subprocess.run(argv, check=True, env=env, timeout=300, capture_output=True)
+    losses = rank0_losses(tmp_path / "reference")
     assert max(losses) == steps - 1, f"the reference run stopped at step {max(losses)} of {steps}"
     _REFERENCES[key] = (steps, losses)
     return losses
@@ -187,7 +190,7 @@ def reference_losses(spec: ClusterSpec, steps: int, tmp_path: Path) -> dict[int,
 
 def assert_losses_equal_an_uninterrupted_run(cluster: TrainedRun, tmp_path: Path) -> None:
     """Rank 0's loss at every step (replays after a resume included) equals a reference run's."""
-    got = _losses(cluster.loss_dir)
+    got = rank0_losses(cluster.loss_dir)
     last = max(got)
     assert last > 100
     want = reference_losses(cluster.spec, last + 1, tmp_path)
