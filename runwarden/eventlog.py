@@ -100,6 +100,21 @@ def read_events(path: str | os.PathLike[str]) -> EventLogRead:
     return parse_log_bytes(p.read_bytes())
 
 
+def read_tail(path: str | os.PathLike[str], max_bytes: int) -> EventLogRead:
+    """The events in a log's last `max_bytes` (the partial line they start in dropped): bounded
+    reading for what only recent events hold. A missing file is an empty log."""
+    p = Path(path)
+    if not p.exists():
+        return EventLogRead(events=[], torn_tail=None, errors=[])
+    with p.open("rb") as f:
+        start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+        f.seek(start)
+        data = f.read(max_bytes)
+    if start > 0:
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    return parse_log_bytes(data)
+
+
 def parse_log_bytes(data: bytes) -> EventLogRead:
     lines, tail = _split_lines(data)
     events: list[events_pb2.Event] = []

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -48,6 +48,7 @@ from controller.backends.local import LocalBackend, LocalConfig
 from controller.live.agents import AgentClients
 from controller.live.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
+from controller.live.loss_history import read_loss_history
 from controller.live.paging import Pager
 from controller.live.translate import Addresses, Listing, Translator, record_view
 from controller.supervisor.actions import Batch
@@ -363,7 +364,9 @@ class LiveController:
             now=self.clock(),
         ):
             log.info("stored this controller's policy for run %s (none was stored)", self.cfg.run)
-        revision = self._relist()  # its Snapshot carries the stored policy: the core starts with it
+        # Its Snapshot carries the stored policy and the loss history the event log kept: the core
+        # starts with both.
+        revision = self._relist(fresh_core=True)
         # An attempt found in the store was launched by an earlier leader; it may never have reached
         # the agents (that leader died between the record and the RPCs). `_check_adopted` asks them.
         attempt = self.executor.attempt
@@ -574,8 +577,10 @@ class LiveController:
 
     # -- the view -----------------------------------------------------------------------------
 
-    def _relist(self) -> int:
-        """List the store, feed the core its Snapshot (then the exits it missed); returns the revision."""
+    def _relist(self, *, fresh_core: bool = False) -> int:
+        """List the store, feed the core its Snapshot (then the exits it missed); returns the revision.
+        fresh_core: a new core, which also gets the loss history from the event log (a relist after
+        a watch gap keeps the core, and its history)."""
         assert self.executor is not None
         k, run = self.keys, self.cfg.run
         nodes, rev = self.store.get_prefix(k.nodes_prefix())
@@ -593,6 +598,8 @@ class LiveController:
         )
         elsewhere = self.claims.load(listing.claims)  # this run's claims (a predecessor's too) are its own
         snap, addresses, exits, attempt = self.translator.snapshot(listing, elsewhere)
+        if fresh_core:
+            snap = replace(snap, losses=read_loss_history(self.cfg.event_log_path, run))
         self._apply(addresses)
         if attempt is not None:
             self.executor.attempt = int(attempt.attempt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, nodes, prepare, reconfigure
+from controller.supervisor import failure, loss, nodes, prepare, reconfigure
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
@@ -156,6 +156,8 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     sv.job_step = max(sv.job_step, sv.latest_committed)
     fresh = sv.attempt == 0 and sv.state is RunState.WAITING_NODES
     sv.attempt = max(sv.attempt, snap.attempt)
+    if snap.losses is not None:  # a fresh core: the loss history its predecessor logged
+        loss.restore(sv, snap.losses, snap.attempt, snap.resume_step)
     sv.log(
         E.EVENT_KIND_CONTROL_PLANE,
         f"reconciled from the store: {len(snap.alive)} nodes alive"

@@ -363,12 +363,34 @@ class NodeClaimed:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LossHistory:
+    """The loss history a predecessor core kept for the replay comparison, as its LOSS_RECORD events
+    logged it (read back by the shell for a fresh core; controller/supervisor/loss.py).
+
+    points: (step, rank, attempt, loss) in log order, the steps a rollback undid already left out.
+    logged: (attempt, rule) of the loss rules already logged (DIVERGENCE, LOSS_ANOMALY).
+    rollback_before: an attempt stopped for a loss anomaly and not relaunched yet: resume before it."""
+
+    points: tuple[tuple[int, int, int, float], ...] = ()
+    logged: tuple[tuple[int, str], ...] = ()
+    rollback_before: int | None = None
+
+    def __post_init__(self) -> None:
+        for step, rank, attempt, loss in self.points:
+            if step < 0 or rank < 0 or attempt < 1:
+                raise ValueError(f"LossHistory: bad point (step {step}, rank {rank}, attempt {attempt})")
+            _check_finite(f"LossHistory loss at step {step} rank {rank}", loss)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """The store's state, listed by the shell after a (re)start or a watch gap (level-triggered).
 
     alive: nodes whose keys exist now, with their local rank counts. records: persisted pool/
     reputation entries. attempt/attempt_nodes: the fenced attempt record (0: none). policy: the
-    stored policy (None: none stored), applied before anything else in the snapshot.
+    stored policy (None: none stored), applied before anything else in the snapshot. losses: the
+    loss history read back from the event log, for a fresh core only (None: a relist after a watch
+    gap, where the core keeps its own).
     """
 
     alive: dict[str, int] = field(default_factory=dict)
@@ -381,6 +403,7 @@ class Snapshot:
     draining: dict[str, str] = field(default_factory=dict)  # node -> why, as the node records say
     policy: PolicyChanged | None = None
     claimed_elsewhere: dict[str, str] = field(default_factory=dict)  # node -> the other run holding it
+    losses: LossHistory | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

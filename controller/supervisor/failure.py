@@ -27,6 +27,7 @@ def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
     """A failure of the running attempt (or a planned stop) was detected: collect dumps, or stop."""
     sv.failure = f
     loss.flush_replay(sv)  # the attempt's replay comparisons so far, before it ends
+    loss.flush_record(sv)  # and its losses' durable copy (a controller restart may follow)
     if not f.planned:
         sv.log(
             E.EVENT_KIND_DETECTION,

@@ -28,6 +28,17 @@ crash-loop rule sees the same label at the same step if the rollback does not he
 Memory: the losses of the last `loss_history_steps` steps (by step number, from the newest seen)
 and at most `MAX_HISTORY_VALUES` (step, rank) values in all, the oldest steps dropped first; plus
 each rank's spike window (`loss_spike_window` values per rank).
+
+Durable: the history is the core's memory, and a new leader (or a rebuilt core) starts without it,
+so a replay after a controller restart would compare nothing. With a tolerance set, every value the
+history takes for a rank below `RECORDED_RANKS` (first seen or replayed) is also logged, in a
+`LOSS_RECORD` event at most `RECORD_EVERY_S` after it came (sooner when `RECORD_MAX_POINTS` are
+waiting, or when the attempt fails or changes); the shell reads them back from the event log's tail
+when it builds a fresh core and hands them over in the `Snapshot` (`LossHistory`), where `restore`
+puts them back, rollbacks and the current attempt's logged rules included. What a restart loses:
+the values not yet logged (the last `RECORD_EVERY_S` at most), ranks from `RECORDED_RANKS` on (a
+replay after a restart is compared on ranks 0-7 only), and the spike windows (they refill; no spike
+check until then).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.supervisor.attempt import Failure
-from controller.supervisor.events import ProgressObserved
+from controller.supervisor.events import LossHistory, ProgressObserved
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
@@ -46,6 +57,12 @@ if TYPE_CHECKING:
 
 MAX_HISTORY_VALUES = 1 << 20  # (step, rank) losses kept for the replay comparison, at most
 REPLAY_POINTS_PER_EVENT = 64
+# The durable copy (LOSS_RECORD): ranks 0..7 only, so its cost is per step, not per rank; one event
+# when its oldest value is RECORD_EVERY_S old or it has RECORD_MAX_POINTS (a run of any size at a step
+# a second: an event of 80 values every 10 s, ~3 kB, ~27 MB a day).
+RECORDED_RANKS = 8
+RECORD_EVERY_S = 10.0
+RECORD_MAX_POINTS = 1024
 _TINY = 1e-12
 
 
@@ -81,6 +98,8 @@ class LossBook:
     logged: set[str] = field(default_factory=set)  # rules logged in this attempt
     pending: dict[int, _Replayed] = field(default_factory=dict)  # replayed step -> worst point
     diverged: int = 0  # (step, rank) comparisons beyond the tolerance in this attempt
+    unrecorded: list[tuple[int, int, float]] = field(default_factory=list)  # (step, rank, loss) to log
+    unrecorded_since: float = 0.0  # when its oldest value came
 
     def new_attempt(self, number: int, resume_step: int) -> None:
         self.attempt, self.resume_step = number, resume_step
@@ -128,6 +147,7 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
     book: LossBook = sv.losses
     if book.attempt != a.number:
         flush_replay(sv)  # an earlier attempt's replay that ended unlogged
+        flush_record(sv)  # and its record
         book.new_attempt(a.number, a.resume_step)
     cfg = sv.cfg
     tol = cfg.divergence_tolerance
@@ -163,6 +183,10 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
             if prev is None:
                 book.values += 1
             at[r.rank] = (a.number, value)
+            if tol > 0 and r.rank < RECORDED_RANKS:
+                if not book.unrecorded:
+                    book.unrecorded_since = sv.now
+                book.unrecorded.append((step, r.rank, value))
             if step > book.max_step:
                 book.max_step = step
             if prev is not None:
@@ -177,6 +201,10 @@ def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
         len(book.pending) >= REPLAY_POINTS_PER_EVENT or a.min_step > book.replay_until or _replayed_all(book)
     ):
         flush_replay(sv)
+    if book.unrecorded and (
+        len(book.unrecorded) >= RECORD_MAX_POINTS or sv.now - book.unrecorded_since >= RECORD_EVERY_S
+    ):
+        flush_record(sv)
     book.prune(cfg.loss_history_steps)
     return stop
 
@@ -363,3 +391,48 @@ def resume_step(sv: Supervisor) -> int:
             book.values -= len(book.history.pop(s))
         book.max_step = max(book.history, default=-1)
     return sv.latest_committed
+
+
+def flush_record(sv: Supervisor) -> None:
+    """Log the history's values not yet recorded (one LOSS_RECORD event), if any: the durable copy a
+    new leader's core is rebuilt from (`restore`)."""
+    book: LossBook = sv.losses
+    if not book.unrecorded:
+        return
+    points, book.unrecorded = book.unrecorded, []
+    steps = [s for s, _, _ in points]
+    sv.log(
+        E.EVENT_KIND_LOSS_RECORD,
+        f"loss record: {len(points)} values of steps {min(steps)}-{max(steps)} of attempt {book.attempt} "
+        f"(ranks < {RECORDED_RANKS}), kept for the replay comparison",
+        step=max(steps),
+        attempt=book.attempt,
+        loss=E.LossDetail(
+            rule="record",
+            points=[E.LossPoint(step=s, rank=r, loss=v) for s, r, v in points],
+            resume_step=book.resume_step,
+        ),
+    )
+
+
+def restore(sv: Supervisor, hist: LossHistory, attempt: int, resume_step: int) -> None:
+    """A fresh core (a new leader, or a core rebuilt after a bug): put back the history its
+    predecessor logged (`hist`, from the LOSS_RECORD events; the shell undid rollbacks), with
+    `attempt` (the store's attempt record, `resume_step` its resume point) as the current one: the
+    steps earlier attempts reached are its replays, and the rules it already logged stay logged."""
+    book: LossBook = sv.losses
+    for step, rank, att, value in hist.points:
+        at = book.history.setdefault(step, {})
+        prev = at.get(rank)
+        if prev is None:
+            book.values += 1
+        if prev is None or att >= prev[0]:
+            at[rank] = (att, value)
+        book.max_step = max(book.max_step, step)
+    if attempt > 0:
+        book.attempt, book.resume_step = attempt, resume_step
+        book.replay_until = max((s for s, _, att, _ in hist.points if att < attempt), default=-1)
+        book.logged = {rule for att, rule in hist.logged if att == attempt}
+    if hist.rollback_before is not None:  # stopped for an anomaly, not relaunched yet
+        book.rollback_before = hist.rollback_before
+    book.prune(sv.cfg.loss_history_steps)

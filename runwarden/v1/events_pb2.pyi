@@ -71,6 +71,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
     EVENT_KIND_NODE_CLAIMED: _EventKind.ValueType  # 27
     """another run took a node of the shared fleet, or gave it back"""
+    EVENT_KIND_LOSS_RECORD: _EventKind.ValueType  # 28
+    """losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -112,6 +114,8 @@ EVENT_KIND_LOSS_REPLAY: EventKind.ValueType  # 26
 """replayed steps' losses compared with the earlier attempt's (controllerctl compare-loss)"""
 EVENT_KIND_NODE_CLAIMED: EventKind.ValueType  # 27
 """another run took a node of the shared fleet, or gave it back"""
+EVENT_KIND_LOSS_RECORD: EventKind.ValueType  # 28
+"""losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -677,7 +681,7 @@ Global___LossPoint: _TypeAlias = LossPoint  # noqa: Y015
 
 @_typing.final
 class LossDetail(_message.Message):
-    """LOSS_ANOMALY, DIVERGENCE and LOSS_REPLAY."""
+    """LOSS_ANOMALY, DIVERGENCE, LOSS_REPLAY and LOSS_RECORD."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -689,9 +693,11 @@ class LossDetail(_message.Message):
     MAX_REL_DIFF_FIELD_NUMBER: _builtins.int
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     rule: _builtins.str
-    """"non_finite" | "spike" | "divergence" | "replay" """
+    """"non_finite" | "spike" | "divergence" | "replay" | "record" """
     median: _builtins.float
-    """spike: the rank's running median"""
+    """LOSS_RECORD: (step, rank, loss) as the core's history took them
+    spike: the rank's running median
+    """
     threshold: _builtins.float
     """spike: loss_spike_factor; divergence: divergence_tolerance"""
     action: _builtins.str
@@ -702,7 +708,7 @@ class LossDetail(_message.Message):
     """the attempt's resume step (LOSS_REPLAY) or the rollback's (stop)"""
     @_builtins.property
     def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___LossPoint]:
-        """the anomaly or first divergence; LOSS_REPLAY: one per replayed step"""
+        """the anomaly or first divergence; LOSS_REPLAY: one per replayed step;"""
 
     def __init__(
         self,

@@ -22,7 +22,9 @@ initial bucket layout, which differs from the rebuilt one, so a resumed attempt'
 the uninterrupted run's in the last bits). The reference run trains alongside the cluster at nice 19
 (it takes the CPU the cluster leaves idle: start-up, detection and restarts; five_faults's
 reference_losses would run it after the cluster, a minute more), for the run's `steps` (the
-supervised run is capped there). This module replaced tests/e2e/test_loss_checks.py, which started
+supervised run is capped there). The controller's durable loss record (LOSS_RECORD, what a new
+leader's core rebuilds its loss history from; tests/live/test_loss_history.py restarts one) holds
+exactly the losses rank 0 logged. This module replaced tests/e2e/test_loss_checks.py, which started
 a cluster of its own for item 1's NaN and item 4.
 """
 
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.live.loss_history import loss_history
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import Recovery, current_nodes, last_seq, recoveries, run_faults
 from nodeagent.checkpoint import read_commit, step_dir
@@ -258,6 +261,26 @@ def test_a_resume_without_the_rng_state_is_a_divergence_within_the_replayed_step
     attempts = {a["attempt"]: a for a in json.loads(shown.stdout)["attempts"]}
     assert attempts[div.attempt]["diverged"] and attempts[div.attempt]["resume_step"] == resumed
     assert attempts[div.attempt]["divergence"]["step"] == p.step
+
+
+def test_the_controllers_loss_record_is_what_rank_0_reported(run: DecoderRun) -> None:
+    """The durable copy of the core's loss history, which a new leader's core starts from (LOSS_RECORD,
+    read back as the shell reads it): rank 0's values in it are exactly the losses rank 0 logged, each
+    attempt's from its first step on without a gap, up to about where its failure was detected (what
+    comes after is not taken in). The NaN is no reference and stays out."""
+    logged: dict[int, dict[int, float]] = defaultdict(dict)  # attempt -> steps done -> loss
+    for r in _rank0(run):
+        logged[int(r["attempt"])][int(r["step"]) + 1] = float(r["loss"])  # reports say steps done
+    recorded: dict[int, dict[int, float]] = defaultdict(dict)
+    for step, rank, attempt, value in loss_history(run.events, run.cluster.spec.run).points:
+        if rank == 0:
+            recorded[attempt][step] = value
+    assert sorted(recorded) == sorted(logged)
+    for attempt, values in recorded.items():
+        first, last = min(logged[attempt]), max(logged[attempt])
+        want = {s for s in range(first, max(values) + 1) if not (attempt == 1 and s == NAN_STEP)}
+        assert set(values) == want and max(values) >= last - 30, (attempt, sorted(values), last)
+        assert all(v == logged[attempt][s] for s, v in values.items()), attempt
 
 
 def test_losses_equal_an_uninterrupted_run(run: DecoderRun) -> None:

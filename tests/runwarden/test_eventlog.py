@@ -19,6 +19,7 @@ from runwarden.eventlog import (
     encode_event,
     parse_log_bytes,
     read_events,
+    read_tail,
 )
 from runwarden.v1 import events_pb2
 
@@ -42,6 +43,20 @@ def test_append_assigns_increasing_seq_and_round_trips(tmp_path: Path) -> None:
     # Reopening continues the sequence rather than restarting it.
     with EventLog(path) as log:
         assert log.append(_event(step=9)).seq == 6
+
+
+def test_read_tail_reads_only_the_last_bytes_and_drops_the_line_they_start_in(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        for i in range(20):
+            log.append(_event(step=i))
+    size = path.stat().st_size
+    line = size // 20  # every line has about the same length
+    tail = read_tail(path, 3 * line + line // 2)  # three and a half lines: the half is dropped
+    assert tail.errors == [] and tail.torn_tail is None
+    assert [e.step for e in tail.events] == [17, 18, 19]
+    assert [e.step for e in read_tail(path, 10 * size).events] == list(range(20))
+    assert read_tail(tmp_path / "missing.jsonl", 100).events == []
 
 
 def test_torn_tail_is_reported_skipped_and_cut_on_reopen(tmp_path: Path) -> None:

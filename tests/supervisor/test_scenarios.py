@@ -27,6 +27,7 @@ Commands (one handler each):
   fail-preflight n3 [temporary=false]      the shell could not reach n3 for its preflight (ActionFailed)
   bandwidth set=3 n1=10 n2=1 ...    answer the last MeasureBandwidth (the set's and each node's best pair GB/s)
   restart-controller                a new controller: a fresh core reconciles from the store's view
+                                    and the loss history the logged LOSS_RECORD events hold
   send-unknown                      an event with no rule (the error is the output)
   timers | pool                     print the pending timers / every node's pool state and the run's state
 Errors (an unknown pair, a bad value) are output lines (`error: ...`), never an abort.
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.live.loss_history import loss_history
 from controller.supervisor.actions import MeasureBandwidth, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
@@ -64,7 +66,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.states import TransitionError
-from runwarden.v1 import common_pb2
+from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver, render
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -95,6 +97,7 @@ def _loss(d: Driver, kv: dict[str, str]) -> Callable[[int, int], float]:
 class Runner:
     def __init__(self) -> None:
         self.d = Driver()
+        self.earlier_log: list[events_pb2.Event] = []  # what earlier controllers logged
 
     def run(self, line: str) -> list[str]:
         cmd, *args = line.split()
@@ -194,8 +197,11 @@ class Runner:
         )
 
     def cmd_restart_controller(self, args: list[str]) -> None:
-        """A new controller: a fresh core, fed the store's view (what the old one persisted)."""
+        """A new controller: a fresh core, fed the store's view (what the old one persisted) and the
+        loss history its log holds (the live shell's own reading of the LOSS_RECORD events)."""
         old = self.d.sup
+        logged = self.earlier_log + [a for a in self.d.actions if isinstance(a, events_pb2.Event)]
+        self.earlier_log = logged
         records = tuple(p.view() for p in old.pool.nodes.values())
         alive = {n: 1 for n, p in old.pool.nodes.items() if p.alive}
         self.d = Driver(cfg=old.cfg, nodes=old.plan.nodes, now=self.d.now)
@@ -207,6 +213,7 @@ class Runner:
                 attempt_nodes=old.current_nodes,
                 resume_step=old.cur.resume_step,
                 committed_steps=tuple(sorted(old.committed)),
+                losses=loss_history(logged, old.plan.run),
             )
         )
 

@@ -1,0 +1,66 @@
+"""The loss history a fresh core starts with, read back from the event log (level-triggered).
+
+The core's replay comparison (controller/supervisor/loss.py) needs the losses earlier attempts
+reported; they live in its memory, and their durable copy is the LOSS_RECORD events it logs. When
+the shell builds a core (it became leader, or rebuilt a broken core), it reads the log's tail and
+hands the history over in the Snapshot (`LossHistory`), undoing what the old core undid: after a
+stop for a loss anomaly (LOSS_ANOMALY, action "stop"), the relaunch (the next LAUNCH) forgets the
+steps from the anomaly's on. A bad value in the log is skipped alone, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from controller.supervisor.events import LossHistory
+from runwarden.eventlog import read_tail
+from runwarden.v1 import events_pb2 as E
+
+log = logging.getLogger(__name__)
+
+# The loss history is the last loss_history_steps steps (1024 by default): at RECORDED_RANKS values a
+# step, ~370 kB of LOSS_RECORD lines. The tail read is bounded near 3x that, since decoding is what a
+# take-over waits for (measured on the shared 2-core test machine, a log of 6 MiB of records at 8
+# ranks: its last 4 MiB, 11,600 steps, read in 1.3 s; its last 1 MiB, 2,870 steps, in 0.5-0.7 s).
+TAIL_BYTES = 1 << 20
+
+
+def loss_history(events: Iterable[E.Event], run: str) -> LossHistory:
+    """The history the core had, from its events in log order (any other run's are skipped)."""
+    points: list[tuple[int, int, int, float]] = []
+    logged: set[tuple[int, str]] = set()
+    cut: int | None = None  # an anomaly's stop: its relaunch forgets the steps from it on
+    for ev in events:
+        if ev.run != run:
+            continue
+        if ev.kind == E.EVENT_KIND_LOSS_RECORD:
+            for p in ev.loss.points:
+                if p.step >= 0 and p.rank >= 0 and ev.attempt >= 1 and math.isfinite(p.loss):
+                    points.append((p.step, p.rank, ev.attempt, p.loss))
+        elif ev.kind in (E.EVENT_KIND_DIVERGENCE, E.EVENT_KIND_LOSS_ANOMALY):
+            logged.add((ev.attempt, ev.loss.rule))
+            if ev.kind == E.EVENT_KIND_LOSS_ANOMALY and ev.loss.action == "stop":
+                cut = ev.step if cut is None else min(cut, ev.step)
+        elif ev.kind == E.EVENT_KIND_LAUNCH and cut is not None:
+            points = [x for x in points if x[0] < cut]
+            cut = None
+    return LossHistory(points=tuple(points), logged=tuple(sorted(logged)), rollback_before=cut)
+
+
+def read_loss_history(path: Path, run: str, tail_bytes: int = TAIL_BYTES) -> LossHistory:
+    """`loss_history` of the log's tail; an unreadable log is an empty history (logged)."""
+    try:
+        read = read_tail(path, tail_bytes)
+    except OSError as exc:
+        log.warning("loss history: cannot read the event log %s: %s; starting without it", path, exc)
+        return LossHistory()
+    history = loss_history(read.events, run)
+    log.info(
+        "loss history from the event log: %d values, %d steps",
+        len(history.points),
+        len({p[0] for p in history.points}),
+    )
+    return history
