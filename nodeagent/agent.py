@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import runwarden
+from nodeagent import proctree, torchrun, warm_pool
 from nodeagent import progress as progress_mod
-from nodeagent import torchrun, warm_pool
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
 from nodeagent.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
@@ -525,7 +525,10 @@ class Agent:
             )
             return
         self.warm = warm_pool.WarmPool(
-            interpreter=interpreter, local_ranks=lambda: self.local_ranks, env=lambda: dict(os.environ)
+            interpreter=interpreter,
+            local_ranks=lambda: self.local_ranks,
+            env=lambda: dict(os.environ),
+            preload=self.config.warm_preload,
         )
         self.warm.refill()
 
@@ -608,9 +611,9 @@ class Agent:
         self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
     ) -> list[Worker]:
         """StopWorkers: with park_within_s > 0, a warm worker's ranks leave the attempt and park again
-        in the same processes (nodeagent.warm's `end`); what has not parked within the bound, a cold
-        worker, or any worker on a node with fatal evidence is stopped as always (TERM, KILL after
-        grace_s)."""
+        in the same processes (nodeagent.warm's `end`); what has not parked within the bound, or a
+        cold worker, is stopped as always (TERM, KILL after grace_s); on a node with fatal evidence,
+        or for a worker with a stopped process, an unplanned stop (park_within_s > 0) KILLs at once."""
         parking: list[Worker] = []
         if park_within_s > 0 and self.warm is not None and not self.unhealthy:
             for w in self.launcher.workers(run):
@@ -637,8 +640,22 @@ class Agent:
                     ", ".join(f"attempt {w.attempt} (leader {w.pid})" for w in late),
                     park_within_s,
                 )
+        if park_within_s > 0 and (self.unhealthy or self._holds_a_stopped_process(run, attempt)):
+            # An unplanned stop on a node with fatal evidence (an Xid, say), or of a worker with a
+            # stopped process (SIGSTOP: it cannot act on a TERM until it is continued): KILLed at
+            # once. What they could save is committed already (a save from a failed GPU is not worth
+            # having), and the relaunch waits for this exit: a TERM's grace would be downtime.
+            grace_s = 0.0
         stopped = self.launcher.stop(run, attempt, grace_s)
         return [w for w in parking if w not in stopped] + stopped
+
+    def _holds_a_stopped_process(self, run: str, attempt: int) -> bool:
+        return any(
+            p.state in ("T", "t")
+            for w in self.launcher.workers(run)
+            if w.running and (attempt == 0 or w.attempt == attempt)
+            for p in proctree.alive(w.track())
+        )
 
     def flush_progress(self) -> int:
         if self.store is None:

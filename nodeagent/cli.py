@@ -150,12 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("true", "false"),
         help="keep parked rank processes ready for a structured launch (default false)",
     )
+    p.add_argument(
+        "--warm-preload",
+        dest="warm_preload",
+        metavar="MODULES",
+        help="comma-separated modules a parked rank imports before it is ready ('' for none)",
+    )
     return p
 
 
 def load(argv: list[str] | None = None) -> config_mod.AgentConfig:
     args = vars(build_parser().parse_args(argv))
     file = args.pop("config")
+    if args["warm_preload"] is not None:
+        args["warm_preload"] = [m for m in args["warm_preload"].split(",") if m]
     if args["torchrun"] is not None:
         args["torchrun"] = config_mod.split_argv(args["torchrun"], "--torchrun")
     return config_mod.from_sources(file=file, flags=args)

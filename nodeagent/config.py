@@ -54,6 +54,12 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
                               same setting
     warm_wait_s               how long a launch waits for a parked group that is still starting before
                               it goes cold; default 30, 0..600
+    warm_preload              modules a parked rank imports before it says ready, so the restart path
+                              does not: by default what DDP and DCP import on first use
+                              (torch._dynamo, ~3 s on 2 cores, which every DDP rank waits for in its
+                              construction's collectives) and runwarden's trainer helper. A module
+                              that fails to import is reported in the agent's log and skipped (the
+                              job imports it itself). Add the job's own heavy imports; [] for none
     checkpoint_dir            this node's path to the runs' checkpoint directory: preflight's storage
                               checks use it when the preflight config's checkpoint_path is empty
     expected_driver_version   the NVIDIA driver and CUDA versions the node's image was built for (e.g.
@@ -87,6 +93,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # Linux interface names: at most 15 bytes (IFNAMSIZ - 1), no '/', no whitespace, not "." or "..".
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+-]{0,63}$")  # what NVML reports: digits and dots
+
+
+# What DDP and DCP import on first use, and the trainer helper: see warm_preload above.
+DEFAULT_WARM_PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "nodeagent.trainer")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +138,7 @@ class AgentConfig:
     rdzv_port: int = 0
     warm_workers: bool = False
     warm_wait_s: float = 30.0
+    warm_preload: tuple[str, ...] = DEFAULT_WARM_PRELOAD
     checkpoint_dir: str = ""
     expected_driver_version: str = ""
     expected_cuda_version: str = ""
@@ -137,6 +149,12 @@ class AgentConfig:
             raise ConfigError(f"{where}.warm_workers: expected true or false, got {self.warm_workers!r}")
         if not 0 <= self.warm_wait_s <= 600:
             raise ConfigError(f"{where}.warm_wait_s: must be within 0..600, got {self.warm_wait_s!r}")
+        if len(self.warm_preload) > 64 or not all(
+            isinstance(m, str) and _MODULE_NAME.fullmatch(m) for m in self.warm_preload
+        ):
+            raise ConfigError(
+                f"{where}.warm_preload: at most 64 dotted module names, got {list(self.warm_preload)!r}"
+            )
         if not self.torchrun:
             object.__setattr__(self, "torchrun", (sys.executable, "-m", "torch.distributed.run"))
         if any(not isinstance(a, str) or not a or "\0" in a for a in self.torchrun):

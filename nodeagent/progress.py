@@ -7,7 +7,9 @@ A report for a newer attempt replaces the run's table; reports for older attempt
 When the node's workers of an attempt end, `record_exit` adds their exit status to the run's
 NodeProgress (the controller's only source of worker exits); the agent flushes it at once, and
 likewise the first report in which a rank says its checkpoint is loaded (`loaded_step`), so the
-restart's load phase ends in the event log when it ends on the node, not up to an interval later.
+restart's load phase ends in the event log when it ends on the node, not up to an interval later,
+and the first report of a step after that load (the restart's first new step: the controller's
+FIRST_STEP, the end of the restart's downtime, is then as late as one etcd write, not an interval).
 An exit after which any rank of that attempt had reported a `stop_reason` carries it as
 `planned_stop`: how the controller tells a planned stop (save, commit, exit 0) from the end of
 training, which also exits 0.
@@ -54,7 +56,9 @@ class ProgressTable:
             for report in reports:
                 old = table.get(report.rank)
                 if old is None or report.step >= old.step or report.reported_at >= old.reported_at:
-                    if report.HasField("loaded_step") and (old is None or not old.HasField("loaded_step")):
+                    if report.HasField("loaded_step") and (
+                        old is None or not old.HasField("loaded_step") or _first_step_after_load(old, report)
+                    ):
                         self._new_load_marks += 1
                     if old is not None and (old.recent_losses or old.losses_dropped):
                         _merge_losses(report, old, keep_first=False)  # not written yet: kept
@@ -65,7 +69,8 @@ class ProgressTable:
             return True
 
     def take_new_load_marks(self) -> int:
-        """How many ranks first said "loaded" since the last call (the agent flushes those at once)."""
+        """How many ranks first said "loaded", or first reported a step after their load, since the
+        last call (the agent flushes those at once)."""
         with self._lock:
             marks, self._new_load_marks = self._new_load_marks, 0
             return marks
@@ -178,3 +183,10 @@ def flush(table: ProgressTable, store: Any, node: str) -> int:
     if error is not None:
         raise error
     return written
+
+
+def _first_step_after_load(old: common_pb2.RankProgress, new: common_pb2.RankProgress) -> bool:
+    """`new` is the rank's first report of a step after the checkpoint it loaded (the load mark
+    reports the loaded step, or 0 from scratch, as the step)."""
+    loaded = max(0, new.loaded_step)
+    return old.step <= loaded < new.step

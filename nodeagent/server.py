@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from nodeagent import allreduce, chaos, preflight_bridge, proctree, torchrun, warm_pool
 from nodeagent import validate as v
 from nodeagent.agent import Agent
-from nodeagent.flight_recorder import collect_dumps, discover_sockets
+from nodeagent.flight_recorder import CollectedDump, collect_dumps, discover_sockets
 from nodeagent.launcher import LaunchError, LaunchSpec, resolve_allowed
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
@@ -179,11 +179,24 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self._require_known(request.run, context)
         attempt = self.agent.attempts.get(request.run, self.agent.progress.attempt(request.run) or 0)
         sockets = discover_sockets(self.agent.config.fr_socket_dir(request.run, attempt))
+        # A stopped rank (SIGSTOP, a debugger) cannot answer: it is not asked, so the collection does
+        # not wait out its timeout (the hang's detection -> relaunch path); "no dump" plus its state
+        # is the evidence, exactly as after a timeout.
+        stopped = {r: st for r, st in self._process_states(request.run, list(sockets)).items() if st in "Tt"}
         dumps = (
-            collect_dumps(sockets, timeout, max_bytes=self.agent.config.max_message_bytes // 2)
-            if sockets
+            collect_dumps(
+                {r: p for r, p in sockets.items() if r not in stopped},
+                timeout,
+                max_bytes=self.agent.config.max_message_bytes // 2,
+            )
+            if len(sockets) > len(stopped)
             else []
         )
+        dumps += [
+            CollectedDump(rank=r, ok=False, error="no dump: its process is stopped", format="", data=b"")
+            for r in stopped
+        ]
+        dumps.sort(key=lambda d: d.rank)
         silent_states = self._process_states(request.run, [d.rank for d in dumps if not d.ok])
         response = agent_pb2.CollectFlightRecorderResponse(node=self.agent.config.node)
         budget = self.agent.config.max_message_bytes - 64 * 1024

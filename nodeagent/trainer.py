@@ -132,6 +132,7 @@ class ProgressReporter:
         self._slow_s = 0.0
         self._committed: int | None = None
         self._loaded: int | None = None
+        self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
         self._ckpt_error: tuple[int, str] | None = None
         self._sigterm = False
@@ -250,7 +251,14 @@ class ProgressReporter:
         if loss is not None:
             self._keep_loss(step, loss)
         self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
-        if in_checkpoint != self._in_checkpoint:
+        first_after_load = (
+            self._loaded is not None and self._first_step_unsent and step > max(0, self._loaded)
+        )
+        if first_after_load:
+            # the restart's first new step: sent now, like the load mark (the supervisor's
+            # FIRST_STEP ends the restart's downtime; an interval's wait would count as downtime)
+            self._first_step_unsent = False
+        if in_checkpoint != self._in_checkpoint or first_after_load:
             self._in_checkpoint = in_checkpoint
             self.flush()
         if self._slow_s > 0:
@@ -278,6 +286,7 @@ class ProgressReporter:
         every node of the attempt has said so the controller logs LOAD_DONE, which splits the
         restart's "load" phase from its "first step" phase in the goodput breakdown."""
         self._loaded = max(-1, int(step))
+        self._first_step_unsent = True
         if self._timer is not None:
             self._timer.take()  # collectives of the load belong to no step
         self._interval_start = time.perf_counter()  # the first step's time starts here

@@ -5,8 +5,10 @@
 
 A parked group is one leader (the agent starts it in its own session, like torchrun on the cold
 path, so the agent's stop, kill and stray-process rescan treat it exactly like torchrun's tree)
-and one rank process per local rank, its children. Each rank imports `torch` and
-`torch.distributed` and says "ready" on its status pipe; the leader says "ready <pids>" to the agent
+and one rank process per local rank, its children. Each rank imports `torch`,
+`torch.distributed` and the agent's `warm_preload` modules (by default what DDP and DCP import on
+first use: torch._dynamo alone is ~3 s here, and a fresh rank's DDP construction holds every other
+rank in its collectives until it is done) and says "ready" on its status pipe; the leader says "ready <pids>" to the agent
 once every rank has. Messages are lines (JSON never holds a raw newline):
 
 * agent -> leader (its stdin): a hand-off (one JSON object: never a pickle, only plain data
@@ -69,6 +71,7 @@ import argparse
 import contextlib
 import faulthandler
 import gc
+import importlib
 import json
 import os
 import queue
@@ -482,9 +485,17 @@ def kill_children() -> None:
                 os.waitpid(int(entry), 0)
 
 
-def rank_main(status_fd: int, control_fd: int) -> int:
+def rank_main(status_fd: int, control_fd: int, preload: tuple[str, ...] = ()) -> int:
     import torch
     import torch.distributed  # the import is what a warm worker saves the launch
+
+    for module in preload:  # what the job would import on its restart path (AgentConfig.warm_preload)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the job imports it itself, or fails there with its own error
+            print(
+                f"runwarden warm: preload {module}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
+            )
 
     if torch.cuda.is_initialized():  # never: importing torch does not create a CUDA context
         print("runwarden warm: CUDA is initialised in a parked rank; refusing to park", file=sys.stderr)
@@ -520,6 +531,8 @@ def rendezvous(r: Rendezvous) -> tuple[int, int, Any]:
     hosts = r.node_rank == 0 and r.local_rank == 0
     timeout = timedelta(seconds=r.timeout_s)
     try:
+        if not hosts:
+            _wait_listening(r.master_addr, r.master_port, r.timeout_s)
         store = TCPStore(r.master_addr, r.master_port, None, hosts, timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise RendezvousError(
@@ -560,6 +573,22 @@ def rendezvous(r: Rendezvous) -> tuple[int, int, Any]:
             f"({sizes[r.node_rank]} ranks there, {r.local_world_size} here)"
         )
     return sum(sizes[: r.node_rank]) + r.local_rank, sum(sizes), store
+
+
+def _wait_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Until the store's host listens (every rank gets its hand-off at the same moment, the host
+    needs a moment to bind): a TCPStore client refused once backs off 250-750 ms, then 1.5x that
+    (c10d's ExponentialBackoffWithJitter), a restart's largest idle wait here; a plain connect every
+    10 ms costs nothing. Gives up quietly at the deadline: TCPStore then reports the error itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, timeout_s))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
 
 def rank_env(handoff: HandOff, *, rank: int, world_size: int) -> dict[str, str]:
@@ -645,7 +674,7 @@ class Leader:
     """The group: its ranks across attempts, and the agent's two pipes (stdin: commands; the ready
     fd: `ready <pids>`, then `ended <code>` after every attempt whose ranks all parked again)."""
 
-    def __init__(self, local_ranks: int, ready_fd: int) -> None:
+    def __init__(self, local_ranks: int, ready_fd: int, preload: tuple[str, ...] = ()) -> None:
         self.ready_fd = ready_fd
         self.agent = Lines(sys.stdin.fileno())
         self.early: list[bytes] = []  # hand-offs read while an attempt was still ending
@@ -665,6 +694,8 @@ class Leader:
                     str(sw),
                     "--control-fd",
                     str(cr),
+                    "--preload",
+                    ",".join(preload),
                 ],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(sw, cr),
@@ -817,8 +848,8 @@ def _select(fds: list[int], timeout_s: float) -> tuple[list[int], list[int], lis
         return [], [], []
 
 
-def leader_main(local_ranks: int, ready_fd: int) -> int:
-    return Leader(local_ranks, ready_fd).run()
+def leader_main(local_ranks: int, ready_fd: int, preload: tuple[str, ...] = ()) -> int:
+    return Leader(local_ranks, ready_fd, preload).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -830,12 +861,17 @@ def main(argv: list[str] | None = None) -> int:
     rank = sub.add_parser("rank")
     rank.add_argument("--status-fd", type=int, required=True)
     rank.add_argument("--control-fd", type=int, required=True)
+    for role in (leader, rank):
+        role.add_argument("--preload", default="", help="comma-separated modules to import while parked")
     args = p.parse_args(argv)
+    preload = tuple(m for m in args.preload.split(",") if m)
+    if any(not _MODULE.fullmatch(m) for m in preload):
+        p.error(f"--preload: dotted module names, got {args.preload!r}")
     if args.role == "leader":
         if not 1 <= args.local_ranks <= 4096:
             p.error("--local-ranks: 1..4096")
-        return leader_main(args.local_ranks, args.ready_fd)
-    return rank_main(args.status_fd, args.control_fd)
+        return leader_main(args.local_ranks, args.ready_fd, preload)
+    return rank_main(args.status_fd, args.control_fd, preload)
 
 
 if __name__ == "__main__":

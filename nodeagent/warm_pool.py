@@ -56,7 +56,7 @@ WARM_RENDEZVOUS_TIMEOUT_S = 120.0
 TORCHRUN_MODULE = ("-m", "torch.distributed.run")
 MAX_RESTART_DELAY_S = 30.0
 NOT_PARKED = "the parked group was not ready"  # a temporary refusal, not a reason to go cold
-STANDBY_DELAY_S = 10.0  # after a warm launch: the standby group's imports wait for the first steps
+STANDBY_DELAY_S = 3.0  # after a warm launch: the standby group's imports wait for the first steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,9 +199,15 @@ class WarmPool:
     """The parked group of this node (one at a time), refilled once the attempt that used it ended."""
 
     def __init__(
-        self, *, interpreter: str, local_ranks: Callable[[], int], env: Callable[[], Mapping[str, str]]
+        self,
+        *,
+        interpreter: str,
+        local_ranks: Callable[[], int],
+        env: Callable[[], Mapping[str, str]],
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.interpreter = interpreter
+        self.preload = preload  # modules each parked rank imports before it says ready
         self._local_ranks = local_ranks
         self._env = env
         self._lock = threading.Lock()
@@ -265,6 +271,8 @@ class WarmPool:
                     str(local_ranks),
                     "--ready-fd",
                     str(w),
+                    "--preload",
+                    ",".join(self.preload),
                 ],
                 env=env,
                 start_new_session=True,

@@ -113,6 +113,18 @@ def test_bad_launch_keys_are_refused(tmp_path, text, words):
     assert words in str(err.value)
 
 
+def test_warm_preload_defaults_to_what_ddp_and_dcp_import_and_is_validated(tmp_path):
+    cfg = from_sources(file=None, environ={})
+    assert "torch._dynamo" in cfg.warm_preload and "torch.distributed.checkpoint" in cfg.warm_preload
+    assert from_sources(file=None, environ={"RUNWARDEN_AGENT_WARM_PRELOAD": ""}).warm_preload == ()
+    assert cli.load(["--warm-preload", "a.b,c"]).warm_preload == ("a.b", "c")
+    f = tmp_path / "bad.toml"
+    for bad in ('warm_preload = ["os; rm -rf /"]', 'warm_preload = ["a..b"]', "warm_preload = [1]"):
+        f.write_text(bad + "\n")
+        with pytest.raises(ConfigError, match="warm_preload"):
+            from_sources(file=f, environ={})
+
+
 def test_a_torchrun_flag_that_is_not_a_command_line_is_a_config_error():
     with pytest.raises(ConfigError, match="--torchrun"):
         cli.load(["--torchrun", "python 'unclosed"])

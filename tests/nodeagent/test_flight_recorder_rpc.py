@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -36,9 +37,11 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
         stopped = int((work / "ready2").read_text())
         os.kill(stopped, signal.SIGSTOP)
 
+        t0 = time.monotonic()
         reply = agent.stub.CollectFlightRecorder(
-            agent_pb2.CollectFlightRecorderRequest(run="fr", timeout_s=2), timeout=30
+            agent_pb2.CollectFlightRecorderRequest(run="fr", timeout_s=5), timeout=30
         )
+        took = time.monotonic() - t0
         assert reply.node == "n1"
         by_rank = {d.rank: d for d in reply.dumps}
         assert sorted(by_rank) == [0, 1, 2]
@@ -46,6 +49,8 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
         assert not by_rank[2].ok and by_rank[2].error.startswith("no dump") and not by_rank[2].data
         # the agent read the silent rank's /proc state: stopped is a fact, not a timeout's guess
         assert by_rank[2].process_state == "T" and by_rank[0].process_state == ""
+        # ... read before asking: a stopped rank cannot answer, so it is not asked (no 5 s wait)
+        assert by_rank[2].error == "no dump: its process is stopped" and took < 3.0, (by_rank[2].error, took)
         last = {}
         for r in (0, 1):
             dump = parse_dump(by_rank[r].data, rank=r)

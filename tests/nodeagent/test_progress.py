@@ -200,8 +200,12 @@ def test_progress_table_exit_belongs_to_its_attempt():
             common_pb2.RankProgress(rank=1, step=6, loaded_step=6),
         ],
     )
-    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=7, loaded_step=6)])
     assert table.take_new_load_marks() == 2 and table.take_new_load_marks() == 0
+    # ... and so is its first report of a step after the load (the restart's first new step), once
+    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=7, loaded_step=6)])
+    assert table.take_new_load_marks() == 1
+    table.record("r", 3, [common_pb2.RankProgress(rank=0, step=8, loaded_step=6)])
+    assert table.take_new_load_marks() == 0
     table.take_dirty("n1")
     # A worker that died before any report still gets its exit written (no ranks).
     assert table.record_exit("q", 1, common_pb2.ExitStatus(signal=9))

@@ -82,10 +82,15 @@ def test_load_mark_reaches_the_agent_at_once_and_rides_on_every_later_report(age
     r.loaded(40)  # sent now, not at the next flush
     (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
     assert rank.loaded_step == 40 and rank.step == 40  # steps completed: the resume point, no step yet
-    r.report(41, step_time_s=0.5)
-    assert r.flush()
+    r.report(41, step_time_s=0.5)  # the first step after the load: sent now as well
     (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
     assert rank.step == 41 and rank.HasField("loaded_step") and rank.loaded_step == 40
+    r.report(42, step_time_s=0.5)  # later steps wait for the flush
+    (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+    assert rank.step == 41
+    assert r.flush()
+    (rank,) = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).ranks
+    assert rank.step == 42 and rank.loaded_step == 40
     scratch = trainer.ProgressReporter(
         run="r1",
         attempt=3,

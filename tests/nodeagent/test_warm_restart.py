@@ -26,10 +26,23 @@ import pytest
 
 from nodeagent import proctree, warm
 from nodeagent.trainer import latest_committed
-from runwarden.v1 import agent_pb2
+from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
 from tests.nodeagent.test_warm_workers import HOSTS, _agent, _ended, _launch, _status, _train, parked_ranks
 
+PROBE = """
+import json, sys
+names = ("torch._dynamo", "json.tool", "tabnanny")
+with open({out!r}, "w") as f:
+    json.dump({{m: m in sys.modules for m in names}}, f)
+"""
+DEAF = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    time.sleep(3600)
+"""
+XID79 = "[ 1234.5] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
 STUBBORN = """
 import time
 while True:
@@ -56,10 +69,10 @@ def _past(agent, pid: int, step: int) -> list:
     return [r for r in _status(agent).ranks if r.pid == pid and r.step >= step]
 
 
-def _stop(agent, attempt: int, park_within_s: float, out: dict) -> None:
+def _stop(agent, attempt: int, park_within_s: float, out: dict, grace_s: float = 1.0) -> None:
     t0 = time.monotonic()
     reply = agent.stub.StopWorkers(
-        agent_pb2.StopWorkersRequest(run="wr", attempt=attempt, grace_s=1, park_within_s=park_within_s),
+        agent_pb2.StopWorkersRequest(run="wr", attempt=attempt, grace_s=grace_s, park_within_s=park_within_s),
         timeout=30,
     )
     out[agent.node] = (reply, time.monotonic() - t0)
@@ -70,7 +83,19 @@ def _stop(agent, attempt: int, park_within_s: float, out: dict) -> None:
 def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fenced(tmp_path):
     port = 29641
     agents = [
-        _agent(tmp_path, "k0", HOSTS[0], warm_on=True, flags=("--rdzv-port", str(port))),
+        _agent(
+            tmp_path,
+            "k0",
+            HOSTS[0],
+            warm_on=True,
+            flags=(
+                "--rdzv-port",
+                str(port),
+                "--chaos",
+                "--warm-preload",
+                "torch._dynamo,json.tool,no_such_module_xyz",
+            ),
+        ),
         _agent(tmp_path, "k1", HOSTS[1], warm_on=True),
     ]
     k0, k1 = agents
@@ -112,7 +137,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         os.kill(fresh, signal.SIGSTOP)
         time.sleep(0.5)
         out: dict = {}
-        threads = [threading.Thread(target=_stop, args=(a, 2, 2.0, out)) for a in agents]
+        threads = [threading.Thread(target=_stop, args=(a, 2, 2.0, out, 5.0)) for a in agents]
         for t in threads:
             t.start()
         for t in threads:
@@ -121,6 +146,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         (s1,), t1 = out["k1"][0].stopped, out["k1"][1]
         assert s0.parked and not s1.parked, (s0, s1)
         print(f"k0 parked in {t0:.2f} s; k1 (stopped) killed in {t1:.2f} s")
+        assert t1 < 2.5, t1  # a stopped process cannot act on a TERM: KILLed without the 5 s grace
         assert kept in parked_ranks(k0) and proctree.read_proc(fresh) is None
 
         # Fencing: k0 hosts attempt 4's store; k1 is handed attempt 3 (older) against it: refused
@@ -189,7 +215,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         assert not s0.parked and t0 >= 2.5, (s0, t0)
         assert proctree.read_proc(kept) is None
         # before the kill it printed where it was (every thread's stack, after LEAVE_STACKS_AFTER_S)
-        assert "(most recent call first)" in k0.log() and "stubborn.py\", line" in k0.log(), k0.log()[-3000:]
+        assert "(most recent call first)" in k0.log() and 'stubborn.py", line' in k0.log(), k0.log()[-3000:]
         wait_for(lambda: (p := parked_ranks(k0)) and kept not in p, 60, "k0's next group")
         # the next launch comes from a fresh group, and its detail says why this healthy host has one
         (reply,) = _launch([k0], port, 7, [str(stubborn)], nnodes=1)
@@ -198,6 +224,35 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
             reply.launch_detail
         ), reply.launch_detail
         _stop(k0, 7, 0.5, out)
+
+        # The parked group imported the agent's warm_preload before it said ready: the job finds
+        # them imported (torch._dynamo: what DDP's construction imports), a module that does not
+        # exist was reported and skipped.
+        seen = tmp_path / "modules.json"
+        probe = tmp_path / "probe.py"
+        probe.write_text(PROBE.format(out=str(seen)))
+        wait_for(lambda: parked_ranks(k0), 60, "k0's group after attempt 7")
+        _launch([k0], port, 8, [str(probe)], nnodes=1)
+        wait_for(seen.exists, 30, "the probe's answer")
+        assert json.loads(seen.read_text()) == {"torch._dynamo": True, "json.tool": True, "tabnanny": False}
+        assert "runwarden warm: preload no_such_module_xyz: ModuleNotFoundError" in k0.log()
+        _ended(k0, 8, 30)
+
+        # Fatal evidence on k0 (an Xid, through the agent's chaos hook: no GPU here): an unplanned
+        # stop KILLs its ranks at once, even one that ignores TERM, instead of a TERM and a grace.
+        deaf = tmp_path / "deaf.py"
+        deaf.write_text(DEAF)
+        _launch([k0], port, 9, [str(deaf)], nnodes=1)
+        time.sleep(1.0)
+        k0.stub.InjectFault(agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID, line=XID79))
+        wait_for(lambda: _status(k0).state == common_pb2.NODE_STATE_UNHEALTHY, 10, "k0 unhealthy")
+        t0 = time.monotonic()
+        reply = k0.stub.StopWorkers(
+            agent_pb2.StopWorkersRequest(run="wr", attempt=9, grace_s=5, park_within_s=3), timeout=30
+        )
+        took = time.monotonic() - t0
+        (s9,) = reply.stopped
+        assert not s9.parked and s9.exit.signal == signal.SIGKILL and took < 2.5, (s9, took)
     finally:
         for a in agents:
             a.close()
