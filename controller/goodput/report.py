@@ -315,6 +315,7 @@ class RunAccountant:
         self.awaiting_first_step: list[OpenIncident] = []  # faults since the last FIRST_STEP
         self.stop_pending = False
         self.nodes_now = 0
+        self.attempt_nodes: frozenset[str] = frozenset()  # the running attempt's (its LAUNCH)
         self.node_seconds = 0.0
         self.preflight_rejections = 0
         self.planned_stops = 0
@@ -392,6 +393,8 @@ class RunAccountant:
         latency = to_us(max(0.0, ev.detection.latency_s)) if ev.HasField("detection") else 0
         fault = min(t, max(self.cursor, t - latency))
         nodes = tuple(ev.detection.nodes) if ev.HasField("detection") else ()
+        if self.mode == "training" and nodes and self.attempt_nodes and not self.attempt_nodes & set(nodes):
+            return  # a fault on a node outside the running attempt (an idle spare): not this run's loss
         if self.mode == "recovering" and self.incident is not None and not self.incident.launched:
             return  # overlapping fault: the same interruption, nothing new to roll back
         self._advance(fault)  # a fault during a restart closes the open incident's recovery here
@@ -449,6 +452,7 @@ class RunAccountant:
             self.incident.launched = True
         if ev.HasField("launch") and len(ev.launch.nodes) > 0:
             self.nodes_now = len(ev.launch.nodes)
+            self.attempt_nodes = frozenset(ev.launch.nodes)
         self._mark(
             Marker(
                 ts=ev.ts,

@@ -13,6 +13,8 @@ from runwarden.v1 import common_pb2, events_pb2
 
 from .logbuild import LogBuilder
 
+E = events_pb2
+
 T0 = 1_764_547_200.0  # 2025-12-01 00:00:00 UTC, a Monday
 
 
@@ -72,6 +74,21 @@ def test_single_hardware_incident_splits_every_second() -> None:
     assert proto.lost_by_cause[0].cause == "hardware:xid" and proto.lost_by_cause[0].seconds == 90.0
     assert proto.detect_p90_min == pytest.approx(10 / 60)
     assert proto.lost_s + proto.productive_s == pytest.approx(proto.allocated_s)
+
+
+def test_a_fault_on_an_idle_spare_is_not_a_loss_of_the_run() -> None:
+    # An Xid on the spare n4 while n0..n3 train: the core logs its DETECTION (and quarantines n4),
+    # but the running attempt never stopped, so nothing is rolled back or lost.
+    b = LogBuilder()
+    b.startup(T0)
+    b.commit(T0 + 100, step=100, save_s=5)
+    b.detect(T0 + 150, latency_s=0, node="n4", detector=E.DETECTOR_EVIDENCE)
+    b.quarantine(T0 + 150, node="n4")
+    b.end(T0 + 300)
+    r = compute_goodput(b.events, run="llm")
+    assert not r.incidents and r.failures_per_1000_node_hours == 0
+    assert r.productive_us == (55 + 200) * US  # [40, 95) and [100, 300): the save's 5 s aside
+    assert r.productive_us + r.lost_us == r.allocated_us
 
 
 def test_overlapping_faults_are_one_incident() -> None:

@@ -78,7 +78,7 @@ def test_rollback_after_expiry_takes_only_what_is_left_in_the_window() -> None:
     b = LogBuilder(nodes=2)
     b.startup(T0)
     b.commit(T0 + 100, step=10, save_s=0)
-    b.detect(T0 + 3 * H, latency_s=0)  # 100 .. 3 h: uncommitted, rolled back
+    b.detect(T0 + 3 * H, latency_s=0, node="n1")  # 100 .. 3 h: uncommitted, rolled back
     rates = folded(b)
     w = rates.window("1h", T0 + 3 * H + 60)
     assert w.allocated_s == H and w.productive_s == 0.0 and w.goodput == 0.0
