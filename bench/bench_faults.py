@@ -98,7 +98,12 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
 
 
 def one_run(
-    faults: list[str], rounds: int, timeout_s: float, fleet: bool = False, warm: bool = False
+    faults: list[str],
+    rounds: int,
+    timeout_s: float,
+    fleet: bool = False,
+    warm: bool = False,
+    settle_s: float = 1.0,
 ) -> list[tuple[str, dict[str, float] | None]]:
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
     if rounds > 1:
@@ -116,7 +121,7 @@ def one_run(
             cluster.start()
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
                 raise SystemExit("the run did not start")
-            time.sleep(1)
+            time.sleep(settle_s)
             injections = run_faults(cluster, faults * rounds, timeout_s, repair_xid_nodes=rounds > 1)
         finally:
             cluster.stop()
@@ -142,6 +147,12 @@ def main() -> int:
         default="off",
         help="the agents' warm workers; both: cold and warm clusters alternate, one result per mode",
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of training before the first fault (warm: the standby groups park meanwhile)",
+    )
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     modes = {"off": ["cold"], "on": ["warm"], "both": ["cold", "warm"]}[args.warm]
@@ -156,7 +167,9 @@ def main() -> int:
         for mode in todo:  # alternating modes: the machine's noise falls on both alike
             # The last cluster runs only the rounds still missing (5 trials at 3 per run: 3 + 2).
             rounds = min(args.per_run, args.trials - done(mode))
-            for fault, ph in one_run(faults, rounds, args.timeout, args.fleet, warm=mode == "warm"):
+            for fault, ph in one_run(
+                faults, rounds, args.timeout, args.fleet, warm=mode == "warm", settle_s=args.settle
+            ):
                 if ph is None:
                     failures[mode][fault] += 1
                 else:
