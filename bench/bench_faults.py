@@ -154,6 +154,8 @@ def main() -> int:
         help="seconds of training before the first fault (warm: the standby groups park meanwhile)",
     )
     args = p.parse_args()
+    if args.settle < 0:
+        p.error("--settle: seconds, >= 0")
     faults = [f for f in args.faults.split(",") if f]
     modes = {"off": ["cold"], "on": ["warm"], "both": ["cold", "warm"]}[args.warm]
     samples = {m: {f: [] for f in faults} for m in modes}

@@ -223,5 +223,10 @@ def kill_strays(root: Path, keep: set[int] | None = None) -> list[int]:
     return killed
 
 
-def leftover_processes(root: Path) -> Sequence[int]:
-    return list(_processes_under(root))
+def leftover_processes(root: Path, wait_s: float = 0.0) -> Sequence[int]:
+    """Processes whose command line mentions `root`, after waiting up to `wait_s` for them to go (a
+    process killed by stop() may take a moment to be gone)."""
+    deadline = time.monotonic() + wait_s
+    while (left := list(_processes_under(root))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

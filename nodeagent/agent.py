@@ -405,9 +405,10 @@ class Agent:
     def report_progress(self, request: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
         """A validated batch of rank reports (gRPC or datagram); the answer carries the stop flag."""
         self.progress.record(request.run, request.attempt, request.reports)
-        if self.progress.take_new_load_marks() and self.store is not None:
-            # a rank finished loading: written now (once per rank per attempt), off the caller's thread
-            threading.Thread(target=self.flush_progress, name="flush-load-mark", daemon=True).start()
+        if self.progress.take_urgent_reports() and self.store is not None:
+            # a rank finished loading, or took its first step after: written now (once each per rank
+            # per attempt), off the caller's thread
+            threading.Thread(target=self.flush_progress, name="flush-urgent", daemon=True).start()
         self.follow_run(request.run)
         slow = max((self.slow_s.get(r.local_rank, 0.0) for r in request.reports), default=0.0)
         return agent_pb2.ReportProgressResponse(stop_requested=request.run in self.stops, slow_s=slow)

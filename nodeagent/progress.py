@@ -34,7 +34,7 @@ class ProgressTable:
         self._ranks: dict[str, dict[int, common_pb2.RankProgress]] = {}
         self._dirty: set[str] = set()
         self._exit: dict[str, common_pb2.ExitStatus] = {}
-        self._new_load_marks = 0
+        self._urgent_reports = 0
 
     def _switch(self, run: str, attempt: int) -> bool:
         """Make `attempt` the run's current one (a newer one starts an empty table); False if older."""
@@ -59,7 +59,7 @@ class ProgressTable:
                     if report.HasField("loaded_step") and (
                         old is None or not old.HasField("loaded_step") or _first_step_after_load(old, report)
                     ):
-                        self._new_load_marks += 1
+                        self._urgent_reports += 1
                     if old is not None and (old.recent_losses or old.losses_dropped):
                         _merge_losses(report, old, keep_first=False)  # not written yet: kept
                     table[report.rank] = report
@@ -68,11 +68,11 @@ class ProgressTable:
             self._dirty.add(run)
             return True
 
-    def take_new_load_marks(self) -> int:
+    def take_urgent_reports(self) -> int:
         """How many ranks first said "loaded", or first reported a step after their load, since the
         last call (the agent flushes those at once)."""
         with self._lock:
-            marks, self._new_load_marks = self._new_load_marks, 0
+            marks, self._urgent_reports = self._urgent_reports, 0
             return marks
 
     def record_exit(self, run: str, attempt: int, status: common_pb2.ExitStatus) -> bool:

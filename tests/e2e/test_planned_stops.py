@@ -39,10 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
-    deadline = time.monotonic() + 10  # a process killed by stop() may take a moment to be gone
-    while leftover_processes(c.root) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftover_processes(c.root), "the cluster left processes behind"
+    assert not leftover_processes(c.root, wait_s=10), "the cluster left processes behind"
 
 
 def _tail(c: LocalCluster) -> str:

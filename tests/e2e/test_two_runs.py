@@ -232,10 +232,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoRuns]:
         yield f
     finally:
         f.stop()
-    deadline = time.monotonic() + 10
-    while leftover_processes(f.root) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftover_processes(f.root), "the deployment left processes behind"
+    assert not leftover_processes(f.root, wait_s=10), "the deployment left processes behind"
 
 
 def test_both_runs_train_each_on_nodes_only_it_holds(fleet: TwoRuns) -> None:

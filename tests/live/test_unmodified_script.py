@@ -109,10 +109,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UnmodifiedClus
         yield c
     finally:
         c.stop()
-    deadline = time.monotonic() + 10
-    while leftover_processes(c.root) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftover_processes(c.root), "the cluster left processes behind"
+    assert not leftover_processes(c.root, wait_s=10), "the cluster left processes behind"
 
 
 def _tail(c: LocalCluster) -> str:

@@ -191,7 +191,7 @@ def test_progress_table_exit_belongs_to_its_attempt():
     ((_, value),) = table.take_dirty("n1")
     assert value.attempt == 3 and not value.HasField("exit")
     # The first report in which a rank says "loaded" is counted once (the agent flushes it at once).
-    assert table.take_new_load_marks() == 0
+    assert table.take_urgent_reports() == 0
     table.record(
         "r",
         3,
@@ -200,12 +200,12 @@ def test_progress_table_exit_belongs_to_its_attempt():
             common_pb2.RankProgress(rank=1, step=6, loaded_step=6),
         ],
     )
-    assert table.take_new_load_marks() == 2 and table.take_new_load_marks() == 0
+    assert table.take_urgent_reports() == 2 and table.take_urgent_reports() == 0
     # ... and so is its first report of a step after the load (the restart's first new step), once
     table.record("r", 3, [common_pb2.RankProgress(rank=0, step=7, loaded_step=6)])
-    assert table.take_new_load_marks() == 1
+    assert table.take_urgent_reports() == 1
     table.record("r", 3, [common_pb2.RankProgress(rank=0, step=8, loaded_step=6)])
-    assert table.take_new_load_marks() == 0
+    assert table.take_urgent_reports() == 0
     table.take_dirty("n1")
     # A worker that died before any report still gets its exit written (no ranks).
     assert table.record_exit("q", 1, common_pb2.ExitStatus(signal=9))
