@@ -109,11 +109,22 @@ def test_operator_release_of_a_vanished_runs_claims(shared: Store) -> None:
     assert shared.get_prefix(shared.keys.claims_prefix())[0] == []
 
 
+def _alpha_asked(store: Store, node: str, timeout_s: float = 5.0) -> None:
+    """Wait until alpha's bid for `node` is in etcd (or alpha already holds it): beta then asks
+    second by etcd's order, not by a sleep that two loaded cores can swallow."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.get(store.keys.bid(node, "alpha")) or store.get(store.keys.claim(node)):
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"alpha never asked for {node}")
+
+
 def _race(
-    store: Store, priorities: tuple[int, int], rounds: int, beta_later_s: float = 0.0, tag: str = "spare"
+    store: Store, priorities: tuple[int, int], rounds: int, beta_second: bool = False, tag: str = "spare"
 ) -> list[str]:
-    """Both runs ask for the same free node at once (beta `beta_later_s` after alpha, within the bid
-    window), `rounds` times; the winner of each round."""
+    """Both runs ask for the same free node at once (with `beta_second`, beta asks once alpha's bid
+    is in etcd, within the bid window), `rounds` times; the winner of each round."""
     runs = ("alpha", "beta")
     leads = {r: lead(store, r) for r in runs}
     claims = {
@@ -133,8 +144,8 @@ def _race(
             refused: dict[str, list[str]] = refused,
         ) -> None:
             start.wait()
-            if run == "beta" and beta_later_s:
-                time.sleep(beta_later_s)
+            if run == "beta" and beta_second:
+                _alpha_asked(store, node)
             refused[run] = [r.node for r in claims[run].take([node], leads[run])]
 
         threads = [threading.Thread(target=ask, args=(r,)) for r in runs]
@@ -160,7 +171,7 @@ def test_two_runs_asking_at_once_never_both_take_a_spare_and_priority_wins(share
 
 
 def test_same_priority_first_asker_wins_and_never_both(shared: Store) -> None:
-    assert _race(shared, (1, 1), rounds=8, beta_later_s=0.03) == ["alpha"] * 8  # first come
+    assert _race(shared, (1, 1), rounds=8, beta_second=True) == ["alpha"] * 8  # first come
     assert (
         len(_race(shared, (1, 1), rounds=8, tag="again")) == 8
     )  # truly at once: one of them, never both (asserted inside)
