@@ -219,6 +219,18 @@ def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
     return doc
 
 
+def read_rank_state(commit: CommittedCheckpoint, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s own state file of a committed DCP step, checked (listed, bounded, JSON, its)."""
+    name = rank_state_name(rank)
+    if name not in commit.files:
+        saved = commit.meta.get("world_size")
+        raise _bad(commit.path, f"no state of rank {rank} (saved by {saved} ranks)")
+    rank_state = _read_rank_state(commit.path / name, commit.step)
+    if rank_state.get("rank") != rank:
+        raise _bad(commit.path / name, f"written by rank {rank_state.get('rank')!r}, not {rank}")
+    return rank_state
+
+
 # --- reading DCP's .metadata without the standard unpickler ------------------------------------
 
 _METADATA_CLASSES = {
@@ -298,6 +310,29 @@ def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
                 path, f"{name!r}: bytes {offset}..{offset + length} past its size {commit.files[name]}"
             )
     return metadata
+
+
+def whole_tensors_bytes(metadata: Any) -> int | None:
+    """The total bytes of a DCP save's tensors if every one was saved whole (one chunk at offset
+    0 covering its size: state every rank holds in full, as DDP's replicas do, which DCP stores
+    once), else None (sharded state: FSDP's or DTensor's pieces differ per rank)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    total = 0
+    for item in metadata.state_dict_metadata.values():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        size = list(item.size)
+        if len(item.chunks) != 1:
+            return None
+        (chunk,) = item.chunks
+        if any(chunk.offsets) or list(chunk.sizes) != size:
+            return None
+        numel = 1
+        for d in size:
+            numel *= d
+        total += numel * item.properties.dtype.itemsize
+    return total
 
 
 def _verified_reader(path: Path, metadata: Any) -> Any:
@@ -531,12 +566,7 @@ def load_dcp(
     if rank is None:
         rank = _dist()[0]
     name = rank_state_name(rank)
-    if name not in commit.files:
-        saved = commit.meta.get("world_size")
-        raise _bad(commit.path, f"no state of rank {rank} (saved by {saved} ranks)")
-    rank_state = _read_rank_state(commit.path / name, commit.step)
-    if rank_state.get("rank") != rank:
-        raise _bad(commit.path / name, f"written by rank {rank_state.get('rank')!r}, not {rank}")
+    rank_state = read_rank_state(commit, rank)
     restore_rng_states = _rng_restorer(rank_state.get("rng"), commit.path / name) if restore_rng else None
     sched = rank_state.get("scheduler")
     if scheduler is not None and not isinstance(sched, dict):
@@ -574,4 +604,6 @@ __all__ = [
     "load_dcp",
     "rank_state_name",
     "read_dcp_metadata",
+    "read_rank_state",
+    "whole_tensors_bytes",
 ]

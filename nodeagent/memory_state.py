@@ -11,11 +11,17 @@ copy serves the load only if it is the state of that commit, i.e.
   rollback, never is);
 * the same run, the same global rank and world size (each rank's file is its own).
 
-Anything else loads from storage, which stays the truth on disk. Which source served the load is
-remembered (`loaded_from`) and the progress reporter sends it with its load mark, so the event log
-says per attempt where the state came from. Two copies are kept per process (the newest; KEEP says
-why), in host memory; their cost is two model + optimizer states per rank. The copy never leaves the process: there
-is no path by which a stale rank hands it to another.
+A DCP commit (the default format; its load is a collective) is served by `restore_committed_dcp`,
+one plan agreed by every rank of the attempt: all from their own copies (every host kept its
+processes); or, when the replacement host's fresh ranks hold none and the state is whole on every
+rank (DDP's replicas), those ranks receive the lowest holder's copy over the attempt's own process
+group (a peer), the others use their own; else all from storage, which stays the truth on disk.
+Which source served the load is remembered (`loaded_from`) and the progress reporter sends it
+with its load mark, so the event log says per attempt where the state came from ("memory",
+"peer", "storage"). Two copies are kept per process (the newest; KEEP says why), in host memory;
+their cost is two model + optimizer states per rank. A copy is only ever sent inside the process
+group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm), and
+only if it is the state of the commit being loaded: a stale rank cannot hand its state out.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MEMORY = "memory"
+PEER = "peer"  # a peer rank of the same attempt sent it (the replacement host has no copy)
 STORAGE = "storage"
 
 
@@ -73,38 +80,234 @@ def keep(
 
 
 def take(
-    step: int, committed_by: int | None, *, rank: int, world_size: int, env: Mapping[str, str] | None = None
+    step: int,
+    committed_by: int | None,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    env: Mapping[str, str] | None = None,
 ) -> Any | None:
     """A deep copy of the kept payload if it is the state of commit `step` (committed by attempt
-    `committed_by`, from its marker), else None (load from storage)."""
+    `committed_by`, from its marker) saved as global rank `rank` of `world_size`, else None (load
+    from storage). `rank=None, world_size=None`: saved as any rank (its model and optimizer state
+    serve a rank renumbered by a replacement when that state is replicated)."""
     run, _ = _identity(os.environ if env is None else env)
     if committed_by is None:
         return None
-    want = (run, step, committed_by, rank, world_size)
     with _lock:
-        snap = next((x for x in _snapshots if (x.run, x.step, x.attempt, x.rank, x.world_size) == want), None)
+        snap = next(
+            (
+                x
+                for x in _snapshots
+                if (x.run, x.step, x.attempt) == (run, step, committed_by)
+                and rank in (None, x.rank)
+                and world_size in (None, x.world_size)
+            ),
+            None,
+        )
     if snap is None:
         return None
     return copy.deepcopy(snap.payload)  # the optimizer's load may alias tensors it is given
 
 
-def take_everywhere(step: int, committed_by: int | None, *, rank: int) -> Any | None:
-    """`take`, agreed by every rank (a MIN all-reduce of "I hold it" on the default group): a load
-    that is itself a collective (DCP's) must run on every rank or on none, so the copies serve only
-    when every rank of the attempt holds its own (every node kept its processes); else None."""
+# What each rank tells the others before a DCP load (bits of one integer, all-gathered).
+_HOLDS = 1  # it holds its own copy of the commit (saved as this rank of this world size)
+_WHOLE = 2  # the commit's tensors were saved whole (replicated state, dcp.whole_tensors_bytes)
+_PEER_OK = 4  # it may take its state from a peer (load_checkpoint's from_peer)
+_HOLDS_STATE = 8  # it holds a copy of the commit saved as any rank (a replacement renumbered it)
+PEER_SLACK_BYTES = 16 * 1024 * 1024  # a peer's serialized state: its tensors plus this much at most
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """How every rank of the attempt loads one DCP commit, decided alike on every rank from the
+    same gathered flags: all from their own copies, or from memory with a peer's help, or all
+    from storage (DCP's collective load). With a peer's help, a rank that holds its own copy uses
+    it; one that holds a copy saved as another rank (renumbered by a replacement) uses its model
+    and optimizer state and reads its own small state file from storage; one that holds none
+    receives the state `sender` (the lowest rank holding a copy) broadcasts."""
+
+    source: str  # this rank's: MEMORY, PEER or STORAGE
+    sender: int = -1  # >= 0: the state is broadcast from this rank (some rank holds no copy)
+    own_rank_state: bool = True  # MEMORY: the copy's rank state is this rank's (else from storage)
+
+
+def plan_load(flags: list[int], rank: int) -> LoadPlan:
+    """The plan, from every rank's flags (`flags[r]` is rank r's)."""
+    if all(f & _HOLDS for f in flags):
+        return LoadPlan(MEMORY)
+    holders = [r for r, f in enumerate(flags) if f & (_HOLDS | _HOLDS_STATE)]
+    if not holders or not all(f & _WHOLE and f & _PEER_OK for f in flags):
+        return LoadPlan(STORAGE)
+    sender = holders[0] if len(holders) < len(flags) else -1
+    mine = flags[rank]
+    if mine & _HOLDS:
+        return LoadPlan(MEMORY, sender)
+    if mine & _HOLDS_STATE:
+        return LoadPlan(MEMORY, sender, own_rank_state=False)
+    return LoadPlan(PEER, sender, own_rank_state=False)
+
+
+def restore_committed_dcp(
+    commit: Any,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    rank: int,
+    restore_rng: bool,
+    from_peer: bool = True,
+) -> tuple[Any, Any] | None:
+    """Serve the load of DCP commit `commit` from memory, this rank's or a peer's: (data_state,
+    extra), or None when every rank must load from storage (nodeagent.dcp.load_dcp). A collective
+    on the default group: every rank of the attempt calls it, and every rank takes the same way.
+
+    Without every rank holding its own copy, memory serves only state every rank holds in full
+    (DDP's replicas; the commit's `.metadata` says so: dcp.whole_tensors_bytes): the replacement
+    host's ranks, which hold no copy, receive the lowest holder's model and optimizer state over
+    the process group (the attempt's own, fenced by its rendezvous), and a rank whose number
+    changed uses its own copy's; both read only their own small state file (RNG, data position,
+    scheduler) from storage. The bytes are torch.save'd and read back with torch's weights_only
+    unpickler (plain data and tensors only), bounded by the size the metadata gives, and checked
+    against it; if any receiver finds them wrong, every rank loads from storage instead. Sharded
+    state (FSDP, DTensor) cannot come from one peer: it loads from storage unless every rank kept
+    its own."""
+    from nodeagent import dcp
+    from nodeagent.checkpoint import CheckpointError
+
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    payload = take(step, committed_by, rank=rank, world_size=world_size)
-    if world_size == 1:
-        return payload
+    by = commit.meta.get("attempt")
+    by = by if isinstance(by, int) else None
+    payload = take(commit.step, by, rank=rank, world_size=world_size)
+    plan = LoadPlan(MEMORY if payload is not None else STORAGE)
+    expected: int | None = None
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            plan = LoadPlan(STORAGE)
+        else:
+            other = None if payload is not None else take(commit.step, by, rank=None, world_size=None)
+            if from_peer:
+                try:
+                    expected = dcp.whole_tensors_bytes(dcp.read_dcp_metadata(commit))
+                except CheckpointError as exc:
+                    log.warning("rank %d: no state from a peer: %s", rank, exc)
+            mine = (
+                (_HOLDS if payload is not None else 0)
+                | (_HOLDS_STATE if other is not None else 0)
+                | (_WHOLE if expected is not None else 0)
+                | (_PEER_OK if from_peer else 0)
+            )
+            plan = plan_load(_gather_ints(mine, world_size), rank)
+            if other is not None:
+                payload = other
+    if plan.sender >= 0:
+        assert expected is not None
+        received = _from_peer(
+            payload,
+            plan.sender,
+            rank=rank,
+            limit=2 * expected + PEER_SLACK_BYTES,
+            receive=plan.source == PEER,
+        )
+        ok = plan.source != PEER or _received_whole(received, expected, rank)
+        if not _everyone(ok, world_size):
+            plan = LoadPlan(STORAGE)
+        elif plan.source == PEER:
+            payload = {"state": received}
+    if plan.source == STORAGE:
+        loaded(commit.step, STORAGE)
+        return None
+    assert payload is not None  # MEMORY: it holds a copy; PEER: it received one
+    if not plan.own_rank_state:
+        payload = {"state": payload["state"], "rank_state": dcp.read_rank_state(commit, rank)}
+    log.info("rank %d: state of step %d from %s", rank, commit.step, plan.source)
+    result = restore_dcp(
+        payload, commit.path, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=restore_rng
+    )
+    loaded(commit.step, plan.source)
+    return result
+
+
+def _device() -> str:
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _gather_ints(value: int, world_size: int) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    mine = torch.tensor([value], dtype=torch.int64, device=_device())
+    out = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+def _everyone(ok: bool, world_size: int) -> bool:
+    """Whether `ok` holds on every rank (a MIN all-reduce)."""
+    return min(_gather_ints(int(ok), world_size)) == 1
+
+
+def _from_peer(payload: Any, sender: int, *, rank: int, limit: int, receive: bool) -> Any | None:
+    """Broadcast the sender's kept state (`payload["state"]`) to every rank (a broadcast on the
+    default group: the holders get the bytes too, and drop them); the state as received where
+    `receive`, else None, and None where refused: too long, or not plain data and tensors."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    body = b""
+    if rank == sender:
+        buf = io.BytesIO()
+        torch.save(payload["state"], buf)
+        body = buf.getvalue()
+    length = torch.tensor([len(body) if len(body) <= limit else -1], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=sender)
+    n = int(length.item())
+    if n < 0:
+        if rank == sender:
+            log.warning(
+                "rank %d: kept state is %d bytes, over the %d its commit allows", rank, len(body), limit
+            )
         return None
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([0 if payload is None else 1], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return payload if int(flag.item()) == 1 else None
+    data = (
+        torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+        if rank == sender
+        else torch.empty(n, dtype=torch.uint8, device=device)
+    )
+    dist.broadcast(data, src=sender)
+    if not receive:
+        return None
+    try:
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        log.warning("rank %d: the state rank %d sent is not plain data and tensors: %s", rank, sender, exc)
+        return None
+
+
+def _received_whole(state: Any, expected: int, rank: int) -> bool:
+    """Whether `state` is a model (and optimizer) state whose tensors add up to the commit's."""
+    import torch
+
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        return False
+    total, stack = 0, [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    if total != expected:
+        log.warning("rank %d: a peer's state holds %d bytes of tensors, the commit %d", rank, total, expected)
+    return total == expected
 
 
 def restore_dcp(

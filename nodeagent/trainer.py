@@ -615,11 +615,14 @@ def load_checkpoint(
     rank: int = 0,
     restore_rng: bool = True,
     map_location: str = "cpu",
+    from_peer: bool = True,
 ) -> LoadedCheckpoint:
     """Load a committed checkpoint (a commit, or a root: its latest commit) into model, optimizer
     and scheduler, restore this rank's RNG states, and return its data position. Either format:
     a DCP step (DcpCheckpointer; a collective, every rank calls it; validated as nodeagent.dcp
-    says) or the old one (this rank's `rank<r>.pt`, read with torch's weights_only unpickler)."""
+    says) or the old one (this rank's `rank<r>.pt`, read with torch's weights_only unpickler).
+    A warm restart serves it from memory where it can (nodeagent.memory_state): each rank's own
+    copy, or for a DCP step with replicated state a peer's (`from_peer=False`: storage instead)."""
     import torch
 
     from nodeagent.dcp import FORMAT as DCP_FORMAT
@@ -633,18 +636,17 @@ def load_checkpoint(
     if checkpoint.meta.get("format") == DCP_FORMAT:
         from nodeagent import memory_state
 
-        by = checkpoint.meta.get("attempt")
-        kept = memory_state.take_everywhere(checkpoint.step, by if isinstance(by, int) else None, rank=rank)
-        memory_state.loaded(checkpoint.step, memory_state.STORAGE if kept is None else memory_state.MEMORY)
-        if kept is not None:  # every rank holds this commit in memory (warm workers kept their processes)
-            data_state, extra = memory_state.restore_dcp(
-                kept,
-                checkpoint.path,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                restore_rng=restore_rng,
-            )
+        kept = memory_state.restore_committed_dcp(
+            checkpoint,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rank=rank,
+            restore_rng=restore_rng,
+            from_peer=from_peer,
+        )
+        if kept is not None:  # from this rank's memory (a warm worker kept its process) or a peer's
+            data_state, extra = kept
             return LoadedCheckpoint(
                 step=checkpoint.step, path=checkpoint.path, data_state=data_state, extra=extra
             )

@@ -183,9 +183,19 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
 
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
+    """Kept hosts restore from their own memory, fresh ones receive the state from a peer."""
     loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
+    started = _started(faulted.events)
     for r in faulted.recoveries:
         assert r.launch is not None
         message = loads.get(r.launch.attempt, "")
-        # a fresh host in every one of these attempts: DCP's collective load reads storage everywhere
-        assert re.search(r"; state from (memory|peer|storage) on ", message), (r.injection.fault, message)
+        m = re.search(r"; state from (.*)$", message)
+        assert m is not None, (r.injection.fault, message)
+        by_source = {}
+        for part in m.group(1).split("; "):
+            source, nodes = part.split(" on ", 1)
+            by_source[source] = set(nodes.split(", "))
+        fresh = {n for n, (_, kept_from, _) in started[r.launch.attempt].items() if kept_from is None}
+        kept = set(started[r.launch.attempt]) - fresh
+        assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)
+        assert kept <= by_source.get("memory", set()), (r.injection.fault, kept, message)

@@ -3,10 +3,9 @@
 
 What is proved with real processes: a crashed peer ends the attempt and the healthy node's rank
 parks again in the same process; the next attempt runs on it and it restores its state from its own
-memory (the commit it saved), while the replaced node's fresh rank loads from storage; a hung peer
+memory (the commit it saved), while the replaced node's fresh rank receives it from that rank; a hung peer
 (SIGSTOP) is left behind by the healthy rank when the stop says park (the socket abort); the
-stopped rank cannot leave, so it is killed at once and replaced by a fresh parked group; with DCP
-(a collective load) a mix of kept and fresh ranks reads storage everywhere;
+stopped rank cannot leave, so it is killed at once and replaced by a fresh parked group;
 a rank handed an older attempt than the store serves is refused before it joins (fencing by
 attempt) and parks again, and a process never runs an attempt twice; after a stop that parked every
 rank, each restores the commit from its own memory and computes the losses storage gave; a rank
@@ -118,7 +117,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         committed = latest_committed(tmp_path / "ckpt")
         assert committed is not None and committed.step >= 4
 
-        # Attempt 2: the kept rank restores from its memory, the fresh one on k1 from storage.
+        # Attempt 2: the kept rank restores from its memory, the fresh one on k1 gets the state from it.
         replies = _launch(agents, port, 2, _train(tmp_path, 2), resume_step=committed.step)
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
         assert _pids(replies[0]) == ((kept,), "kept from attempt 1"), replies[0].launch_detail
@@ -126,9 +125,9 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         assert origin == "fresh" and fresh != first[1][0], replies[1].launch_detail
         r0 = wait_for(lambda: _loaded(k0, kept, committed.step), 60, "k0's load mark")
         r1 = wait_for(lambda: _loaded(k1, fresh, committed.step), 60, "k1's load mark")
-        # DCP's load is a collective: the kept copy serves only if every rank holds one, so both read
-        # storage here (the example's default format)
-        assert (r0.loaded_from, r1.loaded_from) == ("storage", "storage"), (r0, r1)
+        # the example's DDP state is whole on every rank (DCP's metadata says so): the fresh rank
+        # receives it from the kept one (tests/nodeagent/test_peer_state.py proves it is storage's)
+        assert (r0.loaded_from, r1.loaded_from) == ("memory", "peer"), (r0, r1)
         for a, pid in ((k0, kept), (k1, fresh)):
             wait_for(lambda a=a, p=pid: _past(a, p, committed.step + 3), 60, "steps after the resume")
 

@@ -1,0 +1,155 @@
+"""State from a peer (issue 18, mechanism 3), real processes: 3 gloo ranks on CPU save a DDP model
+with DCP, and load it back as a warm restart does. A rank that holds no copy of the commit (the
+replacement host's fresh rank) receives the model and optimizer state from the lowest holder over
+the process group and only its own small state file from storage; the ranks that kept theirs use
+their own, a rank renumbered since its save its copy's model and optimizer with its own state file
+from storage (its RNG would give it away otherwise); every rank ends up exactly where a load from storage puts it (model, optimizer, scheduler,
+RNG and data position). With the peer path off, all load from storage. The rule (every case, and
+that every rank agrees on it) and the checks of a peer's bytes are unit-tested below; every rank
+holding its own copy (memory) is tests/nodeagent/test_warm_restart.py's last attempt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nodeagent import memory_state
+from nodeagent.dcp import whole_tensors_bytes
+from runwarden.testing.etcd_server import free_port
+from tests.nodeagent.helpers import ROOT
+
+WORLD = 3
+
+
+def _run(tmp: Path, *extra: str) -> list[dict]:
+    ckpt, out = tmp / "ckpt", tmp / "out"
+    out.mkdir(parents=True)
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
+        env.update(
+            PYTHONPATH=str(ROOT),
+            OMP_NUM_THREADS="1",
+            RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RUNWARDEN_RUN="peer-test",
+            RUNWARDEN_ATTEMPT="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "tests" / "nodeagent" / "peer_state_job.py"),
+                    *("--ckpt", str(ckpt), "--out", str(out), *extra),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _same_as_storage(results: list[dict]) -> None:
+    for r, got in enumerate(results):
+        assert got["fingerprint"] == got["reference"], (
+            f"rank {r} ({got['source']}) differs from storage's load"
+        )
+        assert got["data_state"] == got["reference_data_state"] == {"next_step": 3, "rank": r}
+
+
+@pytest.mark.slow
+def test_the_replacement_rank_gets_its_state_from_a_peer_exactly_as_storage_would_give_it(
+    tmp_path: Path,
+) -> None:
+    # rank 0 holds a copy it saved as rank 1, rank 1 its own, rank 2 (the replacement) none
+    results = _run(tmp_path / "peer", "--forget", "2", "--shift", "0")
+    assert [r["source"] for r in results] == ["memory", "memory", "peer"]
+    _same_as_storage(results)
+    results = _run(tmp_path / "off", "--forget", "0", "--no-peer")
+    assert [r["source"] for r in results] == ["storage"] * WORLD
+    _same_as_storage(results)
+
+
+H, S, W, P = memory_state._HOLDS, memory_state._HOLDS_STATE, memory_state._WHOLE, memory_state._PEER_OK
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect", "sender"),
+    [
+        ([H | W | P] * 3, ["memory"] * 3, -1),
+        ([H, H, H], ["memory"] * 3, -1),  # every rank kept its own: sharded state too
+        ([W | P, H | W | P, H | W | P], ["peer", "memory", "memory"], 1),
+        ([W | P, W | P, H | W | P], ["peer", "peer", "memory"], 2),
+        ([S | W | P, W | P, H | W | P], ["memory", "peer", "memory"], 0),  # rank 0 renumbered
+        ([S | W | P, S | W | P, H | W | P], ["memory"] * 3, -1),  # nobody to send to
+        ([S, H, H], ["storage"] * 3, -1),  # renumbered, sharded: its copy is not its shard
+        ([W | P, H | P, H | W | P], ["storage"] * 3, -1),  # a rank says the state is sharded
+        ([W | P, H | W, H | W | P], ["storage"] * 3, -1),  # a rank may not take a peer's
+        ([W | P] * 3, ["storage"] * 3, -1),  # nobody holds a copy
+    ],
+)
+def test_the_load_plan_is_one_rule_on_every_rank(flags: list[int], expect: list[str], sender: int) -> None:
+    plans = [memory_state.plan_load(flags, r) for r in range(len(flags))]
+    assert [p.source for p in plans] == expect
+    assert {p.sender for p in plans} == {sender}  # every rank agrees on who sends, if anyone
+    assert [p.own_rank_state for p in plans] == [
+        p.source == "storage" or bool(f & H) for p, f in zip(plans, flags, strict=True)
+    ]
+
+
+def test_whole_tensors_and_sharded_ones_told_apart_from_dcp_metadata() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def tensor(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> TensorStorageMetadata:
+        return TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size(size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks],
+        )
+
+    whole = Metadata(
+        state_dict_metadata={
+            "model.w": tensor([4, 2], [([0, 0], [4, 2])]),
+            "optim.param_groups.0.lr": BytesStorageMetadata(),
+        }
+    )
+    assert whole_tensors_bytes(whole) == 4 * 2 * 4
+    halves = Metadata(state_dict_metadata={"model.w": tensor([4, 2], [([0, 0], [2, 2]), ([2, 0], [2, 2])])})
+    assert whole_tensors_bytes(halves) is None
+    part = Metadata(state_dict_metadata={"model.w": tensor([4, 2], [([2, 0], [2, 2])])})
+    assert whole_tensors_bytes(part) is None
+
+
+def test_a_peer_state_must_add_up_to_the_commit() -> None:
+    state = {"model": {"w": torch.zeros(4, 2)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 2)}}}}
+    assert memory_state._received_whole(state, 64, rank=1)
+    assert not memory_state._received_whole(state, 32, rank=1)
+    assert not memory_state._received_whole(None, 64, rank=1)
+    assert not memory_state._received_whole({"optim": {}}, 0, rank=1)
