@@ -73,6 +73,8 @@ from nodeagent.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     CommittedCheckpoint,
+    read_commit,
+    step_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -424,6 +426,7 @@ class DcpCheckpointer:
         self._pending_step = -1
         self._lock = threading.Lock()
         self.last_commit: CommittedCheckpoint | None = None
+        self._unconfirmed: list[int] = []  # steps this rank saved whose marker it has not seen yet
 
     def save(
         self,
@@ -443,6 +446,7 @@ class DcpCheckpointer:
         from torch.distributed.checkpoint import FileSystemWriter, async_save, save
 
         self.wait()
+        self._confirm_commits()
         writer = CheckpointWriter(self.root, step)  # un-commits the step (every rank, before any write)
         rank_state = {
             "format": FORMAT,
@@ -465,6 +469,8 @@ class DcpCheckpointer:
         memory_state.keep(
             step, {"state": state, "rank_state": rank_state}, rank=self.rank, world_size=self.world_size
         )
+        if self.rank != 0:
+            self._unconfirmed.append(step)
         storage = (
             self._storage_writer(writer.path)
             if self._storage_writer is not None
@@ -484,6 +490,27 @@ class DcpCheckpointer:
             self._pending, self._pending_step = done, step
         upload.add_done_callback(lambda f: self._finish(f, writer, done))
         return None
+
+    def _confirm_commits(self) -> None:
+        """Every rank but 0: report the commits of this rank's earlier saves whose marker is now on
+        disk (rank 0 wrote it after this rank's part was durable). Rank 0 reports each commit as
+        it writes it; the others tell it too so that the supervisor still learns of it when rank
+        0's host cannot report (its agent lost while its ranks go on training): the resume point
+        is then that commit, not an older one, and it is one the survivors still hold in memory."""
+        if self.rank == 0 or self.reporter is None or not self._unconfirmed:
+            return
+        attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
+        newest = None
+        for step in list(self._unconfirmed):
+            commit = read_commit(step_dir(self.root, step))
+            if commit is None:
+                continue
+            self._unconfirmed.remove(step)
+            if str(commit.meta.get("attempt", "")) == attempt:  # this attempt's save, not a rival's
+                newest = step if newest is None else max(newest, step)
+        self._unconfirmed = self._unconfirmed[-8:]  # a step never committed (a failed save) ages out
+        if newest is not None:
+            self.reporter.set_committed(newest)
 
     def _finish(self, upload: Future[Any], writer: CheckpointWriter, done: Future[Any]) -> None:
         """On the upload thread: commit (rank 0) once DCP's save returned on this rank."""

@@ -276,8 +276,9 @@ class ProgressReporter:
         """Tell the supervisor that checkpoint `step` is committed (its marker written, after fsync).
 
         Global rank 0 calls it after `save_checkpoint` returns a commit (and after resuming, with the
-        step it loaded); the agent carries it in the node's progress and the controller records the
-        commit. Only a committed step is ever a resume point."""
+        step it loaded); a DcpCheckpointer calls it on rank 0 as it commits and on every other rank
+        once it sees the marker of its earlier save. The agent carries it in the node's progress
+        and the controller records the commit. Only a committed step is ever a resume point."""
         self._committed = int(step)
 
     def loaded(self, step: int) -> None:

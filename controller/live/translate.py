@@ -90,7 +90,7 @@ class Translator:
         self.rank_to_node: dict[int, str] = {}  # global rank (torch's RANK) -> node, of `attempt`
         self.exited: set[tuple[str, int]] = set()  # (node, attempt) whose exit was reported
         self.committed_seen = -1
-        self.committed_attempt = 0  # the attempt whose rank 0 reported committed_seen
+        self.committed_attempt = 0  # the attempt whose rank reported committed_seen
         self._ckpt_failures: set[tuple[int, int]] = set()
         self.claim_holders: dict[str, str] = {}  # node -> the run its claim names (every run's)
 
@@ -246,12 +246,12 @@ class Translator:
                         step=r.step, error=r.checkpoint_error, node=prog.node, attempt=prog.attempt
                     )
                 )
-            if (
-                r.rank == 0
-                and r.HasField("committed_step")
-                and (r.committed_step > self.committed_seen or prog.attempt > self.committed_attempt)
+            if r.HasField("committed_step") and (
+                r.committed_step > self.committed_seen or prog.attempt > self.committed_attempt
             ):
-                # per attempt: after a rollback (a loss anomaly) a new attempt commits steps an
+                # any rank: rank 0 reports a commit as it writes it, the others once they see its
+                # marker (nodeagent.dcp), so a lost rank-0 host does not hide the newest commit.
+                # Per attempt: after a rollback (a loss anomaly) a new attempt commits steps an
                 # earlier one committed; the core drops the commits it already holds
                 self.committed_seen = r.committed_step
                 self.committed_attempt = max(self.committed_attempt, prog.attempt)

@@ -6,7 +6,7 @@ bounded to one printable line."""
 from __future__ import annotations
 
 from controller.live.translate import Listing, Translator
-from controller.supervisor.events import AttemptExited, NodeDraining, NodeJoined
+from controller.supervisor.events import AttemptExited, CheckpointCommitted, NodeDraining, NodeJoined
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
@@ -91,3 +91,25 @@ def test_a_snapshot_lists_the_nodes_that_drain() -> None:
     )
     assert snap.draining == {"n2": "maintenance"}
     assert set(snap.alive) == {"n1", "n2"}
+
+
+def test_a_commit_reported_by_any_rank_is_one_commit_event() -> None:
+    """Rank 0 reports a commit as it writes it; the other ranks once they see its marker, so a
+    commit still reaches the core when rank 0's host cannot report (its agent lost)."""
+    tr = Translator(KEYS, RUN)
+    tr.new_attempt(2)
+
+    def report(node: str, rank: int, committed: int) -> list[object]:
+        prog = store_pb2.NodeProgress(
+            node=node,
+            run=RUN,
+            attempt=2,
+            ranks=[common_pb2.RankProgress(rank=rank, step=committed + 3, committed_step=committed)],
+        )
+        events, _ = tr.watch_event(_put(KEYS.progress(RUN, node), prog.SerializeToString()))
+        return [e for e in events if isinstance(e, CheckpointCommitted)]
+
+    assert report("n2", 1, 70) == [CheckpointCommitted(step=70, attempt=2)]  # rank 0's host silent
+    assert report("n3", 2, 70) == [], "the same commit from another rank is not a new one"
+    assert report("n1", 0, 60) == [], "an older commit reported late changes nothing"
+    assert report("n1", 0, 80) == [CheckpointCommitted(step=80, attempt=2)]

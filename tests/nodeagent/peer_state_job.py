@@ -2,7 +2,7 @@
 (step 3, attempt 1), then loaded back the way a warm restart would: `--forget R` makes rank R drop
 its in-memory copy first (the replacement host's fresh rank), `--shift R` relabels rank R's copy as
 rank R+1's (a survivor renumbered by the replacement), `--no-peer` turns the peer path off.
-Each rank writes what it loaded from and a fingerprint of its model, optimizer, scheduler and RNG
+Steps 3 and 5 are saved; the load is of step 3. Each rank writes the commits its saver reported, what it loaded from and a fingerprint of its model, optimizer, scheduler and RNG
 after the load, next to the same after a load from storage (DCP's collective load)."""
 
 from __future__ import annotations
@@ -21,8 +21,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from nodeagent import memory_state, trainer
-from nodeagent.checkpoint import latest_committed
+from nodeagent.checkpoint import read_commit, step_dir
 from nodeagent.dcp import DcpCheckpointer, load_dcp
+
+
+class CommitReports:
+    """What the saver tells a ProgressReporter of commits (set_committed), recorded."""
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+
+    def set_committed(self, step: int) -> None:
+        self.committed.append(step)
+
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        raise AssertionError(f"save of step {step} failed: {error}")
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -68,7 +81,8 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
     model, opt, sched = _model()
-    saver = DcpCheckpointer(args.ckpt, async_save=False)
+    reports = CommitReports()
+    saver = DcpCheckpointer(args.ckpt, async_save=False, reporter=reports)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(3):
@@ -93,8 +107,10 @@ def main() -> None:
             ]
         for _ in range(2):  # the state moves on past the commit: the load must bring it back
             _step(model, opt, sched)
-        commit = latest_committed(args.ckpt)
-        assert commit is not None and commit.step == 3
+        saver.save(5, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": 5, "rank": rank})
+        _step(model, opt, sched)
+        commit = read_commit(step_dir(args.ckpt, 3))
+        assert commit is not None
         got = trainer.load_checkpoint(
             commit, model=model, optimizer=opt, scheduler=sched, rank=rank, from_peer=not args.no_peer
         )
@@ -108,6 +124,7 @@ def main() -> None:
         json.dumps(
             {
                 "source": source,
+                "commits_reported": reports.committed,
                 "data_state": got.data_state,
                 "reference_data_state": state.data_state,
                 "fingerprint": after,

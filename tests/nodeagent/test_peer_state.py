@@ -86,6 +86,9 @@ def test_the_replacement_rank_gets_its_state_from_a_peer_exactly_as_storage_woul
     results = _run(tmp_path / "peer", "--forget", "2", "--shift", "0")
     assert [r["source"] for r in results] == ["memory", "memory", "peer"]
     _same_as_storage(results)
+    # rank 0 reports each commit it writes; the others the marker of their previous save (so a lost
+    # rank-0 host does not leave the supervisor resuming from an older commit than the survivors hold)
+    assert [r["commits_reported"] for r in results] == [[3, 5], [3], [3]]
     results = _run(tmp_path / "off", "--forget", "0", "--no-peer")
     assert [r["source"] for r in results] == ["storage"] * WORLD
     _same_as_storage(results)
