@@ -12,6 +12,7 @@ parameters). Then, `--trials` times per mode, alternating, every rank loads that
 * storage: no rank holds a copy (a cold restart, or sharded state): DCP's collective load, every
   rank reading the whole replicated state from the checkpoint directory (this machine's disk, in
   its page cache after the first read: the best case for storage);
+* storage-cold: the same, with this machine's page cache dropped first (root): read from the disk;
 * peer: the last rank holds no copy (the replacement host), the others their own; it receives the
   lowest holder's state over gloo (nodeagent.memory_state) and reads only its own state file.
 
@@ -39,6 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+MODES = ("storage", "storage-cold", "peer")
+
+
+def _drop_page_cache() -> None:
+    """Write back and drop this machine's page cache (root): the next read comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
 def _rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -52,7 +62,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     width = 1024
-    layers = max(1, round(args.params_mb * 1e6 / 4 / (width * width + width)))
+    layers = max(1, round(args.params_mb[0] * 1e6 / 4 / (width * width + width)))
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -77,10 +87,14 @@ def _rank_main(args: argparse.Namespace) -> None:
     from_storage = {"storage": storage_bytes, "peer": state_file, "memory": 0}
     rows = []
     for trial in range(args.trials):
-        for mode in ("storage", "peer"):
+        for mode in MODES:
             fresh = rank == world - 1 if mode == "peer" else True
             memory_state._snapshots[:] = [] if fresh else list(kept)
             dist.barrier()
+            if mode == "storage-cold":
+                if rank == 0:
+                    _drop_page_cache()
+                dist.barrier()
             t0 = time.perf_counter()
             trainer.load_checkpoint(commit, model=model, optimizer=opt, rank=rank)
             took = time.perf_counter() - t0
@@ -139,7 +153,7 @@ def _run(params_mb: float, ranks: int, trials: int) -> dict[str, Any]:
         per_rank = [json.loads((rows_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
     rows = [row for doc in per_rank for row in doc["rows"]]
     out: dict[str, Any] = {"params_mb": params_mb, "ranks": ranks, "state_bytes": per_rank[0]["state_bytes"]}
-    for mode in ("storage", "peer"):
+    for mode in MODES:
         slowest = [
             max(r["load_s"] for r in rows if r["mode"] == mode and r["trial"] == t) for t in range(trials)
         ]
@@ -172,16 +186,18 @@ def main() -> None:
         return
     if args.ranks < 2 or args.trials < 1 or any(mb <= 0 for mb in args.params_mb):
         parser.error("--ranks >= 2, --trials >= 1 and every --params-mb > 0")
+    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("the storage-cold mode drops the page cache: run as root (/proc/sys/vm/drop_caches)")
     results = []
     for mb in args.params_mb:
         r = _run(mb, args.ranks, args.trials)
         results.append(r)
-        s, p = r["storage"], r["peer"]
+        s, c, p = r["storage"], r["storage-cold"], r["peer"]
         print(
             f"{mb:g} MB params ({r['state_bytes'] / 1e6:.0f} MB state), {args.ranks} ranks: "
-            f"slowest rank's load storage {s['slowest_rank_load_s_median']:.3f} s, "
-            f"peer {p['slowest_rank_load_s_median']:.3f} s "
-            f"(ratio {p['slowest_rank_load_s_median'] / s['slowest_rank_load_s_median']:.2f}); "
+            f"slowest rank's load: storage {s['slowest_rank_load_s_median']:.3f} s (page cache), "
+            f"{c['slowest_rank_load_s_median']:.3f} s (from the disk), "
+            f"peer {p['slowest_rank_load_s_median']:.3f} s; "
             f"fresh rank reads {s['fresh_rank_bytes_from_storage'] / 1e6:.1f} MB vs "
             f"{p['fresh_rank_bytes_from_storage'] / 1e6:.3f} MB from storage; sources {s['sources']} / {p['sources']}",
             flush=True,

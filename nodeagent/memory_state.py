@@ -115,7 +115,7 @@ _HOLDS = 1  # it holds its own copy of the commit (saved as this rank of this wo
 _WHOLE = 2  # the commit's tensors were saved whole (replicated state, dcp.whole_tensors_bytes)
 _PEER_OK = 4  # it may take its state from a peer (load_checkpoint's from_peer)
 _HOLDS_STATE = 8  # it holds a copy of the commit saved as any rank (a replacement renumbered it)
-PEER_SLACK_BYTES = 16 * 1024 * 1024  # a peer's serialized state: its tensors plus this much at most
+MAX_PEER_HEADER_BYTES = 16 * 1024 * 1024  # a peer's header: the state's structure and plain data
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +165,10 @@ def restore_committed_dcp(
     Without every rank holding its own copy, memory serves only state every rank holds in full
     (DDP's replicas; the commit's `.metadata` says so: dcp.whole_tensors_bytes): the replacement
     host's ranks, which hold no copy, receive the lowest holder's model and optimizer state over
-    the process group (the attempt's own, fenced by its rendezvous), and a rank whose number
-    changed uses its own copy's; both read only their own small state file (RNG, data position,
-    scheduler) from storage. The bytes are torch.save'd and read back with torch's weights_only
-    unpickler (plain data and tensors only), bounded by the size the metadata gives, and checked
-    against it; if any receiver finds them wrong, every rank loads from storage instead. Sharded
+    the process group (the attempt's own, fenced by its rendezvous: `_from_peer` says how, and how
+    it is checked), and a rank whose number changed uses its own copy's; both read only their own
+    small state file (RNG, data position, scheduler) from storage. If any receiver finds the
+    offered state wrong, every rank loads from storage instead. Sharded
     state (FSDP, DTensor) cannot come from one peer: it loads from storage unless every rank kept
     its own."""
     from nodeagent import dcp
@@ -204,15 +203,10 @@ def restore_committed_dcp(
                 payload = other
     if plan.sender >= 0:
         assert expected is not None
-        received = _from_peer(
-            payload,
-            plan.sender,
-            rank=rank,
-            limit=2 * expected + PEER_SLACK_BYTES,
-            receive=plan.source == PEER,
+        ok, received = _from_peer(
+            payload, plan.sender, rank=rank, expected=expected, receive=plan.source == PEER
         )
-        ok = plan.source != PEER or _received_whole(received, expected, rank)
-        if not _everyone(ok, world_size):
+        if not ok:
             plan = LoadPlan(STORAGE)
         elif plan.source == PEER:
             payload = {"state": received}
@@ -251,63 +245,150 @@ def _everyone(ok: bool, world_size: int) -> bool:
     return min(_gather_ints(int(ok), world_size)) == 1
 
 
-def _from_peer(payload: Any, sender: int, *, rank: int, limit: int, receive: bool) -> Any | None:
-    """Broadcast the sender's kept state (`payload["state"]`) to every rank (a broadcast on the
-    default group: the holders get the bytes too, and drop them); the state as received where
-    `receive`, else None, and None where refused: too long, or not plain data and tensors."""
+_SLOT = "__runwarden_tensor__"  # a tensor's place in the skeleton a peer sends: {_SLOT: index}
+
+
+def _split(state: Any) -> tuple[Any, list[Any]]:
+    """`state` with every tensor replaced by its slot, and the tensors in slot order."""
+    import torch
+
+    tensors: list[Any] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return {_SLOT: len(tensors) - 1}
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(state), tensors
+
+
+def _join(skeleton: Any, tensors: list[Any]) -> Any:
+    """The inverse of `_split` (a slot out of range raises ValueError)."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if set(x) == {_SLOT}:
+                i = x[_SLOT]
+                if not (isinstance(i, int) and 0 <= i < len(tensors)):
+                    raise ValueError(f"tensor slot {i!r} out of range")
+                return tensors[i]
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(skeleton)
+
+
+def _specs_bytes(specs: Any) -> int | None:
+    """The bytes the tensor specs [(shape, dtype name), ...] a peer sent describe, None if malformed."""
+    import torch
+
+    total = 0
+    if not isinstance(specs, list):
+        return None
+    for spec in specs:
+        if not (isinstance(spec, (list, tuple)) and len(spec) == 2):
+            return None
+        shape, name = spec
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, (list, tuple)):
+            return None
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            return None
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += numel * dtype.itemsize
+    return total
+
+
+def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: bool) -> tuple[bool, Any]:
+    """Broadcast the sender's kept state (`payload["state"]`) on the default group (the holders
+    take part, and drop it): first a small header (the state with its tensors replaced by slots,
+    and each tensor's shape and dtype), read with torch's weights_only unpickler and checked by
+    every rank (bounded; its tensors add up to the commit's `expected` bytes), then one flat
+    buffer per dtype, received in place and cut into the tensors. (every rank agrees the header
+    is good, the state where `receive`), or (False, None) on every rank if any refused."""
     import io
 
     import torch
     import torch.distributed as dist
 
     device = _device()
-    body = b""
+    header, tensors = b"", list[Any]()
     if rank == sender:
+        skeleton, tensors = _split(payload["state"])
+        offer = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
         buf = io.BytesIO()
-        torch.save(payload["state"], buf)
-        body = buf.getvalue()
-    length = torch.tensor([len(body) if len(body) <= limit else -1], dtype=torch.int64, device=device)
+        torch.save({"skeleton": skeleton, "specs": offer}, buf)
+        header = buf.getvalue()
+    size = len(header) if len(header) <= MAX_PEER_HEADER_BYTES else -1
+    length = torch.tensor([size], dtype=torch.int64, device=device)
     dist.broadcast(length, src=sender)
     n = int(length.item())
     if n < 0:
-        if rank == sender:
-            log.warning(
-                "rank %d: kept state is %d bytes, over the %d its commit allows", rank, len(body), limit
-            )
-        return None
+        return False, None
     data = (
-        torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+        torch.frombuffer(bytearray(header), dtype=torch.uint8)
         if rank == sender
-        else torch.empty(n, dtype=torch.uint8, device=device)
+        else torch.empty(n, dtype=torch.uint8)
     )
+    data = data.to(device)
     dist.broadcast(data, src=sender)
+    doc: Any = None
+    if rank != sender:
+        try:
+            doc = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+        except Exception as exc:
+            log.warning("rank %d: the header rank %d sent is not plain data: %s", rank, sender, exc)
+    specs: Any = doc.get("specs") if isinstance(doc, dict) else None
+    ok = rank == sender or (_specs_bytes(specs) == expected and "skeleton" in doc)
+    if rank != sender and not ok:
+        log.warning(
+            "rank %d: the state rank %d offers does not match the commit's %d bytes", rank, sender, expected
+        )
+    if not _everyone(ok, dist.get_world_size()):
+        return False, None
+    layout: list[tuple[list[int], torch.dtype]] = (
+        [(list(t.shape), t.dtype) for t in tensors]
+        if rank == sender
+        else [(list(shape), getattr(torch, name)) for shape, name in specs]
+    )
+    received: list[Any] = [None] * len(layout)
+    for dtype in dict.fromkeys(d for _, d in layout):
+        slots = [i for i, (_, d) in enumerate(layout) if d == dtype]
+        if rank == sender:
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in slots]).to(device)
+        else:
+            numel = sum(_numel(layout[i][0]) for i in slots)
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        dist.broadcast(flat, src=sender)
+        if not receive:
+            continue
+        at = 0
+        for i in slots:
+            k = _numel(layout[i][0])
+            received[i] = flat[at : at + k].view(layout[i][0]).to("cpu")
+            at += k
     if not receive:
-        return None
+        return True, None
     try:
-        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
-    except Exception as exc:
-        log.warning("rank %d: the state rank %d sent is not plain data and tensors: %s", rank, sender, exc)
-        return None
+        return True, _join(doc["skeleton"], received)
+    except ValueError as exc:  # every receiver parsed the same header: all of them fail alike
+        raise RuntimeError(f"rank {rank}: the state rank {sender} sent: {exc}") from None
 
 
-def _received_whole(state: Any, expected: int, rank: int) -> bool:
-    """Whether `state` is a model (and optimizer) state whose tensors add up to the commit's."""
-    import torch
-
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        return False
-    total, stack = 0, [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            total += item.numel() * item.element_size()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    if total != expected:
-        log.warning("rank %d: a peer's state holds %d bytes of tensors, the commit %d", rank, total, expected)
-    return total == expected
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def restore_dcp(

@@ -150,9 +150,21 @@ def test_whole_tensors_and_sharded_ones_told_apart_from_dcp_metadata() -> None:
     assert whole_tensors_bytes(part) is None
 
 
-def test_a_peer_state_must_add_up_to_the_commit() -> None:
-    state = {"model": {"w": torch.zeros(4, 2)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 2)}}}}
-    assert memory_state._received_whole(state, 64, rank=1)
-    assert not memory_state._received_whole(state, 32, rank=1)
-    assert not memory_state._received_whole(None, 64, rank=1)
-    assert not memory_state._received_whole({"optim": {}}, 0, rank=1)
+def test_a_peer_state_goes_as_a_skeleton_and_flat_tensors_and_must_add_up_to_the_commit() -> None:
+    state = {
+        "model": {"w": torch.arange(8.0).view(4, 2), "b": torch.zeros(2, dtype=torch.float64)},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+        },
+    }
+    skeleton, tensors = memory_state._split(state)
+    assert len(tensors) == 3 and skeleton["optim"]["param_groups"] == state["optim"]["param_groups"]
+    back = memory_state._join(skeleton, tensors)
+    assert back["model"]["w"] is tensors[0] and back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    with pytest.raises(ValueError, match="out of range"):
+        memory_state._join({"x": {memory_state._SLOT: 7}}, tensors)
+    specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+    assert memory_state._specs_bytes(specs) == 8 * 4 + 2 * 8 + 4
+    for bad in (None, [([4], "not_a_dtype")], [([-1], "float32")], [([4], "Tensor")], [("4", "float32")]):
+        assert memory_state._specs_bytes(bad) is None, bad
