@@ -168,9 +168,8 @@ def restore_committed_dcp(
     the process group (the attempt's own, fenced by its rendezvous: `_from_peer` says how, and how
     it is checked), and a rank whose number changed uses its own copy's; both read only their own
     small state file (RNG, data position, scheduler) from storage. If any receiver finds the
-    offered state wrong, every rank loads from storage instead. Sharded
-    state (FSDP, DTensor) cannot come from one peer: it loads from storage unless every rank kept
-    its own."""
+    offered state wrong, every rank loads from storage instead. Sharded state (FSDP, DTensor)
+    cannot come from one peer: it loads from storage unless every rank kept its own."""
     from nodeagent import dcp
     from nodeagent.checkpoint import CheckpointError
 
