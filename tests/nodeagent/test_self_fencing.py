@@ -67,7 +67,17 @@ def test_an_agent_cut_off_from_etcd_stops_its_workers_within_ttl_plus_grace(etcd
         assert stopped_after <= TTL_S + GRACE_S + MARGIN_S
         # the last renewal was at most a keepalive interval (TTL/3) before the cut: not earlier than that
         assert stopped_after >= TTL_S * 2 / 3 + GRACE_S - 0.2
-        status = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5)
+        # the process is gone once the agent's reaper has waited for it; its record follows
+        status = wait_for(
+            lambda: (
+                (st := agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5))
+                .workers[0]
+                .HasField("exit")
+                and st
+            ),
+            5,
+            "the worker's exit record",
+        )
         assert not status.lease_held
         (worker,) = status.workers
         assert worker.exit.signal == signal.SIGKILL
