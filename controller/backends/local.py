@@ -54,12 +54,20 @@ class LocalConfig:
     (no runwarden calls: each agent runs it through nodeagent.bootstrap)."""
 
     rpc_timeout_s: float = 10.0
+    # A launch may wait for a node's parked warm group that is still importing (the agent waits at
+    # most its warm_wait_s, 30 s by default, and never past this deadline): a host whose rank
+    # crashed seconds after a launch starts the next attempt on its standby group, which parks in
+    # ~3 s on a quiet host and took 15.5 s on 2 loaded cores; refused at 10 s, that launch counted
+    # as the node's second failure and quarantined a healthy node.
+    launch_timeout_s: float = 40.0
     no_python: bool = False
     script_mode: str = "instrumented"
 
     def __post_init__(self) -> None:
         if not self.rpc_timeout_s > 0:
             raise BackendError(f"local backend: rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        if not self.launch_timeout_s > 0:
+            raise BackendError(f"local backend: launch_timeout_s must be > 0, got {self.launch_timeout_s}")
         if self.script_mode not in SCRIPT_MODES:
             raise BackendError(
                 f"local backend: script_mode must be one of {', '.join(SCRIPT_MODES)}, got {self.script_mode!r}"
@@ -158,10 +166,9 @@ class LocalBackend:
         """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did
         not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
+        launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
         with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
-            answers = list(
-                pool.map(lambda nr: self.agents.launch(nr[0], nr[1], self.config.rpc_timeout_s), reqs)
-            )
+            answers = list(pool.map(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs))
         started = tuple(
             NodeStarted(
                 node=o.node,

@@ -43,6 +43,8 @@ def test_the_script_mode_is_validated_and_reaches_every_nodes_launch(tmp_path: P
         LocalConfig(script_mode="plain")
     with pytest.raises(BackendError, match="no_python"):
         LocalConfig(script_mode="unmodified", no_python=True)
+    with pytest.raises(BackendError, match="launch_timeout_s"):
+        LocalConfig(launch_timeout_s=0)
     backend = LocalBackend(
         AgentClients(),
         {"a": Rendezvous(host="10.0.0.1", port=29400)}.get,
