@@ -118,6 +118,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def _run(params_mb: float, ranks: int, trials: int) -> dict[str, Any]:
     from runwarden.testing.etcd_server import free_port
+    from runwarden.testing.gloo_ranks import gloo_rank_env
 
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         rows_dir = Path(tmp) / "rows"
@@ -125,18 +126,7 @@ def _run(params_mb: float, ranks: int, trials: int) -> dict[str, Any]:
         port = free_port()
         procs = []
         for rank in range(ranks):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
-            env.update(
-                PYTHONPATH=str(ROOT),
-                OMP_NUM_THREADS="1",
-                RANK=str(rank),
-                WORLD_SIZE=str(ranks),
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RUNWARDEN_RUN="bench-peer",
-                RUNWARDEN_ATTEMPT="1",
-            )
+            env = gloo_rank_env(rank, ranks, port, run="bench-peer", root=ROOT)
             cmd = [
                 sys.executable,
                 __file__,

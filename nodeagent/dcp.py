@@ -59,6 +59,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -330,10 +331,7 @@ def whole_tensors_bytes(metadata: Any) -> int | None:
         (chunk,) = item.chunks
         if any(chunk.offsets) or list(chunk.sizes) != size:
             return None
-        numel = 1
-        for d in size:
-            numel *= d
-        total += numel * item.properties.dtype.itemsize
+        total += math.prod(size) * item.properties.dtype.itemsize
     return total
 
 

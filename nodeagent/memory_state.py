@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -300,10 +301,7 @@ def _specs_bytes(specs: Any) -> int | None:
             return None
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             return None
-        numel = 1
-        for d in shape:
-            numel *= d
-        total += numel * dtype.itemsize
+        total += math.prod(shape) * dtype.itemsize
     return total
 
 
@@ -365,14 +363,14 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         if rank == sender:
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in slots]).to(device)
         else:
-            numel = sum(_numel(layout[i][0]) for i in slots)
+            numel = sum(math.prod(layout[i][0]) for i in slots)
             flat = torch.empty(numel, dtype=dtype, device=device)
         dist.broadcast(flat, src=sender)
         if not receive:
             continue
         at = 0
         for i in slots:
-            k = _numel(layout[i][0])
+            k = math.prod(layout[i][0])
             received[i] = flat[at : at + k].view(layout[i][0]).to("cpu")
             at += k
     if not receive:
@@ -381,13 +379,6 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         return True, _join(doc["skeleton"], received)
     except ValueError as exc:  # every receiver parsed the same header: all of them fail alike
         raise RuntimeError(f"rank {rank}: the state rank {sender} sent: {exc}") from None
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def restore_dcp(

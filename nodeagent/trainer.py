@@ -637,28 +637,16 @@ def load_checkpoint(
     if checkpoint.meta.get("format") == DCP_FORMAT:
         from nodeagent import memory_state
 
-        kept = memory_state.restore_committed_dcp(
-            checkpoint,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            rank=rank,
-            restore_rng=restore_rng,
-            from_peer=from_peer,
+        how: dict[str, Any] = dict(
+            model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, restore_rng=restore_rng
         )
+        kept = memory_state.restore_committed_dcp(checkpoint, from_peer=from_peer, **how)
         if kept is not None:  # from this rank's memory (a warm worker kept its process) or a peer's
             data_state, extra = kept
             return LoadedCheckpoint(
                 step=checkpoint.step, path=checkpoint.path, data_state=data_state, extra=extra
             )
-        state = load_dcp(
-            checkpoint,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            rank=rank,
-            restore_rng=restore_rng,
-        )
+        state = load_dcp(checkpoint, **how)
         return LoadedCheckpoint(
             step=state.step, path=state.path, data_state=state.data_state, extra=state.extra
         )

@@ -11,7 +11,6 @@ holding its own copy (memory) is tests/nodeagent/test_warm_restart.py's last att
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from nodeagent import memory_state
 from nodeagent.dcp import whole_tensors_bytes
 from runwarden.testing.etcd_server import free_port
+from runwarden.testing.gloo_ranks import gloo_rank_env
 from tests.nodeagent.helpers import ROOT
 
 WORLD = 3
@@ -33,18 +33,7 @@ def _run(tmp: Path, *extra: str) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(WORLD):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
-        env.update(
-            PYTHONPATH=str(ROOT),
-            OMP_NUM_THREADS="1",
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RUNWARDEN_RUN="peer-test",
-            RUNWARDEN_ATTEMPT="1",
-        )
+        env = gloo_rank_env(rank, WORLD, port, run="peer-test", root=ROOT)
         procs.append(
             subprocess.Popen(
                 [
