@@ -185,7 +185,9 @@ def test_the_bandwidth_gate_swaps_out_the_slow_host(scenario: Scenario) -> None:
     window = _between(scenario, "slow", "leader")
     gate = [e for e in window if e.kind == E.EVENT_KIND_PREFLIGHT_RESULT and "bandwidth gate on" in e.message]
     assert gate, "the gate did not run before the relaunch"
-    assert f"{slowed} below" in gate[0].message, gate[0].message
+    # the slowed host is below the floor (on 2 loaded cores a healthy one can be too: it is then
+    # swapped out as well, which the gate is allowed to do; the slowed one must never pass)
+    assert f"bandwidth:{slowed}" in gate[0].preflight.summary.failed_checks, gate[0].message
     q = [e for e in window if e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == slowed]
     assert q and "bandwidth gate" in q[0].quarantine.reason
     launch = next(e for e in window if e.kind == E.EVENT_KIND_LAUNCH)

@@ -249,7 +249,11 @@ def test_agent_sigterm_without_a_controller_hands_over_then_commits_and_exits(
         f"stop file {stop_file}: agent stopping (SIGTERM): no stop request from the controller within 1 s"
     )
     assert progress.exit.planned_stop == reason
-    assert sorted((r.rank, r.stop_reason) for r in progress.ranks) == [(0, reason), (1, reason)]
+    # every rank reads the stop file; one may hear of the stop from its peer first (the ranks agree on
+    # stopping in a collective), but the file's reason reaches the supervisor
+    reasons = sorted((r.rank, r.stop_reason) for r in progress.ranks)
+    assert [r for r, _ in reasons] == [0, 1] and reason in {why for _, why in reasons}, reasons
+    assert {why for _, why in reasons} <= {reason, "a peer rank's stop request"}, reasons
     committed = latest_committed(tmp_path / "ckpt")
     assert committed is not None and committed.step == max(r.step for r in progress.ranks)
     assert [r.committed_step for r in progress.ranks if r.rank == 0] == [committed.step]
