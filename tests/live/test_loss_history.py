@@ -111,11 +111,11 @@ def test_a_replay_after_a_controller_restart_is_compared_with_the_losses_logged_
         store.put(store.keys.progress(RUN, "n1"), prog.SerializeToString())
         _, launch = log.wait(is_launch(2), 30)
         assert launch.launch.resume_step == 20
-        _put(store, 2, range(21, 31), scale=1.001)
+        _put(store, 2, range(21, 31), scale=1.1)  # 10 %: beyond the default 5 %
         _, div = log.wait(lambda e: e.kind == E.EVENT_KIND_DIVERGENCE, 10)
         _, replay = log.wait(lambda e: e.kind == E.EVENT_KIND_LOSS_REPLAY and e.attempt == 2, 10)
     (p,) = div.loss.points
     assert (div.attempt, p.step, p.rank, p.earlier_attempt) == (2, 21, 0, 1)
-    assert p.earlier_loss == _curve(21) and p.rel_diff == pytest.approx(1e-3, rel=1e-6)
+    assert p.earlier_loss == _curve(21) and p.rel_diff == pytest.approx(0.1, rel=1e-6)
     assert [x.step for x in replay.loss.points] == list(range(21, 31))  # every replayed step compared
     assert all(x.earlier_attempt == 1 for x in replay.loss.points)
