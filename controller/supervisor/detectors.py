@@ -155,7 +155,10 @@ def persistent_straggler(history: Iterable[int | None], cfg: SupervisorConfig) -
 
 
 def mass_expiry_threshold(cfg: SupervisorConfig, fleet_size: int) -> int:
-    return max(cfg.mass_expiry_min_nodes, math.ceil(cfg.mass_expiry_fraction * fleet_size))
+    """Lease expiries within the window that make a control-plane fault: mass_expiry_min_nodes at any
+    fleet size (a fraction alone let 500 of 2,048 hosts vanish as "hardware"), fewer only in a fleet
+    too small for that count (mass_expiry_fraction of it), never one."""
+    return max(2, min(cfg.mass_expiry_min_nodes, math.ceil(cfg.mass_expiry_fraction * fleet_size)))
 
 
 def is_mass_expiry(loss_times: Sequence[float], now: float, fleet_size: int, cfg: SupervisorConfig) -> bool:

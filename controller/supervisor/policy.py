@@ -98,9 +98,12 @@ class SupervisorConfig:
     fr_min_confidence: float = 0.5
     evidence_window_s: float = 600.0
 
-    # Control-plane guard: this many lease expiries within the window is not a hardware fault.
+    # Control-plane guard: mass_expiry_min_nodes lease expiries within the window, at any fleet size,
+    # are not a hardware fault (hosts do not fail together within seconds; a switch, a partition or
+    # etcd does); nor, in a fleet too small for that count, is mass_expiry_fraction of it (at least
+    # two), as Kubernetes' node-lifecycle controller takes both an absolute and a fraction.
     mass_expiry_min_nodes: int = 3
-    mass_expiry_fraction: float = 0.25
+    mass_expiry_fraction: float = 0.55
     mass_expiry_window_s: float = 2.0
     control_plane_grace_s: float = 60.0
 

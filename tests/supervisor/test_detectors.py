@@ -90,9 +90,10 @@ def test_persistent_straggler_needs_a_full_window_and_persistence() -> None:
 
 
 def test_mass_expiry_threshold_and_window() -> None:
-    cfg = SupervisorConfig(mass_expiry_min_nodes=3, mass_expiry_fraction=0.25, mass_expiry_window_s=2.0)
+    cfg = SupervisorConfig(mass_expiry_min_nodes=3, mass_expiry_fraction=0.55, mass_expiry_window_s=2.0)
     assert d.mass_expiry_threshold(cfg, 6) == 3
-    assert d.mass_expiry_threshold(cfg, 100) == 25
+    assert d.mass_expiry_threshold(cfg, 100) == 3  # the count, not a quarter of the fleet
+    assert d.mass_expiry_threshold(cfg, 3) == 2  # too small for three: the fraction, at least two
     assert d.is_mass_expiry(deque([10.0, 10.5, 11.0]), 11.0, 6, cfg)
     assert not d.is_mass_expiry(deque([5.0, 10.5, 11.0]), 11.0, 6, cfg)
 
