@@ -39,6 +39,7 @@ from controller.supervisor.actions import (
     CollectDumps,
     Launch,
     Page,
+    PersistMemory,
     PersistNode,
     Quarantine,
     Release,
@@ -363,6 +364,7 @@ class ControllerSide:
                     | Page()
                     | SetTimer()
                     | PersistNode()
+                    | PersistMemory()
                 ):
                     pass  # not carried out: no workers, no scheduler, no timers (the bench is the watch path)
                 case _:

@@ -109,6 +109,10 @@ class KeySchema:
     def spec(self, run: str) -> str:
         return self.run_prefix(run) + "spec"
 
+    def memory(self, run: str) -> str:
+        """The supervisor's memory of the run (store_pb2.SupervisorMemory)."""
+        return self.run_prefix(run) + "memory"
+
     def policy(self, run: str) -> str:
         return self.run_prefix(run) + "policy"
 

@@ -50,6 +50,7 @@ from controller.supervisor.actions import (
     MeasureBandwidth,
     Page,
     PersistCheckpoint,
+    PersistMemory,
     PersistNode,
     Quarantine,
     Release,
@@ -201,6 +202,8 @@ class Executor:
                 self._persist(action.record)
             case PersistCheckpoint():
                 self._persist_checkpoint(action)
+            case PersistMemory():
+                self._persist_memory(action)
             case Page():
                 self.pager.page(action.reason, action.severity)
             case Quarantine():
@@ -535,6 +538,17 @@ class Executor:
         except StoreError as exc:
             log.warning("recording checkpoint %d failed: %s", action.step, exc)
 
+    def _persist_memory(self, action: PersistMemory) -> None:
+        """The run's supervisor memory, fenced by this leadership (a deposed leader writes nothing)."""
+        try:
+            self.store.fenced_put(
+                self.keys.memory(self.s.run), action.record.SerializeToString(), self.leadership
+            )
+        except StoreError as exc:
+            log.warning(
+                "recording the supervisor's memory failed: %s (written again at its next change)", exc
+            )
+
     def _persist(self, rec: NodeRecordView) -> None:
         now = self.clock()
         entry = store_pb2.PoolEntry(
@@ -555,6 +569,7 @@ class Executor:
             preflight_rejections=rec.preflight_rejections,
             updated_at=now,
             known_since=rec.known_since,
+            repaired_at=rec.repaired_at,
             evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]],
         )
         try:

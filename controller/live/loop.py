@@ -595,6 +595,7 @@ class LiveController:
             now=self.clock(),
             policy=self.store.get(k.policy(run)),
             claims=tuple(self.store.get_prefix(k.claims_prefix())[0]),
+            memory=self.store.get(k.memory(run)),
         )
         elsewhere = self.claims.load(listing.claims)  # this run's claims (a predecessor's too) are its own
         snap, addresses, exits, attempt = self.translator.snapshot(listing, elsewhere)

@@ -11,6 +11,7 @@ drops that one value, and everything else carries on.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -77,6 +78,7 @@ class Listing:
     now: float
     policy: KeyValue | None = None  # the run's stored supervisor policy
     claims: tuple[KeyValue, ...] = ()  # claims/: which run holds each node of the shared fleet
+    memory: KeyValue | None = None  # runs/<run>/memory: the supervisor's memory of the run
 
 
 class Translator:
@@ -156,6 +158,7 @@ class Translator:
                 draining=draining,
                 policy=self._stored_policy(listing.policy),
                 claimed_elsewhere=dict(claimed_elsewhere or {}),
+                memory=_try(store_pb2.SupervisorMemory, listing.memory.value) if listing.memory else None,
             )
         return snap, Addresses(set=addresses), exits, attempt
 
@@ -382,6 +385,7 @@ def record_view(pool: KeyValue | None, reputation: KeyValue | None) -> NodeRecor
         evidence=tuple(entry.evidence),
         evidence_kinds=tuple(rep.evidence_kinds),
         known_since=rep.known_since,
+        repaired_at=rep.repaired_at if math.isfinite(rep.repaired_at) else 0.0,
     )
 
 

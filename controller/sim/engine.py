@@ -48,6 +48,7 @@ from controller.supervisor.actions import (
     MeasureBandwidth,
     Page,
     PersistCheckpoint,
+    PersistMemory,
     PersistNode,
     Quarantine,
     Release,
@@ -273,7 +274,7 @@ class World:
                         nodes=act.nodes, set_gbps=1.0, per_node_gbps=tuple((n, 1.0) for n in act.nodes)
                     )
                 )
-            case Release() | Page() | PersistNode() | PersistCheckpoint():
+            case Release() | Page() | PersistNode() | PersistMemory() | PersistCheckpoint():
                 pass  # nothing to do in the world (the core logged them)
             case _:
                 assert_never(act)

@@ -13,7 +13,8 @@
    (late is fine, early is harmless). Extra ticks are always allowed. `controller.supervisor.timers`
    keeps these rules for every shell.
 4. `PersistNode`: write the node's pool entry and reputation to the store (level-triggered state
-   that `Snapshot` gives back after a controller restart).
+   that `Snapshot` gives back after a controller restart); `PersistMemory` the run's supervisor
+   memory (`Snapshot.memory` gives it to a fresh core).
 5. An action that fails is answered with `ActionFailed` (temporary or permanent, with its reason);
    results come back as events (`PreflightResult`, `AttemptExited`, `DumpsCollected`, `NodeJoined`).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.supervisor.events import NodeRecordView
-from runwarden.v1 import common_pb2, events_pb2
+from runwarden.v1 import common_pb2, events_pb2, store_pb2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +150,14 @@ class PersistNode:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PersistMemory:
+    """Write the run's supervisor memory (runs/<run>/memory): restart budget, crash-loop candidate,
+    offences, blast-radius quarantines. Built fresh for each action; never changed after."""
+
+    record: store_pb2.SupervisorMemory
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PersistCheckpoint:
     """Record an accepted commit in the store (runs/<run>/checkpoints/<step>): a resume point that a
     `Snapshot` gives back after a controller restart. A superseded attempt's commit never gets one."""
@@ -172,6 +181,7 @@ Action = (
     | Page
     | SetTimer
     | PersistNode
+    | PersistMemory
     | PersistCheckpoint
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss, nodes, prepare, reconfigure
+from controller.supervisor import failure, loss, memory, nodes, prepare, reconfigure
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
@@ -158,11 +158,15 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     sv.attempt = max(sv.attempt, snap.attempt)
     if snap.losses is not None:  # a fresh core: the loss history its predecessor logged
         loss.restore(sv, snap.losses, snap.attempt, snap.resume_step)
+    remembered = ""
+    if fresh and snap.memory is not None:  # a fresh core continues its predecessor's memory
+        remembered = "; " + memory.restore(sv, snap.memory)
     sv.log(
         E.EVENT_KIND_CONTROL_PLANE,
         f"reconciled from the store: {len(snap.alive)} nodes alive"
         + (f" ({len(snap.claimed_elsewhere)} claimed by other runs)" if snap.claimed_elsewhere else "")
-        + f", attempt record {snap.attempt}, latest committed step {sv.latest_committed}",
+        + f", attempt record {snap.attempt}, latest committed step {sv.latest_committed}"
+        + remembered,
     )
     if sv.state is RunState.CONTROL_PLANE:
         sv.cp_etcd_lost = False

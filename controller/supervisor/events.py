@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.names import check_name as _check_name
-from runwarden.v1 import common_pb2
+from runwarden.v1 import common_pb2, store_pb2
 
 if TYPE_CHECKING:
     from controller.supervisor.actions import Action
@@ -339,6 +339,7 @@ class NodeRecordView:
         int, ...
     ] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
     known_since: float = 0.0  # first registration seen (Reputation.known_since; 0: unknown)
+    repaired_at: float = 0.0  # an operator's last repair or release (Reputation.repaired_at; 0: never)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -404,6 +405,7 @@ class Snapshot:
     policy: PolicyChanged | None = None
     claimed_elsewhere: dict[str, str] = field(default_factory=dict)  # node -> the other run holding it
     losses: LossHistory | None = None
+    memory: store_pb2.SupervisorMemory | None = None  # the run's supervisor memory (a fresh core takes it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,14 +7,15 @@ Blame is `controller.supervisor.blame.blame` (the one ladder); whether and when 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.supervisor import loss, restart
+from controller.supervisor import loss, memory, restart
 from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
 from controller.supervisor.events import DumpsCollected, StopRequested
-from controller.supervisor.pool import OUT_OF_SERVICE
+from controller.supervisor.pool import OUT_OF_SERVICE, PoolState
 from controller.supervisor.states import RunState
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
@@ -114,10 +115,20 @@ def _exit_summary(sv: Supervisor, f: Failure) -> None:
     )
 
 
-def _to_quarantine(sv: Supervisor, f: Failure) -> list[tuple[str, str, list[common_pb2.Evidence]]]:
-    """Blame the stopped attempt (logged), and name who is quarantined for it and why."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Suspect:
+    node: str
+    reason: str
+    evidence: list[common_pb2.Evidence]
+    blamed: bool  # blamed for this failure (else a straggler flagged earlier in the attempt)
+
+
+def _to_quarantine(sv: Supervisor, f: Failure) -> tuple[list[_Suspect], bool]:
+    """Blame the stopped attempt (logged), and name who is quarantined for it and why; and whether
+    the blame rests on evidence about a node (hardware evidence, a lost lease)."""
     a = sv.cur
-    out: list[tuple[str, str, list[common_pb2.Evidence]]] = []
+    out: list[_Suspect] = []
+    node_evidence = f.detector == E.DETECTOR_NODE_LOST
     if not f.planned and not f.control_plane:
         evidence = {n: sv.pool.evidence_since(n, a.launched_at) for n in a.node_step}
         b = blame(
@@ -128,27 +139,47 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> list[tuple[str, str, list[comm
             fr_min_confidence=sv.cfg.fr_min_confidence,
         )
         sv.log(E.EVENT_KIND_ATTRIBUTION, b.reason, attribution=b.to_proto())
+        node_evidence = node_evidence or b.method is BlameMethod.HARDWARE
         if b.method.quarantines:
-            out = [(s.node, f"{b.method.label}: {s.reason}", list(s.evidence)) for s in b.suspects]
+            out = [
+                _Suspect(
+                    node=s.node,
+                    reason=f"{b.method.label}: {s.reason}",
+                    evidence=list(s.evidence),
+                    blamed=True,
+                )
+                for s in b.suspects
+            ]
         elif b.method is BlameMethod.FIRST_EXIT and f.first_exit is not None:
             steps = sv.offences.setdefault(f.first_exit, set())
             steps.add(f.step)
             if len(steps) >= sv.cfg.repeat_offender_count:
                 out = [
-                    (
-                        f.first_exit,
-                        f"first to exit at {len(steps)} different steps ({sorted(steps)}) with no "
+                    _Suspect(
+                        node=f.first_exit,
+                        reason=f"first to exit at {len(steps)} different steps ({sorted(steps)}) with no "
                         "hardware evidence",
-                        [],
+                        evidence=[],
+                        blamed=True,
                     )
                 ]
     if not f.control_plane:
         out += [
-            (n, "persistent straggler (quarantined at restart)", [])
+            _Suspect(
+                node=n, reason="persistent straggler (quarantined at restart)", evidence=[], blamed=False
+            )
             for n in sorted(a.straggler_nodes)
             if n in a.node_step
         ]
-    return out
+    return out, node_evidence
+
+
+def _signature(sv: Supervisor, f: Failure) -> restart.Signature:
+    """This failure as the crash-loop rule compares it: the checkpoint interval (the gap between the
+    two newest commits) is how far its step may move and still be the same failure."""
+    newest = sorted(sv.committed)[-2:]
+    slack = newest[1] - newest[0] if len(newest) == 2 else 0
+    return restart.Signature(label=f.label, resume_step=sv.cur.resume_step, step=f.step, slack=slack)
 
 
 def decide(sv: Supervisor) -> None:
@@ -157,10 +188,23 @@ def decide(sv: Supervisor) -> None:
     f = sv.failure
     _exit_summary(sv, f)
     seen: set[str] = set()
-    for n, why, evs in _to_quarantine(sv, f):
-        if n not in seen and sv.pool.get(n).state not in OUT_OF_SERVICE:
-            seen.add(n)
-            sv.quarantine(n, why, evidence=evs)
+    victims: list[tuple[str, float]] = []  # quarantined without evidence about the node
+    suspects, node_evidence = _to_quarantine(sv, f)
+    signature = _signature(sv, f)
+    # The failure that completes a crash loop quarantines none of its suspects without evidence:
+    # the verdict would give them back at once.
+    looping = (
+        not (f.planned or f.control_plane or node_evidence)
+        and restart.loop_count_with(sv.history, signature) >= sv.cfg.crash_loop_count
+    )
+    for s in suspects:
+        out = s.node in seen or sv.pool.get(s.node).state in OUT_OF_SERVICE
+        if looping and s.blamed and not s.evidence:
+            continue
+        if not out and sv.quarantine(s.node, s.reason, evidence=s.evidence):
+            seen.add(s.node)
+            if s.blamed and not s.evidence:
+                victims.append((s.node, sv.now))
     sv.cur.straggler_nodes.clear()
     sv.release_slots()
     if sv.end_after_stop or not f.relaunch:
@@ -171,9 +215,9 @@ def decide(sv: Supervisor) -> None:
         sv.cfg,
         sv.history,
         now=sv.now,
-        label=f.label,
-        step=f.step,
+        signature=signature,
         suspects_quarantined=bool(seen),
+        node_evidence=node_evidence,
         planned=f.planned,
         control_plane=f.control_plane,
         attempt_ran_s=ran,
@@ -183,20 +227,62 @@ def decide(sv: Supervisor) -> None:
         sv.history,
         decision,
         now=sv.now,
-        label=f.label,
-        step=f.step,
+        signature=signature,
         suspects_quarantined=bool(seen),
+        quarantined=victims,
+        node_evidence=node_evidence,
         attempt_ran_s=ran,
     )
+    memory.persist(sv)
     match decision:
         case restart.CrashLoop(reason=reason):
-            sv.page(f"crash loop: {f.label} at step {f.step} {sv.history.loop_count} times with no suspect")
-            sv.finish(RunState.CRASH_LOOP, "crash_loop", reason)
+            _crash_loop(sv, f, reason, also_suspected=[s.node for s in suspects if s.blamed])
         case restart.BudgetExhausted(reason=reason, page=page):
             sv.page(page)
             sv.finish(RunState.BUDGET_EXHAUSTED, "budget_exhausted", reason)
         case restart.Relaunch(delay=delay, reason=reason):
             begin_backoff(sv, delay, reason)
+
+
+def _crash_loop(sv: Supervisor, f: Failure, reason: str, also_suspected: list[str]) -> None:
+    """The run stops and pages once; the nodes quarantined for the loop were its victims: they go
+    back to the pool without the strike and without a burn-in."""
+    suspects = sv.history.loop_suspects
+    released = [n for n, at in suspects if release_victim(sv, n, at, f"victim of the crash loop ({f.label})")]
+    named = sorted({*(n for n, _ in suspects), *(n for n in also_suspected if n)})
+    sig = sv.history.loop_signature
+    resumed = f", resumed from step {sig.resume_step}" if sig is not None else ""
+    sv.page(
+        f"crash loop: {f.label} at step {f.step}, {sv.history.loop_count} times in a row{resumed}; "
+        + (f"suspected {', '.join(named)}; " if named else "no node was suspected; ")
+        + (f"released without a strike: {', '.join(released)}" if released else "no node to release")
+        + "; a software or data fault: fix the job, then `controller run` resumes from the latest commit"
+    )
+    sv.history.reset_loop()
+    memory.persist(sv)
+    sv.finish(RunState.CRASH_LOOP, "crash_loop", reason)
+
+
+def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> bool:
+    """Give back a node quarantined for a fault that was not its own: its strike is struck off and
+    it is a spare again at once (no burn-in: nothing was wrong with it), unless something else keeps
+    it out (an operator's hold, fatal evidence, other recent failures). Whether it returned now."""
+    p = sv.pool.get(node)
+    was_out = p.state in OUT_OF_SERVICE
+    if not sv.pool.strike_off(node, strike_at, sv.now):
+        return False
+    sv.persist(node)
+    if not was_out or p.state is not PoolState.SPARE:
+        return False
+    sv.burn_in.discard(node)
+    sv.soaks.pop(node, None)
+    sv.log(
+        E.EVENT_KIND_RELEASE,
+        f"{node} returns to the spare pool without a strike: {reason}",
+        release=E.ReleaseDetail(node=node, reason=reason),
+    )
+    sv.emit_release(node, reason)
+    return True
 
 
 def begin_backoff(sv: Supervisor, delay: float, reason: str) -> None:

@@ -30,12 +30,13 @@ the attempt has one, the core logs LOAD_DONE (the restart's load phase ends ther
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.supervisor import prepare, soak
+from controller.supervisor import memory, prepare, soak
 from controller.supervisor.actions import (
     Action,
     Batch,
@@ -140,6 +141,8 @@ class Supervisor:
         self.step_times: deque[float] = deque(maxlen=64)
         self.history = RestartHistory()
         self.offences: dict[str, set[int]] = {}
+        self.quarantine_times: list[float] = []  # automatic quarantines, for the blast radius
+        self.blast_paged = False  # this trip of the blast radius has paged (once per trip)
         self.loss_times: deque[float] = deque(maxlen=4096)
         self.losses = LossBook()  # the training loss: per (step, rank), spike windows (loss.py)
         # the failure pipeline and the control plane
@@ -279,8 +282,12 @@ class Supervisor:
 
     def quarantine(
         self, node: str, reason: str, evidence: Iterable[common_pb2.Evidence] = (), operator: bool = False
-    ) -> None:
+    ) -> bool:
+        """Quarantine `node` (an operator's always; an automatic one only within the blast radius).
+        Returns whether it was quarantined."""
         evs = list(evidence)
+        if not operator and not self._within_blast_radius(node, reason):
+            return False
         p = self.pool.quarantine(
             node, self.now, reason, count_failure=not operator, operator=operator, evidence=evs
         )
@@ -306,8 +313,40 @@ class Supervisor:
         )
         self.persist(node)
         self.emit(Quarantine(node=node, reason=reason, evidence=tuple(evs), held=held))
+        if not operator:
+            self.quarantine_times.append(self.now)
+            memory.persist(self)
         if not held and p.alive:
             self.begin_burn_in(node)
+        return True
+
+    def blast_radius(self) -> int:
+        """How many automatic quarantines the window allows (the policy's count, or its fraction of
+        the nodes known, whichever is larger)."""
+        share = math.ceil(self.cfg.blast_radius_fraction * len(self.pool.nodes))
+        return max(self.cfg.blast_radius_nodes, share)
+
+    def _within_blast_radius(self, node: str, reason: str) -> bool:
+        window = self.cfg.blast_radius_window_s
+        self.quarantine_times = [t for t in self.quarantine_times if self.now - t < window]
+        limit = self.blast_radius()
+        if len(self.quarantine_times) < limit:
+            self.blast_paged = False
+            return True
+        message = (
+            f"blast radius: {len(self.quarantine_times)} nodes quarantined within {window:g}s (limit "
+            f"{limit}); automatic quarantine stopped: {node} stays in service ({reason}); an operator "
+            f"decides (controllerctl quarantine {node})"
+        )
+        self.log(
+            E.EVENT_KIND_QUARANTINE_HELD_BACK,
+            message,
+            node=E.NodeDetail(node=node, reason=reason),
+        )
+        if not self.blast_paged:
+            self.blast_paged = True
+            self.page(message)
+        return False
 
     def holds(self) -> frozenset[str]:
         """The nodes this run keeps a claim on (controller/live/claims.py takes and gives them back):

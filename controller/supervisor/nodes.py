@@ -199,7 +199,8 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
         return  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
-        sv.quarantine(e.node, reason, evidence=[e])
+        if not sv.quarantine(e.node, reason, evidence=[e]):
+            sv.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
         if sv.state is RunState.PREFLIGHT and e.node in sv.slots:
             prepare.drop_from_slots(sv, e.node, reason, logged=True)
 
@@ -270,7 +271,7 @@ def on_operator_quarantine(sv: Supervisor, ev: OperatorQuarantine) -> None:
 
 
 def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
-    node = sv.pool.operator_release(ev.node)
+    node = sv.pool.operator_release(ev.node, sv.now)
     sv.log(
         E.EVENT_KIND_RELEASE,
         f"operator released {ev.node} ({ev.reason}); it returns after "

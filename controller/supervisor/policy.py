@@ -92,8 +92,16 @@ class SupervisorConfig:
     straggler_ewma_alpha: float = 0.3
     kill_stragglers_mid_run: bool = False
 
-    # Crash loop and blame.
+    # Crash loop and blame. The same failure (its label, at the same step give or take one, or the
+    # checkpoint interval after the same commit) crash_loop_count times in a row ends the run as a
+    # crash loop whoever was blamed (restart.py); the nodes quarantined for it return without a strike.
     crash_loop_count: int = 3
+    # Blast radius (Kubernetes' node-lifecycle controller stops evicting in an unhealthy zone): more
+    # than max(blast_radius_nodes, blast_radius_fraction x the nodes known) automatic quarantines
+    # within blast_radius_window_s stops automatic quarantine and pages; an operator decides beyond.
+    blast_radius_nodes: int = 5
+    blast_radius_fraction: float = 0.02
+    blast_radius_window_s: float = 3600.0
     repeat_offender_count: int = 2  # first-to-exit without evidence at different steps -> quarantine
     fr_min_confidence: float = 0.5
     evidence_window_s: float = 600.0
@@ -159,6 +167,7 @@ class SupervisorConfig:
             "hold_after_failures": 1,
             "straggler_window": 1,
             "crash_loop_count": 2,
+            "blast_radius_nodes": 1,
             "repeat_offender_count": 1,
             "mass_expiry_min_nodes": 2,
             "checkpoint_saves_to_learn": 1,
@@ -188,6 +197,7 @@ class SupervisorConfig:
             "load_stall_s",
             "straggler_min_wait_s",
             "evidence_window_s",
+            "blast_radius_window_s",
             "mass_expiry_window_s",
             "control_plane_grace_s",
             "dump_timeout_s",
@@ -214,6 +224,13 @@ class SupervisorConfig:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"SupervisorConfig.{name}: must be in (0, 1], got {value!r}")
+        if (
+            not isinstance(self.blast_radius_fraction, int | float)
+            or not 0 <= self.blast_radius_fraction <= 1
+        ):
+            raise ValueError(
+                f"SupervisorConfig.blast_radius_fraction: must be in [0, 1], got {self.blast_radius_fraction!r}"
+            )
         if self.straggler_compute_ratio < 1:
             raise ValueError("SupervisorConfig.straggler_compute_ratio: must be >= 1")
         if self.hang_step_multiple <= 0:

@@ -8,6 +8,7 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
                         the hold window; or an operator)
     QUARANTINED --start_burn_in--> BURN_IN --burn_in_result--> SPARE (N passes in a row) | QUARANTINED (a failure)
     QUARANTINED | HELD | BURN_IN --operator_release--> BURN_IN
+    QUARANTINED | HELD | BURN_IN --strike_off--> SPARE (quarantined for a fault not its own: a crash loop's victim)
 
 * a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
   passes (a failure restarts the count and waits for a repair: re-registration or an operator);
@@ -65,9 +66,9 @@ S = PoolState
 LEGAL: dict[PoolState, frozenset[PoolState]] = {
     S.SPARE: frozenset({S.ASSIGNED, S.QUARANTINED, S.HELD}),
     S.ASSIGNED: frozenset({S.SPARE, S.QUARANTINED, S.HELD}),
-    S.QUARANTINED: frozenset({S.QUARANTINED, S.HELD, S.BURN_IN}),
+    S.QUARANTINED: frozenset({S.QUARANTINED, S.HELD, S.BURN_IN, S.SPARE}),
     S.BURN_IN: frozenset({S.BURN_IN, S.SPARE, S.QUARANTINED, S.HELD}),
-    S.HELD: frozenset({S.HELD, S.BURN_IN}),
+    S.HELD: frozenset({S.HELD, S.BURN_IN, S.SPARE}),
 }
 OUT_OF_SERVICE = frozenset({S.QUARANTINED, S.BURN_IN, S.HELD})
 
@@ -93,6 +94,7 @@ class PoolNode:
     quarantine_evidence: list[common_pb2.Evidence] = field(default_factory=list)
     evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
     known_since: float | None = None  # first registration seen (durable: Reputation.known_since)
+    repaired_at: float = 0.0  # an operator's last repair or release (durable); 0: never
     elsewhere: str = ""  # the other run that holds the node's claim now: never picked here
 
     def view(self) -> NodeRecordView:
@@ -108,6 +110,7 @@ class PoolNode:
             evidence=tuple(self.quarantine_evidence),
             evidence_kinds=tuple(self.evidence_kinds),
             known_since=self.known_since or 0.0,  # the wire's 0 is "unknown"
+            repaired_at=self.repaired_at,
         )
 
 
@@ -185,6 +188,7 @@ class Pool:
             node.evidence_kinds = list(r.evidence_kinds)[-MAX_FAILURE_TIMES:]
             # the store's is the older memory unless it never had one (then keep what was seen here)
             node.known_since = r.known_since if r.known_since else node.known_since
+            node.repaired_at = r.repaired_at
             self._sync(node)
 
     def free_count(self) -> int:
@@ -219,7 +223,12 @@ class Pool:
     # --- reputation ---------------------------------------------------------------------------
 
     def recent_failures(self, node: PoolNode, now: float) -> int:
-        return sum(1 for t in node.failure_times if now - t <= self._cfg.hold_window_s)
+        """Failures within the hold window and since the node's last repair (what holds it)."""
+        return sum(
+            1
+            for t in node.failure_times
+            if now - t <= self._cfg.hold_window_s and (not node.repaired_at or t > node.repaired_at)
+        )
 
     def clean_for(self, node: PoolNode, now: float) -> float:
         """Seconds of known history with no failure, straggler flag or preflight rejection (0: none).
@@ -227,7 +236,8 @@ class Pool:
         Flags and rejections carry no time, so a node that has any is never clean for long."""
         if node.known_since is None or node.straggler_flags or node.preflight_rejections:
             return 0.0
-        return max(0.0, now - max([node.known_since, *node.failure_times]))
+        repaired = [node.repaired_at] if node.repaired_at else []
+        return max(0.0, now - max([node.known_since, *repaired, *node.failure_times]))
 
     def golden(self, node: PoolNode, now: float) -> bool:
         """A long clean history: the first choice for a replacement and for node rank 0 (whose host
@@ -266,6 +276,8 @@ class Pool:
             parts.append(f"{node.preflight_rejections} preflight rejection(s)")
         if not parts:
             parts.append(f"{len(node.failure_times)} older failure(s)")
+        if node.repaired_at:
+            parts.append(f"repaired {(now - node.repaired_at) / 3600:.1f} h ago")
         return "best left: " + ", ".join(parts)
 
     def pick_spares(self, count: int, now: float, exclude: Iterable[str] = ()) -> list[str]:
@@ -347,10 +359,33 @@ class Pool:
             return "released"
         return "again"
 
-    def operator_release(self, name: str) -> PoolNode:
+    def strike_off(self, name: str, at: float, now: float) -> bool:
+        """Undo the quarantine of `name` struck at `at` (the fault was not the node's: a crash loop
+        rotated it): the strike leaves its record, and it is a spare again unless something else
+        keeps it out (an operator's hold, fatal evidence, other recent failures). False when there
+        was no such strike."""
+        node = self.get(name)
+        if at not in node.failure_times:
+            return False
+        node.failure_times.remove(at)
+        if node.state not in OUT_OF_SERVICE:
+            return True
+        if (
+            node.operator_hold
+            or needs_repair(node.quarantine_evidence)
+            or self.recent_failures(node, now) >= self._cfg.hold_after_failures
+        ):
+            return True
+        self._move(node, PoolState.SPARE)
+        node.reason, node.burn_in_passes, node.quarantine_evidence = "", 0, []
+        return True
+
+    def operator_release(self, name: str, now: float) -> PoolNode:
+        """An operator's release or repair: burn-in next. The failures stay on record (reputation,
+        golden hosts); only those after `now` count toward the next hold."""
         node = self.get(name)
         node.operator_hold = False
-        node.failure_times = []
+        node.repaired_at = now
         if node.state in OUT_OF_SERVICE:
             self._move(node, PoolState.BURN_IN)
         node.burn_in_passes = 0

@@ -165,7 +165,8 @@ def reject(
     *,
     counted: bool = True,
 ) -> None:
-    """Quarantine a node that failed its attempt preflight; the attempt is not consumed."""
+    """Quarantine a node that failed its attempt preflight; the attempt is not consumed. A node the
+    blast radius keeps in service is only left out of this attempt."""
     sv.pending_preflight.discard(node)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
@@ -174,7 +175,22 @@ def reject(
     )
     if counted:
         sv.pool.get(node).preflight_rejections += 1
-    sv.quarantine(node, reason)
+    if not sv.quarantine(node, reason):
+        sv.unreachable.add(node)
+    drop_from_slots(sv, node, reason, logged=True)
+
+
+def leave_out(sv: Supervisor, node: str, reason: str) -> None:
+    """Leave `node` out of the attempt being prepared without a judgement of it (no quarantine, no
+    strike): the answer that did not come may be the controller's or the network's fault."""
+    sv.pending_preflight.discard(node)
+    sv.unreachable.add(node)
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"{node} left out of attempt {sv.attempt + 1}: {reason}; inconclusive, so no quarantine and no "
+        "strike (it stays a spare)",
+        preflight=E.PreflightDetail(node=node),
+    )
     drop_from_slots(sv, node, reason, logged=True)
 
 
@@ -198,12 +214,27 @@ def on_tick(sv: Supervisor) -> None:
     if sv.gate_pending is not None and sv.now >= sv.gate_deadline:
         gate_unanswered(sv, f"no answer within its budget of {sv.cfg.bandwidth_gate_timeout_s:g}s")
         return
-    if not sv.pending_preflight or sv.now < sv.preflight_deadline:
+    if sv.now < sv.preflight_deadline:
+        return
+    if not sv.pending_preflight:
+        if sv.empty_slots and sv.unreachable:
+            # No spare came meanwhile: the nodes left out get another chance (a late answer or a
+            # one-off RPC failure is no reason to keep a node out of the run for good).
+            sv.log(
+                E.EVENT_KIND_PREFLIGHT_RESULT,
+                f"{sv.empty_slots} node rank(s) still empty: asking {sv.names(sorted(sv.unreachable))} again",
+                preflight=E.PreflightDetail(),
+            )
+            sv.unreachable = set()
+            fill_slots(sv)
         return
     reason = f"no preflight answer within {sv.cfg.preflight_timeout_s:g}s"
     for n in sorted(sv.pending_preflight):
         if n in sv.pending_preflight:  # (a refill below never adds a node that is already due)
-            reject(sv, n, reason, f"{n} rejected: {reason}", E.PreflightDetail(node=n), counted=False)
+            leave_out(sv, n, reason)
+    if sv.empty_slots and not sv.pending_preflight:  # nobody to ask now: ask the left-out ones later
+        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
 
 
 def maybe_launch(sv: Supervisor) -> None:
@@ -268,7 +299,8 @@ def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
     for n in slow:
         if n in sv.slots:
             reason = f"bandwidth gate: best pair {figures[n]:.3g} GB/s, below {limit:.3g} GB/s"
-            sv.quarantine(n, reason)
+            if not sv.quarantine(n, reason):
+                sv.unreachable.add(n)
             drop_from_slots(sv, n, reason, logged=True)
 
 

@@ -1,12 +1,20 @@
 """Whether and when to relaunch after a failure: a pure decision that carries its reason.
 
 torchft's habit: the decision returns the sentence the event log records, and tests assert on it.
-`RestartHistory` is the little state the rules need (kept by the core across attempts); the
-functions read it and return a frozen decision; only `RestartHistory.record` changes it.
+`RestartHistory` is the little state the rules need (kept by the core across attempts, and in the
+store as the run's `SupervisorMemory`, so a new leader continues it); the functions read it and
+return a frozen decision; only `record` changes it after a stop.
 
-* no suspect and the same failure (label, step) `crash_loop_count` times in a row -> `CrashLoop`;
-* more than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`;
-* otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
+* The same failure `crash_loop_count` times in a row -> `CrashLoop`, **whoever was blamed**: a
+  software or data bug at one step rotates its victim (the rank that reads the bad shard changes
+  with the attempt), so a suspect the flight recorder named and the core quarantined does not make
+  the failure the node's. "The same failure": the same label at the same step (`Signature.matches`
+  says how close), each compared with the loop's first. Only a failure blamed on
+  evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is not part of a loop: it ends
+  any loop. The nodes quarantined for the loop's failures are `loop_suspects`, released by the
+  verdict without their strike (failure.py).
+* More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
+* Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
   A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
   run) or it is the same kind of failure as the one before; k counts the storm's failures in a row
   (`backoff_base_s` x 2^(k-1), at most `backoff_max_s`; an attempt that ran `backoff_reset_s` ends
@@ -44,18 +52,44 @@ class BudgetExhausted:
 RestartDecision = Relaunch | CrashLoop | BudgetExhausted
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Signature:
+    """What makes two failures "the same": their kind, and their step, give or take one (a bug at
+    step 45 is seen at 44 or 45: the slowest rank's completed step), or give or take the checkpoint
+    interval (`slack`) when both attempts resumed from the same commit (a fault N steps after each
+    resume). The first attempt of a loop starts from an older commit than the relaunches after it,
+    so the step alone decides there."""
+
+    label: str
+    resume_step: int
+    step: int
+    slack: int = 0
+
+    def matches(self, other: Signature | None) -> bool:
+        if other is None or other.label != self.label:
+            return False
+        apart = abs(other.step - self.step)
+        return apart <= 1 or (other.resume_step == self.resume_step and apart <= max(self.slack, other.slack))
+
+
 @dataclass(slots=True)
 class RestartHistory:
     restart_times: list[float] = field(default_factory=list)  # failure restarts, for the budget window
     storm: int = 0  # failures in a row that were storm-like (see the module doc); 0 after an independent one
     last_label: str = ""  # the last counted failure's kind
-    loop_signature: tuple[str, int] | None = None
+    loop_signature: Signature | None = None  # the loop's first failure
     loop_count: int = 0
+    loop_suspects: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # (node, strike time) quarantined for it
     launch_failures: int = 0  # attempts in a row that were never launched (ActionFailed on Launch)
 
     def used(self, cfg: SupervisorConfig, now: float) -> int:
         window = cfg.restart_budget_window_s
         return sum(1 for t in self.restart_times if not window or now - t < window)
+
+    def reset_loop(self) -> None:
+        self.loop_signature, self.loop_count, self.loop_suspects = None, 0, []
 
 
 def restart_decision(
@@ -63,26 +97,33 @@ def restart_decision(
     history: RestartHistory,
     *,
     now: float,
-    label: str,
-    step: int,
+    signature: Signature,
     suspects_quarantined: bool,
+    node_evidence: bool,
     planned: bool,
     control_plane: bool,
     attempt_ran_s: float,
 ) -> RestartDecision:
-    """The decision for a stopped attempt; `RestartHistory.record(decision)` must follow it."""
+    """The decision for a stopped attempt; `record(...)` must follow it."""
+    label, step = signature.label, signature.step
     if planned or control_plane:
         what = "planned stop" if planned else "control-plane fault"
         return Relaunch(
             delay=0.0, counted=False, reason=f"{what}: relaunching without consuming the restart budget"
         )
-    if not suspects_quarantined:
-        sig = (label, step)
-        count = history.loop_count + 1 if sig == history.loop_signature else 1
+    if not node_evidence:
+        count = loop_count_with(history, signature)
         if count >= cfg.crash_loop_count:
+            blamed = sorted({n for n, _ in history.loop_suspects})
+            who = (
+                f"blamed on {len(blamed)} different node(s) ({', '.join(blamed)}): a software or data "
+                "fault rotates its victim"
+                if blamed or suspects_quarantined
+                else "with no suspect"
+            )
             return CrashLoop(
-                reason=f"crash loop: the same failure ({label}) at step {step} {count} times in a "
-                "row with no suspect; stopped and paged"
+                reason=f"crash loop: the same failure ({label}) at step {step} {count} times in a row "
+                f"(resumed from step {signature.resume_step}), {who}; stopped and paged"
             )
     window = cfg.restart_budget_window_s
     used = history.used(cfg, now)
@@ -101,6 +142,11 @@ def restart_decision(
         counted=True,
         reason=f"restart {used + 1}/{cfg.restart_budget} after {label or 'failure'}; backoff {delay:g}s ({why})",
     )
+
+
+def loop_count_with(history: RestartHistory, signature: Signature) -> int:
+    """How many times in a row this failure has now been seen (1: a new one)."""
+    return history.loop_count + 1 if signature.matches(history.loop_signature) else 1
 
 
 def storm_count(
@@ -124,28 +170,38 @@ def record(
     decision: RestartDecision,
     *,
     now: float,
-    label: str,
-    step: int,
+    signature: Signature,
     suspects_quarantined: bool,
+    quarantined: list[tuple[str, float]],
+    node_evidence: bool,
     attempt_ran_s: float,
 ) -> None:
-    """Apply a decision to the history (the only place the history changes after a stop)."""
+    """Apply a decision to the history (the only place the history changes after a stop).
+
+    suspects_quarantined: anyone was quarantined for it; quarantined: those of them quarantined
+    without evidence about the node, with their strike's time (a crash-loop verdict gives them
+    back without it)."""
     if isinstance(decision, Relaunch) and not decision.counted:
-        history.loop_signature, history.loop_count = None, 0
+        history.reset_loop()
         return
-    if suspects_quarantined:
-        history.loop_signature, history.loop_count = None, 0
+    if node_evidence:
+        history.reset_loop()
+    elif signature.matches(history.loop_signature):
+        history.loop_count += 1
+        history.loop_suspects.extend(quarantined)
     else:
-        sig = (label, step)
-        history.loop_count = history.loop_count + 1 if sig == history.loop_signature else 1
-        history.loop_signature = sig
+        history.loop_signature, history.loop_count, history.loop_suspects = signature, 1, list(quarantined)
     if isinstance(decision, Relaunch):
         window = cfg.restart_budget_window_s
         history.restart_times = [*(t for t in history.restart_times if not window or now - t < window), now]
         history.storm = storm_count(
-            cfg, history, label=label, suspects_quarantined=suspects_quarantined, attempt_ran_s=attempt_ran_s
+            cfg,
+            history,
+            label=signature.label,
+            suspects_quarantined=suspects_quarantined,
+            attempt_ran_s=attempt_ran_s,
         )
-        history.last_label = label
+        history.last_label = signature.label
 
 
 def launch_retry_delay(cfg: SupervisorConfig, history: RestartHistory) -> float:

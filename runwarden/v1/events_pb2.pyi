@@ -73,6 +73,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """another run took a node of the shared fleet, or gave it back"""
     EVENT_KIND_LOSS_RECORD: _EventKind.ValueType  # 28
     """losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
+    EVENT_KIND_QUARANTINE_HELD_BACK: _EventKind.ValueType  # 29
+    """the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -116,6 +118,8 @@ EVENT_KIND_NODE_CLAIMED: EventKind.ValueType  # 27
 """another run took a node of the shared fleet, or gave it back"""
 EVENT_KIND_LOSS_RECORD: EventKind.ValueType  # 28
 """losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
+EVENT_KIND_QUARANTINE_HELD_BACK: EventKind.ValueType  # 29
+"""the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:

@@ -253,6 +253,7 @@ class Reputation(_message.Message):
     EVIDENCE_KINDS_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     KNOWN_SINCE_FIELD_NUMBER: _builtins.int
+    REPAIRED_AT_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     failures: _builtins.int
     straggler_flags: _builtins.int
@@ -262,6 +263,11 @@ class Reputation(_message.Message):
     """When a controller first saw the node register (0: unknown, e.g. written by an older controller).
     Its clean history runs from here or from its last failure, whichever is later: a node clean for
     `golden_after_s` is a golden host, preferred for replacements and node rank 0.
+    """
+    repaired_at: _builtins.float
+    """When an operator last marked it repaired or released it (0: never). Its failures stay on record
+    (a repaired node is not a golden host until it is clean again for golden_after_s); only
+    failures after the repair count toward the hold.
     """
     @_builtins.property
     def failure_times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
@@ -280,10 +286,11 @@ class Reputation(_message.Message):
         evidence_kinds: _abc.Iterable[_common_pb2.EvidenceKind.ValueType] | None = ...,
         updated_at: _builtins.float = ...,
         known_since: _builtins.float = ...,
+        repaired_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence_kinds", b"evidence_kinds", "failure_times", b"failure_times", "failures", b"failures", "known_since", b"known_since", "node", b"node", "preflight_rejections", b"preflight_rejections", "straggler_flags", b"straggler_flags", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence_kinds", b"evidence_kinds", "failure_times", b"failure_times", "failures", b"failures", "known_since", b"known_since", "node", b"node", "preflight_rejections", b"preflight_rejections", "repaired_at", b"repaired_at", "straggler_flags", b"straggler_flags", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,3 +566,162 @@ class ClaimBid(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimBid: _TypeAlias = ClaimBid  # noqa: Y015
+
+@_typing.final
+class SupervisorMemory(_message.Message):
+    """<root>/v1/runs/<run>/memory: the supervisor's memory of a run, written by the leader after every
+    failure decision and quarantine (controller/supervisor/memory.py), so a new leader (a takeover,
+    a core rebuilt after an etcd blip) continues the restart budget, the crash-loop count and the
+    offences instead of starting them from zero. A standby reads it for its status.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    RESTART_TIMES_FIELD_NUMBER: _builtins.int
+    RESTART_BUDGET_FIELD_NUMBER: _builtins.int
+    RESTART_BUDGET_WINDOW_S_FIELD_NUMBER: _builtins.int
+    STORM_FIELD_NUMBER: _builtins.int
+    LAST_LABEL_FIELD_NUMBER: _builtins.int
+    LOOP_FIELD_NUMBER: _builtins.int
+    OFFENCES_FIELD_NUMBER: _builtins.int
+    QUARANTINE_TIMES_FIELD_NUMBER: _builtins.int
+    LAUNCH_FAILURES_FIELD_NUMBER: _builtins.int
+    WRITTEN_AT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    restart_budget: _builtins.int
+    """the budget and its window when written"""
+    restart_budget_window_s: _builtins.float
+    """0: the whole run"""
+    storm: _builtins.int
+    """failures in a row that were storm-like (backoff)"""
+    last_label: _builtins.str
+    launch_failures: _builtins.int
+    written_at: _builtins.float
+    attempt: _builtins.int
+    """the last launched attempt when written"""
+    @_builtins.property
+    def restart_times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """failure restarts counted against the budget, bounded"""
+
+    @_builtins.property
+    def loop(self) -> Global___CrashLoopCandidate:
+        """unset: no failure counts toward a crash loop now"""
+
+    @_builtins.property
+    def offences(self) -> _containers.RepeatedCompositeFieldContainer[Global___Offence]:
+        """first-to-exit offences without evidence, per node"""
+
+    @_builtins.property
+    def quarantine_times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """automatic quarantines, for the blast radius, bounded"""
+
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        restart_times: _abc.Iterable[_builtins.float] | None = ...,
+        restart_budget: _builtins.int = ...,
+        restart_budget_window_s: _builtins.float = ...,
+        storm: _builtins.int = ...,
+        last_label: _builtins.str = ...,
+        loop: Global___CrashLoopCandidate | None = ...,
+        offences: _abc.Iterable[Global___Offence] | None = ...,
+        quarantine_times: _abc.Iterable[_builtins.float] | None = ...,
+        launch_failures: _builtins.int = ...,
+        written_at: _builtins.float = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["loop", b"loop"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "last_label", b"last_label", "launch_failures", b"launch_failures", "loop", b"loop", "offences", b"offences", "quarantine_times", b"quarantine_times", "restart_budget", b"restart_budget", "restart_budget_window_s", b"restart_budget_window_s", "restart_times", b"restart_times", "run", b"run", "storm", b"storm", "written_at", b"written_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SupervisorMemory: _TypeAlias = SupervisorMemory  # noqa: Y015
+
+@_typing.final
+class CrashLoopCandidate(_message.Message):
+    """The same failure seen `count` times in a row (controller/supervisor/restart.py's Signature)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LABEL_FIELD_NUMBER: _builtins.int
+    RESUME_STEP_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SLACK_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    SUSPECTS_FIELD_NUMBER: _builtins.int
+    label: _builtins.str
+    resume_step: _builtins.int
+    step: _builtins.int
+    slack: _builtins.int
+    count: _builtins.int
+    @_builtins.property
+    def suspects(self) -> _containers.RepeatedCompositeFieldContainer[Global___Strike]:
+        """quarantined for it without evidence about the node"""
+
+    def __init__(
+        self,
+        *,
+        label: _builtins.str = ...,
+        resume_step: _builtins.int = ...,
+        step: _builtins.int = ...,
+        slack: _builtins.int = ...,
+        count: _builtins.int = ...,
+        suspects: _abc.Iterable[Global___Strike] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "label", b"label", "resume_step", b"resume_step", "slack", b"slack", "step", b"step", "suspects", b"suspects"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CrashLoopCandidate: _TypeAlias = CrashLoopCandidate  # noqa: Y015
+
+@_typing.final
+class Strike(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    at: _builtins.float
+    """the strike's time (NodeRecord failure_times)"""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Strike: _TypeAlias = Strike  # noqa: Y015
+
+@_typing.final
+class Offence(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        steps: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Offence: _TypeAlias = Offence  # noqa: Y015

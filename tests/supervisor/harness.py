@@ -21,6 +21,7 @@ from controller.supervisor.actions import (
     MeasureBandwidth,
     Page,
     PersistCheckpoint,
+    PersistMemory,
     PersistNode,
     Quarantine,
     Release,
@@ -221,7 +222,7 @@ class Driver:
 
 def render(action: Item) -> str | None:
     """One line per item for golden scripts; timers and persistence are not shown here."""
-    if isinstance(action, SetTimer | PersistNode | PersistCheckpoint):
+    if isinstance(action, SetTimer | PersistNode | PersistMemory | PersistCheckpoint):
         return None
     if isinstance(action, events_pb2.Event):
         ev = action

@@ -179,55 +179,129 @@ def test_the_supervisor_package_imports_no_io() -> None:
     assert not bad, bad
 
 
+def _decide(
+    cfg: SupervisorConfig,
+    h: restart.RestartHistory,
+    *,
+    now: float,
+    label: str,
+    step: int,
+    quarantined: tuple[str, ...] = (),
+    node_evidence: bool = False,
+    planned: bool = False,
+    ran_s: float = 10.0,
+    resume_step: int = -1,
+    record: bool = True,
+) -> restart.RestartDecision:
+    sig = restart.Signature(label=label, resume_step=resume_step, step=step)
+    d = restart.restart_decision(
+        cfg,
+        h,
+        now=now,
+        signature=sig,
+        suspects_quarantined=bool(quarantined),
+        node_evidence=node_evidence,
+        planned=planned,
+        control_plane=False,
+        attempt_ran_s=ran_s,
+    )
+    if record:
+        restart.record(
+            cfg,
+            h,
+            d,
+            now=now,
+            signature=sig,
+            suspects_quarantined=bool(quarantined),
+            quarantined=[(n, now) for n in quarantined if not node_evidence],
+            node_evidence=node_evidence,
+            attempt_ran_s=ran_s,
+        )
+    return d
+
+
 def test_restart_decisions_carry_their_reason() -> None:
     cfg = SupervisorConfig(restart_budget=2, crash_loop_count=3, backoff_base_s=1.0, backoff_max_s=4.0)
     h = restart.RestartHistory()
-    kw = dict(label="exit:1", step=7, suspects_quarantined=False, attempt_ran_s=10.0)
-    d1 = restart.restart_decision(cfg, h, now=100.0, planned=False, control_plane=False, **kw)  # test kwargs
+    d1 = _decide(cfg, h, now=100.0, label="exit:1", step=7)
     assert d1 == restart.Relaunch(
         delay=1.0, counted=True, reason="restart 1/2 after exit:1; backoff 1s (storm x1)"
     )
-    restart.record(cfg, h, d1, now=100.0, **kw)  # test kwargs
-    d2 = restart.restart_decision(cfg, h, now=101.0, planned=False, control_plane=False, **kw)  # test kwargs
+    d2 = _decide(cfg, h, now=101.0, label="exit:1", step=7)
     assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s (storm x2)"
-    restart.record(cfg, h, d2, now=101.0, **kw)  # test kwargs
-    d3 = restart.restart_decision(cfg, h, now=102.0, planned=False, control_plane=False, **kw)  # test kwargs
+    d3 = _decide(cfg, h, now=102.0, label="exit:1", step=7, record=False)
     assert d3 == restart.CrashLoop(
-        reason="crash loop: the same failure (exit:1) at step 7 3 times in a row with no "
-        "suspect; stopped and paged"
+        reason="crash loop: the same failure (exit:1) at step 7 3 times in a row (resumed from step -1), "
+        "with no suspect; stopped and paged"
     )
-    other = dict(kw, step=8)
-    d4 = restart.restart_decision(
-        cfg, h, now=102.0, planned=False, control_plane=False, **other
-    )  # test kwargs
+    d4 = _decide(cfg, h, now=102.0, label="exit:1", step=9, record=False)
     assert (
         isinstance(d4, restart.BudgetExhausted)
         and d4.reason == "restart budget of 2 exhausted; not relaunching"
     )
     assert "2 restarts within 86400s" in d4.page
-    planned = restart.restart_decision(
-        cfg, h, now=102.0, planned=True, control_plane=False, **kw
-    )  # test kwargs
+    planned = _decide(cfg, h, now=102.0, label="exit:1", step=7, planned=True, record=False)
     assert planned == restart.Relaunch(
         delay=0.0, counted=False, reason="planned stop: relaunching without consuming the restart budget"
     )
+
+
+def test_the_same_failure_is_a_crash_loop_whoever_was_blamed() -> None:
+    """A bug at one step rotates its victim: three hangs at step 44/45, each blamed (and quarantined)
+    on a different node, are one crash loop, and its suspects are named for release."""
+    cfg = SupervisorConfig(crash_loop_count=3)
+    h = restart.RestartHistory()
+    assert isinstance(
+        _decide(cfg, h, now=100.0, label="hang", step=44, quarantined=("n1",)), restart.Relaunch
+    )
+    assert isinstance(
+        _decide(cfg, h, now=200.0, label="hang", step=45, quarantined=("n2",), resume_step=40),
+        restart.Relaunch,
+    )
+    assert h.loop_count == 2 and h.loop_suspects == [("n1", 100.0), ("n2", 200.0)]
+    d3 = _decide(cfg, h, now=300.0, label="hang", step=44, quarantined=("n3",), resume_step=40, record=False)
+    assert isinstance(d3, restart.CrashLoop) and "blamed on 2 different node(s) (n1, n2)" in d3.reason
+
+
+def test_what_is_not_the_same_failure() -> None:
+    cfg = SupervisorConfig(crash_loop_count=3)
+    same = restart.Signature(label="hang", resume_step=40, step=45, slack=10)
+    assert same.matches(
+        restart.Signature(label="hang", resume_step=-1, step=44)
+    )  # the step, give or take one
+    assert same.matches(restart.Signature(label="hang", resume_step=40, step=52, slack=10))  # same resume
+    assert not same.matches(restart.Signature(label="hang", resume_step=30, step=52, slack=10))
+    assert not same.matches(restart.Signature(label="exit:1", resume_step=40, step=45, slack=10))
+    # evidence about a node (a fatal Xid, a lost lease) is the node's fault: it ends any loop
+    h = restart.RestartHistory()
+    for t in (100.0, 200.0):
+        _decide(cfg, h, now=t, label="hang", step=45, quarantined=(f"n{t:.0f}",))
+    _decide(cfg, h, now=300.0, label="hang", step=45, quarantined=("n9",), node_evidence=True)
+    assert h.loop_count == 0 and not h.loop_suspects
+    assert isinstance(_decide(cfg, h, now=400.0, label="hang", step=45, record=False), restart.Relaunch)
 
 
 def test_backoff_taxes_storms_not_independent_faults() -> None:
     """Unrelated faults whose nodes were quarantined relaunch at once; a failure with no node out
     of the run, or the same kind of failure again, backs off exponentially; a long attempt ends
     the storm."""
-    cfg = SupervisorConfig(backoff_base_s=1.0, backoff_max_s=8.0, backoff_reset_s=300.0)
+    cfg = SupervisorConfig(backoff_base_s=1.0, backoff_max_s=8.0, backoff_reset_s=300.0, crash_loop_count=99)
     h = restart.RestartHistory()
     now = 100.0
 
     def fail(label: str, quarantined: bool, ran_s: float = 10.0) -> float:
         nonlocal now
         now += ran_s
-        kw = dict(label=label, step=int(now), suspects_quarantined=quarantined, attempt_ran_s=ran_s)
-        d = restart.restart_decision(cfg, h, now=now, planned=False, control_plane=False, **kw)  # test kwargs
+        d = _decide(
+            cfg,
+            h,
+            now=now,
+            label=label,
+            step=int(now),
+            quarantined=("x",) if quarantined else (),
+            ran_s=ran_s,
+        )
         assert isinstance(d, restart.Relaunch), d
-        restart.record(cfg, h, d, now=now, **kw)  # test kwargs
         return d.delay
 
     # The demo's faults, one after another on different nodes, each node quarantined: no waiting.

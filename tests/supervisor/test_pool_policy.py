@@ -39,12 +39,18 @@ def test_second_failure_within_seven_days_holds_the_node() -> None:
     assert p2.quarantine("b", 7.5 * DAY_S, "second, a week later").state == PoolState.QUARANTINED
 
 
-def test_operator_release_of_held_node_goes_through_burn_in() -> None:
+def test_operator_release_of_held_node_goes_through_burn_in_and_keeps_its_record() -> None:
     p = _pool()
     p.quarantine("a", 0.0, "x")
     p.quarantine("a", 1.0, "y")
-    node = p.operator_release("a")
-    assert node.state == PoolState.BURN_IN and not node.operator_hold and node.failure_times == []
+    node = p.operator_release("a", 3600.0)
+    assert node.state == PoolState.BURN_IN and not node.operator_hold
+    assert node.failure_times == [0.0, 1.0] and node.repaired_at == 3600.0  # the record survives repair
+    assert p.recent_failures(node, 7200.0) == 0  # only failures after the repair count toward a hold
+    p.burn_in_result("a", True)
+    assert not p.golden(node, 7200.0), "a repaired node is not golden until clean again for golden_after_s"
+    assert p.record_note("a", 3600.0 + 2 * 3600.0).endswith("repaired 2.0 h ago")
+    assert p.quarantine("a", 8000.0, "one more").state == PoolState.QUARANTINED  # one strike since repair
 
 
 def test_spares_picked_best_reputation_first() -> None:
@@ -78,7 +84,7 @@ def test_fatal_evidence_holds_for_repair_and_only_a_release_starts_burn_in() -> 
         node="b", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_APPLICATION
     )
     assert p.quarantine("b", 0.0, "Xid 13", evidence=[app]).state == PoolState.QUARANTINED  # the job's fault
-    assert p.operator_release("a").state == PoolState.BURN_IN
+    assert p.operator_release("a", 10.0).state == PoolState.BURN_IN
 
 
 def test_config_validation_names_the_key() -> None:

@@ -1,0 +1,198 @@
+"""Never more harm than the fault: the core's rules that keep healthy nodes in service.
+
+* A software fault at one step whose victim rotates is a crash loop whoever was blamed; the nodes it
+  quarantined return without a strike or a burn-in.
+* The blast radius stops automatic quarantine and pages once.
+* The supervisor's memory (budget, crash-loop count, offences, quarantines) survives a new core.
+"""
+
+from __future__ import annotations
+
+from controller.supervisor.actions import Page, PersistMemory, Quarantine, Release
+from controller.supervisor.blame import FlightRecorderVerdict, Suspect
+from controller.supervisor.events import (
+    CheckpointCommitted,
+    DumpsCollected,
+    EvidenceObserved,
+    OperatorQuarantine,
+    PreflightResult,
+    Snapshot,
+)
+from controller.supervisor.machine import RunState
+from controller.supervisor.pool import PoolState
+from runwarden.v1 import common_pb2, events_pb2, store_pb2
+from tests.supervisor.harness import Driver, fast
+
+E = events_pb2
+
+
+def answer_attempt_preflights(d: Driver) -> None:
+    """Pass every outstanding attempt preflight; burn-ins stay unanswered (they take an hour)."""
+    while d.preflight_out:
+        req = d.preflight_out.pop(0)
+        if req.purpose != "attempt":
+            continue
+        for n in req.nodes:
+            d.send(PreflightResult(node=n, passed=True, mode=req.mode))
+
+
+def hang_at(d: Driver, step: int, culprit_rank: int) -> list[object]:
+    """Train to `step` - 1, then the rank `culprit_rank` never arrives (a data loader deadlocked on
+    a bad shard): the hang is detected, the flight recorder names that rank's node."""
+    d.steps(d.sup.job_step + 1, step - 1)
+    d.advance(d.cfg.hang_timeout_floor_s + 1)
+    assert d.sup.state is RunState.COLLECTING, d.sup.state
+    node = d.running_nodes()[culprit_rank]
+    verdict = FlightRecorderVerdict(
+        suspects=(Suspect(node=node, ranks=(culprit_rank,), confidence=0.95, reason="never arrived"),)
+    )
+    out = d.send(DumpsCollected(attempt=d.sup.attempt, verdict=verdict))
+    out += d.exit_all(code=-15)
+    return out  # type: ignore[return-value]  # Items
+
+
+def rotating_hang_run(d: Driver, failures: int) -> list[str]:
+    """A run with a commit at 40 and a bug at step 45 whose victim rotates per attempt."""
+    d.start(6)  # 4 active + 2 spares
+    blamed = []
+    for i in range(failures):
+        if d.sup.state is not RunState.RUNNING:
+            break
+        if i == 0:
+            d.steps(1, 40)
+            d.send(CheckpointCommitted(step=30))
+            d.send(CheckpointCommitted(step=40))
+        else:
+            d.steps(41, 41)
+        blamed.append(d.running_nodes()[i % 4])
+        hang_at(d, 45, i % 4)
+        if d.sup.state is RunState.BACKOFF:
+            d.advance(d.cfg.backoff_max_s + 1)
+        answer_attempt_preflights(d)
+    return blamed
+
+
+def test_a_software_hang_at_one_step_with_a_rotating_victim_ends_as_a_crash_loop() -> None:
+    d = Driver(cfg=fast(), nodes=4)
+    blamed = rotating_hang_run(d, failures=5)
+    assert d.sup.state is RunState.CRASH_LOOP
+    assert len(blamed) == 3, "a crash loop within 3 failures"
+    pages = d.of(Page)
+    assert len(pages) == 1, [p.reason for p in pages]
+    page = pages[0].reason
+    assert "crash loop: hang at step 44" in page and "3 times in a row" in page
+    assert (
+        f"suspected {', '.join(sorted(blamed))}; released without a strike: {blamed[0]}, {blamed[1]}" in page
+    )
+    assert "released without a strike" in page
+    # every node is back in service: no strike, no hold, no burn-in owed
+    for name, node in d.sup.pool.nodes.items():
+        assert node.state is PoolState.SPARE, (name, node.state)
+        assert node.failure_times == [], (name, node.failure_times)
+    released = {r.node for r in d.of(Release)}
+    assert released == set(blamed[:2]), "the first two failures' suspects were quarantined, then given back"
+    end = d.events(E.EVENT_KIND_RUN_END)[-1]
+    assert end.run_detail.outcome == "crash_loop" and "blamed on 2 different node(s)" in end.message
+
+
+def test_hardware_evidence_is_not_part_of_a_crash_loop() -> None:
+    """Three FR-blamed hangs at the same step are a loop; one of them blamed on a fatal Xid is the
+    node's own fault and starts the count again."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(5)
+    d.steps(1, 10)
+    d.send(CheckpointCommitted(step=10))
+    for i in range(3):
+        d.steps(d.sup.job_step + 1, 14)
+        d.advance(d.cfg.hang_timeout_floor_s + 1)
+        node = d.running_nodes()[i % 2]
+        if i == 1:
+            d.send(
+                EvidenceObserved(
+                    evidence=common_pb2.Evidence(
+                        node=node,
+                        kind=common_pb2.EVIDENCE_KIND_XID,
+                        severity=common_pb2.SEVERITY_FATAL,
+                        detail="Xid 79",
+                        xid=79,
+                    )
+                )
+            )
+        if d.sup.state is RunState.COLLECTING:
+            d.send(DumpsCollected(attempt=d.sup.attempt, verdict=FlightRecorderVerdict()))
+        d.exit_all(code=-15)
+        d.advance(d.cfg.backoff_max_s + 1)
+        answer_attempt_preflights(d)
+    assert d.sup.state is RunState.RUNNING, "the Xid's failure reset the loop: two in a row, not three"
+
+
+def test_the_blast_radius_stops_automatic_quarantine_and_pages_once() -> None:
+    d = Driver(cfg=fast(blast_radius_nodes=2, blast_radius_window_s=3600.0, crash_loop_count=99), nodes=2)
+    d.start(8)
+    held_back = []
+    for step in (5, 10, 15, 20):  # four different hangs, each blamed on a node
+        d.steps(d.sup.job_step + 1, step)
+        d.advance(d.cfg.hang_timeout_floor_s + 1)
+        node = d.running_nodes()[0]
+        verdict = FlightRecorderVerdict(suspects=(Suspect(node=node, ranks=(0,), reason="never arrived"),))
+        out = d.send(DumpsCollected(attempt=d.sup.attempt, verdict=verdict))
+        out += d.exit_all(code=-15)
+        held_back += d.events(E.EVENT_KIND_QUARANTINE_HELD_BACK, out)
+        d.advance(d.cfg.backoff_max_s + 1)
+        answer_attempt_preflights(d)
+    assert len(d.of(Quarantine)) == 2, "no more than the blast radius"
+    assert len(held_back) == 2 and "automatic quarantine stopped" in held_back[0].message
+    pages = d.of(Page)
+    assert len(pages) == 1 and "blast radius" in pages[0].reason
+    # an operator is not limited
+    d.send(OperatorQuarantine(node=held_back[0].node.node, reason="checked by hand"))
+    assert d.sup.pool.get(held_back[0].node.node).state is PoolState.HELD
+
+
+def test_a_new_core_continues_the_crash_loop_count_from_the_stored_memory() -> None:
+    """The leader dies after two identical failures; the new leader's core starts from the store's
+    memory, so the third identical failure is the crash loop (and the budget is the same)."""
+    d = Driver(cfg=fast(), nodes=4)
+    rotating_hang_run(d, failures=2)
+    assert d.sup.history.loop_count == 2 and d.sup.state is RunState.RUNNING
+    memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
+    assert memory.loop.count == 2 and len(memory.loop.suspects) == 2
+    assert len(memory.restart_times) == 2 and memory.restart_budget == d.cfg.restart_budget
+    # a new core, as a new leader builds it: the store's records, the attempt record, the memory
+    fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
+    records = tuple(p.view() for p in d.sup.pool.nodes.values())
+    fresh.send(
+        Snapshot(
+            alive={n: 1 for n in d.sup.pool.nodes},
+            records=records,
+            attempt=d.sup.attempt,
+            attempt_nodes=d.sup.current_nodes,
+            resume_step=40,
+            committed_steps=(30, 40),
+            memory=memory,
+        )
+    )
+    assert fresh.sup.state is RunState.RUNNING  # adopted
+    assert fresh.sup.status(fresh.now).restarts_used == 2
+    hang_at(fresh, 45, 2)
+    assert fresh.sup.state is RunState.CRASH_LOOP
+    assert len(fresh.of(Page)) == 1
+    for node in fresh.sup.pool.nodes.values():
+        assert node.state is PoolState.SPARE and node.failure_times == [], node
+
+
+def test_bad_memory_from_the_store_is_dropped_value_by_value() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    rec = store_pb2.SupervisorMemory(
+        run="demo", restart_times=[float("nan"), 900.0, 1e18], quarantine_times=[float("inf"), 950.0]
+    )
+    rec.loop.CopyFrom(store_pb2.CrashLoopCandidate(label="hang", step=-7, count=2))
+    d.send(Snapshot(alive={}, memory=rec))
+    assert d.sup.history.restart_times == [900.0] and d.sup.quarantine_times == [950.0]
+    assert d.sup.history.loop_signature is None  # a step below -1 is no step
+
+
+def test_a_rebuilt_core_is_quiet_about_memory_of_another_run() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.send(Snapshot(alive={}, memory=store_pb2.SupervisorMemory(run="other", restart_times=[900.0])))
+    assert d.sup.history.restart_times == []
