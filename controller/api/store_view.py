@@ -10,6 +10,7 @@ Every pool write is a compare-and-swap, so it never overwrites a concurrent cont
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -109,6 +110,7 @@ class StoreBackedView:
         now = self._clock()
         spec = _parse(store_pb2.RunSpec, self._get(self._keys.spec(run)))
         attempt = _parse(store_pb2.AttemptRecord, self._get(self._keys.attempt(run)))
+        memory = _parse(store_pb2.SupervisorMemory, self._get(self._keys.memory(run)))
         stop = _parse(store_pb2.StopRequest, self._get(self._keys.stop(run)))
         progress = [
             p
@@ -129,7 +131,7 @@ class StoreBackedView:
             attempt=number,
             current_step=max(steps, default=-1),
             last_committed_step=max((c.step for c in commits), default=-1),
-            restart_budget_left=max(0, spec.max_attempts - number) if spec else 0,
+            restart_budget_left=budget_left(spec, memory, now),
             since_last_progress_s=max(0.0, now - last_write) if last_write else -1.0,
             nodes=list(attempt.nodes) if attempt else [],
             rendezvous_id=attempt.rendezvous_id if attempt else "",
@@ -382,3 +384,15 @@ class StoreBackedView:
         leaders = [self.run_leader(run) for run in self._run_names()]
         leading = [lead for lead in leaders if lead[0]]
         return leading[0] if len(leading) == 1 else ("", 0)
+
+
+def budget_left(
+    spec: store_pb2.RunSpec | None, memory: store_pb2.SupervisorMemory | None, now: float
+) -> int:
+    """The restart budget left, as the leader counts it: the budget less the failure restarts
+    within its window (the supervisor's memory in the store); the whole budget before any."""
+    if memory is None:
+        return spec.max_attempts if spec else 0
+    window = memory.restart_budget_window_s
+    used = sum(1 for t in memory.restart_times if math.isfinite(t) and (not window or now - t < window))
+    return max(0, memory.restart_budget - used)

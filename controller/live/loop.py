@@ -59,6 +59,7 @@ from controller.supervisor.events import (
     NodeClaimed,
     OperatorQuarantine,
     OperatorRelease,
+    Snapshot,
     Tick,
 )
 from controller.supervisor.machine import SupervisorStatus, TransitionError
@@ -154,6 +155,24 @@ class _SteppedDown(Exception):
 class _CoreBroken(Exception):
     """Raised out of `_feed` when `core.handle` raised something other than TransitionError."""
 
+    def __init__(self, event: object) -> None:
+        super().__init__(type(event).__name__)
+        self.key = poison_key(event)
+
+
+def poison_key(event: object) -> str:
+    """What identifies an event that broke the core: the same one comes back after a rebuild (an
+    exit the relist finds again, an answer the fresh core asks for again)."""
+    return f"{type(event).__name__}:{event!r}"[:2048]
+
+
+# A core that breaks again and again is rebuilt after a growing pause (a poison event must not spin
+# the loop); an event that broke two cores is dropped, logged and paged, never fed a third time.
+REBUILD_BACKOFF_S = 0.5
+REBUILD_BACKOFF_MAX_S = 30.0
+REBUILD_QUIET_S = 60.0  # a core that ran this long without breaking resets the pause
+POISON_AFTER = 2
+
 
 _PHASES = {
     "WAITING_NODES": controller_pb2.RUN_PHASE_PENDING,
@@ -234,6 +253,8 @@ class LiveController:
         self.is_leader = threading.Event()
         self.status: controller_pb2.RunStatus | None = None
         self.rebuilds = 0  # how often a failed core was replaced (tests and logs read it)
+        self._broke_on: dict[str, int] = {}  # poison_key -> cores it broke
+        self.dropped_poison = 0  # events dropped for breaking POISON_AFTER cores
         # monotonic time of the supervisor thread's last loop turn (campaigning or leading): the
         # systemd watchdog is fed only while it moves (controller/live/main.py)
         self.alive_at = time.monotonic()
@@ -296,6 +317,7 @@ class LiveController:
     def _lead(self) -> None:
         self.eventlog = self._eventlog_factory(self.cfg.event_log_path)
         self._write_spec()
+        in_a_row, built_at = 0, time.monotonic()
         while not self.stopping.is_set():
             try:
                 self._take_over()
@@ -308,9 +330,19 @@ class LiveController:
                 return
             except _SteppedDown:
                 return
-            except _CoreBroken:
+            except _CoreBroken as broken:
+                self._broke_on[broken.key] = self._broke_on.get(broken.key, 0) + 1
                 self.rebuilds += 1
-                log.error("rebuilding the core from a store snapshot (rebuild %d)", self.rebuilds)
+                in_a_row = 1 if time.monotonic() - built_at > REBUILD_QUIET_S else in_a_row + 1
+                pause = min(REBUILD_BACKOFF_MAX_S, REBUILD_BACKOFF_S * 2 ** (in_a_row - 1))
+                log.error(
+                    "rebuilding the core from a store snapshot in %.1fs (rebuild %d, %d in a row)",
+                    pause,
+                    self.rebuilds,
+                    in_a_row,
+                )
+                self.stopping.wait(pause)
+                built_at = time.monotonic()
 
     def _take_over(self) -> None:
         """Becoming leader, and rebuilding a failed core: new core, relist, Snapshot, watch from there."""
@@ -490,6 +522,21 @@ class LiveController:
                     self.events.put(rest)
                 break
             fed += 1
+            key = poison_key(ev)
+            if self._broke_on.get(key, 0) >= POISON_AFTER and not isinstance(ev, Snapshot):
+                # (a store snapshot is never dropped: without it the core has no view; a fresh core
+                # that fails on it steps down instead)
+                self.dropped_poison += 1
+                log.error("dropping %s: it broke %d cores already: %s", type(ev).__name__, POISON_AFTER, key)
+                self.pager.page(
+                    f"{self.cfg.run}: the controller dropped an event that broke its core {POISON_AFTER} "
+                    f"times ({type(ev).__name__}); a bug to report, see the controller's log",
+                    "critical",
+                )
+                if future is not None and ev is event:
+                    future.set_exception(CoreRebuilding("the request broke the controller's core; dropped"))
+                    future = operator = None
+                continue
             try:
                 batch = self.core.handle(ev, now)
             except TransitionError as exc:
@@ -499,7 +546,7 @@ class LiveController:
                 log.exception("core failed on %s; it may be half-mutated", type(ev).__name__)
                 if future is not None:
                     future.set_exception(CoreRebuilding("the controller is rebuilding its view; ask again"))
-                raise _CoreBroken from exc
+                raise _CoreBroken(ev) from exc
             if not self._certain():
                 # The batch is neither logged nor executed: the next leader rebuilds from the store.
                 raise _SteppedDown

@@ -163,7 +163,7 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> tuple[list[_Suspect], bool]:
                         blamed=True,
                     )
                 ]
-    if not f.control_plane:
+    if not f.control_plane and not f.planned:  # a planned stop quarantines nothing, as it says
         out += [
             _Suspect(
                 node=n, reason="persistent straggler (quarantined at restart)", evidence=[], blamed=False

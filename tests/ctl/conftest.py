@@ -88,6 +88,14 @@ def populate(store: Store, now: float) -> None:
     store.put(k.evidence("n2", 1), store_pb2.EvidenceRecord(evidence=xid).SerializeToString())
     store.put(k.reputation("n2"), store_pb2.Reputation(node="n2", failures=1).SerializeToString())
     store.put(k.spec(RUN), store_pb2.RunSpec(run=RUN, nodes=4, max_attempts=5).SerializeToString())
+    # the supervisor's memory: two failure restarts within the budget's hour, one long before it
+    memory = store_pb2.SupervisorMemory(
+        run=RUN,
+        restart_budget=5,
+        restart_budget_window_s=3600.0,
+        restart_times=[now - 7200, now - 600, now - 60],
+    )
+    store.put(k.memory(RUN), memory.SerializeToString())
     nodes = ["n0", "n1", "n3", "n4"]
     store.put(
         k.attempt(RUN),

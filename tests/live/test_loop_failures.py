@@ -6,7 +6,8 @@ failure happen at the narrowest boundary and names it:
 * a refused attempt CAS: the agent double writes a higher attempt record into etcd while it answers
   the preflight, i.e. just before the launch;
 * a failed event-log append: an `EventLog` whose append raises `EventLogError` once, on the launch entry;
-* a core whose `handle` raises once: a test double wrapping the real Supervisor;
+* a core whose `handle` raises once: a test double wrapping the real Supervisor; and one that
+  raises on every tick (a poison event: rebuilt twice with a pause, then the event is dropped);
 * a preflight RPC answered UNAVAILABLE once by a gRPC server interceptor in front of a REAL node agent.
 """
 
@@ -25,8 +26,10 @@ from typing import Any
 import grpc
 import pytest
 
-from controller.supervisor.events import Event, PreflightResult
-from controller.supervisor.machine import Supervisor
+from controller.live.loop import POISON_AFTER, REBUILD_BACKOFF_S
+from controller.live.paging import Pager
+from controller.supervisor.events import Event, PreflightResult, Tick
+from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from runwarden.eventlog import EventLog, EventLogError, read_events
 from runwarden.store import Store
@@ -174,6 +177,44 @@ def test_core_raising_once_test_double_is_replaced_by_a_fresh_core_from_a_store_
         while (shell.status is None or shell.status.attempt != 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert shell.status is not None and shell.status.attempt == 1
+
+
+class SupervisorBrokenByTicks(Supervisor):
+    """Test double wrapping the real Supervisor: every Tick raises once its attempt runs (a poison
+    event that comes back after every rebuild)."""
+
+    broke_at: list[float] = []
+
+    def handle(self, event: Event, now: float) -> Any:
+        if isinstance(event, Tick) and self.state is RunState.RUNNING:
+            SupervisorBrokenByTicks.broke_at.append(time.monotonic())
+            raise KeyError("a bug in the core on every tick (injected by the test double)")
+        return super().handle(event, now)
+
+
+def test_a_poison_event_is_dropped_after_two_rebuilds_with_a_growing_pause(
+    store: Store, tmp_path: Path
+) -> None:
+    SupervisorBrokenByTicks.broke_at = []
+    pager = Pager()
+
+    def factory() -> Supervisor:
+        return SupervisorBrokenByTicks(policy(), RunPlan(run=RUN, nodes=1))
+
+    with (
+        agent_double(store),
+        live_shell(store, tmp_path / "run", core_factory=factory, pager=pager) as (shell, log),
+    ):
+        log.wait(is_launch(1), 30)
+        deadline = time.monotonic() + 30
+        while not shell.dropped_poison and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shell.dropped_poison, "the event that broke two cores is dropped, not fed to a third"
+        assert shell.rebuilds == POISON_AFTER
+        broke = SupervisorBrokenByTicks.broke_at
+        assert len(broke) == POISON_AFTER
+        assert broke[1] - broke[0] >= REBUILD_BACKOFF_S, "the rebuild waited before the fresh core"
+        assert any("dropped an event that broke its core" in reason for _, reason in pager.sent)
 
 
 def free_port() -> int:

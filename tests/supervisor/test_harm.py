@@ -17,6 +17,7 @@ from controller.supervisor.events import (
     OperatorQuarantine,
     PreflightResult,
     Snapshot,
+    StopRequested,
 )
 from controller.supervisor.machine import RunState
 from controller.supervisor.pool import PoolState
@@ -196,3 +197,18 @@ def test_a_rebuilt_core_is_quiet_about_memory_of_another_run() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.send(Snapshot(alive={}, memory=store_pb2.SupervisorMemory(run="other", restart_times=[900.0])))
     assert d.sup.history.restart_times == []
+
+
+def test_a_planned_stop_quarantines_no_flagged_straggler() -> None:
+    """A planned stop says "nothing is quarantined": a straggler flagged (not killed) in the attempt
+    keeps its flag on record but is not quarantined by the stop's relaunch."""
+    d = Driver(cfg=fast(), nodes=4)
+    d.start(5)
+    for s in range(1, 51):
+        d.progress(s, dt=1.0, compute={"n3": 0.88})
+    assert d.sup.cur.straggler_nodes == {"n3"}
+    out = d.send(StopRequested(reason="maintenance", requested_by="operator", relaunch=True))
+    out += d.exit_all(code=0)
+    assert "nothing is quarantined" in d.events(E.EVENT_KIND_STOP_REQUEST, out)[0].message
+    assert not d.of(Quarantine), "a planned stop quarantined a node"
+    assert d.sup.pool.get("n3").straggler_flags == 1
