@@ -12,24 +12,25 @@ gone (see its docstring).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import grpc
+
 import runwarden
-from nodeagent import proctree, torchrun, warm_pool
+from nodeagent import leftovers, proctree, torchrun, warm_pool
 from nodeagent import progress as progress_mod
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
 from nodeagent.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
-from nodeagent.liveness import Registration
+from nodeagent.liveness import PeerLeases, Registration, peers_cannot_renew
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
@@ -47,36 +48,19 @@ class StopState:
     requested_at: float
 
 
-def reachable(peers: tuple[str, ...], *, timeout_s: float) -> str:
-    """The first of `peers` ("host:port") that accepts a TCP connection within `timeout_s` (all are
-    tried at once, so a partitioned host's answer costs `timeout_s`, not one timeout per peer)."""
-    pending: dict[socket.socket, str] = {}
-    try:
-        for peer in peers:
-            host, _, port = peer.rpartition(":")
-            try:
-                infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-            except (OSError, ValueError):
-                continue
-            family, kind, proto, _, addr = infos[0]
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            if sock.connect_ex(addr) not in (0, errno.EINPROGRESS):
-                sock.close()
-                continue
-            pending[sock] = peer
-        deadline = time.monotonic() + timeout_s
-        while pending and (left := deadline - time.monotonic()) > 0:
-            _, writable, _ = select.select([], list(pending), [], left)
-            for sock in writable:
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    return pending[sock]
-                pending.pop(sock)
-                sock.close()
-        return ""
-    finally:
-        for sock in pending:
-            sock.close()
+# How long the lease vouch waits for peers' answers (the fence waits that much at most for them).
+PEER_ASK_TIMEOUT_S = 1.0
+
+
+def _peer_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
+    """The agent's identity towards its peers: its own server certificate, trusted by the cluster CA."""
+    if not config.tls_enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
+        private_key=Path(config.tls_key).read_bytes(),
+        certificate_chain=Path(config.tls_cert).read_bytes(),
+    )
 
 
 class Agent:
@@ -106,7 +90,7 @@ class Agent:
                 make_record=self.node_record,
                 metrics=self.metrics,
                 on_fenced=self._self_fence,
-                vouch=self._connected_to_a_peer,
+                vouch=self._peers_cannot_renew,
             )
             self.metrics.track_heartbeat(self.registration.last_heartbeat_at)
         self.notifier = Notifier()
@@ -115,6 +99,7 @@ class Agent:
         self.slow_s: dict[int, float] = {}
         self.fences: dict[str, int] = {}
         self.peers: tuple[str, ...] = ()  # the other agents of the last structured launch
+        self.peer_leases = PeerLeases(_peer_credentials(config), timeout_s=PEER_ASK_TIMEOUT_S)
         self.attempts: dict[str, int] = {}
         self.last_preflight: common_pb2.PreflightSummary | None = None
         self.preflight_running = threading.Lock()
@@ -442,6 +427,7 @@ class Agent:
         self.xid.start(self.config.kernel_log, self.config.dmesg_interval_s)
         self.evidence.start()
         if self.registration is not None:
+            self._judge_orphans()
             self.registration.start()
         self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
         self._ticker.start()
@@ -460,6 +446,7 @@ class Agent:
         if stop_workers:
             self.launcher.stop_all(self.config.stop_grace_s)
             self.wait_exits_recorded()
+            self._stop_orphans("the agent stops its workers")  # KillMode=process: systemd will not
         with self.lock:
             watches = list(self._watches)
         for watch in watches:
@@ -471,20 +458,69 @@ class Agent:
         self.evidence.stop()
         if self.registration is not None:
             self.registration.stop(revoke=True)
+        self.peer_leases.close()
 
-    def _connected_to_a_peer(self) -> str:
-        """Liveness thread, before fencing: a peer of the running attempt that answers a TCP connect
-        means this host is on the network and etcd is what is down (everyone's outage, in which the
-        controller cannot replace anything either); "" when no worker runs or no peer answers."""
+    def _peers_cannot_renew(self, unconfirmed_s: float) -> str:
+        """Liveness thread, before fencing: `liveness.peers_cannot_renew` over what the running attempt's
+        peers answer about their own leases; "" (fence) when no worker runs here (nothing to keep)."""
         if not any(w.running for w in self.launcher.workers()):
             return ""
-        return reachable(self.peers[:8], timeout_s=0.25)
+        return peers_cannot_renew(
+            self.peer_leases.ages(self.peers[:8]), unconfirmed_s=unconfirmed_s, ttl_s=self.config.lease_ttl_s
+        )
+
+    # --- an earlier incarnation's ranks -----------------------------------------------------------
+    # The unit's KillMode=process lets ranks outlive a crashed or watchdog-killed agent: they keep
+    # training and report to the restarted agent's socket. No launcher here knows them, so the places
+    # that must end them look for them: a fence, a new launch, and a start after the lease expired.
+
+    def _orphans(self) -> dict[int, Any]:
+        """Processes an earlier incarnation of this agent started (their environment names this node and
+        socket, for an attempt not running here) outside this process's tree, by pid."""
+        procs = proctree.all_procs()
+        mine = proctree.descendants({os.getpid()}, procs)
+        found = leftovers.find(self.config.node, self.config.unix_socket, self.launcher.workers(), procs)
+        return {pid: f for pid, f in found.items() if pid not in mine}
+
+    def _stop_orphans(self, why: str) -> None:
+        """TERM, then KILL after the stop grace, every orphan of an earlier incarnation (blocking)."""
+        found = self._orphans()
+        if not found:
+            return
+        log.warning("%s: stopping %d process(es) an earlier agent started", why, len(found))
+        for line in leftovers.kill(found, self.config.stop_grace_s):
+            log.warning("orphan of an earlier agent: %s", line)
+
+    def _judge_orphans(self) -> None:
+        """At start: an earlier incarnation's ranks keep running while its node key is still in etcd
+        (its lease outlived the restart: the controller still counts them in); once it is gone the
+        controller has counted the node lost and may be replacing it, so they stop."""
+        found = self._orphans()
+        if not found:
+            return
+        assert self.store is not None
+        if self.store.get(self.store.keys.node(self.config.node)) is not None:
+            log.warning(
+                "%d process(es) of an earlier agent run on (pids %s); its lease is alive: they keep running",
+                len(found),
+                ", ".join(map(str, sorted(found)[:8])),
+            )
+            return
+        threading.Thread(
+            target=self._stop_orphans,
+            args=("the earlier agent's lease expired before this one started",),
+            name="orphans",
+            daemon=True,
+        ).start()
 
     def _self_fence(self, reason: str) -> None:
         """Liveness thread: the lease could not be renewed before its TTL ran out. The controller
         counts this node lost and may already be replacing it, so its workers stop: TERM, then KILL
         after the stop grace. Called once per lost lease; returns at once (the stop runs in a thread)."""
         running = sorted({f"{w.run} attempt {w.attempt}" for w in self.launcher.workers() if w.running})
+        threading.Thread(
+            target=self._stop_orphans, args=("self-fencing",), name="fence-orphans", daemon=True
+        ).start()
         if not running:
             log.warning("self-fencing: %s; no workers run here", reason)
             return
@@ -544,6 +580,7 @@ class Agent:
         group still starting is waited for at most `wait_s` (the caller's deadline) or warm_wait_s;
         then the launch is refused (temporarily), not sent cold: a cold node never meets warm ones."""
         with self._launch_lock:
+            self._stop_orphans(f"run {spec.run} attempt {spec.attempt} launches")
             interpreter = self.warm.interpreter if self.warm is not None else ""
             why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
             if not why and self.warm is not None and ask is not None:

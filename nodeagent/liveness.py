@@ -13,9 +13,15 @@ first if it still exists, so the controller always sees the node leave and come 
 (burn-in), never a silent resume.
 
 An etcd outage is not a partition: everyone loses etcd at once, and the controller, which needs etcd
-to launch, cannot replace anything meanwhile. So before it fences, the agent asks `vouch()` whether
-a peer of its running attempt still answers; if one does, the workers keep running (asked again
-every TTL/3). Once etcd answers that the lease is gone, the agent fences whatever the peers say.
+to launch, cannot replace anything meanwhile. A host cut off from etcd alone is: the controller
+replaces it while its peers, still on the network, answer. So before it fences, the agent asks
+`vouch(unconfirmed_s)` whether the peers of its running attempt still renew *their* leases: a peer
+whose lease etcd confirmed after this host's had run out (less than `unconfirmed_s - TTL` ago) proves
+etcd answers others, so this host fences; only when peers answer and none has renewed since (they
+cannot reach etcd either) do the workers keep running, asked again every TTL/6. No peer answering
+is a partition: fence. The fence therefore comes at most TTL + a peer's keepalive interval (TTL/3)
++ TTL/6 + the ask's timeout after the last renewal. Once etcd answers that the lease is gone, the
+agent fences whatever the peers say.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from nodeagent.metrics import AgentMetrics
-from runwarden.v1 import store_pb2
+from runwarden.v1 import agent_pb2, agent_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +53,7 @@ class Registration:
         make_record: Callable[[], store_pb2.NodeRecord],
         metrics: AgentMetrics,
         on_fenced: Callable[[str], None] | None = None,
-        vouch: Callable[[], str] | None = None,
+        vouch: Callable[[float], str] | None = None,
     ) -> None:
         self._store = store
         self._node = node
@@ -60,9 +68,7 @@ class Registration:
         self._thread: threading.Thread | None = None
         self._on_fenced = on_fenced
         self._vouch = vouch
-        self._vouched_until = 0.0  # a peer was reachable: not partitioned, etcd is down; ask again after
-        self._heartbeat_at: float | None = None
-        self._refreshes_seen = 0
+        self._vouched_until = 0.0  # peers could not renew either: etcd is down; ask again after
         self._fenced = False  # the current lease is given up (its TTL ran out unrenewed)
         self.registrations = 0
         self.fences = 0
@@ -77,14 +83,12 @@ class Registration:
         return int(getattr(self._lease, "id", 0) or 0)
 
     def last_heartbeat_at(self) -> float | None:
-        """Monotonic time of the last successful keepalive (or registration), as last sampled."""
+        """Monotonic time etcd last confirmed the lease: when the last answered keepalive (or the grant)
+        was sent. Peers compare it with their own (GetNodeStatus.last_heartbeat_age_s)."""
         keeper = self._keeper
-        if keeper is not None:
-            refreshes = getattr(keeper, "refreshes", 0)
-            if refreshes != self._refreshes_seen:
-                self._refreshes_seen = refreshes
-                self._heartbeat_at = time.monotonic()
-        return self._heartbeat_at
+        if keeper is None:
+            return None
+        return float(keeper.confirmed_at)
 
     def _expired(self) -> str:
         """Why the current lease must be given up now ("" while it is held and certainly alive)."""
@@ -100,20 +104,21 @@ class Registration:
         return ""
 
     def _connected(self, reason: str) -> bool:
-        """Whether an unconfirmed lease is an etcd outage rather than this host's partition: a peer of
-        the running attempt still answers (asked again every TTL/3). Never when etcd said the lease
-        is gone: then the controller may already be replacing this node."""
+        """Whether an unconfirmed lease is an etcd outage rather than this host's own cut: peers of the
+        running attempt answer and none has renewed its lease since this one ran out (see the module
+        docstring). Never when etcd said the lease is gone: then the controller may already be
+        replacing this node."""
         keeper = self._keeper
         if self._vouch is None or keeper is None or keeper.expired:
             return False
         now = time.monotonic()
         if now < self._vouched_until:
             return True
-        why = self._vouch()
+        why = self._vouch(now - keeper.confirmed_at)
         if not why:
             return False
-        self._vouched_until = now + self._ttl_s / 3
-        log.warning("node %s: %s, but %s: an etcd outage, not a partition; the workers keep running",
+        self._vouched_until = now + self._ttl_s / 6
+        log.warning("node %s: %s, but %s: an etcd outage, not this host's cut; the workers keep running",
                     self._node, reason, why)  # fmt: skip
         return True
 
@@ -124,6 +129,9 @@ class Registration:
             keeper = self._keeper
             if keeper is not None and keeper.lost.is_set() and not keeper.expired:
                 self._keeper = self._store.keep_alive(self._lease, self._on_lost)
+                # etcd has confirmed nothing since: the new keeper must not vouch for the lease, nor
+                # tell asking peers it was renewed
+                self._keeper.confirmed_at = keeper.confirmed_at
 
     def _fence(self, reason: str) -> None:
         """Give up the current lease: the workers stop (`on_fenced`), then re-registration."""
@@ -197,8 +205,6 @@ class Registration:
             record.registered_at = time.time()
             self._store.put(self._store.keys.node(self._node), record.SerializeToString(), lease=lease)
             self._keeper = self._store.keep_alive(lease, self._on_lost)
-            self._heartbeat_at = time.monotonic()
-            self._refreshes_seen = 0
             self._fenced = False
             self.registrations += 1
         self._metrics.registrations.inc()
@@ -230,3 +236,61 @@ class Registration:
                 self._closed.wait(delay)
                 delay = min(delay * 2, self._ttl_s / 3)
                 self._wake.set()
+
+
+def peers_cannot_renew(ages: dict[str, float | None], *, unconfirmed_s: float, ttl_s: float) -> str:
+    """The vouch's rule. `ages`: per peer that answered, how long ago etcd confirmed its lease (None:
+    it has no store); this host's lease has gone unconfirmed for `unconfirmed_s`, so it ran out
+    `unconfirmed_s - ttl_s` ago. A peer confirmed since then: etcd answers others, this host is the one
+    cut off: "" (fence). No peer answered: cut off from them too: "" (fence). Otherwise the reason the
+    workers may keep running (nobody reaches etcd: the control plane's fault)."""
+    ran_out = unconfirmed_s - ttl_s
+    renewed = {p: a for p, a in ages.items() if a is not None and a < ran_out}
+    if renewed:
+        peer = min(renewed, key=lambda p: renewed[p])
+        log.warning("peer %s renewed its lease %.2f s after this host's ran out: etcd answers others; "
+                    "this host is cut off from it", peer, ran_out - renewed[peer])  # fmt: skip
+        return ""
+    if not ages:
+        return ""
+    return f"peers {', '.join(sorted(ages))} answer and none renewed its lease since this one ran out"
+
+
+class PeerLeases:
+    """Asks peer agents how long ago etcd last confirmed *their* leases (GetNodeStatus's
+    last_heartbeat_age_s), all at once; one cached channel per peer. With TLS the agent's own server
+    certificate is its client certificate (the cluster CA issues server certificates for both ends)."""
+
+    def __init__(self, creds: grpc.ChannelCredentials | None, timeout_s: float) -> None:
+        self._creds = creds
+        self._timeout_s = timeout_s
+        self._stubs: dict[str, tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]] = {}
+
+    def ages(self, peers: tuple[str, ...]) -> dict[str, float | None]:
+        """Per peer that answered within the timeout: its lease's confirmed age in seconds (None: it has
+        no store). Peers that did not answer are absent. Called from the liveness thread only."""
+        for gone in set(self._stubs) - set(peers):
+            self._stubs.pop(gone)[0].close()
+        calls = {}
+        for peer in peers:
+            if peer not in self._stubs:
+                channel = (
+                    grpc.secure_channel(peer, self._creds) if self._creds else grpc.insecure_channel(peer)
+                )
+                self._stubs[peer] = (channel, agent_pb2_grpc.NodeAgentStub(channel))
+            calls[peer] = self._stubs[peer][1].GetNodeStatus.future(
+                agent_pb2.GetNodeStatusRequest(), timeout=self._timeout_s
+            )
+        ages: dict[str, float | None] = {}
+        for peer, call in calls.items():
+            try:
+                age = call.result().last_heartbeat_age_s
+            except grpc.RpcError:
+                continue
+            ages[peer] = age if age >= 0 else None
+        return ages
+
+    def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            channel.close()
+        self._stubs.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from runwarden.testing.etcd_server import free_port
-from runwarden.v1 import agent_pb2
+from runwarden.v1 import agent_pb2, store_pb2
 from tests.nodeagent.helpers import wait_for
 
 TTL_S = 2.0
@@ -121,17 +122,38 @@ def test_an_agent_without_workers_fences_nothing_and_reregisters(etcd, store, ag
     )
 
 
-def test_reachable_finds_a_listening_peer_at_once_and_gives_up_within_its_budget() -> None:
-    import socket
-    import time
+def test_the_vouch_fences_when_a_peer_renewed_after_this_lease_ran_out() -> None:
+    from nodeagent.liveness import peers_cannot_renew
 
-    from nodeagent.agent import reachable
+    ttl = 2.0
+    # peers answer, their last renewal before this lease ran out: nobody reaches etcd, keep running
+    assert peers_cannot_renew({"b:1": 0.5, "c:1": None}, unconfirmed_s=2.1, ttl_s=ttl)
+    # a peer renewed 0.6 s after this lease ran out: etcd answers others, this host is cut off
+    assert peers_cannot_renew({"b:1": 2.5, "c:1": 0.3}, unconfirmed_s=2.9, ttl_s=ttl) == ""
+    # no peer answers: cut off from them too
+    assert peers_cannot_renew({}, unconfirmed_s=2.1, ttl_s=ttl) == ""
 
+
+def test_peers_report_how_long_ago_etcd_confirmed_their_leases(etcd, store, agent_factory) -> None:
+    from nodeagent.liveness import PeerLeases
+
+    agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--lease-ttl", str(TTL_S)])
+    record = wait_for(lambda: store.get(store.keys.node("n1")), 10, "the node key")
+    peer = store_pb2.NodeRecord.FromString(record.value).address
     with socket.create_server(("127.0.0.1", 0)) as gone:
         dead = f"127.0.0.1:{gone.getsockname()[1]}"  # closed again: nothing listens there
-    with socket.create_server(("127.0.0.1", 0)) as live:
-        up = f"127.0.0.1:{live.getsockname()[1]}"
-        assert reachable((dead, "not-an-address", up), timeout_s=0.5) == up
-    t0 = time.monotonic()
-    assert reachable((dead,), timeout_s=0.3) == ""
-    assert time.monotonic() - t0 < 1.0
+    leases = PeerLeases(None, timeout_s=1.0)
+    try:
+        ages = leases.ages((peer, dead))
+        assert list(ages) == [peer]  # the dead one did not answer
+        assert ages[peer] is not None and 0 <= ages[peer] < TTL_S / 3 + 0.5  # renewed every TTL/3
+        os.kill(etcd.pid, signal.SIGSTOP)
+        try:  # no renewal while etcd is out: the age it reports keeps growing past the TTL
+            wait_for(lambda: (leases.ages((peer,)).get(peer) or 0) > TTL_S, TTL_S + 5, "the age past the TTL")
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        wait_for(
+            lambda: (leases.ages((peer,)).get(peer) or 99) < TTL_S / 3 + 0.5, TTL_S + 10, "renewals again"
+        )
+    finally:
+        leases.close()
