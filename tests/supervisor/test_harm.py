@@ -22,7 +22,7 @@ from controller.supervisor.events import (
 from controller.supervisor.machine import RunState
 from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
-from tests.supervisor.harness import Driver, fast
+from tests.supervisor.harness import Driver, Item, fast
 
 E = events_pb2
 
@@ -37,7 +37,7 @@ def answer_attempt_preflights(d: Driver) -> None:
             d.send(PreflightResult(node=n, passed=True, mode=req.mode))
 
 
-def hang_at(d: Driver, step: int, culprit_rank: int) -> list[object]:
+def hang_at(d: Driver, step: int, culprit_rank: int) -> list[Item]:
     """Train to `step` - 1, then the rank `culprit_rank` never arrives (a data loader deadlocked on
     a bad shard): the hang is detected, the flight recorder names that rank's node."""
     d.steps(d.sup.job_step + 1, step - 1)
@@ -49,7 +49,7 @@ def hang_at(d: Driver, step: int, culprit_rank: int) -> list[object]:
     )
     out = d.send(DumpsCollected(attempt=d.sup.attempt, verdict=verdict))
     out += d.exit_all(code=-15)
-    return out  # type: ignore[return-value]  # Items
+    return out
 
 
 def rotating_hang_run(d: Driver, failures: int) -> list[str]:
