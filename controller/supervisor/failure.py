@@ -7,10 +7,11 @@ Blame is `controller.supervisor.blame.blame` (the one ladder); whether and when 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.supervisor import loss, memory, restart
+from controller.supervisor import detectors, loss, memory, restart
 from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
@@ -174,12 +175,22 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> tuple[list[_Suspect], bool]:
     return out, node_evidence
 
 
+# The step a failure is seen at can trail the one it happened at by a progress report (the agents
+# write one per interval, 1 s by default): a few seconds of steps, after the same commit, is the
+# same step. Never more than the checkpoint interval: a bad node failing at random steps after the
+# same commit is not a loop.
+REPORT_LAG_S = 5.0
+
+
 def _signature(sv: Supervisor, f: Failure) -> restart.Signature:
-    """This failure as the crash-loop rule compares it: the checkpoint interval (the gap between the
-    two newest commits) is how far its step may move and still be the same failure."""
+    """This failure as the crash-loop rule compares it (restart.Signature)."""
     newest = sorted(sv.committed)[-2:]
-    slack = newest[1] - newest[0] if len(newest) == 2 else 0
-    return restart.Signature(label=f.label, resume_step=sv.cur.resume_step, step=f.step, slack=slack)
+    interval = newest[1] - newest[0] if len(newest) == 2 else 0
+    step_s = detectors.median(sv.step_times) if sv.step_times else 0.0
+    lag = math.ceil(REPORT_LAG_S / step_s) if step_s > 0 else 0
+    return restart.Signature(
+        label=f.label, resume_step=sv.cur.resume_step, step=f.step, slack=min(interval, lag)
+    )
 
 
 def decide(sv: Supervisor) -> None:

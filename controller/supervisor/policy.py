@@ -92,9 +92,9 @@ class SupervisorConfig:
     straggler_ewma_alpha: float = 0.3
     kill_stragglers_mid_run: bool = False
 
-    # Crash loop and blame. The same failure (its label, at the same step give or take one, or the
-    # checkpoint interval after the same commit) crash_loop_count times in a row ends the run as a
-    # crash loop whoever was blamed (restart.py); the nodes quarantined for it return without a strike.
+    # Crash loop and blame. The same failure (its label, at the same step: restart.Signature says how
+    # close) crash_loop_count times in a row ends the run as a crash loop whoever was blamed
+    # (restart.py); the nodes quarantined for it return without a strike.
     crash_loop_count: int = 3
     # Blast radius (Kubernetes' node-lifecycle controller stops evicting in an unhealthy zone): more
     # than max(blast_radius_nodes, blast_radius_fraction x the nodes known) automatic quarantines

@@ -55,10 +55,10 @@ RestartDecision = Relaunch | CrashLoop | BudgetExhausted
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Signature:
     """What makes two failures "the same": their kind, and their step, give or take one (a bug at
-    step 45 is seen at 44 or 45: the slowest rank's completed step), or give or take the checkpoint
-    interval (`slack`) when both attempts resumed from the same commit (a fault N steps after each
-    resume). The first attempt of a loop starts from an older commit than the relaunches after it,
-    so the step alone decides there."""
+    step 45 is seen at 44 or 45: the slowest rank's completed step), or give or take `slack` when
+    both attempts resumed from the same commit (the step it was seen at trails a progress report:
+    failure.REPORT_LAG_S of steps, at most the checkpoint interval). The first attempt of a loop
+    starts from an older commit than the relaunches after it, so the step alone decides there."""
 
     label: str
     resume_step: int
