@@ -386,9 +386,7 @@ class StoreBackedView:
         return leading[0] if len(leading) == 1 else ("", 0)
 
 
-def budget_left(
-    spec: store_pb2.RunSpec | None, memory: store_pb2.SupervisorMemory | None, now: float
-) -> int:
+def budget_left(spec: store_pb2.RunSpec | None, memory: store_pb2.SupervisorMemory | None, now: float) -> int:
     """The restart budget left, as the leader counts it: the budget less the failure restarts
     within its window (the supervisor's memory in the store); the whole budget before any."""
     if memory is None:
