@@ -118,8 +118,9 @@ class Registration:
         if not why:
             return False
         self._vouched_until = now + self._ttl_s / 6
-        log.warning("node %s: %s, but %s: an etcd outage, not this host's cut; the workers keep running",
-                    self._node, reason, why)  # fmt: skip
+        log.warning("node %s: %s, but %s: so far an etcd outage for everyone, not this host's cut; "
+                    "the workers keep running (asked again in %.2f s)", self._node, reason, why,
+                    self._ttl_s / 6)  # fmt: skip
         return True
 
     def _keep_trying(self) -> None:
