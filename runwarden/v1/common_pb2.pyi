@@ -35,15 +35,20 @@ class _CheckStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CheckStat
     CHECK_STATUS_WARN: _CheckStatus.ValueType  # 2
     CHECK_STATUS_FAIL: _CheckStatus.ValueType  # 3
     CHECK_STATUS_SKIP: _CheckStatus.ValueType  # 4
+    CHECK_STATUS_INCONCLUSIVE: _CheckStatus.ValueType  # 5
 
 class CheckStatus(_CheckStatus, metaclass=_CheckStatusEnumTypeWrapper):
-    """The outcome of one preflight check. SKIP always carries a reason and never counts as PASS."""
+    """The outcome of one preflight check. SKIP always carries a reason and never counts as PASS.
+    INCONCLUSIVE: the check ran but could not tell (it measured its host's load, not the node): run
+    it again later; it is neither a pass nor evidence against the node.
+    """
 
 CHECK_STATUS_UNSPECIFIED: CheckStatus.ValueType  # 0
 CHECK_STATUS_PASS: CheckStatus.ValueType  # 1
 CHECK_STATUS_WARN: CheckStatus.ValueType  # 2
 CHECK_STATUS_FAIL: CheckStatus.ValueType  # 3
 CHECK_STATUS_SKIP: CheckStatus.ValueType  # 4
+CHECK_STATUS_INCONCLUSIVE: CheckStatus.ValueType  # 5
 Global___CheckStatus: _TypeAlias = CheckStatus  # noqa: Y015
 
 class _EvidenceKind:
@@ -262,18 +267,26 @@ class PreflightSummary(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     DURATION_S_FIELD_NUMBER: _builtins.int
     FAILED_CHECKS_FIELD_NUMBER: _builtins.int
+    INCONCLUSIVE_COUNT_FIELD_NUMBER: _builtins.int
+    INCONCLUSIVE_CHECKS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """"quick" | "full" """
     passed: _builtins.bool
-    """no FAIL (WARN and SKIP do not fail)"""
+    """no FAIL and no INCONCLUSIVE (WARN and SKIP do not fail)"""
     pass_count: _builtins.int
     warn_count: _builtins.int
     fail_count: _builtins.int
     skip_count: _builtins.int
     finished_at: _builtins.float
     duration_s: _builtins.float
+    inconclusive_count: _builtins.int
+    """Checks that could not tell (INCONCLUSIVE): not passed, yet no evidence against the node; with
+    no FAIL the caller runs it again later (fail_count 0, passed false).
+    """
     @_builtins.property
     def failed_checks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def inconclusive_checks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -286,10 +299,12 @@ class PreflightSummary(_message.Message):
         finished_at: _builtins.float = ...,
         duration_s: _builtins.float = ...,
         failed_checks: _abc.Iterable[_builtins.str] | None = ...,
+        inconclusive_count: _builtins.int = ...,
+        inconclusive_checks: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_s", b"duration_s", "fail_count", b"fail_count", "failed_checks", b"failed_checks", "finished_at", b"finished_at", "mode", b"mode", "pass_count", b"pass_count", "passed", b"passed", "skip_count", b"skip_count", "warn_count", b"warn_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_s", b"duration_s", "fail_count", b"fail_count", "failed_checks", b"failed_checks", "finished_at", b"finished_at", "inconclusive_checks", b"inconclusive_checks", "inconclusive_count", b"inconclusive_count", "mode", b"mode", "pass_count", b"pass_count", "passed", b"passed", "skip_count", b"skip_count", "warn_count", b"warn_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

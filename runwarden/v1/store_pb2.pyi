@@ -208,6 +208,7 @@ class PoolEntry(_message.Message):
     SINCE_FIELD_NUMBER: _builtins.int
     BURN_IN_PASSES_FIELD_NUMBER: _builtins.int
     OPERATOR_HOLD_FIELD_NUMBER: _builtins.int
+    AWAITING_REPAIR_SINCE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     state: _common_pb2.PoolState.ValueType
     run: _builtins.str
@@ -217,6 +218,11 @@ class PoolEntry(_message.Message):
     burn_in_passes: _builtins.int
     operator_hold: _builtins.bool
     """put there by an operator: only an operator releases it"""
+    awaiting_repair_since: _builtins.float
+    """When its last burn-in failed (0: it did not): it waits for a repair, and no relist or new
+    leader burns it in again until it re-registers (a new lease: it rebooted) or an operator
+    marks it repaired.
+    """
     @_builtins.property
     def evidence(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Evidence]: ...
     def __init__(
@@ -230,10 +236,11 @@ class PoolEntry(_message.Message):
         since: _builtins.float = ...,
         burn_in_passes: _builtins.int = ...,
         operator_hold: _builtins.bool = ...,
+        awaiting_repair_since: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["burn_in_passes", b"burn_in_passes", "evidence", b"evidence", "node", b"node", "operator_hold", b"operator_hold", "reason", b"reason", "run", b"run", "since", b"since", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_repair_since", b"awaiting_repair_since", "burn_in_passes", b"burn_in_passes", "evidence", b"evidence", "node", b"node", "operator_hold", b"operator_hold", "reason", b"reason", "run", b"run", "since", b"since", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
