@@ -42,6 +42,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from google.protobuf.message import DecodeError
+
 from controller.api import policy as policy_store
 from controller.backends.base import BackendError, RunOutcome, Scheduler, StaticFleet
 from controller.backends.local import LocalBackend, LocalConfig
@@ -68,7 +70,7 @@ from controller.supervisor.pool import OUT_OF_SERVICE, Pool
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog
 from runwarden.keys import LEGACY_ELECTION, run_election
-from runwarden.store import Leadership, Relisted, Store, StoreError, Watch, WatchEvent
+from runwarden.store import Compare, Leadership, Put, Relisted, Store, StoreError, Watch, WatchEvent
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,9 @@ class ShellConfig:
     script_mode: str = "instrumented"  # "unmodified": the agents run the command through nodeagent.bootstrap
     priority: int = 0  # who gets a free node of the shared fleet first: the higher (then first come)
     claim_bid_window_s: float = BID_WINDOW_S  # asks of several runs this close are decided by priority
+    # A new launch is wanted (`controller run --resume`, --exit-when-done): a stop that ended the run
+    # and was requested before this time (the process's start) is cleared on taking office. None: kept.
+    resume_stopped_before: float | None = None
 
     @property
     def event_log_path(self) -> Path:
@@ -317,6 +322,7 @@ class LiveController:
     def _lead(self) -> None:
         self.eventlog = self._eventlog_factory(self.cfg.event_log_path)
         self._write_spec()
+        self._clear_stale_stop()
         in_a_row, built_at = 0, time.monotonic()
         while not self.stopping.is_set():
             try:
@@ -410,6 +416,50 @@ class LiveController:
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
+
+    def _clear_stale_stop(self) -> None:
+        """A run-ending stop requested before `resume_stopped_before` belongs to the run it stopped, and
+        this process was started to launch the run again: the stop stops ending the run. It becomes a
+        relaunching stop (one transaction, only if unchanged since read and while this process leads),
+        so the attempt it ended is wound up as a planned stop, whatever its exit records say, and the
+        next launch retires the key (the executor). A stop requested since this start (a time limit's
+        notice while the controller starts) is honoured; a relaunching one is left as it is."""
+        before = self.cfg.resume_stopped_before
+        if before is None:
+            return
+        assert self.leadership is not None
+        key = self.keys.stop(self.cfg.run)
+        cur = self.store.get(key)
+        if cur is None:
+            return
+        try:
+            req = store_pb2.StopRequest.FromString(cur.value)
+        except DecodeError:
+            return  # the translator reports a bad value; a stop nobody can read is not cleared blind
+        if req.relaunch or req.requested_at >= before:
+            return
+        resumed = store_pb2.StopRequest()
+        resumed.CopyFrom(req)
+        resumed.relaunch = True
+        resumed.reason = f"{req.reason or 'stop requested'} (resumed by {self.cfg.identity})"
+        cleared = self.store.txn(
+            f"clear the stop of {self.cfg.run}",
+            [self.store.fence(self.leadership), Compare(key=key, mod_revision=cur.mod_revision)],
+            [Put(key=key, value=resumed.SerializeToString())],
+        ).succeeded
+        if cleared:
+            log.warning(
+                "run %s: cleared the stop that ended it (requested by %s %.0f s before this controller "
+                "started: %s); the run is launched again from its latest commit",
+                self.cfg.run,
+                req.requested_by or "unknown",
+                before - req.requested_at,
+                req.reason or "no reason given",
+            )
+        else:
+            log.info(
+                "run %s: the stop changed (or the leadership went) while clearing it; kept", self.cfg.run
+            )
 
     def _allocate(self) -> None:
         """The leader holds the run's machines (once per process: `allocate` adopts an allocation an

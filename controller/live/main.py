@@ -20,6 +20,14 @@ Exit codes: 0 stopped cleanly (by a signal) or the run completed, 2 bad config o
 at start. With --exit-when-done the controller exits when the run is over, with the exit code
 contract of controller/backends/base.py (a batch script reads it): 0 completed, 75 stopped cleanly
 and resumable from its commit (requeue), 3 failed: crash loop or restart budget spent (do not requeue).
+
+A stop that ends the run stays in etcd, so a restarted daemon (systemd's Restart=always, a watchdog
+kill, a reboot) does not launch a run an operator stopped. --resume says a new launch is wanted: a
+run-ending stop requested before this process started is cleared when it takes office (logged: it
+becomes a relaunching stop, which the relaunch retires), and the run resumes from its latest commit;
+a stop requested after the start (a time limit's notice while it starts) is honoured.
+--exit-when-done implies it: its exit 75 asks for exactly that requeue (deploy/slurm/runwarden.sbatch
+with RUNWARDEN_MODE=controller requeues the job on 75).
 """
 
 from __future__ import annotations
@@ -56,9 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument(
+        "--resume",
+        action="store_true",
+        help="launch a run that a stop ended before this start again (implied by --exit-when-done)",
+    )
+    run.add_argument(
         "--exit-when-done",
         action="store_true",
-        help="exit when the run is over: 0 completed, 75 stopped (requeue), 3 failed (do not requeue)",
+        help="exit when the run is over: 0 completed, 75 stopped (requeue), 3 failed (do not requeue); "
+        "implies --resume",
     )
     return parser
 
@@ -80,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     from controller.supervisor.policy import RunPlan
     from runwarden.store import Store, StoreError
 
+    started_at = time.time()  # a run-ending stop older than this is cleared with --resume
     overrides: dict[str, Any] = {}
     if args.etcd:
         overrides["store.endpoints"] = [e for e in args.etcd.split(",") if e]
@@ -115,6 +130,8 @@ def _run(args: argparse.Namespace) -> int:
     }
     if run.identity:
         shell_kwargs["identity"] = run.identity
+    if args.resume or args.exit_when_done:
+        shell_kwargs["resume_stopped_before"] = started_at
     from controller.live.agents import AgentClients
 
     pager = Pager(cfg.paging)
