@@ -30,7 +30,7 @@ from nodeagent import progress as progress_mod
 from nodeagent.config import AgentConfig
 from nodeagent.evidence import EvidencePublisher
 from nodeagent.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
-from nodeagent.liveness import PeerLeases, Registration, peers_cannot_renew
+from nodeagent.liveness import PeerLeases, Registration, Verdict, peers_cannot_renew
 from nodeagent.metrics import AgentMetrics
 from nodeagent.monitors import NvmlPoller, XidMonitor
 from nodeagent.progress import ProgressTable
@@ -460,11 +460,11 @@ class Agent:
             self.registration.stop(revoke=True)
         self.peer_leases.close()
 
-    def _peers_cannot_renew(self, unconfirmed_s: float) -> str:
+    def _peers_cannot_renew(self, unconfirmed_s: float) -> Verdict:
         """Liveness thread, before fencing: `liveness.peers_cannot_renew` over what the running attempt's
-        peers answer about their own leases; "" (fence) when no worker runs here (nothing to keep)."""
+        peers answer about their own leases; nothing to keep when no worker runs here."""
         if not any(w.running for w in self.launcher.workers()):
-            return ""
+            return Verdict(keep=False, why="no worker runs here")
         return peers_cannot_renew(
             self.peer_leases.ages(self.peers[:8]), unconfirmed_s=unconfirmed_s, ttl_s=self.config.lease_ttl_s
         )

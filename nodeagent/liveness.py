@@ -15,13 +15,15 @@ first if it still exists, so the controller always sees the node leave and come 
 An etcd outage is not a partition: everyone loses etcd at once, and the controller, which needs etcd
 to launch, cannot replace anything meanwhile. A host cut off from etcd alone is: the controller
 replaces it while its peers, still on the network, answer. So before it fences, the agent asks
-`vouch(unconfirmed_s)` whether the peers of its running attempt still renew *their* leases: a peer
-whose lease etcd confirmed after this host's had run out (less than `unconfirmed_s - TTL` ago) proves
-etcd answers others, so this host fences; only when peers answer and none has renewed since (they
-cannot reach etcd either) do the workers keep running, asked again every TTL/6. No peer answering
-is a partition: fence. The fence therefore comes at most TTL + a peer's keepalive interval (TTL/3)
-+ TTL/6 + the ask's timeout after the last renewal. Once etcd answers that the lease is gone, the
-agent fences whatever the peers say.
+`vouch(unconfirmed_s)` what the peers of its running attempt say about *their* leases
+(`peers_cannot_renew`): peers that answer and have not renewed since this lease ran out cannot reach
+etcd either, so the workers keep running (asked again every TTL/6). No peer answering is a
+partition: fence. A peer renewed after this lease ran out: etcd answers others; this host fences
+unless its own keeper renews within RECOVERY_TTLS x TTL of that first sight (etcd may just have come
+back from everyone's outage, and the first agent to renew must not fence the rest). The fence thus
+comes at most TTL + TTL/3 (a peer's keepalive) + TTL/2 + TTL/6 (the re-ask) + the ask's timeout
+after the last renewal. Once etcd answers that the lease is gone, the agent fences whatever the
+peers say.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 
 # How often the lease is checked: the fence fires at most this long after the lease's TTL ran out.
 POLL_S = 0.05
+# Once peers renew while this lease does not, this many TTLs for this host's own keeper to renew
+# before it fences: after an etcd outage for everyone, the first agent back must not fence the rest.
+RECOVERY_TTLS = 0.5
 
 
 class Registration:
@@ -53,7 +59,7 @@ class Registration:
         make_record: Callable[[], store_pb2.NodeRecord],
         metrics: AgentMetrics,
         on_fenced: Callable[[str], None] | None = None,
-        vouch: Callable[[float], str] | None = None,
+        vouch: Callable[[float], Verdict] | None = None,
     ) -> None:
         self._store = store
         self._node = node
@@ -69,6 +75,7 @@ class Registration:
         self._on_fenced = on_fenced
         self._vouch = vouch
         self._vouched_until = 0.0  # peers could not renew either: etcd is down; ask again after
+        self._others_renew_since: float | None = None  # first seen: peers renew, this lease does not
         self._fenced = False  # the current lease is given up (its TTL ran out unrenewed)
         self.registrations = 0
         self.fences = 0
@@ -114,13 +121,23 @@ class Registration:
         now = time.monotonic()
         if now < self._vouched_until:
             return True
-        why = self._vouch(now - keeper.confirmed_at)
-        if not why:
+        verdict = self._vouch(now - keeper.confirmed_at)
+        if verdict.others_renew:
+            # etcd answers others. It may just have come back from an outage for everyone, with this
+            # host's keeper about to renew too: it gets RECOVERY_TTLS x TTL from the first sight
+            first = self._others_renew_since = self._others_renew_since or now
+            if now - first >= RECOVERY_TTLS * self._ttl_s:
+                log.warning("node %s: %s, and %s: etcd answers others; this host is cut off from it",
+                            self._node, reason, verdict.why)  # fmt: skip
+                return False
+        elif not verdict.keep:
+            log.warning("node %s: %s, and %s", self._node, reason, verdict.why)
             return False
+        else:
+            self._others_renew_since = None
         self._vouched_until = now + self._ttl_s / 6
-        log.warning("node %s: %s, but %s: so far an etcd outage for everyone, not this host's cut; "
-                    "the workers keep running (asked again in %.2f s)", self._node, reason, why,
-                    self._ttl_s / 6)  # fmt: skip
+        log.warning("node %s: %s, but %s: the workers keep running for now (asked again in %.2f s)",
+                    self._node, reason, verdict.why, self._ttl_s / 6)  # fmt: skip
         return True
 
     def _keep_trying(self) -> None:
@@ -220,6 +237,8 @@ class Registration:
             if self._closed.is_set():
                 return
             reason = self._expired()
+            if not reason:
+                self._others_renew_since = None  # renewed (or fenced): a later cut starts afresh
             if reason and self._connected(reason):
                 self._keep_trying()
                 continue
@@ -239,22 +258,30 @@ class Registration:
                 self._wake.set()
 
 
-def peers_cannot_renew(ages: dict[str, float | None], *, unconfirmed_s: float, ttl_s: float) -> str:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """What the peers say about an unconfirmed lease. `keep`: nobody reaches etcd (the control plane's
+    fault), the workers may keep running. `others_renew`: a peer renewed after this lease ran out."""
+
+    keep: bool
+    others_renew: bool = False
+    why: str
+
+
+def peers_cannot_renew(ages: dict[str, float | None], *, unconfirmed_s: float, ttl_s: float) -> Verdict:
     """The vouch's rule. `ages`: per peer that answered, how long ago etcd confirmed its lease (None:
     it has no store); this host's lease has gone unconfirmed for `unconfirmed_s`, so it ran out
-    `unconfirmed_s - ttl_s` ago. A peer confirmed since then: etcd answers others, this host is the one
-    cut off: "" (fence). No peer answered: cut off from them too: "" (fence). Otherwise the reason the
-    workers may keep running (nobody reaches etcd: the control plane's fault)."""
+    `unconfirmed_s - ttl_s` ago. A peer confirmed since then: etcd answers others (others_renew). No
+    peer answered: this host is cut off from them too. Peers answer and none renewed since: keep."""
     ran_out = unconfirmed_s - ttl_s
     renewed = {p: a for p, a in ages.items() if a is not None and a < ran_out}
     if renewed:
         peer = min(renewed, key=lambda p: renewed[p])
-        log.warning("peer %s renewed its lease %.2f s after this host's ran out: etcd answers others; "
-                    "this host is cut off from it", peer, ran_out - renewed[peer])  # fmt: skip
-        return ""
+        why = f"peer {peer} renewed its lease {ran_out - renewed[peer]:.2f} s after this host's ran out"
+        return Verdict(keep=False, others_renew=True, why=why)
     if not ages:
-        return ""
-    return f"peers {', '.join(sorted(ages))} answer and none renewed its lease since this one ran out"
+        return Verdict(keep=False, why="no peer answers")
+    return Verdict(keep=True, why=f"peers {', '.join(sorted(ages))} answer and none renewed since")
 
 
 class PeerLeases:

@@ -4,8 +4,8 @@ A FleetCluster (etcd, a controller, 2 active agents and a spare, each on its own
 host, mTLS everywhere) trains; then node rank 1's host loses its route to etcd (a blackhole route on
 both ends: `iptables` is not installed and `netem` does not work here) while its fabric link to the
 peers stays up. The peers still answer it, but they keep renewing their leases while it cannot, so
-it fences within TTL + a peer's keepalive interval + the vouch's re-ask + its timeout + the stop
-grace; the controller replaces it with the spare. Before issue 26 a peer answering a TCP connect was
+it fences within TTL + a peer's keepalive interval + the vouch's re-ask + its timeout + the time
+its own keeper gets to renew once the peers do + the stop grace; the controller replaces it with the spare. Before issue 26 a peer answering a TCP connect was
 enough to keep the ranks running beside the replacement attempt.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.liveness import RECOVERY_TTLS
 from runwarden.testing.fleet import Fleet, Host, default_prefix, netns_pids, sweep_orphans
 from runwarden.testing.fleet import available as fleet_available
 from runwarden.testing.fleet_cluster import AGENT_PORT, ETCD_CLIENT_PORT, ClusterSpec, FleetCluster
@@ -28,10 +29,13 @@ TTL_S = 2.0
 STOP_GRACE_S = 5.0  # the test agents' stop_grace_s (runwarden.testing.fleet_cluster.agent_settings)
 ASK_TIMEOUT_S = 1.0  # nodeagent.agent.PEER_ASK_TIMEOUT_S
 # the fence's bound after the cut: the lease runs out within TTL of its last renewal; a peer renews
-# within TTL/3 after that, the vouch asks again every TTL/6 and waits up to its timeout; then the
-# ranks get TERM and, after the grace, KILL. MARGIN_S: two loaded cores' scheduling and the reaping.
+# within TTL/3 after that, the vouch asks again every TTL/6 and waits up to its timeout; this host's
+# keeper gets RECOVERY_TTLS x TTL to renew too; then the ranks get TERM and, after the grace, KILL.
+# MARGIN_S: two loaded cores' scheduling and the reaping.
 MARGIN_S = 2.0
-FENCE_BOUND_S = TTL_S + TTL_S / 3 + TTL_S / 6 + ASK_TIMEOUT_S + STOP_GRACE_S + MARGIN_S
+FENCE_BOUND_S = (
+    TTL_S + TTL_S / 3 + TTL_S / 6 + ASK_TIMEOUT_S + RECOVERY_TTLS * TTL_S + STOP_GRACE_S + MARGIN_S
+)
 
 
 def _blackhole(host: Host, address: str, action: str) -> None:

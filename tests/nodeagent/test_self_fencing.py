@@ -127,11 +127,73 @@ def test_the_vouch_fences_when_a_peer_renewed_after_this_lease_ran_out() -> None
 
     ttl = 2.0
     # peers answer, their last renewal before this lease ran out: nobody reaches etcd, keep running
-    assert peers_cannot_renew({"b:1": 0.5, "c:1": None}, unconfirmed_s=2.1, ttl_s=ttl)
-    # a peer renewed 0.6 s after this lease ran out: etcd answers others, this host is cut off
-    assert peers_cannot_renew({"b:1": 2.5, "c:1": 0.3}, unconfirmed_s=2.9, ttl_s=ttl) == ""
+    keep = peers_cannot_renew({"b:1": 0.5, "c:1": None}, unconfirmed_s=2.1, ttl_s=ttl)
+    assert keep.keep and not keep.others_renew
+    # a peer renewed 0.6 s after this lease ran out: etcd answers others
+    cut = peers_cannot_renew({"b:1": 2.5, "c:1": 0.3}, unconfirmed_s=2.9, ttl_s=ttl)
+    assert cut.others_renew and not cut.keep and "c:1" in cut.why
     # no peer answers: cut off from them too
-    assert peers_cannot_renew({}, unconfirmed_s=2.1, ttl_s=ttl) == ""
+    alone = peers_cannot_renew({}, unconfirmed_s=2.1, ttl_s=ttl)
+    assert not alone.keep and not alone.others_renew
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("etcd_returns", [False, True], ids=["cut-off", "etcd-back-for-everyone"])
+def test_peers_renewing_fence_after_the_recovery_allowance_unless_this_lease_renews(
+    etcd, store, etcd_returns: bool
+) -> None:
+    """Registration against a real etcd, the peers' answers played by the test. Cut off (etcd killed,
+    the peers said to renew all along) it fences RECOVERY_TTLS x TTL after it first saw them renew.
+    etcd down for everyone (the peers cannot renew either: keep), then back (a restart on the same
+    data: the lease survives, the peers renew first): its own keeper renews within the allowance and
+    nothing is fenced."""
+    from nodeagent.liveness import RECOVERY_TTLS, Registration, Verdict
+    from nodeagent.metrics import AgentMetrics
+
+    fenced: list[float] = []
+    renewing_seen: list[float] = []  # when the vouch first answered "a peer renewed"
+
+    def vouch(unconfirmed_s: float) -> Verdict:
+        if etcd_returns and not etcd.running:
+            return Verdict(keep=True, why="peers answer and none renewed since (the test)")
+        renewing_seen[:] = renewing_seen or [time.monotonic()]
+        return Verdict(keep=False, others_renew=True, why="peer p renewed (the test)")
+
+    reg = Registration(
+        store=store,
+        node="v1",
+        ttl_s=TTL_S,
+        make_record=store_pb2.NodeRecord,
+        metrics=AgentMetrics(),
+        on_fenced=lambda reason: fenced.append(time.monotonic()),
+        vouch=vouch,
+    )
+    reg.start()
+    try:
+        etcd.kill()
+        if not etcd_returns:
+            wait_for(lambda: fenced, TTL_S + RECOVERY_TTLS * TTL_S + 3, "the fence")
+            waited = fenced[0] - renewing_seen[0]
+            print(f"\nfenced {waited:.2f} s after the peers were first seen renewing")
+            assert RECOVERY_TTLS * TTL_S <= waited <= RECOVERY_TTLS * TTL_S + TTL_S / 6 + MARGIN_S
+            return
+        # the lease runs out unconfirmed and the peers cannot renew either: no fence
+        wait_for(
+            lambda: reg.last_heartbeat_at() < time.monotonic() - TTL_S - 0.5, TTL_S + 3, "the TTL run out"
+        )
+        assert not fenced
+        etcd.start()  # back for everyone: the peers renew, and this host's keeper must too
+        wait_for(
+            lambda: (reg.last_heartbeat_at() or 0) > renewing_seen[0] if renewing_seen else False,
+            10,
+            "renewal",
+        )
+        assert not fenced and reg.lease_held
+        print(
+            f"\nrenewed {reg.last_heartbeat_at() - renewing_seen[0]:.2f} s after the peers were seen renewing"
+        )
+    finally:
+        reg.stop(revoke=False)
 
 
 def test_peers_report_how_long_ago_etcd_confirmed_their_leases(etcd, store, agent_factory) -> None:
