@@ -67,10 +67,10 @@ def agent_specs(view: leftovers.AgentProcesses, sources: Mapping[str, str]) -> l
 def summarize(
     mode: str, results: list[common_pb2.CheckResult], duration_s: float
 ) -> common_pb2.PreflightSummary:
-    count = {s: sum(1 for r in results if r.status == s) for s in (1, 2, 3, 4)}
+    count = {s: sum(1 for r in results if r.status == s) for s in (1, 2, 3, 4, 5)}
     return common_pb2.PreflightSummary(
         mode=mode,
-        passed=count[3] == 0,
+        passed=count[3] == 0 and count[5] == 0,  # a check that could not tell is no pass
         pass_count=count[1],
         warn_count=count[2],
         fail_count=count[3],
@@ -78,6 +78,8 @@ def summarize(
         finished_at=time.time(),
         duration_s=duration_s,
         failed_checks=[r.name for r in results if r.status == common_pb2.CHECK_STATUS_FAIL],
+        inconclusive_count=count[5],
+        inconclusive_checks=[r.name for r in results if r.status == common_pb2.CHECK_STATUS_INCONCLUSIVE],
     )
 
 
@@ -142,7 +144,7 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
     summary = summarize(request.mode, seen, time.monotonic() - start)
     agent.last_preflight = summary
     agent.state_changed()  # the node record carries the new summary on the ticker's next pass
-    if not summary.passed:
+    if summary.fail_count:  # a failed check is evidence; an inconclusive one is none about the node
         agent.evidence.publish(
             common_pb2.Evidence(
                 kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL,

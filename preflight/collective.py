@@ -123,6 +123,26 @@ class SoakResult:
     bad_results: int  # all-reduces, over all ranks, whose sum was wrong
     first_bad_round: int  # -1: none
     duration_s: float
+    # Who loaded the host's CPUs during the rounds: the ranks' own CPU time (summed), and every
+    # CPU's busy time from /proc/stat (-1: unreadable) over `host_cpus` CPUs. The difference is
+    # other processes' load: a sag measured under it is the host's, not the link's.
+    own_cpu_s: float = 0.0
+    host_busy_s: float = -1.0
+    host_cpus: int = 0
+
+
+def host_cpu_busy() -> tuple[float, int] | None:
+    """(busy seconds of all CPUs since boot, CPU count) from /proc/stat; None where unreadable."""
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+        # user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait
+        ticks = [int(x) for x in lines[0].split()[1:9]]
+        cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK"), cpus
 
 
 def soak(
@@ -153,6 +173,8 @@ def soak(
     dist.barrier()  # the first round starts together: it is the baseline a sag is measured against
     rates: list[float] = []
     bad_total, first_bad = 0, -1
+    host_before = host_cpu_busy() if rank == 0 else None
+    cpu_before = time.process_time()
     started = time.perf_counter()
     while True:
         bad = torch.zeros(1, dtype=torch.float64, device=device)
@@ -177,6 +199,12 @@ def soak(
         rates.append(bus_bandwidth(tensor.numel() * 4 * iterations, float(stats[0].item()), world)[1])
         if float(stats[1].item()) >= duration_s:
             break
+    own = torch.tensor([time.process_time() - cpu_before], dtype=torch.float64, device=device)
+    dist.all_reduce(own)  # SUM: every rank's CPU time over the rounds
+    host_after = host_cpu_busy() if rank == 0 else None
+    host_busy, host_cpus = -1.0, 0
+    if host_before is not None and host_after is not None:
+        host_busy, host_cpus = max(0.0, host_after[0] - host_before[0]), host_after[1]
     return SoakResult(
         world_size=world,
         backend=backend,
@@ -187,6 +215,9 @@ def soak(
         bad_results=bad_total,
         first_bad_round=first_bad,
         duration_s=time.perf_counter() - started,
+        own_cpu_s=float(own.item()),
+        host_busy_s=host_busy,
+        host_cpus=host_cpus,
     )
 
 

@@ -182,6 +182,9 @@ class BurnInConfig:
     allreduce_iterations: int = 5  # all-reduces per round (one bandwidth figure per round)
     allreduce_window: int = 3  # baseline = median of the first rounds; each later window's median ...
     allreduce_min_ratio: float = 0.7  # ... must stay >= this x the baseline, else FAIL (a sagging link)
+    # The soak judges an idle node only: other processes using more than this share of the host's
+    # CPUs (or any on its GPUs) make a sag INCONCLUSIVE (retried), never a FAIL.
+    allreduce_max_foreign_load: float = 0.1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -315,7 +318,7 @@ def _check_burn_in(config: PreflightConfig, where: str) -> None:
     for key in positive:
         if getattr(b, key) <= 0:
             raise ConfigError(f"{here}.{key}: must be positive, got {getattr(b, key)}")
-    for key in ("memory_fraction", "allreduce_min_ratio"):
+    for key in ("memory_fraction", "allreduce_min_ratio", "allreduce_max_foreign_load"):
         if not 0 < getattr(b, key) <= 1:
             raise ConfigError(f"{here}.{key}: must be in (0, 1], got {getattr(b, key)}")
     if not 1 <= config.dcgm.burn_in_level <= 4:

@@ -15,6 +15,7 @@ REPORT_VERSION = 1
 EXIT_PASS = 0  # no FAIL (WARN and SKIP do not fail a node)
 EXIT_FAIL = 1  # at least one FAIL
 EXIT_CANNOT_RUN = 2  # bad config or arguments, or the runner itself could not run
+EXIT_INCONCLUSIVE = 3  # no FAIL, but a check could not tell (its host was loaded): run it again later
 
 
 def result_label(result: CheckResult) -> str:
@@ -36,15 +37,22 @@ class PreflightReport:
 
     @property
     def passed(self) -> bool:
-        return self.count(CheckStatus.FAIL) == 0
+        """No FAIL, and no check that could not tell (an INCONCLUSIVE is no pass)."""
+        return self.count(CheckStatus.FAIL) == 0 and self.count(CheckStatus.INCONCLUSIVE) == 0
 
     @property
     def exit_code(self) -> int:
-        return EXIT_PASS if self.passed else EXIT_FAIL
+        if self.count(CheckStatus.FAIL):
+            return EXIT_FAIL
+        return EXIT_INCONCLUSIVE if self.count(CheckStatus.INCONCLUSIVE) else EXIT_PASS
 
     @property
     def failed_checks(self) -> list[str]:
         return [result_label(r) for r in self.results if r.status is CheckStatus.FAIL]
+
+    @property
+    def inconclusive_checks(self) -> list[str]:
+        return [result_label(r) for r in self.results if r.status is CheckStatus.INCONCLUSIVE]
 
     def summary(self) -> common_pb2.PreflightSummary:
         return common_pb2.PreflightSummary(
@@ -57,6 +65,8 @@ class PreflightReport:
             finished_at=self.started_at + self.duration_s,
             duration_s=self.duration_s,
             failed_checks=self.failed_checks,
+            inconclusive_count=self.count(CheckStatus.INCONCLUSIVE),
+            inconclusive_checks=self.inconclusive_checks,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -72,6 +82,7 @@ class PreflightReport:
             "passed": self.passed,
             "counts": {s.value: self.count(s) for s in CheckStatus},
             "failed_checks": self.failed_checks,
+            "inconclusive_checks": self.inconclusive_checks,
             "abandoned": list(self.abandoned),
             "results": [r.to_json() for r in self.results],
         }
@@ -100,7 +111,8 @@ class PreflightReport:
 
     def stages(self) -> list[tuple[str, CheckStatus, str]]:
         """A burn-in's stages in the order they ran: (stage, verdict, counts). The verdict is the
-        worst of FAIL / WARN / PASS among its results, SKIP only when every result was skipped."""
+        worst of FAIL / INCONCLUSIVE / WARN / PASS among its results, SKIP only when every result
+        was skipped."""
         groups: dict[str, list[CheckResult]] = {}
         for r in self.results:
             parts = r.name.split(".")
@@ -110,7 +122,11 @@ class PreflightReport:
         for stage, results in groups.items():
             statuses = [r.status for r in results]
             verdict = next(
-                (s for s in (CheckStatus.FAIL, CheckStatus.WARN, CheckStatus.PASS) if s in statuses),
+                (
+                    s
+                    for s in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE, CheckStatus.WARN, CheckStatus.PASS)
+                    if s in statuses
+                ),
                 CheckStatus.SKIP,
             )
             counts = ", ".join(f"{statuses.count(s)} {s.value}" for s in CheckStatus if s in statuses)

@@ -1,7 +1,9 @@
 """The one result type every preflight check returns, and its wire / JSON forms.
 
 SKIP always carries the reason in `message` and never counts as PASS: a node whose GPU checks
-were skipped because NVML is missing has not shown that its GPUs are healthy.
+were skipped because NVML is missing has not shown that its GPUs are healthy. INCONCLUSIVE: the
+check ran and could not tell (it measured its host's load, not the node); it is no pass and no
+evidence against the node: run it again later.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class CheckStatus(enum.Enum):
     WARN = "WARN"
     FAIL = "FAIL"
     SKIP = "SKIP"
+    INCONCLUSIVE = "INCONCLUSIVE"
 
     def to_proto(self) -> common_pb2.CheckStatus.ValueType:
         return _STATUS_TO_PROTO[self]
@@ -34,11 +37,18 @@ _STATUS_TO_PROTO = {
     CheckStatus.WARN: common_pb2.CHECK_STATUS_WARN,
     CheckStatus.FAIL: common_pb2.CHECK_STATUS_FAIL,
     CheckStatus.SKIP: common_pb2.CHECK_STATUS_SKIP,
+    CheckStatus.INCONCLUSIVE: common_pb2.CHECK_STATUS_INCONCLUSIVE,
 }
 
 # Worst first: the status of a group of results is the worst member's (SKIP is not "better" than
 # PASS for a group; a group with a PASS and a SKIP is reported per member anyway).
-SEVERITY_ORDER = (CheckStatus.FAIL, CheckStatus.WARN, CheckStatus.SKIP, CheckStatus.PASS)
+SEVERITY_ORDER = (
+    CheckStatus.FAIL,
+    CheckStatus.INCONCLUSIVE,  # not judged: worse than a WARN, never a FAIL
+    CheckStatus.WARN,
+    CheckStatus.SKIP,
+    CheckStatus.PASS,
+)
 
 
 def worst(statuses: list[CheckStatus]) -> CheckStatus:
@@ -73,8 +83,8 @@ class CheckResult:
             raise ValueError("CheckResult.name must not be empty")
         if not isinstance(self.status, CheckStatus):
             raise TypeError(f"CheckResult.status must be a CheckStatus, got {self.status!r}")
-        if self.status is CheckStatus.SKIP and not self.message:
-            raise ValueError(f"check {self.name}: a SKIP must say why (empty message)")
+        if self.status in (CheckStatus.SKIP, CheckStatus.INCONCLUSIVE) and not self.message:
+            raise ValueError(f"check {self.name}: a {self.status.value} must say why (empty message)")
         if self.value is not None and not math.isfinite(self.value):
             object.__setattr__(self, "value", None)
         object.__setattr__(self, "message", _clip(self.message, MAX_MESSAGE_CHARS))
@@ -153,10 +163,15 @@ def skipped(name: str, reason: str, **kw: Any) -> CheckResult:
     return CheckResult(name=name, status=CheckStatus.SKIP, message=reason, **kw)
 
 
+def inconclusive(name: str, reason: str, **kw: Any) -> CheckResult:
+    return CheckResult(name=name, status=CheckStatus.INCONCLUSIVE, message=reason, **kw)
+
+
 __all__ = [
     "CheckResult",
     "CheckStatus",
     "failed",
+    "inconclusive",
     "passed",
     "skipped",
     "warned",

@@ -9,7 +9,10 @@ the order of [burn_in].stages, within [run] burn_in_budget_s. Every result's nam
   memory_mb_cpu on CPU); NVML counters around it (a memory test is where ECC errors show).
 * dcgm: `dcgmi diag -r [dcgm] burn_in_level` (3) where DCGM is installed, else SKIP.
 * allreduce: the in-node all-reduce repeated for allreduce_duration_s, every result checked, its
-  bandwidth watched for sag; on CPU [collective] cpu_processes gloo ranks; one GPU: SKIP.
+  bandwidth watched for sag against the node's own baseline ([collective] busbw_floor_gbps, from
+  `preflight baseline`, else its first rounds); on CPU [collective] cpu_processes gloo ranks; one
+  GPU: SKIP. It judges an idle node: another process on its GPUs (NVML's list, before and during)
+  or on its CPUs (above allreduce_max_foreign_load) makes a sag INCONCLUSIVE, never a FAIL.
 * storage: the storage check in its full form (write + fsync, uncached read speed).
 
 "Counters around a stage": NVML read before, sampled every sample_interval_s during (throttle
@@ -47,14 +50,14 @@ from preflight.burn_in_device import (
     memory_outcomes,
 )
 from preflight.checks import dcgm, storage
-from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.base import CheckContext, CheckSpec, own_process_tree, process_name
 from preflight.checks.collective_check import _local_world, launch_ranks
 from preflight.checks.compute import MatmulFn
 from preflight.checks.expectations import no_floor
 from preflight.collective import SoakResult
 from preflight.config import BURN_IN, BURN_IN_STAGES, BurnInConfig, ErrorsConfig, PreflightConfig
 from preflight.nvml import THROTTLE_BITS, Nvml, NvmlError, NvmlNotSupported, RemappedRows
-from preflight.result import CheckResult, failed, passed, skipped, warned
+from preflight.result import CheckResult, failed, inconclusive, passed, skipped, warned
 
 PREFIX = "burn_in"
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
@@ -570,8 +573,46 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     return _renamed(dcgm.run_dcgm(ctx))
 
 
-def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostLoad:
+    """What else loaded the node while the soak ran: other processes' share of the host's CPUs
+    (None: not measured) and the processes other than the soak's own seen on its GPUs."""
+
+    cpu_share: float | None = None
+    gpu_processes: tuple[str, ...] = ()
+
+    def busy(self, max_share: float) -> list[str]:
+        """Why the node was not idle ([]: it was, as far as could be seen)."""
+        why = []
+        if self.cpu_share is not None and self.cpu_share > max_share:
+            why.append(
+                f"other processes used {self.cpu_share:.0%} of the host's CPUs (limit {max_share:.0%})"
+            )
+        if self.gpu_processes:
+            why.append(f"other processes on its GPUs: {', '.join(self.gpu_processes[:4])}")
+        return why
+
+    def describe(self) -> str:
+        cpu = "not measured" if self.cpu_share is None else f"{self.cpu_share:.1%}"
+        return f"host load by other processes: CPU {cpu}; GPU processes: {', '.join(self.gpu_processes) or 'none'}"
+
+
+def foreign_cpu_share(result: SoakResult) -> float | None:
+    """Other processes' share of the host's CPUs over the soak's rounds (None: /proc/stat unreadable)."""
+    if result.host_busy_s < 0 or result.host_cpus <= 0 or result.duration_s <= 0:
+        return None
+    return max(0.0, result.host_busy_s - result.own_cpu_s) / (result.duration_s * result.host_cpus)
+
+
+def evaluate_soak(
+    result: SoakResult, burn: BurnInConfig, floor_gbps: float = 0.0, load: HostLoad | None = None
+) -> CheckResult:
+    """The soak's verdict. A wrong sum FAILs whatever else ran (load does not corrupt a sum). The
+    baseline is the node's own floor (`floor_gbps`: [collective] busbw_floor_gbps) when set, else the
+    first rounds' median; a window below allreduce_min_ratio x the baseline is a sag: a FAIL on an
+    idle node, INCONCLUSIVE when something else loaded it (the host's load, not the link)."""
     name = stage_name("allreduce")
+    load = load or HostLoad(cpu_share=foreign_cpu_share(result))
     rates = list(result.busbw_gbps)
     w = burn.allreduce_window
     evidence = [
@@ -580,6 +621,7 @@ def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
         "busbw per round (GB/s, each result's refill and check included): "
         + " ".join(f"{r:.3g}" for r in rates[:40])
         + (" ..." if len(rates) > 40 else ""),
+        load.describe(),
     ]
     kw: dict[str, Any] = {"unit": "ratio", "threshold": burn.allreduce_min_ratio}
     if result.bad_results:
@@ -590,7 +632,7 @@ def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
             remedy="drain the node; check NVLink/NVSwitch (nvidia-smi nvlink -e) and NCCL",
             **kw,
         )
-    if len(rates) < 2 * w:
+    if floor_gbps <= 0 and len(rates) < 2 * w:
         return passed(
             name,
             f"{result.bad_results} wrong results over {result.rounds} rounds; too few rounds "
@@ -598,14 +640,29 @@ def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
             evidence=tuple(evidence),
             **kw,
         )
-    base = statistics.median(rates[:w])
-    windows = [statistics.median(rates[i : i + w]) for i in range(w, len(rates) - w + 1)]
+    if floor_gbps > 0:
+        base, basis = floor_gbps, "the node's floor ([collective] busbw_floor_gbps)"
+        windows = [statistics.median(rates[i : i + w]) for i in range(max(1, len(rates) - w + 1))]
+    else:
+        base, basis = statistics.median(rates[:w]), "its first rounds"
+        windows = [statistics.median(rates[i : i + w]) for i in range(w, len(rates) - w + 1)]
     worst = min(windows) / base if base > 0 else 0.0
-    evidence.append(f"first {w} rounds' median {base:.4g} GB/s; the slowest later window at {worst:.0%}")
+    evidence.append(f"baseline {base:.4g} GB/s ({basis}); the slowest window at {worst:.0%}")
     if worst < burn.allreduce_min_ratio:
+        sag = f"bandwidth sagged to {worst:.0%} of {basis} (limit {burn.allreduce_min_ratio:.0%})"
+        if why := load.busy(burn.allreduce_max_foreign_load):
+            return inconclusive(
+                name,
+                f"{sag}, but the node was not idle: {'; '.join(why)}: it measured the host's load, "
+                "not the link; run it again on an idle node",
+                evidence=tuple(evidence),
+                value=worst,
+                remedy="rerun the burn-in with nothing else on the node",
+                **kw,
+            )
         return failed(
             name,
-            f"bandwidth sagged to {worst:.0%} of its first rounds (limit {burn.allreduce_min_ratio:.0%})",
+            sag,
             evidence=tuple(evidence),
             value=worst,
             remedy="a link that degrades under load: check NVLink/PCIe errors, cooling and NCCL",
@@ -613,11 +670,57 @@ def evaluate_soak(result: SoakResult, burn: BurnInConfig) -> CheckResult:
         )
     return passed(
         name,
-        f"{result.rounds} rounds, every result right; bandwidth held at >= {worst:.0%} of its first rounds",
+        f"{result.rounds} rounds, every result right; bandwidth held at >= {worst:.0%} of {basis}",
         evidence=tuple(evidence),
         value=worst,
         **kw,
     )
+
+
+def gpu_strangers(ctx: CheckContext) -> list[str]:
+    """Processes on the node's GPUs that are not this check's own (nor allowed by name), as
+    "gpuN pid=P name=C"; [] without NVML (then the CPU share alone says whether the node was idle)."""
+    try:
+        nvml = ctx.nvml.get()
+        count = nvml.device_count()
+    except NvmlError:
+        return []
+    mine = own_process_tree()
+    allowed = ctx.config.inventory.allowed_gpu_processes
+    out = []
+    for gpu in range(count):
+        try:
+            procs = nvml.compute_processes(gpu)
+        except NvmlError:
+            continue  # a GPU NVML cannot list says nothing about load; the counters judge it
+        for proc in procs:
+            if proc.pid in mine:
+                continue
+            comm = process_name(proc.pid)
+            if comm not in allowed:
+                out.append(f"gpu{gpu} pid={proc.pid} name={comm}")
+    return out
+
+
+class GpuWatch:
+    """Samples `gpu_strangers` every `interval_s` while a soak runs (one at the start)."""
+
+    def __init__(self, ctx: CheckContext, interval_s: float) -> None:
+        self._ctx, self._interval = ctx, interval_s
+        self._seen: dict[str, None] = dict.fromkeys(gpu_strangers(ctx))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="burn-in-gpu-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._seen.update(dict.fromkeys(gpu_strangers(self._ctx)))
+
+    def stop(self) -> tuple[str, ...]:
+        self._stop.set()
+        self._thread.join()
+        self._seen.update(dict.fromkeys(gpu_strangers(self._ctx)))
+        return tuple(self._seen)
 
 
 def run_allreduce(ctx: CheckContext) -> list[CheckResult]:
@@ -638,6 +741,7 @@ def run_allreduce(ctx: CheckContext) -> list[CheckResult]:
     duration = burn.allreduce_duration_s if gpu else burn.allreduce_duration_s_cpu
     size = coll.size_bytes_gpu if gpu else coll.size_bytes_cpu
     timeout = _child_timeout(ctx, duration + burn.stage_slack_s)
+    watch = GpuWatch(ctx, burn.sample_interval_s)
     try:
         data = launch_ranks(
             world,
@@ -655,7 +759,10 @@ def run_allreduce(ctx: CheckContext) -> list[CheckResult]:
         return [
             failed(name, f"all-reduce soak failed: {exc}", remedy="read the ranks' errors; check NCCL/NVLink")
         ]
-    return [evaluate_soak(result, burn)]
+    finally:
+        strangers = watch.stop()
+    load = HostLoad(cpu_share=foreign_cpu_share(result), gpu_processes=strangers)
+    return [evaluate_soak(result, burn, coll.busbw_floor_gbps, load)]
 
 
 def run_storage(ctx: CheckContext) -> list[CheckResult]:
