@@ -214,6 +214,7 @@ class GetNodeStatusResponse(_message.Message):
     state: _common_pb2.NodeState.ValueType
     lease_held: _builtins.bool
     last_heartbeat_age_s: _builtins.float
+    """since etcd last confirmed the lease (the answered keepalive was sent); -1: no store"""
     agent_version: _builtins.str
     @_builtins.property
     def last_preflight(self) -> _common_pb2.PreflightSummary: ...
@@ -583,8 +584,9 @@ class TorchrunLaunch(_message.Message):
 
     @_builtins.property
     def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The other nodes' agent addresses ("host:port"). An agent whose lease cannot be renewed while it
-        still reaches one of them is in an etcd outage, not a partition: it keeps its workers.
+        """The other nodes' agent addresses ("host:port"). An agent whose lease cannot be renewed asks them
+        (GetNodeStatus.last_heartbeat_age_s) whether they renew theirs: if they cannot either, it is an
+        etcd outage and it keeps its workers; if one does, or none answers, it fences (nodeagent/liveness.py).
         """
 
     def __init__(
