@@ -434,6 +434,7 @@ class Executor:
                 mode=action.mode,
                 failed_checks=tuple(r.name for r in out.failed),
                 duration_s=out.summary.duration_s,
+                inconclusive_checks=() if out.summary.passed else tuple(out.summary.inconclusive_checks),
             )
         )
 
@@ -557,6 +558,7 @@ class Executor:
             reason=rec.reason,
             burn_in_passes=rec.burn_in_passes,
             operator_hold=rec.operator_hold,
+            awaiting_repair_since=rec.awaiting_repair_since,
             since=now,
             run=self.s.run,
             evidence=list(rec.evidence[-16:]),

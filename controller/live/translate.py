@@ -386,6 +386,9 @@ def record_view(pool: KeyValue | None, reputation: KeyValue | None) -> NodeRecor
         evidence_kinds=tuple(rep.evidence_kinds),
         known_since=rep.known_since,
         repaired_at=rep.repaired_at if math.isfinite(rep.repaired_at) else 0.0,
+        awaiting_repair_since=(
+            entry.awaiting_repair_since if math.isfinite(entry.awaiting_repair_since) else 0.0
+        ),
     )
 
 

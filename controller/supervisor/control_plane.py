@@ -174,7 +174,13 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
     elif fresh and snap.attempt > 0 and snap.attempt_nodes:
         _adopt(sv, snap)
     for name, p in sv.pool.nodes.items():
-        if p.alive and p.state in (PoolState.QUARANTINED, PoolState.BURN_IN) and name not in sv.burn_in:
+        # A failed burn-in waits for a repair (the pool refuses it); an inconclusive one for its backoff.
+        if (
+            p.alive
+            and p.state in (PoolState.QUARANTINED, PoolState.BURN_IN)
+            and name not in sv.burn_in
+            and name not in sv.burn_in_retry
+        ):
             sv.begin_burn_in(name)
     for name in sorted(set(snap.alive) | set(snap.draining)):
         reason = snap.draining.get(name, "")

@@ -165,16 +165,27 @@ class EvidenceObserved:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PreflightResult:
-    """A node's preflight finished (the answer to `RunPreflight`)."""
+    """A node's preflight finished (the answer to `RunPreflight`).
+
+    inconclusive_checks: checks that could not tell (they measured the host's load, not the node);
+    with none failed, the result is neither a pass nor evidence: run it again later."""
 
     node: str
     passed: bool
     mode: str = "quick"
     failed_checks: tuple[str, ...] = ()
     duration_s: float = 0.0
+    inconclusive_checks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("PreflightResult.node", self.node)
+        if self.passed and self.inconclusive_checks:
+            raise ValueError("PreflightResult: a check that could not tell is no pass")
+
+    @property
+    def inconclusive(self) -> bool:
+        """Not passed, nothing failed, something could not tell: retry, never a strike."""
+        return not self.passed and not self.failed_checks and bool(self.inconclusive_checks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,6 +351,8 @@ class NodeRecordView:
     ] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
     known_since: float = 0.0  # first registration seen (Reputation.known_since; 0: unknown)
     repaired_at: float = 0.0  # an operator's last repair or release (Reputation.repaired_at; 0: never)
+    # its last burn-in failed then: it waits for a repair (PoolEntry.awaiting_repair_since; 0: not)
+    awaiting_repair_since: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -136,6 +136,8 @@ class Supervisor:
         self.from_queue: set[str] = set()
         self.burn_in: set[str] = set()
         self.soaks: dict[str, soak.Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
+        self.burn_in_retry: dict[str, float] = {}  # inconclusive burn-ins: node -> when it runs again
+        self.burn_in_inconclusive: dict[str, int] = {}  # inconclusive burn-ins in a row (the backoff)
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from controller.supervisor import detectors, failure, prepare, soak
-from controller.supervisor.actions import PersistCheckpoint
+from controller.supervisor.actions import PersistCheckpoint, SetTimer
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
     BandwidthMeasured,
@@ -47,6 +47,14 @@ def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
         node=E.NodeDetail(node=ev.node, reason="lease registered"),
     )
     if node.state in (PoolState.QUARANTINED, PoolState.BURN_IN):
+        # A registration is a new lease (the host restarted): it ends a failed burn-in's wait for repair.
+        if not node.elsewhere and sv.pool.awaits_repair(node):
+            sv.log(
+                E.EVENT_KIND_RELEASE,
+                f"{ev.node} registered again after its failed burn-in: counted as its repair; burn-in again",
+                release=E.ReleaseDetail(node=ev.node, reason="re-registered after a failed burn-in"),
+            )
+            sv.pool.start_burn_in(ev.node, repaired=True)
         sv.begin_burn_in(ev.node)
     elif not sv.in_attempt(ev.node) and ev.node not in sv.slots:
         sv.pool.unassign(ev.node)
@@ -62,7 +70,7 @@ def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
     drained = sv.pool.get(ev.node).draining
     sv.pool.set_alive(ev.node, False)
     sv.pool.set_draining(ev.node, "")  # its next registration says its own state
-    sv.burn_in.discard(ev.node)
+    forget_burn_in(sv, ev.node)
     if drained:
         # A planned departure (the whole allocation at a time limit, say) is not a mass expiry.
         sv.log(
@@ -199,6 +207,7 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
         return  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
+        forget_burn_in(sv, e.node)  # quarantined again: its soak and retry decide nothing now
         if not sv.quarantine(e.node, reason, evidence=[e]):
             sv.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
         if sv.state is RunState.PREFLIGHT and e.node in sv.slots:
@@ -299,8 +308,21 @@ def on_preflight_preparing(sv: Supervisor, ev: PreflightResult) -> None:
         prepare.on_attempt_preflight(sv, ev)
 
 
+def forget_burn_in(sv: Supervisor, node: str) -> None:
+    """The node left (lost, claimed by another run): its burn-in, soak and retry decide nothing now;
+    its next registration (or its holder) burns it in afresh."""
+    sv.burn_in.discard(node)
+    sv.burn_in_retry.pop(node, None)
+    sv.burn_in_inconclusive.pop(node, None)
+    soak.forget(sv, node)
+
+
 def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
     sv.burn_in.discard(ev.node)
+    if ev.inconclusive:
+        burn_in_inconclusive(sv, ev)
+        return
+    sv.burn_in_inconclusive.pop(ev.node, None)  # judged: the next inconclusive starts the backoff anew
     node = sv.pool.get(ev.node)
     last_pass = (
         ev.passed and node.state is PoolState.BURN_IN and node.burn_in_passes + 1 >= sv.cfg.burn_in_passes
@@ -319,7 +341,7 @@ def record_burn_in(
     detail: E.PreflightDetail | None = None,
 ) -> None:
     """A burn-in's result (its last stage's: node-local, or the neighbour soak): release, again, or out."""
-    outcome = sv.pool.burn_in_result(name, passed, failed_checks)
+    outcome = sv.pool.burn_in_result(name, passed, failed_checks, now=sv.now)
     if outcome == "stale":
         return
     node = sv.pool.get(name)
@@ -330,7 +352,13 @@ def record_burn_in(
         f"burn-in of {name}: {'passed' if passed else 'failed'} "
         f"({done}/{sv.cfg.burn_in_passes} in a row)"
         + (f"; failed {', '.join(failed_checks)}" if failed_checks else "")
-        + (f"; {why}" if why else ""),
+        + (f"; {why}" if why else "")
+        + (
+            f"; it waits for a repair: no burn-in again until it registers anew (a restart) or an "
+            f"operator marks it repaired (controllerctl repaired {name})"
+            if outcome == "failed"
+            else ""
+        ),
         **extra,
     )
     sv.persist(name)
@@ -346,6 +374,44 @@ def record_burn_in(
             prepare.fill_slots(sv)
     elif outcome == "again" and node.alive:
         sv.begin_burn_in(name)
+
+
+# An inconclusive burn-in runs again after this, doubling per inconclusive in a row, up to the cap:
+# the load it measured (another job on the host) is unlikely gone at once.
+RETRY_FIRST_S = 60.0
+RETRY_MAX_S = 1800.0
+
+
+def burn_in_inconclusive(sv: Supervisor, ev: PreflightResult) -> None:
+    """A burn-in that could not tell (a stage measured its host's load, not the node): no strike, no
+    pass; the node stays in BURN_IN and runs it again after a backoff (a timer, never at once)."""
+    node = sv.pool.get(ev.node)
+    if node.state is not PoolState.BURN_IN:
+        return  # it left burn-in meanwhile (an operator held it): the result means nothing
+    count = sv.burn_in_inconclusive.get(ev.node, 0)
+    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2**count)
+    sv.burn_in_inconclusive[ev.node] = count + 1
+    sv.burn_in_retry[ev.node] = sv.now + delay
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_RESULT,
+        f"burn-in of {ev.node}: inconclusive ({', '.join(ev.inconclusive_checks)} could not tell: "
+        f"it measured its host's load, not the node); no strike; again in {delay:g}s "
+        f"({count + 1} inconclusive in a row)",
+        preflight=prepare.detail(ev),
+    )
+    sv.emit(SetTimer(key=f"burn_in_retry:{ev.node}", at=sv.now + delay))
+
+
+def retry_burn_ins(sv: Supervisor) -> None:
+    """Every tick: inconclusive burn-ins whose backoff is over run again (a node still in BURN_IN,
+    alive, and no other run's)."""
+    for name, at in sorted(sv.burn_in_retry.items()):
+        if sv.now < at:
+            continue
+        del sv.burn_in_retry[name]
+        node = sv.pool.get(name)
+        if node.state is PoolState.BURN_IN and node.alive and name not in sv.burn_in:
+            sv.begin_burn_in(name)
 
 
 def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
@@ -368,7 +434,7 @@ def on_claimed(sv: Supervisor, ev: NodeClaimed) -> None:
         return
     if ev.run:
         sv.pool.set_elsewhere(ev.node, ev.run)
-        sv.burn_in.discard(ev.node)
+        forget_burn_in(sv, ev.node)
         sv.log(
             E.EVENT_KIND_NODE_CLAIMED,
             f"node {ev.node} is claimed by run {ev.run}: no spare for this run until it is given back",

@@ -7,6 +7,7 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
     any --quarantine--> QUARANTINED, or HELD (fatal evidence: needs repair; a second failure within
                         the hold window; or an operator)
     QUARANTINED --start_burn_in--> BURN_IN --burn_in_result--> SPARE (N passes in a row) | QUARANTINED (a failure)
+                 (not while a failed burn-in waits for a repair: a new lease, or an operator)
     QUARANTINED | HELD | BURN_IN --operator_release--> BURN_IN
     QUARANTINED | HELD | BURN_IN --strike_off--> SPARE (quarantined for a fault not its own: a crash loop's victim)
 
@@ -95,6 +96,7 @@ class PoolNode:
     evidence_kinds: list[int] = field(default_factory=list)  # bounded, oldest first
     known_since: float | None = None  # first registration seen (durable: Reputation.known_since)
     repaired_at: float = 0.0  # an operator's last repair or release (durable); 0: never
+    awaiting_repair_since: float = 0.0  # its last burn-in failed then (durable); 0: not waiting
     elsewhere: str = ""  # the other run that holds the node's claim now: never picked here
 
     def view(self) -> NodeRecordView:
@@ -111,6 +113,7 @@ class PoolNode:
             evidence_kinds=tuple(self.evidence_kinds),
             known_since=self.known_since or 0.0,  # the wire's 0 is "unknown"
             repaired_at=self.repaired_at,
+            awaiting_repair_since=self.awaiting_repair_since,
         )
 
 
@@ -189,6 +192,7 @@ class Pool:
             # the store's is the older memory unless it never had one (then keep what was seen here)
             node.known_since = r.known_since if r.known_since else node.known_since
             node.repaired_at = r.repaired_at
+            node.awaiting_repair_since = r.awaiting_repair_since
             self._sync(node)
 
     def free_count(self) -> int:
@@ -331,17 +335,35 @@ class Pool:
         node.burn_in_passes = 0
         return node
 
-    def start_burn_in(self, name: str) -> bool:
-        """QUARANTINED (or BURN_IN) and alive -> BURN_IN. Returns whether a burn-in run should start."""
+    def start_burn_in(self, name: str, *, repaired: bool = False) -> bool:
+        """QUARANTINED (or BURN_IN) and alive -> BURN_IN. Returns whether a burn-in run should start.
+
+        A node whose last burn-in failed waits for a repair: no burn-in (a relist, a new leader, a
+        claim given back) until `repaired` (it registered again: a new lease, it rebooted) or an
+        operator's release (BURN_IN, repaired_at after the failure)."""
         node = self.get(name)
         if node.state not in (PoolState.QUARANTINED, PoolState.BURN_IN) or not node.alive:
             return False
+        if repaired:
+            node.awaiting_repair_since = 0.0
+        elif node.state is PoolState.QUARANTINED and self.awaits_repair(node):
+            return False
         self._move(node, PoolState.BURN_IN)
+        node.awaiting_repair_since = 0.0
         return True
 
-    def burn_in_result(self, name: str, passed: bool, failed_checks: Iterable[str] = ()) -> str:
-        """ "released" (N passes in a row: SPARE), "again" (passed, more to go), "failed" (QUARANTINED),
-        or "stale" (the node left burn-in meanwhile, e.g. an operator held it: the result means nothing)."""
+    def awaits_repair(self, node: PoolNode) -> bool:
+        """Its last burn-in failed and nothing since repaired it or quarantined it anew (a later
+        failure is a new quarantine, burned in as any)."""
+        since = node.awaiting_repair_since
+        return since > 0 and node.repaired_at <= since and all(t <= since for t in node.failure_times)
+
+    def burn_in_result(
+        self, name: str, passed: bool, failed_checks: Iterable[str] = (), now: float = 0.0
+    ) -> str:
+        """ "released" (N passes in a row: SPARE), "again" (passed, more to go), "failed" (QUARANTINED,
+        waiting for a repair since `now`), or "stale" (the node left burn-in meanwhile, e.g. an
+        operator held it: the result means nothing)."""
         node = self.get(name)
         if node.state is not PoolState.BURN_IN:
             return "stale"
@@ -350,12 +372,14 @@ class Pool:
             node.preflight_rejections += 1
             self._move(node, PoolState.QUARANTINED)
             node.reason = f"burn-in failed: {', '.join(failed_checks) or '?'}"
+            node.awaiting_repair_since = max(now, 1e-9)  # > 0 even at time 0: it waits
             return "failed"
         node.burn_in_passes += 1
         if node.burn_in_passes >= self._cfg.burn_in_passes:
             self._move(node, PoolState.SPARE)
             node.reason, node.burn_in_passes = "", 0
             node.quarantine_evidence = []
+            node.awaiting_repair_since = 0.0
             return "released"
         return "again"
 

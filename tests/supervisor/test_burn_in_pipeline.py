@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from controller.supervisor.actions import Release, RunPreflight
-from controller.supervisor.events import EvidenceObserved, OperatorRelease, PreflightResult
+from controller.supervisor.actions import PersistNode, Quarantine, Release, RunPreflight
+from controller.supervisor.events import (
+    EvidenceObserved,
+    NodeClaimed,
+    NodeJoined,
+    NodeLost,
+    OperatorRelease,
+    PreflightResult,
+    Snapshot,
+)
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.pool import PoolState
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
-from tests.supervisor.harness import Driver, fast
+from tests.supervisor.harness import Driver, Item, fast
 
 
 def held_for_repair() -> Driver:
@@ -64,3 +72,127 @@ def test_burn_in_policy_defaults_and_validation() -> None:
         SupervisorConfig(preflight_mode="burn_in")  # a per-attempt preflight of an hour: no
     with pytest.raises(ValueError, match="burn_in_timeout_s"):
         SupervisorConfig(burn_in_timeout_s=-1.0)
+
+
+# --- issue 26: no strike without evidence about the node ----------------------------------------
+
+
+def burn_ins(d: Driver, out: list[Item], node: str = "n2") -> list[RunPreflight]:
+    return [r for r in d.of(RunPreflight, out) if r.purpose == "burn_in" and node in r.nodes]
+
+
+def released_for_burn_in() -> Driver:
+    d = held_for_repair()
+    assert burn_ins(d, d.send(OperatorRelease(node="n2", reason="repaired: GPU reseated")))
+    return d
+
+
+def inconclusive(node: str = "n2") -> PreflightResult:
+    return PreflightResult(
+        node=node, passed=False, mode="burn_in", inconclusive_checks=("burn_in.allreduce",), duration_s=3000.0
+    )
+
+
+def test_an_inconclusive_burn_in_is_no_strike_and_runs_again_after_a_backoff_not_at_once() -> None:
+    d = released_for_burn_in()
+    before = d.sup.pool.get("n2").view()
+    out = d.send(inconclusive())
+    node = d.sup.pool.get("n2")
+    assert node.state == PoolState.BURN_IN and not burn_ins(d, out) and not d.of(Quarantine, out)
+    # Neither a rejection nor a failure on its record, and it does not wait for a repair.
+    assert (node.preflight_rejections, node.failure_times, node.awaiting_repair_since) == (
+        before.preflight_rejections,
+        list(before.failure_times),
+        0.0,
+    )
+    [logged] = d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)
+    assert "burn-in of n2: inconclusive (burn_in.allreduce could not tell" in logged.message
+    assert "no strike; again in 60s (1 inconclusive in a row)" in logged.message
+    assert not burn_ins(d, d.advance(59.0))  # the backoff is a timer, not a loop
+    [again] = burn_ins(d, d.advance(2.0))
+    assert again.mode == "burn_in"
+    out = d.send(inconclusive())
+    assert (
+        "again in 120s (2 inconclusive in a row)" in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)[0].message
+    )
+    assert not burn_ins(d, d.advance(119.0)) and burn_ins(d, d.advance(2.0))
+    out = d.send(PreflightResult(node="n2", passed=True, mode="burn_in"))
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == ["n2"]
+
+
+def test_an_inconclusive_check_with_a_failed_one_is_a_failure() -> None:
+    d = released_for_burn_in()
+    d.send(
+        PreflightResult(
+            node="n2",
+            passed=False,
+            mode="burn_in",
+            failed_checks=("burn_in.memory",),
+            inconclusive_checks=("burn_in.allreduce",),
+        )
+    )
+    assert (
+        d.sup.pool.get("n2").state == PoolState.QUARANTINED and d.sup.pool.get("n2").preflight_rejections == 1
+    )
+    with pytest.raises(ValueError, match="no pass"):
+        PreflightResult(node="n2", passed=True, inconclusive_checks=("burn_in.allreduce",))
+
+
+def failed_burn_in() -> tuple[Driver, list[Item]]:
+    d = released_for_burn_in()
+    out = d.send(PreflightResult(node="n2", passed=False, mode="burn_in", failed_checks=("burn_in.memory",)))
+    assert d.sup.pool.get("n2").state == PoolState.QUARANTINED
+    return d, out
+
+
+def snapshot(d: Driver) -> Snapshot:
+    pool = d.sup.pool.nodes
+    return Snapshot(
+        alive={n: 1 for n, p in pool.items() if p.alive},
+        records=tuple(p.view() for p in pool.values()),
+        attempt=d.sup.attempt,
+        attempt_nodes=tuple(d.sup.current_nodes),
+    )
+
+
+def test_a_failed_burn_in_waits_for_a_repair_and_a_relist_does_not_run_it_again() -> None:
+    d, out = failed_burn_in()
+    assert any(
+        "n2: failed (0/1 in a row); failed burn_in.memory; it waits for a repair" in e.message
+        for e in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)
+    )
+    [persisted] = [a.record for a in d.of(PersistNode, out) if a.record.node == "n2"]
+    assert persisted.awaiting_repair_since == d.now  # durable: the store says it waits
+    assert not burn_ins(d, d.send(snapshot(d)))  # a relist (a watch gap)
+    assert not burn_ins(d, d.advance(3600.0))
+    # A new leader: a fresh core built from what the store holds does not burn it in either.
+    fresh = Driver(cfg=fast(), nodes=2, now=d.now)
+    out = fresh.send(snapshot(d))
+    assert fresh.sup.pool.get("n2").state == PoolState.QUARANTINED and not burn_ins(fresh, out)
+    # Its claim given back by another run, with the record: still waiting.
+    other = Driver(cfg=fast(), nodes=2, now=d.now)
+    other.send(snapshot(d))
+    back = other.send(NodeClaimed(node="n2", record=persisted))
+    assert not burn_ins(other, back)
+
+
+def test_a_new_lease_or_an_operators_repair_ends_the_wait() -> None:
+    d, _ = failed_burn_in()
+    d.send(NodeLost(node="n2"))
+    out = d.send(NodeJoined(node="n2"))  # it rebooted: a new lease
+    assert burn_ins(d, out) and d.sup.pool.get("n2").state == PoolState.BURN_IN
+    assert any(
+        "registered again after its failed burn-in" in e.message for e in d.events(E.EVENT_KIND_RELEASE, out)
+    )
+    assert d.sup.pool.get("n2").awaiting_repair_since == 0.0
+    d, _ = failed_burn_in()
+    out = d.send(OperatorRelease(node="n2", reason="repaired: DIMM replaced"))
+    assert burn_ins(d, out) and d.sup.pool.get("n2").state == PoolState.BURN_IN
+
+
+def test_a_later_quarantine_is_burned_in_as_any_despite_an_old_failed_burn_in() -> None:
+    d, _ = failed_burn_in()
+    node = d.sup.pool.get("n2")
+    assert d.sup.pool.awaits_repair(node)
+    node.failure_times.append(d.now + 10.0)  # struck again later (the stale wait of an earlier round)
+    assert not d.sup.pool.awaits_repair(node)

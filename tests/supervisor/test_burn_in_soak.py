@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from controller.supervisor.actions import MeasureBandwidth, Release
+from controller.supervisor.actions import MeasureBandwidth, Release, RunPreflight
 from controller.supervisor.events import (
     ActionFailed,
     BandwidthMeasured,
     EvidenceObserved,
+    NodeJoined,
+    NodeLost,
     OperatorRelease,
     PreflightResult,
 )
@@ -126,3 +128,30 @@ def test_a_node_with_no_figure_is_not_judged_and_the_soak_can_be_off() -> None:
 def test_soak_policy_validation(key: str, value: int) -> None:
     with pytest.raises(ValueError, match=key):
         SupervisorConfig(**{key: value})
+
+
+def test_a_node_lost_mid_soak_is_not_released_by_the_soaks_deadline() -> None:
+    d, out = burned_in()
+    [soak] = d.of(MeasureBandwidth, out)
+    d.send(NodeLost(node="n2"))
+    out = d.advance(301.0)  # the soak's deadline passes while n2 is dead
+    assert not d.of(Release, out) and d.sup.pool.get("n2").state == PoolState.BURN_IN
+    assert not any("no soak answer" in e.message for e in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out))
+    assert not d.of(Release, answer(d, soak, n2=10.0, n4=10.0, n5=10.0))  # a late answer decides nothing
+    out = d.send(NodeJoined(node="n2"))  # back: its burn-in starts afresh
+    assert [r.nodes for r in d.of(RunPreflight, out) if r.purpose == "burn_in"] == [("n2",)]
+
+
+def test_a_node_quarantined_again_mid_soak_is_not_released_by_its_verdict() -> None:
+    d, out = burned_in()
+    [soak] = d.of(MeasureBandwidth, out)
+    ecc = common_pb2.Evidence(
+        node="n2",
+        kind=common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
+        severity=common_pb2.SEVERITY_FATAL,
+        detail="1 uncorrectable ECC error",
+    )
+    d.send(EvidenceObserved(evidence=ecc))
+    assert d.sup.pool.get("n2").state == PoolState.HELD
+    out = answer(d, soak, n2=10.0, n4=10.0, n5=10.0) + d.advance(301.0)
+    assert not d.of(Release, out) and d.sup.pool.get("n2").state == PoolState.HELD

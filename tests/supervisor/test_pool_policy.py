@@ -24,7 +24,8 @@ def test_burn_in_needs_n_consecutive_passes_and_a_failure_resets() -> None:
     assert p.burn_in_result("a", True) == "again"
     assert p.burn_in_result("a", False) == "failed" and p.get("a").burn_in_passes == 0
     assert p.get("a").state == PoolState.QUARANTINED  # waits for a repair before it burns in again
-    assert p.start_burn_in("a")
+    assert not p.start_burn_in("a") and p.awaits_repair(p.get("a"))  # a relist, a new leader: no
+    assert p.start_burn_in("a", repaired=True)  # it registered anew (a restart)
     assert [p.burn_in_result("a", True) for _ in range(3)] == ["again", "again", "released"]
     assert p.get("a").state == PoolState.SPARE and "a" in p.pick_spares(3, 0.0)
 
