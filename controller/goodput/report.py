@@ -23,6 +23,8 @@ Definitions (the README's "Goodput" section has the long form and the comparison
 * The fault time is ``DETECTION.ts - detection.latency_s`` (the last good observation).
 * A second DETECTION before the incident's relaunch is the same incident (overlapping faults);
   one after the relaunch (a fault during a restart) opens a new incident, whose rollback is zero.
+* A DETECTION that does not end the attempt (``flag_only``: a straggler left running, fatal evidence
+  noted while the controller is blind) is no incident: lost time runs only from a failure to its recovery.
 """
 
 from __future__ import annotations
@@ -390,6 +392,8 @@ class RunAccountant:
         self.last_phase = phase
 
     def on_detection(self, ev: events_pb2.Event, t: int) -> None:
+        if is_flag_only(ev):
+            return  # the attempt went on: nothing was interrupted, no phase ended
         latency = to_us(max(0.0, ev.detection.latency_s)) if ev.HasField("detection") else 0
         fault = min(t, max(self.cursor, t - latency))
         nodes = tuple(ev.detection.nodes) if ev.HasField("detection") else ()
@@ -541,6 +545,18 @@ class RunAccountant:
     def finish(self, end_us: int) -> None:
         if self.mode not in ("idle", "ended"):
             self._advance(end_us)
+
+
+# How the supervisor has always worded a straggler it leaves running (logs from before flag_only).
+_LEGACY_STRAGGLER_FLAG = "not killed mid-run"
+
+
+def is_flag_only(ev: events_pb2.Event) -> bool:
+    """A DETECTION after which the attempt went on: ``flag_only``, or an older log's straggler flag."""
+    if not ev.HasField("detection"):
+        return False
+    d = ev.detection
+    return d.flag_only or (d.detector == E.DETECTOR_STRAGGLER and d.reason.endswith(_LEGACY_STRAGGLER_FLAG))
 
 
 _HANDLERS = {

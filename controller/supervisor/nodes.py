@@ -199,8 +199,9 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
     sv.log(
         E.EVENT_KIND_DETECTION,
         reason,
+        # Noted, not acted on: the attempt (if any) goes on, and a failure it causes is detected then.
         detection=E.DetectionDetail(
-            detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason
+            detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason, flag_only=True
         ),
     )
     if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):

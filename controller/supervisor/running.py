@@ -210,6 +210,7 @@ def _on_job_step(sv: Supervisor, *, first: bool) -> None:
                 ranks=[rank],
                 latency_s=sv.now - flagged_at,
                 reason=reason,
+                flag_only=True,  # the attempt goes on: goodput opens no incident
             ),
         )
 

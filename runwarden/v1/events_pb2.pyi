@@ -310,10 +310,16 @@ class DetectionDetail(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     LATENCY_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    FLAG_ONLY_FIELD_NUMBER: _builtins.int
     detector: Global___Detector.ValueType
     latency_s: _builtins.float
     """from the last good observation to detection"""
     reason: _builtins.str
+    flag_only: _builtins.bool
+    """The attempt goes on: a flag, not a fault of the run (a straggler left running under the default
+    policy, fatal evidence noted while the controller is blind or on a node outside the running
+    attempt). Goodput opens no incident for it; a failure it later causes has its own DETECTION.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -326,10 +332,11 @@ class DetectionDetail(_message.Message):
         ranks: _abc.Iterable[_builtins.int] | None = ...,
         latency_s: _builtins.float = ...,
         reason: _builtins.str = ...,
+        flag_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detector", b"detector", "latency_s", b"latency_s", "nodes", b"nodes", "ranks", b"ranks", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detector", b"detector", "flag_only", b"flag_only", "latency_s", b"latency_s", "nodes", b"nodes", "ranks", b"ranks", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

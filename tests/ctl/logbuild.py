@@ -16,6 +16,7 @@ class LogBuilder:
         self.attempt = 0
         self.step = 0
         self.nodes = nodes
+        self.flags: set[int] = set()  # seq of each detection after which the attempt went on
 
     def _add(self, ts: float, kind: int, **detail: object) -> events_pb2.Event:
         ev = events_pb2.Event(
@@ -62,12 +63,42 @@ class LogBuilder:
             checkpoint=E.CheckpointDetail(path=f"/ckpt/{step}", save_duration_s=save_s),
         )
 
-    def detect(self, ts: float, latency_s: float, node: str = "n2", detector: int = E.DETECTOR_HANG) -> None:
+    def detect(
+        self,
+        ts: float,
+        latency_s: float,
+        node: str = "n2",
+        detector: int = E.DETECTOR_HANG,
+        *,
+        flag_only: bool = False,
+        reason: str = "test",
+    ) -> None:
         self._add(
             ts,
             E.EVENT_KIND_DETECTION,
-            detection=E.DetectionDetail(detector=detector, nodes=[node], latency_s=latency_s, reason="test"),
+            detection=E.DetectionDetail(
+                detector=detector, nodes=[node], latency_s=latency_s, reason=reason, flag_only=flag_only
+            ),
         )
+
+    def flag(self, ts: float, latency_s: float, node: str = "n2", *, legacy: bool = False) -> None:
+        """A detection after which the attempt goes on: a straggler left running, as the supervisor
+        logs it (``legacy``: as it did before ``flag_only``, by its wording alone)."""
+        reason = "persistent straggler over 20 steps: rank 2; quarantine candidate at the next restart; "
+        self.flags.add(len(self.events) + 1)
+        self.detect(
+            ts,
+            latency_s,
+            node,
+            E.DETECTOR_STRAGGLER,
+            flag_only=not legacy,
+            reason=reason + "not killed mid-run",
+        )
+
+    def evidence_flag(self, ts: float, latency_s: float, node: str = "n1") -> None:
+        """Fatal evidence noted while the controller is blind (the attempt goes on)."""
+        self.flags.add(len(self.events) + 1)
+        self.detect(ts, latency_s, node, E.DETECTOR_EVIDENCE, flag_only=True, reason=f"fatal xid on {node}")
 
     def attribute(
         self,
@@ -101,6 +132,9 @@ class LogBuilder:
 
     def exit(self, ts: float, classification: str = "stop") -> None:
         self._add(ts, E.EVENT_KIND_EXIT, exit=E.ExitDetail(node="n0", classification=classification))
+
+    def control_plane(self, ts: float) -> None:
+        self._add(ts, E.EVENT_KIND_CONTROL_PLANE, message="the controller lost etcd")
 
     def end(self, ts: float, outcome: str = "completed") -> None:
         self._add(ts, E.EVENT_KIND_RUN_END, run_detail=E.RunDetail(nodes=self.nodes, outcome=outcome))

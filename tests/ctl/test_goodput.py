@@ -91,6 +91,81 @@ def test_a_fault_on_an_idle_spare_is_not_a_loss_of_the_run() -> None:
     assert r.productive_us + r.lost_us == r.allocated_us
 
 
+def flagged_straggler_log(*, legacy: bool) -> LogBuilder:
+    """Issue 26's run: 400 s, one straggler flagged at +80 (over the 19 s before) and left running
+    (kill_stragglers_mid_run = false), commits every 100 s with a 1 s save, completed at +400."""
+    b = LogBuilder()
+    b.startup(T0)
+    b.flag(T0 + 80, latency_s=19, node="n3", legacy=legacy)
+    for k in (1, 2, 3):
+        b.commit(T0 + 40 + 100 * k, step=100 * k, save_s=1)
+    b.end(T0 + 400)
+    return b
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["flag_only", "old_log_wording"])
+def test_a_flagged_straggler_left_running_is_no_incident(legacy: bool) -> None:
+    # Before issue 26 this scored 40 s of productive time: the flag opened an incident no relaunch
+    # closed, and everything after it went to restart:attribute.
+    r = compute_goodput(flagged_straggler_log(legacy=legacy).events, run="llm")
+    assert not r.incidents and r.failures_per_1000_node_hours == 0
+    assert r.productive_us == (360 - 3) * US  # first step at +40 to the end, less three 1 s saves
+    assert r.lost_by_cause_us == {
+        "startup:preflight": 10 * US,
+        "startup:launch": 10 * US,
+        "startup:load": 10 * US,
+        "startup:first_step": 10 * US,
+        "checkpoint_stall": 3 * US,
+    }
+    assert r.goodput == pytest.approx(357 / 400)
+    assert not [m for m in r.markers if m.kind == "fault"]
+
+
+def test_a_straggler_stopped_mid_run_is_still_an_incident() -> None:
+    # kill_stragglers_mid_run = true: the same detector, worded "stopping the attempt now", no flag
+    b = LogBuilder()
+    b.startup(T0)
+    b.commit(T0 + 100, step=100, save_s=0)
+    b.detect(
+        T0 + 150,
+        latency_s=10,
+        node="n3",
+        detector=E.DETECTOR_STRAGGLER,
+        reason="...; stopping the attempt now",
+    )
+    b.launch(T0 + 170, resume_step=100)
+    b.first_step(T0 + 180)
+    b.end(T0 + 200)
+    r = compute_goodput(b.events, run="llm")
+    (inc,) = r.incidents
+    assert inc.rollback_us == 40 * US and inc.lost_us == (40 + 40) * US
+
+
+def test_fatal_evidence_while_the_controller_is_blind_is_no_incident_until_a_failure() -> None:
+    # The controller lost etcd; an Xid on attempt node n1 is noted (flag_only). The attempt kept running
+    # through one control-plane fault; in a second one n1's rank crashed, found when etcd came back.
+    b = LogBuilder()
+    b.startup(T0)
+    b.commit(T0 + 100, step=100, save_s=0)
+    b.control_plane(T0 + 110)
+    b.evidence_flag(T0 + 120, latency_s=2, node="n1")
+    b.control_plane(T0 + 130)  # recovered: attempt kept running, not relaunched
+    b.commit(T0 + 200, step=200, save_s=0)
+    b.control_plane(T0 + 210)
+    b.evidence_flag(T0 + 220, latency_s=2, node="n1")
+    b.detect(T0 + 240, latency_s=0, node="n1", detector=E.DETECTOR_CRASH)  # the crash, at etcd's return
+    b.attribute(T0 + 241, node="n1")
+    b.launch(T0 + 250, resume_step=200)
+    b.first_step(T0 + 260)
+    b.end(T0 + 300)
+    r = compute_goodput(b.events, run="llm")
+    (inc,) = r.incidents
+    assert inc.fault_ts == T0 + 240 and inc.rollback_us == 40 * US  # training from the commit at +200
+    assert inc.lost_us == (40 + 20) * US and inc.cause == "hardware:xid"
+    assert r.productive_us == (160 + 40) * US  # [40, 200) and [260, 300)
+    assert r.productive_us + r.lost_us == r.allocated_us == 300 * US
+
+
 def test_overlapping_faults_are_one_incident() -> None:
     # a second node is lost 5 s after the first detection, before any relaunch: the same interruption
     b2 = LogBuilder()
