@@ -48,8 +48,9 @@ class StopState:
     requested_at: float
 
 
-# How long the lease vouch waits for peers' answers (the fence waits that much at most for them).
-PEER_ASK_TIMEOUT_S = 1.0
+# How long the lease vouch waits for peers' answers (the fence waits that much at most for them; the
+# channels are connected at launch, so an answering peer needs a round trip, not a TLS handshake).
+PEER_ASK_TIMEOUT_S = 0.5
 
 
 def _peer_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
@@ -98,8 +99,8 @@ class Agent:
         self.stops: dict[str, StopState] = {}
         self.slow_s: dict[int, float] = {}
         self.fences: dict[str, int] = {}
-        self.peers: tuple[str, ...] = ()  # the other agents of the last structured launch
         self.peer_leases = PeerLeases(_peer_credentials(config), timeout_s=PEER_ASK_TIMEOUT_S)
+        self._peers: tuple[str, ...] = ()
         self.attempts: dict[str, int] = {}
         self.last_preflight: common_pb2.PreflightSummary | None = None
         self.preflight_running = threading.Lock()
@@ -124,6 +125,17 @@ class Agent:
         self._launch_lock = threading.Lock()  # one launch at a time (a warm one may wait for its group)
 
     # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The other agents of the last structured launch (at most 8 are asked before a fence)."""
+        return self._peers
+
+    @peers.setter
+    def peers(self, peers: tuple[str, ...]) -> None:
+        self._peers = peers
+        # connected now, not when the lease runs out: the ask then costs a round trip, not a handshake
+        self.peer_leases.connect(peers[:8])
 
     def node_state(self) -> common_pb2.NodeState.ValueType:
         if self.unhealthy:

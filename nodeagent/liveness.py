@@ -292,23 +292,34 @@ class PeerLeases:
     def __init__(self, creds: grpc.ChannelCredentials | None, timeout_s: float) -> None:
         self._creds = creds
         self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # the launch sets the peers, the liveness thread asks them
         self._stubs: dict[str, tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]] = {}
+
+    def connect(self, peers: tuple[str, ...]) -> dict[str, agent_pb2_grpc.NodeAgentStub]:
+        """A stub per peer, its channel connecting in the background; channels of others are closed."""
+        with self._lock:
+            for gone in set(self._stubs) - set(peers):
+                self._stubs.pop(gone)[0].close()
+            for peer in peers:
+                if peer not in self._stubs:
+                    channel = (
+                        grpc.secure_channel(peer, self._creds) if self._creds else grpc.insecure_channel(peer)
+                    )
+                    grpc.channel_ready_future(channel)  # starts connecting; nobody waits for it
+                    self._stubs[peer] = (channel, agent_pb2_grpc.NodeAgentStub(channel))
+            return {peer: self._stubs[peer][1] for peer in peers}
 
     def ages(self, peers: tuple[str, ...]) -> dict[str, float | None]:
         """Per peer that answered within the timeout: its lease's confirmed age in seconds (None: it has
-        no store). Peers that did not answer are absent. Called from the liveness thread only."""
-        for gone in set(self._stubs) - set(peers):
-            self._stubs.pop(gone)[0].close()
+        no store). Peers that did not answer are absent."""
         calls = {}
-        for peer in peers:
-            if peer not in self._stubs:
-                channel = (
-                    grpc.secure_channel(peer, self._creds) if self._creds else grpc.insecure_channel(peer)
+        for peer, stub in self.connect(peers).items():
+            try:
+                calls[peer] = stub.GetNodeStatus.future(
+                    agent_pb2.GetNodeStatusRequest(), timeout=self._timeout_s
                 )
-                self._stubs[peer] = (channel, agent_pb2_grpc.NodeAgentStub(channel))
-            calls[peer] = self._stubs[peer][1].GetNodeStatus.future(
-                agent_pb2.GetNodeStatusRequest(), timeout=self._timeout_s
-            )
+            except ValueError:  # its channel was closed meanwhile: a new launch changed the peers
+                continue
         ages: dict[str, float | None] = {}
         for peer, call in calls.items():
             try:
@@ -319,6 +330,7 @@ class PeerLeases:
         return ages
 
     def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            channel.close()
-        self._stubs.clear()
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.agent import PEER_ASK_TIMEOUT_S
 from nodeagent.liveness import RECOVERY_TTLS
 from runwarden.testing.fleet import Fleet, Host, default_prefix, netns_pids, sweep_orphans
 from runwarden.testing.fleet import available as fleet_available
@@ -27,14 +28,13 @@ E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TTL_S = 2.0
 STOP_GRACE_S = 5.0  # the test agents' stop_grace_s (runwarden.testing.fleet_cluster.agent_settings)
-ASK_TIMEOUT_S = 1.0  # nodeagent.agent.PEER_ASK_TIMEOUT_S
 # the fence's bound after the cut: the lease runs out within TTL of its last renewal; a peer renews
 # within TTL/3 after that, the vouch asks again every TTL/6 and waits up to its timeout; this host's
 # keeper gets RECOVERY_TTLS x TTL to renew too; then the ranks get TERM and, after the grace, KILL.
 # MARGIN_S: two loaded cores' scheduling and the reaping.
 MARGIN_S = 2.0
 FENCE_BOUND_S = (
-    TTL_S + TTL_S / 3 + TTL_S / 6 + ASK_TIMEOUT_S + RECOVERY_TTLS * TTL_S + STOP_GRACE_S + MARGIN_S
+    TTL_S + TTL_S / 3 + TTL_S / 6 + PEER_ASK_TIMEOUT_S + RECOVERY_TTLS * TTL_S + STOP_GRACE_S + MARGIN_S
 )
 
 
