@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nodeagent import trainer
+from nodeagent import rank_device, trainer
 from nodeagent.checkpoint import CheckpointError
 from nodeagent.dcp import SaveFailed
 
@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="TEST ONLY: a resume skips restoring the RNG states while PATH exists (the replay diverges)",
     )
+    rank_device.add_backend_argument(p)  # auto: nccl on CUDA, gloo on CPU
     return p.parse_args(argv)
 
 
@@ -117,7 +118,7 @@ class Decoder(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
@@ -153,14 +154,16 @@ def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recording = trainer.setup_flight_recording()  # runwarden: before the process group
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
+    backend, device = rank_device.pick(args.backend)  # NCCL on the LOCAL_RANK GPU, or gloo
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     reporter = trainer.ProgressReporter.from_env(rank=rank, world_size=world)  # runwarden
     attempt = int(os.environ.get("RUNWARDEN_ATTEMPT", "0") or 0)
 
     torch.manual_seed(args.seed)
     net = Decoder(args.vocab, args.seq, args.d_model, args.heads, args.layers, args.dropout)
-    model = nn.parallel.DistributedDataParallel(net)
+    ids = [device.index] if device.type == "cuda" else None
+    model = nn.parallel.DistributedDataParallel(net.to(device), device_ids=ids)
     reporter.time_collectives(model)  # runwarden: compute and wait per step, measured
     decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in net.named_parameters() if p.dim() < 2]
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start, args.steps):
         total = 0.0
         for micro in range(args.accum):
-            tokens = tokens_for(args, step, rank, micro)
+            tokens = tokens_for(args, step, rank, micro).to(device)
             last = micro == args.accum - 1
             with model.no_sync() if not last else contextlib.nullcontext():  # all-reduce on the last only
                 logits = model(tokens[:, :-1])
@@ -204,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        stop = reporter.stop_agreed()  # runwarden: SIGTERM / stop file / the agent's flag, on any rank
+        stop = reporter.stop_agreed(
+            device=device
+        )  # runwarden: SIGTERM / stop file / the agent's flag, on any rank
         done = step + 1
         loss_log.write(
             json.dumps({"step": step, "loss": total, "attempt": attempt, "ts": time.time()}) + "\n"

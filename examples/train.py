@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nodeagent import trainer
+from nodeagent import rank_device, trainer
 from nodeagent.checkpoint import CheckpointError
 from nodeagent.dcp import SaveFailed
 
@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TEST ONLY: in attempt 1, rank RANK SIGKILLs itself in the middle of the DCP save of STEP "
         "(its shard written, then torn to half, before DCP hears of it)",
     )
+    rank_device.add_backend_argument(p)  # auto: nccl on CUDA, gloo on CPU
     return p.parse_args(argv)
 
 
@@ -128,13 +129,15 @@ def batch_for(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     recording = trainer.setup_flight_recording()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout))
+    backend, device = rank_device.pick(args.backend)  # NCCL on the LOCAL_RANK GPU, or gloo
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     reporter = trainer.ProgressReporter.from_env(rank=rank, world_size=world)
     attempt = int(os.environ.get("RUNWARDEN_ATTEMPT", "0") or 0)
 
     torch.manual_seed(args.seed)
-    model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout))
+    ids = [device.index] if device.type == "cuda" else None
+    model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout).to(device), device_ids=ids)
     reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.timing)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     saver = (
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):
-        x, y = batch_for(args.seed, step, rank, args.batch)
+        x, y = (t.to(device) for t in batch_for(args.seed, step, rank, args.batch))
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()  # DDP's gradient all-reduce happens in here (timed by the hook)
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
         # Every rank must agree to stop at the same step (the save below is collective): a MAX
         # all-reduce of the flags, timed as wait; a rank stopping for a peer reports a planned stop.
-        stop = reporter.stop_agreed()
+        stop = reporter.stop_agreed(device=device)
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
         reported = loss.item()
         loss_log.write(

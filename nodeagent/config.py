@@ -60,6 +60,9 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
                               construction's collectives) and runwarden's trainer helper. A module
                               that fails to import is reported in the agent's log and skipped (the
                               job imports it itself). Add the job's own heavy imports; [] for none
+    memory_copy_budget_bytes  host memory one warm rank's in-memory checkpoint copies may use, both
+                              together (nodeagent.memory_state); default 16 GiB, 0 = keep none. A copy
+                              over it is not kept (the rank's log and its next load say so)
     checkpoint_dir            this node's path to the runs' checkpoint directory: preflight's storage
                               checks use it when the preflight config's checkpoint_path is empty
     expected_driver_version   the NVIDIA driver and CUDA versions the node's image was built for (e.g.
@@ -74,6 +77,7 @@ NVML sees GPUs, else 1; the node record reports that number.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -139,12 +143,17 @@ class AgentConfig:
     warm_workers: bool = False
     warm_wait_s: float = 30.0
     warm_preload: tuple[str, ...] = DEFAULT_WARM_PRELOAD
+    memory_copy_budget_bytes: int = 16 * 1024**3  # nodeagent.memory_state.DEFAULT_BUDGET_BYTES
     checkpoint_dir: str = ""
     expected_driver_version: str = ""
     expected_cuda_version: str = ""
 
     def __post_init__(self) -> None:
         where = "nodeagent"
+        for f in dataclasses.fields(self):  # TOML and float() take nan and inf: no duration is either
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{where}.{f.name}: must be a finite number of seconds, got {value!r}")
         if not isinstance(self.warm_workers, bool):
             raise ConfigError(f"{where}.warm_workers: expected true or false, got {self.warm_workers!r}")
         if not 0 <= self.warm_wait_s <= 600:
@@ -154,6 +163,14 @@ class AgentConfig:
         ):
             raise ConfigError(
                 f"{where}.warm_preload: at most 64 dotted module names, got {list(self.warm_preload)!r}"
+            )
+        if (
+            not isinstance(self.memory_copy_budget_bytes, int)
+            or isinstance(self.memory_copy_budget_bytes, bool)
+            or self.memory_copy_budget_bytes < 0
+        ):
+            raise ConfigError(
+                f"{where}.memory_copy_budget_bytes: a number of bytes >= 0, got {self.memory_copy_budget_bytes!r}"
             )
         if not self.torchrun:
             object.__setattr__(self, "torchrun", (sys.executable, "-m", "torch.distributed.run"))

@@ -2,8 +2,8 @@
 
 A warm rank process outlives its attempts (nodeagent.warm), and this module, imported once, with
 it. `keep` is called by `nodeagent.trainer.save_checkpoint` once every rank has written its file
-(after the save's barrier, before rank 0 writes the commit marker): a deep copy of exactly what went
-to storage, so the next optimizer step cannot change it. `take` is called by `load_checkpoint`: the
+(after the save's barrier, before rank 0 writes the commit marker): a copy of exactly what went to
+storage, so the next optimizer step cannot change it. `take` is called by `load_checkpoint`: the
 copy serves the load only if it is the state of that commit, i.e.
 
 * its step is the commit's step, and the commit marker says the attempt that took the copy
@@ -18,8 +18,16 @@ rank (DDP's replicas), those ranks receive the lowest holder's copy over the att
 group (a peer), the others use their own; else all from storage, which stays the truth on disk.
 Which source served the load is remembered (`loaded_from`) and the progress reporter sends it
 with its load mark, so the event log says per attempt where the state came from ("memory",
-"peer", "storage"). Two copies are kept per process (the newest; KEEP says why), in host memory;
-their cost is two model + optimizer states per rank. A copy is only ever sent inside the process
+"peer", "storage"). Two copies are kept per process (the newest; KEEP says why).
+
+Where the copies live (issue 28): in host memory, never on the GPU. Every tensor is copied into a
+plain host tensor (pinned when CUDA is available; a DTensor's local shard), CUDA tensors on a side
+stream the training thread does not wait for; the buffers are reused by the next copy of the same
+layout. Their cost is at most two model + optimizer states per rank, and never more than the copy
+budget (`set_budget`, the agent's memory_copy_budget_bytes, DEFAULT_BUDGET_BYTES): a copy over it
+is not kept, and the log and the load say so. Only a rank the warm path started keeps one (its
+process outlives the attempt); a cold rank's would die with it. A peer's state crosses the GPU
+only in chunks (STAGE_BYTES) under NCCL. A copy is only ever sent inside the process
 group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm), and
 only if it is the state of the commit being loaded: a stale rank cannot hand its state out.
 """
@@ -32,7 +40,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,12 @@ PEER = "peer"  # a peer rank of the same attempt sent it (the replacement host h
 STORAGE = "storage"
 
 
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     run: str
@@ -50,15 +64,39 @@ class Snapshot:
     step: int
     rank: int
     world_size: int
-    payload: Any  # what save_checkpoint wrote to this rank's file, deep-copied
+    payload: Any  # what the save wrote to this rank's file, its tensors copied into host buffers
+    nbytes: int = 0  # the bytes of its host buffers (what counts against the budget)
+    buffers: tuple[Any, ...] = ()  # those buffers, in slot order (reused by a later copy)
+    copied: threading.Event = field(default_factory=_done_event)  # set once the copy has landed
+    failed: list[str] = field(default_factory=list)  # the copy thread's error, if the copy failed
 
 
 # The newest two: an asynchronous save's commit comes after the next steps, and a save waits for the
 # previous one to commit before it starts, so the latest commit is always one of the two kept.
 KEEP = 2
+# Host bytes one rank process may hold in copies (both together): AgentConfig.memory_copy_budget_bytes
+# reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm). 0 keeps none.
+DEFAULT_BUDGET_BYTES = 16 * 1024**3
+COPY_WAIT_S = 300.0  # a load waits this long for a copy still landing (a GPU's D2H copy: seconds)
+WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.rank_env)
 _lock = threading.Lock()
 _snapshots: list[Snapshot] = []  # oldest first
 _loaded: tuple[int, str] | None = None  # (step, source) of the last load in this process
+_budget = DEFAULT_BUDGET_BYTES
+_not_kept: dict[int, str] = {}  # step -> why no copy of it was kept (the load says so), the last few
+_side_streams: dict[Any, Any] = {}  # CUDA device -> the stream the copies run on
+
+
+def set_budget(nbytes: int) -> None:
+    """This process's copy budget in bytes (a parked rank sets it from the agent's config)."""
+    global _budget
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"copy budget: a number of bytes >= 0, got {nbytes!r}")
+    _budget = nbytes
+
+
+def budget() -> int:
+    return _budget
 
 
 def _identity(env: Mapping[str, str]) -> tuple[str, int]:
@@ -66,18 +104,223 @@ def _identity(env: Mapping[str, str]) -> tuple[str, int]:
     return env.get("RUNWARDEN_RUN", ""), int(attempt) if attempt.isdigit() else -1
 
 
+def _refuse(step: int, why: str, *, warn: bool) -> str:
+    with _lock:
+        _not_kept[step] = why
+        for old in sorted(_not_kept)[:-8]:
+            del _not_kept[old]
+    (log.warning if warn else log.info)("no in-memory copy of step %d: %s", step, why)
+    return why
+
+
+def why_not_kept(step: int) -> str:
+    """Why this process kept no copy of `step` ("" if it did, or was never asked to)."""
+    with _lock:
+        return _not_kept.get(step, "")
+
+
 def keep(
-    step: int, payload: Any, *, rank: int, world_size: int, env: Mapping[str, str] | None = None
-) -> None:
-    """Remember `payload` (deep-copied) as this rank's state at checkpoint `step`."""
-    run, attempt = _identity(os.environ if env is None else env)
+    step: int,
+    payload: Any,
+    *,
+    rank: int,
+    world_size: int,
+    env: Mapping[str, str] | None = None,
+    budget_bytes: int | None = None,
+) -> str:
+    """Copy `payload` into host memory as this rank's state at checkpoint `step`: "" if kept, else
+    why not (also logged, and said by the load of that step).
+
+    Only a rank the warm path started keeps one (`RUNWARDEN_LAUNCH_PATH=warm`): a cold rank's
+    process ends with its attempt, and its copy with it. A copy over the budget is not kept; older
+    copies go first to make room. Every tensor lands in a plain host tensor (pinned when CUDA is
+    available), whatever device it claims; a DTensor keeps its local shard and its placement. CUDA
+    tensors are copied on a side stream: the caller never waits for it (the training stream does,
+    before its next kernel, so the next step cannot change a tensor mid-copy), and a load waits for
+    it to land. On CPU it is a plain copy into buffers reused from the copy it replaces."""
+    env = os.environ if env is None else env
+    run, attempt = _identity(env)
     if attempt < 0:
-        return  # not under a supervisor: no commit can name the copy's attempt
+        return "not under a supervisor"  # no commit can name the copy's attempt
+    if env.get("RUNWARDEN_LAUNCH_PATH", "") != WARM:
+        return _refuse(step, "a cold launch: the process ends with its attempt", warn=False)
+    limit = _budget if budget_bytes is None else budget_bytes
+    skeleton, sources = _split(payload)
+    try:
+        locals_ = [_local(t) for t in sources]
+    except ValueError as exc:
+        return _refuse(step, str(exc), warn=True)
+    nbytes = sum(t.numel() * t.element_size() for t in locals_)
+    if nbytes > limit:
+        return _refuse(
+            step,
+            f"its {nbytes} bytes are over the copy budget of {limit} bytes "
+            "(memory_copy_budget_bytes): a warm restart loads it from storage",
+            warn=True,
+        )
+    layout = [(tuple(t.shape), t.dtype) for t in locals_]
+    with _lock:
+        kept = [x for x in _snapshots if x.step != step][1 - KEEP :]
+        squeezed = []
+        while kept and sum(x.nbytes for x in kept) + nbytes > limit:
+            squeezed.append(kept.pop(0))  # the oldest first
+        dropped = [x for x in _snapshots if x not in kept]
+        _snapshots[:] = kept  # dropped now: their buffers may be reused below
+    for old in squeezed:
+        log.info(
+            "step %d: the copy of step %d dropped to fit the copy budget (%d bytes)", step, old.step, limit
+        )
+    buffers = _reuse(dropped, layout) or _allocate(locals_)
+    host = _copy(locals_, buffers, step)
     snap = Snapshot(
-        run=run, attempt=attempt, step=step, rank=rank, world_size=world_size, payload=copy.deepcopy(payload)
+        run=run,
+        attempt=attempt,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        payload=_join(
+            _plain_leaves(skeleton), [_rewrap(s, h) for s, h in zip(sources, buffers, strict=True)]
+        ),
+        nbytes=nbytes,
+        buffers=tuple(buffers),
+        copied=host[0],
+        failed=host[1],
     )
     with _lock:
         _snapshots[:] = [*(x for x in _snapshots if x.step != step), snap][-KEEP:]
+        _not_kept.pop(step, None)
+    return ""
+
+
+def _plain_leaves(skeleton: Any) -> Any:
+    """The skeleton's non-tensor leaves deep-copied (the optimizer's hyper-parameters: the next
+    step must not change the copy's)."""
+    return copy.deepcopy(skeleton)
+
+
+class _HostDTensor:
+    """A DTensor's local shard in host memory, with what makes it a DTensor again at the load."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: Any, src: Any) -> None:
+        self.local = local
+        self.mesh, self.placements = src.device_mesh, tuple(src.placements)
+        self.shape, self.stride = src.shape, src.stride()
+
+    def rebuild(self, local: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: Any) -> Any:
+    """The tensor whose bytes are copied: a DTensor's local shard, else the tensor itself."""
+    local = t.to_local() if _is_dtensor(t) else t
+    if local.device.type == "meta":
+        raise ValueError("a tensor on the meta device has no data to copy")
+    return local
+
+
+def _rewrap(src: Any, host: Any) -> Any:
+    return _HostDTensor(host, src) if _is_dtensor(src) else host
+
+
+def _reuse(dropped: list[Snapshot], layout: list[tuple[tuple[int, ...], Any]]) -> list[Any] | None:
+    """The buffers of a dropped copy of the same layout (the same model: every save after the
+    second reuses them), once its own copy has landed."""
+    for old in dropped:
+        if [(tuple(b.shape), b.dtype) for b in old.buffers] == layout:
+            old.copied.wait(COPY_WAIT_S)
+            return list(old.buffers)
+    return None
+
+
+def _allocate(locals_: list[Any]) -> list[Any]:
+    import torch
+
+    pin = torch.cuda.is_available()  # pinned: what a D2H copy off the training stream needs
+    return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=pin) for t in locals_]
+
+
+def _copy(locals_: list[Any], buffers: list[Any], step: int) -> tuple[threading.Event, list[str]]:
+    """Copy every tensor into its host buffer: CPU (or anything not on a CUDA device) here, now;
+    CUDA tensors on a side stream per device, landed when the returned event is set."""
+    import torch
+
+    failed: list[str] = []
+    on_cuda: dict[Any, list[tuple[Any, Any]]] = {}
+    with torch.no_grad():
+        for src, dst in zip(locals_, buffers, strict=True):
+            if src.device.type == "cuda" and torch.cuda.is_available():
+                on_cuda.setdefault(src.device, []).append((src, dst))
+            else:
+                dst.copy_(src)
+    if not on_cuda:
+        return _done_event(), failed
+    events = []
+    with torch.no_grad():
+        for device, pairs in on_cuda.items():
+            side = _side_streams.get(device)
+            if side is None:
+                side = _side_streams[device] = torch.cuda.Stream(device)
+            current = torch.cuda.current_stream(device)
+            side.wait_stream(current)  # the copy sees the state as it is now
+            with torch.cuda.stream(side):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            current.wait_event(done)  # the next step's kernels wait on the GPU, never the host
+            events.append(done)
+    landed = threading.Event()
+
+    def wait() -> None:  # off the training thread: only a load waits for this
+        try:
+            for done in events:
+                done.synchronize()
+        except Exception as exc:
+            failed.append(f"{type(exc).__name__}: {exc}")
+            log.warning("the copy of step %d failed: %s", step, failed[-1])
+        landed.set()
+
+    threading.Thread(target=wait, name="runwarden-copy", daemon=True).start()
+    return landed, failed
+
+
+def _clone(payload: Any) -> Any:
+    """A copy of a kept payload for a load (the optimizer's load may alias tensors it is given):
+    tensors cloned, a DTensor's shard rebuilt into a DTensor, plain data deep-copied."""
+    import torch
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, _HostDTensor):
+            return x.rebuild(x.local.clone())
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return copy.deepcopy(x)
+
+    return walk(payload)
+
+
+def kept_bytes() -> int:
+    """The host bytes this process holds in copies."""
+    with _lock:
+        return sum(x.nbytes for x in _snapshots)
 
 
 def take(
@@ -88,10 +331,11 @@ def take(
     world_size: int | None,
     env: Mapping[str, str] | None = None,
 ) -> Any | None:
-    """A deep copy of the kept payload if it is the state of commit `step` (committed by attempt
+    """A copy of the kept payload if it is the state of commit `step` (committed by attempt
     `committed_by`, from its marker) saved as global rank `rank` of `world_size`, else None (load
     from storage). `rank=None, world_size=None`: saved as any rank (its model and optimizer state
-    serve a rank renumbered by a replacement when that state is replicated)."""
+    serve a rank renumbered by a replacement when that state is replicated). Waits for a copy
+    still landing (COPY_WAIT_S); one whose copy failed is none."""
     run, _ = _identity(os.environ if env is None else env)
     if committed_by is None:
         return None
@@ -108,7 +352,10 @@ def take(
         )
     if snap is None:
         return None
-    return copy.deepcopy(snap.payload)  # the optimizer's load may alias tensors it is given
+    if not snap.copied.wait(COPY_WAIT_S) or snap.failed:
+        log.warning("the copy of step %d did not land: %s", step, snap.failed or "timed out")
+        return None
+    return _clone(snap.payload)
 
 
 # What each rank tells the others before a DCP load (bits of one integer, all-gathered).
@@ -179,6 +426,8 @@ def restore_committed_dcp(
     by = by if isinstance(by, int) else None
     payload = take(commit.step, by, rank=rank, world_size=world_size)
     plan = LoadPlan(MEMORY if payload is not None else STORAGE)
+    if payload is None and (why := why_not_kept(commit.step)):
+        log.info("rank %d: no copy of step %d in this process's memory: %s", rank, commit.step, why)
     expected: int | None = None
     if world_size > 1:
         import torch.distributed as dist
@@ -360,18 +609,17 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
     received: list[Any] = [None] * len(layout)
     for dtype in dict.fromkeys(d for _, d in layout):
         slots = [i for i, (_, d) in enumerate(layout) if d == dtype]
-        if rank == sender:
-            flat = torch.cat([tensors[i].detach().reshape(-1) for i in slots]).to(device)
+        if rank == sender:  # the kept copy is in host memory: so is this
+            flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in slots])
         else:
-            numel = sum(math.prod(layout[i][0]) for i in slots)
-            flat = torch.empty(numel, dtype=dtype, device=device)
-        dist.broadcast(flat, src=sender)
+            flat = torch.empty(sum(math.prod(layout[i][0]) for i in slots), dtype=dtype)
+        _broadcast_host(flat, sender, rank=rank, device=device)
         if not receive:
             continue
         at = 0
         for i in slots:
             k = math.prod(layout[i][0])
-            received[i] = flat[at : at + k].view(layout[i][0]).to("cpu")
+            received[i] = flat[at : at + k].view(layout[i][0])
             at += k
     if not receive:
         return True, None
@@ -379,6 +627,30 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         return True, _join(doc["skeleton"], received)
     except ValueError as exc:  # every receiver parsed the same header: all of them fail alike
         raise RuntimeError(f"rank {rank}: the state rank {sender} sent: {exc}") from None
+
+
+STAGE_BYTES = 64 * 1024 * 1024  # under NCCL, a peer's state crosses the GPU in chunks of this size
+
+
+def _broadcast_host(flat: Any, sender: int, *, rank: int, device: str) -> None:
+    """Broadcast a host tensor in place: directly on a CPU backend (gloo); under NCCL through one
+    GPU staging buffer of at most STAGE_BYTES, so the state never occupies the GPU whole."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        dist.broadcast(flat, src=sender)
+        return
+    step = max(1, min(flat.numel(), STAGE_BYTES // flat.element_size()))
+    stage = torch.empty(step, dtype=flat.dtype, device=device)
+    for at in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - at)
+        if rank == sender:
+            stage[:n].copy_(flat[at : at + n])
+        dist.broadcast(stage[:n], src=sender)
+        if rank != sender:
+            flat[at : at + n].copy_(stage[:n])
+    del stage
 
 
 def restore_dcp(

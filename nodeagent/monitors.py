@@ -29,28 +29,106 @@ Publish = Callable[[common_pb2.Evidence], Any]
 MAX_LINE_BYTES = 8192
 
 
+class GpuMap:
+    """Which GPU an NVRM line names, and which rank sat on it: the line's PCI bus id -> NVML's
+    index (NVML's own map, read once and again when a bus id is not in it) -> the local rank
+    (torchrun's local rank i runs on CUDA device i: the i-th of CUDA_VISIBLE_DEVICES when the
+    ranks' environment sets it, else NVML index i, the PCI order CUDA uses on a node of one GPU
+    model) -> the global rank (`global_rank_of`, from the running attempt's progress reports;
+    None where the caller cannot tell). NVML errors make the answer None, never an exception."""
+
+    RETRY_S = 60.0  # after NVML failed: asked again at most this often (a line per Xid, not a loop)
+
+    def __init__(
+        self,
+        nvml: Nvml | None = None,
+        *,
+        visible_devices: str | None = None,
+        global_rank_of: Callable[[int], int | None] = lambda _: None,
+    ) -> None:
+        self._nvml = nvml
+        self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible_devices is None else visible_devices
+        self.global_rank_of = global_rank_of
+        self._by_bus: dict[str, int] = {}
+        self._failed_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def _read(self) -> None:
+        if time.monotonic() - self._failed_at < self.RETRY_S:
+            return
+        try:
+            if self._nvml is None:
+                from preflight.nvml import PynvmlAdapter
+
+                self._nvml = PynvmlAdapter()
+            self._nvml.init()
+            self._by_bus = {
+                normalize_pci_bus_id(self._nvml.pci_bus_id(i)): i for i in range(self._nvml.device_count())
+            }
+        except NvmlError as exc:
+            self._failed_at = time.monotonic()
+            log.info("Xid monitor: no GPU index from NVML: %s", exc)
+
+    def index_of(self, bus_id: str) -> int | None:
+        key = normalize_pci_bus_id(bus_id)
+        with self._lock:
+            if key not in self._by_bus:
+                self._read()
+            return self._by_bus.get(key)
+
+    def local_rank_of(self, index: int) -> int | None:
+        visible = (self._visible or "").strip()
+        if not visible:
+            return index
+        ids = [v.strip() for v in visible.split(",")]
+        if not all(v.isdigit() for v in ids):
+            return None  # UUIDs or MIG names: not NVML indices
+        return ids.index(str(index)) if str(index) in ids else None
+
+    def describe(self, bus_id: str) -> tuple[int | None, str]:
+        """(NVML index, the words Xid evidence adds: "GPU 3 (NVML), local rank 3, global rank 11")."""
+        index = self.index_of(bus_id)
+        if index is None:
+            return None, "GPU index unknown (not in NVML's bus map)"
+        local = self.local_rank_of(index)
+        if local is None:
+            return index, f"GPU {index} (NVML), no local rank runs on it"
+        rank = self.global_rank_of(local)
+        where = f"global rank {rank}" if rank is not None else "global rank unknown here"
+        return index, f"GPU {index} (NVML), local rank {local}, {where}"
+
+
 class XidMonitor:
     def __init__(
-        self, *, node: str, publish: Publish, gpu_index_of: Callable[[str], int | None] = lambda _: None
+        self,
+        *,
+        node: str,
+        publish: Publish,
+        gpu_index_of: Callable[[str], int | None] | None = None,
+        gpus: GpuMap | None = None,
     ):
         self._node = node
         self._publish = publish
-        self._gpu_index_of = gpu_index_of
+        self._gpu_index_of = gpu_index_of  # an explicit map (older callers); else `gpus`
+        self.gpus = gpus if gpus is not None else GpuMap()
         self._closed = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
 
     def feed(self, line: str | bytes, source: str) -> common_pb2.Evidence | None:
-        """Parse one kernel-log line; publish and return the evidence if it is an Xid."""
+        """Parse one kernel-log line; publish and return the evidence if it is an Xid, naming the
+        GPU and the rank on it where they are known (GpuMap)."""
         event = parse_xid_line(line)
         if event is None:
             return None
+        if self._gpu_index_of is not None:
+            index, where = self._gpu_index_of(normalize_pci_bus_id(event.pci_bus_id)), ""
+        else:
+            index, where = self.gpus.describe(event.pci_bus_id)
         evidence = xid_evidence(
-            event,
-            node=self._node,
-            observed_at=time.time(),
-            source=source,
-            gpu_index=self._gpu_index_of(normalize_pci_bus_id(event.pci_bus_id)),
+            event, node=self._node, observed_at=time.time(), source=source, gpu_index=index
         )
+        if where:
+            evidence.detail = f"{evidence.detail} = {where}"
         self._publish(evidence)
         return evidence
 

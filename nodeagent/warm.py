@@ -53,10 +53,16 @@ becomes the attempt's exit code (128+n for a rank killed by signal n); all ranks
 SIGTERM to the leader is forwarded to the ranks and the leader keeps waiting for them (so a rank's
 save is not cut short; the agent's KILL ends a grace that is over), then exits.
 
-CUDA: a parked rank never touches CUDA (importing torch does not initialise it; the rank checks
-`torch.cuda.is_initialized()` is False before it says ready), and nothing here forks after the
-import: every process is a fresh interpreter started with exec. On a GPU host the CUDA context is
-created by the job itself, after the hand-off, in the process that uses it.
+CUDA: a fresh parked rank never touches CUDA (importing torch does not initialise it; the rank
+checks `torch.cuda.is_initialized()` is False before it first says ready), and nothing here forks
+after the import: every process is a fresh interpreter started with exec. On a GPU host the CUDA
+context is created by the job itself, after the hand-off, in the process that uses it. A rank that
+ran a GPU attempt frees what it does not keep before it parks again (`release_gpu`: the attempt's
+process groups, NCCL communicators included, are destroyed; the caching allocator's blocks go back
+with empty_cache) and keeps two things, which it states on stderr (the agent's log): its CUDA
+context (hundreds of MiB of GPU memory per process, the price of not re-creating it; the parked
+ranks are in the agent's process tree and not an ended attempt's, so the agent's preflight counts
+them as its own) and its in-memory copies, in host memory (nodeagent.memory_state).
 
 Environment read at interpreter start-up or at torch's import (LD_*, MALLOC_*, PYTHON* other than
 PYTHONPATH, OpenMP/MKL variables) cannot be changed after the fact: the parked group is started with
@@ -452,6 +458,7 @@ class WarmRank:
             held.clear()
             saved.restore()
             gc.collect()
+            release_gpu()
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
@@ -466,6 +473,31 @@ def leave_process_group() -> None:
             dist.destroy_process_group()
     except Exception as exc:
         print(f"runwarden warm: destroy_process_group: {exc}", file=sys.stderr, flush=True)
+
+
+def release_gpu() -> str:
+    """After an attempt that used CUDA: give the caching allocator's free blocks back to the driver
+    (the attempt's tensors are gone: its process groups destroyed, gc run) and say what the parked
+    rank keeps. "" when the attempt never touched CUDA."""
+    import torch
+
+    from nodeagent import memory_state
+
+    if not torch.cuda.is_initialized():
+        return ""
+    try:
+        torch.cuda.synchronize()  # the copies' side streams included: their buffers are host memory
+    except Exception as exc:  # an aborted NCCL communicator's kernels: freed all the same
+        print(f"runwarden warm: cuda synchronize: {exc}", file=sys.stderr, flush=True)
+    torch.cuda.empty_cache()
+    torch.cuda.ipc_collect()
+    line = (
+        f"runwarden warm: parked after a GPU attempt: keeps its CUDA context on device "
+        f"{torch.cuda.current_device()}, {torch.cuda.memory_reserved() / 2**20:.0f} MiB still reserved by "
+        f"torch's allocator, {memory_state.kept_bytes() / 2**20:.0f} MiB of copies in host memory"
+    )
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def kill_children() -> None:
@@ -485,9 +517,16 @@ def kill_children() -> None:
                 os.waitpid(int(entry), 0)
 
 
-def rank_main(status_fd: int, control_fd: int, preload: tuple[str, ...] = ()) -> int:
+def rank_main(
+    status_fd: int, control_fd: int, preload: tuple[str, ...] = (), copy_budget_bytes: int | None = None
+) -> int:
     import torch
     import torch.distributed  # the import is what a warm worker saves the launch
+
+    from nodeagent import memory_state
+
+    if copy_budget_bytes is not None:
+        memory_state.set_budget(copy_budget_bytes)
 
     for module in preload:  # what the job would import on its restart path (AgentConfig.warm_preload)
         try:
@@ -674,7 +713,13 @@ class Leader:
     """The group: its ranks across attempts, and the agent's two pipes (stdin: commands; the ready
     fd: `ready <pids>`, then `ended <code>` after every attempt whose ranks all parked again)."""
 
-    def __init__(self, local_ranks: int, ready_fd: int, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        local_ranks: int,
+        ready_fd: int,
+        preload: tuple[str, ...] = (),
+        copy_budget_bytes: int | None = None,
+    ) -> None:
         self.ready_fd = ready_fd
         self.agent = Lines(sys.stdin.fileno())
         self.early: list[bytes] = []  # hand-offs read while an attempt was still ending
@@ -696,6 +741,7 @@ class Leader:
                     str(cr),
                     "--preload",
                     ",".join(preload),
+                    *(() if copy_budget_bytes is None else ("--copy-budget-bytes", str(copy_budget_bytes))),
                 ],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(sw, cr),
@@ -848,8 +894,10 @@ def _select(fds: list[int], timeout_s: float) -> tuple[list[int], list[int], lis
         return [], [], []
 
 
-def leader_main(local_ranks: int, ready_fd: int, preload: tuple[str, ...] = ()) -> int:
-    return Leader(local_ranks, ready_fd, preload).run()
+def leader_main(
+    local_ranks: int, ready_fd: int, preload: tuple[str, ...] = (), copy_budget_bytes: int | None = None
+) -> int:
+    return Leader(local_ranks, ready_fd, preload, copy_budget_bytes).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -863,15 +911,20 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--control-fd", type=int, required=True)
     for role in (leader, rank):
         role.add_argument("--preload", default="", help="comma-separated modules to import while parked")
+        role.add_argument(
+            "--copy-budget-bytes", type=int, default=None, help="host bytes a rank's in-memory copies may use"
+        )
     args = p.parse_args(argv)
     preload = tuple(m for m in args.preload.split(",") if m)
     if any(not _MODULE.fullmatch(m) for m in preload):
         p.error(f"--preload: dotted module names, got {args.preload!r}")
+    if args.copy_budget_bytes is not None and args.copy_budget_bytes < 0:
+        p.error("--copy-budget-bytes: >= 0")
     if args.role == "leader":
         if not 1 <= args.local_ranks <= 4096:
             p.error("--local-ranks: 1..4096")
-        return leader_main(args.local_ranks, args.ready_fd, preload)
-    return rank_main(args.status_fd, args.control_fd, preload)
+        return leader_main(args.local_ranks, args.ready_fd, preload, args.copy_budget_bytes)
+    return rank_main(args.status_fd, args.control_fd, preload, args.copy_budget_bytes)
 
 
 if __name__ == "__main__":

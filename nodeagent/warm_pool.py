@@ -205,9 +205,12 @@ class WarmPool:
         local_ranks: Callable[[], int],
         env: Callable[[], Mapping[str, str]],
         preload: tuple[str, ...] = (),
+        copy_budget_bytes: int | None = None,
     ) -> None:
         self.interpreter = interpreter
         self.preload = preload  # modules each parked rank imports before it says ready
+        # host bytes each parked rank's in-memory copies may use (None: memory_state's default)
+        self.copy_budget_bytes = copy_budget_bytes
         self._local_ranks = local_ranks
         self._env = env
         self._lock = threading.Lock()
@@ -273,6 +276,11 @@ class WarmPool:
                     str(w),
                     "--preload",
                     ",".join(self.preload),
+                    *(
+                        ()
+                        if self.copy_budget_bytes is None
+                        else ("--copy-budget-bytes", str(self.copy_budget_bytes))
+                    ),
                 ],
                 env=env,
                 start_new_session=True,
