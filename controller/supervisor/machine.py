@@ -125,6 +125,7 @@ class Supervisor:
         self.prev_slots: list[str] = []
         self.unreachable: set[str] = set()  # preflight could not reach them: not picked for this attempt
         self.preflight_resend: set[str] = set()  # their RunPreflight never left: sent again at the next tick
+        self.preflight_retried: set[str] = set()  # asked again after an inconclusive preflight (once)
         self.gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
         self.gate_passed: tuple[str, ...] | None = None  # the node set that passed it
         self.gate_deadline = 0.0

@@ -40,6 +40,8 @@ def detail(ev: PreflightResult) -> events_pb2.PreflightDetail:
             fail_count=len(ev.failed_checks),
             duration_s=ev.duration_s,
             failed_checks=list(ev.failed_checks),
+            inconclusive_count=len(ev.inconclusive_checks),
+            inconclusive_checks=list(ev.inconclusive_checks),
         ),
     )
 
@@ -67,6 +69,7 @@ def try_start(sv: Supervisor) -> None:
     sv.slots = [None] * need
     sv.empty_slots = need
     sv.unreachable = set()
+    sv.preflight_retried = set()
     sv.preflight_resend = set()
     sv.gate_pending = sv.gate_passed = None
     for rank, n in enumerate(prev):
@@ -151,6 +154,28 @@ def on_attempt_preflight(sv: Supervisor, ev: PreflightResult) -> None:
     sv.pending_preflight.discard(ev.node)
     if ev.passed:
         maybe_launch(sv)
+        return
+    if ev.inconclusive:
+        # A check that could not tell (it measured the host's load, or ran past its budget) is no
+        # verdict on the node: asked once more, then left out of this attempt, never quarantined.
+        checks = ", ".join(ev.inconclusive_checks)
+        if ev.node in sv.preflight_retried:
+            leave_out(sv, ev.node, f"preflight ({ev.mode}) inconclusive twice: {checks}")
+            return
+        sv.preflight_retried.add(ev.node)
+        sv.pending_preflight.add(ev.node)
+        sv.log(
+            E.EVENT_KIND_PREFLIGHT_RESULT,
+            f"{ev.node}: preflight ({ev.mode}) inconclusive ({checks}); asking once more",
+            preflight=detail(ev),
+        )
+        sv.emit(
+            RunPreflight(
+                nodes=(ev.node,), mode=ev.mode, purpose="attempt", timeout_s=sv.cfg.preflight_timeout_s
+            )
+        )
+        sv.preflight_deadline = max(sv.preflight_deadline, sv.now + sv.cfg.preflight_timeout_s)
+        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
         return
     reason = f"preflight ({ev.mode}) failed: {', '.join(ev.failed_checks) or 'no check named'}"
     reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.attempt + 1}: {reason}", detail(ev))

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from controller.supervisor.actions import Page, PersistMemory, Quarantine, Release
+from controller.supervisor.actions import Page, PersistMemory, Quarantine, Release, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict, Suspect
 from controller.supervisor.events import (
     CheckpointCommitted,
@@ -212,3 +212,20 @@ def test_a_planned_stop_quarantines_no_flagged_straggler() -> None:
     assert "nothing is quarantined" in d.events(E.EVENT_KIND_STOP_REQUEST, out)[0].message
     assert not d.of(Quarantine), "a planned stop quarantined a node"
     assert d.sup.pool.get("n3").straggler_flags == 1
+
+
+def test_an_inconclusive_attempt_preflight_is_asked_again_once_then_left_out_never_quarantined() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.add_nodes(3)
+    d.preflight_out.clear()
+    d.send(PreflightResult(node="n1", passed=True))
+    out = d.send(PreflightResult(node="n2", passed=False, inconclusive_checks=("compute.budget",)))
+    again = [a for a in out if isinstance(a, RunPreflight)]
+    assert [a.nodes for a in again] == [("n2",)] and not d.of(Quarantine)
+    out = d.send(PreflightResult(node="n2", passed=False, inconclusive_checks=("compute.budget",)))
+    assert not d.of(Quarantine), "an inconclusive preflight is never a quarantine"
+    left = [e for e in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out) if "left out" in e.message]
+    assert left and "inconclusive twice" in left[0].message
+    n2 = d.sup.pool.get("n2")
+    assert n2.failure_times == [] and n2.preflight_rejections == 0
+    assert "n3" in [n for a in out if isinstance(a, RunPreflight) for n in a.nodes]  # a spare takes its rank
