@@ -202,19 +202,21 @@ def decide(sv: Supervisor) -> None:
     victims: list[tuple[str, float]] = []  # quarantined without evidence about the node
     suspects, node_evidence = _to_quarantine(sv, f)
     signature = _signature(sv, f)
-    # The failure that completes a crash loop quarantines none of its suspects without evidence:
-    # the verdict would give them back at once.
+    # The failure that completes a crash loop quarantines none of its suspects: the verdict would
+    # give them back at once. Whether a suspect is a victim is the blame's rung, not whether it
+    # carries an Evidence record: the flight recorder's verdict always attaches one (a rank that
+    # never arrived says nothing about its node; a software hang rotates it).
     looping = (
         not (f.planned or f.control_plane or node_evidence)
         and restart.loop_count_with(sv.history, signature) >= sv.cfg.crash_loop_count
     )
     for s in suspects:
         out = s.node in seen or sv.pool.get(s.node).state in OUT_OF_SERVICE
-        if looping and s.blamed and not s.evidence:
+        if looping and s.blamed:
             continue
         if not out and sv.quarantine(s.node, s.reason, evidence=s.evidence):
             seen.add(s.node)
-            if s.blamed and not s.evidence:
+            if s.blamed and not node_evidence:
                 victims.append((s.node, sv.now))
     sv.cur.straggler_nodes.clear()
     sv.release_slots()

@@ -37,22 +37,38 @@ def answer_attempt_preflights(d: Driver) -> None:
             d.send(PreflightResult(node=n, passed=True, mode=req.mode))
 
 
-def hang_at(d: Driver, step: int, culprit_rank: int) -> list[Item]:
+def hang_at(d: Driver, step: int, culprit_rank: int, *, fr_record: bool = False) -> list[Item]:
     """Train to `step` - 1, then the rank `culprit_rank` never arrives (a data loader deadlocked on
-    a bad shard): the hang is detected, the flight recorder names that rank's node."""
+    a bad shard): the hang is detected, the flight recorder names that rank's node. fr_record: the
+    suspect carries the FLIGHT_RECORDER evidence record the live verdict attaches
+    (flight_recorder.verdict)."""
     d.steps(d.sup.job_step + 1, step - 1)
     d.advance(d.cfg.hang_timeout_floor_s + 1)
     assert d.sup.state is RunState.COLLECTING, d.sup.state
     node = d.running_nodes()[culprit_rank]
+    record = common_pb2.Evidence(
+        node=node,
+        kind=common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER,
+        severity=common_pb2.SEVERITY_WARNING,
+        detail=f"rank {culprit_rank} never called collective #18",
+    )
     verdict = FlightRecorderVerdict(
-        suspects=(Suspect(node=node, ranks=(culprit_rank,), confidence=0.95, reason="never arrived"),)
+        suspects=(
+            Suspect(
+                node=node,
+                ranks=(culprit_rank,),
+                confidence=0.95,
+                reason="never arrived",
+                evidence=(record,) if fr_record else (),
+            ),
+        )
     )
     out = d.send(DumpsCollected(attempt=d.sup.attempt, verdict=verdict))
     out += d.exit_all(code=-15)
     return out
 
 
-def rotating_hang_run(d: Driver, failures: int) -> list[str]:
+def rotating_hang_run(d: Driver, failures: int, *, fr_record: bool = False) -> list[str]:
     """A run with a commit at 40 and a bug at step 45 whose victim rotates per attempt."""
     d.start(6)  # 4 active + 2 spares
     blamed = []
@@ -66,7 +82,7 @@ def rotating_hang_run(d: Driver, failures: int) -> list[str]:
         else:
             d.steps(41, 41)
         blamed.append(d.running_nodes()[i % 4])
-        hang_at(d, 45, i % 4)
+        hang_at(d, 45, i % 4, fr_record=fr_record)
         if d.sup.state is RunState.BACKOFF:
             d.advance(d.cfg.backoff_max_s + 1)
         answer_attempt_preflights(d)
@@ -94,6 +110,29 @@ def test_a_software_hang_at_one_step_with_a_rotating_victim_ends_as_a_crash_loop
     assert released == set(blamed[:2]), "the first two failures' suspects were quarantined, then given back"
     end = d.events(E.EVENT_KIND_RUN_END)[-1]
     assert end.run_detail.outcome == "crash_loop" and "blamed on 2 different node(s)" in end.message
+
+
+def test_a_live_flight_recorder_verdict_makes_its_suspects_loop_victims_not_faulty_nodes() -> None:
+    """The live verdict attaches a FLIGHT_RECORDER evidence record to every suspect; that record says
+    which rank never arrived, nothing about its node. Found by tests/e2e/test_crash_loops.py: the
+    core took it for evidence about the node, so the loop's suspects kept their strikes and the
+    third failure quarantined its suspect too."""
+    d = Driver(cfg=fast(), nodes=4)
+    blamed = rotating_hang_run(d, failures=5, fr_record=True)
+    assert d.sup.state is RunState.CRASH_LOOP and len(blamed) == 3
+    assert [q.node for q in d.of(Quarantine)] == blamed[:2], (
+        "the failure completing the loop quarantines nobody"
+    )
+    for name, node in d.sup.pool.nodes.items():
+        assert node.state is PoolState.SPARE and node.failure_times == [], (
+            name,
+            node.state,
+            node.failure_times,
+        )
+    end = d.events(E.EVENT_KIND_RUN_END)[-1]
+    assert "blamed on 2 different node(s)" in end.message, end.message
+    (page,) = d.of(Page)
+    assert f"released without a strike: {blamed[0]}, {blamed[1]}" in page.reason, page.reason
 
 
 def test_hardware_evidence_is_not_part_of_a_crash_loop() -> None:
