@@ -590,7 +590,12 @@ class Agent:
         One launch at a time, and the attempt is checked again once this one's turn (and its
         parked group) came: a launch that waited is never started after a newer attempt's. A parked
         group still starting is waited for at most `wait_s` (the caller's deadline) or warm_wait_s;
-        then the launch is refused (temporarily), not sent cold: a cold node never meets warm ones."""
+        then the launch is refused (temporarily), not sent cold: a cold node never meets warm ones.
+        An unhealthy host (fatal evidence, or a preflight that failed closed) launches nothing."""
+        if self.unhealthy:  # runwarden.evidence.is_fatal: no work until the host is repaired
+            raise LaunchError(
+                f"node {self.config.node} is unhealthy (fatal evidence, see GetNodeStatus): nothing is launched"
+            )
         with self._launch_lock:
             self._stop_orphans(f"run {spec.run} attempt {spec.attempt} launches")
             interpreter = self.warm.interpreter if self.warm is not None else ""

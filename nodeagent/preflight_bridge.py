@@ -8,7 +8,13 @@ In the per-attempt modes the agent runs the units its own way (`agent_specs`): t
 gets the agent's expected values where it leaves them unset (nodeagent.preflight_defaults), the
 stray-GPU-process check knows the running attempt, and `processes.leftover_ranks` finds the live
 processes of ended attempts, which the agent kills once the results are out and before the summary
-(nodeagent.leftovers), so a client holding the summary finds them gone.
+(nodeagent.leftovers), so a client holding the summary finds them gone. The burn-in runs the same
+per-attempt units before its stages (preflight.checks.burn_in.pipeline): a node leaves quarantine
+only having passed what its next launch will check.
+
+A preflight that fails closed (GPUs expected here and unreachable: preflight.gpus) publishes its
+evidence as fatal, so the agent reports the host UNHEALTHY and launches nothing on it until it is
+repaired and restarted; any other failed check is a warning the controller judges.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import importlib
 import inspect
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +41,7 @@ from runwarden.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 _DONE = object()
+_BUS_ID = re.compile(r"\b[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\b")
 LEFTOVER_GRACE_S = 2.0  # SIGTERM -> SIGKILL for leftovers of ended attempts: they have had their chance
 
 
@@ -121,8 +129,10 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
     def work() -> None:
         try:
             config, sources = _config(agent)
-            if request.mode in MODES and "specs" in params:  # the per-attempt modes; burn_in has its own
+            if request.mode in MODES and "specs" in params:  # the per-attempt modes
                 kwargs["specs"] = agent_specs(view, sources)
+            elif "quick_specs" in params:  # the burn-in: its stages and the agent's per-attempt units
+                kwargs["quick_specs"] = agent_specs(view, sources)
             run(config, request.mode, **kwargs)
         except BaseException as exc:
             failure.append(exc)
@@ -132,9 +142,12 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
     start = time.monotonic()
     threading.Thread(target=work, name="preflight", daemon=True).start()
     seen: list[common_pb2.CheckResult] = []
+    closed: list[Any] = []  # the results that failed closed: the GPUs cannot be reached
     while (item := results.get()) is not _DONE:
         proto = _as_proto(item)
         seen.append(proto)
+        if getattr(item, "fail_closed", False):
+            closed.append(item)
         yield agent_pb2.RunPreflightResponse(result=proto)
     if failure:
         if isinstance(failure[0], ValueError):  # a bad mode or check name, said by the library
@@ -142,9 +155,11 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         raise RuntimeError(f"preflight failed to run: {failure[0]}")
     cleaned = view.clean(LEFTOVER_GRACE_S)  # before the summary: a client that has it finds them gone
     summary = summarize(request.mode, seen, time.monotonic() - start)
+    if closed:  # fatal evidence: the agent's listener marks the host unhealthy before the summary is out
+        agent.evidence.publish(fail_closed_evidence(request.mode, closed))
     agent.last_preflight = summary
     agent.state_changed()  # the node record carries the new summary on the ticker's next pass
-    if summary.fail_count:  # a failed check is evidence; an inconclusive one is none about the node
+    if summary.fail_count and not closed:  # evidence; an inconclusive check is none about the node
         agent.evidence.publish(
             common_pb2.Evidence(
                 kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL,
@@ -157,3 +172,21 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
             )
         )
     yield agent_pb2.RunPreflightResponse(summary=summary)
+
+
+def fail_closed_evidence(mode: str, closed: list[Any]) -> common_pb2.Evidence:
+    """One fatal record for the results that failed closed, naming each (and the first missing bus id)."""
+    bus = next((w for r in closed for w in _bus_ids(r.message)), "")
+    return common_pb2.Evidence(
+        kind=common_pb2.EVIDENCE_KIND_PREFLIGHT_FAIL,
+        severity=common_pb2.SEVERITY_FATAL,
+        pci_bus_id=bus,
+        detail=f"preflight {mode} failed closed: "
+        + "; ".join(f"{r.name}: {r.message}" for r in closed)[:450],
+        source="preflight",
+    )
+
+
+def _bus_ids(message: str) -> list[str]:
+    """The PCI bus ids a message names (the inventory names a GPU missing from NVML by its id)."""
+    return _BUS_ID.findall(message)

@@ -28,7 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from preflight.checks.compute import MatmulFn, _tolerance, _torch, expected_checksums, known_inputs
+from preflight.checks.compute import (
+    CudaUnavailable,
+    MatmulFn,
+    _tolerance,
+    _torch,
+    expected_checksums,
+    known_inputs,
+    plan_devices,
+)
 from preflight.config import BurnInConfig, ComputeConfig, config_from_mapping
 
 if TYPE_CHECKING:
@@ -70,10 +78,8 @@ class MemoryOutcome:
 
 
 def devices(compute: ComputeConfig) -> list[tuple[str, int | None]]:
-    torch = _torch()
-    if compute.device == "cuda" or (compute.device == "auto" and torch.cuda.is_available()):
-        return [(f"cuda:{i}", i) for i in range(torch.cuda.device_count())]
-    return [("cpu", None)]
+    """Raises CudaUnavailable for device "cuda" without CUDA (compute's `plan_devices`)."""
+    return plan_devices(compute.device)
 
 
 def _sync(device: Any) -> None:
@@ -285,7 +291,7 @@ def _each_device(targets: list[tuple[str, int | None]], fn: Callable[[str, int |
 def matmul_outcomes(
     burn: BurnInConfig, compute: ComputeConfig, matmul: MatmulFn | None = None
 ) -> list[LoopOutcome]:
-    """The loop on every device ([] when device=cuda and torch sees none)."""
+    """The loop on every device. Raises CudaUnavailable (see `devices`)."""
     targets = devices(compute)
     cuda = targets[:1] != [("cpu", None)]
     size = burn.matmul_size if cuda else burn.matmul_size_cpu
@@ -299,7 +305,7 @@ def matmul_outcomes(
 def memory_outcomes(
     burn: BurnInConfig, compute: ComputeConfig, readback: ReadbackFn | None = None
 ) -> list[MemoryOutcome]:
-    """The pattern test on every device ([] when device=cuda and torch sees none)."""
+    """The pattern test on every device. Raises CudaUnavailable (see `devices`)."""
     return _each_device(
         devices(compute),
         lambda dev, gpu: memory_test(
@@ -326,8 +332,9 @@ def child_args(burn: BurnInConfig, compute: ComputeConfig) -> list[str]:
 
 def serve(burn: BurnInConfig, compute: ComputeConfig) -> int:
     """The device worker's loop: a stage name a line on stdin; its outcomes as JSON lines on stdout,
-    then {"done": stage}. Ends at EOF. One process serves a burn-in's device stages one after the
-    other, so torch and CUDA start once per burn-in, not once per stage."""
+        then {"done": stage} ({"cuda_unavailable": why} instead of outcomes when CUDA is required and
+    unavailable). Ends at EOF. One process serves a burn-in's device stages one after the
+        other, so torch and CUDA start once per burn-in, not once per stage."""
     work: dict[str, Callable[[BurnInConfig, ComputeConfig], Sequence[Any]]] = {
         "matmul": matmul_outcomes,
         "memory": memory_outcomes,
@@ -337,8 +344,11 @@ def serve(burn: BurnInConfig, compute: ComputeConfig) -> int:
         if stage not in work:
             print(f"preflight.burn_in_device: unknown stage {stage[:40]!r}", file=sys.stderr, flush=True)
             return 2
-        for outcome in work[stage](burn, compute):
-            print(json.dumps(dataclasses.asdict(outcome)), flush=True)
+        try:
+            for outcome in work[stage](burn, compute):
+                print(json.dumps(dataclasses.asdict(outcome)), flush=True)
+        except CudaUnavailable as exc:  # an answer: the parent fails the stage closed with it
+            print(json.dumps({"cuda_unavailable": str(exc)}), flush=True)
         print(json.dumps({"done": stage}), flush=True)
     return 0
 

@@ -9,6 +9,7 @@ says so in its result, never silently passes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class InventoryConfig:
     # Idle GPUs lower their PCIe generation to save power, so a lower current generation is a warning.
     pcie_gen_below_max: str = "warn"
     allowed_gpu_processes: tuple[str, ...] = ()  # process names allowed to hold GPU memory
+    sysfs_root: str = "/sys"  # the PCI bus's NVIDIA GPUs are read from <sysfs_root>/bus/pci/devices
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +232,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # TOML has nan and inf; no threshold or duration is either
+            raise ConfigError(f"{where}: must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

@@ -3,7 +3,9 @@
 SKIP always carries the reason in `message` and never counts as PASS: a node whose GPU checks
 were skipped because NVML is missing has not shown that its GPUs are healthy. INCONCLUSIVE: the
 check ran and could not tell (it measured its host's load, not the node); it is no pass and no
-evidence against the node: run it again later.
+evidence against the node: run it again later. A FAIL marked `fail_closed` says GPUs are expected
+here (config, the scheduler's allocation, the PCI bus) and cannot be reached: the host must run
+nothing until it is repaired (the node agent marks itself unhealthy).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class CheckResult:
     duration_s: float = 0.0
     remedy: str = ""
     gpu_index: int | None = None
+    fail_closed: bool = False  # a FAIL because expected GPUs cannot be reached (module docstring)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -85,6 +88,8 @@ class CheckResult:
             raise TypeError(f"CheckResult.status must be a CheckStatus, got {self.status!r}")
         if self.status in (CheckStatus.SKIP, CheckStatus.INCONCLUSIVE) and not self.message:
             raise ValueError(f"check {self.name}: a {self.status.value} must say why (empty message)")
+        if self.fail_closed and self.status is not CheckStatus.FAIL:
+            raise ValueError(f"check {self.name}: only a FAIL is fail_closed, not {self.status.value}")
         if self.value is not None and not math.isfinite(self.value):
             object.__setattr__(self, "value", None)
         object.__setattr__(self, "message", _clip(self.message, MAX_MESSAGE_CHARS))
@@ -126,6 +131,7 @@ class CheckResult:
             "remedy": self.remedy,
             "message": self.message,
             "gpu_index": self.gpu_index,
+            "fail_closed": self.fail_closed,
         }
 
     @classmethod
@@ -142,6 +148,7 @@ class CheckResult:
                 remedy=str(data.get("remedy", "")),
                 message=str(data.get("message", "")),
                 gpu_index=None if data.get("gpu_index") is None else int(data["gpu_index"]),
+                fail_closed=bool(data.get("fail_closed", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a preflight check result: {exc}") from exc

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from preflight.config import PreflightConfig
+from preflight.gpus import NOT_EXPECTED, GpuExpectation
 from preflight.nvml import GpuLost, Nvml, NvmlError, NvmlNotSupported, NvmlUnavailable
 from preflight.result import CheckResult, failed, skipped
 
@@ -54,6 +55,8 @@ class CheckContext:
     mode: str
     nvml: NvmlSession
     deadline: float  # time.monotonic() by which the whole run must end
+    # Where GPUs are expected (preflight.gpus); the runner reads it from the host for every run.
+    gpus: GpuExpectation = NOT_EXPECTED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +68,25 @@ class CheckSpec:
     timeout_s: Callable[[PreflightConfig, str], float]
     modes: Callable[[PreflightConfig], tuple[str, ...]]
     serial: bool = False
+
+
+UNREACHABLE_REMEDY = (
+    "the GPUs are expected here and cannot be reached: check the driver (nvidia-smi, dmesg for Xid), "
+    "reseat or reset the GPUs, or fix the expectation (expected_gpu_count, the allocation)"
+)
+
+
+def gpus_unreachable(name: str, ctx: CheckContext, why: str, evidence: tuple[str, ...] = ()) -> CheckResult:
+    """Where GPUs are expected, a check that cannot reach them FAILS (fail closed); elsewhere it SKIPs."""
+    if not ctx.gpus.expected:
+        return skipped(name, why, evidence=evidence)
+    return failed(
+        name,
+        f"GPUs expected ({ctx.gpus.describe()}) but {why}",
+        evidence=ctx.gpus.evidence() + evidence,
+        remedy=UNREACHABLE_REMEDY,
+        fail_closed=True,
+    )
 
 
 def nvml_query(name: str, gpu: int | None, fn: Callable[[], T]) -> T | CheckResult:

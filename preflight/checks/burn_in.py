@@ -1,6 +1,9 @@
 """The burn-in pipeline: the stages of `preflight run --burn-in` (mode "burn_in"), run one at a time in
 the order of [burn_in].stages, within [run] burn_in_budget_s. Every result's name starts with
 `burn_in.<stage>`, so a report (or the supervisor's event log) says which stage found what.
+Beside them run the quick preflight's own units, as in quick mode (`pipeline`: inventory, counters,
+Xid, the agent's leftovers...; a stage replaces the quick unit it does more thoroughly), so a node
+never leaves quarantine with a check it would fail at its next launch.
 
 * matmul: the known-answer product in a loop on every device at once for matmul_duration_s, every
   product checked (preflight.burn_in_device); per-device throughput against [compute] tflops_floor
@@ -36,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -50,9 +53,9 @@ from preflight.burn_in_device import (
     memory_outcomes,
 )
 from preflight.checks import dcgm, storage
-from preflight.checks.base import CheckContext, CheckSpec, own_process_tree, process_name
+from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable, own_process_tree, process_name
 from preflight.checks.collective_check import _local_world, launch_ranks
-from preflight.checks.compute import MatmulFn
+from preflight.checks.compute import CudaUnavailable, MatmulFn, no_cuda, no_torch
 from preflight.checks.expectations import no_floor
 from preflight.collective import SoakResult
 from preflight.config import BURN_IN, BURN_IN_STAGES, BurnInConfig, ErrorsConfig, PreflightConfig
@@ -190,6 +193,7 @@ class CounterWatch:
     def __init__(self, ctx: CheckContext, stage: str) -> None:
         self.stage = stage
         self.config = ctx.config
+        self.ctx = ctx
         self.skip_reason = ""
         self.nvml: Nvml | None = None
         self.before: dict[int, Counters] = {}
@@ -226,7 +230,8 @@ class CounterWatch:
 
     def finish(self) -> list[CheckResult]:
         if self.nvml is None:
-            return [skipped(stage_name(self.stage, "counters"), self.skip_reason)]
+            # where GPUs are expected, counters that cannot be read FAIL (preflight.gpus)
+            return [gpus_unreachable(stage_name(self.stage, "counters"), self.ctx, self.skip_reason)]
         results = []
         for gpu, before in self.before.items():
             after = read_counters(self.nvml, gpu)
@@ -400,6 +405,9 @@ def _device_outcomes(
     finally:
         if own:
             child.close()
+    for line in lines:
+        if "cuda_unavailable" in line:
+            raise CudaUnavailable(str(line["cuda_unavailable"]))
     try:
         if stage == "matmul":
             return [LoopOutcome(**line) for line in lines]
@@ -517,17 +525,17 @@ def _device_stage(
     counters watch; errors and a missing device are results, the outcomes are judged by `judge`."""
     name = stage_name(stage)
     if not _has_torch():
-        return [skipped(name, "torch is not installed on this host")]
+        return [no_torch(name, ctx)]
 
     def work() -> list[CheckResult]:
         try:
             outcomes = _device_outcomes(ctx, stage, local, worker)
+        except CudaUnavailable as exc:  # where GPUs are expected: never a CPU burn-in that passes
+            return [no_cuda(name, ctx, exc)]
         except TimeoutError as exc:
             return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
         except (RuntimeError, OSError) as exc:
             return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]
-        if not outcomes:
-            return [skipped(name, "device=cuda but torch sees no CUDA device")]
         return judge(outcomes)
 
     return watched(ctx, stage, work)
@@ -794,3 +802,34 @@ def stage_specs(config: PreflightConfig, worker: DeviceWorker) -> list[CheckSpec
     name); the device stages run in `worker` (the caller closes it when the run is over)."""
     order = list(config.burn_in.stages) + [s for s in BURN_IN_STAGES if s not in config.burn_in.stages]
     return [_spec(s, worker) for s in order]
+
+
+# --- the quick preflight inside the burn-in ----------------------------------------------------
+
+# A quick unit a configured stage does more thoroughly (the matmul loop for the one matmul, the soak
+# for the short all-reduce, dcgmi -r 3 for -r 1, the storage probe for the storage check).
+SUPERSEDED_BY = {"compute": "matmul", "collective": "allreduce", "dcgm": "dcgm", "storage": "storage"}
+
+
+def as_burn_in(spec: CheckSpec) -> CheckSpec:
+    """`spec`, a quick preflight unit, as part of the burn-in: run exactly as in quick mode (its
+    timeout, its mode), when quick mode runs it and no configured stage supersedes it."""
+
+    def modes(config: PreflightConfig) -> tuple[str, ...]:
+        wanted = "quick" in spec.modes(config) and SUPERSEDED_BY.get(spec.name) not in config.burn_in.stages
+        return (BURN_IN,) if wanted else ()
+
+    return dataclasses.replace(
+        spec,
+        run=lambda ctx: spec.run(dataclasses.replace(ctx, mode="quick")),
+        timeout_s=lambda c, m: spec.timeout_s(c, "quick"),
+        modes=modes,
+    )
+
+
+def pipeline(config: PreflightConfig, worker: DeviceWorker, quick: Sequence[CheckSpec]) -> list[CheckSpec]:
+    """The burn-in as it runs: every quick preflight unit in `quick` (inventory, counters, Xid, the
+    agent's leftovers; see `as_burn_in`) and then the stages (`stage_specs`), so a node cannot leave
+    quarantine with a check it would fail at its next launch. The quick units that are not serial
+    run beside the first stage; they are cheap."""
+    return [as_burn_in(s) for s in quick] + stage_specs(config, worker)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable
 from preflight.checks.expectations import no_floor
 from preflight.collective import AllReduceResult
 from preflight.nvml import NvmlError
@@ -31,13 +31,14 @@ def free_port() -> int:
 
 def _local_world(ctx: CheckContext) -> tuple[str, int]:
     """(backend, ranks): one NCCL rank per GPU NVML sees, else gloo with `cpu_processes` ranks.
+    Where GPUs are expected it is NCCL even with 0 ranks (NVML sees none): never gloo on a GPU host.
     Asks NVML, not torch: torch is imported only by the ranks, never by the caller (the agent)."""
     if ctx.config.compute.device != "cpu":
         try:
             count = ctx.nvml.get().device_count()
         except NvmlError:
             count = 0
-        if count > 0:
+        if count > 0 or ctx.gpus.expected:
             return "nccl", count
     return "gloo", ctx.config.collective.cpu_processes
 
@@ -169,11 +170,14 @@ def evaluate(result: AllReduceResult, floor_gbps: float) -> CheckResult:
 def run_collective(ctx: CheckContext) -> list[CheckResult]:
     """Full mode: the all-reduce over every local GPU (NCCL), or gloo ranks on a CPU-only host.
     Quick mode, before every attempt: a short NCCL all-reduce on two or more GPUs, and on one local
-    device (one GPU, or only the CPU) a SKIP that costs nothing: no process is started."""
+    device (one GPU, or only the CPU) a SKIP that costs nothing: no process is started. Where GPUs
+    are expected and NVML sees none, a FAIL (fail closed), in either mode."""
     cfg = ctx.config.collective
     name = "collective.all_reduce"
     backend, world = _local_world(ctx)
     quick = ctx.mode == "quick"
+    if backend == "nccl" and world == 0:
+        return [gpus_unreachable(name, ctx, "NVML sees no GPU for the in-node all-reduce")]
     if quick and (backend != "nccl" or world < 2):
         seen = f"{world} GPU" if backend == "nccl" else "no GPU, the CPU only"
         return [skipped(name, f"one local device: no in-node all-reduce ({seen})")]

@@ -9,6 +9,8 @@ with the exact product within a stated tolerance: rtol 2**-6 plus atol 1 for 16-
 rounding, and cuBLAS's reduced-precision split-K reduction), exact for 32/64-bit dtypes.
 The GPUs' checksum digests must agree, and no GPU may be slower than the median by more than
 `gpu_spread_max`. torch is imported here, lazily: the controller host does not have it.
+Where GPUs are expected (preflight.gpus) the device is CUDA: CUDA unavailable is a FAIL with torch's
+reason (fail closed), never a CPU run that passes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable
 from preflight.checks.expectations import no_floor
 from preflight.config import MODES, ComputeConfig, config_from_mapping
 from preflight.result import CheckResult, failed, passed, skipped
@@ -56,6 +58,10 @@ class MatmulOutcome:
     max_abs_error: float
     tflops: float
     digest: str
+
+
+class CudaUnavailable(RuntimeError):
+    """device = "cuda" (configured, or "auto" where GPUs are expected) and torch cannot use CUDA."""
 
 
 def _torch() -> Any:
@@ -139,16 +145,35 @@ def run_matmul(
     )
 
 
-def _plan(cfg: ComputeConfig, mode: str) -> tuple[list[tuple[str, int | None]], int, int, str]:
+def cuda_unavailable_reason(torch: Any) -> str:
+    """Why torch sees no CUDA device, in torch's words (its lazy init raises the real reason)."""
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # AssertionError (a CPU build), RuntimeError (no driver, a bad GPU)
+        return f"torch {torch.__version__}: {type(exc).__name__}: {exc}"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+
+
+def plan_devices(device: str) -> list[tuple[str, int | None]]:
+    """The devices to test: every CUDA device for "cuda" (and "auto" where CUDA works), else the
+    CPU. Raises CudaUnavailable for "cuda" when torch sees none: never a silent CPU fallback."""
     torch = _torch()
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        devices: list[tuple[str, int | None]] = [(f"cuda:{i}", i) for i in range(torch.cuda.device_count())]
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return [("cpu", None)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise CudaUnavailable(cuda_unavailable_reason(torch))
+    return [(f"cuda:{i}", i) for i in range(count)]
+
+
+def _plan(cfg: ComputeConfig, mode: str) -> tuple[list[tuple[str, int | None]], int, int, str]:
+    devices = plan_devices(cfg.device)
+    if devices[0][0] != "cpu":
         size = cfg.size_quick if mode == "quick" else cfg.size_full
         iters = cfg.iterations_quick if mode == "quick" else cfg.iterations_full
         dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
     else:
-        devices, size, iters = [("cpu", None)], cfg.size_cpu, cfg.iterations_cpu
+        size, iters = cfg.size_cpu, cfg.iterations_cpu
         dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     return devices, size, iters, dtype
 
@@ -216,7 +241,7 @@ def compare_devices(outcomes: list[MatmulOutcome], spread_max: float) -> CheckRe
 
 
 def device_outcomes(cfg: ComputeConfig, mode: str, matmul: MatmulFn | None = None) -> list[MatmulOutcome]:
-    """Every device's outcome, in this process ([] when device=cuda and torch sees none)."""
+    """Every device's outcome, in this process. Raises CudaUnavailable (see `plan_devices`)."""
     devices, size, iters, dtype = _plan(cfg, mode)
     return [run_matmul(device, size, iters, dtype, matmul=matmul, gpu_index=gpu) for device, gpu in devices]
 
@@ -251,6 +276,9 @@ def outcomes_in_subprocess(cfg: ComputeConfig, mode: str, timeout_s: float) -> l
     """`device_outcomes` in a child process (see `json_lines_in_child`)."""
     args = ["--mode", mode, "--compute", json.dumps(dataclasses.asdict(cfg))]
     lines = json_lines_in_child("preflight.checks.compute", args, timeout_s, "matmul")
+    for line in lines:
+        if "cuda_unavailable" in line:
+            raise CudaUnavailable(str(line["cuda_unavailable"]))
     try:
         return [MatmulOutcome(**line) for line in lines]
     except TypeError as exc:
@@ -262,19 +290,22 @@ def run_compute(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[Check
     cfg = ctx.config.compute
     started = time.monotonic()
     if importlib.util.find_spec("torch") is None:  # looks, without importing it
-        return [skipped("compute.matmul", "torch is not installed on this host")]
+        return [no_torch("compute.matmul", ctx)]
     if cfg.isolate and matmul is None:
         timeout = min(cfg.timeout_s, max(0.5, ctx.deadline - time.monotonic() - 0.5))
         try:
             outcomes = outcomes_in_subprocess(cfg, ctx.mode, timeout)
+        except CudaUnavailable as exc:
+            return [no_cuda("compute.matmul", ctx, exc)]
         except TimeoutError as exc:
             return [failed("compute.matmul", str(exc), remedy="a hung GPU: drain the node and inspect it")]
         except (RuntimeError, OSError) as exc:
             return [failed("compute.matmul", str(exc), remedy="read the error; check the driver and GPUs")]
     else:
-        outcomes = device_outcomes(cfg, ctx.mode, matmul)
-    if not outcomes:
-        return [skipped("compute.matmul", "device=cuda but torch sees no CUDA device")]
+        try:
+            outcomes = device_outcomes(cfg, ctx.mode, matmul)
+        except CudaUnavailable as exc:
+            return [no_cuda("compute.matmul", ctx, exc)]
     # Per device: the whole unit's time shared out (it includes importing torch and starting CUDA).
     per_device = (time.monotonic() - started) / len(outcomes)
     results = [outcome_result(o, cfg.tflops_floor).with_duration(per_device) for o in outcomes]
@@ -283,13 +314,43 @@ def run_compute(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[Check
     return results
 
 
+def no_torch(name: str, ctx: CheckContext) -> CheckResult:
+    """No torch: SKIP on a CPU host; where GPUs are expected a FAIL, since nothing tested them."""
+    if not ctx.gpus.expected:
+        return skipped(name, "torch is not installed on this host")
+    return failed(
+        name,
+        f"GPUs expected ({ctx.gpus.describe()}) but torch is not installed for {sys.executable}: "
+        "the GPUs cannot be tested",
+        remedy="install torch in the node agent's (preflight's) interpreter",
+    )
+
+
+def no_cuda(name: str, ctx: CheckContext, exc: CudaUnavailable) -> CheckResult:
+    """CUDA unavailable where the device is cuda: FAIL (fail closed) where GPUs are expected, which a
+    configured device = "cuda" is; the CPU is never tested in its place."""
+    if ctx.gpus.expected:
+        return gpus_unreachable(name, ctx, f"CUDA is unavailable: {exc}")
+    return failed(
+        name,
+        f'device = "cuda" but CUDA is unavailable: {exc}',
+        remedy="check the driver and the GPUs (nvidia-smi), or set [compute] device",
+        fail_closed=True,
+    )
+
+
 def _worker_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preflight.checks.compute")
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--compute", required=True, help="the [compute] config section as JSON")
     args = parser.parse_args(argv)
     cfg = config_from_mapping({"compute": json.loads(args.compute)}, "--compute").compute
-    for outcome in device_outcomes(cfg, args.mode):
+    try:
+        outcomes = device_outcomes(cfg, args.mode)
+    except CudaUnavailable as exc:  # an answer, not a crash: the parent fails closed with it
+        print(json.dumps({"cuda_unavailable": str(exc)}), flush=True)
+        return 0
+    for outcome in outcomes:
         print(json.dumps(dataclasses.asdict(outcome)), flush=True)
     return 0
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from preflight.checks.base import CheckContext, CheckSpec, nvml_query
+from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable, nvml_query
 from preflight.config import ErrorsConfig
 from preflight.nvml import RECOVERY_ACTIONS, THROTTLE_BITS, Nvml, NvmlUnavailable
-from preflight.result import CheckResult, failed, passed, skipped, warned
+from preflight.result import CheckResult, failed, passed, warned
 
 _DRAIN = "drain the node and run the vendor's field diagnostics; reset the GPU (or RMA) before reuse"
 
@@ -15,7 +15,7 @@ def run_counters(ctx: CheckContext) -> list[CheckResult]:
     try:
         nvml = ctx.nvml.get()
     except NvmlUnavailable as exc:
-        return [skipped("errors", f"no NVML: {exc}")]
+        return [gpus_unreachable("errors", ctx, f"no NVML: {exc}")]
     count = nvml_query("errors", None, nvml.device_count)
     if isinstance(count, CheckResult):
         return [count]

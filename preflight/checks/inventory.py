@@ -1,13 +1,21 @@
-"""Inventory through NVML: GPU count, driver and CUDA versions, stray GPU processes, PCIe link, modes."""
+"""Inventory through NVML: GPU count, driver and CUDA versions, stray GPU processes, PCIe link, modes.
+
+The GPU count is held against every independent count (preflight.gpus): the NVIDIA GPUs on the PCI
+bus (NVML must see each of them, by bus id: "8 on the bus, 7 in NVML" names the missing one), the
+configured expected_gpu_count, and the scheduler's allocation. A container or a Slurm job with
+device cgroups sees only its allocated GPUs in NVML while sysfs shows the whole bus: there the
+allocation, not the bus, is what NVML must match.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
-from preflight.checks.base import CheckContext, CheckSpec, nvml_query, process_name
+from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable, nvml_query, process_name
 from preflight.checks.processes import OwnTree, ProcessView
 from preflight.config import InventoryConfig
+from preflight.gpus import GpuExpectation, normalize_bus_id
 from preflight.nvml import Nvml, NvmlError, NvmlUnavailable
 from preflight.result import CheckResult, CheckStatus, failed, passed, skipped, warned
 
@@ -18,12 +26,12 @@ def run_inventory(ctx: CheckContext, view: ProcessView | None = None) -> list[Ch
     try:
         nvml = ctx.nvml.get()
     except NvmlUnavailable as exc:
-        return [skipped("inventory", f"no NVML: {exc}")]
+        return [gpus_unreachable("inventory", ctx, f"no NVML: {exc}")]
     count = nvml_query("inventory.gpu_count", None, nvml.device_count)
     if isinstance(count, CheckResult):
         return [count]
     results = [
-        _gpu_count(cfg, count),
+        gpu_count(ctx.gpus, cfg.expected_gpu_count, count, _bus_ids(nvml, count)),
         _version("inventory.driver_version", cfg.driver_version, nvml.driver_version),
         _version("inventory.cuda_version", cfg.cuda_version, nvml.cuda_driver_version),
     ]
@@ -36,21 +44,78 @@ def run_inventory(ctx: CheckContext, view: ProcessView | None = None) -> list[Ch
     return results
 
 
-def _gpu_count(cfg: InventoryConfig, count: int) -> CheckResult:
+def _bus_ids(nvml: Nvml, count: int) -> list[str] | str:
+    """NVML's bus id of each GPU, normalized; or why they could not be read."""
+    try:
+        return [normalize_bus_id(nvml.pci_bus_id(gpu)) for gpu in range(count)]
+    except NvmlError as exc:
+        return f"NVML could not say its GPUs' bus ids: {exc}"
+
+
+def gpu_count(gpus: GpuExpectation, expected: int, count: int, nvml_ids: list[str] | str) -> CheckResult:
+    """NVML's `count` against the PCI bus, the configured count (`expected`, 0: unset) and the
+    allocation (module docstring)."""
     name = "inventory.gpu_count"
-    if cfg.expected_gpu_count == 0:
-        return skipped(
-            name, f"found {count} GPU(s); expected_gpu_count is not configured", value=count, unit="count"
-        )
-    kw = {"value": float(count), "unit": "count", "threshold": float(cfg.expected_gpu_count)}
-    if count != cfg.expected_gpu_count:
+    pci = gpus.pci
+    evidence = [
+        *gpus.evidence(),
+        f"NVML: {count} GPU(s) " + (", ".join(nvml_ids) if isinstance(nvml_ids, list) else f"({nvml_ids})"),
+    ]
+    missing: list[str] = []  # what is short of an expected count: the host cannot run its work
+    excess: list[str] = []
+    if pci.readable and len(pci.bus_ids) > count:
+        if gpus.allocated is not None and count >= gpus.allocated:
+            evidence.append(
+                f"NVML sees the {count} allocated of the bus's {len(pci.bus_ids)} (a container or cgroup)"
+            )
+        else:
+            lost = sorted(set(pci.bus_ids) - set(nvml_ids)) if isinstance(nvml_ids, list) else []
+            named = f": missing {', '.join(lost)}" if lost else ""
+            missing.append(f"{len(pci.bus_ids)} NVIDIA GPU(s) on the PCI bus, NVML sees {count}{named}")
+    elif pci.readable and 0 < len(pci.bus_ids) < count:
+        evidence.append("the PCI bus shows fewer GPUs than NVML (a virtualized sysfs): not compared")
+    if expected and count < expected:
+        missing.append(f"found {count} GPU(s), expected {expected}")
+    elif expected and count > expected:
+        excess.append(f"found {count} GPU(s), expected {expected}")
+    if gpus.allocated is not None and count < gpus.allocated:
+        missing.append(f"the scheduler allocated {gpus.allocated}, NVML sees {count}")
+    if gpus.expected and count == 0 and not missing:
+        missing.append("NVML sees no GPU")
+    kw = {
+        "value": float(count),
+        "unit": "count",
+        "threshold": float(expected or gpus.allocated or len(pci.bus_ids)) or None,
+        "evidence": tuple(evidence),
+    }
+    if missing:
         return failed(
             name,
-            f"found {count} GPU(s), expected {cfg.expected_gpu_count}",
+            "; ".join(missing + excess),
             remedy="a GPU is missing (off the bus or not enumerated): drain the node and inspect",
+            fail_closed=True,
             **kw,
         )
-    return passed(name, f"{count} GPU(s) as expected", **kw)
+    if excess:
+        return failed(
+            name, "; ".join(excess), remedy="more GPUs than configured: fix expected_gpu_count", **kw
+        )
+    compared = [
+        f"{what} {n}"
+        for what, n in (
+            ("expected", expected),
+            ("allocated", gpus.allocated),
+            ("on the PCI bus", len(pci.bus_ids)),
+        )
+        if n
+    ]
+    if not compared:
+        return skipped(
+            name,
+            f"found {count} GPU(s); expected_gpu_count is not configured and none is on the PCI bus",
+            **kw,
+        )
+    return passed(name, f"{count} GPU(s) in NVML ({', '.join(compared)})", **kw)
 
 
 def _version(name: str, expected: str, read: Callable[[], str]) -> CheckResult:

@@ -9,6 +9,7 @@ import pytest
 from nodeagent.config import AgentConfig
 from nodeagent.preflight_defaults import fill
 from preflight.config import PreflightConfig
+from preflight.gpus import NOT_EXPECTED, GpuExpectation
 from runwarden.config import ConfigError
 from runwarden.v1 import agent_pb2, common_pb2
 
@@ -27,7 +28,8 @@ def test_unset_values_come_from_the_agent_config_set_ones_stay() -> None:
     )
     base = PreflightConfig()
     base = dataclasses.replace(base, inventory=dataclasses.replace(base.inventory, cuda_version="12.6"))
-    config, sources = fill(base, agent)
+    on_the_bus = GpuExpectation(reasons=("8 NVIDIA GPU(s) on the PCI bus",))
+    config, sources = fill(base, agent, on_the_bus)
     assert config.inventory.expected_gpu_count == 8 and config.inventory.driver_version == "550.127.05"
     assert config.inventory.cuda_version == "12.6"  # the preflight config's own value wins
     assert config.storage.checkpoint_path == "/mnt/ckpt"
@@ -35,6 +37,14 @@ def test_unset_values_come_from_the_agent_config_set_ones_stay() -> None:
     assert sources["storage.checkpoint_path"] == "agent config checkpoint_dir"
     assert sources["inventory.cuda_version"] == "preflight config /etc/runwarden/preflight.toml"
     assert sources["compute.tflops_floor"] == "preflight config /etc/runwarden/preflight.toml"
+
+
+def test_local_ranks_is_no_gpu_count_where_nothing_expects_gpus() -> None:
+    """A CPU cluster runs local_ranks gloo ranks: with no GPU on the bus, no allocation and no
+    device = "cuda", local_ranks does not make the node expect GPUs (its checks SKIP, not FAIL)."""
+    config, sources = fill(PreflightConfig(), _agent_config(local_ranks=2), NOT_EXPECTED)
+    assert config.inventory.expected_gpu_count == 0
+    assert sources["inventory.expected_gpu_count"] == "preflight defaults"
 
 
 def test_nothing_configured_changes_nothing() -> None:

@@ -56,3 +56,31 @@ def test_partial_config_keeps_other_defaults(tmp_path: Path) -> None:
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         load_config(tmp_path / "absent.toml")
+
+
+def _float_keys() -> list[tuple[str, str]]:
+    import dataclasses
+
+    return [
+        (section.name, key.name)
+        for section in dataclasses.fields(PreflightConfig)
+        for key in dataclasses.fields(getattr(PreflightConfig(), section.name))
+        if key.type in ("float", float)
+    ]
+
+
+@pytest.mark.parametrize(("section", "key"), _float_keys())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused_with_the_key_named(
+    tmp_path: Path, section: str, key: str, value: str
+) -> None:
+    """TOML has nan and inf: a budget of inf never runs out, a floor of nan never fails."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"\[{section}\]\.{key}: must be a finite number"):
+        load_config(path)
+
+
+def test_every_section_has_float_keys_checked() -> None:
+    keys = _float_keys()
+    assert ("run", "quick_budget_s") in keys and ("burn_in", "allreduce_min_ratio") in keys and len(keys) > 20

@@ -77,14 +77,60 @@ def test_a_hung_unit_is_fail_and_does_not_hold_the_runner() -> None:
     assert report.abandoned == ("hang",) and report.exit_code == 1
 
 
-def test_total_budget_cuts_timeouts_and_skips_units_that_cannot_start() -> None:
+def test_the_budget_running_out_is_inconclusive_and_the_unit_runs_again_once() -> None:
+    """A unit cut off by the run's budget (not its own timeout), and one that could not start, say
+    INCONCLUSIVE, not FAIL: the budget ran out, not the node. Nothing failed, so both run once more
+    with a fresh budget; their answers then are the report's, and only those are streamed."""
+    calls: list[str] = []
+
+    def hangs_once(ctx: CheckContext) -> list[CheckResult]:
+        calls.append("slow")
+        if len(calls) == 1:
+            RELEASE.wait(60)
+        return [passed("slow.done", "answered")]
+
+    specs = [spec("slow", hangs_once, timeout=60, serial=True), spec("s2", sleeper("s2", 0.0), serial=True)]
+    streamed: list[CheckResult] = []
+    started = time.monotonic()
+    report = run_preflight(PreflightConfig(), "quick", specs=specs, budget_s=1.5, on_result=streamed.append)
+    assert time.monotonic() - started < 1.5 + 1.0 + 2.0  # one budget, then the quick re-run
+    assert calls == ["slow", "slow"]
+    assert [(r.name, r.status) for r in report.results] == [
+        ("slow.done", CheckStatus.PASS),
+        ("s2.done", CheckStatus.PASS),
+    ]
+    assert streamed == list(report.results) and report.passed and report.exit_code == 0
+
+
+def test_a_unit_that_runs_out_of_the_budget_twice_is_inconclusive_not_failed() -> None:
     specs = [spec("s1", hang, timeout=60, serial=True), spec("s2", sleeper("s2", 0.0), serial=True)]
     started = time.monotonic()
-    report = run_preflight(PreflightConfig(), "quick", specs=specs, budget_s=1.5)
-    assert time.monotonic() - started < 4.0
+    report = run_preflight(PreflightConfig(), "quick", specs=specs, budget_s=1.2)
+    assert time.monotonic() - started < 2 * 1.2 + 2.0
     s1, s2 = report.results
-    assert s1.status is CheckStatus.FAIL and s1.name == "s1"
-    assert s2.status is CheckStatus.SKIP and "budget" in s2.message
+    assert s1.status is CheckStatus.INCONCLUSIVE and "budget" in s1.message and "again" in s1.message
+    assert s2.status is CheckStatus.INCONCLUSIVE and "not started" in s2.message
+    summary = report.summary()
+    assert (summary.passed, summary.fail_count, summary.inconclusive_count) == (False, 0, 2)
+    assert report.exit_code == 3  # EXIT_INCONCLUSIVE: run it again later, no strike
+
+
+def test_with_a_failure_the_budgets_inconclusive_units_do_not_run_again() -> None:
+    calls: list[str] = []
+
+    def counted_hang(ctx: CheckContext) -> list[CheckResult]:
+        calls.append("hang")
+        return hang(ctx)
+
+    def fails(ctx: CheckContext) -> list[CheckResult]:
+        return [failed("bad", "a real failure")]
+
+    specs = [spec("bad", fails), spec("s1", counted_hang, timeout=60, serial=True)]
+    report = run_preflight(PreflightConfig(), "quick", specs=specs, budget_s=1.2)
+    assert calls == ["hang"]
+    statuses = {r.name: r.status for r in report.results}
+    assert statuses == {"bad": CheckStatus.FAIL, "s1": CheckStatus.INCONCLUSIVE}
+    assert report.exit_code == 1
 
 
 def test_a_crashing_unit_is_fail_with_the_exception() -> None:
