@@ -1,7 +1,14 @@
-"""The training stall of a DCP save: async_save vs a synchronous save (BENCHMARKS.md, "DCP checkpoints").
+"""The training stall of a DCP save: async_save vs a synchronous save, each with and without the
+warm path's in-memory copy (BENCHMARKS.md, "DCP checkpoints", "the in-memory copy in the save").
 
     flock /tmp/runwarden-heavy.lock env PYTHONPATH=. .venv/bin/python bench/bench_dcp.py \\
-        [--params-mb 100] [--saves 7] [--out bench/results/bench_dcp.json]
+        [--params-mb 100] [--saves 7] [--modes async,sync] [--out bench/results/bench_dcp.json]
+
+A mode ending in `-copy` (async-copy, sync-copy) runs the ranks as the warm path does
+(RUNWARDEN_RUN/ATTEMPT set, RUNWARDEN_LAUNCH_PATH=warm), so every save also takes the in-memory
+copy (nodeagent.memory_state.keep: into host buffers, reused from the third save on); without it
+(a cold launch, and this bench before issue 28) no copy is taken. Per save it also records
+`copy_s`, the time keep() held the training thread.
 
 Two ranks (gloo, CPU, one process each) train a DDP model of `--params-mb` MB of float32
 parameters (a stack of square Linear layers) with AdamW, so one save holds the parameters and
@@ -114,8 +121,26 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
         "params_bytes": params,
         "staged_bytes": staged_bytes,
     }
-    for mode in ("async", "sync"):
-        saver = DcpCheckpointer(Path(args.dir) / mode, async_save=mode == "async")
+    from nodeagent import memory_state
+
+    keep, copy_s = memory_state.keep, [0.0]
+
+    def timed_keep(*a: Any, **k: Any) -> str:  # what the copy costs the training thread
+        t = time.perf_counter()
+        why = keep(*a, **k)
+        copy_s[0] = time.perf_counter() - t
+        return why
+
+    memory_state.keep = timed_keep  # type: ignore[assignment]  # a bench's probe, this process only
+    warm = {"RUNWARDEN_RUN": "bench-dcp", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
+    for mode in args.modes:
+        memory_state._snapshots.clear()
+        for key, value in warm.items():
+            if mode.endswith("-copy"):
+                os.environ[key] = value
+            else:
+                os.environ.pop(key, None)
+        saver = DcpCheckpointer(Path(args.dir) / mode, async_save=mode.startswith("async"))
         plain = [step() for _ in range(args.every)]  # steps with no save in flight: the baseline
         saves: list[dict[str, Any]] = []
         current: dict[str, Any] | None = None
@@ -137,12 +162,15 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
                 saver.wait()  # what save() does first: a previous upload still in flight stalls this one
                 if current is not None and peak is not None:
                     close(current, peak)
+                copy_s[0] = 0.0
                 saver.save(i, model=model, optimizer=opt, data_state={"next_step": i})
                 current = {"step": i, "rss_before": before, "t0_wall": wall, "during": []}
                 current["stall_s"] = time.perf_counter() - t0
+                current["copy_s"] = copy_s[0]
+                current["copies_kept"] = len(memory_state.kept_steps())
                 saves.append(current)
                 peak = sampler
-                if mode == "sync":
+                if mode.startswith("sync"):
                     close(current, peak)
                     current = None
             t = step()
@@ -161,7 +189,7 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
             during = save.pop("during")
             save["steps_during_upload"] = len(during)
             save["slowdown_s"] = sum(max(0.0, t - base) for t in during)
-        results[mode] = {"saves": saves, "median_step_s": base}
+        results[mode] = {"saves": saves, "median_step_s": base, "kept_bytes": memory_state.kept_bytes()}
         dist.barrier()
     out.put(results)
     dist.destroy_process_group()
@@ -171,18 +199,20 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(per_rank: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for mode in ("async", "sync"):
+    for mode in modes:
         m: dict[str, float] = {}
-        for key in ("stall_s", "upload_s", "slowdown_s", "rss_peak_over_before"):
+        for key in ("stall_s", "copy_s", "upload_s", "slowdown_s", "rss_peak_over_before"):
             values = [_median([s[key] for s in r[mode]["saves"] if key in s]) for r in per_rank]
             m[f"median_{key}"] = max(values)
         m["median_step_s"] = max(r[mode]["median_step_s"] for r in per_rank)
+        m["kept_bytes_per_rank"] = max(r[mode]["kept_bytes"] for r in per_rank)
         summary[mode] = m
-    summary["stall_ratio_sync_over_async"] = summary["sync"]["median_stall_s"] / max(
-        summary["async"]["median_stall_s"], 1e-9
-    )
+    if "sync" in summary and "async" in summary:
+        summary["stall_ratio_sync_over_async"] = summary["sync"]["median_stall_s"] / max(
+            summary["async"]["median_stall_s"], 1e-9
+        )
     summary["staged_bytes_per_rank"] = max(r["staged_bytes"] for r in per_rank)
     summary["params_bytes"] = per_rank[0]["params_bytes"]
     return summary
@@ -196,7 +226,15 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dir", default="", help="where the checkpoints go (default: a temporary directory)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_dcp.json")
+    p.add_argument(
+        "--modes",
+        default="async,sync",
+        help="comma-separated, in this order: async, sync, async-copy, sync-copy (-copy: as a warm rank)",
+    )
     args = p.parse_args()
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or any(m not in ("async", "sync", "async-copy", "sync-copy") for m in args.modes):
+        p.error(f"--modes: async, sync, async-copy, sync-copy; got {args.modes}")
     import torch.multiprocessing as mp
 
     world = 2
@@ -212,7 +250,7 @@ def main() -> int:
         per_rank = sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
         for proc in procs:
             proc.join(timeout=60)
-    summary = summarise(per_rank)
+    summary = summarise(per_rank, args.modes)
     doc = {
         "command": " ".join(["python", *sys.argv]),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -220,6 +258,7 @@ def main() -> int:
         "host": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0]},
         "world_size": world,
         "params_mb": args.params_mb,
+        "modes": args.modes,
         "saves_per_mode": args.saves,
         "steps_between_saves": args.every,
         "summary": summary,

@@ -7,8 +7,9 @@ trainer's collective timer on CUDA (its DDP comm hook over a one-process NCCL gr
 recorded, gradients equal to an unhooked model's, compute + wait = the step), then the full
 preflight through the CLI.
 
-Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU). Exits nonzero on
-the first path that does not work; prints what it measured.
+Run by tests/gpu/run.sh (which skips it, saying why, on a host without a GPU) beside
+tests/gpu/gpu_runwarden.py (runwarden's own training-side GPU paths). Exits nonzero on the first
+path that does not work, `preflight --full` exiting 1 (a FAIL) included; prints what it measured.
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ def full_cli() -> None:
         )
         wall = time.monotonic() - started
     print(proc.stderr[-2000:])
-    assert proc.returncode in (0, 1), f"preflight could not run (exit {proc.returncode})"
+    assert proc.stdout.strip(), f"preflight could not run (exit {proc.returncode}): no JSON"
     doc = json.loads(proc.stdout)
     for r in doc["results"]:
         gpu = "" if r["gpu_index"] is None else f"[gpu{r['gpu_index']}]"
@@ -354,6 +355,8 @@ def full_cli() -> None:
     assert {"compute.matmul", "errors.ecc_uncorrectable", "inventory.pcie_link"} <= names, names
     assert not any("crashed" in r["message"] for r in doc["results"])
     assert wall < 130, "the full preflight overran its 120 s budget"
+    # a healthy GPU host passes: exit 1 (a FAIL) fails this script, after the results are printed
+    assert proc.returncode == 0, f"preflight --full exited {proc.returncode}: failed {doc['failed_checks']}"
 
 
 def main() -> int:

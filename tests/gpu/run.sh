@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Exercises every GPU code path of preflight on a real GPU node (NVML inventory and counters, CUDA
-# known-answer matmul, NCCL all-reduce, the burn-in's sustained matmul / memory test / NCCL soak at
-# short durations, the trainer's collective timer (DDP comm hook, CUDA events), then
-# `preflight run --full`), in well under 5 minutes.
+# Exercises every GPU code path one GPU can run, in under 5 minutes:
+# * tests/gpu/gpu_runwarden.py (about a minute): runwarden's training side: DCP save/load of CUDA
+#   tensors, the in-memory copies (pinned host memory, async D2H, no GPU memory; the save stall with
+#   and without), the peer path's chunked staging, stop_agreed(device="cuda"), a warm rank's NCCL
+#   abort and re-init and what a parked rank keeps (MiB), NCCL flight-recorder dumps, the bootstrap's
+#   NCCL counters, the NVML poller and the Xid bus-id -> NVML index map;
+# * tests/gpu/gpu_checks.py: preflight (NVML inventory and counters, CUDA known-answer matmul, NCCL
+#   all-reduce, the burn-in's sustained matmul / memory test / NCCL soak at short durations, a
+#   leftover rank's GPU memory, the trainer's collective timer), then `preflight run --full`, which
+#   must exit 0.
+# Both run; the script fails if either does (any FAIL). Output also goes to $OUT/gpu-*.log when $OUT
+# is set.
 # On a host without an NVIDIA GPU it prints SKIPPED with the reason and exits 0 (CPU-only CI).
 # Needs a torch with CUDA: set PYTHON to its interpreter (default: .venv/bin/python, else python3).
 set -euo pipefail
@@ -29,4 +37,12 @@ fi
 
 nvidia-smi -L || true
 export PYTHONUNBUFFERED=1
-exec timeout 290 "$PYTHON" tests/gpu/gpu_checks.py
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+LOGS="${OUT:-$(mktemp -d)}"
+status=0
+started=$SECONDS
+timeout 90 "$PYTHON" tests/gpu/gpu_runwarden.py 2>&1 | tee "$LOGS/gpu-runwarden.log" || status=1
+timeout 200 "$PYTHON" tests/gpu/gpu_checks.py 2>&1 | tee "$LOGS/gpu-checks.log" || status=1
+echo "tests/gpu/run.sh: $([[ $status == 0 ]] && echo PASSED || echo FAILED) in $((SECONDS - started)) s" \
+     "($(date -u +%FT%TZ); logs in $LOGS)"
+exit $status
