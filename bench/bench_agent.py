@@ -69,7 +69,7 @@ def one_agent_run(tmp: Path, etcd: EtcdServer, window_s: float) -> tuple[float, 
             "PYTHONPATH": str(ROOT),
             "RUNWARDEN_RUN": "bench",
             "RUNWARDEN_ATTEMPT": "1",
-            "RUNWARDEN_AGENT_SOCKET": agent.socket,
+            "RUNWARDEN_NODEAGENT_SOCKET": agent.socket,
             "WORLD_SIZE": "8",
         }
         ranks = [

@@ -153,7 +153,7 @@ def cost_trial(mode: str, seconds: float, tmp: Path) -> list[dict[str, Any]]:
         "OMP_NUM_THREADS": "1",
         "RUNWARDEN_RUN": "bench",
         "RUNWARDEN_ATTEMPT": "1",
-        "RUNWARDEN_AGENT_SOCKET": sock,
+        "RUNWARDEN_NODEAGENT_SOCKET": sock,
     }
     try:
         subprocess.run(

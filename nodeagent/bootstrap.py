@@ -43,8 +43,8 @@ on every rank, so a straggler whose delay is small against it is not flagged (th
 path's communication hook separates them).
 
 Errors: a usage error or a bad RUNWARDEN_BOOTSTRAP_* value exits 2 before the script starts; a
-script's exception or exit code is its own, unchanged. Without RUNWARDEN_AGENT_SOCKET (not launched
-by an agent) the script just runs.
+script's exception or exit code is its own, unchanged. Without RUNWARDEN_NODEAGENT_SOCKET (nor the
+older agents' RUNWARDEN_AGENT_SOCKET: not launched by an agent) the script just runs.
 """
 
 from __future__ import annotations
@@ -376,7 +376,9 @@ def start_session(config: BootstrapConfig, environ: Mapping[str, str]) -> Sessio
 
     UsageError when the flight recorder is off (TORCH_FR_BUFFER_SIZE=0): this mode's progress comes
     from it, and a run that never reports would only end at the startup timeout."""
-    if not environ.get("RUNWARDEN_AGENT_SOCKET") or not environ.get("RANK", "").isdigit():
+    from nodeagent.trainer import agent_socket
+
+    if not agent_socket(environ) or not environ.get("RANK", "").isdigit():
         log.warning("runwarden bootstrap: not launched by a runwarden agent; running the script unsupervised")
         return None
     if environ.get("TORCH_FR_BUFFER_SIZE", "").strip() == "0":

@@ -155,7 +155,9 @@ def worker_env(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
             "RUNWARDEN_RESUME_STEP": str(spec.resume_step),
             "RUNWARDEN_STOP_FILE": str(spec.stop_file),
             "RUNWARDEN_FR_SOCKET_DIR": str(spec.fr_socket_dir),
-            "RUNWARDEN_AGENT_SOCKET": spec.agent_socket,
+            # not RUNWARDEN_AGENT_*: that prefix is the agent's own config (nodeagent.config); a
+            # process started from a rank's environment must not read it as a config key
+            "RUNWARDEN_NODEAGENT_SOCKET": spec.agent_socket,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_BUFFER_SIZE": str(spec.fr_buffer_size),

@@ -7,7 +7,7 @@ outlived it. A process is a *leftover* when it is alive and
 * it was seen in an ended attempt's process tree (the launcher records every pid with its start
   time, so a reused pid is never mistaken for it), or
 * its environment says this agent started it (this node's name and this agent's socket) for an
-  attempt that is not running here now (`RUNWARDEN_NODE/RUN/ATTEMPT`, `RUNWARDEN_AGENT_SOCKET`,
+  attempt that is not running here now (`RUNWARDEN_NODE/RUN/ATTEMPT`, `RUNWARDEN_NODEAGENT_SOCKET`,
   which torchrun, the ranks and their children inherit): this finds
   a process that escaped before the launcher first saw it (setsid and a double fork) and the ranks
   of an earlier incarnation of this agent (a crashed agent's ranks are re-parented to init),

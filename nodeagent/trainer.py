@@ -44,7 +44,7 @@ starts the next interval, so a save's time is no step's compute. Without a timer
 explicitly are sent as given (missing ones as 0).
 
 `report()` only appends to a bounded deque; a background thread sends the newest report to the
-local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_AGENT_SOCKET>.progress`,
+local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_NODEAGENT_SOCKET>.progress`,
 see nodeagent.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
 dropped and training goes on. torch is imported only by the checkpoint save/load functions and
 the collective timer's hook.
@@ -170,7 +170,7 @@ class ProgressReporter:
             "rank": num("RANK", 0),
             "local_rank": num("LOCAL_RANK", 0),
             "world_size": num("WORLD_SIZE", 1),
-            "agent_socket": env.get("RUNWARDEN_AGENT_SOCKET", ""),
+            "agent_socket": agent_socket(env),
             "stop_file": env.get("RUNWARDEN_STOP_FILE", ""),
         }
         kwargs.update(overrides)
@@ -492,6 +492,17 @@ class LoadedCheckpoint:
     path: Path
     data_state: Any
     extra: Any
+
+
+# The agent's socket, as the launcher gives it to every rank; older agents set the second name,
+# which sat inside the agent's own RUNWARDEN_AGENT_* config prefix (nodeagent.config).
+AGENT_SOCKET_ENV = "RUNWARDEN_NODEAGENT_SOCKET"
+OLD_AGENT_SOCKET_ENV = "RUNWARDEN_AGENT_SOCKET"
+
+
+def agent_socket(env: Mapping[str, str]) -> str:
+    """The socket of the agent that launched this rank ("" when none did)."""
+    return env.get(AGENT_SOCKET_ENV) or env.get(OLD_AGENT_SOCKET_ENV, "")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -166,7 +166,7 @@ def node_of_worker(pid: int) -> str:
     env = {p.pid: p.env for p in processes_mentioning("")}.get(pid, {})
     if "BENCH_NODE" in env:
         return env["BENCH_NODE"]
-    return Path(env.get("RUNWARDEN_AGENT_SOCKET", "")).parent.name
+    return Path(env.get("RUNWARDEN_NODEAGENT_SOCKET") or env.get("RUNWARDEN_AGENT_SOCKET", "")).parent.name
 
 
 def rank_pid(needle: str, rank: int) -> int | None:

@@ -8,8 +8,8 @@ subreaper of its earlier ranks (the seed's failure: a killed attempt's rank keep
 the next attempt runs out of memory on a healthy node).
 
 Which attempt a process came from is read from the environment the agent's launcher gives every
-rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, and `RUNWARDEN_AGENT_SOCKET`, the
-agent it reports to: nodeagent.launcher.worker_env), which torchrun, the ranks and their children
+rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, and `RUNWARDEN_NODEAGENT_SOCKET`, the
+agent it reports to, `RUNWARDEN_AGENT_SOCKET` from older agents: nodeagent.launcher.worker_env), which torchrun, the ranks and their children
 inherit; /proc/<pid>/environ is the environment at exec, so a rank that changes its own environment
 later still shows it.
 """
@@ -27,7 +27,8 @@ from preflight.result import CheckResult, failed, passed
 
 # The variables nodeagent.launcher.worker_env sets (preflight does not import the agent).
 NODE_ENV, RUN_ENV, ATTEMPT_ENV = "RUNWARDEN_NODE", "RUNWARDEN_RUN", "RUNWARDEN_ATTEMPT"
-AGENT_ENV = "RUNWARDEN_AGENT_SOCKET"
+AGENT_ENV = "RUNWARDEN_NODEAGENT_SOCKET"
+OLD_AGENT_ENV = "RUNWARDEN_AGENT_SOCKET"  # before it moved out of the agent's config prefix
 MAX_ENVIRON_BYTES = 1 << 20  # a bound on what is read of one process's environment
 LEFTOVERS_TIMEOUT_S = 5.0  # a /proc scan: milliseconds on a busy host; more means /proc is stuck
 
@@ -77,7 +78,11 @@ def origin_in(env: Mapping[str, str], how: str) -> Origin | None:
     if not run or not attempt.isdigit():
         return None
     return Origin(
-        node=env.get(NODE_ENV, ""), run=run, attempt=int(attempt), how=how, agent=env.get(AGENT_ENV, "")
+        node=env.get(NODE_ENV, ""),
+        run=run,
+        attempt=int(attempt),
+        how=how,
+        agent=env.get(AGENT_ENV) or env.get(OLD_AGENT_ENV, ""),
     )
 
 

@@ -157,3 +157,65 @@ def test_drain_keys_default_and_come_from_the_environment():
         file=None, environ={"RUNWARDEN_AGENT_DRAIN_HANDOFF_S": "0", "RUNWARDEN_AGENT_DRAIN_TIMEOUT_S": "2.5"}
     )
     assert (cfg.drain_handoff_s, cfg.drain_timeout_s) == (0.0, 2.5)
+
+
+FLOAT_KEYS = (
+    "stop_grace_s",
+    "lease_ttl_s",
+    "nvml_interval_s",
+    "progress_interval_s",
+    "dmesg_interval_s",
+    "drain_handoff_s",
+    "drain_timeout_s",
+    "flight_recorder_timeout_s",
+    "warm_wait_s",
+)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_durations_are_refused_with_the_key_named(tmp_path, key, value):
+    """TOML has nan and inf literals, float() takes them from the environment: a fence that never
+    kills (stop_grace_s = inf) or a lease that never expires must not load."""
+    f = tmp_path / "a.toml"
+    f.write_text(f"{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"nodeagent\.{key}: must be a finite number"):
+        from_sources(file=f, environ={})
+    with pytest.raises(ConfigError, match=rf"nodeagent\.{key}: must be a finite number"):
+        from_sources(file=None, environ={f"RUNWARDEN_AGENT_{key.upper()}": value})
+
+
+def test_every_float_key_is_covered_by_the_finite_test():
+    import dataclasses
+
+    from nodeagent.config import AgentConfig
+
+    floats = {f.name for f in dataclasses.fields(AgentConfig) if f.type in ("float", float)}
+    assert floats == set(FLOAT_KEYS)
+
+
+def test_a_ranks_environment_is_no_agent_config(tmp_path):
+    """Every variable the launcher gives a rank stays out of the agent's RUNWARDEN_AGENT_* prefix: an
+    agent started from a rank's environment (a nested or restarted one) reads no key from it. The
+    rank's agent socket was RUNWARDEN_AGENT_SOCKET, which made such an agent refuse to start."""
+    from nodeagent.config import ENV_PREFIX, env_mapping
+    from nodeagent.launcher import LaunchSpec, worker_env
+    from nodeagent.trainer import agent_socket
+
+    spec = LaunchSpec(
+        run="r",
+        attempt=1,
+        node="n1",
+        rendezvous_id="r-1",
+        argv=("x",),
+        env={},
+        stop_file=tmp_path / "stop",
+        fr_socket_dir=tmp_path / "fr",
+        agent_socket="/run/runwarden/agent.sock",
+    )
+    env = worker_env(spec, {"RUNWARDEN_AGENT_NODE": "the agent's own"})
+    assert not [k for k in env if k.startswith(ENV_PREFIX)] and env_mapping(env) == {}
+    assert from_sources(file=None, environ=env).node != "the agent's own"
+    assert agent_socket(env) == "/run/runwarden/agent.sock"
+    assert agent_socket({"RUNWARDEN_AGENT_SOCKET": "/old.sock"}) == "/old.sock"  # an older agent's rank
+    assert agent_socket({}) == ""

@@ -144,7 +144,7 @@ def test_worker_env_has_the_contract(agent_factory, tmp_path):
     assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert env["RUNWARDEN_STOP_FILE"].endswith("/runs/r3/stop")
     assert env["RUNWARDEN_FR_SOCKET_DIR"].endswith("/runs/r3/attempt-4/fr")
-    assert env["RUNWARDEN_AGENT_SOCKET"] == agent.socket
+    assert env["RUNWARDEN_NODEAGENT_SOCKET"] == agent.socket and "RUNWARDEN_AGENT_SOCKET" not in env
     assert "NOTIFY_SOCKET" not in env
     # torchrun waits this long for its ranks after a TERM (its own default is 30 s): the agent's KILL
     # after the grace is what ends a stop, never torchrun's shorter wait

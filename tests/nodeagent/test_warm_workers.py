@@ -459,7 +459,7 @@ def test_the_warm_environment_is_the_cold_paths(tmp_path):
     assert env["RUNWARDEN_RDZV_ID"] == "r-3" and env["RUNWARDEN_RESUME_STEP"] == "40"
     assert (
         env["RUNWARDEN_STOP_FILE"] == str(tmp_path / "stop")
-        and env["RUNWARDEN_AGENT_SOCKET"] == "/run/a.sock"
+        and env["RUNWARDEN_NODEAGENT_SOCKET"] == "/run/a.sock"
     )
     assert env["RUNWARDEN_FR_SOCKET_DIR"] == str(tmp_path / "fr") and env["GLOO_SOCKET_IFNAME"] == "lo"
     assert env["OMP_NUM_THREADS"] == "1" and "NOTIFY_SOCKET" not in env
