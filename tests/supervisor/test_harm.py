@@ -268,3 +268,26 @@ def test_an_inconclusive_attempt_preflight_is_asked_again_once_then_left_out_nev
     n2 = d.sup.pool.get("n2")
     assert n2.failure_times == [] and n2.preflight_rejections == 0
     assert "n3" in [n for a in out if isinstance(a, RunPreflight) for n in a.nodes]  # a spare takes its rank
+
+
+def test_a_resumed_stopped_run_whose_nodes_are_gone_relaunches_as_planned_not_as_a_fault() -> None:
+    """`controller run --resume` after a run-ending stop (a requeued batch job): the old attempt's
+    nodes went with the old allocation. A planned relaunch: no DETECTION (goodput counts no
+    incident), nothing quarantined, no restart budget used."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.add_nodes(2, start=5)  # the new allocation: n5, n6
+    out = d.send(
+        Snapshot(
+            alive={"n5": 1, "n6": 1},
+            attempt=3,
+            attempt_nodes=("n1", "n2"),
+            resume_step=40,
+            committed_steps=(40,),
+            stop_requested=StopRequested(reason="time limit", requested_by="slurm", relaunch=True),
+        )
+    )
+    assert not d.events(E.EVENT_KIND_DETECTION, out)
+    d.answer_preflight()
+    assert d.sup.state is RunState.RUNNING
+    assert d.launches[-1].attempt == 4 and d.launches[-1].resume_step == 40
+    assert not d.of(Quarantine) and d.sup.status(d.now).restarts_used == 0
