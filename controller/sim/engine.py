@@ -18,7 +18,9 @@ What is summarised, and why it does not change the answer:
   after the next such progress round (the timer contract allows late ticks): the hang detector
   then sees the same last-advance time it would have seen with per-step progress, so a hang is
   detected exactly one hang timeout after the fault, and a healthy run is never declared hung.
-  Straggler detection is not exercised (the scenario has no stragglers).
+  A straggler (a cause with symptom "straggler": a slow node, broken until repaired) is the one
+  exception: while it runs, the world sends `straggler_window` + 2 progress rounds one step apart
+  in which its rank computes longer and waits less than the others, so the core's detector sees it.
 * Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
 * Stop exits are delivered in reverse node order: the core checks "all exited" on each exit and
   short-circuits on the first live node, so this keeps a 2,048-node stop linear instead of quadratic.
@@ -27,6 +29,20 @@ A fault drawn while the job is not training hits the node in its slot: a hardwar
 that node broken (preflight may catch it; otherwise it fails again soon after the next first
 step); a node-loss fault takes the host down; a software fault has nothing to crash and is
 counted as absorbed.
+
+Software bugs at a fixed step (`Cause.fixed_step`, issue 26): the first hit arms a bug at the
+job's step; every later attempt that reaches that step fails there again, each time on another
+node of the attempt (the culprit rotates), until the job is fixed `fix_hours` after the first hit.
+If the core ends the run meanwhile (a crash loop, an exhausted budget), the operator fixes the job
+and starts the run again at that moment: a fresh core, given the store's state in a `Snapshot`
+(the node records and the supervisor memory it persisted, the commits), as `controller run` does;
+the world logs a RUN_START there. A control-plane blip (symptom "control_plane") is the controller
+losing etcd for a few seconds while the job runs on: `ControlPlaneLost`, `ControlPlaneRestored`,
+then a relisting `Snapshot`.
+
+Harm is recorded as it happens: every `Quarantine` action the core emits, with whether the node
+was healthy (no hardware fault on it: a software bug's victim) and the last fault the world
+injected before it (`SimResult.quarantines`), and every `Release` (`SimResult.releases`).
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ import heapq
 import random
 import signal as signal_mod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 from controller.sim.draws import Draws, Fault
@@ -62,24 +78,32 @@ from controller.supervisor.events import (
     AttemptExited,
     BandwidthMeasured,
     CheckpointCommitted,
+    ControlPlaneLost,
+    ControlPlaneRestored,
     DumpsCollected,
     Event,
     EvidenceObserved,
     NodeJoined,
     NodeLost,
+    NodeRecordView,
     OperatorRelease,
     PreflightResult,
     ProgressObserved,
     RankSample,
+    Snapshot,
     StopRequested,
     Tick,
 )
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
+from controller.supervisor.pool import PoolState
+from controller.supervisor.states import TransitionError
 from controller.supervisor.timers import Timers
 from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2
+_ENDED = (RunState.CRASH_LOOP, RunState.BUDGET_EXHAUSTED, RunState.STOPPED, RunState.COMPLETED)
+_CONTROL_PLANE_EVENTS = (Tick, ControlPlaneLost, ControlPlaneRestored, Snapshot)
 _EVIDENCE_KIND = {
     "xid": common_pb2.EVIDENCE_KIND_XID,
     "ecc": common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
@@ -107,6 +131,39 @@ class Interruption:
     outcome: str  # "interrupted" | "refail" | "absorbed" | "broke_idle_node" | "node_down"
 
 
+@dataclass(slots=True, kw_only=True)
+class Quarantined:
+    """One quarantine the core ordered, and what the world knew about the node."""
+
+    t: float  # seconds since the run's start
+    node: str
+    healthy: bool  # no hardware fault on the node: whatever it was blamed for was not its own
+    fault: str  # the last fault the world injected before it: a cause name, "planned", "none"
+    fault_kind: str  # "hardware" | "software" | "fixed_step" | "control_plane" | "planned" | "none"
+    held: bool
+    reason: str
+    bug: int = 0  # the fixed-step bug (FixedStepBug.id) whose hit it followed; 0: none
+    out_s: float = 0.0  # how long it stayed out of service (until back in the pool, or the window's end)
+
+
+@dataclass(slots=True, kw_only=True)
+class Released:
+    t: float
+    node: str
+    reason: str
+
+
+@dataclass(slots=True)
+class FixedStepBug:
+    """A software/data bug at a fixed step: recurs at `step` on every attempt, on another node."""
+
+    id: int  # 1, 2, ... in the order they appeared
+    cause: Cause
+    step: int  # the attempt fails while computing the step after this one
+    fix_at: float  # world seconds: the job is fixed then
+    culprits: list[str]
+
+
 @dataclass(slots=True)
 class SimResult:
     policy: str
@@ -118,6 +175,10 @@ class SimResult:
     handle_calls: int
     final_state: str
     planned_stops: int
+    quarantines: list[Quarantined] = field(default_factory=list)
+    releases: list[Released] = field(default_factory=list)
+    run_restarts: int = 0  # times the operator started the run again after the core ended it
+    pages: list[str] = field(default_factory=list)
 
 
 class World:
@@ -167,6 +228,22 @@ class World:
         self.timers = Timers()
         self.ready_at = 0.0  # spares taken: preflight cannot finish before they arrive
         self.keep_log = keep_log
+        # issue 26: harm, software bugs at a fixed step, a fresh core after the operator's fix
+        self.quarantines: list[Quarantined] = []
+        self.releases: list[Released] = []
+        self.pages: list[str] = []
+        self.last_fault = "none"
+        self.last_fault_kind = "none"
+        self.bug: FixedStepBug | None = None
+        self.bugs = 0
+        self.records: dict[str, NodeRecordView] = {}  # the store: each node's last persisted record
+        self.memory: Any = None  # the store: the supervisor memory last persisted (PersistMemory)
+        self.generation = 0  # bumped with each fresh core: late answers to an older core are dropped
+        self.restart_at: float | None = None
+        self.run_restarts = 0
+        self.out: dict[str, Quarantined] = {}  # quarantined and not back in the pool yet
+        self.blind = False  # a control-plane blip: what the store sees now reaches the core after it
+        self.missed: list[Event] = []
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -175,8 +252,17 @@ class World:
         heapq.heappush(self.heap, (t, self.seq, fn, args))
 
     def feed(self, event: Event) -> None:
+        if self.blind and not isinstance(event, _CONTROL_PLANE_EVENTS):
+            self.missed.append(event)  # the watch resumes from its revision: delivered after the blip
+            return
         self.handle_calls += 1
-        batch = self.core.handle(event, self.t0 + self.now)
+        if self.core.state in _ENDED:
+            try:  # the run is over until the operator starts it again: what still arrives is dropped
+                batch = self.core.handle(event, self.t0 + self.now)
+            except TransitionError:
+                return
+        else:
+            batch = self.core.handle(event, self.t0 + self.now)
         for entry in batch.entries:  # the log first, then the actions (actions.py's order of obligations)
             self.log(entry)
         for act in batch.actions:
@@ -210,13 +296,12 @@ class World:
                 break
             self.now = t
             fn(*args)
-            if self.core.state in (
-                RunState.CRASH_LOOP,
-                RunState.BUDGET_EXHAUSTED,
-                RunState.STOPPED,
-                RunState.COMPLETED,
-            ):
+            if self.core.state in _ENDED and not self._restart_after_fix():
                 break
+        end = min(self.now, self.horizon) if self.core.state in _ENDED else self.horizon
+        for name in list(self.out):
+            q = self.out.pop(name)
+            q.out_s = max(0.0, end - q.t)
         return SimResult(
             policy=self.pol.name,
             seed=self.draws.seed,
@@ -227,6 +312,10 @@ class World:
             handle_calls=self.handle_calls,
             final_state=self.core.state.value,
             planned_stops=self.planned_stops,
+            quarantines=self.quarantines,
+            releases=self.releases,
+            run_restarts=self.run_restarts,
+            pages=self.pages,
         )
 
     # --- actions ------------------------------------------------------------------------------
@@ -243,9 +332,21 @@ class World:
             case StopAttempt():
                 self._stop(act)
             case CollectDumps():
-                self.at(self.now + self.det.dumps_s, self._dumps, act.attempt)
+                self.at(self.now + self.det.dumps_s, self._dumps, act.attempt, self.generation)
             case Quarantine():
                 node = self.nodes.get(act.node)
+                q = Quarantined(
+                    t=self.now,
+                    node=act.node,
+                    healthy=node is None or node.broken is None,
+                    fault=self.last_fault,
+                    fault_kind=self.last_fault_kind,
+                    held=act.held,
+                    reason=act.reason,
+                    bug=self.bug.id if self.bug is not None and self.last_fault_kind == "fixed_step" else 0,
+                )
+                self.quarantines.append(q)
+                self.out.setdefault(act.node, q)
                 if node is not None and node.broken is not None and node.repaired_at <= self.now:
                     repair = self.sc.causes[node.broken].repair_hours
                     node.repaired_at = self.now + 3600.0 * (
@@ -274,10 +375,24 @@ class World:
                         nodes=act.nodes, set_gbps=1.0, per_node_gbps=tuple((n, 1.0) for n in act.nodes)
                     )
                 )
-            case Release() | Page() | PersistNode() | PersistMemory() | PersistCheckpoint():
-                pass  # nothing to do in the world (the core logged them)
+            case Release():
+                self.releases.append(Released(t=self.now, node=act.node, reason=act.reason))
+                self._back_in_service(act.node)
+            case Page():
+                self.pages.append(act.reason)
+            case PersistNode():
+                self.records[act.record.node] = act.record
+            case PersistMemory():
+                self.memory = act.record
+            case PersistCheckpoint():
+                pass  # nothing to do in the world (the core logged it)
             case _:
                 assert_never(act)
+
+    def _back_in_service(self, name: str) -> None:
+        q = self.out.pop(name, None)
+        if q is not None:
+            q.out_s = self.now - q.t
 
     def _joined(self, name: str) -> None:
         node = self.nodes.setdefault(name, SimNode(name=name))
@@ -308,7 +423,7 @@ class World:
                 done = max(self.now, node.repaired_at) + self.costs.burn_in_s / max(
                     1, self.pol.supervisor.burn_in_passes
                 )
-                self.at(done, self._preflight_results, ((name, True),))
+                self.at(done, self._preflight_results, ((name, True),), self.generation)
             return
         start = max(self.now, self.ready_at)
         done = start + (self.costs.preflight_s if self.pol.preflight else 0.0)
@@ -319,16 +434,20 @@ class World:
             if self.pol.preflight and node.broken is not None:
                 passed = self.rng.random() >= self.sc.causes[node.broken].preflight_catch
             results.append((name, passed))
-        self.at(done, self._preflight_results, tuple(results))
+        self.at(done, self._preflight_results, tuple(results), self.generation)
 
-    def _preflight_results(self, results: tuple[tuple[str, bool], ...]) -> None:
+    def _preflight_results(self, results: tuple[tuple[str, bool], ...], generation: int) -> None:
         # All nodes of one RunPreflight finish together (they run in parallel): one heap entry.
+        if generation != self.generation:
+            return  # asked by a core the operator replaced: the fresh one asks again
         for name, passed in results:
             node = self.nodes[name]
             if passed and node.broken is not None and node.repaired_at and self.now >= node.repaired_at:
                 node.broken = None  # burn-in after repair
             failed = () if passed else ("sim.broken_node",)
             self.feed(PreflightResult(node=name, passed=passed, failed_checks=failed))
+            if passed and name in self.out and self.core.pool.get(name).state is PoolState.SPARE:
+                self._back_in_service(name)  # its burn-in passed
 
     def _launch(self, act: Launch) -> None:
         self.attempt = act.attempt
@@ -363,6 +482,12 @@ class World:
         if epoch != self.epoch or self.fault_open:
             return
         self.training = True
+        bug = self.bug
+        if bug is not None and self.now < bug.fix_at and self.resume_step == bug.step:
+            # Resumed from the commit right before the bug: the first step itself fails.
+            self.train_base_step, self.train_since = max(self.resume_step, 0), self.now
+            self._bug_hit(bug)
+            return
         self.train_base_step = max(self.resume_step, 0) + 1
         self.train_since = self.now
         self._progress_round()
@@ -371,22 +496,29 @@ class World:
             node = self.nodes[name]
             if node.broken is not None:  # put back into a run while broken: it fails again soon
                 cause = self.sc.causes[node.broken]
+                if cause.symptom == "straggler":
+                    self.at(self.now + self.step_time, self._straggle, name, self.epoch, 0)
+                    continue
                 self.at(
                     self.now + self.rng.random() * self.det.refail_s, self._refail, name, self.epoch, cause
                 )
                 break
+        self._schedule_bug()
 
-    def _progress_round(self, culprit: str | None = None, behind: bool = False) -> None:
+    def _progress_round(
+        self, culprit: str | None = None, behind: bool = False, slow: str | None = None
+    ) -> None:
         step = self.step_now()
         in_ckpt = self.in_save
         for rank, name in enumerate(self.attempt_nodes):
             s = step - 1 if behind and name == culprit else step
+            slowest = name == slow  # a straggler computes while the others wait for it
             sample = RankSample(
                 rank=rank,
                 step=max(s, -1),
                 step_time_s=self.step_time,
-                compute_s=self.step_time * 0.8,
-                wait_s=self.step_time * 0.2,
+                compute_s=self.step_time * (0.99 if slowest else 0.8),
+                wait_s=self.step_time * (0.01 if slowest else 0.2),
                 in_checkpoint=in_ckpt,
                 reported_at=self.t0 + self.now,
             )
@@ -437,7 +569,21 @@ class World:
         else:
             name = f"n{f.slot:05d}"
         node = self.nodes[name]
-        if self.training and not self.fault_open and name in self.attempt_nodes:
+        running = self.training and not self.fault_open and name in self.attempt_nodes
+        if cause.fixed_step:
+            self._fixed_step_fault(f, cause, name, running)
+            return
+        if cause.symptom == "control_plane":
+            self._blip(f, cause, name, running)
+            return
+        if cause.symptom == "straggler" and node.broken is None:
+            self._break(node, cause, f.cause)
+            outcome = "interrupted" if running else "broke_idle_node"
+            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome=outcome))
+            if running:
+                self.at(self.now + self.step_time, self._straggle, name, self.epoch, 0)
+            return
+        if running:
             self.interruptions.append(
                 Interruption(t=self.now, cause=cause.name, node=name, outcome="interrupted")
             )
@@ -461,6 +607,154 @@ class World:
                 Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed")
             )
 
+    # --- issue 26: software bugs at a fixed step, stragglers, control-plane blips -----------------
+
+    def _fixed_step_fault(self, f: Fault, cause: Cause, name: str, running: bool) -> None:
+        """A bug at a fixed step appears: armed at the job's step (the first hit now, if it runs)."""
+        if self.bug is not None:  # one bug at a time: the job is already stuck on one
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed")
+            )
+            return
+        if running:
+            step = self.step_now()
+        else:  # not training: the bug lies ahead, within a checkpoint interval of the resume point
+            ahead = int(f.u * self.pol.checkpoint_interval_s / self.step_time)
+            step = max(self.train_base_step, 0) + 1 + ahead
+        self.bugs += 1
+        self.bug = FixedStepBug(
+            id=self.bugs, cause=cause, step=step, fix_at=self.now + 3600.0 * cause.fix_hours, culprits=[]
+        )
+        if running:
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="interrupted")
+            )
+            self.bug.culprits.append(name)
+            self._strike(name, cause, f.u)
+        else:
+            self.interruptions.append(Interruption(t=self.now, cause=cause.name, node=name, outcome="armed"))
+
+    def _schedule_bug(self) -> None:
+        bug = self.bug
+        if bug is None:
+            return
+        if self.now >= bug.fix_at or self.resume_step > bug.step:
+            self.bug = None  # fixed, or the job is past it
+            return
+        due = max(0, bug.step - self.step_now()) * self.step_time + self.rng.random() * self.step_time
+        self.at(self.now + due, self._bug_due, self.epoch)
+
+    def _bug_due(self, epoch: int) -> None:
+        bug = self.bug
+        if bug is None or epoch != self.epoch or self.fault_open or not self.training:
+            return
+        if self.now >= bug.fix_at:
+            self.bug = None
+            return
+        if self.step_now() < bug.step:  # checkpoint stalls held the job back: not there yet
+            self.at(self.now + (bug.step - self.step_now()) * self.step_time, self._bug_due, epoch)
+            return
+        self._bug_hit(bug)
+
+    def _bug_hit(self, bug: FixedStepBug) -> None:
+        fresh = [n for n in self.attempt_nodes if n not in bug.culprits] or self.attempt_nodes
+        name = fresh[self.rng.randrange(len(fresh))]  # the culprit rotates: another rank hits it
+        bug.culprits.append(name)
+        self.interruptions.append(Interruption(t=self.now, cause=bug.cause.name, node=name, outcome="refail"))
+        self._strike(name, bug.cause, self.rng.random())
+
+    def _restart_after_fix(self) -> bool:
+        """The core ended the run while a fixed-step bug is unfixed: the operator fixes the job and
+        starts the run again at the fix. Whether the world goes on."""
+        if self.restart_at is not None:
+            return True
+        if self.bug is None or self.core.state not in (RunState.CRASH_LOOP, RunState.BUDGET_EXHAUSTED):
+            return False
+        self.restart_at = max(self.now, self.bug.fix_at)
+        self._halt_training()
+        self.at(self.restart_at, self._operator_restart)
+        return True
+
+    def _operator_restart(self) -> None:
+        """`controller run` after the fix: a fresh core, given what the old one left in the store."""
+        self.blind, self.missed = False, []
+        self.bug = None
+        self.restart_at = None
+        self.run_restarts += 1
+        self.generation += 1
+        self.timers = Timers()
+        self.fault_open = False
+        self.training = False
+        self.epoch += 1
+        old = self.core
+        self.log(
+            E.Event(
+                ts=self.t0 + self.now,
+                run=self.sc.run.name,
+                attempt=old.attempt,
+                step=old.latest_committed,
+                kind=E.EVENT_KIND_RUN_START,
+                message="sim: the operator fixed the job and started the run again",
+                run_detail=E.RunDetail(nodes=self.sc.run.nodes),
+            )
+        )
+        self.core = Supervisor(self.pol.supervisor, RunPlan(run=self.sc.run.name, nodes=self.sc.run.nodes))
+        extra: dict[str, Any] = {} if self.memory is None else {"memory": self.memory}
+        self.feed(
+            Snapshot(
+                alive={n: 1 for n, node in self.nodes.items() if node.alive},
+                records=tuple(self.records.values()),
+                attempt=old.attempt,
+                resume_step=old.latest_committed,
+                committed_steps=tuple(sorted(old.committed)),
+                **extra,
+            )
+        )
+
+    def _straggle(self, name: str, epoch: int, rounds: int) -> None:
+        """A slow node: progress rounds one step apart in which its rank computes longer."""
+        if epoch != self.epoch or self.fault_open or not self.training or name not in self.attempt_nodes:
+            return
+        self._progress_round(slow=name)
+        if rounds + 1 < self.pol.supervisor.straggler_window + 2:
+            self.at(self.now + self.step_time, self._straggle, name, epoch, rounds + 1)
+
+    def _blip(self, f: Fault, cause: Cause, name: str, running: bool) -> None:
+        """The controller loses etcd for a few seconds; the job runs on."""
+        if self.core.state in _ENDED:
+            self.interruptions.append(
+                Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed")
+            )
+            return
+        self.interruptions.append(
+            Interruption(t=self.now, cause=cause.name, node="", outcome="interrupted" if running else "blip")
+        )
+        self.last_fault, self.last_fault_kind = cause.name, "control_plane"
+        self.feed(ControlPlaneLost())
+        self.blind = True
+        self.at(self.now + 1.0 + f.u * 20.0, self._blip_over, self.generation)
+
+    def _blip_over(self, generation: int) -> None:
+        if not self.blind:
+            return
+        self.blind = False
+        missed, self.missed = self.missed, []
+        if generation != self.generation:
+            return
+        self.feed(ControlPlaneRestored())
+        core = self.core
+        self.feed(
+            Snapshot(
+                alive={n: 1 for n, node in self.nodes.items() if node.alive},
+                attempt=core.attempt,
+                attempt_nodes=tuple(core.cur.node_step) if self.training else (),
+                resume_step=core.cur.resume_step,
+                committed_steps=tuple(sorted(core.committed)),
+            )
+        )
+        for event in missed:  # the watch, resumed from its revision, delivers what was put meanwhile
+            self.feed(event)
+
     def _break(self, node: SimNode, cause: Cause, index: int) -> None:
         if cause.hardware and node.broken is None:
             node.broken = index
@@ -475,6 +769,10 @@ class World:
     def _strike(self, name: str, cause: Cause, u: float) -> None:
         """A fault hits `name` in the running attempt: training stops, the signals go out."""
         node = self.nodes[name]
+        self.last_fault = cause.name
+        self.last_fault_kind = (
+            "fixed_step" if cause.fixed_step else "hardware" if cause.hardware else "software"
+        )
         self._break(node, cause, self.sc.causes.index(cause))
         self.fault_open = True
         self.culprit, self.culprit_cause, self.culprit_u = name, cause, u
@@ -520,14 +818,18 @@ class World:
             self.at(node.repaired_at, self._joined, name)
         self.feed(NodeLost(node=name))
 
-    def _dumps(self, attempt: int) -> None:
+    def _dumps(self, attempt: int, generation: int) -> None:
+        if generation != self.generation:
+            return
         suspects: tuple[Suspect, ...] = ()
         cause = self.culprit_cause
+        # A hardware hang's culprit, and a fixed-step bug's (the rank stuck in the data loader never
+        # reached the collective: the flight recorder names it, though nothing is wrong with its node).
         if (
             self.pol.flight_recorder
             and self.culprit is not None
             and cause is not None
-            and cause.hardware
+            and (cause.hardware or cause.fixed_step)
             and cause.symptom == "hang"
             and self.culprit_u < self.det.flight_recorder_accuracy
         ):
@@ -547,19 +849,21 @@ class World:
             self._halt_training()
             save = self.pol.checkpoint_stall_s
             self.at(self.now + save, self._planned_commit, act.attempt, step)
-            self.at(self.now + save + self.costs.stop_s, self._exits, act, 0)
+            self.at(self.now + save + self.costs.stop_s, self._exits, act, 0, self.generation)
             return
         if act.attempt == self.attempt:
             self._halt_training()
             self.fault_open = True
-        self.at(self.now + self.costs.stop_s, self._exits, act, None)
+        self.at(self.now + self.costs.stop_s, self._exits, act, None, self.generation)
 
     def _planned_commit(self, attempt: int, step: int) -> None:
         self.feed(
             CheckpointCommitted(step=step, attempt=attempt, save_duration_s=self.pol.checkpoint_stall_s)
         )
 
-    def _exits(self, act: StopAttempt, code: int | None) -> None:
+    def _exits(self, act: StopAttempt, code: int | None, generation: int) -> None:
+        if generation != self.generation:
+            return
         sig = None if code is not None else int(signal_mod.SIGTERM)
         # Reverse order: the core's "all exited?" check then stops at the first node, not the last.
         for name in reversed(act.nodes):
@@ -573,6 +877,7 @@ class World:
         if not (self.training and not self.fault_open):
             return
         self.planned_stops += 1
+        self.last_fault = self.last_fault_kind = "planned"
         self.feed(StopRequested(reason="planned maintenance", requested_by="sim"))
 
 

@@ -111,7 +111,12 @@ def failure_cost(scenario: Scenario, policy: Policy, cause: Cause) -> FailureCos
 def first_order(scenario: Scenario, policy: Policy) -> ModelResult:
     """ETTR = (1 - rate x downtime) x I/(I+S) - rate x rework, planned stops included."""
     interval, stall = policy.checkpoint_interval_s, policy.checkpoint_stall_s
-    costs = tuple(failure_cost(scenario, policy, c) for c in scenario.causes)
+    # A straggler and a control-plane blip do not stop the job (not in the model's first order).
+    costs = tuple(
+        failure_cost(scenario, policy, c)
+        for c in scenario.causes
+        if c.symptom not in ("straggler", "control_plane")
+    )
     c = policy.effective_costs(scenario.costs)
     planned_rate = scenario.planned.rate_s(scenario.run)
     planned_down = (

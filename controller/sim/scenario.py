@@ -13,6 +13,8 @@ Layout::
                     its symptom (crash | hang | node_lost), the evidence an agent publishes, whether
                     the node is broken until repaired
     [planned]       planned stops (drain, maintenance windows, preemption): a count over the window
+    [fixed_step]    optional: make a share of every cause's failures software/data bugs at a fixed step
+                    (`share`, the symptom mix `hang`/`crash`, `fix_hours`): see `with_fixed_step_share`
     [policy.NAME]   one per policy: spares, lease TTL, evidence watching, preflight, dumps, the
                     checkpoint interval and save stall, cost overrides, and [policy.NAME.supervisor]:
                     the real `controller.supervisor.policy.SupervisorConfig` the core runs with
@@ -30,7 +32,7 @@ from runwarden.config import ConfigError, load_section, read_toml
 
 DAY_S = 86400.0
 HOUR_S = 3600.0
-SYMPTOMS = ("crash", "hang", "node_lost")
+SYMPTOMS = ("crash", "hang", "node_lost", "straggler", "control_plane")
 EVIDENCE = ("", "xid", "ecc", "row_remap", "gpu_lost", "network")
 
 
@@ -128,11 +130,20 @@ class Cause:
     over_days: float | None = None
     over_nodes: int | None = None
     node_mtbf_hours: float | None = None
-    symptom: str = "crash"  # crash: a process exits | hang: ranks stop | node_lost: the host dies
+    # crash: a process exits | hang: ranks stop | node_lost: the host dies | straggler: the node is slow
+    # (the job runs on; the core may flag it) | control_plane: the controller loses etcd for seconds
+    symptom: str = "crash"
     evidence: str = ""  # what the node's agent publishes ("" none): xid, ecc, row_remap, gpu_lost, network
     hardware: bool = True  # the node stays broken until repaired (else: relaunch in place is fine)
     preflight_catch: float = 0.9  # a broken node fails quick preflight this often
     repair_hours: float | None = None
+    # A software or data bug at a fixed step (a bad shard at step S): it recurs at the step where it
+    # first hit on every attempt that reaches it, each time on another node (the rank that reads the
+    # shard changes with the attempt: a loader deadlock is a hang the flight recorder blames on the
+    # rank that never arrived; a raising rank is a crash), until the job is fixed `fix_hours` after
+    # its first hit. Needs hardware = false and symptom crash or hang.
+    fixed_step: bool = False
+    fix_hours: float = 2.0
 
     def __post_init__(self) -> None:
         where = f"cause {self.name!r}"
@@ -156,6 +167,9 @@ class Cause:
             raise ConfigError(f"{where}.preflight_catch: must be in [0, 1]")
         if self.repair_hours is not None:
             _nonneg(where, repair_hours=self.repair_hours)
+        _nonneg(where, fix_hours=self.fix_hours)
+        if self.fixed_step and (self.hardware or self.symptom not in ("crash", "hang")):
+            raise ConfigError(f"{where}: fixed_step needs hardware = false and symptom crash or hang")
 
     def rate_per_node_s(self, run: RunSection) -> float:
         """Failures per node-second."""
@@ -186,6 +200,27 @@ class Planned:
     def rate_s(self, run: RunSection) -> float:
         days = self.over_days if self.over_days is not None else run.duration_days
         return self.count / (days * DAY_S)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FixedStep:
+    """[fixed_step]: a share of the failures made software/data bugs at a fixed step.
+
+    `share` of the scenario's unplanned failure rate moves from its causes (each scaled by
+    1 - share) to fixed-step causes named `fixed_step_<symptom>`, split by the `hang` and `crash`
+    weights; each is fixed `fix_hours` after its first hit."""
+
+    share: float = 0.0
+    hang: float = 1.0
+    crash: float = 1.0
+    fix_hours: float = 2.0
+
+    def __post_init__(self) -> None:
+        _nonneg("fixed_step", hang=self.hang, crash=self.crash, fix_hours=self.fix_hours)
+        if not 0 <= self.share < 1:
+            raise ConfigError(f"fixed_step.share: must be in [0, 1), got {self.share!r}")
+        if self.share > 0 and self.hang + self.crash <= 0:
+            raise ConfigError("fixed_step: hang + crash weights must be > 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,7 +291,46 @@ class Scenario:
         return 1.0 / rate if rate > 0 else math.inf
 
 
-_TOP_KEYS = {"run", "costs", "detection", "cause", "planned", "policy"}
+def with_fixed_step_share(scenario: Scenario, fs: FixedStep) -> Scenario:
+    """`scenario` with `fs.share` of its unplanned failure rate made fixed-step software bugs.
+
+    The total rate is unchanged: every cause keeps 1 - share of its rate (a count scaled down, or a
+    node MTBF scaled up) and the share goes to one fixed-step cause per symptom with a weight."""
+    if fs.share <= 0:
+        return scenario
+    total = scenario.interruption_rate_s()
+    keep = 1.0 - fs.share
+    scaled = []
+    for c in scenario.causes:
+        if c.count is not None:
+            scaled.append(replace(c, count=c.count * keep))
+        else:
+            assert c.node_mtbf_hours is not None
+            scaled.append(replace(c, node_mtbf_hours=c.node_mtbf_hours / keep))
+    weights = {"hang": fs.hang, "crash": fs.crash}
+    wsum = sum(weights.values())
+    names = {c.name for c in scenario.causes}
+    for symptom, w in weights.items():
+        if w <= 0:
+            continue
+        name = f"fixed_step_{symptom}"
+        if name in names:
+            raise ConfigError(f"{scenario.source}: cause {name!r} exists; [fixed_step] would add it again")
+        rate_s = total * fs.share * w / wsum  # fleet failures per second
+        scaled.append(
+            Cause(
+                name=name,
+                count=rate_s * scenario.run.duration_s,
+                symptom=symptom,
+                hardware=False,
+                fixed_step=True,
+                fix_hours=fs.fix_hours,
+            )
+        )
+    return replace(scenario, causes=tuple(scaled))
+
+
+_TOP_KEYS = {"run", "costs", "detection", "cause", "planned", "policy", "fixed_step"}
 
 
 def _policy(name: str, table: Any, where: str) -> Policy:
@@ -296,7 +370,7 @@ def scenario_from_mapping(data: dict[str, Any], source: str = "scenario") -> Sce
     if not isinstance(raw_policies, dict) or not raw_policies:
         raise ConfigError(f"{source}: at least one [policy.NAME] is required")
     policies = {str(n): _policy(str(n), t, f"{source} [policy.{n}]") for n, t in raw_policies.items()}
-    return Scenario(
+    scenario = Scenario(
         run=run,
         costs=costs,
         detection=detection,
@@ -305,6 +379,8 @@ def scenario_from_mapping(data: dict[str, Any], source: str = "scenario") -> Sce
         policies=policies,
         source=source,
     )
+    fixed = load_section(FixedStep, data.get("fixed_step", {}), f"{source} [fixed_step]")
+    return with_fixed_step_share(scenario, fixed)
 
 
 def load_scenario(path: str | Path) -> Scenario:
