@@ -393,6 +393,7 @@ class RankProgress(_message.Message):
     RECENT_LOSSES_FIELD_NUMBER: _builtins.int
     LOSSES_DROPPED_FIELD_NUMBER: _builtins.int
     LOADED_FROM_FIELD_NUMBER: _builtins.int
+    SAVE_STALL_S_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -435,6 +436,14 @@ class RankProgress(_message.Message):
     that commit, kept across the attempt boundary by a warm worker), "peer" or "storage"; "" when
     the trainer did not say. The controller's LOAD_DONE names it per node.
     """
+    save_stall_s: _builtins.float
+    """With committed_step: how long this rank's training thread was blocked by that checkpoint's save,
+    in seconds (the save call: with async_save only its staging, not the background upload; a
+    synchronous save whole; and any wait for it, such as the stop's final save's wait before exit).
+    0 when not measured (a commit the rank resumed from, an older trainer). The controller records
+    it as the commit's save_duration_s, which goodput counts as checkpoint_stall (or, for a planned
+    stop's own save, as the stop's cost).
+    """
     @_builtins.property
     def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
         """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
@@ -465,10 +474,11 @@ class RankProgress(_message.Message):
         recent_losses: _abc.Iterable[Global___StepLoss] | None = ...,
         losses_dropped: _builtins.int = ...,
         loaded_from: _builtins.str = ...,
+        save_stall_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
