@@ -100,16 +100,20 @@ def pci_gpus(sysfs_root: str) -> PciGpus:
     return PciGpus(bus_ids=tuple(sorted(found)), readable=True)
 
 
-def _listed(value: str) -> int | None:
-    """How many devices a *_VISIBLE_DEVICES list names; None when it hides them all."""
-    items = [v.strip() for v in value.split(",")]
+def _listed(value: str) -> tuple[bool, int | None]:
+    """Whether a *_VISIBLE_DEVICES list names devices, and how many GPUs (None: unknown, for MIG
+    instances, several of which share one GPU)."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
     if not items or items[0].lower() in _NO_DEVICES:
-        return None
-    return len([i for i in items if i])
+        return False, None
+    if any(i.lower().startswith("mig-") for i in items):
+        return True, None
+    return True, len(items)
 
 
 def allocation(environ: Mapping[str, str]) -> tuple[int | None, tuple[str, ...]]:
-    """The scheduler's GPU count for this host (the largest any variable says) and which said it."""
+    """The scheduler's GPU count for this host (the largest any variable says; None when none says
+    a count) and which variables say GPUs are allocated."""
     counts: list[int] = []
     reasons: list[str] = []
     slurm = environ.get("SLURM_GPUS_ON_NODE", "").strip()
@@ -120,9 +124,9 @@ def allocation(environ: Mapping[str, str]) -> tuple[int | None, tuple[str, ...]]
         value = environ.get(name)
         if value is None or (name == "NVIDIA_VISIBLE_DEVICES" and value.strip().lower() == "all"):
             continue
-        listed = _listed(value)
-        if listed:
-            counts.append(listed)
+        named, listed = _listed(value)
+        if named:
+            counts += [listed] if listed else []
             reasons.append(f"{what} {name}={value.strip()[:80]}")
     return (max(counts) if counts else None), tuple(reasons)
 

@@ -2,7 +2,8 @@
 each under its own timeout and all within the mode's total budget. A unit that overruns its own
 timeout is reported FAIL (a hung GPU, driver or mount) and abandoned (its daemon thread is left
 behind; its subprocesses kill themselves on their own timeouts). A unit cut off by the run's budget
-instead, or that cannot start in the budget left, is INCONCLUSIVE: the budget, not the node, ran out.
+instead, one whose child it stopped when the budget ran out (preflight.checks.base.budget_timeout),
+or one that cannot start in the budget left, is INCONCLUSIVE: the budget, not the node, ran out.
 In the per-attempt modes those units run once more, alone, with a fresh budget, when nothing failed;
 what they say then is the answer (INCONCLUSIVE again: no pass and no evidence). The runner never
 waits past a budget.
@@ -78,7 +79,7 @@ class _Run:
     abandoned: list[str] = field(default_factory=list)
     budget_s: float = 0.0
     hold: bool = False  # keep the budget's INCONCLUSIVE results back (not streamed): a re-run follows
-    held: dict[str, CheckResult] = field(default_factory=dict)  # unit name -> its INCONCLUSIVE
+    held: dict[str, list[CheckResult]] = field(default_factory=dict)  # unit -> its results
     again: bool = False  # this is the re-run
 
     def emit(self, result: CheckResult) -> None:
@@ -90,7 +91,7 @@ class _Run:
         if self.again:
             result = replace(result, message=f"{result.message} (again, on its re-run)")
         if self.hold:
-            self.held[spec.name] = result
+            self.held[spec.name] = [result]
         else:
             self.emit(result)
 
@@ -132,6 +133,16 @@ class _Run:
     def finish(self, name: str, results: list[CheckResult], duration: float) -> None:
         if self.running.pop(name, None) is None:
             return  # it had already timed out and been reported
+        if self.again:
+            results = [
+                replace(r, message=f"{r.message} (again, on its re-run)")
+                if r.status is CheckStatus.INCONCLUSIVE
+                else r
+                for r in results
+            ]
+        if self.hold and any(r.status is CheckStatus.INCONCLUSIVE for r in results):
+            self.held[name] = [r if r.duration_s else r.with_duration(duration) for r in results]
+            return  # it could not tell (its child ran out of the budget): it runs again
         for result in results:
             self.emit(result if result.duration_s else result.with_duration(duration))
 
@@ -266,8 +277,9 @@ def run_preflight(
     results, abandoned = list(first.results), list(first.abandoned)
     if first.held:
         if any(r.status is CheckStatus.FAIL for r in results):  # the node fails anyway: no second run
-            for result in first.held.values():
-                first.emit(result)
+            for held in first.held.values():
+                for result in held:
+                    first.emit(result)
             results = list(first.results)
         else:
             again = _one_pass(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -11,7 +12,7 @@ from typing import TypeVar
 from preflight.config import PreflightConfig
 from preflight.gpus import NOT_EXPECTED, GpuExpectation
 from preflight.nvml import GpuLost, Nvml, NvmlError, NvmlNotSupported, NvmlUnavailable
-from preflight.result import CheckResult, failed, skipped
+from preflight.result import CheckResult, failed, inconclusive, skipped
 
 T = TypeVar("T")
 
@@ -86,6 +87,24 @@ def gpus_unreachable(name: str, ctx: CheckContext, why: str, evidence: tuple[str
         evidence=ctx.gpus.evidence() + evidence,
         remedy=UNREACHABLE_REMEDY,
         fail_closed=True,
+    )
+
+
+def budget_timeout(ctx: CheckContext, own_s: float, floor_s: float = 1.0) -> tuple[float, bool]:
+    """How long a unit's child may run: its own limit, or what is left of the run's budget (less a
+    margin, at least `floor_s`); True when the budget is the shorter, so a timeout then is the
+    budget's, not the node's (`out_of_budget`)."""
+    left = max(floor_s, ctx.deadline - time.monotonic() - 0.5)
+    return (own_s, False) if own_s <= left else (left, True)
+
+
+def out_of_budget(name: str, ctx: CheckContext, what: str) -> CheckResult:
+    """A child stopped because the run's budget ran out before its own limit: it could not tell."""
+    return inconclusive(
+        name,
+        f"{what}: stopped when the run's budget ran out, before its own limit; the budget ran out, "
+        "not the node",
+        remedy="run it again; if it repeats, raise [run] quick_budget_s / full_budget_s for this node",
     )
 
 

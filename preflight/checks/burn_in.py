@@ -53,7 +53,15 @@ from preflight.burn_in_device import (
     memory_outcomes,
 )
 from preflight.checks import dcgm, storage
-from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable, own_process_tree, process_name
+from preflight.checks.base import (
+    CheckContext,
+    CheckSpec,
+    budget_timeout,
+    gpus_unreachable,
+    out_of_budget,
+    own_process_tree,
+    process_name,
+)
 from preflight.checks.collective_check import _local_world, launch_ranks
 from preflight.checks.compute import CudaUnavailable, MatmulFn, no_cuda, no_torch
 from preflight.checks.expectations import no_floor
@@ -528,11 +536,14 @@ def _device_stage(
         return [no_torch(name, ctx)]
 
     def work() -> list[CheckResult]:
+        _, by_budget = budget_timeout(ctx, _stage_limit(ctx.config, stage), floor_s=0.5)
         try:
             outcomes = _device_outcomes(ctx, stage, local, worker)
         except CudaUnavailable as exc:  # where GPUs are expected: never a CPU burn-in that passes
             return [no_cuda(name, ctx, exc)]
         except TimeoutError as exc:
+            if by_budget:
+                return [out_of_budget(name, ctx, str(exc))]
             return [failed(name, str(exc), remedy="a hung GPU: drain the node and inspect it")]
         except (RuntimeError, OSError) as exc:
             return [failed(name, str(exc), remedy="read the error; check the driver and GPUs")]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable
+from preflight.checks.base import CheckContext, CheckSpec, budget_timeout, gpus_unreachable, out_of_budget
 from preflight.checks.expectations import no_floor
 from preflight.collective import AllReduceResult
 from preflight.nvml import NvmlError
@@ -188,10 +188,12 @@ def run_collective(ctx: CheckContext) -> list[CheckResult]:
     size = cfg.size_bytes_quick if quick else cfg.size_bytes_gpu if backend == "nccl" else cfg.size_bytes_cpu
     iterations = cfg.iterations_quick if quick else cfg.iterations
     limit = cfg.quick_timeout_s if quick else cfg.timeout_s
-    timeout = min(limit, max(1.0, ctx.deadline - time.monotonic() - 0.5))
+    timeout, by_budget = budget_timeout(ctx, limit)
     try:
         result = launch_local(world, backend, size, iterations, cfg.warmup, timeout)
     except TimeoutError as exc:
+        if by_budget:
+            return [out_of_budget(name, ctx, str(exc))]
         return [failed(name, str(exc), remedy="a hung collective: check NCCL/NVLink and the GPUs' health")]
     except (RuntimeError, OSError, ValueError, TypeError) as exc:
         return [failed(name, f"all-reduce failed: {exc}", remedy="read the ranks' errors; check NCCL/NVLink")]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from preflight.checks.base import CheckContext, CheckSpec, gpus_unreachable
+from preflight.checks.base import CheckContext, CheckSpec, budget_timeout, gpus_unreachable, out_of_budget
 from preflight.checks.expectations import no_floor
 from preflight.config import MODES, ComputeConfig, config_from_mapping
 from preflight.result import CheckResult, failed, passed, skipped
@@ -292,12 +292,14 @@ def run_compute(ctx: CheckContext, matmul: MatmulFn | None = None) -> list[Check
     if importlib.util.find_spec("torch") is None:  # looks, without importing it
         return [no_torch("compute.matmul", ctx)]
     if cfg.isolate and matmul is None:
-        timeout = min(cfg.timeout_s, max(0.5, ctx.deadline - time.monotonic() - 0.5))
+        timeout, by_budget = budget_timeout(ctx, cfg.timeout_s, floor_s=0.5)
         try:
             outcomes = outcomes_in_subprocess(cfg, ctx.mode, timeout)
         except CudaUnavailable as exc:
             return [no_cuda("compute.matmul", ctx, exc)]
         except TimeoutError as exc:
+            if by_budget:
+                return [out_of_budget("compute.matmul", ctx, str(exc))]
             return [failed("compute.matmul", str(exc), remedy="a hung GPU: drain the node and inspect it")]
         except (RuntimeError, OSError) as exc:
             return [failed("compute.matmul", str(exc), remedy="read the error; check the driver and GPUs")]

@@ -13,10 +13,9 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from typing import Any
 
-from preflight.checks.base import CheckContext, CheckSpec
+from preflight.checks.base import CheckContext, CheckSpec, budget_timeout, out_of_budget
 from preflight.config import BURN_IN, DcgmConfig
 from preflight.result import CheckResult, CheckStatus, failed, skipped, warned, worst
 
@@ -155,7 +154,7 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     if binary is None:
         return [skipped("dcgm.diag", f"{cfg.dcgmi} not found on PATH (DCGM not installed)")]
     level, limit = _level_and_timeout(cfg, ctx.mode)
-    timeout = min(limit, max(1.0, ctx.deadline - time.monotonic() - 0.5))
+    timeout, by_budget = budget_timeout(ctx, limit)
     try:
         proc = subprocess.Popen(
             [binary, "diag", "-r", str(level), "-j"],
@@ -170,6 +169,10 @@ def run_dcgm(ctx: CheckContext) -> list[CheckResult]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: a child holding the pipe must not block us
         proc.communicate()
+        if by_budget:
+            return [
+                out_of_budget("dcgm.diag", ctx, f"dcgmi diag -r {level} did not finish in {timeout:.0f} s")
+            ]
         return [
             failed(
                 "dcgm.diag",

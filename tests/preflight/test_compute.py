@@ -118,9 +118,23 @@ def test_isolated_in_a_child_process_gives_the_same_answer() -> None:
 
 
 def test_isolated_child_that_overruns_is_killed() -> None:
+    """Over its own limit (timeout_s): FAIL, a hung GPU's sign. Stopped because the run's budget ran
+    out first: INCONCLUSIVE, the budget's doing (the runner runs it again)."""
+    own = dataclasses.replace(
+        PreflightConfig(), compute=ComputeConfig(device="cpu", isolate=True, timeout_s=1.0)
+    )
+    long = CheckContext(
+        config=own, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 60
+    )
+    [result] = run_compute(long)  # 1 s is less than the child needs to import torch
+    assert result.status is CheckStatus.FAIL and "killed" in result.message
     config = dataclasses.replace(PreflightConfig(), compute=ComputeConfig(device="cpu", isolate=True))
     short = CheckContext(
         config=config, mode="quick", nvml=NvmlSession(PynvmlAdapter), deadline=time.monotonic() + 1.2
     )
-    [result] = run_compute(short)  # 1 s is less than the child needs to import torch
-    assert result.status is CheckStatus.FAIL and "killed" in result.message
+    [result] = run_compute(short)
+    assert (
+        result.status is CheckStatus.INCONCLUSIVE
+        and "killed" in result.message
+        and "budget" in result.message
+    )

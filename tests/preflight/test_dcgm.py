@@ -94,3 +94,14 @@ def test_hung_dcgmi_is_killed_and_fails(tmp_path: Path) -> None:
     [r] = report.results
     assert r.status is CheckStatus.FAIL and "did not finish" in r.message
     assert report.duration_s < 10
+
+
+def test_dcgmi_stopped_by_the_runs_budget_is_inconclusive(tmp_path: Path) -> None:
+    """Its own limit (12 s) is longer than what the quick budget leaves: stopping it then says
+    nothing about the node (INCONCLUSIVE, run once more), unlike the hung diag above (FAIL)."""
+    dcgmi = _script(tmp_path, "sleep 60 &\nsleep 60\n")
+    cfg = dataclasses.replace(PreflightConfig(), dcgm=DcgmConfig(dcgmi=dcgmi, quick_timeout_s=12.0))
+    report = run_preflight(cfg, "quick", only=("dcgm",), budget_s=1.5)
+    [r] = report.results
+    assert r.status is CheckStatus.INCONCLUSIVE and "budget ran out" in r.message and "again" in r.message
+    assert report.duration_s < 2 * 1.5 + 3

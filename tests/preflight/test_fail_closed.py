@@ -94,6 +94,12 @@ def test_the_schedulers_allocation(environ: dict[str, str], count: int | None) -
     assert allocated == count and bool(reasons) == (count is not None)
 
 
+def test_mig_instances_expect_gpus_without_a_gpu_count() -> None:
+    """Seven MIG instances may share one GPU: the list says GPUs are here, not how many NVML sees."""
+    allocated, reasons = allocation({"CUDA_VISIBLE_DEVICES": ",".join(f"MIG-{i}" for i in range(7))})
+    assert allocated is None and reasons
+
+
 def test_each_source_expects_gpus_and_a_cpu_host_expects_none(tmp_path: Path) -> None:
     cpu = fake_bus(tmp_path / "cpu", [])
     assert not expect_gpus(PreflightConfig(), {}, cpu).expected

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from preflight.checks.base import CheckContext, CheckSpec
-from preflight.config import CollectiveConfig, PreflightConfig
+from preflight.config import CollectiveConfig, ComputeConfig, PreflightConfig
+from preflight.gpus import NOT_EXPECTED
 from preflight.report import PreflightReport
 from preflight.result import CheckResult, CheckStatus, failed, passed, skipped
 from preflight.runner import ALL_SPECS, run_preflight, select_specs
@@ -208,3 +209,18 @@ def test_mode_selection_and_only() -> None:
     with pytest.raises(ValueError):
         select_specs(cfg, "slow")
     assert {s.name for s in ALL_SPECS if s.serial} == {"compute", "collective", "dcgm"}
+
+
+def test_a_real_matmul_child_stopped_by_the_budget_is_inconclusive_not_a_hung_gpu() -> None:
+    """The quick mode's matmul child (torch's import alone takes longer than this budget here) is
+    stopped when the budget runs out: INCONCLUSIVE, run once more, INCONCLUSIVE again; never the
+    'hung GPU' FAIL it was. Its own limit (timeout_s) is far longer."""
+    pytest.importorskip("torch")
+    cfg = PreflightConfig(compute=ComputeConfig(size_cpu=64, iterations_cpu=1, timeout_s=60.0))
+    started = time.monotonic()
+    report = run_preflight(cfg, "quick", only=("compute",), budget_s=1.2, gpus=NOT_EXPECTED)
+    assert time.monotonic() - started < 2 * 1.2 + 3.0
+    (matmul,) = report.results
+    assert matmul.status is CheckStatus.INCONCLUSIVE, matmul
+    assert "budget ran out" in matmul.message and "again" in matmul.message
+    assert report.summary().fail_count == 0 and report.exit_code == 3
