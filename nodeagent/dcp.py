@@ -55,6 +55,8 @@ commit's `meta["format"]` says which one it is (`trainer.load_checkpoint` dispat
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -64,11 +66,12 @@ import os
 import pickle
 import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from nodeagent.checkpoint import (
     CheckpointError,
@@ -391,13 +394,35 @@ def _model_and_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _blocks_training(method: _Method) -> _Method:
+    """`method(self, step, ...)` blocks the training thread on behalf of the save of `step`."""
+
+    @functools.wraps(method)
+    def measured(self: DcpCheckpointer, step: int, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self._stalls.pop(step, None)  # a step saved again (after a rollback) starts from zero
+        with self._blocking_for(step):
+            return method(self, step, *args, **kwargs)
+
+    return cast(_Method, measured)
+
+
 class DcpCheckpointer:
     """Saves through DCP under the commit protocol (the module doc says in which order); one per
     rank, made by every rank (it creates the saves' process group: a collective).
 
     `async_save` (default): `save()` blocks only while DCP stages a CPU copy of the state dict;
     the upload and the commit follow on a background thread. `reporter` (a ProgressReporter):
-    rank 0 tells it each commit, and every rank tells it a failed save."""
+    rank 0 tells it each commit, and every rank tells it a failed save.
+
+    Each save's stall is measured: the time the training thread spent blocked by it, that is in
+    its `save()` call (less the wait there for the previous save, which is that save's) and in any
+    `wait()` for it, up to its commit (`stall_s(step)`). It goes to the reporter with the commit
+    (`set_committed(step, save_stall_s=...)`, the supervisor's save_duration_s, goodput's
+    checkpoint_stall) and into the marker's meta as `save_stall_s` (rank 0's)."""
 
     def __init__(
         self,
@@ -425,7 +450,41 @@ class DcpCheckpointer:
         self._lock = threading.Lock()
         self.last_commit: CommittedCheckpoint | None = None
         self._unconfirmed: list[int] = []  # steps this rank saved whose marker it has not seen yet
+        self._stalls: dict[int, float] = {}  # step -> seconds its save blocked training (closed spans)
+        self._blocked: tuple[int, float] | None = None  # (step, since): training blocked by it now
 
+    @contextlib.contextmanager
+    def _blocking_for(self, step: int) -> Iterator[None]:
+        """Inside: the training thread's time is the stall of `step`'s save (an inner block, the
+        wait in save() for the previous save, is the previous step's)."""
+        outer = self._switch_blocked(step)
+        try:
+            yield
+        finally:
+            self._switch_blocked(outer)
+
+    def _switch_blocked(self, step: int | None) -> int | None:
+        """Close the open span (to its step's stall) and open one for `step`; the step it closed."""
+        now = time.perf_counter()
+        with self._lock:
+            closed = self._blocked
+            if closed is not None:
+                self._stalls[closed[0]] = self._stalls.get(closed[0], 0.0) + now - closed[1]
+                for old in sorted(self._stalls)[:-8]:  # bounded: a step's stall is reported at its commit
+                    del self._stalls[old]
+            self._blocked = (step, now) if step is not None else None
+        return closed[0] if closed is not None else None
+
+    def stall_s(self, step: int) -> float:
+        """Seconds the training thread has been blocked by the save of `step` so far (0: none)."""
+        now = time.perf_counter()
+        with self._lock:
+            stall = self._stalls.get(step, 0.0)
+            if self._blocked is not None and self._blocked[0] == step:
+                stall += now - self._blocked[1]
+        return stall
+
+    @_blocks_training
     def save(
         self,
         step: int,
@@ -508,7 +567,7 @@ class DcpCheckpointer:
                 newest = step if newest is None else max(newest, step)
         self._unconfirmed = self._unconfirmed[-8:]  # a step never committed (a failed save) ages out
         if newest is not None:
-            self.reporter.set_committed(newest)
+            self.reporter.set_committed(newest, save_stall_s=self.stall_s(newest))
 
     def _finish(self, upload: Future[Any], writer: CheckpointWriter, done: Future[Any]) -> None:
         """On the upload thread: commit (rank 0) once DCP's save returned on this rank."""
@@ -537,9 +596,11 @@ class DcpCheckpointer:
             meta["attempt"] = int(
                 attempt
             )  # which attempt committed it (a superseded one is never resumed from)
+        stall = self.stall_s(writer.step)  # up to now: a wait() for this save ends at this commit
+        meta["save_stall_s"] = round(stall, 6)
         commit = writer.commit(files=files, meta=meta, hashed=(DCP_METADATA,))
         if self.reporter is not None:
-            self.reporter.set_committed(commit.step)
+            self.reporter.set_committed(commit.step, save_stall_s=stall)
         return commit
 
     @property
@@ -556,7 +617,8 @@ class DcpCheckpointer:
         if pending is None:
             return None
         try:
-            result = pending.result(timeout=timeout_s)
+            with self._blocking_for(step):
+                result = pending.result(timeout=timeout_s)
         except TimeoutError:
             raise  # still in flight
         except BaseException as exc:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import signal
@@ -92,6 +93,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 MAX_RECENT_LOSSES = 64  # losses a rank sends per report (RankProgress.recent_losses); older: dropped
 _Report = tuple[int, float, float, float, bool, "float | None", float]
+# step -> seconds save_checkpoint of that step took in this process (the training thread was blocked
+# all along): set_committed(step) sends it. A few only: the script commits right after the save.
+_SAVE_STALLS: dict[int, float] = {}
 
 
 class ProgressReporter:
@@ -130,7 +134,7 @@ class ProgressReporter:
         self._loss_lock = threading.Lock()
         self._agent_stop = False
         self._slow_s = 0.0
-        self._committed: int | None = None
+        self._committed: tuple[int, float] | None = None  # (step, its save's stall in seconds)
         self._loaded: int | None = None
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
@@ -272,14 +276,21 @@ class ProgressReporter:
                 self._losses_dropped += 1
             self._losses.append((int(step), float(loss)))
 
-    def set_committed(self, step: int) -> None:
+    def set_committed(self, step: int, *, save_stall_s: float | None = None) -> None:
         """Tell the supervisor that checkpoint `step` is committed (its marker written, after fsync).
 
         Global rank 0 calls it after `save_checkpoint` returns a commit (and after resuming, with the
         step it loaded); a DcpCheckpointer calls it on rank 0 as it commits and on every other rank
         once it sees the marker of its earlier save. The agent carries it in the node's progress
-        and the controller records the commit. Only a committed step is ever a resume point."""
-        self._committed = int(step)
+        and the controller records the commit. Only a committed step is ever a resume point.
+
+        `save_stall_s`: how long that save blocked this rank's training (RankProgress.save_stall_s,
+        goodput's checkpoint_stall). Left out, it is what `save_checkpoint` of `step` measured in
+        this process, else 0 (a step resumed from was not saved by this attempt)."""
+        if save_stall_s is None:
+            save_stall_s = _SAVE_STALLS.pop(int(step), 0.0)
+        stall = float(save_stall_s)
+        self._committed = (int(step), stall if math.isfinite(stall) and stall > 0 else 0.0)
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)
@@ -444,7 +455,7 @@ class ProgressReporter:
         progress.recent_losses.extend(common_pb2.StepLoss(step=s, loss=v) for s, v in losses)
         progress.losses_dropped = dropped
         if self._committed is not None:
-            progress.committed_step = self._committed
+            progress.committed_step, progress.save_stall_s = self._committed
         if self._loaded is not None:
             progress.loaded_step = self._loaded
             progress.loaded_from = memory_state.loaded_from(self._loaded)  # memory | storage | ""
@@ -558,6 +569,7 @@ def save_checkpoint(
     commit on rank 0, None elsewhere. `data_state` must be plain data."""
     import torch
 
+    started = time.perf_counter()
     writer = CheckpointWriter(root, step)
     payload = {
         "step": step,
@@ -580,12 +592,22 @@ def save_checkpoint(
 
     memory_state.keep(step, payload, rank=rank, world_size=world_size)  # every rank's file is written
     if rank != 0:
+        _save_stalled(step, started)
         return None
     meta: dict[str, Any] = {"format": "torch", "world_size": world_size}
     attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
     if attempt.isdigit():
         meta["attempt"] = int(attempt)  # which attempt committed it (a superseded one is never resumed from)
-    return writer.commit(files=[f"rank{r}.pt" for r in range(world_size)], meta=meta)
+    commit = writer.commit(files=[f"rank{r}.pt" for r in range(world_size)], meta=meta)
+    _save_stalled(step, started)
+    return commit
+
+
+def _save_stalled(step: int, started: float) -> None:
+    """save_checkpoint of `step` blocked this process from `started` to now (set_committed sends it)."""
+    _SAVE_STALLS[step] = time.perf_counter() - started
+    for old in sorted(_SAVE_STALLS)[:-8]:
+        del _SAVE_STALLS[old]
 
 
 class ResumeError(RuntimeError):

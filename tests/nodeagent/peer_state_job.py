@@ -31,7 +31,7 @@ class CommitReports:
     def __init__(self) -> None:
         self.committed: list[int] = []
 
-    def set_committed(self, step: int) -> None:
+    def set_committed(self, step: int, *, save_stall_s: float | None = None) -> None:
         self.committed.append(step)
 
     def checkpoint_failed(self, step: int, error: str) -> None:
