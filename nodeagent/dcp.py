@@ -523,9 +523,13 @@ class DcpCheckpointer:
         state = _model_and_optim_state(model, optimizer)
         from nodeagent import memory_state  # the in-memory copy a warm restart may load from
 
-        memory_state.keep(
-            step, {"state": state, "rank_state": rank_state}, rank=self.rank, world_size=self.world_size
-        )
+        def keep() -> None:
+            # After DCP has read the state (its staging, or the whole sync save): on a GPU the
+            # copy's D2H then overlaps what the training thread does next instead of DCP's own.
+            memory_state.keep(
+                step, {"state": state, "rank_state": rank_state}, rank=self.rank, world_size=self.world_size
+            )
+
         if self.rank != 0:
             self._unconfirmed.append(step)
         storage = (
@@ -535,11 +539,13 @@ class DcpCheckpointer:
         )
         if not self.async_save:
             metadata = save(state, storage_writer=storage, process_group=self.process_group)
+            keep()
             commit = self._commit(writer, metadata)
             self.last_commit = commit or self.last_commit
             return commit
         done: Future[CommittedCheckpoint | None] = Future()
         response = async_save(state, storage_writer=storage, process_group=self.process_group)
+        keep()
         # A FileSystemWriter stages itself (synchronously, above): a plain Future comes back. A
         # stager of its own (a custom storage_writer) gives both futures; the upload is the one.
         upload = response if isinstance(response, Future) else response.upload_completion

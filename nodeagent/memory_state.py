@@ -21,7 +21,7 @@ with its load mark, so the event log says per attempt where the state came from 
 "peer", "storage"). Two copies are kept per process (the newest; KEEP says why).
 
 Where the copies live (issue 28): in host memory, never on the GPU. Every tensor is copied into a
-plain host tensor (pinned when CUDA is available; a DTensor's local shard), CUDA tensors on a side
+plain host tensor (pinned when it comes from a GPU; a DTensor's local shard), CUDA tensors on a side
 stream the training thread does not wait for; the buffers are reused by the next copy of the same
 layout. Their cost is at most two model + optimizer states per rank, and never more than the copy
 budget (`set_budget`, the agent's memory_copy_budget_bytes, DEFAULT_BUDGET_BYTES): a copy over it
@@ -133,8 +133,8 @@ def keep(
 
     Only a rank the warm path started keeps one (`RUNWARDEN_LAUNCH_PATH=warm`): a cold rank's
     process ends with its attempt, and its copy with it. A copy over the budget is not kept; older
-    copies go first to make room. Every tensor lands in a plain host tensor (pinned when CUDA is
-    available), whatever device it claims; a DTensor keeps its local shard and its placement. CUDA
+    copies go first to make room. Every tensor lands in a plain host tensor (pinned when the state
+    is on a GPU and CUDA is available), whatever device it claims; a DTensor keeps its local shard and its placement. CUDA
     tensors are copied on a side stream: the caller never waits for it (the training stream does,
     before its next kernel, so the next step cannot change a tensor mid-copy), and a load waits for
     it to land. On CPU it is a plain copy into buffers reused from the copy it replaces."""
@@ -249,7 +249,8 @@ def _reuse(dropped: list[Snapshot], layout: list[tuple[tuple[int, ...], Any]]) -
 def _allocate(locals_: list[Any]) -> list[Any]:
     import torch
 
-    pin = torch.cuda.is_available()  # pinned: what a D2H copy off the training stream needs
+    # pinned: what an async D2H copy needs; only for state on a GPU (pinning creates a CUDA context)
+    pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in locals_)
     return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=pin) for t in locals_]
 
 
