@@ -258,7 +258,13 @@ class Translator:
                 # earlier one committed; the core drops the commits it already holds
                 self.committed_seen = r.committed_step
                 self.committed_attempt = max(self.committed_attempt, prog.attempt)
-                out.append(CheckpointCommitted(step=r.committed_step, attempt=prog.attempt))
+                out.append(
+                    CheckpointCommitted(
+                        step=r.committed_step,
+                        attempt=prog.attempt,
+                        save_duration_s=_save_stall(prog, r.committed_step),
+                    )
+                )
         out.append(
             ProgressObserved(
                 node=prog.node,
@@ -363,6 +369,35 @@ def _losses(prog: store_pb2.NodeProgress, r: common_pb2.RankProgress) -> tuple[t
         )
         kept = kept[-MAX_RECENT_LOSSES:]
     return kept
+
+
+MAX_SAVE_STALL_S = 86_400.0  # a save that blocked training longer than a day is a bad report
+
+
+def _save_stall(prog: store_pb2.NodeProgress, step: int) -> float:
+    """How long the save of commit `step` blocked training: the longest of the stalls the node's
+    ranks report with it (RankProgress.save_stall_s; the ranks wait for each other in the save).
+    One that is not a number in [0, MAX_SAVE_STALL_S] counts as 0 with a log line: the commit
+    itself stands."""
+    longest = 0.0
+    for r in prog.ranks:
+        if not r.HasField("committed_step") or r.committed_step != step:
+            continue
+        stall = r.save_stall_s
+        if math.isfinite(stall) and 0.0 <= stall <= MAX_SAVE_STALL_S:
+            longest = max(longest, stall)
+        else:
+            log.warning(
+                "progress of %s (attempt %d) rank %d: save stall %r of checkpoint %d is not in "
+                "[0, %g] s: counted as 0",
+                prog.node,
+                prog.attempt,
+                r.rank,
+                stall,
+                step,
+                MAX_SAVE_STALL_S,
+            )
+    return longest
 
 
 def record_view(pool: KeyValue | None, reputation: KeyValue | None) -> NodeRecordView | None:
