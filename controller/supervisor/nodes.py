@@ -233,10 +233,13 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
     sv.latest_committed = max(sv.latest_committed, ev.step)
     a = sv.cur
     started = a.save_started.get(ev.step)
-    if ev.save_duration_s > 0:
+    if started is not None:
+        # The hang allowance learns the save as seen, first "saving" report to commit: a rank that
+        # waits for its async save (the last one) sits through the upload, which save_duration_s
+        # (the stall: an async save's staging only) leaves out.
+        sv.save_times.append(max(sv.now - started, ev.save_duration_s))
+    elif ev.save_duration_s > 0:
         sv.save_times.append(ev.save_duration_s)
-    elif started is not None:
-        sv.save_times.append(sv.now - started)
     if a.save_started:
         a.save_started = {s: t for s, t in a.save_started.items() if s > ev.step}
     sv.emit(
