@@ -316,6 +316,7 @@ class RunAccountant:
         self.incidents: list[OpenIncident] = []  # every incident (history) for the report
         self.awaiting_first_step: list[OpenIncident] = []  # faults since the last FIRST_STEP
         self.stop_pending = False
+        self.stop_step = -1  # the step the pending stop was requested at: its save commits no earlier
         self.nodes_now = 0
         self.attempt_nodes: frozenset[str] = frozenset()  # the running attempt's (its LAUNCH)
         self.node_seconds = 0.0
@@ -491,7 +492,9 @@ class RunAccountant:
                 self._mark(
                     Marker(ts=ev.ts, kind="commit", attempt=ev.attempt, step=ev.step, text=f"step {ev.step}")
                 )
-            if self.stop_pending and not failed:
+            if self.stop_pending and not failed and ev.step >= self.stop_step:
+                # the stop's own save (an earlier step's commit is a save begun before the stop,
+                # whose upload ended after it: training goes on to the stop's save)
                 self.mode = "stopping"
                 self._advance(t)
             elif t > self.cursor:
@@ -513,6 +516,7 @@ class RunAccountant:
         )
         if self.mode == "training":
             self.stop_pending = True
+            self.stop_step = ev.step
         elif self.mode == "startup":
             self.mode = "stopping"
 
