@@ -75,8 +75,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TEST ONLY: in attempt 1, rank RANK SIGKILLs itself in the middle of the DCP save of STEP "
         "(its shard written, then torn to half, before DCP hears of it)",
     )
+    p.add_argument(
+        "--test-software-fault",
+        default="",
+        type=software_fault,
+        metavar="{hang,crash,nan}@STEP",
+        help="TEST ONLY: a software or data bug at step STEP of every attempt, in the rank "
+        "(RUNWARDEN_ATTEMPT - 1) %% world size (its victim rotates): hang blocks before its forward, "
+        "outside any collective (a data loader deadlocked on a bad shard); crash raises; nan reports "
+        "a NaN loss",
+    )
     rank_device.add_backend_argument(p)  # auto: nccl on CUDA, gloo on CPU
     return p.parse_args(argv)
+
+
+SOFTWARE_FAULTS = ("hang", "crash", "nan")
+
+
+def software_fault(spec: str) -> tuple[str, int] | None:
+    """`--test-software-fault KIND@STEP` -> (kind, step); "" -> None."""
+    if not spec:
+        return None
+    kind, _, step = spec.partition("@")
+    if kind not in SOFTWARE_FAULTS or not step.isdigit():
+        raise argparse.ArgumentTypeError(f"expected one of {'/'.join(SOFTWARE_FAULTS)}@STEP, got {spec!r}")
+    return kind, int(step)
+
+
+def software_fault_here(fault: tuple[str, int] | None, step: int, rank: int, world: int, attempt: int) -> str:
+    """TEST ONLY (`--test-software-fault`): the fault this rank hits at this step ("" for none)."""
+    if fault is None or step != fault[1] or rank != (attempt - 1) % world:
+        return ""
+    kind = fault[0]
+    if kind == "hang":  # a deadlocked data loader: never reaches the gradient all-reduce the others wait in
+        print(f"rank {rank}: test fault: hanging before step {step}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    if kind == "crash":
+        raise RuntimeError(f"rank {rank}: test fault: a bad batch at step {step}")
+    return kind
 
 
 def killing_writer(rank: int, spec: str, attempt: int) -> Callable[[Path], Any] | None:
@@ -164,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_log = (args.out / f"loss-rank{rank}.jsonl").open("a", buffering=1)
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):
+        fault = software_fault_here(args.test_software_fault, step, rank, world, attempt)
         x, y = (t.to(device) for t in batch_for(args.seed, step, rank, args.batch))
         opt.zero_grad()
         loss = loss_fn(model(x), y)
@@ -175,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         # all-reduce of the flags, timed as wait; a rank stopping for a peer reports a planned stop.
         stop = reporter.stop_agreed(device=device)
         done = step + 1  # steps completed: what the supervisor and a checkpoint saved now count
-        reported = loss.item()
+        reported = float("nan") if fault == "nan" else loss.item()
         loss_log.write(
             json.dumps({"step": step, "loss": loss.item(), "attempt": attempt, "ts": time.time()}) + "\n"
         )
