@@ -32,10 +32,12 @@ MAX_LINE_BYTES = 8192
 class GpuMap:
     """Which GPU an NVRM line names, and which rank sat on it: the line's PCI bus id -> NVML's
     index (NVML's own map, read once and again when a bus id is not in it) -> the local rank
-    (torchrun's local rank i runs on CUDA device i: the i-th of CUDA_VISIBLE_DEVICES when the
-    ranks' environment sets it, else NVML index i, the PCI order CUDA uses on a node of one GPU
-    model) -> the global rank (`global_rank_of`, from the running attempt's progress reports;
-    None where the caller cannot tell). NVML errors make the answer None, never an exception."""
+    (torchrun's local rank i runs on CUDA device i: the i-th of CUDA_VISIBLE_DEVICES as the agent,
+    whose environment the ranks inherit, has it, else NVML index i, the PCI order CUDA uses on a
+    node of one GPU model) -> the global rank: `global_rank_of(local rank)` where the caller knows
+    it (the running attempt's progress reports), else the RANK a process NVML lists on that GPU
+    was started with (/proc/<pid>/environ: torchrun's ranks; a warm rank learns its rank after
+    exec, so not those). NVML errors make the answer None, never an exception."""
 
     RETRY_S = 60.0  # after NVML failed: asked again at most this often (a line per Xid, not a loop)
 
@@ -94,8 +96,35 @@ class GpuMap:
         if local is None:
             return index, f"GPU {index} (NVML), no local rank runs on it"
         rank = self.global_rank_of(local)
+        if rank is None:
+            rank = self._rank_on(index)
         where = f"global rank {rank}" if rank is not None else "global rank unknown here"
         return index, f"GPU {index} (NVML), local rank {local}, {where}"
+
+    def _rank_on(self, index: int) -> int | None:
+        """The RANK of the one rank process NVML lists on GPU `index` (None: none, or several)."""
+        try:
+            assert self._nvml is not None
+            pids = [p.pid for p in self._nvml.compute_processes(index)]
+        except NvmlError:
+            return None
+        ranks = {r for r in (_exec_env_int(pid, "RANK") for pid in pids) if r is not None}
+        return ranks.pop() if len(ranks) == 1 else None
+
+
+def _exec_env_int(pid: int, name: str) -> int | None:
+    """An integer variable of the environment `pid` was started with, None if absent or unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read(1 << 20)
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    for item in raw.split(b"\0"):
+        if item.startswith(prefix):
+            value = item[len(prefix) :]
+            return int(value) if value.isdigit() else None
+    return None
 
 
 class XidMonitor:

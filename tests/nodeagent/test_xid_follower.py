@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from nodeagent.monitors import GpuMap, XidMonitor
-from preflight.nvml import NvmlUnavailable
+from preflight.nvml import GpuProcess, NvmlUnavailable
 from runwarden.v1 import common_pb2
 from tests.preflight.fake_nvml import FakeNvml
 
@@ -31,6 +34,27 @@ def test_the_bus_id_names_the_nvml_index_the_local_rank_and_the_global_rank() ->
     masked = GpuMap(FakeNvml(), visible_devices="4,2")
     assert masked.describe("0000:1a:00") == (2, "GPU 2 (NVML), local rank 1, global rank unknown here")
     assert masked.describe("0000:18:00") == (0, "GPU 0 (NVML), no local rank runs on it")
+
+
+def test_without_the_agents_map_the_rank_is_the_one_nvml_lists_on_that_gpu() -> None:
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        env={**os.environ, "RANK": "11", "LOCAL_RANK": "2"},
+    )
+    try:
+        nvml = FakeNvml()
+        nvml.gpus[2].processes = [GpuProcess(pid=rank.pid, used_bytes=1 << 30)]
+        assert GpuMap(nvml, visible_devices="").describe("0000:1a:00") == (
+            2,
+            "GPU 2 (NVML), local rank 2, global rank 11",
+        )
+        me = os.getpid()  # this test's process: started without RANK (else not a fair case)
+        assert b"\0RANK=" not in b"\0" + Path(f"/proc/{me}/environ").read_bytes()
+        nvml.gpus[2].processes = [GpuProcess(pid=me, used_bytes=0)]  # no RANK: not a rank
+        assert GpuMap(nvml, visible_devices="").describe("0000:1a:00")[1].endswith("global rank unknown here")
+    finally:
+        rank.communicate(b"")
 
 
 def test_no_nvml_means_no_index_never_an_error() -> None:
