@@ -633,16 +633,19 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
 STAGE_BYTES = 64 * 1024 * 1024  # under NCCL, a peer's state crosses the GPU in chunks of this size
 
 
-def _broadcast_host(flat: Any, sender: int, *, rank: int, device: str) -> None:
+def _broadcast_host(
+    flat: Any, sender: int, *, rank: int, device: str, stage_bytes: int | None = None
+) -> None:
     """Broadcast a host tensor in place: directly on a CPU backend (gloo); under NCCL through one
-    GPU staging buffer of at most STAGE_BYTES, so the state never occupies the GPU whole."""
+    GPU staging buffer of at most STAGE_BYTES, so the state never occupies the GPU whole
+    (`stage_bytes`: stage through `device` in chunks of that size, whatever the device)."""
     import torch
     import torch.distributed as dist
 
-    if device == "cpu":
+    if device == "cpu" and stage_bytes is None:
         dist.broadcast(flat, src=sender)
         return
-    step = max(1, min(flat.numel(), STAGE_BYTES // flat.element_size()))
+    step = max(1, min(flat.numel(), (stage_bytes or STAGE_BYTES) // flat.element_size()))
     stage = torch.empty(step, dtype=flat.dtype, device=device)
     for at in range(0, flat.numel(), step):
         n = min(step, flat.numel() - at)
