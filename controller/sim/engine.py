@@ -32,8 +32,9 @@ counted as absorbed.
 
 Software bugs at a fixed step (`Cause.fixed_step`, issue 26): the first hit arms a bug at the
 job's step; every later attempt that reaches that step fails there again, each time on another
-node of the attempt (the culprit rotates), until the job is fixed `fix_hours` after the first hit.
-If the core ends the run meanwhile (a crash loop, an exhausted budget), the operator fixes the job
+node of the attempt (the culprit rotates), until the job is fixed `fix_hours` after the first hit;
+the fix reaches a running attempt as a planned stop and relaunch (a restarting one gets it at its
+launch). If the core ends the run meanwhile (a crash loop, an exhausted budget), the operator fixes the job
 and starts the run again at that moment: a fresh core, given the store's state in a `Snapshot`
 (the node records and the supervisor memory it persisted, the commits), as `controller run` does;
 the world logs a RUN_START there. A control-plane blip (symptom "control_plane") is the controller
@@ -625,6 +626,7 @@ class World:
         self.bug = FixedStepBug(
             id=self.bugs, cause=cause, step=step, fix_at=self.now + 3600.0 * cause.fix_hours, culprits=[]
         )
+        self.at(self.bug.fix_at, self._fix_deployed, self.bug.id)
         if running:
             self.interruptions.append(
                 Interruption(t=self.now, cause=cause.name, node=name, outcome="interrupted")
@@ -662,6 +664,18 @@ class World:
         bug.culprits.append(name)
         self.interruptions.append(Interruption(t=self.now, cause=bug.cause.name, node=name, outcome="refail"))
         self._strike(name, bug.cause, self.rng.random())
+
+    def _fix_deployed(self, bug_id: int) -> None:
+        """The fix is ready: a running attempt is stopped and relaunched with it (a planned stop, as
+        `controllerctl stop --relaunch` does); an attempt being restarted gets it at its launch; a
+        run the core ended is started again with it (`_operator_restart`)."""
+        if self.bug is None or self.bug.id != bug_id or self.core.state in _ENDED:
+            return
+        self.bug = None
+        if self.training and not self.fault_open:
+            self.planned_stops += 1
+            self.last_fault = self.last_fault_kind = "planned"
+            self.feed(StopRequested(reason="deploy the fix of a software bug", requested_by="sim"))
 
     def _restart_after_fix(self) -> bool:
         """The core ended the run while a fixed-step bug is unfixed: the operator fixes the job and
