@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,7 +74,8 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
     model, opt = _model(device, 2048, 8)  # 134 MiB of parameters, 403 MiB with AdamW's moments
     state = {"state": dcp._model_and_optim_state(model, opt)}
     sources = [t for t in memory_state._split(state)[1]]
-    assert all(t.device.type == device.type for t in sources), "the state dict is not on the device"
+    # the parameters and AdamW's moments are on the device (AdamW's `step` counters stay on the CPU)
+    assert sum(t.device.type == device.type for t in sources) >= 3 * 16, "the state is not on the device"
     times = []
     for i in (1, 2, 3):  # the third reuses the first's pinned buffers
         if cuda:
@@ -238,14 +241,19 @@ def warm_rank(device: Any, tmp: Path) -> None:
         pass_fds=(w,),
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        start_new_session=True,  # so a rank stuck in NCCL is killed with its leader below
     )
     os.close(w)
     lines = warm.Lines(r, 4096)
     assert leader.stdin is not None
 
-    def said() -> str:
-        line = lines.read_line()
-        assert line is not None, f"the leader is gone: {(tmp / 'leader.log').read_text()[-3000:]}"
+    def said(timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (line := lines.pop()) is None:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            log_tail = (tmp / "leader.log").read_text(errors="replace")[-3000:]
+            assert ready, f"the leader said nothing within {timeout_s:g} s: {log_tail}"
+            assert lines.fill(), f"the leader is gone: {log_tail}"
         return line.decode()
 
     def hand_off(attempt: int, **extra: str) -> None:
@@ -267,7 +275,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
         leader.stdin.flush()
 
     try:
-        ready = said()
+        ready = said(120.0)  # the rank imports torch first
         assert ready.startswith("ready "), ready
         pid = int(ready.split()[1])
         hand_off(1)
@@ -281,7 +289,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
         t0 = time.monotonic()
         leader.stdin.write(b"end\n")
         leader.stdin.flush()
-        ended = said()
+        ended = said(30.0)  # an abort that does not get the rank out of NCCL fails here
         left = time.monotonic() - t0
         assert ended.startswith("ended ") and ended != "ended 0", ended
         hand_off(3)
@@ -298,7 +306,11 @@ def warm_rank(device: Any, tmp: Path) -> None:
             )
     finally:
         leader.stdin.close()
-        leader.wait(30)
+        try:
+            leader.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait()
         os.close(r)
     log.seek(0)
     text = log.read().decode(errors="replace")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Exercises every GPU code path one GPU can run, in under 5 minutes:
-# * tests/gpu/gpu_runwarden.py (about a minute): runwarden's training side: DCP save/load of CUDA
+# * tests/gpu/gpu_runwarden.py (about a minute, 120 s at most): runwarden's training side: DCP save/load of CUDA
 #   tensors, the in-memory copies (pinned host memory, async D2H, no GPU memory; the save stall with
 #   and without), the peer path's chunked staging, stop_agreed(device="cuda"), a warm rank's NCCL
 #   abort and re-init and what a parked rank keeps (MiB), NCCL flight-recorder dumps, the bootstrap's
@@ -8,7 +8,7 @@
 # * tests/gpu/gpu_checks.py: preflight (NVML inventory and counters, CUDA known-answer matmul, NCCL
 #   all-reduce, the burn-in's sustained matmul / memory test / NCCL soak at short durations, a
 #   leftover rank's GPU memory, the trainer's collective timer), then `preflight run --full`, which
-#   must exit 0.
+#   must exit 0 (175 s at most).
 # Both run; the script fails if either does (any FAIL). Output also goes to $OUT/gpu-*.log when $OUT
 # is set.
 # On a host without an NVIDIA GPU it prints SKIPPED with the reason and exits 0 (CPU-only CI).
@@ -41,8 +41,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 LOGS="${OUT:-$(mktemp -d)}"
 status=0
 started=$SECONDS
-timeout 90 "$PYTHON" tests/gpu/gpu_runwarden.py 2>&1 | tee "$LOGS/gpu-runwarden.log" || status=1
-timeout 200 "$PYTHON" tests/gpu/gpu_checks.py 2>&1 | tee "$LOGS/gpu-checks.log" || status=1
+timeout 120 "$PYTHON" tests/gpu/gpu_runwarden.py 2>&1 | tee "$LOGS/gpu-runwarden.log" || status=1
+timeout 175 "$PYTHON" tests/gpu/gpu_checks.py 2>&1 | tee "$LOGS/gpu-checks.log" || status=1
 echo "tests/gpu/run.sh: $([[ $status == 0 ]] && echo PASSED || echo FAILED) in $((SECONDS - started)) s" \
      "($(date -u +%FT%TZ); logs in $LOGS)"
 exit $status
