@@ -9,7 +9,9 @@ NodeProgress (the controller's only source of worker exits); the agent flushes i
 likewise the first report in which a rank says its checkpoint is loaded (`loaded_step`), so the
 restart's load phase ends in the event log when it ends on the node, not up to an interval later,
 and the first report of a step after that load (the restart's first new step: the controller's
-FIRST_STEP, the end of the restart's downtime, is then as late as one etcd write, not an interval).
+FIRST_STEP, the end of the restart's downtime, is then as late as one etcd write, not an interval),
+and a rank's report of a newer committed checkpoint (CHECKPOINT_COMMIT's time ends its save in the
+goodput timeline: a planned stop's save is labelled from there back by its stall).
 An exit after which any rank of that attempt had reported a `stop_reason` carries it as
 `planned_stop`: how the controller tells a planned stop (save, commit, exit 0) from the end of
 training, which also exits 0.
@@ -56,9 +58,7 @@ class ProgressTable:
             for report in reports:
                 old = table.get(report.rank)
                 if old is None or report.step >= old.step or report.reported_at >= old.reported_at:
-                    if report.HasField("loaded_step") and (
-                        old is None or not old.HasField("loaded_step") or _first_step_after_load(old, report)
-                    ):
+                    if _urgent(old, report):
                         self._urgent_reports += 1
                     if old is not None and (old.recent_losses or old.losses_dropped):
                         _merge_losses(report, old, keep_first=False)  # not written yet: kept
@@ -183,6 +183,18 @@ def flush(table: ProgressTable, store: Any, node: str) -> int:
     if error is not None:
         raise error
     return written
+
+
+def _urgent(old: common_pb2.RankProgress | None, new: common_pb2.RankProgress) -> bool:
+    """`new` first says the rank loaded its checkpoint, or is its first step after that load, or
+    reports a commit newer than `old`'s (each written to etcd at once)."""
+    if new.HasField("loaded_step") and (
+        old is None or not old.HasField("loaded_step") or _first_step_after_load(old, new)
+    ):
+        return True
+    return new.HasField("committed_step") and (
+        old is None or not old.HasField("committed_step") or new.committed_step != old.committed_step
+    )
 
 
 def _first_step_after_load(old: common_pb2.RankProgress, new: common_pb2.RankProgress) -> bool:

@@ -135,6 +135,7 @@ class ProgressReporter:
         self._agent_stop = False
         self._slow_s = 0.0
         self._committed: tuple[int, float] | None = None  # (step, its save's stall in seconds)
+        self._last_report: _Report | None = None
         self._loaded: int | None = None
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
@@ -254,7 +255,8 @@ class ProgressReporter:
         self._last_step = step
         if loss is not None:
             self._keep_loss(step, loss)
-        self._pending.append((step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time()))
+        self._last_report = (step, step_time_s, compute_s, wait_s, in_checkpoint, loss, time.time())
+        self._pending.append(self._last_report)
         first_after_load = (
             self._loaded is not None and self._first_step_unsent and step > max(0, self._loaded)
         )
@@ -290,7 +292,14 @@ class ProgressReporter:
         if save_stall_s is None:
             save_stall_s = _SAVE_STALLS.pop(int(step), 0.0)
         stall = float(save_stall_s)
+        new = self._committed is None or self._committed[0] != int(step)
         self._committed = (int(step), stall if math.isfinite(stall) and stall > 0 else 0.0)
+        last = self._last_report
+        if new and last is not None:
+            # Sent now (the last report again), not at the next flush: the commit's time in the event
+            # log ends its save in the goodput timeline (a stop's save is planned back from there).
+            self._pending.append((*last[:4], self._in_checkpoint, None, time.time()))
+            self.flush()
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)

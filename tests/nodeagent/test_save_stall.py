@@ -24,7 +24,8 @@ from torch import nn
 
 from nodeagent import trainer
 from nodeagent.checkpoint import read_commit, step_dir
-from runwarden.v1 import agent_pb2
+from nodeagent.progress import ProgressTable
+from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent import save_stall_job
 from tests.nodeagent.helpers import wait_for
 
@@ -124,8 +125,9 @@ def test_every_rank_reports_its_own_stall_and_the_marker_keeps_rank_0s(
         assert commit.meta["save_stall_s"] == pytest.approx(stall, abs=1e-5)
 
 
-def test_the_commit_reaches_the_agent_with_its_stall(agent_factory: Any, tmp_path: Path) -> None:
+def test_the_commit_reaches_the_agent_at_once_with_its_stall(agent_factory: Any, tmp_path: Path) -> None:
     agent = agent_factory()
+    # no periodic flush within the test: each commit is sent by set_committed itself
     r = trainer.ProgressReporter(
         run="r1",
         attempt=1,
@@ -133,7 +135,7 @@ def test_the_commit_reaches_the_agent_with_its_stall(agent_factory: Any, tmp_pat
         local_rank=0,
         world_size=1,
         agent_socket=agent.socket,
-        flush_interval_s=0.05,
+        flush_interval_s=600,
     )
 
     def reported() -> Any:
@@ -150,7 +152,6 @@ def test_the_commit_reaches_the_agent_with_its_stall(agent_factory: Any, tmp_pat
     assert reported().save_stall_s == pytest.approx(0.25)
     for step, bad in enumerate((float("nan"), float("inf"), -1.0), start=10):  # never sent as a stall
         r.set_committed(step, save_stall_s=bad)
-        r.report(step)
         wait_for(functools.partial(committed, step), 10, f"commit {step} at the agent")
         assert reported().save_stall_s == 0.0
     # the old format: save_checkpoint times itself and set_committed(step) sends it
@@ -160,11 +161,25 @@ def test_the_commit_reaches_the_agent_with_its_stall(agent_factory: Any, tmp_pat
     took = time.perf_counter() - start
     assert commit is not None
     r.set_committed(20)
-    r.report(20)
     wait_for(lambda: committed(20), 10, "commit 20 at the agent")
     assert 0 < reported().save_stall_s <= took
     r.set_committed(13)  # resumed from: this process did not save it
-    r.report(21)
     wait_for(lambda: committed(13), 10, "commit 13 at the agent")
     assert reported().save_stall_s == 0.0
     r.close()
+
+
+def test_a_newer_commit_is_written_to_etcd_at_once() -> None:
+    table = ProgressTable()
+
+    def record(step: int, committed: int | None) -> int:
+        report = common_pb2.RankProgress(rank=0, step=step, reported_at=float(step))
+        if committed is not None:
+            report.committed_step, report.save_stall_s = committed, 0.1
+        table.record("r1", 1, [report])
+        return table.take_urgent_reports()
+
+    assert record(7, None) == 0
+    assert record(8, 8) == 1  # the commit: the agent writes at once
+    assert record(9, 8) == 0  # the same commit again: the next interval's write
+    assert record(16, 16) == 1
