@@ -70,13 +70,9 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
                     f"preflight could not reach it ({ev.reason}); replaced for this attempt, not quarantined",
                 )
             else:
-                prepare.reject(
-                    sv,
-                    node,
-                    f"preflight could not run: {ev.reason}",
-                    f"{node} rejected before attempt {sv.attempt + 1}: preflight could not run: {ev.reason}",
-                    E.PreflightDetail(node=node),
-                )
+                # The agent could not run it (busy with a burn-in, refused the request): no verdict on
+                # the node, so no quarantine and no strike; it is left out of this attempt.
+                prepare.leave_out(sv, node, f"preflight could not run: {ev.reason}")
         case RunPreflight(purpose="burn_in"):
             for node in (ev.node,) if ev.node else act.nodes:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers

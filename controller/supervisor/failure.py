@@ -124,7 +124,18 @@ class _Suspect:
     blamed: bool  # blamed for this failure (else a straggler flagged earlier in the attempt)
 
 
-def _to_quarantine(sv: Supervisor, f: Failure) -> tuple[list[_Suspect], bool]:
+def _distinct_steps(steps: set[int], slack: int) -> int:
+    """How many different steps: those within `slack` (at least 1) of the one before are the same
+    step seen late (a crash's step is the last progress its node wrote)."""
+    count, last = 0, None
+    for s in sorted(steps):
+        if last is None or s - last > max(1, slack):
+            count += 1
+        last = s
+    return count
+
+
+def _to_quarantine(sv: Supervisor, f: Failure, slack: int) -> tuple[list[_Suspect], bool]:
     """Blame the stopped attempt (logged), and name who is quarantined for it and why; and whether
     the blame rests on evidence about a node (hardware evidence, a lost lease)."""
     a = sv.cur
@@ -154,7 +165,7 @@ def _to_quarantine(sv: Supervisor, f: Failure) -> tuple[list[_Suspect], bool]:
         elif b.method is BlameMethod.FIRST_EXIT and f.first_exit is not None:
             steps = sv.offences.setdefault(f.first_exit, set())
             steps.add(f.step)
-            if len(steps) >= sv.cfg.repeat_offender_count:
+            if _distinct_steps(steps, slack) >= sv.cfg.repeat_offender_count:
                 out = [
                     _Suspect(
                         node=f.first_exit,
@@ -200,8 +211,8 @@ def decide(sv: Supervisor) -> None:
     _exit_summary(sv, f)
     seen: set[str] = set()
     victims: list[tuple[str, float]] = []  # quarantined without evidence about the node
-    suspects, node_evidence = _to_quarantine(sv, f)
     signature = _signature(sv, f)
+    suspects, node_evidence = _to_quarantine(sv, f, signature.slack)
     # The failure that completes a crash loop quarantines none of its suspects: the verdict would
     # give them back at once. Whether a suspect is a victim is the blame's rung, not whether it
     # carries an Evidence record: the flight recorder's verdict always attaches one (a rank that
@@ -249,7 +260,7 @@ def decide(sv: Supervisor) -> None:
     memory.persist(sv)
     match decision:
         case restart.CrashLoop(reason=reason):
-            _crash_loop(sv, f, reason, also_suspected=[s.node for s in suspects if s.blamed])
+            _crash_loop(sv, f, signature, reason, also_suspected=[s.node for s in suspects if s.blamed])
         case restart.BudgetExhausted(reason=reason, page=page):
             sv.page(page)
             sv.finish(RunState.BUDGET_EXHAUSTED, "budget_exhausted", reason)
@@ -257,21 +268,29 @@ def decide(sv: Supervisor) -> None:
             begin_backoff(sv, delay, reason)
 
 
-def _crash_loop(sv: Supervisor, f: Failure, reason: str, also_suspected: list[str]) -> None:
+def _crash_loop(
+    sv: Supervisor, f: Failure, signature: restart.Signature, reason: str, also_suspected: list[str]
+) -> None:
     """The run stops and pages once; the nodes quarantined for the loop were its victims: they go
     back to the pool without the strike and without a burn-in."""
-    suspects = sv.history.loop_suspects
-    released = [n for n, at in suspects if release_victim(sv, n, at, f"victim of the crash loop ({f.label})")]
+    cand = sv.history.candidate(signature)
+    suspects = cand.suspects if cand is not None else []
+    count = cand.count if cand is not None else sv.cfg.crash_loop_count
+    struck = [n for n, at in suspects if release_victim(sv, n, at, f"victim of the crash loop ({f.label})")]
     named = sorted({*(n for n, _ in suspects), *(n for n in also_suspected if n)})
-    sig = sv.history.loop_signature
-    resumed = f", resumed from step {sig.resume_step}" if sig is not None else ""
     sv.page(
-        f"crash loop: {f.label} at step {f.step}, {sv.history.loop_count} times in a row{resumed}; "
+        f"crash loop: {f.label} at step {f.step}, {count} times, the run never past it (resumed from step "
+        f"{sv.cur.resume_step}); "
         + (f"suspected {', '.join(named)}; " if named else "no node was suspected; ")
-        + (f"released without a strike: {', '.join(released)}" if released else "no node to release")
+        + (
+            f"their strikes struck off, back in service: {', '.join(struck)}"
+            if struck
+            else "no node to release"
+        )
         + "; a software or data fault: fix the job, then `controller run` resumes from the latest commit"
     )
-    sv.history.reset_loop()
+    if cand is not None:
+        sv.history.forget(cand)
     memory.persist(sv)
     sv.finish(RunState.CRASH_LOOP, "crash_loop", reason)
 
@@ -279,13 +298,16 @@ def _crash_loop(sv: Supervisor, f: Failure, reason: str, also_suspected: list[st
 def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> bool:
     """Give back a node quarantined for a fault that was not its own: its strike is struck off and
     it is a spare again at once (no burn-in: nothing was wrong with it), unless something else keeps
-    it out (an operator's hold, fatal evidence, other recent failures). Whether it returned now."""
+    it out (an operator's hold, fatal evidence, other recent failures). Whether it is back in
+    service without the strike."""
     p = sv.pool.get(node)
     was_out = p.state in OUT_OF_SERVICE
     if not sv.pool.strike_off(node, strike_at, sv.now):
         return False
     sv.persist(node)
-    if not was_out or p.state is not PoolState.SPARE:
+    if not was_out:
+        return True  # its burn-in already returned it: only the strike was left to strike off
+    if p.state is not PoolState.SPARE:
         return False
     sv.burn_in.discard(node)
     sv.soaks.pop(node, None)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from controller.supervisor.actions import PersistMemory
-from controller.supervisor.restart import Signature
+from controller.supervisor.restart import MAX_LOOP_CANDIDATES, LoopCandidate, Signature
 from runwarden.v1 import store_pb2
 
 if TYPE_CHECKING:
@@ -39,17 +39,15 @@ def record(sv: Supervisor) -> store_pb2.SupervisorMemory:
         written_at=sv.now,
         attempt=sv.attempt,
     )
-    if h.loop_signature is not None and h.loop_count > 0:
-        s = h.loop_signature
-        rec.loop.CopyFrom(
-            store_pb2.CrashLoopCandidate(
-                label=s.label,
-                resume_step=s.resume_step,
-                step=s.step,
-                slack=s.slack,
-                count=h.loop_count,
-                suspects=[store_pb2.Strike(node=n, at=t) for n, t in h.loop_suspects[-MAX_TIMES:]],
-            )
+    for c in h.loops:
+        s = c.signature
+        rec.loops.add(
+            label=s.label,
+            resume_step=s.resume_step,
+            step=s.step,
+            slack=s.slack,
+            count=c.count,
+            suspects=[store_pb2.Strike(node=n, at=t) for n, t in c.suspects[-MAX_TIMES:]],
         )
     for node, steps in sorted(sv.offences.items()):
         rec.offences.add(node=node, steps=sorted(steps)[-MAX_OFFENCE_STEPS:])
@@ -75,21 +73,20 @@ def restore(sv: Supervisor, rec: store_pb2.SupervisorMemory) -> str:
     h.storm = max(0, rec.storm)
     h.last_label = rec.last_label[:128]
     h.launch_failures = max(0, rec.launch_failures)
-    h.reset_loop()
-    loop = rec.loop
-    if rec.HasField("loop") and loop.count > 0 and loop.step >= -1 and loop.slack >= 0:
-        h.loop_signature = Signature(
+    h.loops = []
+    for loop in rec.loops[-MAX_LOOP_CANDIDATES:]:
+        if loop.count <= 0 or loop.step < -1 or loop.slack < 0:
+            continue  # not a failure anyone saw: dropped alone
+        sig = Signature(
             label=loop.label[:128], resume_step=loop.resume_step, step=loop.step, slack=loop.slack
         )
-        h.loop_count = loop.count
-        h.loop_suspects = [
+        suspects = [
             (s.node, s.at) for s in loop.suspects if s.node and len(s.node) <= 253 and math.isfinite(s.at)
         ]
+        h.loops.append(LoopCandidate(signature=sig, count=loop.count, suspects=suspects))
     sv.offences = {
         o.node: {s for s in o.steps if s >= 0} for o in rec.offences if o.node and len(o.node) <= 253
     }
     used = h.used(sv.cfg, sv.now)
-    loop_text = (
-        f", crash-loop candidate {h.loop_count}x ({h.loop_signature.label})" if h.loop_signature else ""
-    )
+    loop_text = "".join(f", crash-loop candidate {c.count}x ({c.signature.label})" for c in h.loops)
     return f"memory restored: {used} restart(s) in the budget window{loop_text}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from controller.supervisor import detectors, failure, prepare, soak
+from controller.supervisor import detectors, failure, memory, prepare, soak
 from controller.supervisor.actions import PersistCheckpoint, SetTimer
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
@@ -230,6 +230,10 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
         )
         return
     sv.committed.add(ev.step)
+    loops = len(sv.history.loops)
+    sv.history.got_past(ev.step)  # a commit past a failure's step: the run got past it, no loop
+    if len(sv.history.loops) != loops:
+        memory.persist(sv)
     sv.latest_committed = max(sv.latest_committed, ev.step)
     a = sv.cur
     started = a.save_started.get(ev.step)

@@ -5,13 +5,15 @@ torchft's habit: the decision returns the sentence the event log records, and te
 store as the run's `SupervisorMemory`, so a new leader continues it); the functions read it and
 return a frozen decision; only `record` changes it after a stop.
 
-* The same failure `crash_loop_count` times in a row -> `CrashLoop`, **whoever was blamed**: a
-  software or data bug at one step rotates its victim (the rank that reads the bad shard changes
-  with the attempt), so a suspect the flight recorder named and the core quarantined does not make
-  the failure the node's. "The same failure": the same label at the same step (`Signature.matches`
-  says how close), each compared with the loop's first. Only a failure blamed on
-  evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is not part of a loop: it ends
-  any loop. The nodes quarantined for the loop's failures are `loop_suspects`, released by the
+* The same failure `crash_loop_count` times while the run never got past its step -> `CrashLoop`,
+  **whoever was blamed**: a software or data bug at one step rotates its victim (the rank that reads
+  the bad shard changes with the attempt), so a suspect the flight recorder named and the core
+  quarantined does not make the failure the node's. "The same failure": the same label at the same
+  step (`Signature.matches` says how close), each compared with the candidate's first. Other
+  failures in between (a hardware fault before the step, a planned stop, a control-plane blip) do
+  not reset a candidate; the run getting past its step does (a later failure, a later commit).
+  A failure blamed on evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is no
+  candidate. The nodes quarantined for a candidate's failures are its `suspects`, released by the
   verdict without their strike (failure.py).
 * More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
 * Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
@@ -72,24 +74,39 @@ class Signature:
         return apart <= 1 or (other.resume_step == self.resume_step and apart <= max(self.slack, other.slack))
 
 
+MAX_LOOP_CANDIDATES = 8  # failures the run has not got past yet, each a possible loop
+
+
+@dataclass(slots=True)
+class LoopCandidate:
+    """A failure the run has not got past: how often it was seen, and who was quarantined for it."""
+
+    signature: Signature  # its first occurrence
+    count: int = 1
+    suspects: list[tuple[str, float]] = field(default_factory=list)  # (node, strike time)
+
+
 @dataclass(slots=True)
 class RestartHistory:
     restart_times: list[float] = field(default_factory=list)  # failure restarts, for the budget window
     storm: int = 0  # failures in a row that were storm-like (see the module doc); 0 after an independent one
     last_label: str = ""  # the last counted failure's kind
-    loop_signature: Signature | None = None  # the loop's first failure
-    loop_count: int = 0
-    loop_suspects: list[tuple[str, float]] = field(
-        default_factory=list
-    )  # (node, strike time) quarantined for it
+    loops: list[LoopCandidate] = field(default_factory=list)  # oldest first, at most MAX_LOOP_CANDIDATES
     launch_failures: int = 0  # attempts in a row that were never launched (ActionFailed on Launch)
 
     def used(self, cfg: SupervisorConfig, now: float) -> int:
         window = cfg.restart_budget_window_s
         return sum(1 for t in self.restart_times if not window or now - t < window)
 
-    def reset_loop(self) -> None:
-        self.loop_signature, self.loop_count, self.loop_suspects = None, 0, []
+    def candidate(self, signature: Signature) -> LoopCandidate | None:
+        return next((c for c in self.loops if signature.matches(c.signature)), None)
+
+    def got_past(self, step: int) -> None:
+        """The run reached `step` (a failure or a commit there): candidates before it are no loop."""
+        self.loops = [c for c in self.loops if c.signature.step + max(1, c.signature.slack) >= step]
+
+    def forget(self, candidate: LoopCandidate) -> None:
+        self.loops = [c for c in self.loops if c is not candidate]
 
 
 def restart_decision(
@@ -114,7 +131,8 @@ def restart_decision(
     if not node_evidence:
         count = loop_count_with(history, signature)
         if count >= cfg.crash_loop_count:
-            blamed = sorted({n for n, _ in history.loop_suspects})
+            cand = history.candidate(signature)
+            blamed = sorted({n for n, _ in cand.suspects}) if cand is not None else []
             who = (
                 f"blamed on {len(blamed)} different node(s) ({', '.join(blamed)}): a software or data "
                 "fault rotates its victim"
@@ -122,8 +140,8 @@ def restart_decision(
                 else "with no suspect"
             )
             return CrashLoop(
-                reason=f"crash loop: the same failure ({label}) at step {step} {count} times in a row "
-                f"(resumed from step {signature.resume_step}), {who}; stopped and paged"
+                reason=f"crash loop: the same failure ({label}) at step {step} {count} times, the run never "
+                f"past it (resumed from step {signature.resume_step}), {who}; stopped and paged"
             )
     window = cfg.restart_budget_window_s
     used = history.used(cfg, now)
@@ -145,8 +163,9 @@ def restart_decision(
 
 
 def loop_count_with(history: RestartHistory, signature: Signature) -> int:
-    """How many times in a row this failure has now been seen (1: a new one)."""
-    return history.loop_count + 1 if signature.matches(history.loop_signature) else 1
+    """How many times this failure has now been seen since the run last got past its step."""
+    cand = history.candidate(signature)
+    return cand.count + 1 if cand is not None else 1
 
 
 def storm_count(
@@ -182,15 +201,18 @@ def record(
     without evidence about the node, with their strike's time (a crash-loop verdict gives them
     back without it)."""
     if isinstance(decision, Relaunch) and not decision.counted:
-        history.reset_loop()
-        return
+        return  # a planned stop or a control-plane fault: no failure of the job, no candidate changes
+    history.got_past(signature.step)
+    cand = history.candidate(signature)
     if node_evidence:
-        history.reset_loop()
-    elif signature.matches(history.loop_signature):
-        history.loop_count += 1
-        history.loop_suspects.extend(quarantined)
+        pass  # the node's own fault: neither a candidate nor a hit of one
+    elif cand is not None:
+        cand.count += 1
+        cand.suspects.extend(quarantined)
     else:
-        history.loop_signature, history.loop_count, history.loop_suspects = signature, 1, list(quarantined)
+        history.loops = [*history.loops, LoopCandidate(signature=signature, suspects=list(quarantined))][
+            -MAX_LOOP_CANDIDATES:
+        ]
     if isinstance(decision, Relaunch):
         window = cfg.restart_budget_window_s
         history.restart_times = [*(t for t in history.restart_times if not window or now - t < window), now]

@@ -590,7 +590,7 @@ class SupervisorMemory(_message.Message):
     RESTART_BUDGET_WINDOW_S_FIELD_NUMBER: _builtins.int
     STORM_FIELD_NUMBER: _builtins.int
     LAST_LABEL_FIELD_NUMBER: _builtins.int
-    LOOP_FIELD_NUMBER: _builtins.int
+    LOOPS_FIELD_NUMBER: _builtins.int
     OFFENCES_FIELD_NUMBER: _builtins.int
     QUARANTINE_TIMES_FIELD_NUMBER: _builtins.int
     LAUNCH_FAILURES_FIELD_NUMBER: _builtins.int
@@ -613,8 +613,8 @@ class SupervisorMemory(_message.Message):
         """failure restarts counted against the budget, bounded"""
 
     @_builtins.property
-    def loop(self) -> Global___CrashLoopCandidate:
-        """unset: no failure counts toward a crash loop now"""
+    def loops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CrashLoopCandidate]:
+        """failures the run has not got past yet, oldest first"""
 
     @_builtins.property
     def offences(self) -> _containers.RepeatedCompositeFieldContainer[Global___Offence]:
@@ -633,16 +633,16 @@ class SupervisorMemory(_message.Message):
         restart_budget_window_s: _builtins.float = ...,
         storm: _builtins.int = ...,
         last_label: _builtins.str = ...,
-        loop: Global___CrashLoopCandidate | None = ...,
+        loops: _abc.Iterable[Global___CrashLoopCandidate] | None = ...,
         offences: _abc.Iterable[Global___Offence] | None = ...,
         quarantine_times: _abc.Iterable[_builtins.float] | None = ...,
         launch_failures: _builtins.int = ...,
         written_at: _builtins.float = ...,
         attempt: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["loop", b"loop"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "last_label", b"last_label", "launch_failures", b"launch_failures", "loop", b"loop", "offences", b"offences", "quarantine_times", b"quarantine_times", "restart_budget", b"restart_budget", "restart_budget_window_s", b"restart_budget_window_s", "restart_times", b"restart_times", "run", b"run", "storm", b"storm", "written_at", b"written_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "last_label", b"last_label", "launch_failures", b"launch_failures", "loops", b"loops", "offences", b"offences", "quarantine_times", b"quarantine_times", "restart_budget", b"restart_budget", "restart_budget_window_s", b"restart_budget_window_s", "restart_times", b"restart_times", "run", b"run", "storm", b"storm", "written_at", b"written_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -650,7 +650,7 @@ Global___SupervisorMemory: _TypeAlias = SupervisorMemory  # noqa: Y015
 
 @_typing.final
 class CrashLoopCandidate(_message.Message):
-    """The same failure seen `count` times in a row (controller/supervisor/restart.py's Signature)."""
+    """A failure seen `count` times since the run last got past its step (restart.py's LoopCandidate)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -97,11 +97,11 @@ def test_a_software_hang_at_one_step_with_a_rotating_victim_ends_as_a_crash_loop
     pages = d.of(Page)
     assert len(pages) == 1, [p.reason for p in pages]
     page = pages[0].reason
-    assert "crash loop: hang at step 44" in page and "3 times in a row" in page
+    assert "crash loop: hang at step 44, 3 times, the run never past it" in page
     assert (
-        f"suspected {', '.join(sorted(blamed))}; released without a strike: {blamed[0]}, {blamed[1]}" in page
+        f"suspected {', '.join(sorted(blamed))}; their strikes struck off, back in service: {blamed[0]}, {blamed[1]}"
+        in page
     )
-    assert "released without a strike" in page
     # every node is back in service: no strike, no hold, no burn-in owed
     for name, node in d.sup.pool.nodes.items():
         assert node.state is PoolState.SPARE, (name, node.state)
@@ -132,7 +132,7 @@ def test_a_live_flight_recorder_verdict_makes_its_suspects_loop_victims_not_faul
     end = d.events(E.EVENT_KIND_RUN_END)[-1]
     assert "blamed on 2 different node(s)" in end.message, end.message
     (page,) = d.of(Page)
-    assert f"released without a strike: {blamed[0]}, {blamed[1]}" in page.reason, page.reason
+    assert f"their strikes struck off, back in service: {blamed[0]}, {blamed[1]}" in page.reason, page.reason
 
 
 def test_hardware_evidence_is_not_part_of_a_crash_loop() -> None:
@@ -194,9 +194,9 @@ def test_a_new_core_continues_the_crash_loop_count_from_the_stored_memory() -> N
     memory, so the third identical failure is the crash loop (and the budget is the same)."""
     d = Driver(cfg=fast(), nodes=4)
     rotating_hang_run(d, failures=2)
-    assert d.sup.history.loop_count == 2 and d.sup.state is RunState.RUNNING
+    assert [c.count for c in d.sup.history.loops] == [2] and d.sup.state is RunState.RUNNING
     memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
-    assert memory.loop.count == 2 and len(memory.loop.suspects) == 2
+    assert [c.count for c in memory.loops] == [2] and len(memory.loops[0].suspects) == 2
     assert len(memory.restart_times) == 2 and memory.restart_budget == d.cfg.restart_budget
     # a new core, as a new leader builds it: the store's records, the attempt record, the memory
     fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
@@ -226,10 +226,10 @@ def test_bad_memory_from_the_store_is_dropped_value_by_value() -> None:
     rec = store_pb2.SupervisorMemory(
         run="demo", restart_times=[float("nan"), 900.0, 1e18], quarantine_times=[float("inf"), 950.0]
     )
-    rec.loop.CopyFrom(store_pb2.CrashLoopCandidate(label="hang", step=-7, count=2))
+    rec.loops.add(label="hang", step=-7, count=2)
     d.send(Snapshot(alive={}, memory=rec))
     assert d.sup.history.restart_times == [900.0] and d.sup.quarantine_times == [950.0]
-    assert d.sup.history.loop_signature is None  # a step below -1 is no step
+    assert d.sup.history.loops == []  # a step below -1 is no step
 
 
 def test_a_rebuilt_core_is_quiet_about_memory_of_another_run() -> None:

@@ -231,8 +231,8 @@ def test_restart_decisions_carry_their_reason() -> None:
     assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s (storm x2)"
     d3 = _decide(cfg, h, now=102.0, label="exit:1", step=7, record=False)
     assert d3 == restart.CrashLoop(
-        reason="crash loop: the same failure (exit:1) at step 7 3 times in a row (resumed from step -1), "
-        "with no suspect; stopped and paged"
+        reason="crash loop: the same failure (exit:1) at step 7 3 times, the run never past it (resumed from "
+        "step -1), with no suspect; stopped and paged"
     )
     d4 = _decide(cfg, h, now=102.0, label="exit:1", step=9, record=False)
     assert (
@@ -258,7 +258,7 @@ def test_the_same_failure_is_a_crash_loop_whoever_was_blamed() -> None:
         _decide(cfg, h, now=200.0, label="hang", step=45, quarantined=("n2",), resume_step=40),
         restart.Relaunch,
     )
-    assert h.loop_count == 2 and h.loop_suspects == [("n1", 100.0), ("n2", 200.0)]
+    assert [(c.count, c.suspects) for c in h.loops] == [(2, [("n1", 100.0), ("n2", 200.0)])]
     d3 = _decide(cfg, h, now=300.0, label="hang", step=44, quarantined=("n3",), resume_step=40, record=False)
     assert isinstance(d3, restart.CrashLoop) and "blamed on 2 different node(s) (n1, n2)" in d3.reason
 
@@ -272,13 +272,22 @@ def test_what_is_not_the_same_failure() -> None:
     assert same.matches(restart.Signature(label="hang", resume_step=40, step=52, slack=10))  # same resume
     assert not same.matches(restart.Signature(label="hang", resume_step=30, step=52, slack=10))
     assert not same.matches(restart.Signature(label="exit:1", resume_step=40, step=45, slack=10))
-    # evidence about a node (a fatal Xid, a lost lease) is the node's fault: it ends any loop
+    # evidence about a node (a fatal Xid, a lost lease) is the node's fault: no hit of the candidate,
+    # and no reset either; nor is a failure before the step, or a planned stop
     h = restart.RestartHistory()
     for t in (100.0, 200.0):
         _decide(cfg, h, now=t, label="hang", step=45, quarantined=(f"n{t:.0f}",))
     _decide(cfg, h, now=300.0, label="hang", step=45, quarantined=("n9",), node_evidence=True)
-    assert h.loop_count == 0 and not h.loop_suspects
-    assert isinstance(_decide(cfg, h, now=400.0, label="hang", step=45, record=False), restart.Relaunch)
+    _decide(cfg, h, now=310.0, label="exit:1", step=41)
+    _decide(cfg, h, now=320.0, label="hang", step=45, planned=True)
+    assert [(c.signature.label, c.count) for c in h.loops] == [("hang", 2), ("exit:1", 1)]
+    assert [n for n, _ in h.loops[0].suspects] == ["n100", "n200"]
+    assert isinstance(_decide(cfg, h, now=400.0, label="hang", step=45, record=False), restart.CrashLoop)
+    # a failure past the step means the run got past it: that candidate is no loop
+    _decide(cfg, h, now=500.0, label="exit:1", step=60)
+    assert [(c.signature.label, c.signature.step) for c in h.loops] == [("exit:1", 60)]
+    h.got_past(200)  # a commit at 200
+    assert h.loops == []
 
 
 def test_backoff_taxes_storms_not_independent_faults() -> None:
@@ -342,7 +351,7 @@ def test_an_append_that_failed_before_a_launch_is_the_same_reaction() -> None:
     )
 
 
-def test_a_node_preflight_cannot_reach_is_replaced_not_quarantined() -> None:
+def test_a_node_preflight_cannot_reach_or_run_on_is_replaced_not_quarantined() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.add_nodes(3)
     req = d.preflight_out.pop(0)
@@ -352,9 +361,16 @@ def test_a_node_preflight_cannot_reach_is_replaced_not_quarantined() -> None:
     assert not d.events(E.EVENT_KIND_QUARANTINE) and d.sup.pool.get("n1").preflight_rejections == 0
     assert "n1" not in d.sup.current_nodes and "n3" in d.sup.current_nodes
     assert any("not quarantined" in e.message for e in d.events(actions=out))
+    # a preflight the agent refuses (busy with a burn-in, a certificate it does not accept) says
+    # nothing about the node either: left out of the attempt, never quarantined (issue 26)
     permanent = d.preflight_out[-1]
-    d.send(ActionFailed(action=permanent, node="n3", temporary=False, reason="PERMISSION_DENIED"))
-    assert [e.quarantine.node for e in d.events(E.EVENT_KIND_QUARANTINE)] == ["n3"]
+    out = d.send(
+        ActionFailed(
+            action=permanent, node="n3", temporary=False, reason="ABORTED: a preflight is already running"
+        )
+    )
+    assert not d.events(E.EVENT_KIND_QUARANTINE) and d.sup.pool.get("n3").failure_times == []
+    assert any("left out" in e.message and "no strike" in e.message for e in d.events(actions=out))
 
 
 def test_dumps_that_cannot_be_collected_stop_the_attempt_at_once() -> None:
