@@ -299,7 +299,10 @@ class ProgressReporter:
             # Sent now (the last report again), not at the next flush: the commit's time in the event
             # log ends its save in the goodput timeline (a stop's save is planned back from there).
             self._pending.append((*last[:4], self._in_checkpoint, None, time.time()))
-            self.flush()
+            try:
+                self.flush()
+            except Exception as exc:  # on a save's upload thread: reporting never fails the save
+                log.debug("progress flush failed: %s", exc)
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)
