@@ -193,6 +193,16 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
 def _adopt(sv: Supervisor, snap: Snapshot) -> None:
     """After a controller restart: keep a healthy running attempt; restart one that lost nodes."""
     attempt_nodes = tuple(snap.attempt_nodes)
+    if sv.decided_attempt >= sv.attempt:
+        # The previous leader stopped this attempt and decided its end (its memory says so), then
+        # died before the relaunch: relaunch, without handling the same failure twice.
+        sv.prev_slots = list(attempt_nodes)
+        sv.log(
+            E.EVENT_KIND_CONTROL_PLANE,
+            f"reconcile: attempt {sv.attempt} ended and its failure was decided by the previous leader; "
+            "relaunching",
+        )
+        return
     sv.prev_slots = list(attempt_nodes)
     sv.slots = list(attempt_nodes)
     sv.cur = Attempt.adopted(

@@ -209,6 +209,7 @@ def decide(sv: Supervisor) -> None:
     assert sv.failure is not None
     f = sv.failure
     _exit_summary(sv, f)
+    sv.decided_attempt = sv.attempt
     seen: set[str] = set()
     victims: list[tuple[str, float]] = []  # quarantined without evidence about the node
     signature = _signature(sv, f)

@@ -143,6 +143,7 @@ class Supervisor:
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)
         self.history = RestartHistory()
+        self.decided_attempt = 0  # the last attempt whose end was decided (durable: a new leader skips it)
         self.offences: dict[str, set[int]] = {}
         self.quarantine_times: list[float] = []  # automatic quarantines, for the blast radius
         self.blast_paged = False  # this trip of the blast radius has paged (once per trip)

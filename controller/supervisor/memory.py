@@ -38,6 +38,7 @@ def record(sv: Supervisor) -> store_pb2.SupervisorMemory:
         launch_failures=h.launch_failures,
         written_at=sv.now,
         attempt=sv.attempt,
+        decided_attempt=sv.decided_attempt,
     )
     for c in h.loops:
         s = c.signature
@@ -73,6 +74,7 @@ def restore(sv: Supervisor, rec: store_pb2.SupervisorMemory) -> str:
     h.storm = max(0, rec.storm)
     h.last_label = rec.last_label[:128]
     h.launch_failures = max(0, rec.launch_failures)
+    sv.decided_attempt = max(0, rec.decided_attempt)
     h.loops = []
     for loop in rec.loops[-MAX_LOOP_CANDIDATES:]:
         if loop.count <= 0 or loop.step < -1 or loop.slack < 0:

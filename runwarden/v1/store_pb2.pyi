@@ -596,6 +596,7 @@ class SupervisorMemory(_message.Message):
     LAUNCH_FAILURES_FIELD_NUMBER: _builtins.int
     WRITTEN_AT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    DECIDED_ATTEMPT_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     restart_budget: _builtins.int
     """the budget and its window when written"""
@@ -608,6 +609,10 @@ class SupervisorMemory(_message.Message):
     written_at: _builtins.float
     attempt: _builtins.int
     """the last launched attempt when written"""
+    decided_attempt: _builtins.int
+    """The last attempt whose end the leader decided (blame, quarantine, crash loop, budget): a new
+    leader finds it stopped and relaunches it without handling its failure twice.
+    """
     @_builtins.property
     def restart_times(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """failure restarts counted against the budget, bounded"""
@@ -639,10 +644,11 @@ class SupervisorMemory(_message.Message):
         launch_failures: _builtins.int = ...,
         written_at: _builtins.float = ...,
         attempt: _builtins.int = ...,
+        decided_attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "last_label", b"last_label", "launch_failures", b"launch_failures", "loops", b"loops", "offences", b"offences", "quarantine_times", b"quarantine_times", "restart_budget", b"restart_budget", "restart_budget_window_s", b"restart_budget_window_s", "restart_times", b"restart_times", "run", b"run", "storm", b"storm", "written_at", b"written_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "decided_attempt", b"decided_attempt", "last_label", b"last_label", "launch_failures", b"launch_failures", "loops", b"loops", "offences", b"offences", "quarantine_times", b"quarantine_times", "restart_budget", b"restart_budget", "restart_budget_window_s", b"restart_budget_window_s", "restart_times", b"restart_times", "run", b"run", "storm", b"storm", "written_at", b"written_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

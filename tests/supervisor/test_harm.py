@@ -291,3 +291,32 @@ def test_a_resumed_stopped_run_whose_nodes_are_gone_relaunches_as_planned_not_as
     assert d.sup.state is RunState.RUNNING
     assert d.launches[-1].attempt == 4 and d.launches[-1].resume_step == 40
     assert not d.of(Quarantine) and d.sup.status(d.now).restarts_used == 0
+
+
+def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
+    """The leader decided attempt 2's end (quarantine, crash-loop count 2) and died before launching
+    attempt 3: the new core finds attempt 2 stopped with a quarantined node, relaunches it without a
+    second DETECTION, and the third identical failure is the crash loop."""
+    d = Driver(cfg=fast(), nodes=4)
+    rotating_hang_run(d, failures=2)
+    memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
+    assert memory.decided_attempt == 2
+    records = tuple(p.view() for p in d.sup.pool.nodes.values())
+    fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
+    out = fresh.send(
+        Snapshot(
+            alive={n: 1 for n in d.sup.pool.nodes},
+            records=records,
+            attempt=2,
+            attempt_nodes=tuple(d.sup.prev_slots),
+            resume_step=40,
+            committed_steps=(30, 40),
+            memory=memory,
+        )
+    )
+    assert not fresh.events(E.EVENT_KIND_DETECTION, out)
+    answer_attempt_preflights(fresh)
+    assert fresh.launches[-1].attempt == 3 and fresh.sup.state is RunState.RUNNING
+    fresh.steps(41, 41)
+    hang_at(fresh, 45, 2)
+    assert fresh.sup.state is RunState.CRASH_LOOP and len(fresh.of(Page)) == 1
