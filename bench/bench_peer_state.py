@@ -126,7 +126,7 @@ def _run(params_mb: float, ranks: int, trials: int) -> dict[str, Any]:
         port = free_port()
         procs = []
         for rank in range(ranks):
-            env = gloo_rank_env(rank, ranks, port, run="bench-peer", root=ROOT)
+            env = gloo_rank_env(rank, ranks, port, run="bench-peer", root=ROOT, warm=True)
             cmd = [
                 sys.executable,
                 __file__,

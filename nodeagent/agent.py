@@ -113,6 +113,7 @@ class Agent:
         self._watches: list[Any] = []
         self.run_policies: dict[str, run_policy.AgentPolicy] = {}  # the agents' part, per run
         self.launched_at: dict[str, float] = {}
+        self.attempt_started_ns: dict[str, int] = {}  # run -> wall clock of its current attempt's launch
         self._ticker: threading.Thread | None = None
         self._state_changed = threading.Event()
         self.drain_reason = ""  # "" = not draining
@@ -578,6 +579,7 @@ class Agent:
             local_ranks=lambda: self.local_ranks,
             env=lambda: dict(os.environ),
             preload=self.config.warm_preload,
+            copy_budget_bytes=self.config.memory_copy_budget_bytes,
         )
         self.warm.refill()
 
@@ -598,6 +600,9 @@ class Agent:
             )
         with self._launch_lock:
             self._stop_orphans(f"run {spec.run} attempt {spec.attempt} launches")
+            # A kept (warm) rank's flight recorder still holds its earlier attempts' collectives: its
+            # dumps are cut at this launch (CollectFlightRecorder), else they blame a fresh rank.
+            self.attempt_started_ns[spec.run] = time.time_ns()
             interpreter = self.warm.interpreter if self.warm is not None else ""
             why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
             if not why and self.warm is not None and ask is not None:

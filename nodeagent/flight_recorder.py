@@ -210,6 +210,29 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+def _since(data: bytes, since_ns: int) -> bytes:
+    """The dump without the entries recorded before `since_ns` (wall clock): a warm rank kept across
+    attempts still holds its earlier attempts' collectives in torch's ring, and a new default group
+    is named "0" again with its sequence from 1, so they would read as this attempt's, far ahead.
+    torch's own handler (what the agent asks) knows nothing of attempts; the agent cuts them here."""
+    if not since_ns:
+        return data
+    dump = json.loads(data)
+    entries = dump.get("entries") if isinstance(dump, dict) else None
+    if not isinstance(entries, list):
+        return data
+    kept = [
+        e
+        for e in entries
+        if not isinstance(e, dict)
+        or not isinstance(e.get("time_created_ns"), int)
+        or e["time_created_ns"] >= since_ns
+    ]
+    if len(kept) == len(entries):
+        return data
+    return json.dumps({**dump, "entries": kept}).encode()
+
+
 def _merge_pg_config(data: bytes, socket_path: Path, max_bytes: int) -> bytes:
     sidecar = pg_config_path_for(socket_path)
     try:
@@ -227,8 +250,11 @@ def _merge_pg_config(data: bytes, socket_path: Path, max_bytes: int) -> bytes:
     return merged
 
 
-def fetch_dump(rank: int, socket_path: Path, timeout_s: float, max_bytes: int) -> CollectedDump:
-    """Ask one rank's worker server for its JSON dump; any failure becomes "no dump" with the reason."""
+def fetch_dump(
+    rank: int, socket_path: Path, timeout_s: float, max_bytes: int, since_ns: int = 0
+) -> CollectedDump:
+    """Ask one rank's worker server for its JSON dump; any failure becomes "no dump" with the reason.
+    since_ns: the attempt's launch (wall clock); older entries are an earlier attempt's (`_since`)."""
 
     def no_dump(why: str) -> CollectedDump:
         return CollectedDump(rank=rank, ok=False, error=f"no dump: {why}", format="", data=b"")
@@ -248,6 +274,7 @@ def fetch_dump(rank: int, socket_path: Path, timeout_s: float, max_bytes: int) -
         if len(body) > max_bytes:
             return no_dump(f"dump over the limit of {max_bytes} bytes")
         parse_dump(body, rank=rank, max_bytes=max_bytes)  # refuse garbage here, not at the controller
+        body = _since(body, since_ns)
         return CollectedDump(
             rank=rank, ok=True, error="", format="json", data=_merge_pg_config(body, socket_path, max_bytes)
         )
@@ -264,7 +291,11 @@ def fetch_dump(rank: int, socket_path: Path, timeout_s: float, max_bytes: int) -
 
 
 def collect_dumps(
-    socket_paths: Mapping[int, Path], timeout_s: float, *, max_bytes: int = DEFAULT_MAX_DUMP_BYTES
+    socket_paths: Mapping[int, Path],
+    timeout_s: float,
+    *,
+    max_bytes: int = DEFAULT_MAX_DUMP_BYTES,
+    since_ns: int = 0,
 ) -> list[CollectedDump]:
     """Fetch every rank's dump in parallel; returns one CollectedDump per rank, sorted by rank.
 
@@ -276,7 +307,7 @@ def collect_dumps(
         return []
     with ThreadPoolExecutor(max_workers=min(32, len(socket_paths)), thread_name_prefix="fr-collect") as pool:
         futures = [
-            pool.submit(fetch_dump, rank, Path(path), timeout_s, max_bytes)
+            pool.submit(fetch_dump, rank, Path(path), timeout_s, max_bytes, since_ns)
             for rank, path in sorted(socket_paths.items())
         ]
         return [f.result() for f in futures]

@@ -188,6 +188,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 {r: p for r, p in sockets.items() if r not in stopped},
                 timeout,
                 max_bytes=self.agent.config.max_message_bytes // 2,
+                since_ns=self.agent.attempt_started_ns.get(request.run, 0),
             )
             if len(sockets) > len(stopped)
             else []

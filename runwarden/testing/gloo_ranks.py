@@ -8,11 +8,12 @@ from pathlib import Path
 
 
 def gloo_rank_env(
-    rank: int, world_size: int, port: int, *, run: str, root: Path, attempt: int = 1
+    rank: int, world_size: int, port: int, *, run: str, root: Path, attempt: int = 1, warm: bool = False
 ) -> dict[str, str]:
     """This process's environment less any RUNWARDEN_* of its own, plus torch's env:// variables,
     the supervisor's run and attempt (what nodeagent.memory_state and the commit marker read), and
-    `root` on PYTHONPATH."""
+    `root` on PYTHONPATH. warm: the rank stands for one the warm path started (only those keep
+    in-memory copies of their saves)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}
     env.update(
         PYTHONPATH=str(root),
@@ -25,4 +26,6 @@ def gloo_rank_env(
         RUNWARDEN_RUN=run,
         RUNWARDEN_ATTEMPT=str(attempt),
     )
+    if warm:
+        env["RUNWARDEN_LAUNCH_PATH"] = "warm"
     return env

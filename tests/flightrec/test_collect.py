@@ -92,6 +92,22 @@ def test_answering_rank_gets_its_pg_config_repaired(sockets: tuple[Path, list[Fa
     assert discover_sockets(base) == {0: path}
 
 
+def test_a_kept_ranks_earlier_attempts_are_cut_at_the_launch(sockets: tuple[Path, list[FakeRank]]) -> None:
+    """A warm rank kept across attempts: torch's ring still holds attempt 1's collectives (its default
+    group was "0" too, its sequence numbers run ahead). The agent's fetch drops what was recorded
+    before this attempt's launch (found live: a fresh rank was blamed for the old attempt's seq)."""
+    base, ranks = sockets
+    path = socket_path_for(base, 0)
+    launch_ns = 2_000_000_000
+    old = {**DUMP["entries"][0], "record_id": 0, "collective_seq_id": 18, "time_created_ns": launch_ns - 1}
+    new = {**DUMP["entries"][0], "record_id": 1, "collective_seq_id": 1, "time_created_ns": launch_ns + 5}
+    ranks.append(FakeRank(path, _http(200, json.dumps({**DUMP, "entries": [old, new]}).encode())))
+    (cut,) = collect_dumps({0: path}, timeout_s=2.0, since_ns=launch_ns)
+    assert [e["collective_seq_id"] for e in json.loads(cut.data)["entries"]] == [1]
+    (whole,) = collect_dumps({0: path}, timeout_s=2.0)
+    assert [e["collective_seq_id"] for e in json.loads(whole.data)["entries"]] == [18, 1]
+
+
 def test_every_failure_is_no_dump_with_its_reason(sockets: tuple[Path, list[FakeRank]]) -> None:
     base, ranks = sockets
     paths = {r: socket_path_for(base, r) for r in range(7)}

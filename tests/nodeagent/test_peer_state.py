@@ -33,8 +33,7 @@ def _run(tmp: Path, *extra: str) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(WORLD):
-        env = gloo_rank_env(rank, WORLD, port, run="peer-test", root=ROOT)
-        env["RUNWARDEN_LAUNCH_PATH"] = "warm"  # these ranks stand for warm ones: only those keep copies
+        env = gloo_rank_env(rank, WORLD, port, run="peer-test", root=ROOT, warm=True)
         procs.append(
             subprocess.Popen(
                 [
