@@ -131,7 +131,7 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
         copy_s[0] = time.perf_counter() - t
         return why
 
-    memory_state.keep = timed_keep  # type: ignore[assignment]  # a bench's probe, this process only
+    memory_state.keep = timed_keep  # a bench's probe, this process only
     warm = {"RUNWARDEN_RUN": "bench-dcp", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
     for mode in args.modes:
         memory_state._snapshots.clear()

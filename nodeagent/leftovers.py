@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from nodeagent import proctree
 from nodeagent.launcher import Worker
 from preflight.checks import processes
-from preflight.checks.base import CheckSpec, process_name
+from preflight.checks.base import CheckContext, CheckSpec, process_name
 from preflight.checks.processes import Leftover, Origin
+from preflight.config import MODES
+from preflight.result import CheckResult, warned
 
 log = logging.getLogger(__name__)
 KILL_WAIT_S = 1.0  # after a KILL: how long to wait for the tree to go
@@ -99,6 +101,7 @@ class AgentProcesses:
         self._workers = workers
         self._lock = threading.Lock()
         self._found: dict[int, _Found] | None = None
+        self.killed: list[str] = []  # what clean_first killed, one line per pid
 
     def _snapshot(self) -> dict[int, _Found]:
         with self._lock:
@@ -126,6 +129,16 @@ class AgentProcesses:
     def origin(self, pid: int) -> Origin | None:
         found = self._snapshot().get(pid)
         return found.leftover.origin if found is not None else processes.origin_from_environ(pid)
+
+    def clean_first(self, grace_s: float) -> list[str]:
+        """Before any check runs: kill the leftovers of ended attempts (runwarden's own, not the
+        node's fault), then forget the snapshot, so the checks see only what survived SIGKILL."""
+        if not self._snapshot():
+            return []
+        self.killed = self.clean(grace_s)
+        with self._lock:
+            self._found = None
+        return self.killed
 
     def clean(self, grace_s: float) -> list[str]:
         """Kill the leftovers this preflight reported (none if no check looked); one line per pid."""
@@ -203,9 +216,34 @@ def _state(pid: int) -> str:
 
 
 def spec(view: AgentProcesses, grace_s: float) -> CheckSpec:
-    """The `processes` unit over `view`; its remedy says what the agent does after the preflight."""
+    """The `processes` unit over `view`. A leftover of an ended attempt is runwarden's own debris,
+    not evidence about the node: the agent kills it before the checks (`clean_first`) and the check
+    says so (WARN); only one that survives SIGKILL (stuck in the kernel) FAILs."""
     remedy = (
-        f"the agent kills them when this preflight ends (SIGTERM, SIGKILL after {grace_s:g} s) and says so "
-        "in its log; one that survives SIGKILL is stuck in the kernel: drain the node and reset the GPU"
+        f"the agent kills them before and after a preflight (SIGTERM, SIGKILL after {grace_s:g} s) and "
+        "says so in its log; one that survives SIGKILL is stuck in the kernel: drain the node and reset the GPU"
     )
-    return processes.leftovers_spec(view.leftovers, remedy)
+    name = "processes.leftover_ranks"
+
+    def run(ctx: CheckContext) -> list[CheckResult]:
+        found = view.leftovers()
+        if found or not view.killed:
+            return [processes.leftover_result(found, remedy)]
+        return [
+            warned(
+                name,
+                f"{len(view.killed)} process(es) of ended attempts were still alive and were killed before "
+                "this preflight (runwarden's own, not the node's)",
+                value=len(view.killed),
+                unit="count",
+                threshold=0,
+                evidence=tuple(view.killed),
+            )
+        ]
+
+    return CheckSpec(
+        name="processes",
+        run=run,
+        timeout_s=lambda c, m: processes.LEFTOVERS_TIMEOUT_S,
+        modes=lambda c: MODES,
+    )

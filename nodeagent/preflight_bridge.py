@@ -140,6 +140,7 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
             results.put(_DONE)
 
     start = time.monotonic()
+    view.clean_first(LEFTOVER_GRACE_S)  # runwarden's own debris first: the checks judge the node
     threading.Thread(target=work, name="preflight", daemon=True).start()
     seen: list[common_pb2.CheckResult] = []
     closed: list[Any] = []  # the results that failed closed: the GPUs cannot be reached

@@ -109,6 +109,21 @@ class FailureFacts:
     first_exit: str | None
 
 
+def ranks_on_gpus(evidence: Sequence[common_pb2.Evidence], ranks: range) -> tuple[int, ...]:
+    """The global ranks that sat on the GPUs the evidence names: torchrun's local rank i runs on CUDA
+    device i, so a node whose ranks are `ranks` had rank ranks[i] on GPU i (the agent's GpuMap names
+    the same in the evidence's detail). () when no evidence names a GPU of the node."""
+    return tuple(
+        sorted(
+            {
+                ranks[e.gpu_index]
+                for e in evidence
+                if e.HasField("gpu_index") and 0 <= e.gpu_index < len(ranks)
+            }
+        )
+    )
+
+
 def blame(
     f: FailureFacts,
     *,
@@ -116,15 +131,25 @@ def blame(
     verdict: FlightRecorderVerdict | None,
     node_steps: Mapping[str, int],
     fr_min_confidence: float,
+    node_ranks: Mapping[str, range] | None = None,
 ) -> Blame:
-    """Walk the ladder (module docstring). evidence: each attempt node's evidence since launch."""
+    """Walk the ladder (module docstring). evidence: each attempt node's evidence since launch.
+    node_ranks: each node's global ranks in the attempt (a hardware suspect names the rank on the
+    broken GPU)."""
     hw = []
     for node in node_steps:
         fatal = tuple(e for e in evidence.get(node, ()) if is_fatal(e))
         if fatal:
             why = fatal[-1].detail or kind_name(fatal[-1].kind)
+            ranks = ranks_on_gpus(fatal, (node_ranks or {}).get(node, range(0)))
             hw.append(
-                Suspect(node=node, confidence=1.0, reason=f"fatal hardware evidence: {why}", evidence=fatal)
+                Suspect(
+                    node=node,
+                    ranks=ranks,
+                    confidence=1.0,
+                    reason=f"fatal hardware evidence: {why}",
+                    evidence=fatal,
+                )
             )
     if hw:
         return _blamed(BlameMethod.HARDWARE, tuple(hw), f)

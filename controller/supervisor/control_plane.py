@@ -223,19 +223,7 @@ def _adopt(sv: Supervisor, snap: Snapshot) -> None:
         # A stopped run resumed (`controller run --resume`, a requeued batch job): its attempt ended
         # on the stop and its nodes are gone with the old allocation. A planned relaunch, no fault.
         assert snap.stop_requested is not None
-        failure.log_stop_request(sv, snap.stop_requested)
-        failure.begin(
-            sv,
-            Failure(
-                detector=E.DETECTOR_UNSPECIFIED,
-                nodes=[],
-                step=sv.job_step,
-                planned=True,
-                reason=f"resuming: attempt {sv.attempt} ended on a stop and {sv.names(missing)} are gone; "
-                "relaunching, nothing quarantined",
-            ),
-            latency=0.0,
-        )
+        failure.on_stop_request(sv, snap.stop_requested)
         return
     if missing:
         failure.begin(

@@ -149,6 +149,7 @@ def _to_quarantine(sv: Supervisor, f: Failure, slack: int) -> tuple[list[_Suspec
             verdict=f.verdict,
             node_steps=a.node_step,
             fr_min_confidence=sv.cfg.fr_min_confidence,
+            node_ranks=_node_ranks(sv),
         )
         sv.log(E.EVENT_KIND_ATTRIBUTION, b.reason, attribution=b.to_proto())
         node_evidence = node_evidence or b.method is BlameMethod.HARDWARE
@@ -191,6 +192,16 @@ def _to_quarantine(sv: Supervisor, f: Failure, slack: int) -> tuple[list[_Suspec
 # same step. Never more than the checkpoint interval: a bad node failing at random steps after the
 # same commit is not a loop.
 REPORT_LAG_S = 5.0
+
+
+def _node_ranks(sv: Supervisor) -> dict[str, range]:
+    """Each node's global ranks in the attempt: node rank order, its local ranks each."""
+    out, first = {}, 0
+    for n in sv.cur.nodes:
+        count = max(1, sv.pool.get(n).local_ranks)
+        out[n] = range(first, first + count)
+        first += count
+    return out
 
 
 def _signature(sv: Supervisor, f: Failure) -> restart.Signature:

@@ -64,7 +64,7 @@ def _preflight(agent) -> tuple[common_pb2.CheckResult, common_pb2.PreflightSumma
     return result, items[-1].summary
 
 
-def test_a_leftover_rank_of_the_previous_attempt_fails_the_next_preflight_and_is_killed(
+def test_a_leftover_rank_of_the_previous_attempt_is_killed_before_the_next_preflight_and_warned(
     agent_factory, tmp_path
 ):
     agent = agent_factory(flags=["--allow-exec", sys.executable])
@@ -84,15 +84,14 @@ def test_a_leftover_rank_of_the_previous_attempt_fails_the_next_preflight_and_is
     t0 = time.monotonic()
     result, summary = _preflight(agent)
     took = time.monotonic() - t0
-    assert result.status == common_pb2.CHECK_STATUS_FAIL
-    assert f"pid {escaped}" in result.message and "run r1 attempt 1" in result.message
-    assert any(f"pid={escaped}" in e and "its environment" in e for e in result.evidence)
-    assert not summary.passed and summary.failed_checks == ["processes.leftover_ranks"]
-    # killed before the summary came: SIGTERM ignored, so SIGKILL after the agent's grace
+    # runwarden's own debris, not the node's fault (issue 26: no strike without evidence about the
+    # node): killed before the checks ran (SIGTERM ignored, so SIGKILL after the agent's grace), a
+    # warning that names it, and the preflight passes
+    assert result.status == common_pb2.CHECK_STATUS_WARN and "killed before this preflight" in result.message
+    assert any(f"pid={escaped}" in e and "run r1 attempt 1" in e and "SIGKILL" in e for e in result.evidence)
+    assert summary.passed
     assert not _alive(escaped) and took >= 2.0
     assert f"pid={escaped}" in agent.log() and "killed with SIGKILL" in agent.log()
-    evidence = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).recent_evidence
-    assert any(f"leftover pid={escaped}" in e.detail for e in evidence)
 
     again, summary = _preflight(agent)
     assert again.status == common_pb2.CHECK_STATUS_PASS and summary.passed
@@ -125,8 +124,8 @@ def test_a_crashed_agents_ranks_fail_its_successors_preflight_and_are_killed(age
     try:
         assert second.socket == first.socket
         result, summary = _preflight(second)
-        assert result.status == common_pb2.CHECK_STATUS_FAIL and f"pid {rank}" in result.message
-        assert "run r3 attempt 2" in result.message and not summary.passed
+        assert result.status == common_pb2.CHECK_STATUS_WARN and summary.passed
+        assert any(f"pid={rank}" in e and "run r3 attempt 2" in e for e in result.evidence)
         assert not _alive(rank)  # the rank obeyed SIGTERM
         assert "ended after SIGTERM" in second.log()
     finally:

@@ -45,7 +45,7 @@ def fake_bus(root: Path, gpus: list[str], others: dict[str, tuple[int, int]] | N
 
 def config_on(sysfs: str, **sections: object) -> PreflightConfig:
     base = PreflightConfig(inventory=InventoryConfig(sysfs_root=sysfs))
-    return dataclasses.replace(base, **sections)  # type: ignore[arg-type]  # section dataclasses
+    return dataclasses.replace(base, **sections)
 
 
 def pci_like(ids: list[str]) -> PciGpus:

@@ -61,6 +61,34 @@ def _blame(
     return blame(f, evidence=by_node, verdict=fr, node_steps=steps, fr_min_confidence=FR_MIN)
 
 
+def test_hardware_evidence_on_a_gpu_names_the_rank_that_sat_on_it() -> None:
+    """An Xid that names GPU 1 of node b (global ranks 2, 3: node b's local rank 1 on device 1) names
+    rank 3, so the attribution says which rank's GPU broke; evidence without a GPU names none."""
+    xid = _evidence("b", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_FATAL, xid=79, gpu_index=1)
+    by_node = {"b": [xid]}
+    ranks = {"a": range(0, 2), "b": range(2, 4)}
+    result = blame(
+        _facts(), evidence=by_node, verdict=None, node_steps=STEPS, fr_min_confidence=FR_MIN, node_ranks=ranks
+    )
+    (suspect,) = result.suspects
+    assert suspect.node == "b" and suspect.ranks == (3,)
+    assert "b ranks [3]" in result.reason
+    off = _evidence(
+        "b", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_FATAL, xid=79, gpu_index=7
+    )  # not one of its
+    none = _evidence("b", K.EVIDENCE_KIND_XID, common_pb2.SEVERITY_FATAL, xid=79)
+    for ev in (off, none):
+        again = blame(
+            _facts(),
+            evidence={"b": [ev]},
+            verdict=None,
+            node_steps=STEPS,
+            fr_min_confidence=FR_MIN,
+            node_ranks=ranks,
+        )
+        assert again.suspects[0].ranks == ()
+
+
 def test_hardware_evidence_beats_the_flight_recorder() -> None:
     fr = verdict(rank_to_node=NODES, dumps=default_only(4, {0: 5, 1: 5, 2: 5, 3: 4}))
     assert [s.node for s in fr.suspects] == ["b"]  # the flight recorder blames b ...
