@@ -176,14 +176,21 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
                     why,
                 )
                 kept += 1
-            else:  # the replacement, or the crashed rank's host: a fresh parked group, warm
-                assert source is None and not set(pids) & earlier, (r.injection.fault, node)
+            else:  # the replacement, or the crashed rank's host: a group not of the failed attempt
+                # (fresh, or kept from an older attempt: a host that left the run for a burn-in and
+                # came back as a spare keeps its parked group)
+                assert (source is None or source < new - 1) and not set(pids) & earlier, (
+                    r.injection.fault,
+                    node,
+                    source,
+                )
     # the fallback is the exception: nearly every healthy host keeps its processes
     assert healthy >= 3 * len(faulted.recoveries) and kept >= healthy - 2, (kept, healthy)
 
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
-    """Kept hosts restore from their own memory, fresh ones receive the state from a peer."""
+    """Hosts kept from the failed attempt restore from their own memory; the others (a fresh group,
+    or one kept from an older attempt) receive the state from a peer."""
     loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
     started = _started(faulted.events)
     for r in faulted.recoveries:
@@ -195,7 +202,10 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
         for part in m.group(1).split("; "):
             source, nodes = part.split(" on ", 1)
             by_source[source] = set(nodes.split(", "))
-        fresh = {n for n, (_, kept_from, _) in started[r.launch.attempt].items() if kept_from is None}
+        new = r.launch.attempt  # a host not kept from the failed attempt holds no copy of its commit
+        fresh = {
+            n for n, (_, kept_from, _) in started[new].items() if kept_from is None or kept_from < new - 1
+        }
         kept = set(started[r.launch.attempt]) - fresh
         assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)
         assert kept <= by_source.get("memory", set()), (r.injection.fault, kept, message)
