@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, loss, memory, restart
+from controller.supervisor import detectors, loss, memory, nodes, restart
 from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
@@ -321,8 +321,7 @@ def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> 
         return True  # its burn-in already returned it: only the strike was left to strike off
     if p.state is not PoolState.SPARE:
         return False
-    sv.burn_in.discard(node)
-    sv.soaks.pop(node, None)
+    nodes.forget_burn_in(sv, node)  # its burn-in, soak and retry decide nothing now
     sv.log(
         E.EVENT_KIND_RELEASE,
         f"{node} returns to the spare pool without a strike: {reason}",
