@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runwarden.testing.etcd_server import EtcdServer  # noqa: E402
+from testbed.etcd_server import EtcdServer  # noqa: E402
 from tests.nodeagent.helpers import AgentProc  # noqa: E402
 
 RANK_SCRIPT = """

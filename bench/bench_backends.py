@@ -61,8 +61,9 @@ sys.path.insert(0, str(REPO))
 from bench.bench_faults import phases  # noqa: E402
 from examples.cluster import ClusterSpec, LocalCluster, kill_strays  # noqa: E402
 from examples.demo import FAULTS, Injection, current_nodes, inject, last_seq  # noqa: E402
-from runwarden.testing.etcd_server import EtcdServer, free_port  # noqa: E402
-from runwarden.testing.fleet_cluster import (  # noqa: E402
+from runwarden.v1 import events_pb2  # noqa: E402
+from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
+from testbed.fleet_cluster import (  # noqa: E402
     ClusterBase,
     agent_settings,
     controller_settings,
@@ -72,7 +73,6 @@ from runwarden.testing.fleet_cluster import (  # noqa: E402
     start_controller,
     write_toml,
 )
-from runwarden.v1 import events_pb2  # noqa: E402
 
 E = events_pb2
 BACKENDS = ("agents", "slurm", "ray")

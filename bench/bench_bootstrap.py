@@ -1,4 +1,4 @@
-"""An unmodified script through nodeagent.bootstrap vs the instrumented path (BENCHMARKS.md, issue 19).
+"""An unmodified script through nodeagent.trainer.bootstrap vs the instrumented path (BENCHMARKS.md, issue 19).
 
     flock /tmp/runwarden-heavy.lock .venv/bin/python bench/bench_bootstrap.py \
         [--cost-trials 3] [--cost-s 20] [--trials 5] [--per-run 5] --out bench/results/bench_bootstrap.json
@@ -62,8 +62,7 @@ def rank_main(mode: str, seconds: float, out: Path) -> None:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nodeagent import bootstrap
-    from nodeagent.trainer import ProgressReporter
+    from nodeagent.trainer import ProgressReporter, bootstrap
 
     cpu = [0.0]
     lock = threading.Lock()

@@ -6,14 +6,14 @@ warm path's in-memory copy (BENCHMARKS.md, "DCP checkpoints", "the in-memory cop
 
 A mode ending in `-copy` (async-copy, sync-copy) runs the ranks as the warm path does
 (RUNWARDEN_RUN/ATTEMPT set, RUNWARDEN_LAUNCH_PATH=warm), so every save also takes the in-memory
-copy (nodeagent.memory_state.keep: into host buffers, reused from the third save on); without it
+copy (nodeagent.trainer.memory_state.keep: into host buffers, reused from the third save on); without it
 (a cold launch, and this bench before issue 28) no copy is taken. Per save it also records
 `copy_s`, the time keep() held the training thread.
 
 Two ranks (gloo, CPU, one process each) train a DDP model of `--params-mb` MB of float32
 parameters (a stack of square Linear layers) with AdamW, so one save holds the parameters and
 both AdamW moments (3x the parameters). Each mode (async first, then sync, in one run) saves
-`--saves` times through nodeagent.dcp.DcpCheckpointer, every `--every` steps, to a fresh directory
+`--saves` times through nodeagent.trainer.dcp.DcpCheckpointer, every `--every` steps, to a fresh directory
 under `--dir` (default: a temporary directory on this machine's disk).
 
 Per save, on every rank:
@@ -85,7 +85,7 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
     import torch.distributed as dist
     from torch import nn
 
-    from nodeagent.dcp import DcpCheckpointer
+    from nodeagent.trainer.dcp import DcpCheckpointer
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -121,7 +121,7 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
         "params_bytes": params,
         "staged_bytes": staged_bytes,
     }
-    from nodeagent import memory_state
+    from nodeagent.trainer import memory_state
 
     keep, copy_s = memory_state.keep, [0.0]
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_etcd_scale.py [--nodes 2048] [--procs 4] [--ttl 5] [--seconds 30]
 
-One real etcd (runwarden.testing.etcd_server) on 127.0.0.1. Load generators (a few processes, threads
+One real etcd (testbed.etcd_server) on 127.0.0.1. Load generators (a few processes, threads
 inside, the project's real `runwarden.store.Store`) each hold their share of the node leases,
 refreshed every TTL/3 with `Store.refresh_lease` from a few threads (`Store.keep_alive`'s thread
 per lease would be 2,048 threads on 2 cores), and write one `NodeProgress` per node per second.
@@ -60,8 +60,8 @@ from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from runwarden.store import Lease, Store, StoreConfig, StoreError, WatchEvent
 from runwarden.store import client as store_module
-from runwarden.testing.etcd_server import EtcdServer
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
+from testbed.etcd_server import EtcdServer
 
 RUN = "bench"
 RANKS_PER_NODE = 8

@@ -8,13 +8,13 @@ and the restart breakdown, per fault kind, median over trials.
 
 Each run is `examples/cluster.LocalCluster` (private etcd, 6 agents, controller, torchrun + gloo on
 CPU) with the demo's fault injection (`controllerctl chaos`); with `--fleet`, a
-`runwarden.testing.fleet_cluster.FleetCluster` instead: etcd, the controller and each agent on its own
+`testbed.fleet_cluster.FleetCluster` instead: etcd, the controller and each agent on its own
 network-namespace host (mTLS, the collectives on each host's eth0; needs root). `--per-run K` injects K rounds of the
 fault list into one cluster before starting a fresh one. Phases are read from the event log:
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
 first step (-> FIRST_STEP). With `--warm on|both`, every agent keeps warm workers (parked ranks,
-torch imported; healthy hosts keep their processes across the restart, nodeagent/warm.py): each row
+torch imported; healthy hosts keep their processes across the restart, nodeagent/warm/parked.py): each row
 also counts the nodes whose processes were kept (`kept_nodes`) and whose state came from their own
 memory (`memory_nodes`).
 
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.cluster import ClusterSpec, LocalCluster
 from examples.demo import FAULTS, Injection, run_faults
-from runwarden.testing.fleet import Fleet, default_prefix
-from runwarden.testing.fleet_cluster import FleetCluster
 from runwarden.v1 import events_pb2
+from testbed.fleet import Fleet, default_prefix
+from testbed.fleet_cluster import FleetCluster
 
 E = events_pb2
 PHASES = ("detect", "attribute", "replace", "preflight", "launch", "load", "first_step")

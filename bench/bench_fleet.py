@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/bench_fleet.py --hosts 4,8 --partitions 5 --out bench/results/bench_fleet.json
 
-Each size is one `runwarden.testing.fleet_cluster.FleetCluster` (etcd, the controller and one agent
+Each size is one `testbed.fleet_cluster.FleetCluster` (etcd, the controller and one agent
 per host, each in its own namespace, mTLS; the gate on, 2 s leases, a 5 s stop grace). The gate's cost
 is the duration the gate's own PREFLIGHT_RESULT event reports for the first launch. A partition takes
 a node of the running attempt off the bridge; fencing is the time until no process but its agent is
@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runwarden.testing.fleet import Fleet, default_prefix, heal, netns_pids, partition, sweep_orphans
-from runwarden.testing.fleet_cluster import ClusterSpec, FleetCluster
 from runwarden.v1 import events_pb2
+from testbed.fleet import Fleet, default_prefix, heal, netns_pids, partition, sweep_orphans
+from testbed.fleet_cluster import ClusterSpec, FleetCluster
 
 E = events_pb2
 

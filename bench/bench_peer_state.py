@@ -5,7 +5,7 @@
 
 `--ranks` gloo ranks on CPU (one process each, on this machine) train a DDP model of `--params-mb`
 MB of float32 parameters (square Linear layers) with AdamW for 2 steps and save it once with DCP
-(nodeagent.dcp, synchronous), so the commit holds the parameters and both AdamW moments (3x the
+(nodeagent.trainer.dcp, synchronous), so the commit holds the parameters and both AdamW moments (3x the
 parameters). Then, `--trials` times per mode, alternating, every rank loads that commit through
 `nodeagent.trainer.load_checkpoint` as the next attempt would:
 
@@ -14,7 +14,7 @@ parameters). Then, `--trials` times per mode, alternating, every rank loads that
   its page cache after the first read: the best case for storage);
 * storage-cold: the same, with this machine's page cache dropped first (root): read from the disk;
 * peer: the last rank holds no copy (the replacement host), the others their own; it receives the
-  lowest holder's state over gloo (nodeagent.memory_state) and reads only its own state file.
+  lowest holder's state over gloo (nodeagent.trainer.memory_state) and reads only its own state file.
 
 Per load: the wall time of the call on each rank (the slowest rank is the attempt's), and the
 bytes the fresh rank has to read from storage, from the commit itself: from storage, every tensor
@@ -55,9 +55,10 @@ def _rank_main(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from nodeagent import memory_state, trainer
-    from nodeagent.checkpoint import latest_committed
-    from nodeagent.dcp import DcpCheckpointer, rank_state_name, read_dcp_metadata, whole_tensors_bytes
+    from nodeagent import trainer
+    from nodeagent.trainer import memory_state
+    from nodeagent.trainer.checkpoint import latest_committed
+    from nodeagent.trainer.dcp import DcpCheckpointer, rank_state_name, read_dcp_metadata, whole_tensors_bytes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,8 +118,8 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 
 def _run(params_mb: float, ranks: int, trials: int) -> dict[str, Any]:
-    from runwarden.testing.etcd_server import free_port
-    from runwarden.testing.gloo_ranks import gloo_rank_env
+    from testbed.etcd_server import free_port
+    from testbed.gloo_ranks import gloo_rank_env
 
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         rows_dir = Path(tmp) / "rows"

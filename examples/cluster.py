@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from runwarden.testing.etcd_server import EtcdServer, free_port
-from runwarden.testing.fleet_cluster import (
+from testbed.etcd_server import EtcdServer, free_port
+from testbed.fleet_cluster import (
     REPO,
     ClusterBase,
     ClusterSpec,

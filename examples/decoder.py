@@ -36,9 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nodeagent import rank_device, trainer
-from nodeagent.checkpoint import CheckpointError
-from nodeagent.dcp import SaveFailed
+from nodeagent import trainer
+from nodeagent.trainer import rank_device
+from nodeagent.trainer.checkpoint import CheckpointError
+from nodeagent.trainer.dcp import SaveFailed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

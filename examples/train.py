@@ -8,7 +8,7 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
 * a stop request polled every step: finish the step, save, commit, exit 0;
 * a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
   states, data position): torch.distributed.checkpoint with async_save by default
-  (`nodeagent.dcp`; `--sync-save` blocks instead, `--ckpt-format torch` writes the old
+  (`nodeagent.trainer.dcp`; `--sync-save` blocks instead, `--ckpt-format torch` writes the old
   `rank<r>.pt` files), and resume from the latest *committed* checkpoint (either format);
 * flight recording set up before the process group, so a hang can be attributed.
 
@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nodeagent import rank_device, trainer
-from nodeagent.checkpoint import CheckpointError
-from nodeagent.dcp import SaveFailed
+from nodeagent import trainer
+from nodeagent.trainer import rank_device
+from nodeagent.trainer.checkpoint import CheckpointError
+from nodeagent.trainer.dcp import SaveFailed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     ids = [device.index] if device.type == "cuda" else None
     model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout).to(device), device_ids=ids)
-    reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.timing)
+    reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.trainer.timing)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     saver = (
         trainer.DcpCheckpointer(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from nodeagent.validate import ValidationError, progress_request
+from nodeagent.daemon.validate import ValidationError, progress_request
 from runwarden.v1 import agent_pb2
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Three independent sources, read once per run (`expect_gpus`):
 
 * config: `[inventory] expected_gpu_count` (the node agent fills it from its `local_ranks` where
-  another source below expects GPUs, nodeagent.preflight_defaults) and `[compute] device = "cuda"`;
+  another source below expects GPUs, nodeagent.daemon.preflight_defaults) and `[compute] device = "cuda"`;
 * the scheduler's allocation: `SLURM_GPUS_ON_NODE`, `CUDA_VISIBLE_DEVICES`, and `NVIDIA_VISIBLE_DEVICES`
   as the Kubernetes device plugin sets it for a pod's `nvidia.com/gpu` request (its list of GPUs;
   "all" is a CUDA image's default, not a request, and says nothing);

@@ -1,6 +1,6 @@
 """systemd's notify protocol, by hand: one datagram per message on $NOTIFY_SOCKET.
 
-Both daemons use it: the node agent (nodeagent/agent.py) and `controller run` (controller/live/main.py).
+Both daemons use it: the node agent (nodeagent/daemon/agent.py) and `controller run` (controller/live/main.py).
 A path starting with "@" is an abstract socket. Without $NOTIFY_SOCKET (not under systemd) every
 call is a no-op. Errors are swallowed and logged once: the watchdog must never crash a daemon.
 """

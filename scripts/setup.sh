@@ -46,3 +46,7 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   .venv/bin/python -m pip install -q -e ".[torch,plot,kubernetes,ray,dev]"
   touch "$stamp"
 fi
+# testbed/ (the private etcd, the namespace fleet, the test clusters the tests, benchmarks and the demo
+# stand up) is not part of the wheel: the dev venv finds it through the repo root.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$PWD" > "$site/runwarden-testbed.pth"

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer
-from runwarden.testing.etcd_server import free_port as _free_port
+from testbed.etcd_server import EtcdServer
+from testbed.etcd_server import free_port as _free_port
 
 _counter = itertools.count()
 

@@ -51,7 +51,7 @@ class LocalConfig:
     """no_python: the command is a full argv with its own interpreter (its argv[0] must be allowed by
     every agent); by default it starts at the training script, which torchrun runs with the agent's
     interpreter. script_mode: "instrumented" (the script calls nodeagent.trainer) or "unmodified"
-    (no runwarden calls: each agent runs it through nodeagent.bootstrap)."""
+    (no runwarden calls: each agent runs it through nodeagent.trainer.bootstrap)."""
 
     rpc_timeout_s: float = 10.0
     # A launch may wait for a node's parked warm group that is still importing (the agent waits at

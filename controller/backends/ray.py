@@ -82,7 +82,9 @@ class RayConfig:
     agent_run_dir: str = "/run/runwarden"  # each agent's unix socket and run dir under <this>/<node name>
     agent_port: int = 50051  # each agent listens on <its Ray node's ip>:<this>
     metrics_port: int = 0  # the agent's /metrics on <ip>:<this> (0 = off)
-    nodeagent: tuple[str, ...] = ()  # the agent command on the nodes (empty: <ray's python> -m nodeagent.cli)
+    nodeagent: tuple[
+        str, ...
+    ] = ()  # the agent command on the nodes (empty: <ray's python> -m nodeagent.daemon.cli)
     agent_args: tuple[str, ...] = ()  # more agent flags, e.g. ["--lease-ttl", "3"]
     stop_timeout_s: float = 30.0  # SIGTERM to SIGKILL when an agent is stopped
     quarantine_stops_agent: bool = False  # a quarantined node's agent leaves too (no burn-in then)
@@ -142,7 +144,7 @@ def agent_argv(cfg: RayConfig, *, ip: str, python: str) -> list[str]:
     node = node_name(ip)
     host = f"[{ip}]" if ":" in ip else ip
     state = os.path.join(cfg.agent_run_dir, node)
-    argv = list(cfg.nodeagent) or [python, "-m", "nodeagent.cli"]
+    argv = list(cfg.nodeagent) or [python, "-m", "nodeagent.daemon.cli"]
     if cfg.agent_config:
         argv += ["--config", cfg.agent_config]
     argv += [

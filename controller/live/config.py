@@ -53,7 +53,7 @@ class RunSection:
     tick_s: float = 0.25
     env: dict[str, str] = field(default_factory=dict)
     # "instrumented": the command calls nodeagent.trainer; "unmodified": it has no runwarden calls and
-    # every rank runs it through nodeagent.bootstrap (progress from the flight recorder's counters)
+    # every rank runs it through nodeagent.trainer.bootstrap (progress from the flight recorder's counters)
     script_mode: str = "instrumented"
 
     def __post_init__(self) -> None:

@@ -91,7 +91,9 @@ class ShellConfig:
     procs_per_node: int = 1
     dump_timeout_s: float = 3.0
     spares: int = 0  # allocated beyond the run's nodes (the scheduler's `allocate`)
-    script_mode: str = "instrumented"  # "unmodified": the agents run the command through nodeagent.bootstrap
+    script_mode: str = (
+        "instrumented"  # "unmodified": the agents run the command through nodeagent.trainer.bootstrap
+    )
     priority: int = 0  # who gets a free node of the shared fleet first: the higher (then first come)
     claim_bid_window_s: float = BID_WINDOW_S  # asks of several runs this close are decided by priority
     # A new launch is wanted (`controller run --resume`, --exit-when-done): a stop that ended the run

@@ -253,7 +253,7 @@ class Translator:
                 r.committed_step > self.committed_seen or prog.attempt > self.committed_attempt
             ):
                 # any rank: rank 0 reports a commit as it writes it, the others once they see its
-                # marker (nodeagent.dcp), so a lost rank-0 host does not hide the newest commit.
+                # marker (nodeagent.trainer.dcp), so a lost rank-0 host does not hide the newest commit.
                 # Per attempt: after a rollback (a loss anomaly) a new attempt commits steps an
                 # earlier one committed; the core drops the commits it already holds
                 self.committed_seen = r.committed_step
@@ -337,7 +337,7 @@ class Translator:
         return Rendezvous(host=rec.torch_host, port=rec.rdzv_port)
 
 
-MAX_RECENT_LOSSES = 64  # per rank per write, as the agent sends them (nodeagent/progress.py)
+MAX_RECENT_LOSSES = 64  # per rank per write, as the agent sends them (nodeagent/daemon/progress.py)
 
 
 def _losses(prog: store_pb2.NodeProgress, r: common_pb2.RankProgress) -> tuple[tuple[int, float], ...]:

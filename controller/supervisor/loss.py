@@ -9,7 +9,7 @@ Every step's loss of every rank reaches the core (`RankSample.losses`, the agent
   with the step, rank, node and values. `on_loss_anomaly = "page"` pages; `"stop"` stops the attempt
   and relaunches from the newest commit *before* the anomaly's step: commits at or after it hold
   the state that produced it and stop being resume points (older commits stay on disk: the trainer
-  never prunes them, nodeagent/checkpoint.py). If no commit is older, the relaunch is from scratch.
+  never prunes them, nodeagent/trainer/checkpoint.py). If no commit is older, the relaunch is from scratch.
   An anomalous loss is kept out of the history and the rank's window (no reference for a replay,
   not part of the normal), and a rollback forgets the losses from the anomaly's step on.
 * **Divergence** (`DIVERGENCE`): a resumed attempt that replays a (step, rank) an earlier attempt

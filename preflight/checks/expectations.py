@@ -4,7 +4,7 @@ One result, `preflight.expected_values`: PASS when every one is set, else SKIP n
 so a report says which checks ran without a bar (a zero floor or an empty expected value means "not
 checked"; each such check also says so in its own result, see `no_floor`). The sources are the
 caller's: alone, every value is the preflight config's; the node agent fills some from its own config
-and says which (nodeagent.preflight_defaults).
+and says which (nodeagent.daemon.preflight_defaults).
 """
 
 from __future__ import annotations

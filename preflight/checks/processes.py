@@ -2,14 +2,14 @@
 
 Who may hold GPU memory is a `ProcessView`'s answer. Alone (`preflight run`, a Slurm prolog) it is
 `OwnTree`: this process and its descendants, i.e. the preflight's own children. Inside the node
-agent it is the agent's view (nodeagent.leftovers), which also knows which processes are leftovers
+agent it is the agent's view (nodeagent.daemon.leftovers), which also knows which processes are leftovers
 of the agent's ended attempts: the agent's whole tree is not "ours" there, because the agent is the
 subreaper of its earlier ranks (the seed's failure: a killed attempt's rank keeps its GPU memory and
 the next attempt runs out of memory on a healthy node).
 
 Which attempt a process came from is read from the environment the agent's launcher gives every
 rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, and `RUNWARDEN_NODEAGENT_SOCKET`, the
-agent it reports to, `RUNWARDEN_AGENT_SOCKET` from older agents: nodeagent.launcher.worker_env), which torchrun, the ranks and their children
+agent it reports to, `RUNWARDEN_AGENT_SOCKET` from older agents: nodeagent.daemon.launcher.worker_env), which torchrun, the ranks and their children
 inherit; /proc/<pid>/environ is the environment at exec, so a rank that changes its own environment
 later still shows it.
 """
@@ -25,7 +25,7 @@ from preflight.checks.base import CheckContext, CheckSpec, own_process_tree
 from preflight.config import MODES
 from preflight.result import CheckResult, failed, passed
 
-# The variables nodeagent.launcher.worker_env sets (preflight does not import the agent).
+# The variables nodeagent.daemon.launcher.worker_env sets (preflight does not import the agent).
 NODE_ENV, RUN_ENV, ATTEMPT_ENV = "RUNWARDEN_NODE", "RUNWARDEN_RUN", "RUNWARDEN_ATTEMPT"
 AGENT_ENV = "RUNWARDEN_NODEAGENT_SOCKET"
 OLD_AGENT_ENV = "RUNWARDEN_AGENT_SOCKET"  # before it moved out of the agent's config prefix

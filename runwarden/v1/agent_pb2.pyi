@@ -37,7 +37,7 @@ class _ScriptModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScriptMode
     SCRIPT_MODE_INSTRUMENTED: _ScriptMode.ValueType  # 1
     """the script reports progress itself (nodeagent.trainer)"""
     SCRIPT_MODE_UNMODIFIED: _ScriptMode.ValueType  # 2
-    """run through nodeagent.bootstrap: progress from collective counters"""
+    """run through nodeagent.trainer.bootstrap: progress from collective counters"""
 
 class ScriptMode(_ScriptMode, metaclass=_ScriptModeEnumTypeWrapper): ...
 
@@ -46,7 +46,7 @@ SCRIPT_MODE_UNSPECIFIED: ScriptMode.ValueType  # 0
 SCRIPT_MODE_INSTRUMENTED: ScriptMode.ValueType  # 1
 """the script reports progress itself (nodeagent.trainer)"""
 SCRIPT_MODE_UNMODIFIED: ScriptMode.ValueType  # 2
-"""run through nodeagent.bootstrap: progress from collective counters"""
+"""run through nodeagent.trainer.bootstrap: progress from collective counters"""
 Global___ScriptMode: _TypeAlias = ScriptMode  # noqa: Y015
 
 class _FaultKind:
@@ -575,7 +575,7 @@ class TorchrunLaunch(_message.Message):
     script_mode: Global___ScriptMode.ValueType
     """What the command is: a script that calls nodeagent.trainer (UNSPECIFIED or INSTRUMENTED), or one
     with no runwarden calls at all (UNMODIFIED): each rank then runs it through the agent's bootstrap
-    (`-m nodeagent.bootstrap <command...>`), which derives progress from the flight recorder.
+    (`-m nodeagent.trainer.bootstrap <command...>`), which derives progress from the flight recorder.
     UNMODIFIED needs a script or `-m module` (never `no_python`) and the agent's flight recorder on.
     """
     @_builtins.property
@@ -586,7 +586,7 @@ class TorchrunLaunch(_message.Message):
     def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other nodes' agent addresses ("host:port"). An agent whose lease cannot be renewed asks them
         (GetNodeStatus.last_heartbeat_age_s) whether they renew theirs: if they cannot either, it is an
-        etcd outage and it keeps its workers; if one does, or none answers, it fences (nodeagent/liveness.py).
+        etcd outage and it keeps its workers; if one does, or none answers, it fences (nodeagent/daemon/liveness.py).
         """
 
     def __init__(
@@ -651,7 +651,7 @@ class StopWorkersRequest(_message.Message):
     park_within_s: _builtins.float
     """> 0 (an unplanned stop of a run on warm workers, `warm_workers` in the agent's config): the
     ranks leave their collectives and park again in the same processes, holding their state in
-    memory for the next attempt (nodeagent.warm), within this many seconds; a rank still in the
+    memory for the next attempt (nodeagent.warm.parked), within this many seconds; a rank still in the
     attempt then is killed with its group (TERM, KILL after grace_s) and a fresh group is parked.
     0: stop as always. Cold workers always stop as always. At most 60.
     """

@@ -31,8 +31,8 @@ from controller.backends.kubernetes import KubernetesConfig, KubernetesScheduler
 from controller.ctl import main as controllerctl
 from controller.live import main as controller_main
 from controller.live.config import ControllerConfig, load_controller_config
-from nodeagent import cli as nodeagent_cli
-from nodeagent import config as nodeagent_config
+from nodeagent.daemon import cli as nodeagent_cli
+from nodeagent.daemon import config as nodeagent_config
 
 K8S_VERSION = "1.30.0"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"

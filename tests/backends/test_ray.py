@@ -23,8 +23,8 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 from controller.backends.base import BackendError, RunOutcome  # noqa: E402
 from controller.backends.ray import MARK_PREFIX, RayScheduler  # noqa: E402
 from runwarden.store import Store, StoreConfig  # noqa: E402
-from runwarden.testing.etcd_server import EtcdServer, free_port  # noqa: E402
-from runwarden.testing.ray_cluster import start_ray_cluster  # noqa: E402
+from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
+from testbed.ray_cluster import start_ray_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 

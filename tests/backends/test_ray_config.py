@@ -83,7 +83,7 @@ def test_node_names_and_the_agent_line() -> None:
         agent_args=("--lease-ttl", "3"),
     )
     assert agent_argv(cfg, ip="10.1.2.3", python="/venv/bin/python") == [
-        "/venv/bin/python", "-m", "nodeagent.cli",
+        "/venv/bin/python", "-m", "nodeagent.daemon.cli",
         "--config", "/etc/runwarden/nodeagent.toml",
         "--node", "ray-10.1.2.3",
         "--listen", "10.1.2.3:50055", "--advertise", "10.1.2.3:50055",

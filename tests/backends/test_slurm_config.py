@@ -27,7 +27,7 @@ def test_from_section_defaults_to_the_shipped_batch_script() -> None:
         ({"etcd_endpoints": ["etcd1"]}, "host:port"),
         ({"etcd_endpoints": "etcd1:2379"}, "expected a list"),
         ({"nodeagent": []}, "nodeagent"),
-        ({"nodeagent": ["python -m nodeagent.cli"]}, "whitespace"),
+        ({"nodeagent": ["python -m nodeagent.daemon.cli"]}, "whitespace"),
         ({"agent_run_dir": "run"}, "absolute"),
         ({"signal_lead_s": 70000}, "signal_lead_s"),
         ({"allocate_timeout_s": 0}, "must be > 0"),

@@ -32,8 +32,9 @@ import pytest
 
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
 from runwarden.eventlog import read_events
-from runwarden.testing.etcd_server import EtcdServer, free_port
-from runwarden.testing.fleet_cluster import (
+from runwarden.v1 import events_pb2
+from testbed.etcd_server import EtcdServer, free_port
+from testbed.fleet_cluster import (
     REPO,
     ClusterSpec,
     agent_settings,
@@ -45,7 +46,6 @@ from runwarden.testing.fleet_cluster import (
     wait_for_event,
     write_toml,
 )
-from runwarden.v1 import events_pb2
 from tests.backends.slurm_cluster import SlurmCluster
 from tests.e2e.five_faults import (
     assert_losses_equal_an_uninterrupted_run,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from runwarden.testing.etcd_server import EtcdServer
-from runwarden.testing.fleet_cluster import ClusterSpec
 from runwarden.v1 import events_pb2
+from testbed.etcd_server import EtcdServer
+from testbed.fleet_cluster import ClusterSpec
 from tests.backends.slurm_cluster import SlurmCluster
 from tests.backends.test_slurm_controller import _SlurmRun, etcd_module  # noqa: F401 (a fixture)
 

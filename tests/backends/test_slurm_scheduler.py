@@ -18,8 +18,8 @@ import pytest
 from controller.backends.base import BackendError, RunOutcome, Scheduler
 from controller.backends.slurm import SlurmScheduler
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer
 from runwarden.v1 import common_pb2, store_pb2
+from testbed.etcd_server import EtcdServer
 from tests.backends.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from controller.goodput.metrics import WindowedRatesCollector
 from controller.live.metrics import ControlPlaneCollector
-from nodeagent.metrics import AgentMetrics
+from nodeagent.daemon.metrics import AgentMetrics
 from runwarden.eventlog import encode_event
 from runwarden.v1 import common_pb2, controller_pb2
 

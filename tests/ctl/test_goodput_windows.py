@@ -16,8 +16,8 @@ from controller.goodput.report import US, compute_goodput, to_us
 from controller.goodput.tail import LogTail
 from controller.goodput.windows import RatesBook, RunRates
 from runwarden.eventlog import MAX_LINE_BYTES, encode_event
-from runwarden.testing.etcd_server import free_port
 from runwarden.v1 import common_pb2, events_pb2
+from testbed.etcd_server import free_port
 
 from .logbuild import LogBuilder
 from .test_goodput_outputs import long_run

@@ -40,9 +40,9 @@ import pytest
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.eventlog import read_events
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import free_port
-from runwarden.testing.fleet_cluster import controller_settings, start_controller, write_toml
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
+from testbed.etcd_server import free_port
+from testbed.fleet_cluster import controller_settings, start_controller, write_toml
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

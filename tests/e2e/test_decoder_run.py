@@ -43,7 +43,7 @@ import pytest
 from controller.live.loss_history import loss_history
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import Recovery, current_nodes, last_seq, recoveries, run_faults
-from nodeagent.checkpoint import read_commit, step_dir
+from nodeagent.trainer.checkpoint import read_commit, step_dir
 from runwarden.eventlog import read_events
 from runwarden.v1 import events_pb2
 from tests.e2e.five_faults import EXPECTED_DETECTOR, rank0_losses, reference_command

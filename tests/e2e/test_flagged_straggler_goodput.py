@@ -9,7 +9,7 @@ the run is stopped.
 The report must be within 1% of the true productive time, measured apart from the goodput code: the
 trainer's own clock (its loss log stamps every step) from its first step to the stop request, less
 the time each save blocked its training as the trainer measured it (rank 0's `save_stall_s`, which
-nodeagent.dcp writes into each commit marker). That stall reaches the log as each
+nodeagent.trainer.dcp writes into each commit marker). That stall reaches the log as each
 CHECKPOINT_COMMIT's save_duration_s (before issue 26 it was 0 on every live commit, and the saves
 here put the report several % high). The stop's own save comes after the compared
 window (the report labels it ``planned``). Before issue 26 the flag opened an incident no relaunch
@@ -29,7 +29,7 @@ import pytest
 
 from controller.goodput.report import US, compute_goodput
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
-from nodeagent.checkpoint import read_commit, step_dir
+from nodeagent.trainer.checkpoint import read_commit, step_dir
 from runwarden.v1 import events_pb2
 
 E = events_pb2

@@ -25,8 +25,9 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 
 from examples.cluster import leftover_processes  # noqa: E402
 from examples.demo import Injection, current_nodes, inject, last_seq, recoveries  # noqa: E402
-from runwarden.testing.etcd_server import EtcdServer, free_port  # noqa: E402
-from runwarden.testing.fleet_cluster import (  # noqa: E402
+from runwarden.v1 import events_pb2  # noqa: E402
+from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
+from testbed.fleet_cluster import (  # noqa: E402
     ClusterBase,
     ClusterSpec,
     agent_settings,
@@ -36,8 +37,7 @@ from runwarden.testing.fleet_cluster import (  # noqa: E402
     start_controller,
     write_toml,
 )
-from runwarden.testing.ray_cluster import start_ray_cluster  # noqa: E402
-from runwarden.v1 import events_pb2  # noqa: E402
+from testbed.ray_cluster import start_ray_cluster  # noqa: E402
 from tests.e2e.five_faults import EXPECTED_DETECTOR  # noqa: E402
 
 E = events_pb2

@@ -30,10 +30,10 @@ import pytest
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
 from runwarden.eventlog import read_events
-from runwarden.testing.fleet import Fleet, default_prefix, sweep_orphans
-from runwarden.testing.fleet import available as fleet_available
-from runwarden.testing.fleet_cluster import FleetCluster
 from runwarden.v1 import events_pb2
+from testbed.fleet import Fleet, default_prefix, sweep_orphans
+from testbed.fleet import available as fleet_available
+from testbed.fleet_cluster import FleetCluster
 from tests.e2e.five_faults import (
     assert_losses_equal_an_uninterrupted_run,
     check_event_log_whole,

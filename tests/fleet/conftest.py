@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runwarden.testing.fleet import Fleet, Host, available, default_prefix, namespaces, sweep, sweep_orphans
+from testbed.fleet import Fleet, Host, available, default_prefix, namespaces, sweep, sweep_orphans
 
 NETTOOLS = Path(__file__).with_name("nettools.py")
 

@@ -8,8 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from runwarden.testing import fleet as F
-from runwarden.testing.fleet import Fleet
+from testbed import fleet as F
+from testbed.fleet import Fleet
 from tests.fleet.conftest import require_namespaces
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from runwarden.testing.fleet import Fleet, netns_pids
-from runwarden.testing.fleet_cluster import AGENT_PORT, ClusterSpec, FleetCluster
 from runwarden.v1 import events_pb2
+from testbed.fleet import Fleet, netns_pids
+from testbed.fleet_cluster import AGENT_PORT, ClusterSpec, FleetCluster
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

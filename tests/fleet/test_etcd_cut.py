@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.agent import PEER_ASK_TIMEOUT_S
-from nodeagent.liveness import RECOVERY_TTLS
-from runwarden.testing.fleet import Fleet, Host, default_prefix, netns_pids, sweep_orphans
-from runwarden.testing.fleet import available as fleet_available
-from runwarden.testing.fleet_cluster import AGENT_PORT, ETCD_CLIENT_PORT, ClusterSpec, FleetCluster
+from nodeagent.daemon.agent import PEER_ASK_TIMEOUT_S
+from nodeagent.daemon.liveness import RECOVERY_TTLS
 from runwarden.v1 import events_pb2
+from testbed.fleet import Fleet, Host, default_prefix, netns_pids, sweep_orphans
+from testbed.fleet import available as fleet_available
+from testbed.fleet_cluster import AGENT_PORT, ETCD_CLIENT_PORT, ClusterSpec, FleetCluster
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TTL_S = 2.0
-STOP_GRACE_S = 5.0  # the test agents' stop_grace_s (runwarden.testing.fleet_cluster.agent_settings)
+STOP_GRACE_S = 5.0  # the test agents' stop_grace_s (testbed.fleet_cluster.agent_settings)
 # the fence's bound after the cut: the lease runs out within TTL of its last renewal; a peer renews
 # within TTL/3 after that, the vouch asks again every TTL/6 and waits up to its timeout; this host's
 # keeper gets RECOVERY_TTLS x TTL to renew too; then the ranks get TERM and, after the grace, KILL.

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from runwarden.eventlog import read_events
-from runwarden.testing.fleet import (
+from runwarden.v1 import events_pb2
+from testbed.fleet import (
     Fleet,
     default_prefix,
     heal,
@@ -27,9 +28,8 @@ from runwarden.testing.fleet import (
     sweep_orphans,
     unslow,
 )
-from runwarden.testing.fleet import available as fleet_available
-from runwarden.testing.fleet_cluster import ClusterSpec, FleetCluster
-from runwarden.v1 import events_pb2
+from testbed.fleet import available as fleet_available
+from testbed.fleet_cluster import ClusterSpec, FleetCluster
 from tests.e2e.five_faults import assert_losses_equal_an_uninterrupted_run
 
 E = events_pb2

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from runwarden.testing import fleet as F
-from runwarden.testing.fleet import Fleet, Host
+from testbed import fleet as F
+from testbed.fleet import Fleet, Host
 from tests.fleet.conftest import start_server
 
 ECHO_PORT = 7000

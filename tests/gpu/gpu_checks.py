@@ -225,7 +225,7 @@ def quick_all_reduce(count: int) -> None:
 
 def leftover_gpu_memory() -> None:
     step("a leftover rank holding GPU memory: named with its attempt, killed by the agent's view, gone")
-    from nodeagent import leftovers, preflight_bridge
+    from nodeagent.daemon import leftovers, preflight_bridge
 
     code = (
         "import time, torch\nx = torch.empty(1 << 30, dtype=torch.uint8, device='cuda:0')\n"

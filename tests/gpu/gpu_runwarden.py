@@ -1,12 +1,12 @@
 """runwarden's own GPU paths on the training side, on one GPU (issue 28): called by gpu_checks.py.
 
-* DCP save and load of CUDA tensors (nodeagent.dcp), from storage and from memory;
+* DCP save and load of CUDA tensors (nodeagent.trainer.dcp), from storage and from memory;
 * the in-memory copies on a GPU: every tensor lands in pinned host memory, the copy allocates no
   GPU memory, the training thread only issues it (timed: issue vs landed), and the stall of an
   async save with and without the copy;
 * the peer path's chunked staging through the GPU under NCCL (its peak GPU memory);
 * `stop_agreed(device="cuda")` over NCCL;
-* a warm rank (the real `nodeagent.warm` leader and rank) running NCCL attempts: an attempt
+* a warm rank (the real `nodeagent.warm.parked` leader and rank) running NCCL attempts: an attempt
   aborted in its collectives (ncclCommAbort through `end`), a re-init in the next attempt, the GPU
   memory a parked rank keeps (NVML, MiB per rank) and what it says it keeps;
 * NCCL flight-recorder dumps collected over the rank's socket and parsed, and the bootstrap's NCCL
@@ -67,7 +67,8 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
     step(f"the in-memory copies and DCP save/load of {device.type} tensors")
     import torch
 
-    from nodeagent import dcp, memory_state, trainer
+    from nodeagent import trainer
+    from nodeagent.trainer import dcp, memory_state
 
     cuda = device.type == "cuda"
     os.environ.update(WARM_ENV)
@@ -145,7 +146,8 @@ def nccl_paths(device: Any, tmp: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from nodeagent import memory_state, trainer
+    from nodeagent import trainer
+    from nodeagent.trainer import memory_state
 
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -186,7 +188,7 @@ WARM_JOB = """
 import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from nodeagent import rank_device
+from nodeagent.trainer import rank_device
 backend, device = rank_device.pick(os.environ["JOB_BACKEND"])
 dist.init_process_group(backend)
 x = torch.ones(1 << 20, device=device)
@@ -223,8 +225,8 @@ def _used_mib(pid: int) -> float | None:
 
 def warm_rank(device: Any, tmp: Path) -> None:
     step(f"a warm rank's attempts on {device.type}: NCCL abort, re-init, what a parked rank keeps")
-    from nodeagent import warm
-    from runwarden.testing.etcd_server import free_port
+    from nodeagent.warm import parked as warm
+    from testbed.etcd_server import free_port
 
     cuda = device.type == "cuda"
     job = tmp / "warm_job.py"
@@ -234,7 +236,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
     log = (tmp / "leader.log").open("w+b")
     r, w = os.pipe()
     leader = subprocess.Popen(
-        [sys.executable, "-m", "nodeagent.warm", "leader", "--local-ranks", "1", "--ready-fd", str(w)],
+        [sys.executable, "-m", "nodeagent.warm.parked", "leader", "--local-ranks", "1", "--ready-fd", str(w)],
         stdin=subprocess.PIPE,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -324,7 +326,8 @@ FR_JOB = """
 import json, os, sys
 os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
 import torch, torch.distributed as dist
-from nodeagent import flight_recorder, bootstrap
+from nodeagent import flight_recorder
+from nodeagent.trainer import bootstrap
 rec = flight_recorder.setup_flight_recording(sys.argv[1], buffer_size=200)
 cuda = sys.argv[2] == "cuda"
 if cuda:
@@ -381,7 +384,7 @@ def flight_recorder_and_counters(device: Any, tmp: Path) -> None:
 
 def nvml_poller_and_xid_map() -> None:
     step("the NVML poller and the Xid monitor's bus-id -> NVML index map, on the real NVML")
-    from nodeagent.monitors import GpuMap, NvmlPoller
+    from nodeagent.daemon.monitors import GpuMap, NvmlPoller
     from preflight.nvml import PynvmlAdapter
 
     got: list[Any] = []

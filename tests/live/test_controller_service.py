@@ -15,7 +15,7 @@ from pathlib import Path
 from controller.api import policy as policy_store
 from runwarden.keys import run_election
 from runwarden.store import Store
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "svc"

@@ -16,7 +16,7 @@ from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan
 from runwarden.eventlog import read_events
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 from tests.live.shell import RUN, LogWatch, agent_double, is_launch, policy
 from tests.support.tcp_proxy import TcpProxy
 

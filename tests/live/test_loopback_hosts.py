@@ -17,7 +17,7 @@ import pytest
 
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan
-from nodeagent import proctree
+from nodeagent.daemon import proctree
 from runwarden.v1 import agent_pb2, events_pb2, store_pb2
 from tests.live.shell import RUN, is_launch, live_shell, policy
 from tests.nodeagent.helpers import ROOT, AgentProc, wait_for

@@ -42,8 +42,8 @@ from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import PoolState
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
+from testbed.etcd_server import EtcdServer
 from tests.live.shell import AgentDouble, LogWatch, policy
 
 NODES = ("n1", "n2", "n3", "n4", "n5")

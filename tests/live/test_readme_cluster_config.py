@@ -7,8 +7,8 @@ import tomllib
 from pathlib import Path
 
 from controller.live.config import load_controller_config
-from nodeagent.config import from_sources
-from runwarden.testing.fleet_cluster import write_toml
+from nodeagent.daemon.config import from_sources
+from testbed.fleet_cluster import write_toml
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

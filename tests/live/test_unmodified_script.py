@@ -1,6 +1,6 @@
 """Issue 19, an unmodified script still supervised: a plain DDP script (tests/nodeagent/plain_ddp.py,
 no runwarden import) run with `[controller] script_mode = "unmodified"`, so every agent runs it
-through nodeagent.bootstrap, on one real cluster (etcd, four agents with warm workers, the
+through nodeagent.trainer.bootstrap, on one real cluster (etcd, four agents with warm workers, the
 controller, torchrun with gloo on CPU). The controller's existing rules, unchanged, see it:
 
 * a rank slowed in its forward pass is flagged as the persistent straggler (rank and node);

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from nodeagent import checkpoint
+from nodeagent.trainer import checkpoint
 
 
 def die() -> None:

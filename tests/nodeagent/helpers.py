@@ -51,7 +51,7 @@ class AgentProc:
         argv = [
             PYTHON,
             "-m",
-            "nodeagent.cli",
+            "nodeagent.daemon.cli",
             "--node",
             node,
             "--listen",

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nodeagent import memory_state, trainer
-from nodeagent.checkpoint import read_commit, step_dir
-from nodeagent.dcp import DcpCheckpointer, load_dcp
+from nodeagent import trainer
+from nodeagent.trainer import memory_state
+from nodeagent.trainer.checkpoint import read_commit, step_dir
+from nodeagent.trainer.dcp import DcpCheckpointer, load_dcp
 
 
 class CommitReports:

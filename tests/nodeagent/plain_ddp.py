@@ -1,5 +1,5 @@
 """A plain DDP training script, written the way PyTorch's DDP tutorial writes one: no runwarden
-import, no progress calls, no checkpoints. Launched with torchrun through nodeagent.bootstrap by
+import, no progress calls, no checkpoints. Launched with torchrun through nodeagent.trainer.bootstrap by
 tests/nodeagent/test_bootstrap.py and tests/live/test_unmodified_script.py.
 
 The only additions are the tests' knobs, as files so a test can turn them on and off while the

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from nodeagent.dcp import DcpCheckpointer
+from nodeagent.trainer.dcp import DcpCheckpointer
 
 UPLOAD_S = 0.5  # the slow storage's extra time per save, on every rank
 

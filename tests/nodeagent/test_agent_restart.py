@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent import proctree
+from nodeagent.daemon import proctree
 from runwarden.v1 import agent_pb2
 from tests.nodeagent.helpers import AgentProc, wait_for
 

@@ -1,4 +1,4 @@
-"""nodeagent.bootstrap: an unmodified script's progress, derived from the flight recorder's counters.
+"""nodeagent.trainer.bootstrap: an unmodified script's progress, derived from the flight recorder's counters.
 
 The counting and the compute/wait split are pure (`CollectiveClock`, `CollectiveSampler` with a
 fake clock); the end-to-end test runs a plain DDP script (tests/nodeagent/plain_ddp.py, no
@@ -21,11 +21,12 @@ import grpc
 import pytest
 
 from controller.supervisor.flight_recorder import verdict_from_rank_dumps
-from nodeagent import bootstrap, torchrun
-from nodeagent.bootstrap import BootstrapConfig, CollectiveClock, CollectiveSampler, GroupCounters
+from nodeagent.daemon import torchrun
+from nodeagent.daemon.validate import ValidationError, launch_request
 from nodeagent.flight_recorder import collect_dumps, discover_sockets
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
-from nodeagent.validate import ValidationError, launch_request
+from nodeagent.trainer import bootstrap
+from nodeagent.trainer.bootstrap import BootstrapConfig, CollectiveClock, CollectiveSampler, GroupCounters
 from runwarden.v1 import agent_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,7 +225,7 @@ def test_the_script_runs_as_python_would_run_it_and_keeps_its_exit(tmp_path):
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "nodeagent.bootstrap", *argv],
+            [sys.executable, "-m", "nodeagent.trainer.bootstrap", *argv],
             capture_output=True,
             text=True,
             cwd=tmp_path,
@@ -257,7 +258,13 @@ def launch(**fields: Any) -> agent_pb2.LaunchWorkersRequest:
 def test_an_unmodified_launch_runs_the_command_behind_the_bootstrap_and_is_validated():
     req = launch(script_mode=agent_pb2.SCRIPT_MODE_UNMODIFIED, command=["/repo/train.py", "--lr", "1"])
     launch_request(req)
-    assert torchrun.rank_command(req.torchrun) == ("-m", "nodeagent.bootstrap", "/repo/train.py", "--lr", "1")
+    assert torchrun.rank_command(req.torchrun) == (
+        "-m",
+        "nodeagent.trainer.bootstrap",
+        "/repo/train.py",
+        "--lr",
+        "1",
+    )
     assert torchrun.rank_command(launch().torchrun) == ("/repo/train.py",)
     launch_request(launch(script_mode=agent_pb2.SCRIPT_MODE_UNMODIFIED, command=["-m", "pkg.train"]))
     for bad, why in (

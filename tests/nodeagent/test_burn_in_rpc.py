@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nodeagent.validate import ValidationError, preflight_request
+from nodeagent.daemon.validate import ValidationError, preflight_request
 from runwarden.v1 import agent_pb2, common_pb2
 
 STAGES = ["matmul", "memory", "dcgm", "allreduce", "storage"]

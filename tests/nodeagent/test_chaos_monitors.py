@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nodeagent import proctree
-from nodeagent.monitors import NvmlPoller, XidMonitor
+from nodeagent.daemon import proctree
+from nodeagent.daemon.monitors import NvmlPoller, XidMonitor
 from preflight.nvml import GpuLost, RemappedRows
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 from tests.nodeagent.helpers import ROOT, wait_for

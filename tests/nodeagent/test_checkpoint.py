@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from nodeagent import checkpoint
+from nodeagent.trainer import checkpoint
 from tests.nodeagent.helpers import PYTHON, ROOT
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nodeagent import cli
-from nodeagent.config import from_sources
+from nodeagent.daemon import cli
+from nodeagent.daemon.config import from_sources
 from runwarden.config import ConfigError
 from tests.nodeagent.helpers import ROOT
 
@@ -62,11 +62,11 @@ def test_non_loopback_allowed_with_tls(tmp_path):
 def test_cli_help_and_config_error_exit_code(tmp_path):
     env = {"PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "nodeagent.cli", "--help"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "nodeagent.daemon.cli", "--help"], capture_output=True, text=True, env=env
     )
     assert out.returncode == 0 and "--allow-exec" in out.stdout and "--etcd" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "nodeagent.cli", "--listen", "10.1.2.3:5"],
+        [sys.executable, "-m", "nodeagent.daemon.cli", "--listen", "10.1.2.3:5"],
         capture_output=True,
         text=True,
         env=env,
@@ -188,7 +188,7 @@ def test_non_finite_durations_are_refused_with_the_key_named(tmp_path, key, valu
 def test_every_float_key_is_covered_by_the_finite_test():
     import dataclasses
 
-    from nodeagent.config import AgentConfig
+    from nodeagent.daemon.config import AgentConfig
 
     floats = {f.name for f in dataclasses.fields(AgentConfig) if f.type in ("float", float)}
     assert floats == set(FLOAT_KEYS)
@@ -198,8 +198,8 @@ def test_a_ranks_environment_is_no_agent_config(tmp_path):
     """Every variable the launcher gives a rank stays out of the agent's RUNWARDEN_AGENT_* prefix: an
     agent started from a rank's environment (a nested or restarted one) reads no key from it. The
     rank's agent socket was RUNWARDEN_AGENT_SOCKET, which made such an agent refuse to start."""
-    from nodeagent.config import ENV_PREFIX, env_mapping
-    from nodeagent.launcher import LaunchSpec, worker_env
+    from nodeagent.daemon.config import ENV_PREFIX, env_mapping
+    from nodeagent.daemon.launcher import LaunchSpec, worker_env
     from nodeagent.trainer import agent_socket
 
     spec = LaunchSpec(

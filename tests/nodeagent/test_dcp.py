@@ -18,8 +18,14 @@ import torch
 from torch import nn
 
 from nodeagent import trainer
-from nodeagent.checkpoint import MARKER, CheckpointError, CommittedCheckpoint, latest_committed, step_dir
-from nodeagent.dcp import DCP_METADATA, DcpCheckpointer, rank_state_name
+from nodeagent.trainer.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CommittedCheckpoint,
+    latest_committed,
+    step_dir,
+)
+from nodeagent.trainer.dcp import DCP_METADATA, DcpCheckpointer, rank_state_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.checkpoint import MARKER, latest_committed, read_commit, step_dir
-from nodeagent.dcp import DCP_METADATA
+from nodeagent.trainer.checkpoint import MARKER, latest_committed, read_commit, step_dir
+from nodeagent.trainer.dcp import DCP_METADATA
 from tests.nodeagent.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

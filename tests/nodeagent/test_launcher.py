@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nodeagent import proctree
+from nodeagent.daemon import proctree
 from runwarden.v1 import agent_pb2
 from tests.nodeagent.helpers import ROOT, wait_for
 
@@ -152,7 +152,7 @@ def test_worker_env_has_the_contract(agent_factory, tmp_path):
 
 
 def test_a_torchrun_shutdown_timeout_given_by_the_controller_is_kept(tmp_path):
-    from nodeagent.launcher import LaunchSpec, worker_env
+    from nodeagent.daemon.launcher import LaunchSpec, worker_env
 
     spec = LaunchSpec(
         run="r",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent import leftovers, preflight_bridge, proctree
-from nodeagent.launcher import ExitInfo, Worker
+from nodeagent.daemon import leftovers, preflight_bridge, proctree
+from nodeagent.daemon.launcher import ExitInfo, Worker
 from preflight.checks.base import process_name
 from preflight.config import PreflightConfig
 from preflight.nvml import GpuProcess

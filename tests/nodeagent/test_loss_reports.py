@@ -13,8 +13,9 @@ import pytest
 
 from controller.live.translate import Translator
 from controller.supervisor.events import ProgressObserved
-from nodeagent import trainer, validate
-from nodeagent.progress import MAX_RECENT_LOSSES, ProgressTable
+from nodeagent import trainer
+from nodeagent.daemon import validate
+from nodeagent.daemon.progress import MAX_RECENT_LOSSES, ProgressTable
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, WatchEvent

@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from nodeagent import memory_state, trainer
-from nodeagent.config import AgentConfig
-from nodeagent.dcp import DcpCheckpointer
+from nodeagent import trainer
+from nodeagent.daemon.config import AgentConfig
+from nodeagent.trainer import memory_state
+from nodeagent.trainer.dcp import DcpCheckpointer
 
 WARM = {"RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
 
@@ -107,7 +108,7 @@ def test_a_dtensor_keeps_its_shard_on_the_host_and_comes_back_a_dtensor() -> Non
 
 
 def test_a_tensor_without_data_is_not_kept_and_that_is_said(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="nodeagent.memory_state")
+    caplog.set_level(logging.INFO, logger="nodeagent.trainer.memory_state")
     why = memory_state.keep(
         4, {"state": {"w": torch.empty(3, device="meta")}}, rank=0, world_size=1, env=WARM
     )
@@ -118,7 +119,7 @@ def test_a_tensor_without_data_is_not_kept_and_that_is_said(caplog: pytest.LogCa
 def test_a_copy_over_the_budget_is_not_kept_and_older_copies_make_room(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="nodeagent.memory_state")
+    caplog.set_level(logging.INFO, logger="nodeagent.trainer.memory_state")
     one = {"state": {"w": torch.zeros(256)}}  # 1024 bytes
     memory_state.set_budget(1500)
     assert memory_state.keep(1, one, rank=0, world_size=1, env=WARM) == ""
@@ -185,7 +186,7 @@ def test_a_dcp_save_keeps_its_copy_and_the_load_uses_it(
 def test_a_copy_over_the_budget_loads_from_storage_and_the_load_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="nodeagent.memory_state")
+    caplog.set_level(logging.INFO, logger="nodeagent.trainer.memory_state")
     commit, model = _saved(tmp_path, monkeypatch, 1024)
     assert memory_state.kept_steps() == ()
     trainer.load_checkpoint(commit, model=model, optimizer=torch.optim.AdamW(model.parameters()))

@@ -13,7 +13,7 @@ from tests.nodeagent.helpers import ROOT
 
 RANK = """
 import sys, torch, torch.distributed as dist
-from nodeagent import memory_state
+from nodeagent.trainer import memory_state
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 2), rank=rank, world_size=2)
 for dtype, n in ((torch.float32, 1001), (torch.int64, 7), (torch.float64, 16)):

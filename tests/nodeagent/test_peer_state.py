@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nodeagent import memory_state
-from nodeagent.dcp import whole_tensors_bytes
-from runwarden.testing.etcd_server import free_port
-from runwarden.testing.gloo_ranks import gloo_rank_env
+from nodeagent.trainer import memory_state
+from nodeagent.trainer.dcp import whole_tensors_bytes
+from testbed.etcd_server import free_port
+from testbed.gloo_ranks import gloo_rank_env
 from tests.nodeagent.helpers import ROOT
 
 WORLD = 3

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from nodeagent import trainer
-from nodeagent.checkpoint import latest_committed
-from nodeagent.progress import ProgressTable
+from nodeagent.daemon.progress import ProgressTable
+from nodeagent.trainer.checkpoint import latest_committed
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 from tests.nodeagent.helpers import ROOT, wait_for
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from nodeagent.config import AgentConfig
-from nodeagent.preflight_defaults import fill
+from nodeagent.daemon.config import AgentConfig
+from nodeagent.daemon.preflight_defaults import fill
 from preflight.config import PreflightConfig
 from preflight.gpus import NOT_EXPECTED, GpuExpectation
 from runwarden.config import ConfigError

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nodeagent.preflight_bridge import fail_closed_evidence
+from nodeagent.daemon.preflight_bridge import fail_closed_evidence
 from preflight.result import failed
 from runwarden.evidence import is_fatal
 from runwarden.v1 import agent_pb2, common_pb2

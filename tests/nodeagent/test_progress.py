@@ -175,7 +175,7 @@ def test_worker_exit_is_written_into_the_nodes_progress_at_once(etcd, store, age
 
 
 def test_progress_table_exit_belongs_to_its_attempt():
-    from nodeagent.progress import ProgressTable
+    from nodeagent.daemon.progress import ProgressTable
     from runwarden.v1 import common_pb2
 
     table = ProgressTable()

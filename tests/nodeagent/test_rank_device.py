@@ -1,4 +1,4 @@
-"""The examples' backend choice (nodeagent.rank_device): NCCL on the rank's GPU, gloo on CPU, and no
+"""The examples' backend choice (nodeagent.trainer.rank_device): NCCL on the rank's GPU, gloo on CPU, and no
 CPU fallback on a host whose PCI bus shows NVIDIA GPUs. CUDA is monkeypatched at torch's boundary
 only in the test that says so (there is no GPU here)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nodeagent import rank_device
+from nodeagent.trainer import rank_device
 
 
 def _pci(tmp: Path, *devices: tuple[str, str, str]) -> Path:

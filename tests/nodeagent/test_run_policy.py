@@ -15,8 +15,8 @@ from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.reconfigure import to_value
 from runwarden.run_policy import AgentPolicy
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer, free_port
 from runwarden.v1 import agent_pb2, store_pb2
+from testbed.etcd_server import EtcdServer, free_port
 from tests.nodeagent.helpers import ROOT, AgentProc, wait_for
 
 

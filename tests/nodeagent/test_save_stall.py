@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from nodeagent import trainer
-from nodeagent.checkpoint import read_commit, step_dir
-from nodeagent.progress import ProgressTable
+from nodeagent.daemon.progress import ProgressTable
+from nodeagent.trainer.checkpoint import read_commit, step_dir
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent import save_stall_job
 from tests.nodeagent.helpers import wait_for

@@ -14,8 +14,8 @@ import urllib.request
 import grpc
 import pytest
 
-from runwarden.testing.etcd_server import free_port
 from runwarden.v1 import agent_pb2, store_pb2
+from testbed.etcd_server import free_port
 from tests.nodeagent.helpers import wait_for
 
 TTL_S = 2.0
@@ -123,7 +123,7 @@ def test_an_agent_without_workers_fences_nothing_and_reregisters(etcd, store, ag
 
 
 def test_the_vouch_fences_when_a_peer_renewed_after_this_lease_ran_out() -> None:
-    from nodeagent.liveness import peers_cannot_renew
+    from nodeagent.daemon.liveness import peers_cannot_renew
 
     ttl = 2.0
     # peers answer, their last renewal before this lease ran out: nobody reaches etcd, keep running
@@ -147,8 +147,8 @@ def test_peers_renewing_fence_after_the_recovery_allowance_unless_this_lease_ren
     etcd down for everyone (the peers cannot renew either: keep), then back (a restart on the same
     data: the lease survives, the peers renew first): its own keeper renews within the allowance and
     nothing is fenced."""
-    from nodeagent.liveness import RECOVERY_TTLS, Registration, Verdict
-    from nodeagent.metrics import AgentMetrics
+    from nodeagent.daemon.liveness import RECOVERY_TTLS, Registration, Verdict
+    from nodeagent.daemon.metrics import AgentMetrics
 
     fenced: list[float] = []
     renewing_seen: list[float] = []  # when the vouch first answered "a peer renewed"
@@ -197,7 +197,7 @@ def test_peers_renewing_fence_after_the_recovery_allowance_unless_this_lease_ren
 
 
 def test_peers_report_how_long_ago_etcd_confirmed_their_leases(etcd, store, agent_factory) -> None:
-    from nodeagent.liveness import PeerLeases
+    from nodeagent.daemon.liveness import PeerLeases
 
     agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--lease-ttl", str(TTL_S)])
     record = wait_for(lambda: store.get(store.keys.node("n1")), 10, "the node key")

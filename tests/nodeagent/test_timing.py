@@ -1,4 +1,4 @@
-"""Automatic compute/wait timing (nodeagent.timing through ProgressReporter): the numbers a real
+"""Automatic compute/wait timing (nodeagent.trainer.timing through ProgressReporter): the numbers a real
 3-rank gloo DDP run measures (3, not 2: scaling a gradient by 1/3 is where torch's allreduce_hook
 and DDP's built-in reduction differ in the last bit), fed to the supervisor core's straggler rule
 (tests/supervisor/harness.py Driver); the reporter's arithmetic; and the CUDA-event path at the
@@ -21,7 +21,7 @@ from torch import nn
 
 from controller.supervisor.events import ProgressObserved, RankSample
 from nodeagent import trainer
-from nodeagent.timing import CollectiveTimer
+from nodeagent.trainer.timing import CollectiveTimer
 from runwarden.v1 import events_pb2 as E
 from tests.nodeagent import timing_job
 from tests.supervisor.harness import Driver, fast

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent import torchrun
+from nodeagent.daemon import torchrun
 from runwarden.v1 import agent_pb2
 
 FACTS = torchrun.NodeFacts(

@@ -1,4 +1,4 @@
-"""What a warm rank frees before it parks again after a GPU attempt (nodeagent.warm.release_gpu).
+"""What a warm rank frees before it parks again after a GPU attempt (nodeagent.warm.parked.release_gpu).
 
 There is no GPU here: `torch.cuda` is replaced at its boundary in the test that says so, and the
 test checks that the caching allocator is emptied after the work is synchronised, and what the
@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from nodeagent import memory_state, warm
+from nodeagent.trainer import memory_state
+from nodeagent.warm import parked as warm
 
 WARM = {"RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
 

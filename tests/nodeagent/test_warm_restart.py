@@ -23,8 +23,9 @@ import time
 
 import pytest
 
-from nodeagent import proctree, warm
+from nodeagent.daemon import proctree
 from nodeagent.trainer import latest_committed
+from nodeagent.warm import parked as warm
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
 from tests.nodeagent.test_warm_workers import HOSTS, _agent, _ended, _launch, _status, _train, parked_ranks

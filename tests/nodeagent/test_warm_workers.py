@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent import proctree, warm, warm_pool
-from nodeagent.config import AgentConfig, from_sources
-from nodeagent.launcher import LaunchSpec
+from nodeagent.daemon import proctree
+from nodeagent.daemon.config import AgentConfig, from_sources
+from nodeagent.daemon.launcher import LaunchSpec
 from nodeagent.trainer import latest_committed
+from nodeagent.warm import parked as warm
+from nodeagent.warm import pool as warm_pool
 from runwarden.config import ConfigError
 from runwarden.v1 import agent_pb2
 from tests.nodeagent.helpers import PYTHON, ROOT, AgentProc, wait_for
@@ -60,13 +62,13 @@ def parked_ranks(agent: AgentProc) -> tuple[int, ...]:
     leaders = [
         p.pid
         for p in procs
-        if p.ppid == agent.pid and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm", "leader"]
+        if p.ppid == agent.pid and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm.parked", "leader"]
     ]
     return tuple(
         sorted(
             p.pid
             for p in procs
-            if p.ppid in leaders and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm", "rank"]
+            if p.ppid in leaders and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm.parked", "rank"]
         )
     )
 
@@ -346,7 +348,7 @@ def test_a_bad_warm_workers_value_is_a_clear_config_error(tmp_path):
     toml = tmp_path / "agent.toml"
     toml.write_text('warm_workers = "sometimes"\n')
     proc = subprocess.run(
-        [PYTHON, "-m", "nodeagent.cli", "--config", str(toml)],
+        [PYTHON, "-m", "nodeagent.daemon.cli", "--config", str(toml)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.monitors import GpuMap, XidMonitor
+from nodeagent.daemon.monitors import GpuMap, XidMonitor
 from preflight.nvml import GpuProcess, NvmlUnavailable
 from runwarden.v1 import common_pb2
 from tests.preflight.fake_nvml import FakeNvml

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nodeagent.preflight_bridge import summarize
+from nodeagent.daemon.preflight_bridge import summarize
 from preflight.burn_in_device import memory_test, sustained_matmul
 from preflight.checks import burn_in
 from preflight.checks.base import CheckContext, NvmlSession, process_name

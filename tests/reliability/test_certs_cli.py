@@ -13,7 +13,7 @@ import pytest
 from controller.api.server import ServerTLS
 from controller.ctl.main import main
 from runwarden.store import Store, StoreConfig, StoreError
-from runwarden.testing.etcd_server import EtcdServer, EtcdTls
+from testbed.etcd_server import EtcdServer, EtcdTls
 from tests.ctl.conftest import RUN, LiveController, _start
 
 PASSWORD = "s3cret-etcd-pw-do-not-log"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nodeagent.checkpoint import latest_committed, read_commit, step_dir
+from nodeagent.trainer.checkpoint import latest_committed, read_commit, step_dir
 
 from .helpers import E, assert_log_whole, last_seq, names, since, tail
 

@@ -18,7 +18,7 @@ from examples.cluster import write_toml
 from runwarden.eventlog import read_events
 from runwarden.keys import run_election
 from runwarden.store import Store, StoreConfig
-from runwarden.testing.etcd_server import EtcdServer, free_port
+from testbed.etcd_server import EtcdServer, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 PASSWORD = "pw-7f3a9c-never-in-a-log"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from runwarden.store import Relisted, Store, StoreConfig, StoreError, StoreUnavailable, WatchEvent
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 from tests.store.helpers import wait_until
 
 PASSWORD = "s3cret-Passw0rd"

@@ -14,7 +14,7 @@ import pytest
 from controller.live.claims import Claims, read_claim, release_by_operator
 from runwarden.keys import KeySchema, run_election
 from runwarden.store import Compare, Delete, Leadership, Put, Store, StoreConfig, StoreError
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 
 
 @pytest.fixture(scope="module")

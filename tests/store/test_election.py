@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from runwarden.store import CampaignTimeout, NotLeader, Store
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 from tests.store.helpers import Peer
 
 TTL_S = 2

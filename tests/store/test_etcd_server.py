@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from runwarden.store import Store, StoreConfig
-from runwarden.testing import etcd_server
-from runwarden.testing.etcd_server import EtcdServer, EtcdServerError
+from testbed import etcd_server
+from testbed.etcd_server import EtcdServer, EtcdServerError
 from tests.store.helpers import REPO, wait_until
 
 
@@ -98,7 +98,7 @@ def test_fixed_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
 def test_etcd_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
-        "from runwarden.testing.etcd_server import EtcdServer\n"
+        "from testbed.etcd_server import EtcdServer\n"
         f"server = EtcdServer({str(tmp_path / 'data')!r}, fast=True).start()\n"
         "print(server.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from runwarden.store import EventType, Relisted, Store, WatchEvent
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 from tests.store.helpers import Peer, wait_until
 
 TTL_S = 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runwarden.store import Store, StoreConfig, StoreError
-from runwarden.testing.etcd_server import EtcdServer, EtcdTls
+from testbed.etcd_server import EtcdServer, EtcdTls
 from tests.support.pki import Pki, make_pki
 
 

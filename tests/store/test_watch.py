@@ -6,7 +6,7 @@ import threading
 import time
 
 from runwarden.store import EventType, Relisted, Store, StoreConfig, StoreUnavailable, WatchEvent
-from runwarden.testing.etcd_server import EtcdServer
+from testbed.etcd_server import EtcdServer
 from tests.store.helpers import wait_until
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from nodeagent.metrics import AgentMetrics
+from nodeagent.daemon.metrics import AgentMetrics
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
     warm_workers              true: keep one parked group of rank processes (torch imported) ready and
                               hand a structured launch to it instead of starting torchrun; anything the
                               warm path cannot run goes cold, and the launch's answer says which path
-                              ran (nodeagent.warm_pool). Default false. Every agent of a run needs the
+                              ran (nodeagent.warm.pool). Default false. Every agent of a run needs the
                               same setting
     warm_wait_s               how long a launch waits for a parked group that is still starting before
                               it goes cold; default 30, 0..600
@@ -61,7 +61,7 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
                               that fails to import is reported in the agent's log and skipped (the
                               job imports it itself). Add the job's own heavy imports; [] for none
     memory_copy_budget_bytes  host memory one warm rank's in-memory checkpoint copies may use, both
-                              together (nodeagent.memory_state); default 16 GiB, 0 = keep none. A copy
+                              together (nodeagent.trainer.memory_state); default 16 GiB, 0 = keep none. A copy
                               over it is not kept (the rank's log and its next load say so)
     checkpoint_dir            this node's path to the runs' checkpoint directory: preflight's storage
                               checks use it when the preflight config's checkpoint_path is empty
@@ -143,7 +143,7 @@ class AgentConfig:
     warm_workers: bool = False
     warm_wait_s: float = 30.0
     warm_preload: tuple[str, ...] = DEFAULT_WARM_PRELOAD
-    memory_copy_budget_bytes: int = 16 * 1024**3  # nodeagent.memory_state.DEFAULT_BUDGET_BYTES
+    memory_copy_budget_bytes: int = 16 * 1024**3  # nodeagent.trainer.memory_state.DEFAULT_BUDGET_BYTES
     checkpoint_dir: str = ""
     expected_driver_version: str = ""
     expected_cuda_version: str = ""

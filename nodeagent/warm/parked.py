@@ -1,7 +1,7 @@
 """Warm workers, the parked side: rank processes started before the launch, torch already imported.
 
-    python -m nodeagent.warm leader --local-ranks N --ready-fd FD    # started by the agent
-    python -m nodeagent.warm rank --ready-fd FD                      # started by the leader
+    python -m nodeagent.warm.parked leader --local-ranks N --ready-fd FD    # started by the agent
+    python -m nodeagent.warm.parked rank --ready-fd FD                      # started by the leader
 
 A parked group is one leader (the agent starts it in its own session, like torchrun on the cold
 path, so the agent's stop, kill and stray-process rescan treat it exactly like torchrun's tree)
@@ -23,7 +23,7 @@ A group outlives its attempts (issue 18: healthy hosts keep their processes): wh
 ends, by the script's exit, its failure (a collective whose peer died raises in ~20 ms) or an
 `abort`, the rank tears the process group down, puts back what the script changed in the process
 (environment, directory, sys.argv/sys.path, signal handlers), kills the attempt's own children and
-parks again in the same process, keeping what lives in imported modules: nodeagent.memory_state's
+parks again in the same process, keeping what lives in imported modules: nodeagent.trainer.memory_state's
 in-memory copy of the last checkpoint it saved. `abort` gets a rank out of a collective that would
 otherwise block until the collective timeout (a hung peer, a lost host): the rank shuts down the TCP
 sockets the attempt opened (the measurement is in `shut_sockets`). A rank that cannot leave in time
@@ -62,12 +62,12 @@ process groups, NCCL communicators included, are destroyed; the caching allocato
 with empty_cache) and keeps two things, which it states on stderr (the agent's log): its CUDA
 context (hundreds of MiB of GPU memory per process, the price of not re-creating it; the parked
 ranks are in the agent's process tree and not an ended attempt's, so the agent's preflight counts
-them as its own) and its in-memory copies, in host memory (nodeagent.memory_state).
+them as its own) and its in-memory copies, in host memory (nodeagent.trainer.memory_state).
 
 Environment read at interpreter start-up or at torch's import (LD_*, MALLOC_*, PYTHON* other than
 PYTHONPATH, OpenMP/MKL variables) cannot be changed after the fact: the parked group is started with
 the agent's own environment, and a launch whose environment differs there goes cold
-(nodeagent.warm_pool). PYTHONPATH entries are added to sys.path and OMP_NUM_THREADS becomes
+(nodeagent.warm.pool). PYTHONPATH entries are added to sys.path and OMP_NUM_THREADS becomes
 torch.set_num_threads at the hand-off.
 """
 
@@ -481,7 +481,7 @@ def release_gpu() -> str:
     rank keeps. "" when the attempt never touched CUDA."""
     import torch
 
-    from nodeagent import memory_state
+    from nodeagent.trainer import memory_state
 
     if not torch.cuda.is_initialized():
         return ""
@@ -523,7 +523,7 @@ def rank_main(
     import torch
     import torch.distributed  # the import is what a warm worker saves the launch
 
-    from nodeagent import memory_state
+    from nodeagent.trainer import memory_state
 
     if copy_budget_bytes is not None:
         memory_state.set_budget(copy_budget_bytes)
@@ -733,7 +733,7 @@ class Leader:
                 [
                     sys.executable,
                     "-m",
-                    "nodeagent.warm",
+                    "nodeagent.warm.parked",
                     "rank",
                     "--status-fd",
                     str(sw),
@@ -901,7 +901,7 @@ def leader_main(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nodeagent.warm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nodeagent.warm.parked", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="role", required=True)
     leader = sub.add_parser("leader")
     leader.add_argument("--local-ranks", type=int, required=True)

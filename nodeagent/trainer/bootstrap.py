@@ -1,12 +1,12 @@
 """Supervise a training script that has no runwarden calls in it at all.
 
-    python -m nodeagent.bootstrap SCRIPT [ARGS...]       # as `python SCRIPT ARGS...` would run it
-    python -m nodeagent.bootstrap -m MODULE [ARGS...]    # as `python -m MODULE ARGS...` would
+    python -m nodeagent.trainer.bootstrap SCRIPT [ARGS...]       # as `python SCRIPT ARGS...` would run it
+    python -m nodeagent.trainer.bootstrap -m MODULE [ARGS...]    # as `python -m MODULE ARGS...` would
 
 The agent runs every rank this way when a launch says `script_mode: SCRIPT_MODE_UNMODIFIED`
 (`[controller] script_mode = "unmodified"`): torchrun's command becomes
-`-m nodeagent.bootstrap <command...>`, which torchrun's own interpreter runs on the cold path and
-the parked rank runs with runpy on the warm path (nodeagent.warm), so both paths are unchanged.
+`-m nodeagent.trainer.bootstrap <command...>`, which torchrun's own interpreter runs on the cold path and
+the parked rank runs with runpy on the warm path (nodeagent.warm.parked), so both paths are unchanged.
 
 Before the script's own code runs, in the rank's process:
 
@@ -121,7 +121,9 @@ class Target:
 
 def parse_target(argv: list[str]) -> Target:
     if not argv:
-        raise UsageError("usage: python -m nodeagent.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+        raise UsageError(
+            "usage: python -m nodeagent.trainer.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+        )
     if argv[0] == "-m":
         if len(argv) < 2 or not _MODULE.match(argv[1]):
             raise UsageError("-m needs a module name")

@@ -5,10 +5,10 @@ the client as they come. The summary is computed here from the streamed results,
 node's last preflight (it goes into the node record) and published as evidence when it failed.
 
 In the per-attempt modes the agent runs the units its own way (`agent_specs`): the preflight config
-gets the agent's expected values where it leaves them unset (nodeagent.preflight_defaults), the
+gets the agent's expected values where it leaves them unset (nodeagent.daemon.preflight_defaults), the
 stray-GPU-process check knows the running attempt, and `processes.leftover_ranks` finds the live
 processes of ended attempts, which the agent kills once the results are out and before the summary
-(nodeagent.leftovers), so a client holding the summary finds them gone. The burn-in runs the same
+(nodeagent.daemon.leftovers), so a client holding the summary finds them gone. The burn-in runs the same
 per-attempt units before its stages (preflight.checks.burn_in.pipeline): a node leaves quarantine
 only having passed what its next launch will check.
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import grpc
 
-from nodeagent import leftovers, preflight_defaults
-from nodeagent.validate import ValidationError
+from nodeagent.daemon import leftovers, preflight_defaults
+from nodeagent.daemon.validate import ValidationError
 from preflight.checks import expectations, inventory
 from preflight.checks.base import CheckSpec
 from preflight.config import MODES, PreflightConfig, load_config

@@ -15,13 +15,13 @@
             reporter.close(); sys.exit(0)
 
 Loading: `trainer.load_checkpoint(found, model=m, optimizer=o)` reads either format (DCP, or the
-old `save_checkpoint`'s `rank<r>.pt`); nodeagent.dcp says how a DCP step is committed and checked.
+old `save_checkpoint`'s `rank<r>.pt`); nodeagent.trainer.dcp says how a DCP step is committed and checked.
 
 A SIGTERM to the rank (Kubernetes' notice, scancel, preemption, torchrun forwarding its own) is a
 stop request: the reporter, created in the main thread, installs a handler that only sets a flag
 (`handle_sigterm=False` leaves SIGTERM alone). The rank then has its grace period to finish the
 step, save, commit and exit 0 (torchrun's own wait after a SIGTERM is its --shutdown-timeout, 30 s
-by default; the agent sets it to the longest grace it may give, see nodeagent.launcher). A rank
+by default; the agent sets it to the longest grace it may give, see nodeagent.daemon.launcher). A rank
 blocked in a collective runs no Python handler: it is KILLed at the end of the grace, as before.
 When `stop_requested()` first turns True the reporter remembers why (`stop_reason`: "SIGTERM",
 "stop file <path>[: <its first line>]", "the agent asked: <reason>") and sends it at once and on
@@ -34,7 +34,7 @@ Steps are counted as steps completed, the same number a checkpoint saved at that
 Timings: a `report()` without `step_time_s`/`compute_s`/`wait_s` measures them. The step time
 is the host time since the previous report (or since `loaded()`), divided by the steps it covers
 (a report every k steps sends per-step averages); the wait is what the collective timer
-(`time_collectives()`, nodeagent.timing: DDP's gradient all-reduce after backward compute is done,
+(`time_collectives()`, nodeagent.trainer.timing: DDP's gradient all-reduce after backward compute is done,
 plus `waiting()` blocks) counted meanwhile, likewise per step; compute is the rest. An injected
 slow-down (the agent's `slow_s`, from `controllerctl chaos NODE slow-rank`) is slept at the end
 of `report()`, outside any collective, so it lands in the next step's compute. A report repeating
@@ -67,15 +67,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.checkpoint import (
+from nodeagent.trainer.checkpoint import (
     CheckpointWriter,
     CommittedCheckpoint,
     latest_committed,
     read_commit,
     step_dir,
 )
-from nodeagent.dcp import DcpCheckpointer
-from nodeagent.timing import CollectiveTimer
+from nodeagent.trainer.dcp import DcpCheckpointer
+from nodeagent.trainer.timing import CollectiveTimer
 
 __all__ = [
     "CollectiveTimer",
@@ -184,7 +184,7 @@ class ProgressReporter:
     def time_collectives(self, ddp_model: Any, *, process_group: Any = None) -> CollectiveTimer:
         """Time DDP's gradient all-reduce from now on (a communication hook on `ddp_model`, before
         its first forward); `report()` without timings then sends the measured compute and wait.
-        See nodeagent.timing for what is measured and what is not."""
+        See nodeagent.trainer.timing for what is measured and what is not."""
         self._timer = CollectiveTimer.attach(ddp_model, process_group=process_group)
         return self._timer
 
@@ -439,8 +439,8 @@ class ProgressReporter:
 
     def _send(self, item: _Report) -> bool:
         """One datagram to the agent's progress socket, then its answer (stop flag, slow-down)."""
-        from nodeagent import memory_state
         from nodeagent.progress_socket import progress_socket_path
+        from nodeagent.trainer import memory_state
         from runwarden.v1 import agent_pb2, common_pb2
 
         if self._sock is None:
@@ -518,7 +518,7 @@ class LoadedCheckpoint:
 
 
 # The agent's socket, as the launcher gives it to every rank; older agents set the second name,
-# which sat inside the agent's own RUNWARDEN_AGENT_* config prefix (nodeagent.config).
+# which sat inside the agent's own RUNWARDEN_AGENT_* config prefix (nodeagent.daemon.config).
 AGENT_SOCKET_ENV = "RUNWARDEN_NODEAGENT_SOCKET"
 OLD_AGENT_SOCKET_ENV = "RUNWARDEN_AGENT_SOCKET"
 
@@ -600,7 +600,7 @@ def save_checkpoint(
 
             barrier = dist.barrier
         barrier()
-    from nodeagent import memory_state
+    from nodeagent.trainer import memory_state
 
     memory_state.keep(step, payload, rank=rank, world_size=world_size)  # every rank's file is written
     if rank != 0:
@@ -665,14 +665,14 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a committed checkpoint (a commit, or a root: its latest commit) into model, optimizer
     and scheduler, restore this rank's RNG states, and return its data position. Either format:
-    a DCP step (DcpCheckpointer; a collective, every rank calls it; validated as nodeagent.dcp
+    a DCP step (DcpCheckpointer; a collective, every rank calls it; validated as nodeagent.trainer.dcp
     says) or the old one (this rank's `rank<r>.pt`, read with torch's weights_only unpickler).
-    A warm restart serves it from memory where it can (nodeagent.memory_state): each rank's own
+    A warm restart serves it from memory where it can (nodeagent.trainer.memory_state): each rank's own
     copy, or for a DCP step with replicated state a peer's (`from_peer=False`: storage instead)."""
     import torch
 
-    from nodeagent.dcp import FORMAT as DCP_FORMAT
-    from nodeagent.dcp import load_dcp
+    from nodeagent.trainer.dcp import FORMAT as DCP_FORMAT
+    from nodeagent.trainer.dcp import load_dcp
 
     if not isinstance(checkpoint, CommittedCheckpoint):
         found = latest_committed(checkpoint)
@@ -680,7 +680,7 @@ def load_checkpoint(
             raise FileNotFoundError(f"no committed checkpoint under {checkpoint}")
         checkpoint = found
     if checkpoint.meta.get("format") == DCP_FORMAT:
-        from nodeagent import memory_state
+        from nodeagent.trainer import memory_state
 
         how: dict[str, Any] = dict(
             model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, restore_rng=restore_rng
@@ -695,7 +695,7 @@ def load_checkpoint(
         return LoadedCheckpoint(
             step=state.step, path=state.path, data_state=state.data_state, extra=state.extra
         )
-    from nodeagent import memory_state
+    from nodeagent.trainer import memory_state
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     attempt = checkpoint.meta.get("attempt")

@@ -11,7 +11,7 @@ marker to a temporary name, fsync it, rename it to COMMITTED (atomic), fsync the
 `latest_committed(root)` returns the newest step whose marker parses and whose listed files all
 exist with the recorded sizes (and, for the files the marker also hashes, the recorded SHA-256),
 so a crash at any point leaves the previous committed step as the answer. The same holds for a
-torch.distributed.checkpoint step (nodeagent.dcp: its shards, DCP's `.metadata` and each rank's
+torch.distributed.checkpoint step (nodeagent.trainer.dcp: its shards, DCP's `.metadata` and each rank's
 state file are the listed files; `.metadata` is hashed). No torch here: `nodeagent.trainer`
 saves and restores models on top of this.
 """

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeagent import proctree
+from nodeagent.daemon import proctree
 from runwarden.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class ExitInfo:
 
 @dataclass(slots=True, kw_only=True)
 class AttemptEnd:
-    """How a worker whose leader outlives its attempt (a warm group, nodeagent.warm_pool) ends: its
+    """How a worker whose leader outlives its attempt (a warm group, nodeagent.warm.pool) ends: its
     owner calls `finish` once; parked = the processes live on for the next attempt, so the reaper
     records the exit without killing the tree (`keep_pids` are then no leftover of this attempt)."""
 
@@ -122,7 +122,7 @@ class Worker:
     done: threading.Event = field(default_factory=threading.Event)
     reaped: threading.Event = field(default_factory=threading.Event)  # after the exit callback
     # every process ever found in the tree, pid -> start ticks (a pid alone may be reused): what a
-    # leftover of this attempt is known by after it ended (nodeagent.leftovers)
+    # leftover of this attempt is known by after it ended (nodeagent.daemon.leftovers)
     seen: dict[int, int] = field(default_factory=dict)
     parked: bool = False  # ended with its processes parked for the next attempt (AttemptEnd)
 
@@ -155,7 +155,7 @@ def worker_env(spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
             "RUNWARDEN_RESUME_STEP": str(spec.resume_step),
             "RUNWARDEN_STOP_FILE": str(spec.stop_file),
             "RUNWARDEN_FR_SOCKET_DIR": str(spec.fr_socket_dir),
-            # not RUNWARDEN_AGENT_*: that prefix is the agent's own config (nodeagent.config); a
+            # not RUNWARDEN_AGENT_*: that prefix is the agent's own config (nodeagent.daemon.config); a
             # process started from a rank's environment must not read it as a config key
             "RUNWARDEN_NODEAGENT_SOCKET": spec.agent_socket,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -235,7 +235,7 @@ class Launcher:
     ) -> Worker:
         """`popen` (a session leader this launcher's rules apply to: its own session, USR1 ignored)
         becomes the attempt's worker: reaped, tracked, stopped and killed like a launched one. The
-        warm path's parked group arrives here (nodeagent.warm_pool), with `attempt_end`: its
+        warm path's parked group arrives here (nodeagent.warm.pool), with `attempt_end`: its
         attempt may end before its leader does."""
         worker = Worker(
             run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Sequence
 
-from nodeagent import torchrun
+from nodeagent.daemon import torchrun
 from runwarden.names import check_name
 from runwarden.v1 import agent_pb2, common_pb2
 

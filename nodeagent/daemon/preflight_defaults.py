@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nodeagent.config import AgentConfig
+from nodeagent.daemon.config import AgentConfig
 from preflight.checks.expectations import EXPECTED
 from preflight.config import PreflightConfig
 from preflight.gpus import GpuExpectation, expect_gpus

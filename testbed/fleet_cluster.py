@@ -38,9 +38,9 @@ from typing import Any
 
 from runwarden import certs
 from runwarden.eventlog import read_events
-from runwarden.testing.etcd_server import EtcdServer, EtcdTls
-from runwarden.testing.fleet import Fleet, FleetError, Host, crash
 from runwarden.v1 import events_pb2
+from testbed.etcd_server import EtcdServer, EtcdTls
+from testbed.fleet import Fleet, FleetError, Host, crash
 
 REPO = Path(__file__).resolve().parents[2]
 ETCD_CLIENT_PORT, ETCD_PEER_PORT, ETCD_METRICS_PORT = 2379, 2380, 2381
@@ -49,7 +49,7 @@ RDZV_PORT = 29400
 API_PORT = 7070
 METRICS_PORT = 9090
 _MODULES = {
-    "nodeagent": "nodeagent.cli",
+    "nodeagent": "nodeagent.daemon.cli",
     "controller": "controller.live.main",
     "controllerctl": "controller.ctl.main",
 }
@@ -115,7 +115,7 @@ class ClusterSpec:
     seed: int = 1234
     train_args: tuple[str, ...] = ()
     policy: dict[str, object] = field(default_factory=dict)
-    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm.py)
+    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm/parked.py)
     # the job, relative to the repository (it takes examples/train.py's flags: examples/decoder.py does)
     script: str = "examples/train.py"
 
@@ -635,7 +635,7 @@ def _cross_host_settings() -> dict[str, object]:
     """The agent keys of the cross-host launch, for the agent versions that know them: the workers'
     collectives on the host's eth0, torchrun's store on a fixed port (every host has its own ports).
     `torchrun` keeps its default, the agent's own interpreter."""
-    from nodeagent.config import AgentConfig  # the agent's config is the authority on its keys
+    from nodeagent.daemon.config import AgentConfig  # the agent's config is the authority on its keys
 
     known = {f.name for f in dataclasses.fields(AgentConfig)}
     wanted: dict[str, object] = {"collective_ifname": "eth0", "rdzv_port": RDZV_PORT}

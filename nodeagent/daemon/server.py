@@ -23,12 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent import allreduce, chaos, preflight_bridge, proctree, torchrun, warm_pool
-from nodeagent import validate as v
-from nodeagent.agent import Agent
+from nodeagent.daemon import allreduce, chaos, preflight_bridge, proctree, torchrun
+from nodeagent.daemon import validate as v
+from nodeagent.daemon.agent import Agent
+from nodeagent.daemon.launcher import LaunchError, LaunchSpec, resolve_allowed
 from nodeagent.flight_recorder import CollectedDump, collect_dumps, discover_sockets
-from nodeagent.launcher import LaunchError, LaunchSpec, resolve_allowed
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
+from nodeagent.warm import pool as warm_pool
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)

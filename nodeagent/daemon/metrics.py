@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from nodeagent.config import split_host_port
+from nodeagent.daemon.config import split_host_port
 
 
 class AgentMetrics:

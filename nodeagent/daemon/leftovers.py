@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from nodeagent import proctree
-from nodeagent.launcher import Worker
+from nodeagent.daemon import proctree
+from nodeagent.daemon.launcher import Worker
 from preflight.checks import processes
 from preflight.checks.base import CheckContext, CheckSpec, process_name
 from preflight.checks.processes import Leftover, Origin

@@ -1,6 +1,6 @@
 """Warm workers, the agent's side: keep one parked group ready, hand it a structured launch.
 
-With `warm_workers = true` the agent keeps one parked group (nodeagent.warm: a leader and one rank
+With `warm_workers = true` the agent keeps one parked group (nodeagent.warm.parked: a leader and one rank
 process per local rank, torch imported) started with its own interpreter and environment. A
 structured launch that the warm path can run is handed to it instead of starting torchrun; the
 group's leader then becomes the attempt's worker exactly as torchrun's process would
@@ -9,7 +9,7 @@ rescan, stop file and agent socket. A group outlives its attempts (issue 18): wh
 with every rank parked again (`ended <code>` from the leader: the script exited or failed, or a
 StopWorkers with park_within_s asked the ranks to leave their collectives), the worker's exit is
 recorded without killing the tree and the same group goes back to the pool for the next attempt, its
-ranks holding their last checkpoint in memory (nodeagent.memory_state). A group that lost a rank, was
+ranks holding their last checkpoint in memory (nodeagent.trainer.memory_state). A group that lost a rank, was
 killed (a hard stop, a rank that did not park within the bound) or ran on a node with fatal evidence
 is closed, and a fresh one is started once that attempt's worker has ended (not during the attempt:
 its imports would compete with the ranks).
@@ -43,8 +43,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodeagent import proctree, torchrun, warm
-from nodeagent.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, AttemptEnd, LaunchSpec, worker_env
+from nodeagent.daemon import proctree, torchrun
+from nodeagent.daemon.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, AttemptEnd, LaunchSpec, worker_env
+from nodeagent.warm import parked as warm
 
 log = logging.getLogger(__name__)
 # Variables the interpreter, the dynamic loader, the allocator or OpenMP/MKL read once at start-up or
@@ -131,7 +132,7 @@ def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
 
 class ParkedGroup:
     """One leader and its parked ranks, started by the pool; it runs one attempt at a time and, when
-    its ranks park again after one (nodeagent.warm), goes back to the pool for the next."""
+    its ranks park again after one (nodeagent.warm.parked), goes back to the pool for the next."""
 
     def __init__(self, popen: subprocess.Popen[bytes], local_ranks: int, env: Mapping[str, str]) -> None:
         self.popen = popen
@@ -174,7 +175,7 @@ class ParkedGroup:
         return end
 
     def end_attempt(self) -> None:
-        """Ask the ranks to leave the running attempt and park again (nodeagent.warm's `end`)."""
+        """Ask the ranks to leave the running attempt and park again (nodeagent.warm.parked's `end`)."""
         assert self.popen.stdin is not None
         with contextlib.suppress(BrokenPipeError, OSError, ValueError):
             self.popen.stdin.write(b"end\n")
@@ -268,7 +269,7 @@ class WarmPool:
                     *IGNORE_USR1,
                     self.interpreter,
                     "-m",
-                    "nodeagent.warm",
+                    "nodeagent.warm.parked",
                     "leader",
                     "--local-ranks",
                     str(local_ranks),

@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from nodeagent import config as config_mod
+from nodeagent.daemon import config as config_mod
 from runwarden.config import ConfigError
 
 log = logging.getLogger("nodeagent")
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "aggregation, Xid/NVML monitors, local worker launcher, flight-recorder collection.",
         epilog="Every flag overrides the config file and the RUNWARDEN_AGENT_<KEY> environment variable.",
     )
-    p.add_argument("--config", metavar="FILE", help="TOML config file (keys: see nodeagent/config.py)")
+    p.add_argument("--config", metavar="FILE", help="TOML config file (keys: see nodeagent/daemon/config.py)")
     p.add_argument("--node", help="node name (default: host name)")
     p.add_argument("--listen", metavar="HOST:PORT", help="TCP listener for the controller ('' = none)")
     p.add_argument("--unix-socket", dest="unix_socket", metavar="PATH", help="unix socket for local ranks")
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nodeagent: config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nodeagent.agent import Agent
-    from nodeagent.server import AgentServer
+    from nodeagent.daemon.agent import Agent
+    from nodeagent.daemon.server import AgentServer
 
     inbox = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGUSR1))
     try:

@@ -11,7 +11,7 @@ def gloo_rank_env(
     rank: int, world_size: int, port: int, *, run: str, root: Path, attempt: int = 1, warm: bool = False
 ) -> dict[str, str]:
     """This process's environment less any RUNWARDEN_* of its own, plus torch's env:// variables,
-    the supervisor's run and attempt (what nodeagent.memory_state and the commit marker read), and
+    the supervisor's run and attempt (what nodeagent.trainer.memory_state and the commit marker read), and
     `root` on PYTHONPATH. warm: the rank stands for one the warm path started (only those keep
     in-memory copies of their saves)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWARDEN_")}

@@ -13,7 +13,7 @@ agent's own and never chosen on the controller's host:
 * a node told to host the store must be told its own endpoint (its torch host and `rdzv_port`, as
   its node record says): anything else is a stale record, refused before anything starts;
 * an unmodified script (`script_mode: SCRIPT_MODE_UNMODIFIED`) runs through the bootstrap:
-  `rank_command` makes the command `-m nodeagent.bootstrap <command...>` (nodeagent.bootstrap),
+  `rank_command` makes the command `-m nodeagent.trainer.bootstrap <command...>` (nodeagent.trainer.bootstrap),
   for torchrun's line and the warm path's hand-off alike.
 
 The argv rule itself is `runwarden.launch.torchrun_argv`, the one the controller's backends use.
@@ -29,7 +29,7 @@ from runwarden import launch
 from runwarden.v1 import agent_pb2
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
-BOOTSTRAP = ("-m", "nodeagent.bootstrap")
+BOOTSTRAP = ("-m", "nodeagent.trainer.bootstrap")
 
 
 def rank_command(t: agent_pb2.TorchrunLaunch) -> tuple[str, ...]:

@@ -43,8 +43,8 @@ from typing import Any
 
 import grpc
 
-from nodeagent import validate as v
-from nodeagent.config import split_host_port
+from nodeagent.daemon import validate as v
+from nodeagent.daemon.config import split_host_port
 from runwarden.config import ConfigError
 from runwarden.launch import collective_env
 from runwarden.v1 import agent_pb2

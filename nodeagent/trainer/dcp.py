@@ -6,7 +6,7 @@
     ckpt.wait()                                         # before exit (a stop request, the last step)
     found = resume_point(root); load_dcp(found, model=ddp, optimizer=opt, scheduler=sched)
 
-Layout of one step (nodeagent.checkpoint's `step_<N>/`):
+Layout of one step (nodeagent.trainer.checkpoint's `step_<N>/`):
 
     __0_0.distcp __1_0.distcp ...   DCP's shards: model and optimizer, written by whichever rank
                                     DCP's planner assigns each tensor to (replicated DDP state is
@@ -28,7 +28,7 @@ Order of obligations in `save()`, and why the marker means "every rank's files a
    is on disk.
 3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
    rank's state file with their sizes, hashes `.metadata`, and writes COMMITTED
-   (nodeagent.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
+   (nodeagent.trainer.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
    (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
 
 One save is in flight at a time: `save()` first waits for the previous one. The saves use their
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from nodeagent.checkpoint import (
+from nodeagent.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     CommittedCheckpoint,
@@ -521,7 +521,7 @@ class DcpCheckpointer:
             raise CheckpointError(f"{writer.path}: rank state is not JSON data: {exc}") from None
         writer.write_bytes(rank_state_name(self.rank), body)
         state = _model_and_optim_state(model, optimizer)
-        from nodeagent import memory_state  # the in-memory copy a warm restart may load from
+        from nodeagent.trainer import memory_state  # the in-memory copy a warm restart may load from
 
         def keep() -> None:
             # After DCP has read the state (its staging, or the whole sync save): on a GPU the

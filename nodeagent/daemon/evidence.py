@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
-from nodeagent.metrics import AgentMetrics
+from nodeagent.daemon.metrics import AgentMetrics
 from runwarden.v1 import common_pb2, store_pb2
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The rank's in-memory copy of its last checkpoint: the fast path of a warm restart (issue 18).
 
-A warm rank process outlives its attempts (nodeagent.warm), and this module, imported once, with
+A warm rank process outlives its attempts (nodeagent.warm.parked), and this module, imported once, with
 it. `keep` is called by `nodeagent.trainer.save_checkpoint` once every rank has written its file
 (after the save's barrier, before rank 0 writes the commit marker): a copy of exactly what went to
 storage, so the next optimizer step cannot change it. `take` is called by `load_checkpoint`: the
@@ -28,7 +28,7 @@ budget (`set_budget`, the agent's memory_copy_budget_bytes, DEFAULT_BUDGET_BYTES
 is not kept, and the log and the load say so. Only a rank the warm path started keeps one (its
 process outlives the attempt); a cold rank's would die with it. A peer's state crosses the GPU
 only in chunks (STAGE_BYTES) under NCCL. A copy is only ever sent inside the process
-group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm), and
+group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.parked), and
 only if it is the state of the commit being loaded: a stale rank cannot hand its state out.
 """
 
@@ -75,10 +75,10 @@ class Snapshot:
 # previous one to commit before it starts, so the latest commit is always one of the two kept.
 KEEP = 2
 # Host bytes one rank process may hold in copies (both together): AgentConfig.memory_copy_budget_bytes
-# reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm). 0 keeps none.
+# reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm.parked). 0 keeps none.
 DEFAULT_BUDGET_BYTES = 16 * 1024**3
 COPY_WAIT_S = 300.0  # a load waits this long for a copy still landing (a GPU's D2H copy: seconds)
-WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.rank_env)
+WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.parked.rank_env)
 _lock = threading.Lock()
 _snapshots: list[Snapshot] = []  # oldest first
 _loaded: tuple[int, str] | None = None  # (step, source) of the last load in this process
@@ -408,7 +408,7 @@ def restore_committed_dcp(
     from_peer: bool = True,
 ) -> tuple[Any, Any] | None:
     """Serve the load of DCP commit `commit` from memory, this rank's or a peer's: (data_state,
-    extra), or None when every rank must load from storage (nodeagent.dcp.load_dcp). A collective
+    extra), or None when every rank must load from storage (nodeagent.trainer.dcp.load_dcp). A collective
     on the default group: every rank of the attempt calls it, and every rank takes the same way.
 
     Without every rank holding its own copy, memory serves only state every rank holds in full
@@ -419,8 +419,8 @@ def restore_committed_dcp(
     small state file (RNG, data position, scheduler) from storage. If any receiver finds the
     offered state wrong, every rank loads from storage instead. Sharded state (FSDP, DTensor)
     cannot come from one peer: it loads from storage unless every rank kept its own."""
-    from nodeagent import dcp
-    from nodeagent.checkpoint import CheckpointError
+    from nodeagent.trainer import dcp
+    from nodeagent.trainer.checkpoint import CheckpointError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     by = commit.meta.get("attempt")
@@ -664,7 +664,7 @@ def restore_dcp(
     model, optimizer and scheduler, and the RNG states; returns (data_state, extra)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from nodeagent.dcp import _rng_restorer
+    from nodeagent.trainer.dcp import _rng_restorer
 
     state, rank_state = payload["state"], payload["rank_state"]
     restore = _rng_restorer(rank_state.get("rng"), path) if restore_rng else None

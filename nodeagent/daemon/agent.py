@@ -25,15 +25,16 @@ from typing import Any
 import grpc
 
 import runwarden
-from nodeagent import leftovers, proctree, torchrun, warm_pool
-from nodeagent import progress as progress_mod
-from nodeagent.config import AgentConfig
-from nodeagent.evidence import EvidencePublisher
-from nodeagent.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
-from nodeagent.liveness import PeerLeases, Registration, Verdict, peers_cannot_renew
-from nodeagent.metrics import AgentMetrics
-from nodeagent.monitors import NvmlPoller, XidMonitor
-from nodeagent.progress import ProgressTable
+from nodeagent.daemon import leftovers, proctree, torchrun
+from nodeagent.daemon import progress as progress_mod
+from nodeagent.daemon.config import AgentConfig
+from nodeagent.daemon.evidence import EvidencePublisher
+from nodeagent.daemon.launcher import Launcher, LaunchError, LaunchSpec, Worker, resolve_allowed
+from nodeagent.daemon.liveness import PeerLeases, Registration, Verdict, peers_cannot_renew
+from nodeagent.daemon.metrics import AgentMetrics
+from nodeagent.daemon.monitors import NvmlPoller, XidMonitor
+from nodeagent.daemon.progress import ProgressTable
+from nodeagent.warm import pool as warm_pool
 from runwarden import run_policy
 from runwarden.evidence import is_fatal
 from runwarden.sdnotify import Notifier, watchdog_interval_s
@@ -221,7 +222,7 @@ class Agent:
 
         `wait(t)` waits up to t seconds and returns True to stop hard at once (a second SIGTERM, a
         SIGINT). The planned path never signals torchrun itself: torchrun exits 1 after a SIGTERM
-        even when every rank exited 0 (see nodeagent.launcher)."""
+        even when every rank exited 0 (see nodeagent.daemon.launcher)."""
         cfg = self.config
         self.leaving = True
         self.drain(reason)
@@ -587,7 +588,7 @@ class Agent:
         self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None, wait_s: float | None = None
     ) -> tuple[Worker, warm_pool.LaunchPath]:
         """Start the attempt's workers: handed to the parked group when the warm path can run it
-        (nodeagent.warm_pool), else torchrun as always. LaunchError when refused.
+        (nodeagent.warm.pool), else torchrun as always. LaunchError when refused.
 
         One launch at a time, and the attempt is checked again once this one's turn (and its
         parked group) came: a launch that waited is never started after a newer attempt's. A parked
@@ -671,7 +672,7 @@ class Agent:
         self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
     ) -> list[Worker]:
         """StopWorkers: with park_within_s > 0, a warm worker's ranks leave the attempt and park again
-        in the same processes (nodeagent.warm's `end`); what has not parked within the bound, or a
+        in the same processes (nodeagent.warm.parked's `end`); what has not parked within the bound, or a
         cold worker, is stopped as always (TERM, KILL after grace_s); on a node with fatal evidence,
         or for a worker with a stopped process, an unplanned stop (park_within_s > 0) KILLs at once."""
         parking: list[Worker] = []
