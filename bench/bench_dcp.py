@@ -134,7 +134,7 @@ def run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, o
     memory_state.keep = timed_keep  # a bench's probe, this process only
     warm = {"RUNWARDEN_RUN": "bench-dcp", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
     for mode in args.modes:
-        memory_state._snapshots.clear()
+        memory_state._copies.clear()
         for key, value in warm.items():
             if mode.endswith("-copy"):
                 os.environ[key] = value

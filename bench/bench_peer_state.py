@@ -80,7 +80,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.barrier()
     commit = latest_committed(ckpt)
     assert commit is not None
-    kept = list(memory_state._snapshots)
+    kept = list(memory_state._copies)
 
     # what a rank reads from storage: DCP reads every tensor of replicated state whole on every rank
     state_file = (commit.path / rank_state_name(rank)).stat().st_size
@@ -90,7 +90,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     for trial in range(args.trials):
         for mode in MODES:
             fresh = rank == world - 1 if mode == "peer" else True
-            memory_state._snapshots[:] = [] if fresh else list(kept)
+            memory_state._copies[:] = [] if fresh else list(kept)
             dist.barrier()
             if mode == "storage-cold":
                 if rank == 0:

@@ -12,6 +12,7 @@ gone (see its docstring).
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
@@ -63,6 +64,20 @@ def _peer_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
         private_key=Path(config.tls_key).read_bytes(),
         certificate_chain=Path(config.tls_cert).read_bytes(),
     )
+
+
+class Refusal(enum.Enum):
+    """Why LaunchWorkers was refused before anything started (the servicer's status code)."""
+
+    NOT_NOW = "not now"  # no lease, draining, stale leader or attempt, a launch this node cannot build
+    DENIED = "denied"  # an executable the agent's allow-list does not hold
+    RUNNING = "running"  # the run's workers still run here
+
+
+class LaunchRefused(Exception):
+    def __init__(self, message: str, kind: Refusal = Refusal.NOT_NOW) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class Agent:
@@ -583,6 +598,99 @@ class Agent:
             copy_budget_bytes=self.config.memory_copy_budget_bytes,
         )
         self.warm.refill()
+
+    def launch_workers(
+        self, request: agent_pb2.LaunchWorkersRequest, wait_s: float | None = None
+    ) -> tuple[Worker, warm_pool.LaunchPath]:
+        """LaunchWorkers (a validated request): fenced first, then launched (`launch`).
+
+        Refused (LaunchRefused) without a lease or while draining, for a torchrun launch this node
+        cannot build, for a stale leader (`leader_fence` older than the run's), an attempt older
+        than one already launched, or a run whose workers still run here; otherwise the run's fence
+        and attempt are recorded, its stop request cleared, and the launch goes on (LaunchError
+        when the launch itself is refused)."""
+        run = request.run
+        if self.registration is not None and not self.registration.lease_held:
+            raise LaunchRefused(
+                f"node {self.config.node} holds no lease (etcd unreachable or self-fenced): nothing is launched"
+            )
+        if self.drain_reason:
+            raise LaunchRefused(f"node {self.config.node} is draining: {self.drain_reason}")
+        rendezvous_id = request.rendezvous_id or f"{run}-{request.attempt}"
+        argv, env = tuple(request.argv), dict(request.env)
+        if request.HasField("torchrun"):
+            try:
+                line, collective = torchrun.build(self.torchrun_facts(), request, rendezvous_id)
+            except torchrun.TorchrunRefused as exc:
+                raise LaunchRefused(str(exc)) from None
+            if request.torchrun.no_python:
+                try:  # the command's own executable is started too: the same rule as argv[0]
+                    resolve_allowed(
+                        request.torchrun.command[0],
+                        self.config.allowed_executables,
+                        env.get("PATH", os.environ.get("PATH", os.defpath)),
+                    )
+                except LaunchError as exc:
+                    raise LaunchRefused(f"torchrun.command: {exc}", Refusal.DENIED) from None
+            if (
+                request.torchrun.script_mode == agent_pb2.SCRIPT_MODE_UNMODIFIED
+                and self.fr_buffer_size(run) == 0
+            ):
+                raise LaunchRefused(
+                    "torchrun.script_mode: an unmodified script's progress comes from the flight "
+                    "recorder, which this agent's fr_buffer_size = 0 turns off"
+                )
+            argv, env = tuple(line), {**env, **collective}
+            self.peers = tuple(request.torchrun.peers)
+        with self.lock:
+            if request.leader_fence < self.fences.get(run, 0):
+                raise LaunchRefused(
+                    f"leader_fence {request.leader_fence} is older than {self.fences[run]}: stale leader"
+                )
+            if request.attempt < self.attempts.get(run, 0):
+                raise LaunchRefused(
+                    f"attempt {request.attempt} is older than attempt {self.attempts[run]} already launched"
+                )
+            if any(w.running for w in self.launcher.workers(run)):
+                raise LaunchRefused(f"run {run!r} already has running workers here", Refusal.RUNNING)
+            self.fences[run] = request.leader_fence
+            self.attempts[run] = request.attempt
+        self.clear_stop(run)
+        # An injected slowdown (chaos) belongs to the ranks it was injected into, not to the node:
+        # a new attempt starts at full speed.
+        self.slow_s.clear()
+        self.follow_run(run)
+        policy = self.read_policy(run)  # the agents' part of the run's policy (runwarden/run_policy.py)
+        env = {**env, **policy.trace_env()}
+        spec = LaunchSpec(
+            run=run,
+            attempt=request.attempt,
+            node=self.config.node,
+            rendezvous_id=rendezvous_id,
+            argv=argv,
+            env=env,
+            cwd=request.cwd,
+            node_rank=request.node_rank,
+            nnodes=request.nnodes or 1,
+            resume_step=request.resume_step,
+            stop_file=self.config.stop_file(run),
+            fr_socket_dir=self.config.fr_socket_dir(run, request.attempt),
+            agent_socket=self.config.unix_socket,
+            fr_buffer_size=policy.fr_buffer_size or self.config.fr_buffer_size,
+        )
+        ask = (
+            warm_pool.WarmAsk(
+                command=torchrun.rank_command(request.torchrun),
+                rdzv_endpoint=request.torchrun.rdzv_endpoint,
+                is_host=request.torchrun.is_host,
+                no_python=request.torchrun.no_python,
+                node_rank=request.node_rank,
+                nnodes=request.nnodes,
+            )
+            if request.HasField("torchrun")
+            else None
+        )
+        return self.launch(spec, ask, wait_s)
 
     def launch(
         self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None, wait_s: float | None = None

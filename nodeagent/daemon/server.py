@@ -23,13 +23,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodeagent.daemon import allreduce, chaos, preflight_bridge, proctree, torchrun
+from nodeagent.daemon import allreduce, chaos, preflight_bridge, proctree
 from nodeagent.daemon import validate as v
-from nodeagent.daemon.agent import Agent
-from nodeagent.daemon.launcher import LaunchError, LaunchSpec, resolve_allowed
+from nodeagent.daemon.agent import Agent, LaunchRefused, Refusal
+from nodeagent.daemon.launcher import LaunchError
 from nodeagent.flight_recorder import CollectedDump, collect_dumps, discover_sockets
 from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
-from nodeagent.warm import pool as warm_pool
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,6 +65,13 @@ def rpc(fn: F) -> F:
             self.agent.metrics.rpc_latency.labels(method=name, code=code).observe(time.perf_counter() - start)
 
     return cast(F, wrapper)  # functools.wraps: wrapper takes and returns what fn does
+
+
+_REFUSAL_CODES = {
+    Refusal.NOT_NOW: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Refusal.RUNNING: grpc.StatusCode.ALREADY_EXISTS,
+}
 
 
 class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
@@ -238,105 +244,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     def LaunchWorkers(self, request: Any, context: grpc.ServicerContext) -> agent_pb2.LaunchWorkersResponse:
         self._require_admin(context)
         v.launch_request(request)
-        a, run = self.agent, request.run
-        if a.registration is not None and not a.registration.lease_held:
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {a.config.node} holds no lease (etcd unreachable or self-fenced): nothing is launched",
-            )
-        if a.drain_reason:
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {a.config.node} is draining: {a.drain_reason}",
-            )
-        rendezvous_id = request.rendezvous_id or f"{run}-{request.attempt}"
-        argv, env = tuple(request.argv), dict(request.env)
-        if request.HasField("torchrun"):
-            try:
-                line, collective = torchrun.build(a.torchrun_facts(), request, rendezvous_id)
-            except torchrun.TorchrunRefused as exc:
-                _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            if request.torchrun.no_python:
-                try:  # the command's own executable is started too: the same rule as argv[0]
-                    resolve_allowed(
-                        request.torchrun.command[0],
-                        a.config.allowed_executables,
-                        env.get("PATH", os.environ.get("PATH", os.defpath)),
-                    )
-                except LaunchError as exc:
-                    _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"torchrun.command: {exc}")
-            if (
-                request.torchrun.script_mode == agent_pb2.SCRIPT_MODE_UNMODIFIED
-                and a.fr_buffer_size(run) == 0
-            ):
-                _abort(
-                    context,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "torchrun.script_mode: an unmodified script's progress comes from the flight "
-                    "recorder, which this agent's fr_buffer_size = 0 turns off",
-                )
-            argv, env = tuple(line), {**env, **collective}
-            a.peers = tuple(request.torchrun.peers)
-        with a.lock:
-            if request.leader_fence < a.fences.get(run, 0):
-                _abort(
-                    context,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"leader_fence {request.leader_fence} is older than {a.fences[run]}: stale leader",
-                )
-            if request.attempt < a.attempts.get(run, 0):
-                _abort(
-                    context,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"attempt {request.attempt} is older than attempt {a.attempts[run]} already launched",
-                )
-            if any(w.running for w in a.launcher.workers(run)):
-                _abort(
-                    context, grpc.StatusCode.ALREADY_EXISTS, f"run {run!r} already has running workers here"
-                )
-            a.fences[run] = request.leader_fence
-            a.attempts[run] = request.attempt
-        a.clear_stop(run)
-        # An injected slowdown (chaos) belongs to the ranks it was injected into, not to the node:
-        # a new attempt starts at full speed.
-        a.slow_s.clear()
-        a.follow_run(run)
-        policy = a.read_policy(run)  # the agents' part of the run's policy (runwarden/run_policy.py)
-        env = {**env, **policy.trace_env()}
-        spec = LaunchSpec(
-            run=run,
-            attempt=request.attempt,
-            node=a.config.node,
-            rendezvous_id=rendezvous_id,
-            argv=argv,
-            env=env,
-            cwd=request.cwd,
-            node_rank=request.node_rank,
-            nnodes=request.nnodes or 1,
-            resume_step=request.resume_step,
-            stop_file=a.config.stop_file(run),
-            fr_socket_dir=a.config.fr_socket_dir(run, request.attempt),
-            agent_socket=a.config.unix_socket,
-            fr_buffer_size=policy.fr_buffer_size or a.config.fr_buffer_size,
-        )
-        ask = (
-            warm_pool.WarmAsk(
-                command=torchrun.rank_command(request.torchrun),
-                rdzv_endpoint=request.torchrun.rdzv_endpoint,
-                is_host=request.torchrun.is_host,
-                no_python=request.torchrun.no_python,
-                node_rank=request.node_rank,
-                nnodes=request.nnodes,
-            )
-            if request.HasField("torchrun")
-            else None
-        )
+        # a warm launch waits for its parked group at most until shortly before the caller gives up
+        remaining = context.time_remaining()
         try:
-            # a warm launch waits for its parked group at most until shortly before the caller gives up
-            remaining = context.time_remaining()
-            worker, path = a.launch(spec, ask, None if remaining is None else remaining - 1.0)
+            worker, path = self.agent.launch_workers(request, None if remaining is None else remaining - 1.0)
+        except LaunchRefused as exc:
+            _abort(context, _REFUSAL_CODES[exc.kind], str(exc))
         except LaunchError as exc:
             code = (
                 grpc.StatusCode.PERMISSION_DENIED
@@ -346,7 +259,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 else grpc.StatusCode.FAILED_PRECONDITION
             )
             _abort(context, code, str(exc))
-        a.state_changed()
+        self.agent.state_changed()
         return agent_pb2.LaunchWorkersResponse(
             pid=worker.pid, launch_path=path.kind, launch_detail=path.detail[:500]
         )

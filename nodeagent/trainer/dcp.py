@@ -54,17 +54,12 @@ commit's `meta["format"]` says which one it is (`trainer.load_checkpoint` dispat
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import hashlib
 import io
 import json
 import logging
-import math
 import os
-import pickle
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from nodeagent.trainer import memory_state  # the in-memory copy a warm restart may load from
 from nodeagent.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -80,17 +76,19 @@ from nodeagent.trainer.checkpoint import (
     read_commit,
     step_dir,
 )
+from nodeagent.trainer.dcp_format import (
+    DCP_METADATA,
+    FORMAT,
+    bad,
+    rank_state_name,
+    read_dcp_metadata,
+    read_rank_state,
+    rng_restorer,
+    rng_state_json,
+    whole_tensors_bytes,
+)
 
 log = logging.getLogger(__name__)
-
-FORMAT = "dcp"
-DCP_METADATA = ".metadata"
-MAX_METADATA_BYTES = 256 * 1024 * 1024
-MAX_RANK_STATE_BYTES = 64 * 1024 * 1024
-
-
-def rank_state_name(rank: int) -> str:
-    return f"rank{int(rank)}.state.json"
 
 
 class SaveFailed(CheckpointError):
@@ -109,233 +107,6 @@ class LoadedState:
     path: Path
     data_state: Any
     extra: Any
-
-
-# --- this rank's own state (JSON) -------------------------------------------------------------
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _rng_state_json() -> dict[str, Any]:
-    import torch
-
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "torch": _b64(torch.get_rng_state().numpy().tobytes()),
-    }
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _bad(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"{path}: {what}")
-
-
-def _int_list(value: object, path: Path, field: str, *, length: int | None = None) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise _bad(path, f"{field}: expected a list of integers")
-    if length is not None and len(value) != length:
-        raise _bad(path, f"{field}: expected {length} integers, got {len(value)}")
-    return value
-
-
-def _bytes_tensor(value: object, path: Path, field: str) -> Any:
-    import torch
-
-    if not isinstance(value, str):
-        raise _bad(path, f"{field}: expected base64 text")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError:
-        raise _bad(path, f"{field}: not base64") from None
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def _rng_restorer(state: object, path: Path) -> Callable[[], None]:
-    """Check every field of a saved RNG state now; the returned call sets the generators (so a bad
-    file is refused before anything, model included, is loaded)."""
-    import torch
-
-    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
-        raise _bad(path, "rng: expected an object with python and torch states")
-    py = state["python"]
-    if not (isinstance(py, list) and len(py) == 3 and isinstance(py[0], int)):
-        raise _bad(path, "rng.python: expected [version, state, gauss]")
-    internal = tuple(_int_list(py[1], path, "rng.python[1]", length=625))
-    gauss = py[2]
-    if gauss is not None and not isinstance(gauss, float):
-        raise _bad(path, "rng.python[2]: expected a number or null")
-    torch_state = _bytes_tensor(state["torch"], path, "rng.torch")
-    numpy_state: tuple[Any, ...] | None = None
-    if "numpy" in state:
-        np_raw = state["numpy"]
-        if not (isinstance(np_raw, list) and len(np_raw) == 5 and isinstance(np_raw[0], str)):
-            raise _bad(path, "rng.numpy: expected [kind, keys, pos, has_gauss, gauss]")
-        keys = _int_list(np_raw[1], path, "rng.numpy[1]", length=624)
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in np_raw[2:]):
-            raise _bad(path, "rng.numpy: pos, has_gauss and gauss must be numbers")
-        numpy_state = (np_raw[0], keys, int(np_raw[2]), int(np_raw[3]), float(np_raw[4]))
-    cuda_raw = state.get("cuda", [])
-    if not isinstance(cuda_raw, list):
-        raise _bad(path, "rng.cuda: expected a list")
-    cuda = [_bytes_tensor(s, path, f"rng.cuda[{i}]") for i, s in enumerate(cuda_raw)]
-    if torch_state.numel() != torch.get_rng_state().numel():
-        raise _bad(path, f"rng.torch: {torch_state.numel()} bytes, not a CPU generator state")
-
-    def restore() -> None:
-        random.setstate((py[0], internal, gauss))
-        torch.set_rng_state(torch_state)
-        if numpy_state is not None:
-            try:
-                import numpy as np
-
-                kind, np_keys, pos, has_gauss, cached = numpy_state
-                np.random.set_state((kind, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
-            except ImportError:
-                pass
-        if cuda and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda)
-
-    return restore
-
-
-def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
-    try:
-        size = path.stat().st_size
-        if size > MAX_RANK_STATE_BYTES:
-            raise _bad(path, f"{size} bytes, over the limit of {MAX_RANK_STATE_BYTES}")
-        doc = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise _bad(path, f"cannot read: {exc}") from None
-    except ValueError as exc:
-        raise _bad(path, f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("step") != step:
-        raise _bad(path, f"not the DCP rank state of step {step}")
-    return doc
-
-
-def read_rank_state(commit: CommittedCheckpoint, rank: int) -> dict[str, Any]:
-    """Rank `rank`'s own state file of a committed DCP step, checked (listed, bounded, JSON, its)."""
-    name = rank_state_name(rank)
-    if name not in commit.files:
-        saved = commit.meta.get("world_size")
-        raise _bad(commit.path, f"no state of rank {rank} (saved by {saved} ranks)")
-    rank_state = _read_rank_state(commit.path / name, commit.step)
-    if rank_state.get("rank") != rank:
-        raise _bad(commit.path / name, f"written by rank {rank_state.get('rank')!r}, not {rank}")
-    return rank_state
-
-
-# --- reading DCP's .metadata without the standard unpickler ------------------------------------
-
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath"}),
-    "collections": frozenset({"OrderedDict"}),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only the names a DCP `.metadata` pickle needs (see the module doc); anything else is refused
-    before it is called."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise CheckpointError(f"DCP metadata refers to {module}.{name}: not a DCP metadata type")
-
-    def persistent_load(self, pid: object) -> Any:
-        raise CheckpointError("DCP metadata uses persistent ids: refused")
-
-
-def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
-    """DCP's Metadata of a committed step, verified: hashed as the marker says, unpickled with the
-    restricted unpickler, every shard it points into listed by the marker and long enough."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = commit.path / DCP_METADATA
-    digest = commit.sha256.get(DCP_METADATA)
-    if digest is None:
-        raise _bad(commit.path, f"the commit marker records no SHA-256 of {DCP_METADATA}: not trusted")
-    size = commit.files.get(DCP_METADATA, -1)
-    if not 0 < size <= MAX_METADATA_BYTES:
-        raise _bad(path, f"size {size} outside 1..{MAX_METADATA_BYTES}")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise _bad(path, f"cannot read: {exc}") from None
-    if len(raw) != size or hashlib.sha256(raw).hexdigest() != digest:
-        raise _bad(path, "does not match the commit marker's size and SHA-256")
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except CheckpointError as exc:
-        raise _bad(path, str(exc)) from None
-    except Exception as exc:
-        raise _bad(path, f"not a DCP metadata pickle: {type(exc).__name__}: {exc}") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise _bad(path, "not a DCP Metadata with storage data")
-    for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo):
-            raise _bad(path, "storage data entry is not a _StorageInfo")
-        name, offset, length = info.relative_path, info.offset, info.length
-        if not isinstance(name, str) or name not in commit.files or name == DCP_METADATA:
-            raise _bad(path, f"points into {name!r}, which the commit marker does not list")
-        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
-            raise _bad(path, f"bad offset/length in {name!r}")
-        if offset + length > commit.files[name]:
-            raise _bad(
-                path, f"{name!r}: bytes {offset}..{offset + length} past its size {commit.files[name]}"
-            )
-    return metadata
-
-
-def whole_tensors_bytes(metadata: Any) -> int | None:
-    """The total bytes of a DCP save's tensors if every one was saved whole (one chunk at offset
-    0 covering its size: state every rank holds in full, as DDP's replicas do, which DCP stores
-    once), else None (sharded state: FSDP's or DTensor's pieces differ per rank)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    total = 0
-    for item in metadata.state_dict_metadata.values():
-        if not isinstance(item, TensorStorageMetadata):
-            continue
-        size = list(item.size)
-        if len(item.chunks) != 1:
-            return None
-        (chunk,) = item.chunks
-        if any(chunk.offsets) or list(chunk.sizes) != size:
-            return None
-        total += math.prod(size) * item.properties.dtype.itemsize
-    return total
 
 
 def _verified_reader(path: Path, metadata: Any) -> Any:
@@ -510,7 +281,7 @@ class DcpCheckpointer:
             "step": step,
             "rank": self.rank,
             "world_size": self.world_size,
-            "rng": _rng_state_json(),
+            "rng": rng_state_json(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "data_state": data_state,
             "extra": extra,
@@ -521,7 +292,6 @@ class DcpCheckpointer:
             raise CheckpointError(f"{writer.path}: rank state is not JSON data: {exc}") from None
         writer.write_bytes(rank_state_name(self.rank), body)
         state = _model_and_optim_state(model, optimizer)
-        from nodeagent.trainer import memory_state  # the in-memory copy a warm restart may load from
 
         def keep() -> None:
             # After DCP has read the state (its staging, or the whole sync save): on a GPU the
@@ -655,15 +425,15 @@ def load_dcp(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if commit.meta.get("format") != FORMAT:
-        raise _bad(commit.path, f"not a DCP checkpoint (format {commit.meta.get('format')!r})")
+        raise bad(commit.path, f"not a DCP checkpoint (format {commit.meta.get('format')!r})")
     if rank is None:
         rank = _dist()[0]
     name = rank_state_name(rank)
     rank_state = read_rank_state(commit, rank)
-    restore_rng_states = _rng_restorer(rank_state.get("rng"), commit.path / name) if restore_rng else None
+    restore_rng_states = rng_restorer(rank_state.get("rng"), commit.path / name) if restore_rng else None
     sched = rank_state.get("scheduler")
     if scheduler is not None and not isinstance(sched, dict):
-        raise _bad(commit.path / name, "no scheduler state saved")
+        raise bad(commit.path / name, "no scheduler state saved")
     metadata = read_dcp_metadata(commit)  # checked here, so a refusal is ours, not wrapped by DCP
     state = _model_and_optim_state(model, optimizer)
     load(

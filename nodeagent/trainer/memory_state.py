@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.trainer import dcp_format
+
 log = logging.getLogger(__name__)
 
 MEMORY = "memory"
@@ -58,7 +60,9 @@ def _done_event() -> threading.Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Snapshot:
+class MemoryCopy:
+    """One rank's copy, in host memory, of what one save of one step wrote."""
+
     run: str
     attempt: int
     step: int
@@ -80,7 +84,7 @@ DEFAULT_BUDGET_BYTES = 16 * 1024**3
 COPY_WAIT_S = 300.0  # a load waits this long for a copy still landing (a GPU's D2H copy: seconds)
 WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.parked.rank_env)
 _lock = threading.Lock()
-_snapshots: list[Snapshot] = []  # oldest first
+_copies: list[MemoryCopy] = []  # oldest first
 _loaded: tuple[int, str] | None = None  # (step, source) of the last load in this process
 _budget = DEFAULT_BUDGET_BYTES
 _not_kept: dict[int, str] = {}  # step -> why no copy of it was kept (the load says so), the last few
@@ -160,19 +164,19 @@ def keep(
         )
     layout = [(tuple(t.shape), t.dtype) for t in locals_]
     with _lock:
-        kept = [x for x in _snapshots if x.step != step][1 - KEEP :]
+        kept = [x for x in _copies if x.step != step][1 - KEEP :]
         squeezed = []
         while kept and sum(x.nbytes for x in kept) + nbytes > limit:
             squeezed.append(kept.pop(0))  # the oldest first
-        dropped = [x for x in _snapshots if x not in kept]
-        _snapshots[:] = kept  # dropped now: their buffers may be reused below
+        dropped = [x for x in _copies if x not in kept]
+        _copies[:] = kept  # dropped now: their buffers may be reused below
     for old in squeezed:
         log.info(
             "step %d: the copy of step %d dropped to fit the copy budget (%d bytes)", step, old.step, limit
         )
     buffers = _reuse(dropped, layout) or _allocate(locals_)
     host = _copy(locals_, buffers, step)
-    snap = Snapshot(
+    held = MemoryCopy(
         run=run,
         attempt=attempt,
         step=step,
@@ -187,7 +191,7 @@ def keep(
         failed=host[1],
     )
     with _lock:
-        _snapshots[:] = [*(x for x in _snapshots if x.step != step), snap][-KEEP:]
+        _copies[:] = [*(x for x in _copies if x.step != step), held][-KEEP:]
         _not_kept.pop(step, None)
     return ""
 
@@ -236,7 +240,7 @@ def _rewrap(src: Any, host: Any) -> Any:
     return _HostDTensor(host, src) if _is_dtensor(src) else host
 
 
-def _reuse(dropped: list[Snapshot], layout: list[tuple[tuple[int, ...], Any]]) -> list[Any] | None:
+def _reuse(dropped: list[MemoryCopy], layout: list[tuple[tuple[int, ...], Any]]) -> list[Any] | None:
     """The buffers of a dropped copy of the same layout (the same model: every save after the
     second reuses them), once its own copy has landed."""
     for old in dropped:
@@ -321,7 +325,7 @@ def _clone(payload: Any) -> Any:
 def kept_bytes() -> int:
     """The host bytes this process holds in copies."""
     with _lock:
-        return sum(x.nbytes for x in _snapshots)
+        return sum(x.nbytes for x in _copies)
 
 
 def take(
@@ -341,27 +345,27 @@ def take(
     if committed_by is None:
         return None
     with _lock:
-        snap = next(
+        held = next(
             (
                 x
-                for x in _snapshots
+                for x in _copies
                 if (x.run, x.step, x.attempt) == (run, step, committed_by)
                 and rank in (None, x.rank)
                 and world_size in (None, x.world_size)
             ),
             None,
         )
-    if snap is None:
+    if held is None:
         return None
-    if not snap.copied.wait(COPY_WAIT_S) or snap.failed:
-        log.warning("the copy of step %d did not land: %s", step, snap.failed or "timed out")
+    if not held.copied.wait(COPY_WAIT_S) or held.failed:
+        log.warning("the copy of step %d did not land: %s", step, held.failed or "timed out")
         return None
-    return _clone(snap.payload)
+    return _clone(held.payload)
 
 
 # What each rank tells the others before a DCP load (bits of one integer, all-gathered).
 _HOLDS = 1  # it holds its own copy of the commit (saved as this rank of this world size)
-_WHOLE = 2  # the commit's tensors were saved whole (replicated state, dcp.whole_tensors_bytes)
+_WHOLE = 2  # the commit's tensors were saved whole (replicated state, dcp_format.whole_tensors_bytes)
 _PEER_OK = 4  # it may take its state from a peer (load_checkpoint's from_peer)
 _HOLDS_STATE = 8  # it holds a copy of the commit saved as any rank (a replacement renumbered it)
 MAX_PEER_HEADER_BYTES = 16 * 1024 * 1024  # a peer's header: the state's structure and plain data
@@ -412,14 +416,13 @@ def restore_committed_dcp(
     on the default group: every rank of the attempt calls it, and every rank takes the same way.
 
     Without every rank holding its own copy, memory serves only state every rank holds in full
-    (DDP's replicas; the commit's `.metadata` says so: dcp.whole_tensors_bytes): the replacement
+    (DDP's replicas; the commit's `.metadata` says so: dcp_format.whole_tensors_bytes): the replacement
     host's ranks, which hold no copy, receive the lowest holder's model and optimizer state over
     the process group (the attempt's own, fenced by its rendezvous: `_from_peer` says how, and how
     it is checked), and a rank whose number changed uses its own copy's; both read only their own
     small state file (RNG, data position, scheduler) from storage. If any receiver finds the
     offered state wrong, every rank loads from storage instead. Sharded state (FSDP, DTensor)
     cannot come from one peer: it loads from storage unless every rank kept its own."""
-    from nodeagent.trainer import dcp
     from nodeagent.trainer.checkpoint import CheckpointError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -439,7 +442,7 @@ def restore_committed_dcp(
             other = None if payload is not None else take(commit.step, by, rank=None, world_size=None)
             if from_peer:
                 try:
-                    expected = dcp.whole_tensors_bytes(dcp.read_dcp_metadata(commit))
+                    expected = dcp_format.whole_tensors_bytes(dcp_format.read_dcp_metadata(commit))
                 except CheckpointError as exc:
                     log.warning("rank %d: no state from a peer: %s", rank, exc)
             mine = (
@@ -465,7 +468,7 @@ def restore_committed_dcp(
         return None
     assert payload is not None  # MEMORY: it holds a copy; PEER: it received one
     if not plan.own_rank_state:
-        payload = {"state": payload["state"], "rank_state": dcp.read_rank_state(commit, rank)}
+        payload = {"state": payload["state"], "rank_state": dcp_format.read_rank_state(commit, rank)}
     log.info("rank %d: state of step %d from %s", rank, commit.step, plan.source)
     result = restore_dcp(
         payload, commit.path, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=restore_rng
@@ -664,10 +667,8 @@ def restore_dcp(
     model, optimizer and scheduler, and the RNG states; returns (data_state, extra)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from nodeagent.trainer.dcp import _rng_restorer
-
     state, rank_state = payload["state"], payload["rank_state"]
-    restore = _rng_restorer(rank_state.get("rng"), path) if restore_rng else None
+    restore = dcp_format.rng_restorer(rank_state.get("rng"), path) if restore_rng else None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -696,4 +697,4 @@ def loaded_from(step: int) -> str:
 def kept_steps() -> tuple[int, ...]:
     """The steps of the kept copies, oldest first."""
     with _lock:
-        return tuple(x.step for x in _snapshots)
+        return tuple(x.step for x in _copies)

@@ -86,7 +86,7 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
         why = memory_state.keep(i, state, rank=0, world_size=1)
         issued = time.perf_counter() - t0
         assert why == "", why
-        snap = memory_state._snapshots[-1]
+        snap = memory_state._copies[-1]
         if cuda:
             assert torch.cuda.memory_allocated() == before, "the copy allocated GPU memory"
         assert snap.copied.wait(120) and not snap.failed, snap.failed
@@ -112,7 +112,7 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
             os.environ.pop("RUNWARDEN_LAUNCH_PATH", None)
         else:
             os.environ.update(WARM_ENV)
-        memory_state._snapshots.clear()
+        memory_state._copies.clear()
         saver = dcp.DcpCheckpointer(tmp / mode, async_save=True)
         for s in range(1, 5):
             if cuda:
@@ -137,7 +137,7 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
     trainer.load_checkpoint(commit, model=fresh, optimizer=fresh_opt)
     assert memory_state.loaded_from(4) == "memory" and _same(fresh, model)
     print("  load from the in-memory copy: equal")
-    memory_state._snapshots.clear()
+    memory_state._copies.clear()
 
 
 def nccl_paths(device: Any, tmp: Path) -> None:

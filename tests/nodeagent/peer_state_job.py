@@ -91,11 +91,11 @@ def main() -> None:
         saver.save(3, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": 3, "rank": rank})
         dist.barrier()
         if rank in args.forget:
-            memory_state._snapshots.clear()  # this rank's process is new: it holds no copy
+            memory_state._copies.clear()  # this rank's process is new: it holds no copy
         if rank in args.shift:  # this process was rank+1 when it saved (a replacement renumbered it)
             world = dist.get_world_size()
             other = (rank + 1) % world
-            memory_state._snapshots[:] = [
+            memory_state._copies[:] = [
                 dataclasses.replace(
                     x,
                     rank=other,
@@ -104,7 +104,7 @@ def main() -> None:
                         "rank_state": {**x.payload["rank_state"], "data_state": {"rank": other}},
                     },
                 )
-                for x in memory_state._snapshots
+                for x in memory_state._copies
             ]
         for _ in range(2):  # the state moves on past the commit: the load must bring it back
             _step(model, opt, sched)

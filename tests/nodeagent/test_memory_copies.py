@@ -26,10 +26,10 @@ WARM = {"RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH":
 @pytest.fixture(autouse=True)
 def _fresh_module_state() -> Iterator[None]:
     saved = memory_state.budget()
-    memory_state._snapshots.clear()
+    memory_state._copies.clear()
     memory_state._not_kept.clear()
     yield
-    memory_state._snapshots.clear()
+    memory_state._copies.clear()
     memory_state._not_kept.clear()
     memory_state.set_budget(saved)
 
@@ -72,7 +72,7 @@ def test_every_kept_tensor_is_a_plain_host_tensor_and_the_next_step_cannot_chang
     state = _state()
     assert state["model"]["claims"].device.type == "cuda"  # the claim holds at the boundary
     assert memory_state.keep(3, {"state": state}, rank=0, world_size=1, env=WARM) == ""
-    (snap,) = memory_state._snapshots
+    (snap,) = memory_state._copies
     leaves = list(_leaves(snap.payload))
     assert len(leaves) == 4
     for t in leaves:
@@ -99,7 +99,7 @@ def test_a_dtensor_keeps_its_shard_on_the_host_and_comes_back_a_dtensor() -> Non
         mesh = init_device_mesh("cpu", (1,))
         d = DTensor.from_local(torch.arange(6.0), mesh, [Replicate()])
         assert memory_state.keep(2, {"state": {"d": d}}, rank=0, world_size=1, env=WARM) == ""
-        (kept,) = _leaves(memory_state._snapshots[0].payload)
+        (kept,) = _leaves(memory_state._copies[0].payload)
         assert type(kept) is torch.Tensor and kept.device.type == "cpu"
         back = memory_state.take(2, 1, rank=0, world_size=1, env=WARM)["state"]["d"]
         assert isinstance(back, DTensor) and torch.equal(back.to_local(), torch.arange(6.0))
@@ -146,10 +146,10 @@ def test_the_host_buffers_are_reused_by_the_next_copies_of_the_same_model() -> N
     state = {"state": {"w": torch.zeros(64), "b": torch.zeros(8, dtype=torch.int64)}}
     for step in (1, 2, 3):
         memory_state.keep(step, state, rank=0, world_size=1, env=WARM)
-    first_two = [x.buffers for x in memory_state._snapshots]
+    first_two = [x.buffers for x in memory_state._copies]
     assert memory_state.kept_steps() == (2, 3)
     memory_state.keep(4, state, rank=0, world_size=1, env=WARM)
-    assert [b.data_ptr() for b in memory_state._snapshots[-1].buffers] == [b.data_ptr() for b in first_two[0]]
+    assert [b.data_ptr() for b in memory_state._copies[-1].buffers] == [b.data_ptr() for b in first_two[0]]
 
 
 def test_the_default_budget_is_the_agents() -> None:
@@ -177,7 +177,7 @@ def test_a_dcp_save_keeps_its_copy_and_the_load_uses_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     commit, model = _saved(tmp_path, monkeypatch, memory_state.DEFAULT_BUDGET_BYTES)
-    assert all(t.device.type == "cpu" for t in _leaves(memory_state._snapshots[0].payload))
+    assert all(t.device.type == "cpu" for t in _leaves(memory_state._copies[0].payload))
     got = trainer.load_checkpoint(commit, model=model, optimizer=torch.optim.AdamW(model.parameters()))
     assert memory_state.loaded_from(3) == "memory" and got.data_state == {"n": 3}
     assert model.weight.abs().sum() > 0

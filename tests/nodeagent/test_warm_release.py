@@ -19,9 +19,9 @@ WARM = {"RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH":
 
 @pytest.fixture(autouse=True)
 def _no_copies() -> Iterator[None]:
-    memory_state._snapshots.clear()
+    memory_state._copies.clear()
     yield
-    memory_state._snapshots.clear()
+    memory_state._copies.clear()
 
 
 def test_a_rank_that_never_touched_cuda_has_nothing_to_release() -> None:
