@@ -77,9 +77,9 @@ def test_a_leftover_rank_of_the_previous_attempt_is_killed_before_the_next_prefl
         return [w for w in ws if w.pid == leader and not w.running]
 
     wait_for(ended, 20, "attempt 1 to end")
-    time.sleep(0.3)
     assert _alive(escaped), "the escaped rank should outlive its attempt (the launcher never saw it)"
-    assert proctree.read_proc(escaped).ppid == agent.pid  # re-parented to the agent, its subreaper
+    # re-parented to the agent, its subreaper, once the middle process has exited
+    wait_for(lambda: proctree.read_proc(escaped).ppid == agent.pid, 10, "the escaped rank's re-parenting")
 
     t0 = time.monotonic()
     result, summary = _preflight(agent)
@@ -135,16 +135,21 @@ def test_a_crashed_agents_ranks_fail_its_successors_preflight_and_are_killed(age
 
 
 @pytest.fixture
-def procs():
+def procs(tmp_path):
     started: list[subprocess.Popen[bytes]] = []
 
     def start(env: dict[str, str] | None = None, *, session: bool = False) -> subprocess.Popen[bytes]:
+        # Popen returns once exec has begun, but the kernel sets the new image's environment up after
+        # that (/proc/PID/environ reads empty meanwhile): under load a scan could miss the marks. The
+        # process says it is up once its own code runs.
+        up = tmp_path / f"up-{len(started)}"
         p = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(1000)"],
+            [sys.executable, "-c", SLEEPER, str(up)],
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
             start_new_session=session,
         )
         started.append(p)
+        wait_for(up.exists, 30, "the process to start")
         return p
 
     yield start
