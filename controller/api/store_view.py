@@ -190,9 +190,24 @@ class StoreBackedView:
             self._node_info(n, records.get(n), pool.get(n), reps.get(n), evidence.get(n, []), now)
             for n in sorted(set(records) | set(pool))
         ]
+        members = self._attempt_members(set(holders.values()))
         for info in infos:
             info.claimed_by = holders.get(info.node, "")
+            # The controller writes a node's pool entry when its standing changes, not when a slot
+            # takes it: a spare in its claiming run's current attempt is that run's, assigned.
+            spare = info.pool_state in (common_pb2.POOL_STATE_UNSPECIFIED, common_pb2.POOL_STATE_SPARE)
+            if spare and info.node in members.get(info.claimed_by, ()):
+                info.pool_state, info.run = common_pb2.POOL_STATE_ASSIGNED, info.claimed_by
         return infos
+
+    def _attempt_members(self, runs: set[str]) -> dict[str, frozenset[str]]:
+        """run -> the nodes of its current attempt (its attempt record)."""
+        out = {}
+        for run in runs:
+            attempt = _parse(store_pb2.AttemptRecord, self._get(self._keys.attempt(run)))
+            if attempt is not None:
+                out[run] = frozenset(attempt.nodes)
+        return out
 
     @staticmethod
     def _node_info(
@@ -214,7 +229,9 @@ class StoreBackedView:
             info.pool_state, info.run, info.reason = entry.state, entry.run, entry.reason
         if rep is not None:
             info.failures, info.straggler_flags = rep.failures, rep.straggler_flags
-            info.reputation_score = -float(rep.failures * 10 + rep.straggler_flags + rep.preflight_rejections)
+            info.reputation_score = float(
+                -(rep.failures * 10 + rep.straggler_flags + rep.preflight_rejections)
+            )  # never -0
         return info
 
     # -- operator requests -----------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""A local HTTP server that answers the official kubernetes client with recorded exchanges.
+"""A local HTTP server that answers the official kubernetes client from a script of hand-written exchanges.
 
 Each exchange is (method, path) -> (status, JSON body), served in order; every request the
 client really sent (method, path, query, content type, JSON body) is kept for the test to
-check. A request that does not match the next exchange gets a 500 and is recorded as a
+check. A request that does not match the next exchange gets a 500 and is kept as a
 mismatch, so a test cannot pass by accident.
 """
 
@@ -36,7 +36,7 @@ class SeenRequest:
 
 
 @dataclass
-class RecordedApiServer:
+class ScriptedApiServer:
     exchanges: list[Exchange]
     requests: list[SeenRequest] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""The Kubernetes scheduler against recorded API objects over real HTTP (no cluster here).
+"""The Kubernetes scheduler against hand-written API server answers over real HTTP (no cluster here).
 
 The official client talks to a local server (tests/backends/k8s_api.py) that answers with
 bodies in the API server's shapes; the tests check what the client really sent. These shapes
@@ -27,7 +27,7 @@ from controller.live.schedulers import build_scheduler
 from runwarden.config import ConfigError
 from tests.backends.k8s_api import (
     Exchange,
-    RecordedApiServer,
+    ScriptedApiServer,
     jobset,
     jobset_list,
     node,
@@ -56,17 +56,17 @@ def config(**overrides: object) -> KubernetesConfig:
 
 
 @pytest.fixture
-def api() -> Iterator[list[RecordedApiServer]]:
-    servers: list[RecordedApiServer] = []
+def api() -> Iterator[list[ScriptedApiServer]]:
+    servers: list[ScriptedApiServer] = []
     yield servers
     for server in servers:
         server.close()
 
 
 def scheduler_with(
-    api: list[RecordedApiServer], exchanges: list[Exchange], **cfg: object
-) -> tuple[KubernetesScheduler, RecordedApiServer]:
-    server = RecordedApiServer(exchanges)
+    api: list[ScriptedApiServer], exchanges: list[Exchange], **cfg: object
+) -> tuple[KubernetesScheduler, ScriptedApiServer]:
+    server = ScriptedApiServer(exchanges)
     api.append(server)
     return KubernetesScheduler(config(**cfg), server.api_client()), server
 
@@ -96,7 +96,7 @@ def assert_valid_job(body: dict[str, Any]) -> None:
     )
 
 
-def test_allocate_creates_one_jobset_of_node_agents_against_recorded_api_objects(api) -> None:
+def test_allocate_creates_one_jobset_of_node_agents_against_hand_written_api_answers(api) -> None:
     scheduler, server = scheduler_with(
         api,
         [
@@ -160,7 +160,7 @@ def test_allocate_without_host_network_advertises_the_pod_ip(api) -> None:
     assert_valid_job(body)
 
 
-def test_a_second_allocate_adopts_the_runs_jobset_against_recorded_api_objects(api) -> None:
+def test_a_second_allocate_adopts_the_runs_jobset_against_hand_written_api_answers(api) -> None:
     existing = jobset(agent_jobset(config(), index=0, count=3))
     scheduler, server = scheduler_with(
         api,
@@ -183,7 +183,7 @@ def test_a_second_allocate_adopts_the_runs_jobset_against_recorded_api_objects(a
     assert [r.method for r in server.requests] == ["GET", "GET", "POST", "GET"]  # one create, refused
 
 
-def test_allocate_refuses_to_adopt_a_foreign_or_resized_jobset_against_recorded_api_objects(api) -> None:
+def test_allocate_refuses_to_adopt_a_foreign_or_resized_jobset_against_hand_written_api_answers(api) -> None:
     foreign = jobset(agent_jobset(config(), index=0, count=3))
     foreign["metadata"]["labels"] = {"app": "someone-else"}
     scheduler, server = scheduler_with(
@@ -206,7 +206,7 @@ def test_allocate_refuses_to_adopt_a_foreign_or_resized_jobset_against_recorded_
     assert all(r.method == "GET" for r in server.requests)  # nothing created or changed
 
 
-def test_request_nodes_excludes_the_given_nodes_against_recorded_api_objects(api) -> None:
+def test_request_nodes_excludes_the_given_nodes_against_hand_written_api_answers(api) -> None:
     listing = jobset_list(
         jobset(agent_jobset(config(), index=0, count=3)),
         jobset(agent_jobset(config(), index=1, count=1, exclude=("gpu-2",), reason="first")),
@@ -241,7 +241,7 @@ def test_request_nodes_excludes_the_given_nodes_against_recorded_api_objects(api
     assert len(server.requests) == 2  # refused before anything was sent
 
 
-def test_request_nodes_takes_the_next_name_after_a_conflict_against_recorded_api_objects(api) -> None:
+def test_request_nodes_takes_the_next_name_after_a_conflict_against_hand_written_api_answers(api) -> None:
     exists = status_failure(409, "AlreadyExists", 'jobsets.jobset.x-k8s.io "llm-n1" already exists')
     scheduler, server = scheduler_with(
         api,
@@ -262,7 +262,7 @@ def test_request_nodes_takes_the_next_name_after_a_conflict_against_recorded_api
     assert len(node_terms(server.requests[2].body)) == 1  # nothing to exclude: only the quarantine rule
 
 
-def test_quarantine_taints_and_labels_keeping_other_taints_against_recorded_api_objects(api) -> None:
+def test_quarantine_taints_and_labels_keeping_other_taints_against_hand_written_api_answers(api) -> None:
     scheduler, server = scheduler_with(
         api,
         [
@@ -284,7 +284,7 @@ def test_quarantine_taints_and_labels_keeping_other_taints_against_recorded_api_
     assert patch.body["spec"] == {"taints": [OPERATOR_TAINT, OUR_TAINT]}  # no `unschedulable`: no cordon
 
 
-def test_a_lost_node_is_tainted_and_its_replacement_avoids_it_against_recorded_api_objects(api) -> None:
+def test_a_lost_node_is_tainted_and_its_replacement_avoids_it_against_hand_written_api_answers(api) -> None:
     """Node lost, as the live shell answers it once the agent's lease expired: the core quarantines
     the node (the node controller has marked it NotReady and tainted it unreachable; that taint
     stays) and, with no spare left, asks for one more node that is not the lost one."""
@@ -318,7 +318,7 @@ def test_a_lost_node_is_tainted_and_its_replacement_avoids_it_against_recorded_a
     assert_valid_job(sent)
 
 
-def test_quarantine_leaves_an_operators_cordon_alone_against_recorded_api_objects(api) -> None:
+def test_quarantine_leaves_an_operators_cordon_alone_against_hand_written_api_answers(api) -> None:
     cordoned = node("gpu-4", unschedulable=True)
     scheduler, server = scheduler_with(
         api,
@@ -332,7 +332,7 @@ def test_quarantine_leaves_an_operators_cordon_alone_against_recorded_api_object
     assert server.requests[1].body["spec"] == {"taints": [OUR_TAINT]}
 
 
-def test_release_removes_only_runwarden_marks_against_recorded_api_objects(api) -> None:
+def test_release_removes_only_runwarden_marks_against_hand_written_api_answers(api) -> None:
     quarantined = node(
         "gpu-2", labels={"runwarden.io/health": "quarantined"}, taints=[OPERATOR_TAINT, OUR_TAINT]
     )
@@ -354,7 +354,7 @@ def test_release_removes_only_runwarden_marks_against_recorded_api_objects(api) 
     assert [r.method for r in server.requests] == ["GET", "PATCH", "GET"]
 
 
-def test_release_refuses_under_an_operators_cordon_against_recorded_api_objects(api) -> None:
+def test_release_refuses_under_an_operators_cordon_against_hand_written_api_answers(api) -> None:
     cordoned = node(
         "gpu-4", labels={"runwarden.io/health": "quarantined"}, taints=[OUR_TAINT], unschedulable=True
     )
@@ -377,7 +377,7 @@ def test_check_stop_fits_refuses_a_grace_period_shorter_than_the_observed_save(a
     assert server.requests == []  # decided from the config alone
 
 
-def test_finish_deletes_the_runs_jobsets_against_recorded_api_objects(api) -> None:
+def test_finish_deletes_the_runs_jobsets_against_hand_written_api_answers(api) -> None:
     listing = jobset_list(
         jobset(agent_jobset(config(), index=0, count=3)),
         jobset(agent_jobset(config(), index=1, count=1)),

@@ -46,7 +46,8 @@ def incident_log() -> LogBuilder:
     return b
 
 
-def populate(store: Store, now: float) -> None:
+def populate(store: Store, now: float, *, claims: bool = True) -> None:
+    """`claims`: the run's claims on its attempt's nodes (False: the test takes them itself)."""
     k = store.keys
     for i in range(5):
         node = f"n{i}"
@@ -63,15 +64,13 @@ def populate(store: Store, now: float) -> None:
         )
         if i != 2:  # n2 lost its lease: its node key is gone, only its pool entry remains
             store.put(k.node(node), rec.SerializeToString())
-        state = (
-            common_pb2.POOL_STATE_ASSIGNED
-            if i not in (2, 4)
-            else (common_pb2.POOL_STATE_QUARANTINED if i == 2 else common_pb2.POOL_STATE_SPARE)
-        )
+        # As the live controller writes them: a node's entry changes with its standing (n2
+        # quarantined), not when a slot takes it (n0, n1, n3 and n4 run the attempt with spare entries).
+        state = common_pb2.POOL_STATE_QUARANTINED if i == 2 else common_pb2.POOL_STATE_SPARE
         entry = store_pb2.PoolEntry(
             node=node,
             state=state,
-            run=RUN if i < 4 else "",
+            run=RUN if i == 2 else "",
             reason="xid 79" if i == 2 else "",
             since=now - 100,
         )
@@ -97,6 +96,8 @@ def populate(store: Store, now: float) -> None:
     )
     store.put(k.memory(RUN), memory.SerializeToString())
     nodes = ["n0", "n1", "n3", "n4"]
+    for node in nodes if claims else ():  # as controller/live/claims.py writes them
+        store.put(k.claim(node), store_pb2.NodeClaim(node=node, run=RUN).SerializeToString())
     store.put(
         k.attempt(RUN),
         store_pb2.AttemptRecord(

@@ -81,7 +81,13 @@ def test_nodes_and_node(live: LiveController, capsys: pytest.CaptureFixture[str]
     rc, out, _ = ctl(capsys, live, "--json", "nodes")
     nodes = {n["node"]: n for n in json.loads(out)["nodes"]}
     assert sorted(nodes) == ["n0", "n1", "n2", "n3", "n4"]
-    assert nodes["n4"]["pool_state"] == "POOL_STATE_SPARE" and nodes["n4"]["alive"] is True
+    # a spare entry in its claiming run's attempt is that run's: assigned, not "spare"
+    assert nodes["n4"]["pool_state"] == "POOL_STATE_ASSIGNED" and nodes["n4"]["run"] == RUN
+    assert nodes["n4"]["alive"] is True
+    n0 = next(line for line in lines if line.startswith("n0 "))
+    assert n0.split()[:2] == ["n0", "assigned"] and RUN in n0.split()
+    # a reputation with nothing against it is 0, never "-0"
+    assert n0.split()[n0.split().index("assigned") + 5] == "0", n0
     assert nodes["n2"]["evidence"][0]["xid"] == 79
     rc, out, _ = ctl(capsys, live, "node", "n2")
     assert rc == 0 and "Xid 79: GPU has fallen off the bus" in out and "fatal" in out

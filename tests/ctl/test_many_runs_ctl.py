@@ -25,7 +25,7 @@ from .conftest import populate
 @pytest.fixture
 def two_runs(store: Store, tmp_path: Path) -> Iterator[str]:
     """Run "llm" (the fixture's, 4 nodes) led by ctl-a; run "vision" with no controller left."""
-    populate(store, 1_764_547_200.0)
+    populate(store, 1_764_547_200.0, claims=False)
     k = store.keys
     store.put(k.spec("vision"), store_pb2.RunSpec(run="vision", nodes=1, max_attempts=3).SerializeToString())
     store.put(

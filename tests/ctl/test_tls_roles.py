@@ -61,7 +61,7 @@ def test_read_only_certificate_can_read_but_not_mutate(
     capsys.readouterr()
     # nothing was written
     entry = store_pb2.PoolEntry.FromString(live_tls.store.get(live_tls.store.keys.pool("n1")).value)
-    assert entry.state == common_pb2.POOL_STATE_ASSIGNED
+    assert entry.state == common_pb2.POOL_STATE_SPARE and not entry.reason  # as the fixture wrote it
     assert live_tls.store.get(live_tls.store.keys.stop(RUN)) is None
 
 
