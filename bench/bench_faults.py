@@ -14,7 +14,7 @@ fault list into one cluster before starting a fresh one. Phases are read from th
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
 first step (-> FIRST_STEP). With `--warm on|both`, every agent keeps warm workers (parked ranks,
-torch imported; healthy hosts keep their processes across the restart, nodeagent/warm/parked.py): each row
+torch imported; healthy hosts keep their processes across the restart, nodeagent/warm/rank.py): each row
 also counts the nodes whose processes were kept (`kept_nodes`) and whose state came from their own
 memory (`memory_nodes`).
 

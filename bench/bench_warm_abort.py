@@ -13,7 +13,7 @@ new process group with a new peer (what a warm rank parked again needs):
 * stop+abort / stop+shutdown / stop+destroy: SIGSTOP the peer (a hang), then ProcessGroup.abort(),
   ProcessGroup.shutdown(), or destroy_process_group() from the other thread;
 * stop+sockets: SIGSTOP the peer, then shutdown(2) the TCP sockets the attempt opened
-  (nodeagent.warm.parked.shut_sockets: what a warm rank's `abort` does).
+  (nodeagent.warm.rank.shut_sockets: what a warm rank's `abort` does).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def trial(mode: str, port: int) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from nodeagent.warm.parked import attempt_sockets, shut_sockets
+    from nodeagent.warm.rank import attempt_sockets, shut_sockets
 
     before = set(attempt_sockets().values())
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)

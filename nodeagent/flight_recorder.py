@@ -72,7 +72,7 @@ class FlightRecording:
         self._server = server
         self._pg_config: dict[str, dict[str, str]] | None = None
         # Entries recorded before this recording started belong to an earlier attempt of the same
-        # process (a warm worker kept across attempts, nodeagent.warm.parked): torch's ring outlives the
+        # process (a warm worker kept across attempts, nodeagent.warm.rank): torch's ring outlives the
         # process group, and a new default group is named "0" again with its sequence from 1, so
         # those entries would read as this attempt's collectives far ahead. They are left out.
         self.since_ns = since_ns

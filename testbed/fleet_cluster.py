@@ -115,7 +115,7 @@ class ClusterSpec:
     seed: int = 1234
     train_args: tuple[str, ...] = ()
     policy: dict[str, object] = field(default_factory=dict)
-    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm/parked.py)
+    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm/rank.py)
     # the job, relative to the repository (it takes examples/train.py's flags: examples/decoder.py does)
     script: str = "examples/train.py"
 

@@ -746,8 +746,11 @@ class Agent:
         resolve_allowed(pool.interpreter, self.config.allowed_executables, env.get("PATH", os.defpath))
         self.launcher.prepare(spec)
         message = warm_pool.handoff_message(spec, ask, env, local_ranks)
-        if len(message) > warm_pool.warm.MAX_HANDOFF_BYTES:
-            return None, f"the launch's argv and environment exceed {warm_pool.warm.MAX_HANDOFF_BYTES} bytes"
+        if len(message) > warm_pool.protocol.MAX_HANDOFF_BYTES:
+            return (
+                None,
+                f"the launch's argv and environment exceed {warm_pool.protocol.MAX_HANDOFF_BYTES} bytes",
+            )
         mismatch = warm_pool.startup_mismatch(env, warm_pool.parked_env(os.environ, local_ranks))
         if mismatch:  # the parked group stays parked: a launch with the agent's environment can use it
             return None, f"{mismatch} differs from the parked group's (read at interpreter start-up)"
@@ -780,7 +783,7 @@ class Agent:
         self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
     ) -> list[Worker]:
         """StopWorkers: with park_within_s > 0, a warm worker's ranks leave the attempt and park again
-        in the same processes (nodeagent.warm.parked's `end`); what has not parked within the bound, or a
+        in the same processes (nodeagent.warm.protocol's `end`); what has not parked within the bound, or a
         cold worker, is stopped as always (TERM, KILL after grace_s); on a node with fatal evidence,
         or for a worker with a stopped process, an unplanned stop (park_within_s > 0) KILLs at once."""
         parking: list[Worker] = []

@@ -6,7 +6,7 @@
 The agent runs every rank this way when a launch says `script_mode: SCRIPT_MODE_UNMODIFIED`
 (`[controller] script_mode = "unmodified"`): torchrun's command becomes
 `-m nodeagent.trainer.bootstrap <command...>`, which torchrun's own interpreter runs on the cold path and
-the parked rank runs with runpy on the warm path (nodeagent.warm.parked), so both paths are unchanged.
+the parked rank runs with runpy on the warm path (nodeagent.warm.rank), so both paths are unchanged.
 
 Before the script's own code runs, in the rank's process:
 

@@ -1,6 +1,6 @@
 """The rank's in-memory copy of its last checkpoint: the fast path of a warm restart (issue 18).
 
-A warm rank process outlives its attempts (nodeagent.warm.parked), and this module, imported once, with
+A warm rank process outlives its attempts (nodeagent.warm.rank), and this module, imported once, with
 it. `keep` is called by `nodeagent.trainer.save_checkpoint` once every rank has written its file
 (after the save's barrier, before rank 0 writes the commit marker): a copy of exactly what went to
 storage, so the next optimizer step cannot change it. `take` is called by `load_checkpoint`: the
@@ -28,7 +28,7 @@ budget (`set_budget`, the agent's memory_copy_budget_bytes, DEFAULT_BUDGET_BYTES
 is not kept, and the log and the load say so. Only a rank the warm path started keeps one (its
 process outlives the attempt); a cold rank's would die with it. A peer's state crosses the GPU
 only in chunks (STAGE_BYTES) under NCCL. A copy is only ever sent inside the process
-group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.parked), and
+group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.rank), and
 only if it is the state of the commit being loaded: a stale rank cannot hand its state out.
 """
 
@@ -79,10 +79,10 @@ class MemoryCopy:
 # previous one to commit before it starts, so the latest commit is always one of the two kept.
 KEEP = 2
 # Host bytes one rank process may hold in copies (both together): AgentConfig.memory_copy_budget_bytes
-# reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm.parked). 0 keeps none.
+# reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm.rank). 0 keeps none.
 DEFAULT_BUDGET_BYTES = 16 * 1024**3
 COPY_WAIT_S = 300.0  # a load waits this long for a copy still landing (a GPU's D2H copy: seconds)
-WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.parked.rank_env)
+WARM = "warm"  # RUNWARDEN_LAUNCH_PATH of a rank the warm path started (nodeagent.warm.rank.rank_env)
 _lock = threading.Lock()
 _copies: list[MemoryCopy] = []  # oldest first
 _loaded: tuple[int, str] | None = None  # (step, source) of the last load in this process

@@ -1,6 +1,6 @@
 """Warm workers, the agent's side: keep one parked group ready, hand it a structured launch.
 
-With `warm_workers = true` the agent keeps one parked group (nodeagent.warm.parked: a leader and one rank
+With `warm_workers = true` the agent keeps one parked group (nodeagent.warm.leader: a leader and one rank
 process per local rank, torch imported) started with its own interpreter and environment. A
 structured launch that the warm path can run is handed to it instead of starting torchrun; the
 group's leader then becomes the attempt's worker exactly as torchrun's process would
@@ -45,7 +45,7 @@ from typing import Any
 
 from nodeagent.daemon import proctree, torchrun
 from nodeagent.daemon.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, AttemptEnd, LaunchSpec, worker_env
-from nodeagent.warm import parked as warm
+from nodeagent.warm import protocol
 
 log = logging.getLogger(__name__)
 # Variables the interpreter, the dynamic loader, the allocator or OpenMP/MKL read once at start-up or
@@ -132,7 +132,7 @@ def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
 
 class ParkedGroup:
     """One leader and its parked ranks, started by the pool; it runs one attempt at a time and, when
-    its ranks park again after one (nodeagent.warm.parked), goes back to the pool for the next."""
+    its ranks park again after one (nodeagent.warm.leader), goes back to the pool for the next."""
 
     def __init__(self, popen: subprocess.Popen[bytes], local_ranks: int, env: Mapping[str, str]) -> None:
         self.popen = popen
@@ -175,19 +175,19 @@ class ParkedGroup:
         return end
 
     def end_attempt(self) -> None:
-        """Ask the ranks to leave the running attempt and park again (nodeagent.warm.parked's `end`)."""
+        """Ask the ranks to leave the running attempt and park again (nodeagent.warm.leader's `end`)."""
         assert self.popen.stdin is not None
         with contextlib.suppress(BrokenPipeError, OSError, ValueError):
-            self.popen.stdin.write(b"end\n")
+            self.popen.stdin.write(protocol.END + b"\n")
             self.popen.stdin.flush()
 
     def on_line(self, line: bytes) -> None:
         """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again."""
-        words = line.split()
+        code = protocol.parse_ended(line)
         end = self.current
-        if end is not None and len(words) == 2 and words[0] == b"ended" and words[1].isdigit():
+        if end is not None and code is not None:
             self.current = None
-            end.finish(int(words[1]), parked=True, keep_pids=self.rank_pids)
+            end.finish(code, parked=True, keep_pids=self.rank_pids)
 
     def on_gone(self) -> None:
         """The leader's pipe closed: it exited (or is exiting); a running attempt ended with it."""
@@ -267,20 +267,15 @@ class WarmPool:
             popen = subprocess.Popen(
                 [
                     *IGNORE_USR1,
-                    self.interpreter,
-                    "-m",
-                    "nodeagent.warm.parked",
-                    "leader",
-                    "--local-ranks",
-                    str(local_ranks),
-                    "--ready-fd",
-                    str(w),
-                    "--preload",
-                    ",".join(self.preload),
-                    *(
-                        ()
-                        if self.copy_budget_bytes is None
-                        else ("--copy-budget-bytes", str(self.copy_budget_bytes))
+                    *protocol.process_command(
+                        self.interpreter,
+                        protocol.LEADER_MODULE,
+                        self.preload,
+                        self.copy_budget_bytes,
+                        "--local-ranks",
+                        str(local_ranks),
+                        "--ready-fd",
+                        str(w),
                     ),
                 ],
                 env=env,
@@ -298,10 +293,10 @@ class WarmPool:
         return group
 
     def _watch(self, group: ParkedGroup, fd: int) -> None:
-        lines = warm.Lines(fd, 4096)
+        lines = protocol.Lines(fd, protocol.MAX_STATUS_BYTES)
         try:
             line = _read_ready(lines)
-            pids = _parse_ready(line, group.local_ranks)
+            pids = protocol.parse_ready(line, group.local_ranks)
             if pids:
                 group.rank_pids = pids
                 with self._lock:
@@ -436,24 +431,15 @@ def _close_group(group: ParkedGroup) -> None:
         group.popen.wait()
 
 
-def _next_line(lines: warm.Lines) -> bytes | None:
+def _next_line(lines: protocol.Lines) -> bytes | None:
     try:
         return lines.read_line()
-    except (warm.HandOffError, OSError):
+    except (protocol.HandOffError, OSError):
         return None
 
 
-def _read_ready(lines: warm.Lines) -> bytes:
+def _read_ready(lines: protocol.Lines) -> bytes:
     return _next_line(lines) or b""
-
-
-def _parse_ready(line: bytes, local_ranks: int) -> tuple[int, ...]:
-    """`ready <pid>...` with exactly one positive pid per local rank, else ()."""
-    words = line.decode("ascii", "replace").split()
-    if len(words) != local_ranks + 1 or words[0] != "ready" or not all(w.isdigit() for w in words[1:]):
-        return ()
-    pids = tuple(int(w) for w in words[1:])
-    return pids if all(p > 1 for p in pids) else ()
 
 
 def handoff_message(spec: LaunchSpec, ask: WarmAsk, env: Mapping[str, str], local_ranks: int) -> bytes:
@@ -467,6 +453,6 @@ def handoff_message(spec: LaunchSpec, ask: WarmAsk, env: Mapping[str, str], loca
         "master_port": port,
         "timeout_s": WARM_RENDEZVOUS_TIMEOUT_S,
     }
-    return warm.encode_handoff(
+    return protocol.encode_handoff(
         argv=ask.command, cwd=spec.cwd, env=env, rendezvous=rendezvous, attempt=spec.attempt
     )

@@ -6,7 +6,7 @@
   async save with and without the copy;
 * the peer path's chunked staging through the GPU under NCCL (its peak GPU memory);
 * `stop_agreed(device="cuda")` over NCCL;
-* a warm rank (the real `nodeagent.warm.parked` leader and rank) running NCCL attempts: an attempt
+* a warm rank (the real `nodeagent.warm.leader` and `nodeagent.warm.rank`) running NCCL attempts: an attempt
   aborted in its collectives (ncclCommAbort through `end`), a re-init in the next attempt, the GPU
   memory a parked rank keeps (NVML, MiB per rank) and what it says it keeps;
 * NCCL flight-recorder dumps collected over the rank's socket and parsed, and the bootstrap's NCCL
@@ -225,7 +225,7 @@ def _used_mib(pid: int) -> float | None:
 
 def warm_rank(device: Any, tmp: Path) -> None:
     step(f"a warm rank's attempts on {device.type}: NCCL abort, re-init, what a parked rank keeps")
-    from nodeagent.warm import parked as warm
+    from nodeagent.warm import protocol
     from testbed.etcd_server import free_port
 
     cuda = device.type == "cuda"
@@ -236,7 +236,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
     log = (tmp / "leader.log").open("w+b")
     r, w = os.pipe()
     leader = subprocess.Popen(
-        [sys.executable, "-m", "nodeagent.warm.parked", "leader", "--local-ranks", "1", "--ready-fd", str(w)],
+        [sys.executable, "-m", "nodeagent.warm.leader", "--local-ranks", "1", "--ready-fd", str(w)],
         stdin=subprocess.PIPE,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -246,7 +246,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
         start_new_session=True,  # so a rank stuck in NCCL is killed with its leader below
     )
     os.close(w)
-    lines = warm.Lines(r, 4096)
+    lines = protocol.Lines(r, 4096)
     assert leader.stdin is not None
 
     def said(timeout_s: float = 60.0) -> str:
@@ -270,7 +270,7 @@ def warm_rank(device: Any, tmp: Path) -> None:
             "master_port": free_port(),
             "timeout_s": 60.0,
         }
-        msg = warm.encode_handoff(
+        msg = protocol.encode_handoff(
             argv=(str(job),), cwd=str(ROOT), env=env, rendezvous=rendezvous, attempt=attempt
         )
         leader.stdin.write(msg + b"\n")

@@ -1,4 +1,4 @@
-"""What a warm rank frees before it parks again after a GPU attempt (nodeagent.warm.parked.release_gpu).
+"""What a warm rank frees before it parks again after a GPU attempt (nodeagent.warm.rank.release_gpu).
 
 There is no GPU here: `torch.cuda` is replaced at its boundary in the test that says so, and the
 test checks that the caching allocator is emptied after the work is synchronised, and what the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nodeagent.trainer import memory_state
-from nodeagent.warm import parked as warm
+from nodeagent.warm import rank as warm_rank
 
 WARM = {"RUNWARDEN_RUN": "r", "RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_LAUNCH_PATH": "warm"}
 
@@ -26,7 +26,7 @@ def _no_copies() -> Iterator[None]:
 
 def test_a_rank_that_never_touched_cuda_has_nothing_to_release() -> None:
     assert not torch.cuda.is_initialized()
-    assert warm.release_gpu() == ""
+    assert warm_rank.release_gpu() == ""
 
 
 def test_after_a_gpu_attempt_the_cache_is_emptied_and_what_is_kept_is_said(
@@ -46,7 +46,7 @@ def test_after_a_gpu_attempt_the_cache_is_emptied_and_what_is_kept_is_said(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: reserved[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     memory_state.keep(5, {"state": {"w": torch.zeros(1 << 18)}}, rank=0, world_size=1, env=WARM)  # 1 MiB
-    line = warm.release_gpu()
+    line = warm_rank.release_gpu()
     assert calls == ["synchronize", "empty_cache", "ipc_collect"]  # emptied after the GPU's work ended
     assert line == (
         "runwarden warm: parked after a GPU attempt: keeps its CUDA context on device 3, "

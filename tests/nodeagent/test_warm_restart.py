@@ -25,7 +25,7 @@ import pytest
 
 from nodeagent.daemon import proctree
 from nodeagent.trainer import latest_committed
-from nodeagent.warm import parked as warm
+from nodeagent.warm import protocol
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
 from tests.nodeagent.test_warm_workers import HOSTS, _agent, _ended, _launch, _status, _train, parked_ranks
@@ -158,7 +158,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         (third,), origin = _pids(stale)
         assert stale.launch_path == "warm" and origin == "fresh" and third != fresh, stale.launch_detail
         w = _ended(k1, 3, 60)
-        assert w.parked and w.exit.exit_code == warm.EXIT_RENDEZVOUS, w.exit.detail
+        assert w.parked and w.exit.exit_code == protocol.EXIT_RENDEZVOUS, w.exit.detail
         joined = k1.stub.LaunchWorkers(_request(4, port, tmp_path, commit.step), timeout=60)
         assert _pids(joined) == ((third,), "kept from attempt 3"), joined.launch_detail
         for a, pid in ((k0, kept), (k1, third)):
@@ -178,7 +178,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
             lambda: [
                 x
                 for x in _status(k1).workers
-                if x.attempt == 4 and x.HasField("exit") and x.exit.exit_code == warm.EXIT_FENCED
+                if x.attempt == 4 and x.HasField("exit") and x.exit.exit_code == protocol.EXIT_FENCED
             ],
             30,
             "the fence",

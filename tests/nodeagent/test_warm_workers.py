@@ -24,8 +24,9 @@ from nodeagent.daemon import proctree
 from nodeagent.daemon.config import AgentConfig, from_sources
 from nodeagent.daemon.launcher import LaunchSpec
 from nodeagent.trainer import latest_committed
-from nodeagent.warm import parked as warm
 from nodeagent.warm import pool as warm_pool
+from nodeagent.warm import protocol
+from nodeagent.warm import rank as warm_rank
 from runwarden.config import ConfigError
 from runwarden.v1 import agent_pb2
 from tests.nodeagent.helpers import PYTHON, ROOT, AgentProc, wait_for
@@ -62,13 +63,13 @@ def parked_ranks(agent: AgentProc) -> tuple[int, ...]:
     leaders = [
         p.pid
         for p in procs
-        if p.ppid == agent.pid and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm.parked", "leader"]
+        if p.ppid == agent.pid and _cmdline(p.pid)[1:3] == ["-m", "nodeagent.warm.leader"]
     ]
     return tuple(
         sorted(
             p.pid
             for p in procs
-            if p.ppid in leaders and _cmdline(p.pid)[1:4] == ["-m", "nodeagent.warm.parked", "rank"]
+            if p.ppid in leaders and _cmdline(p.pid)[1:3] == ["-m", "nodeagent.warm.rank"]
         )
     )
 
@@ -361,7 +362,7 @@ def test_a_bad_warm_workers_value_is_a_clear_config_error(tmp_path):
 
 def _handoff(**over: object) -> dict:
     message = {
-        "v": warm.PROTOCOL,
+        "v": protocol.PROTOCOL,
         "attempt": 1,
         "argv": ["train.py", "--steps", "3"],
         "cwd": "",
@@ -382,8 +383,8 @@ def _handoff(**over: object) -> dict:
 
 
 def test_a_hand_off_is_validated_and_gets_torchruns_environment():
-    h = warm.parse_handoff(json.dumps(_handoff()).encode())
-    env = warm.rank_env(h, rank=3, world_size=4)
+    h = protocol.parse_handoff(json.dumps(_handoff()).encode())
+    env = warm_rank.rank_env(h, rank=3, world_size=4)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "1", "4", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TORCHELASTIC_RUN_ID"]) == (
         "10.0.0.1",
@@ -391,12 +392,14 @@ def test_a_hand_off_is_validated_and_gets_torchruns_environment():
         "r-1",
     )
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["A"] == "1"
-    assert warm.parse_handoff(json.dumps(_handoff(argv=["-m", "pkg.mod", "x"])).encode()).module == "pkg.mod"
+    assert (
+        protocol.parse_handoff(json.dumps(_handoff(argv=["-m", "pkg.mod", "x"])).encode()).module == "pkg.mod"
+    )
     rdzv = _handoff()["rendezvous"]
     bad = [
         b"\x80not json",
         b"[]",
-        json.dumps(_handoff(v=warm.PROTOCOL + 1)).encode(),
+        json.dumps(_handoff(v=protocol.PROTOCOL + 1)).encode(),
         json.dumps(_handoff(v=1)).encode(),  # protocol 1: one hand-off per group, EOF-framed
         json.dumps(_handoff(argv=[])).encode(),
         json.dumps(_handoff(argv=["-c", "print(1)"])).encode(),
@@ -413,8 +416,8 @@ def test_a_hand_off_is_validated_and_gets_torchruns_environment():
         json.dumps(_handoff(attempt="1")).encode(),
     ]
     for data in bad:
-        with pytest.raises(warm.HandOffError):
-            warm.parse_handoff(data)
+        with pytest.raises(protocol.HandOffError):
+            protocol.parse_handoff(data)
 
 
 def test_what_sends_a_launch_cold():

@@ -1,0 +1,272 @@
+"""The parked group's leader: `python -m nodeagent.warm.leader --local-ranks N --ready-fd FD`.
+
+The agent starts it in its own session (like torchrun on the cold path, so the agent's stop, kill
+and stray-process rescan treat it exactly like torchrun's tree); it starts one rank process per
+local rank (nodeagent.warm.rank), says `ready <pids>` on the ready fd once every rank is parked,
+and then serves one attempt at a time (nodeagent.warm.protocol): a hand-off from the agent goes to
+every rank with its local rank, and `ended <code>` goes back once every rank parked again alive.
+
+It supervises like torchrun --max-restarts=0, without ending processes: the first rank to fail
+gets the others out of the attempt (`abort`, KILLed after RANK_FAIL_GRACE_S) and its code becomes
+the attempt's exit code (128+n for a rank killed by signal n); all ranks ending 0 is 0. A SIGTERM
+is forwarded to the ranks and the leader keeps waiting for them (so a rank's save is not cut
+short), then exits. It exits (ending its ranks) when a rank died, after a TERM, at EOF from the
+agent while parked, or once a running attempt ended after the agent went away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent.warm.protocol import (
+    ABORT,
+    END,
+    EXIT_BAD_HANDOFF,
+    EXIT_NOT_READY,
+    LEADER_MODULE,
+    MAX_STATUS_BYTES,
+    RANK_MODULE,
+    HandOffError,
+    Lines,
+    add_process_options,
+    parse_ended,
+    process_command,
+    process_options,
+    with_local_rank,
+)
+
+RANK_FAIL_GRACE_S = 5.0  # after a rank failed: TERM to the others, KILL after this
+PARK_TIMEOUT_S = 300.0  # a rank that has not imported torch by then is stuck
+
+
+def exit_code_of(returncode: int) -> int:
+    """A rank's Popen returncode as a process exit code: -n (signal n) -> 128+n, like a shell."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass(slots=True, kw_only=True)
+class _Rank:
+    popen: subprocess.Popen[bytes]
+    status: Lines  # its `ready` / `ended <code>` lines
+    control: int  # the write end of its control pipe
+    ended: int | None = None  # this attempt's exit code, once it ended (or died)
+
+    def send(self, line: bytes) -> bool:
+        try:
+            os.write(self.control, line + b"\n")
+        except OSError:
+            return False  # it died: its exit is seen by poll()
+        return True
+
+
+class Leader:
+    """The group: its ranks across attempts, and the agent's two pipes (stdin: commands; the ready
+    fd: `ready <pids>`, then `ended <code>` after every attempt whose ranks all parked again)."""
+
+    def __init__(
+        self,
+        local_ranks: int,
+        ready_fd: int,
+        preload: tuple[str, ...] = (),
+        copy_budget_bytes: int | None = None,
+    ) -> None:
+        self.ready_fd = ready_fd
+        self.agent = Lines(sys.stdin.fileno())
+        self.early: list[bytes] = []  # hand-offs read while an attempt was still ending
+        self.ranks: list[_Rank] = []
+        self.terminated = False
+        signal.signal(signal.SIGTERM, self._on_term)
+        for _ in range(local_ranks):
+            sr, sw = os.pipe()
+            cr, cw = os.pipe()
+            popen = subprocess.Popen(
+                process_command(
+                    sys.executable,
+                    RANK_MODULE,
+                    preload,
+                    copy_budget_bytes,
+                    "--status-fd",
+                    str(sw),
+                    "--control-fd",
+                    str(cr),
+                ),
+                stdin=subprocess.DEVNULL,
+                pass_fds=(sw, cr),
+            )
+            os.close(sw)
+            os.close(cr)
+            self.ranks.append(_Rank(popen=popen, status=Lines(sr, MAX_STATUS_BYTES), control=cw))
+
+    def _on_term(self, _signum: int, _frame: Any) -> None:
+        # torchrun forwards a TERM to every rank; so does the leader, and it keeps waiting for them
+        self.terminated = True
+        for r in self.ranks:
+            if r.popen.poll() is None:
+                r.popen.send_signal(signal.SIGTERM)
+
+    def tell_agent(self, line: str) -> None:
+        os.write(self.ready_fd, (line + "\n").encode())
+
+    def run(self) -> int:
+        deadline = time.monotonic() + PARK_TIMEOUT_S
+        waiting = {r.status.fd: r for r in self.ranks}
+        while waiting and not self.terminated:
+            readable, _, _ = _select(list(waiting), deadline - time.monotonic())
+            if not readable and time.monotonic() >= deadline:
+                print(f"runwarden warm: ranks not ready after {PARK_TIMEOUT_S:g} s", file=sys.stderr)
+                return self.end(EXIT_NOT_READY)
+            for fd in readable:
+                r = waiting[fd]
+                if not r.status.fill():
+                    print(f"runwarden warm: parked rank pid {r.popen.pid} died", file=sys.stderr)
+                    return self.end(EXIT_NOT_READY)
+                if r.status.pop() is not None:
+                    del waiting[fd]
+        if self.terminated:
+            return self.end(0)
+        self.tell_agent("ready " + " ".join(str(r.popen.pid) for r in self.ranks))
+        while True:
+            line = self.parked_command()
+            if line is None:
+                return self.end(0)  # the agent closed the pool (or a parked rank died: end() says so)
+            try:
+                copies = [with_local_rank(line, i) for i in range(len(self.ranks))]
+            except (HandOffError, ValueError) as exc:
+                print(f"runwarden warm: bad hand-off: {exc}", file=sys.stderr)
+                return self.end(EXIT_BAD_HANDOFF)
+            for r, copy in zip(self.ranks, copies, strict=True):
+                r.ended = None
+                r.send(copy)
+            code, intact = self.supervise()
+            if not intact or self.terminated or self.agent.eof:
+                return self.end(code)
+            try:
+                self.tell_agent(f"ended {code}")
+            except OSError:
+                return self.end(code)
+
+    def parked_command(self) -> bytes | None:
+        """The agent's next hand-off while parked; None at EOF, a TERM or a parked rank's death."""
+        while not self.terminated:
+            line = self.early.pop(0) if self.early else self.agent.pop()
+            if line is not None:
+                if line.startswith(b"{"):
+                    return line
+                continue  # `end` while parked: nothing runs
+            if self.agent.eof:
+                return None
+            if any(r.popen.poll() is not None for r in self.ranks):
+                print("runwarden warm: a parked rank died", file=sys.stderr)
+                return None
+            readable, _, _ = _select([self.agent.fd], 0.5)
+            if readable:
+                self.agent.fill()
+        return None
+
+    def supervise(self) -> tuple[int, bool]:
+        """Until every rank's attempt ended: (the group's exit code, whether every rank is alive).
+        The first rank to fail (an exit code, or its death) gets the others out of the attempt
+        (`abort`; KILLed after RANK_FAIL_GRACE_S), like torchrun --max-restarts=0 but without
+        ending the processes; so does the agent's `end`."""
+        failure: int | None = None
+        dead = False
+        kill_at = float("inf")
+        while True:
+            for r in self.ranks:
+                if r.ended is None and r.popen.poll() is not None:
+                    r.ended, dead = exit_code_of(r.popen.returncode), True
+            running = [r for r in self.ranks if r.ended is None]
+            for r in self.ranks:
+                if failure is None and r.ended not in (None, 0):
+                    failure = r.ended
+                    print(
+                        f"runwarden warm: rank pid {r.popen.pid} ended the attempt with {r.ended}"
+                        f"{' (it died)' if r.popen.returncode is not None else ''}; the others leave it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    for q in running:
+                        q.send(ABORT)
+                    kill_at = time.monotonic() + RANK_FAIL_GRACE_S
+            if not running:
+                return (failure or 0), not dead
+            if time.monotonic() >= kill_at:
+                for q in running:
+                    q.popen.kill()
+            fds = [r.status.fd for r in running]
+            if not self.agent.eof:
+                fds.append(self.agent.fd)
+            readable, _, _ = _select(fds, 0.05)
+            for fd in readable:
+                if fd == self.agent.fd:
+                    # The agent gone (EOF) changes nothing now: like torchrun's ranks, the attempt goes
+                    # on until it ends or the controller ends it (a lost node's ranks must not fail
+                    # their peers before its lease expires); the group exits after it.
+                    self.agent.fill()
+                    while (line := self.agent.pop()) is not None:
+                        if line == END:
+                            for q in running:
+                                q.send(ABORT)
+                        elif line.startswith(b"{"):
+                            self.early.append(line)  # the next attempt's, kept for when this one ended
+                    continue
+                r = next(q for q in running if q.status.fd == fd)
+                if not r.status.fill():
+                    continue  # its death is seen by poll()
+                while (line := r.status.pop()) is not None:
+                    code = parse_ended(line)
+                    if code is not None:
+                        r.ended = code
+
+    def end(self, code: int) -> int:
+        """Close the ranks (EOF: a parked rank exits 0, a running one leaves its attempt first), KILL
+        what is left after a moment."""
+        for r in self.ranks:
+            with contextlib.suppress(OSError):
+                os.close(r.control)
+        deadline = time.monotonic() + 2.0
+        for r in self.ranks:
+            try:
+                r.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                r.popen.kill()
+                r.popen.wait()
+        return code
+
+
+def _select(fds: list[int], timeout_s: float) -> tuple[list[int], list[int], list[int]]:
+    try:
+        return select.select(fds, [], [], max(0.0, timeout_s))
+    except InterruptedError:  # a signal (TERM): the caller looks at its flags
+        return [], [], []
+
+
+def leader_main(
+    local_ranks: int, ready_fd: int, preload: tuple[str, ...] = (), copy_budget_bytes: int | None = None
+) -> int:
+    return Leader(local_ranks, ready_fd, preload, copy_budget_bytes).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m {LEADER_MODULE}", description=__doc__.splitlines()[0])
+    p.add_argument("--local-ranks", type=int, required=True)
+    p.add_argument("--ready-fd", type=int, required=True)
+    add_process_options(p)
+    args = p.parse_args(argv)
+    preload, copy_budget_bytes = process_options(p, args)
+    if not 1 <= args.local_ranks <= 4096:
+        p.error("--local-ranks: 1..4096")
+    return leader_main(args.local_ranks, args.ready_fd, preload, copy_budget_bytes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
