@@ -65,10 +65,10 @@ from controller.supervisor.events import (
     DumpsCollected,
     Event,
     NodeLaunchPath,
-    NodeRecordView,
     PreflightResult,
     WorkersStarted,
 )
+from controller.supervisor.pool import NodeRecordView
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog, EventLogError
 from runwarden.store import Compare, Leadership, Put, Store, StoreError

@@ -30,7 +30,6 @@ from controller.supervisor.events import (
     NodeDraining,
     NodeJoined,
     NodeLost,
-    NodeRecordView,
     PolicyChanged,
     ProgressObserved,
     RankSample,
@@ -38,6 +37,7 @@ from controller.supervisor.events import (
     StopRequested,
     proto_losses,
 )
+from controller.supervisor.pool import NodeRecordView
 from runwarden.keys import KeySchema
 from runwarden.store import KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2

@@ -86,7 +86,6 @@ from controller.supervisor.events import (
     EvidenceObserved,
     NodeJoined,
     NodeLost,
-    NodeRecordView,
     OperatorRelease,
     PreflightResult,
     ProgressObserved,
@@ -97,7 +96,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
-from controller.supervisor.pool import PoolState
+from controller.supervisor.pool import NodeRecordView, PoolState
 from controller.supervisor.states import TransitionError
 from controller.supervisor.timers import Timers
 from runwarden.v1 import common_pb2, events_pb2

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.supervisor.events import NodeRecordView
+from controller.supervisor.pool import NodeRecordView
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
 
 

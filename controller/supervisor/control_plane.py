@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss, memory, nodes, prepare, reconfigure
+from controller.supervisor import failure, loss, memory, nodes, prepare, reconfigure, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
@@ -21,10 +21,10 @@ from controller.supervisor.states import LIVE, RunState
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
-def on_lost_etcd(sv: Supervisor, ev: ControlPlaneLost) -> None:
+def on_lost_etcd(sv: Run, ev: ControlPlaneLost) -> None:
     failure.enter_control_plane(
         sv,
         etcd_lost=True,
@@ -32,26 +32,26 @@ def on_lost_etcd(sv: Supervisor, ev: ControlPlaneLost) -> None:
     )
 
 
-def on_restored(sv: Supervisor, ev: ControlPlaneRestored) -> None:
+def on_restored(sv: Run, ev: ControlPlaneRestored) -> None:
     sv.cp_etcd_lost = False
     sv.deadline = sv.now + sv.cfg.control_plane_grace_s
     sv.log(E.EVENT_KIND_CONTROL_PLANE, "etcd reachable again: reconciling from a fresh listing")
     sv.emit(SetTimer(key="control_plane", at=sv.deadline))
 
 
-def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
+def on_joined(sv: Run, ev: NodeJoined) -> None:
     """CONTROL_PLANE: a node back; when every node of the attempt is, the pause ends."""
     nodes.on_joined(sv, ev)
     if not sv.cp_etcd_lost and all(sv.pool.nodes[n].alive for n in sv.cur.node_step):
         resolve(sv)
 
 
-def on_tick(sv: Supervisor) -> None:
+def on_tick(sv: Run) -> None:
     if not sv.cp_etcd_lost and sv.now >= sv.deadline:
         resolve(sv)
 
 
-def resolve(sv: Supervisor) -> None:
+def resolve(sv: Run) -> None:
     """Leave CONTROL_PLANE: keep a healthy attempt running; otherwise go on without quarantine."""
     prev = sv.cp_prev
     a = sv.cur
@@ -61,7 +61,7 @@ def resolve(sv: Supervisor) -> None:
         sv.failure = None
         crashed = sorted(n for n, label in a.exited.items() if label not in ("clean", "lost"))
         if not missing and not crashed:
-            sv.state = RunState.RUNNING
+            transitions.become(sv, RunState.RUNNING)
             a.exited = {n: label for n, label in a.exited.items() if label != "lost"}
             a.min_advanced_at = sv.now  # hang clock restarts: we were blind, not the job
             sv.log(
@@ -103,7 +103,7 @@ def resolve(sv: Supervisor) -> None:
         failure.stop(sv)
     elif prev is RunState.STOPPING and f is not None:
         f.control_plane = f.control_plane or f.detector == E.DETECTOR_NODE_LOST
-        sv.state = RunState.STOPPING
+        transitions.become(sv, RunState.STOPPING)
         a.awaiting_exit = {n for n in a.awaiting_exit if n not in a.exited and sv.pool.nodes[n].alive}
         if not a.awaiting_exit:
             failure.decide(sv)
@@ -111,7 +111,7 @@ def resolve(sv: Supervisor) -> None:
             sv.deadline = sv.now + sv.cfg.stop_margin_s
             sv.emit(SetTimer(key="stop", at=sv.deadline))
     elif prev is RunState.PREFLIGHT:
-        sv.state = RunState.PREFLIGHT
+        transitions.become(sv, RunState.PREFLIGHT)
         sv.gate_pending = None  # an answer that came while blind was dropped: measure again
         sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
         sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
@@ -119,16 +119,16 @@ def resolve(sv: Supervisor) -> None:
             prepare.drop_from_slots(sv, n, "lost during the control-plane fault")
         prepare.maybe_launch(sv)
     else:
-        sv.state = RunState.WAITING_NODES
+        transitions.become(sv, RunState.WAITING_NODES)
     if sv.state is RunState.RUNNING:
         failure.deliver_pending_stop(sv)
     elif sv.pending_stop is not None and sv.state not in (RunState.COLLECTING, RunState.STOPPING):
         held, sv.pending_stop = sv.pending_stop, None
         if not held.relaunch:
-            sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {held.reason}")
+            transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {held.reason}")
 
 
-def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
+def on_snapshot(sv: Run, snap: Snapshot) -> None:
     """Rebuild the view from the store; the same in every state (level-triggered)."""
     if snap.policy is not None:  # the stored policy first: every decision below is made under it
         reconfigure.apply(sv, snap.policy)
@@ -190,7 +190,7 @@ def on_snapshot(sv: Supervisor, snap: Snapshot) -> None:
         sv.apply(snap.stop_requested)
 
 
-def _adopt(sv: Supervisor, snap: Snapshot) -> None:
+def _adopt(sv: Run, snap: Snapshot) -> None:
     """After a controller restart: keep a healthy running attempt; restart one that lost nodes."""
     attempt_nodes = tuple(snap.attempt_nodes)
     if sv.decided_attempt >= sv.attempt:
@@ -240,7 +240,7 @@ def _adopt(sv: Supervisor, snap: Snapshot) -> None:
             latency=0.0,
         )
         return
-    sv.state = RunState.RUNNING
+    transitions.become(sv, RunState.RUNNING)
     sv.log(
         E.EVENT_KIND_CONTROL_PLANE,
         f"reconcile: attempt {sv.attempt} is running on all {len(attempt_nodes)} "

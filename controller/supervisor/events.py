@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.pool import NodeRecordView
 from runwarden.names import check_name as _check_name
 from runwarden.v1 import common_pb2, store_pb2
 
@@ -331,28 +332,6 @@ class PolicyChanged:
     def __post_init__(self) -> None:
         if not isinstance(self.config, SupervisorConfig):
             raise ValueError(f"PolicyChanged.config: expected a SupervisorConfig, got {self.config!r}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeRecordView:
-    """A node's persisted pool entry + reputation, as read back from the store."""
-
-    node: str
-    pool_state: int = common_pb2.POOL_STATE_SPARE
-    reason: str = ""
-    burn_in_passes: int = 0
-    operator_hold: bool = False
-    failure_times: tuple[float, ...] = ()
-    straggler_flags: int = 0
-    preflight_rejections: int = 0
-    evidence: tuple[common_pb2.Evidence, ...] = ()  # why it is quarantined (PoolEntry.evidence)
-    evidence_kinds: tuple[
-        int, ...
-    ] = ()  # fatal evidence kinds seen, oldest first (Reputation.evidence_kinds)
-    known_since: float = 0.0  # first registration seen (Reputation.known_since; 0: unknown)
-    repaired_at: float = 0.0  # an operator's last repair or release (Reputation.repaired_at; 0: never)
-    # its last burn-in failed then: it waits for a repair (PoolEntry.awaiting_repair_since; 0: not)
-    awaiting_repair_since: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

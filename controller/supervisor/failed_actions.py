@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, nodes, prepare, restart, soak
+from controller.supervisor import burn_in, failure, prepare, restart, soak
 from controller.supervisor.actions import (
     AllocateFromQueue,
     CollectDumps,
@@ -25,14 +25,14 @@ from controller.supervisor.states import IN_ATTEMPT, RunState
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 # A refused ask of the queue (no such nodes, the scheduler down) is asked again after this, doubling.
 QUEUE_RETRY_BASE_S = 5.0
 QUEUE_RETRY_MAX_S = 300.0
 
 
-def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
+def on_action_failed(sv: Run, ev: ActionFailed) -> None:
     act = ev.action
     kind = "temporary" if ev.temporary else "permanent"
     what = f"{type(act).__name__}{' on ' + ev.node if ev.node else ''} failed ({kind}): {ev.reason}"
@@ -78,7 +78,7 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
                 sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
             sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
         case MeasureBandwidth(purpose="burn_in"):
-            soak.unanswered(sv, act.nodes, what, nodes.record_burn_in)
+            soak.unanswered(sv, act.nodes, what, burn_in.record)
         case MeasureBandwidth() if sv.state is RunState.PREFLIGHT and act.nodes == sv.gate_pending:
             prepare.gate_unanswered(sv, what)
         case CollectDumps() if sv.state is RunState.COLLECTING and act.attempt == sv.attempt:
@@ -99,7 +99,7 @@ def on_action_failed(sv: Supervisor, ev: ActionFailed) -> None:
             sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
 
 
-def _not_launched(sv: Supervisor, act: Launch, what: str) -> None:
+def _not_launched(sv: Run, act: Launch, what: str) -> None:
     sv.history.launch_failures += 1
     delay = restart.launch_retry_delay(sv.cfg, sv.history)
     sv.log(

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, loss, memory, nodes, restart
+from controller.supervisor import detectors, loss, memory, quarantine, restart, transitions
 from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
@@ -22,10 +22,10 @@ from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
-def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
+def begin(sv: Run, f: Failure, *, latency: float) -> None:
     """A failure of the running attempt (or a planned stop) was detected: collect dumps, or stop."""
     sv.failure = f
     loss.flush_replay(sv)  # the attempt's replay comparisons so far, before it ends
@@ -44,7 +44,7 @@ def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
         )
     live = sv.live_nodes()
     if sv.cfg.collect_dumps and f.dumps and not f.planned and not f.control_plane and live:
-        sv.state = RunState.COLLECTING
+        transitions.become(sv, RunState.COLLECTING)
         sv.deadline = sv.now + sv.cfg.dump_timeout_s
         sv.emit(CollectDumps(attempt=sv.attempt, nodes=tuple(live), timeout_s=sv.cfg.dump_timeout_s))
         sv.emit(SetTimer(key="dumps", at=sv.deadline))
@@ -52,7 +52,7 @@ def begin(sv: Supervisor, f: Failure, *, latency: float) -> None:
         stop(sv)
 
 
-def on_dumps(sv: Supervisor, ev: DumpsCollected) -> None:
+def on_dumps(sv: Run, ev: DumpsCollected) -> None:
     """COLLECTING: the flight recorder answered."""
     if ev.attempt != sv.attempt or sv.failure is None:
         return
@@ -60,26 +60,26 @@ def on_dumps(sv: Supervisor, ev: DumpsCollected) -> None:
     stop(sv)
 
 
-def on_tick_collecting(sv: Supervisor) -> None:
+def on_tick_collecting(sv: Run) -> None:
     if sv.now >= sv.deadline:
         stop(sv)
 
 
-def on_tick_stopping(sv: Supervisor) -> None:
+def on_tick_stopping(sv: Run) -> None:
     if sv.now >= sv.deadline:
         decide(sv)
 
 
-def on_tick_backoff(sv: Supervisor) -> None:
+def on_tick_backoff(sv: Run) -> None:
     if sv.now >= sv.deadline:
-        sv.state = RunState.WAITING_NODES
+        transitions.become(sv, RunState.WAITING_NODES)
 
 
-def stop(sv: Supervisor) -> None:
+def stop(sv: Run) -> None:
     assert sv.failure is not None
     f = sv.failure
     live = sv.live_nodes()
-    sv.state = RunState.STOPPING
+    transitions.become(sv, RunState.STOPPING)
     sv.cur.awaiting_exit = set(live)
     if not live:
         decide(sv)
@@ -94,13 +94,13 @@ def stop(sv: Supervisor) -> None:
     sv.emit(SetTimer(key="stop", at=sv.deadline))
 
 
-def maybe_stopped(sv: Supervisor, node: str) -> None:
+def maybe_stopped(sv: Run, node: str) -> None:
     sv.cur.awaiting_exit.discard(node)
     if not sv.cur.awaiting_exit:
         decide(sv)
 
 
-def _exit_summary(sv: Supervisor, f: Failure) -> None:
+def _exit_summary(sv: Run, f: Failure) -> None:
     a = sv.cur
     labels: dict[str, int] = {}
     for n in a.node_step:
@@ -135,7 +135,7 @@ def _distinct_steps(steps: set[int], slack: int) -> int:
     return count
 
 
-def _to_quarantine(sv: Supervisor, f: Failure, slack: int) -> tuple[list[_Suspect], bool]:
+def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], bool]:
     """Blame the stopped attempt (logged), and name who is quarantined for it and why; and whether
     the blame rests on evidence about a node (hardware evidence, a lost lease)."""
     a = sv.cur
@@ -194,7 +194,7 @@ def _to_quarantine(sv: Supervisor, f: Failure, slack: int) -> tuple[list[_Suspec
 REPORT_LAG_S = 5.0
 
 
-def _node_ranks(sv: Supervisor) -> dict[str, range]:
+def _node_ranks(sv: Run) -> dict[str, range]:
     """Each node's global ranks in the attempt: node rank order, its local ranks each."""
     out, first = {}, 0
     for n in sv.cur.nodes:
@@ -204,7 +204,7 @@ def _node_ranks(sv: Supervisor) -> dict[str, range]:
     return out
 
 
-def _signature(sv: Supervisor, f: Failure) -> restart.Signature:
+def _signature(sv: Run, f: Failure) -> restart.Signature:
     """This failure as the crash-loop rule compares it (restart.Signature)."""
     newest = sorted(sv.committed)[-2:]
     interval = newest[1] - newest[0] if len(newest) == 2 else 0
@@ -215,7 +215,7 @@ def _signature(sv: Supervisor, f: Failure) -> restart.Signature:
     )
 
 
-def decide(sv: Supervisor) -> None:
+def decide(sv: Run) -> None:
     """The attempt is stopped: blame, quarantine, crash loop, budget, backoff; then relaunch."""
     assert sv.failure is not None
     f = sv.failure
@@ -237,14 +237,14 @@ def decide(sv: Supervisor) -> None:
         out = s.node in seen or sv.pool.get(s.node).state in OUT_OF_SERVICE
         if looping and s.blamed:
             continue
-        if not out and sv.quarantine(s.node, s.reason, evidence=s.evidence):
+        if not out and quarantine.quarantine(sv, s.node, s.reason, evidence=s.evidence):
             seen.add(s.node)
             if s.blamed and not node_evidence:
                 victims.append((s.node, sv.now))
     sv.cur.straggler_nodes.clear()
     sv.release_slots()
     if sv.end_after_stop or not f.relaunch:
-        sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {f.reason}")
+        transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {f.reason}")
         return
     ran = sv.now - sv.cur.launched_at
     decision = restart.restart_decision(
@@ -275,13 +275,13 @@ def decide(sv: Supervisor) -> None:
             _crash_loop(sv, f, signature, reason, also_suspected=[s.node for s in suspects if s.blamed])
         case restart.BudgetExhausted(reason=reason, page=page):
             sv.page(page)
-            sv.finish(RunState.BUDGET_EXHAUSTED, "budget_exhausted", reason)
+            transitions.finish(sv, RunState.BUDGET_EXHAUSTED, "budget_exhausted", reason)
         case restart.Relaunch(delay=delay, reason=reason):
             begin_backoff(sv, delay, reason)
 
 
 def _crash_loop(
-    sv: Supervisor, f: Failure, signature: restart.Signature, reason: str, also_suspected: list[str]
+    sv: Run, f: Failure, signature: restart.Signature, reason: str, also_suspected: list[str]
 ) -> None:
     """The run stops and pages once; the nodes quarantined for the loop were its victims: they go
     back to the pool without the strike and without a burn-in."""
@@ -304,10 +304,10 @@ def _crash_loop(
     if cand is not None:
         sv.history.forget(cand)
     memory.persist(sv)
-    sv.finish(RunState.CRASH_LOOP, "crash_loop", reason)
+    transitions.finish(sv, RunState.CRASH_LOOP, "crash_loop", reason)
 
 
-def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> bool:
+def release_victim(sv: Run, node: str, strike_at: float, reason: str) -> bool:
     """Give back a node quarantined for a fault that was not its own: its strike is struck off and
     it is a spare again at once (no burn-in: nothing was wrong with it), unless something else keeps
     it out (an operator's hold, fatal evidence, other recent failures). Whether it is back in
@@ -321,7 +321,7 @@ def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> 
         return True  # its burn-in already returned it: only the strike was left to strike off
     if p.state is not PoolState.SPARE:
         return False
-    nodes.forget_burn_in(sv, node)  # its burn-in, soak and retry decide nothing now
+    sv.forget_burn_in(node)  # its burn-in, soak and retry decide nothing now
     sv.log(
         E.EVENT_KIND_RELEASE,
         f"{node} returns to the spare pool without a strike: {reason}",
@@ -331,18 +331,18 @@ def release_victim(sv: Supervisor, node: str, strike_at: float, reason: str) -> 
     return True
 
 
-def begin_backoff(sv: Supervisor, delay: float, reason: str) -> None:
+def begin_backoff(sv: Run, delay: float, reason: str) -> None:
     sv.log(E.EVENT_KIND_RESTART, reason)
     sv.failure = None
-    sv.state = RunState.BACKOFF
+    transitions.become(sv, RunState.BACKOFF)
     sv.deadline = sv.now + delay
     if delay <= 0:
-        sv.state = RunState.WAITING_NODES
+        transitions.become(sv, RunState.WAITING_NODES)
     else:
         sv.emit(SetTimer(key="backoff", at=sv.deadline))
 
 
-def enter_control_plane(sv: Supervisor, *, etcd_lost: bool, reason: str) -> None:
+def enter_control_plane(sv: Run, *, etcd_lost: bool, reason: str) -> None:
     """Any live state -> CONTROL_PLANE: blind until the store is listed again; nothing is quarantined."""
     if sv.state is RunState.CONTROL_PLANE:
         sv.cp_etcd_lost = sv.cp_etcd_lost or etcd_lost
@@ -351,14 +351,14 @@ def enter_control_plane(sv: Supervisor, *, etcd_lost: bool, reason: str) -> None
     sv.cp_etcd_lost = etcd_lost
     if sv.failure is not None:
         sv.failure.control_plane = True
-    sv.state = RunState.CONTROL_PLANE
+    transitions.become(sv, RunState.CONTROL_PLANE)
     sv.deadline = sv.now + sv.cfg.control_plane_grace_s
     sv.log(E.EVENT_KIND_CONTROL_PLANE, reason + "; waiting to reconcile")
     if not etcd_lost:
         sv.emit(SetTimer(key="control_plane", at=sv.deadline))
 
 
-def log_stop_request(sv: Supervisor, ev: StopRequested) -> None:
+def log_stop_request(sv: Run, ev: StopRequested) -> None:
     what = "stop and relaunch" if ev.relaunch else "stop the run"
     sv.log(
         E.EVENT_KIND_STOP_REQUEST,
@@ -367,7 +367,7 @@ def log_stop_request(sv: Supervisor, ev: StopRequested) -> None:
     )
 
 
-def on_stop_request(sv: Supervisor, ev: StopRequested) -> None:
+def on_stop_request(sv: Run, ev: StopRequested) -> None:
     """RUNNING: finish the step, save, commit, exit 0 (the planned-stop path of this pipeline)."""
     log_stop_request(sv, ev)
     begin(
@@ -384,7 +384,7 @@ def on_stop_request(sv: Supervisor, ev: StopRequested) -> None:
     )
 
 
-def deliver_pending_stop(sv: Supervisor) -> None:
+def deliver_pending_stop(sv: Run) -> None:
     """A stop request held during a control-plane pause reaches the attempt once one runs."""
     if sv.pending_stop is not None and sv.state is RunState.RUNNING:
         held, sv.pending_stop = sv.pending_stop, None

@@ -45,17 +45,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import LossHistory, ProgressObserved
+from controller.supervisor.records import LossBook, ReplayedStep
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
-MAX_HISTORY_VALUES = 1 << 20  # (step, rank) losses kept for the replay comparison, at most
 REPLAY_POINTS_PER_EVENT = 64
 # The durable copy (LOSS_RECORD): ranks 0..7 only, so its cost is per step, not per rank; one event
 # when its oldest value is RECORD_EVERY_S old or it has RECORD_MAX_POINTS (a run of any size at a step
@@ -64,62 +63,6 @@ RECORDED_RANKS = 8
 RECORD_EVERY_S = 10.0
 RECORD_MAX_POINTS = 1024
 _TINY = 1e-12
-
-
-@dataclass(slots=True)
-class _Replayed:
-    """The worst comparison of one replayed step so far."""
-
-    rank: int
-    node: str
-    loss: float
-    earlier: float
-    earlier_attempt: int
-    rel: float
-    ranks: int = 1
-
-
-@dataclass(slots=True)
-class LossBook:
-    """The run's loss memory (outlives attempts) and the current attempt's loss bookkeeping."""
-
-    history: dict[int, dict[int, tuple[int, float]]] = field(
-        default_factory=dict
-    )  # step -> rank -> (attempt, loss)
-    values: int = 0
-    max_step: int = -1
-    windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> (step, loss)
-    rollback_before: int | None = None  # a stop for an anomaly: resume from a commit before this step
-    stop_since: float = 0.0  # when the report that stops the attempt was made (detection latency)
-    # the current attempt
-    attempt: int = 0
-    resume_step: int = -1
-    replay_until: int = -1  # the newest step seen before this attempt: steps up to it are replays
-    logged: set[str] = field(default_factory=set)  # rules logged in this attempt
-    pending: dict[int, _Replayed] = field(default_factory=dict)  # replayed step -> worst point
-    diverged: int = 0  # (step, rank) comparisons beyond the tolerance in this attempt
-    unrecorded: list[tuple[int, int, float]] = field(default_factory=list)  # (step, rank, loss) to log
-    unrecorded_since: float = 0.0  # when its oldest value came
-
-    def new_attempt(self, number: int, resume_step: int) -> None:
-        self.attempt, self.resume_step = number, resume_step
-        self.replay_until = self.max_step
-        self.logged = set()
-        self.pending = {}
-        self.diverged = 0
-        for w in self.windows.values():  # losses past the resume point were undone with the state
-            while w and w[-1][0] > resume_step:
-                w.pop()
-
-    def prune(self, keep_steps: int) -> None:
-        if len(self.history) <= keep_steps + 64 and self.values <= MAX_HISTORY_VALUES:
-            return
-        steps = sorted(self.history)
-        low = self.max_step - keep_steps
-        for s in steps:
-            if s > low and self.values <= MAX_HISTORY_VALUES:
-                break
-            self.values -= len(self.history.pop(s))
 
 
 def rel_diff(new: float, old: float) -> float:
@@ -140,7 +83,7 @@ def _num(x: float) -> str:
     return f"{x:.6g}"
 
 
-def observe(sv: Supervisor, ev: ProgressObserved) -> Failure | None:
+def observe(sv: Run, ev: ProgressObserved) -> Failure | None:
     """RUNNING: one node's progress put of the current attempt. The failure to begin, if a rule
     stops the attempt (the caller begins it); None otherwise."""
     a = sv.cur
@@ -216,14 +159,14 @@ def _replayed_all(book: LossBook) -> bool:
 
 
 def _compare(
-    sv: Supervisor, node: str, rank: int, step: int, value: float, prev: tuple[int, float], tol: float
+    sv: Run, node: str, rank: int, step: int, value: float, prev: tuple[int, float], tol: float
 ) -> Failure | None:
     book: LossBook = sv.losses
     old_attempt, old = prev
     rel = rel_diff(value, old)
     p = book.pending.get(step)
     if p is None:
-        book.pending[step] = _Replayed(rank, node, value, old, old_attempt, rel)
+        book.pending[step] = ReplayedStep(rank, node, value, old, old_attempt, rel)
     else:
         p.ranks += 1
         if rel > p.rel or (rel == p.rel and rank < p.rank):
@@ -276,7 +219,7 @@ def _compare(
 
 
 def _anomaly(
-    sv: Supervisor, node: str, rank: int, step: int, value: float, rule: str, med: float, reported_at: float
+    sv: Run, node: str, rank: int, step: int, value: float, rule: str, med: float, reported_at: float
 ) -> Failure | None:
     book: LossBook = sv.losses
     if rule in book.logged:
@@ -352,7 +295,7 @@ def _point(
     )
 
 
-def flush_replay(sv: Supervisor) -> None:
+def flush_replay(sv: Run) -> None:
     """Log the attempt's pending replay comparisons (one LOSS_REPLAY event), if any."""
     book: LossBook = sv.losses
     if not book.pending:
@@ -379,7 +322,7 @@ def flush_replay(sv: Supervisor) -> None:
     )
 
 
-def resume_step(sv: Supervisor) -> int:
+def resume_step(sv: Run) -> int:
     """The step the next launch resumes from: the latest commit, or, after a stop for a loss anomaly,
     the newest commit before its step (the commits at or after it stop being resume points)."""
     book: LossBook = sv.losses
@@ -393,7 +336,7 @@ def resume_step(sv: Supervisor) -> int:
     return sv.latest_committed
 
 
-def flush_record(sv: Supervisor) -> None:
+def flush_record(sv: Run) -> None:
     """Log the history's values not yet recorded (one LOSS_RECORD event), if any: the durable copy a
     new leader's core is rebuilt from (`restore`)."""
     book: LossBook = sv.losses
@@ -415,7 +358,7 @@ def flush_record(sv: Supervisor) -> None:
     )
 
 
-def restore(sv: Supervisor, hist: LossHistory, attempt: int, resume_step: int) -> None:
+def restore(sv: Run, hist: LossHistory, attempt: int, resume_step: int) -> None:
     """A fresh core (a new leader, or a core rebuilt after a bug): put back the history its
     predecessor logged (`hist`, from the LOSS_RECORD events; the shell undid rollbacks), with
     `attempt` (the store's attempt record, `resume_step` its resume point) as the current one: the

@@ -19,13 +19,13 @@ from controller.supervisor.restart import MAX_LOOP_CANDIDATES, LoopCandidate, Si
 from runwarden.v1 import store_pb2
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 MAX_TIMES = 256  # restart and quarantine times kept (the budget and blast radius need far fewer)
 MAX_OFFENCE_STEPS = 16
 
 
-def record(sv: Supervisor) -> store_pb2.SupervisorMemory:
+def record(sv: Run) -> store_pb2.SupervisorMemory:
     h = sv.history
     rec = store_pb2.SupervisorMemory(
         run=sv.plan.run,
@@ -55,7 +55,7 @@ def record(sv: Supervisor) -> store_pb2.SupervisorMemory:
     return rec
 
 
-def persist(sv: Supervisor) -> None:
+def persist(sv: Run) -> None:
     sv.emit(PersistMemory(record=record(sv)))
 
 
@@ -64,7 +64,7 @@ def _times(values: Iterable[float], now: float) -> list[float]:
     return sorted(float(t) for t in values if math.isfinite(t) and t <= now + 1)
 
 
-def restore(sv: Supervisor, rec: store_pb2.SupervisorMemory) -> str:
+def restore(sv: Run, rec: store_pb2.SupervisorMemory) -> str:
     """Continue from a predecessor's memory (a fresh core only); returns what was restored, in words."""
     if rec.run and rec.run != sv.plan.run:
         return f"memory of run {rec.run!r} ignored"

@@ -3,10 +3,10 @@ operators, burn-in. The table (controller/supervisor/machine.py) says which stat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, memory, prepare, soak
-from controller.supervisor.actions import PersistCheckpoint, SetTimer
+from controller.supervisor import burn_in, detectors, failure, memory, prepare, quarantine, soak
+from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
     BandwidthMeasured,
@@ -29,10 +29,10 @@ from runwarden.evidence import is_fatal, kind_name
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
-def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
+def on_joined(sv: Run, ev: NodeJoined) -> None:
     first_seen = sv.pool.get(ev.node).known_since is None
     node = sv.pool.set_alive(ev.node, True, ev.local_ranks, now=sv.now)
     if first_seen:
@@ -60,17 +60,17 @@ def on_joined(sv: Supervisor, ev: NodeJoined) -> None:
         sv.pool.unassign(ev.node)
 
 
-def on_joined_preflight(sv: Supervisor, ev: NodeJoined) -> None:
+def on_joined_preflight(sv: Run, ev: NodeJoined) -> None:
     on_joined(sv, ev)
     prepare.fill_slots(sv)
 
 
-def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
+def on_lost(sv: Run, ev: NodeLost) -> bool:
     """The bookkeeping of every state; True when it was a mass expiry (the control plane, not nodes)."""
     drained = sv.pool.get(ev.node).draining
     sv.pool.set_alive(ev.node, False)
     sv.pool.set_draining(ev.node, "")  # its next registration says its own state
-    forget_burn_in(sv, ev.node)
+    sv.forget_burn_in(ev.node)
     if drained:
         # A planned departure (the whole allocation at a time limit, say) is not a mass expiry.
         sv.log(
@@ -105,18 +105,18 @@ def on_lost(sv: Supervisor, ev: NodeLost) -> bool:
     return False
 
 
-def _lost_tail(sv: Supervisor, node: str) -> None:
+def _lost_tail(sv: Run, node: str) -> None:
     if not sv.in_attempt(node) and node not in sv.slots:
         sv.pool.unassign(node)
 
 
-def on_lost_idle(sv: Supervisor, ev: NodeLost) -> None:
+def on_lost_idle(sv: Run, ev: NodeLost) -> None:
     """WAITING_NODES, BACKOFF, CONTROL_PLANE and the terminal states: bookkeeping only."""
     on_lost(sv, ev)
     _lost_tail(sv, ev.node)
 
 
-def on_lost_preflight(sv: Supervisor, ev: NodeLost) -> None:
+def on_lost_preflight(sv: Run, ev: NodeLost) -> None:
     if on_lost(sv, ev):
         return
     if ev.node in sv.slots:
@@ -124,7 +124,7 @@ def on_lost_preflight(sv: Supervisor, ev: NodeLost) -> None:
     _lost_tail(sv, ev.node)
 
 
-def on_lost_running(sv: Supervisor, ev: NodeLost) -> None:
+def on_lost_running(sv: Run, ev: NodeLost) -> None:
     if on_lost(sv, ev):
         return
     a = sv.cur
@@ -144,7 +144,7 @@ def on_lost_running(sv: Supervisor, ev: NodeLost) -> None:
     _lost_tail(sv, ev.node)
 
 
-def on_lost_stopping(sv: Supervisor, ev: NodeLost) -> None:
+def on_lost_stopping(sv: Run, ev: NodeLost) -> None:
     """COLLECTING and STOPPING: a lost node of the attempt counts as exited.
 
     A crash is blamed on a node of the attempt that then loses its lease before its ranks exited:
@@ -171,7 +171,7 @@ def on_lost_stopping(sv: Supervisor, ev: NodeLost) -> None:
     _lost_tail(sv, ev.node)
 
 
-def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
+def on_evidence(sv: Run, ev: EvidenceObserved) -> None:
     e = ev.evidence
     sv.pool.add_evidence(e.node, e, sv.now)
     if not is_fatal(e):
@@ -208,14 +208,14 @@ def on_evidence(sv: Supervisor, ev: EvidenceObserved) -> None:
         return  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
-        forget_burn_in(sv, e.node)  # quarantined again: its soak and retry decide nothing now
-        if not sv.quarantine(e.node, reason, evidence=[e]):
+        sv.forget_burn_in(e.node)  # quarantined again: its soak and retry decide nothing now
+        if not quarantine.quarantine(sv, e.node, reason, evidence=[e]):
             sv.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
         if sv.state is RunState.PREFLIGHT and e.node in sv.slots:
             prepare.drop_from_slots(sv, e.node, reason, logged=True)
 
 
-def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
+def on_checkpoint(sv: Run, ev: CheckpointCommitted) -> None:
     if ev.step in sv.committed:
         return
     if ev.attempt and ev.attempt != sv.attempt:
@@ -257,7 +257,7 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
     )
 
 
-def on_checkpoint_failed(sv: Supervisor, ev: CheckpointFailed) -> None:
+def on_checkpoint_failed(sv: Run, ev: CheckpointFailed) -> None:
     where = f" on {ev.node}" if ev.node else ""
     sv.log(
         E.EVENT_KIND_CHECKPOINT_FAILED,
@@ -268,9 +268,9 @@ def on_checkpoint_failed(sv: Supervisor, ev: CheckpointFailed) -> None:
     )
 
 
-def on_operator_quarantine(sv: Supervisor, ev: OperatorQuarantine) -> None:
+def on_operator_quarantine(sv: Run, ev: OperatorQuarantine) -> None:
     reason = f"operator: {ev.reason}"
-    sv.quarantine(ev.node, reason, operator=True)
+    quarantine.quarantine(sv, ev.node, reason, operator=True)
     if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
         failure.begin(
             sv,
@@ -287,7 +287,7 @@ def on_operator_quarantine(sv: Supervisor, ev: OperatorQuarantine) -> None:
         prepare.drop_from_slots(sv, ev.node, reason, logged=True)
 
 
-def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
+def on_operator_release(sv: Run, ev: OperatorRelease) -> None:
     node = sv.pool.operator_release(ev.node, sv.now)
     sv.log(
         E.EVENT_KIND_RELEASE,
@@ -300,138 +300,32 @@ def on_operator_release(sv: Supervisor, ev: OperatorRelease) -> None:
         sv.begin_burn_in(ev.node)
 
 
-def on_preflight(sv: Supervisor, ev: PreflightResult) -> None:
+def on_preflight(sv: Run, ev: PreflightResult) -> None:
     """Outside PREFLIGHT a result is a burn-in's (or late: ignored)."""
     if ev.node in sv.burn_in:
-        on_burn_in_result(sv, ev)
+        burn_in.on_result(sv, ev)
 
 
-def on_preflight_preparing(sv: Supervisor, ev: PreflightResult) -> None:
+def on_preflight_preparing(sv: Run, ev: PreflightResult) -> None:
     """PREFLIGHT (and CONTROL_PLANE paused in it: recorded, launched after the pause)."""
     if ev.node in sv.burn_in:
-        on_burn_in_result(sv, ev)
+        burn_in.on_result(sv, ev)
     elif ev.node in sv.pending_preflight and (
         sv.state is RunState.PREFLIGHT or sv.cp_prev is RunState.PREFLIGHT
     ):
         prepare.on_attempt_preflight(sv, ev)
 
 
-def forget_burn_in(sv: Supervisor, node: str) -> None:
-    """The node left (lost, claimed by another run): its burn-in, soak and retry decide nothing now;
-    its next registration (or its holder) burns it in afresh."""
-    sv.burn_in.discard(node)
-    sv.burn_in_retry.pop(node, None)
-    sv.burn_in_inconclusive.pop(node, None)
-    soak.forget(sv, node)
-
-
-def on_burn_in_result(sv: Supervisor, ev: PreflightResult) -> None:
-    sv.burn_in.discard(ev.node)
-    if ev.inconclusive:
-        burn_in_inconclusive(sv, ev)
-        return
-    sv.burn_in_inconclusive.pop(ev.node, None)  # judged: the next inconclusive starts the backoff anew
-    node = sv.pool.get(ev.node)
-    last_pass = (
-        ev.passed and node.state is PoolState.BURN_IN and node.burn_in_passes + 1 >= sv.cfg.burn_in_passes
-    )
-    if last_pass and ev.node not in sv.soaks and soak.start(sv, ev.node, prepare.detail(ev)):
-        return  # the release waits for the soak's verdict (on_bandwidth, or its deadline)
-    record_burn_in(sv, ev.node, ev.passed, ev.failed_checks, "", detail=prepare.detail(ev))
-
-
-def record_burn_in(
-    sv: Supervisor,
-    name: str,
-    passed: bool,
-    failed_checks: tuple[str, ...],
-    why: str,
-    detail: E.PreflightDetail | None = None,
-) -> None:
-    """A burn-in's result (its last stage's: node-local, or the neighbour soak): release, again, or out."""
-    outcome = sv.pool.burn_in_result(name, passed, failed_checks, now=sv.now)
-    if outcome == "stale":
-        return
-    node = sv.pool.get(name)
-    done = node.burn_in_passes if outcome != "released" else sv.cfg.burn_in_passes
-    extra: dict[str, Any] = {} if detail is None else {"preflight": detail}
-    sv.log(
-        E.EVENT_KIND_PREFLIGHT_RESULT,
-        f"burn-in of {name}: {'passed' if passed else 'failed'} "
-        f"({done}/{sv.cfg.burn_in_passes} in a row)"
-        + (f"; failed {', '.join(failed_checks)}" if failed_checks else "")
-        + (f"; {why}" if why else "")
-        + (
-            f"; it waits for a repair: no burn-in again until it registers anew (a restart) or an "
-            f"operator marks it repaired (controllerctl repaired {name})"
-            if outcome == "failed"
-            else ""
-        ),
-        **extra,
-    )
-    sv.persist(name)
-    if outcome == "released":
-        reason = f"passed {burn_in_passes_text(sv.cfg.burn_in_passes)} in a row"
-        sv.log(
-            E.EVENT_KIND_RELEASE,
-            f"{name} returns to the spare pool: {reason}",
-            release=E.ReleaseDetail(node=name, reason=reason),
-        )
-        sv.emit_release(name, reason)
-        if sv.state is RunState.PREFLIGHT:
-            prepare.fill_slots(sv)
-    elif outcome == "again" and node.alive:
-        sv.begin_burn_in(name)
-
-
-# An inconclusive burn-in runs again after this, doubling per inconclusive in a row, up to the cap:
-# the load it measured (another job on the host) is unlikely gone at once.
-RETRY_FIRST_S = 60.0
-RETRY_MAX_S = 1800.0
-
-
-def burn_in_inconclusive(sv: Supervisor, ev: PreflightResult) -> None:
-    """A burn-in that could not tell (a stage measured its host's load, not the node): no strike, no
-    pass; the node stays in BURN_IN and runs it again after a backoff (a timer, never at once)."""
-    node = sv.pool.get(ev.node)
-    if node.state is not PoolState.BURN_IN:
-        return  # it left burn-in meanwhile (an operator held it): the result means nothing
-    count = sv.burn_in_inconclusive.get(ev.node, 0)
-    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2**count)
-    sv.burn_in_inconclusive[ev.node] = count + 1
-    sv.burn_in_retry[ev.node] = sv.now + delay
-    sv.log(
-        E.EVENT_KIND_PREFLIGHT_RESULT,
-        f"burn-in of {ev.node}: inconclusive ({', '.join(ev.inconclusive_checks)} could not tell: "
-        f"it measured its host's load, not the node); no strike; again in {delay:g}s "
-        f"({count + 1} inconclusive in a row)",
-        preflight=prepare.detail(ev),
-    )
-    sv.emit(SetTimer(key=f"burn_in_retry:{ev.node}", at=sv.now + delay))
-
-
-def retry_burn_ins(sv: Supervisor) -> None:
-    """Every tick: inconclusive burn-ins whose backoff is over run again (a node still in BURN_IN,
-    alive, and no other run's)."""
-    for name, at in sorted(sv.burn_in_retry.items()):
-        if sv.now < at:
-            continue
-        del sv.burn_in_retry[name]
-        node = sv.pool.get(name)
-        if node.state is PoolState.BURN_IN and node.alive and name not in sv.burn_in:
-            sv.begin_burn_in(name)
-
-
-def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
+def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
     """Every state: a burn-in soak's answer; in PREFLIGHT otherwise the gate's."""
-    if soak.on_measured(sv, ev, record_burn_in):
+    if soak.on_measured(sv, ev, burn_in.record):
         return
     if sv.state is RunState.PREFLIGHT:
         prepare.on_bandwidth(sv, ev)
     # "failed": needs repair; burn-in again when it re-registers or an operator releases it
 
 
-def on_claimed(sv: Supervisor, ev: NodeClaimed) -> None:
+def on_claimed(sv: Run, ev: NodeClaimed) -> None:
     """Every state: another run took a node of the shared fleet (it is no spare here, and its holder
     alone burns it in and writes its record), or gave it back (free again, with the record it brings:
     its strikes, holds and repairs follow it). A node in this run's attempt is never taken from it by
@@ -442,7 +336,7 @@ def on_claimed(sv: Supervisor, ev: NodeClaimed) -> None:
         return
     if ev.run:
         sv.pool.set_elsewhere(ev.node, ev.run)
-        forget_burn_in(sv, ev.node)
+        sv.forget_burn_in(ev.node)
         sv.log(
             E.EVENT_KIND_NODE_CLAIMED,
             f"node {ev.node} is claimed by run {ev.run}: no spare for this run until it is given back",
@@ -466,7 +360,7 @@ def on_claimed(sv: Supervisor, ev: NodeClaimed) -> None:
         prepare.fill_slots(sv)
 
 
-def on_draining(sv: Supervisor, ev: NodeDraining) -> None:
+def on_draining(sv: Run, ev: NodeDraining) -> None:
     """Every state: a node drains (maintenance, SIGTERM to its agent, a scheduler's notice) or is back.
 
     Never a failure and never a quarantine: the node takes no new placement; a running attempt it is

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss
+from controller.supervisor import failure, loss, quarantine, transitions
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
@@ -28,7 +28,7 @@ from runwarden.v1 import common_pb2, events_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
 def detail(ev: PreflightResult) -> events_pb2.PreflightDetail:
@@ -46,7 +46,7 @@ def detail(ev: PreflightResult) -> events_pb2.PreflightDetail:
     )
 
 
-def try_start(sv: Supervisor) -> None:
+def try_start(sv: Run) -> None:
     """WAITING_NODES (state-triggered): pick nodes (previous attempt's first, then spares); else ask the queue."""
     need = sv.plan.nodes
     free = sv.pool.free_count()
@@ -78,13 +78,13 @@ def try_start(sv: Supervisor) -> None:
             sv.empty_slots -= 1
             sv.pool.assign(n)
     sv.vacated = {r: n for r, n in enumerate(prev) if sv.slots[r] != n}
-    sv.state = RunState.PREFLIGHT
+    transitions.become(sv, RunState.PREFLIGHT)
     sv.pending_preflight = set()
     sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
     fill_slots(sv, also=[n for n in sv.slots if n is not None])
 
 
-def _ask_queue(sv: Supervisor, count: int, reason: str) -> None:
+def _ask_queue(sv: Run, count: int, reason: str) -> None:
     if sv.now < sv.queue_retry_at:
         return  # the queue refused the last ask: asked again at the retry timer, not at every event
     sv.queue_outstanding += count
@@ -92,7 +92,7 @@ def _ask_queue(sv: Supervisor, count: int, reason: str) -> None:
     sv.emit(AllocateFromQueue(count=count, reason=reason))
 
 
-def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
+def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
     """Fill empty slots from spares (queue as fallback), preflight new nodes; launch when done."""
     empty = [r for r, n in enumerate(sv.slots) if n is None] if sv.empty_slots else []
     picked = sv.pool.pick_spares(len(empty), sv.now, exclude=sv.unreachable)
@@ -131,7 +131,7 @@ def fill_slots(sv: Supervisor, also: Iterable[str] = ()) -> None:
     maybe_launch(sv)
 
 
-def drop_from_slots(sv: Supervisor, node: str, reason: str, *, logged: bool = False) -> None:
+def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) -> None:
     """Take `node` out of the attempt being prepared and refill its slot; `reason` reaches the log
     here unless the caller's own entry already said it (`logged`)."""
     rank = sv.slots.index(node)
@@ -150,7 +150,7 @@ def drop_from_slots(sv: Supervisor, node: str, reason: str, *, logged: bool = Fa
     fill_slots(sv)
 
 
-def on_attempt_preflight(sv: Supervisor, ev: PreflightResult) -> None:
+def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
     sv.pending_preflight.discard(ev.node)
     if ev.passed:
         maybe_launch(sv)
@@ -182,7 +182,7 @@ def on_attempt_preflight(sv: Supervisor, ev: PreflightResult) -> None:
 
 
 def reject(
-    sv: Supervisor,
+    sv: Run,
     node: str,
     reason: str,
     message: str,
@@ -200,12 +200,12 @@ def reject(
     )
     if counted:
         sv.pool.get(node).preflight_rejections += 1
-    if not sv.quarantine(node, reason):
+    if not quarantine.quarantine(sv, node, reason):
         sv.unreachable.add(node)
     drop_from_slots(sv, node, reason, logged=True)
 
 
-def leave_out(sv: Supervisor, node: str, reason: str) -> None:
+def leave_out(sv: Run, node: str, reason: str) -> None:
     """Leave `node` out of the attempt being prepared without a judgement of it (no quarantine, no
     strike): the answer that did not come may be the controller's or the network's fault."""
     sv.pending_preflight.discard(node)
@@ -219,7 +219,7 @@ def leave_out(sv: Supervisor, node: str, reason: str) -> None:
     drop_from_slots(sv, node, reason, logged=True)
 
 
-def on_tick(sv: Supervisor) -> None:
+def on_tick(sv: Run) -> None:
     """PREFLIGHT: requests that never left are sent again; a node that did not answer within the
     preflight timeout is rejected."""
     if sv.empty_slots > sv.queue_outstanding and sv.queue_retry_at and sv.now >= sv.queue_retry_at:
@@ -262,7 +262,7 @@ def on_tick(sv: Supervisor) -> None:
         sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
 
 
-def maybe_launch(sv: Supervisor) -> None:
+def maybe_launch(sv: Run) -> None:
     if sv.state is not RunState.PREFLIGHT or sv.pending_preflight or sv.empty_slots:
         return
     for n in sv.slots:  # the gate: no launch ever includes a node that is not usable now
@@ -290,7 +290,7 @@ def maybe_launch(sv: Supervisor) -> None:
     launch(sv, nodes)
 
 
-def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
+def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
     """PREFLIGHT: the gate's answer. A node well below the floor is quarantined and replaced."""
     if ev.nodes != sv.gate_pending:
         return  # for a node set no longer in play
@@ -324,12 +324,12 @@ def on_bandwidth(sv: Supervisor, ev: BandwidthMeasured) -> None:
     for n in slow:
         if n in sv.slots:
             reason = f"bandwidth gate: best pair {figures[n]:.3g} GB/s, below {limit:.3g} GB/s"
-            if not sv.quarantine(n, reason):
+            if not quarantine.quarantine(sv, n, reason):
                 sv.unreachable.add(n)
             drop_from_slots(sv, n, reason, logged=True)
 
 
-def gate_unanswered(sv: Supervisor, why: str) -> None:
+def gate_unanswered(sv: Run, why: str) -> None:
     """The gate could not run (its budget ran out, the shell could not do it): launch without it."""
     nodes = sv.gate_pending
     if nodes is None:
@@ -349,9 +349,9 @@ def _median(values: list[float]) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
+def launch(sv: Run, nodes: tuple[str, ...]) -> None:
     sv.attempt += 1
-    sv.state = RunState.RUNNING
+    transitions.become(sv, RunState.RUNNING)
     sv.cur = Attempt.launched(
         sv.attempt,
         nodes,
@@ -382,7 +382,7 @@ def launch(sv: Supervisor, nodes: tuple[str, ...]) -> None:
     failure.deliver_pending_stop(sv)
 
 
-def on_tick_waiting(sv: Supervisor) -> None:
+def on_tick_waiting(sv: Run) -> None:
     """WAITING_NODES: a wait longer than `waiting_page_s` pages, once, and says so in the log."""
     since = sv.waiting_since
     if since is None or sv.waiting_paged or sv.cfg.waiting_page_s <= 0:

@@ -23,7 +23,7 @@ from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
 def values_of(cfg: SupervisorConfig) -> dict[str, Any]:
@@ -69,12 +69,12 @@ def describe(changed: list[common_pb2.PolicyChange]) -> str:
     return ", ".join(f"{c.key} {show(from_value(c.old))} -> {show(from_value(c.new))}" for c in changed)
 
 
-def on_policy_changed(sv: Supervisor, ev: PolicyChanged) -> None:
+def on_policy_changed(sv: Run, ev: PolicyChanged) -> None:
     """Every state: the new policy from the next decision on (nothing when nothing changed)."""
     apply(sv, ev)
 
 
-def apply(sv: Supervisor, ev: PolicyChanged) -> None:
+def apply(sv: Run, ev: PolicyChanged) -> None:
     changed = changes(sv.cfg, ev.config)
     if not changed:
         return  # the same values written again (a seed, an apply of the file in force)

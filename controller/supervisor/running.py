@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, loss, nodes
+from controller.supervisor import detectors, failure, loss, nodes, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -21,10 +21,10 @@ from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 
-def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
+def on_progress(sv: Run, ev: ProgressObserved) -> None:
     # the hottest path (one call per node per interval): one pass over the ranks, no generators
     a = sv.cur
     old = a.node_step.get(ev.node)
@@ -38,7 +38,7 @@ def on_progress(sv: Supervisor, ev: ProgressObserved) -> None:
             failure.begin(sv, stop, latency=sv.now - sv.losses.stop_since)
 
 
-def _on_steps(sv: Supervisor, ev: ProgressObserved, old: int) -> None:
+def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
     a = sv.cur
     if not a.load_logged:
         loaded = True
@@ -103,7 +103,7 @@ def _on_steps(sv: Supervisor, ev: ProgressObserved, old: int) -> None:
         _on_job_step(sv, first=startup)
 
 
-def _node_loaded(sv: Supervisor, node: str) -> None:
+def _node_loaded(sv: Run, node: str) -> None:
     a = sv.cur
     if not a.loaded_nodes:
         a.first_loaded_at = sv.now
@@ -127,7 +127,7 @@ def _node_loaded(sv: Supervisor, node: str) -> None:
     )
 
 
-def on_workers_started(sv: Supervisor, ev: WorkersStarted) -> None:
+def on_workers_started(sv: Run, ev: WorkersStarted) -> None:
     """Which path started each node's ranks (warm: parked processes, no interpreter or torch import
     on the restart path; cold: torchrun), logged once per attempt so recoveries can be compared."""
     if ev.attempt != sv.attempt or not ev.nodes:
@@ -151,14 +151,14 @@ def on_workers_started(sv: Supervisor, ev: WorkersStarted) -> None:
     )
 
 
-def hang_timeout(sv: Supervisor) -> float:
+def hang_timeout(sv: Run) -> float:
     med = detectors.median(sv.step_times) if sv.step_times else None
     return detectors.hang_timeout(
         sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times
     )
 
 
-def _on_job_step(sv: Supervisor, *, first: bool) -> None:
+def _on_job_step(sv: Run, *, first: bool) -> None:
     a = sv.cur
     if first:  # every node reported: hang detection switches from the startup timeout to steps
         sv.history.launch_failures = 0  # (the launch evidently happened)
@@ -215,7 +215,7 @@ def _on_job_step(sv: Supervisor, *, first: bool) -> None:
         )
 
 
-def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
+def on_checkpoint(sv: Run, ev: CheckpointCommitted) -> None:
     """RUNNING: a commit also credits the observed save to the hang clock."""
     a = sv.cur
     fresh = ev.step not in sv.committed
@@ -238,7 +238,7 @@ def on_checkpoint(sv: Supervisor, ev: CheckpointCommitted) -> None:
             check_hang(sv)  # re-arms the hang timer at the ordinary deadline
 
 
-def _hang(sv: Supervisor, label: str, nodes: list[str], step: int, reason: str, since: float) -> None:
+def _hang(sv: Run, label: str, nodes: list[str], step: int, reason: str, since: float) -> None:
     """Every hang rule ends the same way: a HANG failure of `nodes`, its latency counted from `since`."""
     failure.begin(
         sv,
@@ -247,7 +247,7 @@ def _hang(sv: Supervisor, label: str, nodes: list[str], step: int, reason: str, 
     )
 
 
-def check_hang(sv: Supervisor) -> None:
+def check_hang(sv: Run) -> None:
     """RUNNING's tick: the load-stall and startup timeouts until every node reported, then the hang
     timeout (or, once every node took its last step, the exit timeout)."""
     a = sv.cur
@@ -315,7 +315,7 @@ def check_hang(sv: Supervisor) -> None:
     sv.emit(SetTimer(key="hang", at=deadline))
 
 
-def classify(sv: Supervisor, ev: AttemptExited) -> str | None:
+def classify(sv: Run, ev: AttemptExited) -> str | None:
     """Record a node's exit of the current attempt; its label, or None when stale or already seen."""
     a = sv.cur
     if ev.attempt != a.number or ev.node not in a.node_step or ev.node in a.exited:
@@ -325,7 +325,7 @@ def classify(sv: Supervisor, ev: AttemptExited) -> str | None:
     return label
 
 
-def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
+def on_exited(sv: Run, ev: AttemptExited) -> None:
     """RUNNING: a clean exit of every node completes the run; any other exit is a crash."""
     label = classify(sv, ev)
     if label is None:
@@ -345,7 +345,7 @@ def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
         return
     if label == "clean":
         if len(a.exited) == len(a.node_step) and all(v == "clean" for v in a.exited.values()):
-            sv.finish(RunState.COMPLETED, "completed", "every node exited 0: the run completed")
+            transitions.finish(sv, RunState.COMPLETED, "completed", "every node exited 0: the run completed")
         return
     latency = max(0.0, sv.now - ev.ended_at) if ev.ended_at else 0.0
     rank = f" rank {ev.rank}" if ev.rank is not None else ""
@@ -375,28 +375,28 @@ def on_exited(sv: Supervisor, ev: AttemptExited) -> None:
     )
 
 
-def on_exited_stopping(sv: Supervisor, ev: AttemptExited) -> None:
+def on_exited_stopping(sv: Run, ev: AttemptExited) -> None:
     """COLLECTING, STOPPING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
     if classify(sv, ev) is not None and sv.state is RunState.STOPPING:
         failure.maybe_stopped(sv, ev.node)
 
 
-def on_stop_request_stopping(sv: Supervisor, ev: StopRequested) -> None:
+def on_stop_request_stopping(sv: Run, ev: StopRequested) -> None:
     """COLLECTING, STOPPING: the attempt is ending anyway; a stop that ends the run ends it after."""
     failure.log_stop_request(sv, ev)
     if not ev.relaunch:
         sv.end_after_stop = True
 
 
-def on_stop_request_idle(sv: Supervisor, ev: StopRequested) -> None:
+def on_stop_request_idle(sv: Run, ev: StopRequested) -> None:
     """WAITING_NODES, PREFLIGHT, BACKOFF: nothing runs; a stop that ends the run ends it now."""
     failure.log_stop_request(sv, ev)
     if not ev.relaunch:
-        sv.finish(RunState.STOPPED, "stopped", f"stopped on request: {ev.reason}")
+        transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {ev.reason}")
     # a relaunching stop while nothing runs: the next launch is the relaunch
 
 
-def on_stop_request_blind(sv: Supervisor, ev: StopRequested) -> None:
+def on_stop_request_blind(sv: Run, ev: StopRequested) -> None:
     """CONTROL_PLANE: held until the control plane is back."""
     failure.log_stop_request(sv, ev)
     sv.pending_stop = ev

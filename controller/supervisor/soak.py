@@ -15,29 +15,23 @@ and the log says which. The node stays in BURN_IN until the verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from controller.supervisor.actions import MeasureBandwidth, SetTimer
 from controller.supervisor.events import BandwidthMeasured
+from controller.supervisor.records import Soak
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
-    from controller.supervisor.machine import Supervisor
+    from controller.supervisor.run import Run
 
 FAILED_CHECK = "burn_in.neighbour_soak"
 # Called with (node, passed, failed checks, why): the burn-in's result, recorded by the caller's rules.
-Finish = Callable[["Supervisor", str, bool, tuple[str, ...], str], None]
+Finish = Callable[["Run", str, bool, tuple[str, ...], str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Soak:
-    nodes: tuple[str, ...]  # the burned-in node first, then its neighbours
-    deadline: float
-
-
-def start(sv: Supervisor, node: str, local: E.PreflightDetail) -> bool:
+def start(sv: Run, node: str, local: E.PreflightDetail) -> bool:
     """Ask for the soak of `node` (its node-local result `local` is logged with it); False when it
     cannot run (off, or no idle neighbour): the node-local result then decides alone."""
     want = sv.cfg.burn_in_soak_neighbours
@@ -71,7 +65,7 @@ def start(sv: Supervisor, node: str, local: E.PreflightDetail) -> bool:
     return True
 
 
-def on_measured(sv: Supervisor, ev: BandwidthMeasured, finish: Finish) -> bool:
+def on_measured(sv: Run, ev: BandwidthMeasured, finish: Finish) -> bool:
     """The soak's answer; False when `ev` answers no soak (a gate's, or a stale one)."""
     node = next((n for n, s in sv.soaks.items() if s.nodes == ev.nodes), None)
     if node is None:
@@ -119,7 +113,7 @@ def on_measured(sv: Supervisor, ev: BandwidthMeasured, finish: Finish) -> bool:
     return True
 
 
-def unanswered(sv: Supervisor, nodes: tuple[str, ...], why: str, finish: Finish) -> bool:
+def unanswered(sv: Run, nodes: tuple[str, ...], why: str, finish: Finish) -> bool:
     """The shell could not measure (ActionFailed): released on the node-local stages."""
     node = next((n for n, s in sv.soaks.items() if s.nodes == nodes), None)
     if node is None:
@@ -129,7 +123,7 @@ def unanswered(sv: Supervisor, nodes: tuple[str, ...], why: str, finish: Finish)
     return True
 
 
-def expire(sv: Supervisor, finish: Finish) -> None:
+def expire(sv: Run, finish: Finish) -> None:
     """Every tick: a soak with no answer by its deadline releases its node on the node-local stages."""
     for node, soak in sorted(sv.soaks.items()):
         if sv.now >= soak.deadline:
@@ -143,6 +137,6 @@ def expire(sv: Supervisor, finish: Finish) -> None:
             )
 
 
-def forget(sv: Supervisor, node: str) -> None:
+def forget(sv: Run, node: str) -> None:
     """The node left (lost, quarantined again): its soak no longer decides anything."""
     sv.soaks.pop(node, None)

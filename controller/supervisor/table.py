@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.supervisor import (
+    burn_in,
     control_plane,
     failed_actions,
     failure,
@@ -123,8 +124,8 @@ _AFTER_CP = (S.RUNNING, S.COLLECTING, S.STOPPING, S.PREFLIGHT, S.WAITING_NODES, 
 
 def _tick(fn: Callable[[Any], None]) -> Handler:
     def on_tick(sv: Any, ev: Tick) -> None:
-        soak.expire(sv, nodes.record_burn_in)  # a burn-in soak past its deadline, in any live state
-        nodes.retry_burn_ins(sv)  # inconclusive burn-ins whose backoff is over
+        soak.expire(sv, burn_in.record)  # a burn-in soak past its deadline, in any live state
+        burn_in.retry_due(sv)  # inconclusive burn-ins whose backoff is over
         fn(sv)
 
     on_tick.__name__ = f"tick:{getattr(fn, '__module__', '').rsplit('.', 1)[-1]}.{fn.__name__}"

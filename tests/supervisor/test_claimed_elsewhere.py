@@ -9,11 +9,10 @@ from controller.supervisor.events import (
     EvidenceObserved,
     NodeClaimed,
     NodeJoined,
-    NodeRecordView,
     Snapshot,
 )
 from controller.supervisor.machine import RunState
-from controller.supervisor.pool import PoolState
+from controller.supervisor.pool import NodeRecordView, PoolState
 from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 

@@ -14,6 +14,7 @@ from controller.supervisor.actions import (
     Page,
     PersistNode,
     Quarantine,
+    Release,
     RunPreflight,
     StopAttempt,
     TakeSpare,
@@ -29,7 +30,6 @@ from controller.supervisor.events import (
     EvidenceObserved,
     NodeJoined,
     NodeLost,
-    NodeRecordView,
     OperatorQuarantine,
     OperatorRelease,
     PreflightResult,
@@ -39,7 +39,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.machine import RunState, TransitionError
 from controller.supervisor.policy import DAY_S
-from controller.supervisor.pool import PoolState
+from controller.supervisor.pool import NodeRecordView, PoolState
 from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver, fast
 
@@ -688,7 +688,7 @@ def test_quarantined_node_returns_only_after_burn_in() -> None:
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
     assert d.sup.pool.get("n2").state == PoolState.BURN_IN
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(core.Release, out)] == [
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == [
         "n2"
     ]
 
@@ -699,7 +699,7 @@ def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() ->
     d.send(OperatorQuarantine(node="n2", reason="bad cable"))
     assert d.sup.pool.get("n2").state == PoolState.HELD
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == PoolState.HELD and not d.of(core.Release, out)
+    assert d.sup.pool.get("n2").state == PoolState.HELD and not d.of(Release, out)
     out = d.send(OperatorRelease(node="n2", reason="cable replaced"))
     assert d.of(RunPreflight, out)[0].purpose == "burn_in"
     d.send(PreflightResult(node="n2", passed=True, mode="full"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.supervisor import machine, restart, table
+from controller.supervisor import machine, restart, table, transitions
 from controller.supervisor.actions import CollectDumps, Launch, PersistCheckpoint, RunPreflight
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import (
@@ -61,13 +61,13 @@ def test_an_unknown_pair_raises_naming_both_before_anything_changes() -> None:
     assert (d.sup.state, d.sup.attempt, len(d.actions)) == before
 
 
-def test_the_setter_refuses_a_move_the_table_does_not_allow() -> None:
+def test_a_move_the_table_does_not_allow_is_refused() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(2)
     with pytest.raises(IllegalTransition, match="RUNNING -> PREFLIGHT"):
-        d.sup.state = RunState.PREFLIGHT  # a running attempt is never preflighted again
+        transitions.become(d.sup, RunState.PREFLIGHT)  # a running attempt is never preflighted again
     with pytest.raises(IllegalTransition, match="RUNNING -> CRASH_LOOP"):
-        d.sup.state = RunState.CRASH_LOOP  # only a stopped attempt's decision ends the run
+        transitions.become(d.sup, RunState.CRASH_LOOP)  # only a stopped attempt's decision ends the run
     assert d.sup.state is RunState.RUNNING
 
 

@@ -1,0 +1,72 @@
+"""The run's data as small records, below the rules that change them: a burn-in soak in flight and
+the loss book. Plain data with no rules beyond their own bookkeeping; the rule modules (soak.py,
+loss.py) read and change them through `Run`."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_HISTORY_VALUES = 1 << 20  # (step, rank) losses kept for the replay comparison, at most
+
+
+@dataclass(frozen=True, slots=True)
+class Soak:
+    nodes: tuple[str, ...]  # the burned-in node first, then its neighbours
+    deadline: float
+
+
+@dataclass(slots=True)
+class ReplayedStep:
+    """The worst comparison of one replayed step so far."""
+
+    rank: int
+    node: str
+    loss: float
+    earlier: float
+    earlier_attempt: int
+    rel: float
+    ranks: int = 1
+
+
+@dataclass(slots=True)
+class LossBook:
+    """The run's loss memory (outlives attempts) and the current attempt's loss bookkeeping."""
+
+    history: dict[int, dict[int, tuple[int, float]]] = field(
+        default_factory=dict
+    )  # step -> rank -> (attempt, loss)
+    values: int = 0
+    max_step: int = -1
+    windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> (step, loss)
+    rollback_before: int | None = None  # a stop for an anomaly: resume from a commit before this step
+    stop_since: float = 0.0  # when the report that stops the attempt was made (detection latency)
+    # the current attempt
+    attempt: int = 0
+    resume_step: int = -1
+    replay_until: int = -1  # the newest step seen before this attempt: steps up to it are replays
+    logged: set[str] = field(default_factory=set)  # rules logged in this attempt
+    pending: dict[int, ReplayedStep] = field(default_factory=dict)  # replayed step -> worst point
+    diverged: int = 0  # (step, rank) comparisons beyond the tolerance in this attempt
+    unrecorded: list[tuple[int, int, float]] = field(default_factory=list)  # (step, rank, loss) to log
+    unrecorded_since: float = 0.0  # when its oldest value came
+
+    def new_attempt(self, number: int, resume_step: int) -> None:
+        self.attempt, self.resume_step = number, resume_step
+        self.replay_until = self.max_step
+        self.logged = set()
+        self.pending = {}
+        self.diverged = 0
+        for w in self.windows.values():  # losses past the resume point were undone with the state
+            while w and w[-1][0] > resume_step:
+                w.pop()
+
+    def prune(self, keep_steps: int) -> None:
+        if len(self.history) <= keep_steps + 64 and self.values <= MAX_HISTORY_VALUES:
+            return
+        steps = sorted(self.history)
+        low = self.max_step - keep_steps
+        for s in steps:
+            if s > low and self.values <= MAX_HISTORY_VALUES:
+                break
+            self.values -= len(self.history.pop(s))

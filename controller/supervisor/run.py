@@ -1,0 +1,158 @@
+"""The run's data: what one `Supervisor` knows of its run, below the rules that change it.
+
+`Run` holds the state, the current attempt, the pool, the attempt being prepared, the asks of the
+queue, the burn-ins, what outlives an attempt (restarts, offences, losses) and the failure being
+handled; it inherits the effect vocabulary (`Effects`). The rule modules take a `Run`; the table
+names the rules; `Supervisor` (machine.py) drives them. The state changes only in transitions.py."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from controller.supervisor.actions import RunPreflight
+from controller.supervisor.attempt import Attempt, Failure
+from controller.supervisor.effects import Effects
+from controller.supervisor.events import Event, StopRequested
+from controller.supervisor.policy import RunPlan, SupervisorConfig
+from controller.supervisor.pool import OUT_OF_SERVICE, Pool
+from controller.supervisor.records import LossBook, Soak
+from controller.supervisor.restart import RestartHistory
+from controller.supervisor.states import IN_ATTEMPT, TERMINAL, RunState
+
+
+class Run(Effects):
+    """One run's data and the effects of the event being handled. What belongs to one attempt is
+    `cur` (an `Attempt`, built fresh per launch or adoption)."""
+
+    def __init__(self, config: SupervisorConfig, plan: RunPlan) -> None:
+        super().__init__()
+        self.cfg = config
+        self.plan = plan
+        self.pool = Pool(config)
+        self.state = RunState.WAITING_NODES  # changed only by transitions.py
+        # checks a move before transitions.py makes it (the machine's table); raises IllegalTransition
+        self.check_move: Callable[[RunState, RunState], None] = _no_check
+        # runs the current state's rule for an event inside the one being handled (the machine's table)
+        self.apply: Callable[[Event], None] = _no_rules
+        self.attempt = 0  # last launched attempt number
+        self.cur = Attempt.none()
+        self.committed: set[int] = set()
+        self.latest_committed = -1
+        self.job_step = -1
+        self.now = 0.0
+        # preparing an attempt
+        self.slots: list[str | None] = []  # node per node rank, for the attempt being prepared/run
+        self.empty_slots = 0
+        self.pending_preflight: set[str] = set()
+        self.preflight_deadline = 0.0
+        self.vacated: dict[int, str] = {}  # node rank -> node that held it in the previous attempt
+        self.prev_slots: list[str] = []
+        self.unreachable: set[str] = set()  # preflight could not reach them: not picked for this attempt
+        self.preflight_resend: set[str] = set()  # their RunPreflight never left: sent again at the next tick
+        self.preflight_retried: set[str] = set()  # asked again after an inconclusive preflight (once)
+        self.gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
+        self.gate_passed: tuple[str, ...] | None = None  # the node set that passed it
+        self.gate_deadline = 0.0
+        self.waiting_since: float | None = None
+        self.waiting_paged = False  # this wait for nodes has paged (once per wait)
+        # asking the queue for nodes
+        self.queue_outstanding = 0
+        self.queue_refusals = 0  # asks of the queue refused in a row (backoff: 5 s doubling to 5 min)
+        self.queue_retry_at = 0.0
+        self.from_queue: set[str] = set()
+        # burn-ins
+        self.burn_in: set[str] = set()
+        self.soaks: dict[str, Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
+        self.burn_in_retry: dict[str, float] = {}  # inconclusive burn-ins: node -> when it runs again
+        self.burn_in_inconclusive: dict[str, int] = {}  # inconclusive burn-ins in a row (the backoff)
+        # what outlives an attempt: how long saves and steps take, restarts, offences, losses
+        self.save_times: deque[float] = deque(maxlen=16)
+        self.step_times: deque[float] = deque(maxlen=64)
+        self.history = RestartHistory()
+        self.decided_attempt = 0  # the last attempt whose end was decided (durable: a new leader skips it)
+        self.offences: dict[str, set[int]] = {}
+        self.quarantine_times: list[float] = []  # automatic quarantines, for the blast radius
+        self.blast_paged = False  # this trip of the blast radius has paged (once per trip)
+        self.loss_times: deque[float] = deque(maxlen=4096)
+        self.losses = LossBook()  # the training loss: per (step, rank), spike windows (loss.py)
+        # the failure pipeline and the control plane
+        self.failure: Failure | None = None
+        self.deadline = 0.0  # COLLECTING / STOPPING / BACKOFF / CONTROL_PLANE deadline
+        self.end_after_stop = False
+        self.pending_stop: StopRequested | None = None
+        self.cp_prev = RunState.WAITING_NODES
+        self.cp_etcd_lost = False
+
+    @property
+    def current_nodes(self) -> tuple[str, ...]:
+        """The nodes of the attempt being prepared or run, in node-rank order (read-only view)."""
+        return tuple(n for n in self.slots if n is not None)
+
+    def backoff_s(self) -> float:
+        """The short wait before doing again what the shell could not do (the restart backoff's base)."""
+        return max(self.cfg.backoff_base_s, 0.1)
+
+    def in_attempt(self, node: str) -> bool:
+        return self.state in IN_ATTEMPT and node in self.cur.node_step
+
+    def live_nodes(self) -> list[str]:
+        """The attempt's nodes that have not exited and whose lease is alive, in node-rank order."""
+        a = self.cur
+        return [n for n in a.node_step if n not in a.exited and self.pool.nodes[n].alive]
+
+    @staticmethod
+    def names(nodes: list[str], limit: int = 8) -> str:
+        """Node names for a message, bounded (the event's detail carries the full list)."""
+        shown = ", ".join(nodes[:limit])
+        return shown + (f" (+{len(nodes) - limit} more)" if len(nodes) > limit else "")
+
+    def release_slots(self) -> None:
+        for n in [*self.current_nodes, *self.cur.node_step]:
+            self.pool.unassign(n)
+        self.pending_preflight.clear()
+        self.slots = []
+
+    def holds(self) -> frozenset[str]:
+        """The nodes this run keeps a claim on (controller/live/claims.py takes and gives them back):
+        the attempt's (being prepared, running, or the last one, kept across a restart's backoff so
+        the relaunch finds them) and the out-of-service nodes it answers for (their burn-in, an
+        operator's release). None once the run is over; never a node another run holds."""
+        if self.state in TERMINAL:
+            return frozenset()
+        mine = {n for n in (*self.slots, *self.prev_slots, *self.cur.node_step) if n is not None}
+        mine.update(self.burn_in)
+        mine.update(n for n, p in self.pool.nodes.items() if p.state in OUT_OF_SERVICE)
+        return frozenset(n for n in mine if not self.pool.get(n).elsewhere)
+
+    def begin_burn_in(self, node: str) -> None:
+        if self.pool.get(node).elsewhere:
+            return  # the run that holds it burns it in
+        if not self.pool.start_burn_in(node):
+            return
+        self.burn_in.add(node)
+        self.persist(node)
+        self.emit(
+            RunPreflight(
+                nodes=(node,),
+                mode=self.cfg.burn_in_mode,
+                purpose="burn_in",
+                timeout_s=self.cfg.burn_in_timeout_s,
+            )
+        )
+
+    def forget_burn_in(self, node: str) -> None:
+        """The node left (lost, claimed by another run): its burn-in, soak and retry decide nothing now;
+        its next registration (or its holder) burns it in afresh."""
+        self.burn_in.discard(node)
+        self.burn_in_retry.pop(node, None)
+        self.burn_in_inconclusive.pop(node, None)
+        self.soaks.pop(node, None)  # its soak no longer decides anything
+
+
+def _no_check(cur: RunState, to: RunState) -> None:
+    return None
+
+
+def _no_rules(event: Event) -> None:
+    raise NotImplementedError("a Run alone has no rules: the Supervisor (machine.py) applies events")
