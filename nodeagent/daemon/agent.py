@@ -35,7 +35,7 @@ from nodeagent.daemon.liveness import PeerLeases, Registration, Verdict, peers_c
 from nodeagent.daemon.metrics import AgentMetrics
 from nodeagent.daemon.monitors import NvmlPoller, XidMonitor
 from nodeagent.daemon.progress import ProgressTable
-from nodeagent.warm import pool as warm_pool
+from nodeagent.warm import groups as warm
 from runwarden import run_policy
 from runwarden.evidence import is_fatal
 from runwarden.sdnotify import Notifier, watchdog_interval_s
@@ -134,11 +134,7 @@ class Agent:
         self._state_changed = threading.Event()
         self.drain_reason = ""  # "" = not draining
         self.leaving = False  # SIGTERM: draining until the workers are gone, then exiting
-        self.warm: warm_pool.WarmPool | None = None  # with warm_workers: the parked rank processes
-        self._warm_groups: dict[int, warm_pool.ParkedGroup] = {}  # leader pid -> the warm worker's group
-        # run -> why its last warm group was lost (killed for missing the park bound): the next warm
-        # launch's detail says so, since it starts from a fresh group on a healthy host
-        self._warm_lost: dict[str, str] = {}
+        self.warm: warm.ParkedGroups | None = None  # with warm_workers: the parked rank processes
         self._launch_lock = threading.Lock()  # one launch at a time (a warm one may wait for its group)
 
     # --- state ---------------------------------------------------------------------------------
@@ -448,7 +444,7 @@ class Agent:
         if ifname and not os.path.exists(f"/sys/class/net/{ifname}"):
             log.warning("collective_ifname %s: no such network interface here; collectives will fail", ifname)
         if self.config.warm_workers:
-            self._start_warm_pool()
+            self._start_parked_groups()
             # registered once a group is parked, so no launch comes before one can take it (bounded:
             # the agent serves within its unit's start timeout whatever the imports cost)
             if self.warm is not None and not self.warm.wait_parked(min(self.config.warm_wait_s, 20.0)):
@@ -570,19 +566,13 @@ class Agent:
         if self.progress.record_exit(worker.run, worker.attempt, worker.exit.to_proto()):
             self.flush_progress()
             self._state_changed.set()
-        group = self._warm_groups.pop(worker.pid, None)
-        if self.warm is not None and group is not None:
-            if worker.parked and not self.unhealthy:
-                self.warm.put_back(group)  # the same processes, their state in memory, for the next attempt
-            else:
-                # a rank died or was killed (or this node has fatal evidence): a fresh group
-                warm_pool.discard(group)
-                self.warm.refill()
+        if self.warm is not None:
+            self.warm.attempt_ended(worker, keep=not self.unhealthy)
 
     # --- launching -------------------------------------------------------------------------------
 
-    def _start_warm_pool(self) -> None:
-        interpreter = warm_pool.warm_interpreter(self.config.torchrun)
+    def _start_parked_groups(self) -> None:
+        interpreter = warm.warm_interpreter(self.config.torchrun)
         if not interpreter:
             log.warning(
                 "warm_workers: the torchrun prefix %s is not `<python> -m torch.distributed.run`; "
@@ -590,8 +580,10 @@ class Agent:
                 list(self.config.torchrun),
             )
             return
-        self.warm = warm_pool.WarmPool(
+        self.warm = warm.ParkedGroups(
             interpreter=interpreter,
+            launcher=self.launcher,
+            allowed_executables=self.config.allowed_executables,
             local_ranks=lambda: self.local_ranks,
             env=lambda: dict(os.environ),
             preload=self.config.warm_preload,
@@ -601,7 +593,7 @@ class Agent:
 
     def launch_workers(
         self, request: agent_pb2.LaunchWorkersRequest, wait_s: float | None = None
-    ) -> tuple[Worker, warm_pool.LaunchPath]:
+    ) -> tuple[Worker, warm.LaunchPath]:
         """LaunchWorkers (a validated request): fenced first, then launched (`launch`).
 
         Refused (LaunchRefused) without a lease or while draining, for a torchrun launch this node
@@ -679,7 +671,7 @@ class Agent:
             fr_buffer_size=policy.fr_buffer_size or self.config.fr_buffer_size,
         )
         ask = (
-            warm_pool.WarmAsk(
+            warm.WarmAsk(
                 command=torchrun.rank_command(request.torchrun),
                 rdzv_endpoint=request.torchrun.rdzv_endpoint,
                 is_host=request.torchrun.is_host,
@@ -693,10 +685,10 @@ class Agent:
         return self.launch(spec, ask, wait_s)
 
     def launch(
-        self, spec: LaunchSpec, ask: warm_pool.WarmAsk | None, wait_s: float | None = None
-    ) -> tuple[Worker, warm_pool.LaunchPath]:
+        self, spec: LaunchSpec, ask: warm.WarmAsk | None, wait_s: float | None = None
+    ) -> tuple[Worker, warm.LaunchPath]:
         """Start the attempt's workers: handed to the parked group when the warm path can run it
-        (nodeagent.warm.pool), else torchrun as always. LaunchError when refused.
+        (nodeagent.warm.groups), else torchrun as always. LaunchError when refused.
 
         One launch at a time, and the attempt is checked again once this one's turn (and its
         parked group) came: a launch that waited is never started after a newer attempt's. A parked
@@ -712,72 +704,32 @@ class Agent:
             # A kept (warm) rank's flight recorder still holds its earlier attempts' collectives: its
             # dumps are cut at this launch (CollectFlightRecorder), else they blame a fresh rank.
             self.attempt_started_ns[spec.run] = time.time_ns()
-            interpreter = self.warm.interpreter if self.warm is not None else ""
-            why = warm_pool.plan(ask, enabled=self.config.warm_workers, interpreter=interpreter)
-            if not why and self.warm is not None and ask is not None:
-                wait = (
-                    self.config.warm_wait_s
-                    if wait_s is None
-                    else max(0.0, min(wait_s, self.config.warm_wait_s))
-                )
-                worker, why = self._launch_warm(spec, ask, self.warm, wait)
-                if worker is not None:
-                    return worker, warm_pool.LaunchPath(kind="warm", detail=why)
-                if why.startswith(warm_pool.NOT_PARKED):
-                    raise LaunchError(f"warm workers: {why}; try again", temporary=True)
+            wait = (
+                self.config.warm_wait_s if wait_s is None else max(0.0, min(wait_s, self.config.warm_wait_s))
+            )
+            result = warm.try_launch(
+                self.warm,
+                spec,
+                ask,
+                enabled=self.config.warm_workers,
+                wait_s=wait,
+                still_latest=self._still_latest,
+            )
+            if isinstance(result, warm.Launched):
+                return result.worker, warm.LaunchPath(kind="warm", detail=result.detail)
+            why = result.reason
+            if result.temporary:
+                raise LaunchError(f"warm workers: {why}; try again", temporary=True)
             self._still_latest(spec)
             if self.config.warm_workers:
                 log.info("run %s attempt %d: cold launch (torchrun): %s", spec.run, spec.attempt, why)
-            return self.launcher.launch(spec), warm_pool.LaunchPath(kind="cold", detail=why)
+            return self.launcher.launch(spec), warm.LaunchPath(kind="cold", detail=why)
 
     def _still_latest(self, spec: LaunchSpec) -> None:
         with self.lock:
             latest = self.attempts.get(spec.run, 0)
         if spec.attempt < latest:
             raise LaunchError(f"attempt {spec.attempt} was superseded by attempt {latest} while it waited")
-
-    def _launch_warm(
-        self, spec: LaunchSpec, ask: warm_pool.WarmAsk, pool: warm_pool.WarmPool, wait_s: float
-    ) -> tuple[Worker | None, str]:
-        """(the worker, the parked pids) or (None, why the launch goes cold instead)."""
-        local_ranks = self.local_ranks
-        env = warm_pool.launch_env(spec, os.environ, local_ranks)
-        # the same permission rule as torchrun's argv[0]: the interpreter must be allowed
-        resolve_allowed(pool.interpreter, self.config.allowed_executables, env.get("PATH", os.defpath))
-        self.launcher.prepare(spec)
-        message = warm_pool.handoff_message(spec, ask, env, local_ranks)
-        if len(message) > warm_pool.protocol.MAX_HANDOFF_BYTES:
-            return (
-                None,
-                f"the launch's argv and environment exceed {warm_pool.protocol.MAX_HANDOFF_BYTES} bytes",
-            )
-        mismatch = warm_pool.startup_mismatch(env, warm_pool.parked_env(os.environ, local_ranks))
-        if mismatch:  # the parked group stays parked: a launch with the agent's environment can use it
-            return None, f"{mismatch} differs from the parked group's (read at interpreter start-up)"
-        group, why = pool.take(local_ranks, wait_s)
-        if group is None:
-            return None, why
-        try:
-            self._still_latest(spec)
-        except LaunchError:
-            pool.put_back(group)
-            raise
-        kept = list(group.attempts)
-        end = group.hand_off(message, spec.attempt)
-        if end is None:
-            pool.refill()
-            warm_pool.discard(group)
-            return None, "the parked group died before the hand-off"
-        self._warm_groups[group.popen.pid] = group
-        worker = self.launcher.adopt(spec, group.popen, end)
-        standby = threading.Timer(warm_pool.STANDBY_DELAY_S, pool.park_standby)
-        standby.daemon = True
-        standby.start()
-        lost = self._warm_lost.pop(spec.run, "")
-        origin = f"kept from attempt {kept[-1]}" if kept else (f"fresh: {lost}" if lost else "fresh")
-        detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
-        log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
-        return worker, detail
 
     def stop_workers(
         self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
@@ -789,7 +741,7 @@ class Agent:
         parking: list[Worker] = []
         if park_within_s > 0 and self.warm is not None and not self.unhealthy:
             for w in self.launcher.workers(run):
-                group = self._warm_groups.get(w.pid)
+                group = self.warm.group_of(w)
                 if w.running and (attempt == 0 or w.attempt == attempt) and group is not None:
                     if group.stopped_ranks():  # SIGSTOPped: it cannot leave; the bound would only wait
                         log.info("run %s: ranks %s are stopped: not parked", run, group.stopped_ranks())
@@ -801,9 +753,10 @@ class Agent:
                 w.reaped.wait(max(0.0, deadline - time.monotonic()))
             late = [w for w in parking if not w.reaped.is_set()]
             for w in late:
-                self._warm_lost[run] = (
+                self.warm.lost(
+                    run,
                     f"the ranks of attempt {w.attempt} did not leave their collectives within "
-                    f"{park_within_s:.1f} s and were killed"
+                    f"{park_within_s:.1f} s and were killed",
                 )
             if late:
                 log.warning(

@@ -50,7 +50,7 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
     warm_workers              true: keep one parked group of rank processes (torch imported) ready and
                               hand a structured launch to it instead of starting torchrun; anything the
                               warm path cannot run goes cold, and the launch's answer says which path
-                              ran (nodeagent.warm.pool). Default false. Every agent of a run needs the
+                              ran (nodeagent.warm.groups). Default false. Every agent of a run needs the
                               same setting
     warm_wait_s               how long a launch waits for a parked group that is still starting before
                               it goes cold; default 30, 0..600

@@ -94,7 +94,7 @@ class ExitInfo:
 
 @dataclass(slots=True, kw_only=True)
 class AttemptEnd:
-    """How a worker whose leader outlives its attempt (a warm group, nodeagent.warm.pool) ends: its
+    """How a worker whose leader outlives its attempt (a warm group, nodeagent.warm.groups) ends: its
     owner calls `finish` once; parked = the processes live on for the next attempt, so the reaper
     records the exit without killing the tree (`keep_pids` are then no leftover of this attempt)."""
 
@@ -235,7 +235,7 @@ class Launcher:
     ) -> Worker:
         """`popen` (a session leader this launcher's rules apply to: its own session, USR1 ignored)
         becomes the attempt's worker: reaped, tracked, stopped and killed like a launched one. The
-        warm path's parked group arrives here (nodeagent.warm.pool), with `attempt_end`: its
+        warm path's parked group arrives here (nodeagent.warm.groups), with `attempt_end`: its
         attempt may end before its leader does."""
         worker = Worker(
             run=spec.run, attempt=spec.attempt, pid=popen.pid, started_at=time.time(), popen=popen

@@ -1,1 +1,6 @@
-"""Warm workers: the agent's parked groups (pool.py, in the agent) and the parked processes (parked.py)."""
+"""Warm workers: rank processes parked with torch imported before the launch.
+
+groups.py and lifecycle.py run in the agent (ParkedGroups: the owner of this node's parked groups,
+and whether a launch goes warm); leader.py and rank.py are the parked processes; protocol.py is the
+wire between them, imported by both sides.
+"""

@@ -24,7 +24,7 @@ from nodeagent.daemon import proctree
 from nodeagent.daemon.config import AgentConfig, from_sources
 from nodeagent.daemon.launcher import LaunchSpec
 from nodeagent.trainer import latest_committed
-from nodeagent.warm import pool as warm_pool
+from nodeagent.warm import groups as warm_groups
 from nodeagent.warm import protocol
 from nodeagent.warm import rank as warm_rank
 from runwarden.config import ConfigError
@@ -421,28 +421,28 @@ def test_a_hand_off_is_validated_and_gets_torchruns_environment():
 
 
 def test_what_sends_a_launch_cold():
-    ask = warm_pool.WarmAsk(
+    ask = warm_groups.WarmAsk(
         command=("t.py",), rdzv_endpoint="h:1", is_host=True, no_python=False, node_rank=0, nnodes=2
     )
     py = "/usr/bin/python3"
-    assert warm_pool.plan(ask, enabled=True, interpreter=py) == ""
-    assert warm_pool.plan(ask, enabled=False, interpreter=py) == "warm_workers is off"
-    assert warm_pool.plan(None, enabled=True, interpreter=py).startswith("not a structured")
-    assert warm_pool.plan(ask, enabled=True, interpreter="").startswith("the torchrun prefix")
-    moved = warm_pool.WarmAsk(**{**_fields(ask), "is_host": False})
-    assert warm_pool.plan(moved, enabled=True, interpreter=py) == "the store host is not node rank 0"
-    option = warm_pool.WarmAsk(**{**_fields(ask), "command": ("-X", "dev", "t.py")})
-    assert "interpreter option" in warm_pool.plan(option, enabled=True, interpreter=py)
-    assert warm_pool.warm_interpreter((py, "-m", "torch.distributed.run")) == py
-    assert warm_pool.warm_interpreter(("torchrun",)) == ""
-    parked = warm_pool.parked_env({"PATH": "/bin", "RUNWARDEN_AGENT_X": "1", "LD_PRELOAD": "a.so"}, 2)
+    assert warm_groups.plan(ask, enabled=True, interpreter=py) == ""
+    assert warm_groups.plan(ask, enabled=False, interpreter=py) == "warm_workers is off"
+    assert warm_groups.plan(None, enabled=True, interpreter=py).startswith("not a structured")
+    assert warm_groups.plan(ask, enabled=True, interpreter="").startswith("the torchrun prefix")
+    moved = warm_groups.WarmAsk(**{**_fields(ask), "is_host": False})
+    assert warm_groups.plan(moved, enabled=True, interpreter=py) == "the store host is not node rank 0"
+    option = warm_groups.WarmAsk(**{**_fields(ask), "command": ("-X", "dev", "t.py")})
+    assert "interpreter option" in warm_groups.plan(option, enabled=True, interpreter=py)
+    assert warm_groups.warm_interpreter((py, "-m", "torch.distributed.run")) == py
+    assert warm_groups.warm_interpreter(("torchrun",)) == ""
+    parked = warm_groups.parked_env({"PATH": "/bin", "RUNWARDEN_AGENT_X": "1", "LD_PRELOAD": "a.so"}, 2)
     assert parked == {"PATH": "/bin", "LD_PRELOAD": "a.so", "OMP_NUM_THREADS": "1"}
-    assert warm_pool.startup_mismatch({**parked, "OMP_NUM_THREADS": "4", "PYTHONPATH": "/x"}, parked) == ""
-    assert warm_pool.startup_mismatch({**parked, "LD_PRELOAD": "b.so"}, parked) == "LD_PRELOAD"
-    assert warm_pool.startup_mismatch({**parked, "PYTHONHASHSEED": "0"}, parked) == "PYTHONHASHSEED"
+    assert warm_groups.startup_mismatch({**parked, "OMP_NUM_THREADS": "4", "PYTHONPATH": "/x"}, parked) == ""
+    assert warm_groups.startup_mismatch({**parked, "LD_PRELOAD": "b.so"}, parked) == "LD_PRELOAD"
+    assert warm_groups.startup_mismatch({**parked, "PYTHONHASHSEED": "0"}, parked) == "PYTHONHASHSEED"
 
 
-def _fields(ask: warm_pool.WarmAsk) -> dict:
+def _fields(ask: warm_groups.WarmAsk) -> dict:
     return {name: getattr(ask, name) for name in ask.__slots__}
 
 
@@ -460,7 +460,7 @@ def test_the_warm_environment_is_the_cold_paths(tmp_path):
         fr_socket_dir=tmp_path / "fr",
         agent_socket="/run/a.sock",
     )
-    env = warm_pool.launch_env(spec, {"PATH": "/bin", "NOTIFY_SOCKET": "/x"}, 2)
+    env = warm_groups.launch_env(spec, {"PATH": "/bin", "NOTIFY_SOCKET": "/x"}, 2)
     assert env["RUNWARDEN_RDZV_ID"] == "r-3" and env["RUNWARDEN_RESUME_STEP"] == "40"
     assert (
         env["RUNWARDEN_STOP_FILE"] == str(tmp_path / "stop")

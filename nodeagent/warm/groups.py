@@ -1,18 +1,16 @@
-"""Warm workers, the agent's side: keep one parked group ready, hand it a structured launch.
+"""The agent's parked groups (`ParkedGroups`): keep one ready, decide whether a launch goes warm
+(`try_launch`, the one place), hand it a structured launch, take it back after the attempt.
 
-With `warm_workers = true` the agent keeps one parked group (nodeagent.warm.leader: a leader and one rank
-process per local rank, torch imported) started with its own interpreter and environment. A
-structured launch that the warm path can run is handed to it instead of starting torchrun; the
-group's leader then becomes the attempt's worker exactly as torchrun's process would
-(`Launcher.adopt`): the same reaper, exit record, stop and kill of its whole session, stray-process
-rescan, stop file and agent socket. A group outlives its attempts (issue 18): when an attempt ends
-with every rank parked again (`ended <code>` from the leader: the script exited or failed, or a
-StopWorkers with park_within_s asked the ranks to leave their collectives), the worker's exit is
-recorded without killing the tree and the same group goes back to the pool for the next attempt, its
-ranks holding their last checkpoint in memory (nodeagent.trainer.memory_state). A group that lost a rank, was
-killed (a hard stop, a rank that did not park within the bound) or ran on a node with fatal evidence
-is closed, and a fresh one is started once that attempt's worker has ended (not during the attempt:
-its imports would compete with the ranks).
+With `warm_workers = true` the agent keeps one parked group (a leader, nodeagent.warm.leader, and
+one rank process per local rank, torch imported) started with its own interpreter and environment.
+A launch that goes warm is handed to it instead of starting torchrun; the group's leader then
+becomes the attempt's worker exactly as torchrun's process would (`Launcher.adopt`: the same reaper,
+exit record, stop and kill of its session, stray-process rescan, stop file and agent socket). A
+group outlives its attempts: when an attempt ends with every rank parked again, the worker's exit
+is recorded without killing the tree and the same group serves the next attempt, its ranks holding
+their last checkpoint in memory (nodeagent.trainer.memory_state). A group that lost a rank, was
+killed or ran on a node with fatal evidence is closed, and a fresh one is started once that
+attempt's worker has ended. A group's states are nodeagent.warm.lifecycle's.
 
 The warm path is used only when it starts what torchrun would; anything else goes cold, and the
 launch's answer and the agent's log say which path ran and why (`LaunchPath`):
@@ -44,8 +42,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.daemon import proctree, torchrun
-from nodeagent.daemon.launcher import IGNORE_USR1, PRIVATE_ENV_PREFIXES, AttemptEnd, LaunchSpec, worker_env
+from nodeagent.daemon.launcher import (
+    IGNORE_USR1,
+    PRIVATE_ENV_PREFIXES,
+    AttemptEnd,
+    Launcher,
+    LaunchError,
+    LaunchSpec,
+    Worker,
+    resolve_allowed,
+    worker_env,
+)
 from nodeagent.warm import protocol
+from nodeagent.warm.lifecycle import ParkedEvent, ParkedState, Step, transition
 
 log = logging.getLogger(__name__)
 # Variables the interpreter, the dynamic loader, the allocator or OpenMP/MKL read once at start-up or
@@ -131,23 +140,40 @@ def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
 
 
 class ParkedGroup:
-    """One leader and its parked ranks, started by the pool; it runs one attempt at a time and, when
-    its ranks park again after one (nodeagent.warm.leader), goes back to the pool for the next."""
+    """One leader and its parked ranks, started by ParkedGroups; it runs one attempt at a time and,
+    when its ranks park again after one, goes back to its owner for the next. Its lifecycle is
+    nodeagent.warm.lifecycle's: every change of `state` goes through `_advance`."""
 
     def __init__(self, popen: subprocess.Popen[bytes], local_ranks: int, env: Mapping[str, str]) -> None:
         self.popen = popen
         self.local_ranks = local_ranks
         self.env = dict(env)
         self.started_at = time.time()
+        self.state = ParkedState.STARTING
         self.rank_pids: tuple[int, ...] = ()
         self.failure = ""  # why it never became ready
         self.settled = threading.Event()  # ready or failed
         self.attempts: list[int] = []  # the attempts it ran, oldest first
         self.current: AttemptEnd | None = None  # the running attempt's end, set by the watcher
 
+    def _advance(self, event: ParkedEvent) -> Step:
+        step = transition(self.state, event)
+        self.state = step.state
+        return step
+
     @property
     def ready(self) -> bool:
         return self.settled.is_set() and not self.failure
+
+    def on_ready(self, pids: tuple[int, ...]) -> None:
+        self.rank_pids = pids
+        self._advance(ParkedEvent.READY)
+        self.settled.set()
+
+    def on_failed(self, why: str) -> None:
+        self.failure = why
+        self._advance(ParkedEvent.FAILED)
+        self.settled.set()
 
     def alive(self) -> bool:
         if self.popen.poll() is not None:
@@ -163,6 +189,8 @@ class ParkedGroup:
     def hand_off(self, message: bytes, attempt: int) -> AttemptEnd | None:
         """Write the launch (one line): None if the group died meanwhile (nothing was started)."""
         assert self.popen.stdin is not None
+        if self._advance(ParkedEvent.HAND_OFF).ignored:
+            return None  # its leader is gone already
         end = AttemptEnd()
         self.current = end
         try:
@@ -170,13 +198,15 @@ class ParkedGroup:
             self.popen.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             self.current = None
+            self._advance(ParkedEvent.GONE)
             return None
         self.attempts.append(attempt)
         return end
 
     def end_attempt(self) -> None:
-        """Ask the ranks to leave the running attempt and park again (nodeagent.warm.leader's `end`)."""
+        """Ask the ranks to leave the running attempt and park again (the protocol's `end`)."""
         assert self.popen.stdin is not None
+        self._advance(ParkedEvent.END)
         with contextlib.suppress(BrokenPipeError, OSError, ValueError):
             self.popen.stdin.write(protocol.END + b"\n")
             self.popen.stdin.flush()
@@ -184,31 +214,64 @@ class ParkedGroup:
     def on_line(self, line: bytes) -> None:
         """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again."""
         code = protocol.parse_ended(line)
+        if code is None:
+            return
         end = self.current
-        if end is not None and code is not None:
+        if self._advance(ParkedEvent.ENDED).attempt_ended and end is not None:
             self.current = None
             end.finish(code, parked=True, keep_pids=self.rank_pids)
 
     def on_gone(self) -> None:
         """The leader's pipe closed: it exited (or is exiting); a running attempt ended with it."""
+        self._advance(ParkedEvent.GONE)
         end, self.current = self.current, None
         if end is not None:
             end.finish(0, parked=False)
 
+    def on_closed(self) -> None:
+        self._advance(ParkedEvent.CLOSED)
 
-class WarmPool:
-    """The parked group of this node (one at a time), refilled once the attempt that used it ended."""
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launched:
+    """A warm launch: the worker (the group's leader, adopted by the launcher) and its detail."""
+
+    worker: Worker
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refusal:
+    """Why a launch does not go warm. temporary: refuse the launch (the parked group is still
+    starting: a cold node never meets warm ones); else it goes cold, with `reason` as its detail."""
+
+    reason: str
+    temporary: bool = False
+
+
+class ParkedGroups:
+    """The agent's owner of its parked groups (one parked, one standby at most): it starts them,
+    decides whether a launch goes warm (`try_launch`, the one place), hands a launch to a group,
+    takes a group back when its attempt ended (`attempt_ended`), and starts a fresh one when a group
+    is lost, once the attempt that used it ended."""
 
     def __init__(
         self,
         *,
         interpreter: str,
+        launcher: Launcher,
+        allowed_executables: tuple[str, ...],
         local_ranks: Callable[[], int],
         env: Callable[[], Mapping[str, str]],
         preload: tuple[str, ...] = (),
         copy_budget_bytes: int | None = None,
     ) -> None:
         self.interpreter = interpreter
+        self.launcher = launcher
+        self.allowed_executables = allowed_executables
+        self._running: dict[int, ParkedGroup] = {}  # leader pid -> the group a warm worker runs on
+        # run -> why its last warm group was lost (the next launch's detail says why it is fresh)
+        self._lost: dict[str, str] = {}
         self.preload = preload  # modules each parked rank imports before it says ready
         # host bytes each parked rank's in-memory copies may use (None: memory_state's default)
         self.copy_budget_bytes = copy_budget_bytes
@@ -222,6 +285,74 @@ class WarmPool:
         self._failures = 0  # in a row: the next start waits 2**n s
         self._closed = False
         self._timer: threading.Timer | None = None
+
+    def try_launch(
+        self, spec: LaunchSpec, ask: WarmAsk | None, wait_s: float, still_latest: Callable[[LaunchSpec], None]
+    ) -> Launched | Refusal:
+        """Hand the launch to the parked group when the warm path can run it (see the module doc), else
+        why not. LaunchError (from still_latest, or the interpreter not allowed) refuses the launch."""
+        why = plan(ask, enabled=True, interpreter=self.interpreter)
+        if why or ask is None:
+            return Refusal(reason=why)
+        local_ranks = self._local_ranks()
+        env = launch_env(spec, self._env(), local_ranks)
+        # the same permission rule as torchrun's argv[0]: the interpreter must be allowed
+        resolve_allowed(self.interpreter, self.allowed_executables, env.get("PATH", os.defpath))
+        self.launcher.prepare(spec)
+        message = handoff_message(spec, ask, env, local_ranks)
+        if len(message) > protocol.MAX_HANDOFF_BYTES:
+            return Refusal(
+                reason=f"the launch's argv and environment exceed {protocol.MAX_HANDOFF_BYTES} bytes"
+            )
+        mismatch = startup_mismatch(env, parked_env(self._env(), local_ranks))
+        if mismatch:  # the parked group stays parked: a launch with the agent's environment can use it
+            return Refusal(
+                reason=f"{mismatch} differs from the parked group's (read at interpreter start-up)"
+            )
+        group, why = self.take(local_ranks, wait_s)
+        if group is None:
+            return Refusal(reason=why, temporary=why.startswith(NOT_PARKED))
+        try:
+            still_latest(spec)
+        except LaunchError:
+            self.put_back(group)
+            raise
+        kept = list(group.attempts)
+        end = group.hand_off(message, spec.attempt)
+        if end is None:
+            self.refill()
+            discard(group)
+            return Refusal(reason="the parked group died before the hand-off")
+        self._running[group.popen.pid] = group
+        worker = self.launcher.adopt(spec, group.popen, end)
+        standby = threading.Timer(STANDBY_DELAY_S, self.park_standby)
+        standby.daemon = True
+        standby.start()
+        lost = self._lost.pop(spec.run, "")
+        origin = f"kept from attempt {kept[-1]}" if kept else (f"fresh: {lost}" if lost else "fresh")
+        detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
+        log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
+        return Launched(worker=worker, detail=detail)
+
+    def attempt_ended(self, worker: Worker, *, keep: bool) -> None:
+        """A worker ended (reaper thread): if it ran on a parked group whose ranks parked again and
+        `keep` (the node is healthy), the same group serves the next attempt; else a fresh one."""
+        group = self._running.pop(worker.pid, None)
+        if group is None:
+            return
+        if worker.parked and keep:
+            self.put_back(group)  # the same processes, their state in memory, for the next attempt
+        else:
+            discard(group)  # a rank died or was killed (or this node has fatal evidence): a fresh group
+            self.refill()
+
+    def group_of(self, worker: Worker) -> ParkedGroup | None:
+        """The parked group a running warm worker runs on (None for a cold worker)."""
+        return self._running.get(worker.pid)
+
+    def lost(self, run: str, why: str) -> None:
+        """The run's warm ranks were killed (`why`): the next warm launch's detail says so."""
+        self._lost[run] = why
 
     def refill(self) -> None:
         """Start a parked group unless one is parked or starting (idempotent)."""
@@ -298,7 +429,7 @@ class WarmPool:
             line = _read_ready(lines)
             pids = protocol.parse_ready(line, group.local_ranks)
             if pids:
-                group.rank_pids = pids
+                group.on_ready(pids)
                 with self._lock:
                     self._failures = 0
                 log.info(
@@ -307,7 +438,6 @@ class WarmPool:
                     time.time() - group.started_at,
                     list(pids),
                 )
-                group.settled.set()
                 while (said := _next_line(lines)) is not None:  # the group's life: `ended <code>`
                     group.on_line(said)
                 group.on_gone()
@@ -315,8 +445,7 @@ class WarmPool:
         finally:
             os.close(fd)
         rc = group.popen.wait()
-        group.failure = f"the parked group exited with {rc} before it was ready"
-        group.settled.set()
+        group.on_failed(f"the parked group exited with {rc} before it was ready")
         with self._lock:
             self._failures += 1
             delay = min(MAX_RESTART_DELAY_S, 2.0 ** (self._failures - 1))
@@ -333,7 +462,7 @@ class WarmPool:
         self.refill()
 
     def take(self, local_ranks: int, wait_s: float) -> tuple[ParkedGroup | None, str]:
-        """The parked group for one attempt (the pool forgets it), or None and why not."""
+        """The parked group for one attempt (the owner forgets it), or None and why not."""
         with self._lock:
             group = self._group
         if group is None:
@@ -407,12 +536,29 @@ class WarmPool:
         return tuple(pid for g in groups if g is not None and g.ready for pid in g.rank_pids)
 
 
+def try_launch(
+    groups: ParkedGroups | None,
+    spec: LaunchSpec,
+    ask: WarmAsk | None,
+    *,
+    enabled: bool,
+    wait_s: float,
+    still_latest: Callable[[LaunchSpec], None],
+) -> Launched | Refusal:
+    """Whether this launch goes warm, for an agent with or without parked groups (warm_workers off,
+    or a torchrun prefix whose interpreter is unknown): the one place that decides."""
+    if groups is None:
+        return Refusal(reason=plan(ask, enabled=enabled, interpreter=""))
+    return groups.try_launch(spec, ask, wait_s, still_latest)
+
+
 def discard(group: ParkedGroup) -> None:
     """Close a group nobody will use: EOF on its stdin, then KILL whatever is left (in a thread)."""
     threading.Thread(target=_close_group, args=(group,), name="warm-discard", daemon=True).start()
 
 
 def _close_group(group: ParkedGroup) -> None:
+    group.on_closed()
     if group.popen.stdin is not None:
         with contextlib.suppress(OSError):  # EOF with nothing written: the leader ends its ranks, exits 0
             group.popen.stdin.close()
