@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def on_lost_etcd(sv: Run, ev: ControlPlaneLost) -> None:
-    failure.enter_control_plane(
+    transitions.become_blind(
         sv,
         etcd_lost=True,
         reason="the controller lost etcd: no observation is evidence about nodes now; nothing is quarantined",
@@ -61,7 +61,6 @@ def resolve(sv: Run) -> None:
         sv.failure = None
         crashed = sorted(n for n, label in a.exited.items() if label not in ("clean", "lost"))
         if not missing and not crashed:
-            transitions.become(sv, RunState.RUNNING)
             a.exited = {n: label for n, label in a.exited.items() if label != "lost"}
             a.min_advanced_at = sv.now  # hang clock restarts: we were blind, not the job
             sv.log(
@@ -69,7 +68,7 @@ def resolve(sv: Run) -> None:
                 f"control plane recovered: attempt {sv.attempt} kept running on all "
                 "its nodes, not relaunched",
             )
-            sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.hang_timeout_floor_s))
+            transitions.become_running(sv, hang_after_s=sv.cfg.hang_timeout_floor_s)
         elif missing:
             failure.begin(
                 sv,
@@ -103,23 +102,17 @@ def resolve(sv: Run) -> None:
         failure.stop(sv)
     elif prev is RunState.STOPPING and f is not None:
         f.control_plane = f.control_plane or f.detector == E.DETECTOR_NODE_LOST
-        transitions.become(sv, RunState.STOPPING)
-        a.awaiting_exit = {n for n in a.awaiting_exit if n not in a.exited and sv.pool.nodes[n].alive}
-        if not a.awaiting_exit:
+        awaiting = {n for n in a.awaiting_exit if n not in a.exited and sv.pool.nodes[n].alive}
+        transitions.become_stopping(sv, awaiting, wait_s=sv.cfg.stop_margin_s)
+        if not awaiting:
             failure.decide(sv)
-        else:
-            sv.deadline = sv.now + sv.cfg.stop_margin_s
-            sv.emit(SetTimer(key="stop", at=sv.deadline))
     elif prev is RunState.PREFLIGHT:
-        transitions.become(sv, RunState.PREFLIGHT)
-        sv.gate_pending = None  # an answer that came while blind was dropped: measure again
-        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
-        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+        transitions.resume_preflight(sv)
         for n in [n for n in sv.slots if n is not None and not sv.pool.get(n).alive]:
             prepare.drop_from_slots(sv, n, "lost during the control-plane fault")
         prepare.maybe_launch(sv)
     else:
-        transitions.become(sv, RunState.WAITING_NODES)
+        transitions.become_waiting(sv)
     if sv.state is RunState.RUNNING:
         failure.deliver_pending_stop(sv)
     elif sv.pending_stop is not None and sv.state not in (RunState.COLLECTING, RunState.STOPPING):
@@ -240,10 +233,9 @@ def _adopt(sv: Run, snap: Snapshot) -> None:
             latency=0.0,
         )
         return
-    transitions.become(sv, RunState.RUNNING)
     sv.log(
         E.EVENT_KIND_CONTROL_PLANE,
         f"reconcile: attempt {sv.attempt} is running on all {len(attempt_nodes)} "
         "nodes; adopted, not relaunched",
     )
-    sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))
+    transitions.become_running(sv, hang_after_s=sv.cfg.startup_timeout_s)

@@ -17,15 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.supervisor.policy import SupervisorConfig
-
-
-def median(values: Sequence[float]) -> float:
-    if not values:
-        raise ValueError("median of no values")
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
+from controller.supervisor.stats import median
 
 # --- crash -----------------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, loss, memory, quarantine, restart, transitions
-from controller.supervisor.actions import CollectDumps, SetTimer, StopAttempt
+from controller.supervisor import loss, memory, quarantine, restart, stats, transitions
+from controller.supervisor.actions import StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
 from controller.supervisor.events import DumpsCollected, StopRequested
@@ -44,10 +44,7 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
         )
     live = sv.live_nodes()
     if sv.cfg.collect_dumps and f.dumps and not f.planned and not f.control_plane and live:
-        transitions.become(sv, RunState.COLLECTING)
-        sv.deadline = sv.now + sv.cfg.dump_timeout_s
-        sv.emit(CollectDumps(attempt=sv.attempt, nodes=tuple(live), timeout_s=sv.cfg.dump_timeout_s))
-        sv.emit(SetTimer(key="dumps", at=sv.deadline))
+        transitions.become_collecting(sv, live)
     else:
         stop(sv)
 
@@ -72,26 +69,26 @@ def on_tick_stopping(sv: Run) -> None:
 
 def on_tick_backoff(sv: Run) -> None:
     if sv.now >= sv.deadline:
-        transitions.become(sv, RunState.WAITING_NODES)
+        transitions.become_waiting(sv)
 
 
 def stop(sv: Run) -> None:
     assert sv.failure is not None
     f = sv.failure
     live = sv.live_nodes()
-    transitions.become(sv, RunState.STOPPING)
-    sv.cur.awaiting_exit = set(live)
-    if not live:
-        decide(sv)
-        return
     # A planned stop lets the trainer finish its step, save and commit: as long as the longest
     # legitimate barrier (a synchronous save), not the short grace a failed attempt gets.
     grace = max(sv.cfg.stop_grace_s, sv.cfg.checkpoint_barrier_s) if f.planned else sv.cfg.stop_grace_s
-    sv.deadline = sv.now + grace + sv.cfg.stop_margin_s
-    sv.emit(
-        StopAttempt(attempt=sv.attempt, nodes=tuple(live), grace_s=grace, planned=f.planned, reason=f.reason)
+    transitions.become_stopping(
+        sv,
+        set(live),
+        wait_s=grace + sv.cfg.stop_margin_s,
+        stop=StopAttempt(
+            attempt=sv.attempt, nodes=tuple(live), grace_s=grace, planned=f.planned, reason=f.reason
+        ),
     )
-    sv.emit(SetTimer(key="stop", at=sv.deadline))
+    if not live:
+        decide(sv)
 
 
 def maybe_stopped(sv: Run, node: str) -> None:
@@ -208,7 +205,7 @@ def _signature(sv: Run, f: Failure) -> restart.Signature:
     """This failure as the crash-loop rule compares it (restart.Signature)."""
     newest = sorted(sv.committed)[-2:]
     interval = newest[1] - newest[0] if len(newest) == 2 else 0
-    step_s = detectors.median(sv.step_times) if sv.step_times else 0.0
+    step_s = stats.median(sv.step_times) if sv.step_times else 0.0
     lag = math.ceil(REPORT_LAG_S / step_s) if step_s > 0 else 0
     return restart.Signature(
         label=f.label, resume_step=sv.cur.resume_step, step=f.step, slack=min(interval, lag)
@@ -334,28 +331,7 @@ def release_victim(sv: Run, node: str, strike_at: float, reason: str) -> bool:
 def begin_backoff(sv: Run, delay: float, reason: str) -> None:
     sv.log(E.EVENT_KIND_RESTART, reason)
     sv.failure = None
-    transitions.become(sv, RunState.BACKOFF)
-    sv.deadline = sv.now + delay
-    if delay <= 0:
-        transitions.become(sv, RunState.WAITING_NODES)
-    else:
-        sv.emit(SetTimer(key="backoff", at=sv.deadline))
-
-
-def enter_control_plane(sv: Run, *, etcd_lost: bool, reason: str) -> None:
-    """Any live state -> CONTROL_PLANE: blind until the store is listed again; nothing is quarantined."""
-    if sv.state is RunState.CONTROL_PLANE:
-        sv.cp_etcd_lost = sv.cp_etcd_lost or etcd_lost
-        return
-    sv.cp_prev = sv.state
-    sv.cp_etcd_lost = etcd_lost
-    if sv.failure is not None:
-        sv.failure.control_plane = True
-    transitions.become(sv, RunState.CONTROL_PLANE)
-    sv.deadline = sv.now + sv.cfg.control_plane_grace_s
-    sv.log(E.EVENT_KIND_CONTROL_PLANE, reason + "; waiting to reconcile")
-    if not etcd_lost:
-        sv.emit(SetTimer(key="control_plane", at=sv.deadline))
+    transitions.become_backoff(sv, delay)
 
 
 def log_stop_request(sv: Run, ev: StopRequested) -> None:

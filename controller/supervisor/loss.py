@@ -47,6 +47,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
+from controller.supervisor import stats
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import LossHistory, ProgressObserved
 from controller.supervisor.records import LossBook, ReplayedStep
@@ -71,12 +72,6 @@ def rel_diff(new: float, old: float) -> float:
     if new == old or (math.isnan(new) and math.isnan(old)):
         return 0.0
     return math.inf
-
-
-def _median(values: list[float]) -> float:
-    values.sort()
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def _num(x: float) -> str:
@@ -116,7 +111,7 @@ def observe(sv: Run, ev: ProgressObserved) -> Failure | None:
                 stop = stop or f
                 continue
             if factor > 0 and len(window) == window.maxlen and step > cfg.loss_spike_warmup_steps:
-                med = _median([v for _, v in window])
+                med = stats.median([v for _, v in window])
                 if med > 0 and value > factor * med:
                     f = _anomaly(sv, ev.node, r.rank, step, value, "spike", med, r.reported_at)
                     stop = stop or f

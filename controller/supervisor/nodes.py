@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import burn_in, detectors, failure, memory, prepare, quarantine, soak
+from controller.supervisor import burn_in, detectors, failure, memory, prepare, quarantine, soak, transitions
 from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
@@ -93,7 +93,7 @@ def on_lost(sv: Run, ev: NodeLost) -> bool:
         RunState.BACKOFF,
     )
     if watching and detectors.is_mass_expiry(sv.loss_times, sv.now, len(sv.pool.nodes), sv.cfg):
-        failure.enter_control_plane(
+        transitions.become_blind(
             sv,
             etcd_lost=False,
             reason=(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss, quarantine, transitions
+from controller.supervisor import failure, loss, quarantine, stats, transitions
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
@@ -78,9 +78,7 @@ def try_start(sv: Run) -> None:
             sv.empty_slots -= 1
             sv.pool.assign(n)
     sv.vacated = {r: n for r, n in enumerate(prev) if sv.slots[r] != n}
-    transitions.become(sv, RunState.PREFLIGHT)
-    sv.pending_preflight = set()
-    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+    transitions.become_preflight(sv)
     fill_slots(sv, also=[n for n in sv.slots if n is not None])
 
 
@@ -297,7 +295,7 @@ def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
     sv.gate_pending = None
     figures = dict(ev.per_node_gbps)
     values = sorted(figures.values())
-    floor = sv.cfg.bandwidth_floor_gbps or (_median(values) if len(values) > 2 else 0.0)
+    floor = sv.cfg.bandwidth_floor_gbps or (stats.median(values) if len(values) > 2 else 0.0)
     limit = sv.cfg.bandwidth_gate_ratio * floor
     slow = [n for n in ev.nodes if n in figures and figures[n] < limit]
     shown = ", ".join(f"{n} {figures[n]:.3g}" for n in ev.nodes if n in figures)
@@ -344,14 +342,8 @@ def gate_unanswered(sv: Run, why: str) -> None:
     maybe_launch(sv)
 
 
-def _median(values: list[float]) -> float:
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def launch(sv: Run, nodes: tuple[str, ...]) -> None:
     sv.attempt += 1
-    transitions.become(sv, RunState.RUNNING)
     sv.cur = Attempt.launched(
         sv.attempt,
         nodes,
@@ -369,16 +361,17 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
         f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}",
         launch=E.LaunchDetail(rendezvous_id=rdzv, nodes=nodes, resume_step=sv.cur.resume_step),
     )
-    sv.emit(
-        Launch(
+    transitions.become_running(
+        sv,
+        hang_after_s=sv.cfg.startup_timeout_s,
+        launch=Launch(
             run=sv.plan.run,
             attempt=sv.attempt,
             rendezvous_id=rdzv,
             nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
             resume_step=sv.cur.resume_step,
-        )
+        ),
     )
-    sv.emit(SetTimer(key="hang", at=sv.now + sv.cfg.startup_timeout_s))
     failure.deliver_pending_stop(sv)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, loss, nodes, transitions
+from controller.supervisor import detectors, failure, loss, nodes, stats, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -152,7 +152,7 @@ def on_workers_started(sv: Run, ev: WorkersStarted) -> None:
 
 
 def hang_timeout(sv: Run) -> float:
-    med = detectors.median(sv.step_times) if sv.step_times else None
+    med = stats.median(sv.step_times) if sv.step_times else None
     return detectors.hang_timeout(
         sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times
     )
@@ -299,7 +299,7 @@ def check_hang(sv: Run) -> None:
         deadline = a.min_advanced_at + timeout
         if detectors.is_hung(now, a.min_advanced_at, timeout):
             behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
-            med = detectors.median(sv.step_times) if sv.step_times else None
+            med = stats.median(sv.step_times) if sv.step_times else None
             med_txt = f"{med:.3g}s" if med else "unknown"
             _hang(
                 sv,

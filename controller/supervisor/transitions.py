@@ -1,13 +1,15 @@
-"""Every change of the run's state: the only module that assigns `Run.state`.
+"""Every change of the run's state: the only module that assigns `Run.state` (raft's becomeX).
 
 Each `become_*` sets the state together with what the state promises (its deadline, its timer, the
-attempt's bookkeeping), after `Run.check_move` (the machine's table) has accepted the move. Rules
-call these; nothing else writes the state (tests/supervisor/test_structure.py checks)."""
+bookkeeping it starts), after `Run.check_move` (the machine's table) has accepted the move. The
+rules decide which move to make and call these; nothing else writes the state
+(tests/supervisor/test_structure.py checks)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from controller.supervisor.actions import CollectDumps, Launch, SetTimer, StopAttempt
 from controller.supervisor.states import RunState
 from runwarden.v1 import events_pb2 as E
 
@@ -22,8 +24,81 @@ def _enter(sv: Run, state: RunState) -> None:
     sv.state = state
 
 
-def become(sv: Run, state: RunState) -> None:
-    _enter(sv, state)
+def become_waiting(sv: Run) -> None:
+    """WAITING_NODES: the machine prepares an attempt once enough usable nodes are free."""
+    _enter(sv, RunState.WAITING_NODES)
+
+
+def become_preflight(sv: Run) -> None:
+    """PREFLIGHT for a new attempt: no preflight asked yet, the preflight's deadline from now."""
+    _enter(sv, RunState.PREFLIGHT)
+    sv.pending_preflight = set()
+    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+
+
+def resume_preflight(sv: Run) -> None:
+    """PREFLIGHT again after a control-plane fault: the gate measures again, a fresh deadline."""
+    _enter(sv, RunState.PREFLIGHT)
+    sv.gate_pending = None  # an answer that came while blind was dropped: measure again
+    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+    sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+
+
+def become_running(sv: Run, *, hang_after_s: float, launch: Launch | None = None) -> None:
+    """RUNNING: the attempt (launched now, or kept through a fault, or adopted) is watched for a
+    hang from now; `launch` is sent first when the attempt is new."""
+    _enter(sv, RunState.RUNNING)
+    if launch is not None:
+        sv.emit(launch)
+    sv.emit(SetTimer(key="hang", at=sv.now + hang_after_s))
+
+
+def become_collecting(sv: Run, live: list[str]) -> None:
+    """COLLECTING: the live nodes dump their flight recorders, until the dump deadline."""
+    _enter(sv, RunState.COLLECTING)
+    sv.deadline = sv.now + sv.cfg.dump_timeout_s
+    sv.emit(CollectDumps(attempt=sv.attempt, nodes=tuple(live), timeout_s=sv.cfg.dump_timeout_s))
+    sv.emit(SetTimer(key="dumps", at=sv.deadline))
+
+
+def become_stopping(sv: Run, awaiting: set[str], *, wait_s: float, stop: StopAttempt | None = None) -> None:
+    """STOPPING: wait up to `wait_s` for `awaiting` to exit (`stop` asks them). With none to wait
+    for, no deadline: the caller decides at once."""
+    _enter(sv, RunState.STOPPING)
+    sv.cur.awaiting_exit = awaiting
+    if not awaiting:
+        return
+    sv.deadline = sv.now + wait_s
+    if stop is not None:
+        sv.emit(stop)
+    sv.emit(SetTimer(key="stop", at=sv.deadline))
+
+
+def become_backoff(sv: Run, delay: float) -> None:
+    """BACKOFF for `delay` seconds before the relaunch; a zero delay waits for nodes at once."""
+    _enter(sv, RunState.BACKOFF)
+    sv.deadline = sv.now + delay
+    if delay <= 0:
+        _enter(sv, RunState.WAITING_NODES)
+    else:
+        sv.emit(SetTimer(key="backoff", at=sv.deadline))
+
+
+def become_blind(sv: Run, *, etcd_lost: bool, reason: str) -> None:
+    """Any live state -> CONTROL_PLANE: blind until the store is listed again (remembering the
+    state it left); nothing is quarantined meanwhile. Already blind: only etcd's loss is noted."""
+    if sv.state is RunState.CONTROL_PLANE:
+        sv.cp_etcd_lost = sv.cp_etcd_lost or etcd_lost
+        return
+    sv.cp_prev = sv.state
+    sv.cp_etcd_lost = etcd_lost
+    if sv.failure is not None:
+        sv.failure.control_plane = True
+    _enter(sv, RunState.CONTROL_PLANE)
+    sv.deadline = sv.now + sv.cfg.control_plane_grace_s
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, reason + "; waiting to reconcile")
+    if not etcd_lost:
+        sv.emit(SetTimer(key="control_plane", at=sv.deadline))
 
 
 def finish(sv: Run, state: RunState, outcome: str, reason: str) -> None:

@@ -688,9 +688,7 @@ def test_quarantined_node_returns_only_after_burn_in() -> None:
     d.send(PreflightResult(node="n2", passed=True, mode="full"))
     assert d.sup.pool.get("n2").state == PoolState.BURN_IN
     out = d.send(PreflightResult(node="n2", passed=True, mode="full"))
-    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == [
-        "n2"
-    ]
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == ["n2"]
 
 
 def test_node_failing_twice_in_a_week_is_held_until_an_operator_releases_it() -> None:

@@ -10,6 +10,7 @@ import pytest
 from controller.supervisor import detectors as d
 from controller.supervisor.blame import heartbeat_suspect
 from controller.supervisor.policy import SupervisorConfig
+from controller.supervisor.stats import median
 from runwarden.evidence import is_fatal
 from runwarden.v1 import common_pb2
 
@@ -121,10 +122,10 @@ def test_heartbeat_suspect_is_the_single_node_behind() -> None:
 
 
 def test_median() -> None:
-    assert d.median([3.0, 1.0, 2.0]) == 2.0
-    assert d.median([1.0, 2.0, 3.0, 4.0]) == 2.5
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0, 3.0, 4.0]) == 2.5
     with pytest.raises(ValueError):
-        d.median([])
+        median([])
 
 
 @pytest.mark.parametrize(

@@ -65,9 +65,11 @@ def test_a_move_the_table_does_not_allow_is_refused() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(2)
     with pytest.raises(IllegalTransition, match="RUNNING -> PREFLIGHT"):
-        transitions.become(d.sup, RunState.PREFLIGHT)  # a running attempt is never preflighted again
+        transitions.resume_preflight(d.sup)  # a running attempt is never preflighted again
     with pytest.raises(IllegalTransition, match="RUNNING -> CRASH_LOOP"):
-        transitions.become(d.sup, RunState.CRASH_LOOP)  # only a stopped attempt's decision ends the run
+        transitions.finish(
+            d.sup, RunState.CRASH_LOOP, "crash_loop", "a test"
+        )  # only a stopped attempt's decision ends the run
     assert d.sup.state is RunState.RUNNING
 
 
