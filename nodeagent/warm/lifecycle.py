@@ -58,8 +58,8 @@ _RUNS = (ParkedState.RUNNING, ParkedState.LEAVING)
 def transition(state: ParkedState, event: ParkedEvent) -> Step:
     """The state after `event` in `state`; an event that means nothing there leaves it unchanged."""
     if event in (ParkedEvent.GONE, ParkedEvent.CLOSED):
-        if state is ParkedState.FAILED:
-            return Step(state, ignored=event is ParkedEvent.GONE)
+        if state is ParkedState.FAILED and event is ParkedEvent.GONE:
+            return Step(state, ignored=True)  # the watcher saw it exit already
         return Step(ParkedState.DEAD, attempt_ended=state in _RUNS)
     if state is ParkedState.STARTING:
         if event is ParkedEvent.READY:
