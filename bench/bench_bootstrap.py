@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from examples.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from examples.demo import run_faults  # noqa: E402
-from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path  # noqa: E402
+from nodeagent.daemon.progress_socket import ProgressDatagramServer  # noqa: E402
+from nodeagent.wire import progress_socket_path  # noqa: E402
 from runwarden.v1 import agent_pb2, events_pb2  # noqa: E402
 
 E = events_pb2

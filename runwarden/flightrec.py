@@ -11,7 +11,7 @@ A dump comes from a process we do not trust (a rank, a file an operator copied, 
 Both formats normalise to the same frozen `FrDump`. JSON dumps write 0 where pickle writes None
 and lists where pickle writes tuples; `FrDump` hides that. The gloo backend writes `pg_config` before
 Python names the group (`{'': {...}}`): such an unnamed, rank-less group is dropped, and
-`FrDump.pg_config` is then empty unless the rank repaired it (see nodeagent/flight_recorder.py).
+`FrDump.pg_config` is then empty unless the rank repaired it (see nodeagent/trainer/flight_recording.py).
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ from grpc_reflection.v1alpha import reflection
 from nodeagent.daemon import allreduce, chaos, preflight_bridge, proctree
 from nodeagent.daemon import validate as v
 from nodeagent.daemon.agent import Agent, LaunchRefused, Refusal
+from nodeagent.daemon.flight_recorder import CollectedDump, collect_dumps, discover_sockets
 from nodeagent.daemon.launcher import LaunchError
-from nodeagent.flight_recorder import CollectedDump, collect_dumps, discover_sockets
-from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
+from nodeagent.daemon.progress_socket import ProgressDatagramServer
+from nodeagent.wire import progress_socket_path
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ explicitly are sent as given (missing ones as 0).
 
 `report()` only appends to a bounded deque; a background thread sends the newest report to the
 local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_NODEAGENT_SOCKET>.progress`,
-see nodeagent.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
+see nodeagent.daemon.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
 dropped and training goes on. torch is imported only by the checkpoint save/load functions and
 the collective timer's hook.
 """
@@ -439,8 +439,8 @@ class ProgressReporter:
 
     def _send(self, item: _Report) -> bool:
         """One datagram to the agent's progress socket, then its answer (stop flag, slow-down)."""
-        from nodeagent.progress_socket import progress_socket_path
         from nodeagent.trainer import memory_state
+        from nodeagent.wire import progress_socket_path
         from runwarden.v1 import agent_pb2, common_pb2
 
         if self._sock is None:
@@ -720,7 +720,7 @@ def load_checkpoint(
 
 
 def setup_flight_recording(**kwargs: Any) -> Any:
-    """Start this rank's flight-recorder socket (before init_process_group); see nodeagent.flight_recorder."""
-    from nodeagent.flight_recorder import setup_flight_recording_from_env
+    """Start this rank's flight-recorder socket (before init_process_group); see nodeagent.trainer.flight_recording."""
+    from nodeagent.trainer.flight_recording import setup_flight_recording_from_env
 
     return setup_flight_recording_from_env(**kwargs)

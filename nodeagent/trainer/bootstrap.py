@@ -10,7 +10,7 @@ the parked rank runs with runpy on the warm path (nodeagent.warm.rank), so both 
 
 Before the script's own code runs, in the rank's process:
 
-* the flight recorder's worker socket (nodeagent.flight_recorder), so the agent can collect this
+* the flight recorder's worker socket (nodeagent.trainer.flight_recording), so the agent can collect this
   rank's dump without the GIL when the controller investigates a hang; the process groups' real
   `pg_config` is written next to it whenever a new group appears;
 * a sampler thread that reads the process groups' flight-recorder counters every
@@ -390,8 +390,8 @@ def start_session(config: BootstrapConfig, environ: Mapping[str, str]) -> Sessio
         )
     # NCCL records when a collective starts on the device only with timing on (read at group creation)
     os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
-    from nodeagent.flight_recorder import setup_flight_recording_from_env
     from nodeagent.trainer import ProgressReporter
+    from nodeagent.trainer.flight_recording import setup_flight_recording_from_env
 
     recording = setup_flight_recording_from_env()  # None (logged) if the socket cannot be made
     # SIGTERM is the script's: it polls no stop flag, so a TERM must end it (or reach its own handler)

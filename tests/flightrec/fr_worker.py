@@ -2,7 +2,7 @@
 
 Run as `python tests/flightrec/fr_worker.py SPEC_JSON RANK`. The spec (written by scenarios.py) says
 the world size, extra process groups, steps, ring size, the culprit, and where it hangs. Every rank
-sets up flight recording the production way (nodeagent.flight_recorder), so the agent-side
+sets up flight recording the production way (nodeagent.trainer.flight_recording), so the agent-side
 collection reads real dumps over the worker-server socket.
 
 Markers in the work dir tell the parent where each rank is: `hung<R>` (the culprit reached its hang
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nodeagent.flight_recorder import FlightRecording, setup_flight_recording, socket_path_for
+from nodeagent.trainer.flight_recording import FlightRecording, setup_flight_recording, socket_path_for
 
 PICKLE_PREFIX = "nccl_trace_rank_"
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeagent.flight_recorder import CollectedDump, collect_dumps, discover_sockets
+from nodeagent.daemon.flight_recorder import CollectedDump, collect_dumps, discover_sockets
 from runwarden.flightrec import TORCH_DEFAULT_PREFIX
 
 WORKER = Path(__file__).with_name("fr_worker.py")

@@ -1,4 +1,4 @@
-"""nodeagent.flight_recorder.collect_dumps against real unix-socket servers that misbehave in every way.
+"""nodeagent.daemon.flight_recorder.collect_dumps against real unix-socket servers that misbehave in every way.
 
 The happy path against torch's real worker server is in test_real_dumps.py; here each failure a rank
 can show (no socket, dead, wedged, wrong answer, too big) must become "no dump" with its reason.
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.flight_recorder import collect_dumps, discover_sockets, pg_config_path_for, socket_path_for
+from nodeagent.daemon.flight_recorder import collect_dumps, discover_sockets
+from nodeagent.wire import fr_pg_config_path as pg_config_path_for
+from nodeagent.wire import fr_socket_path as socket_path_for
 from runwarden.flightrec import parse_dump
 
 DUMP = {
@@ -140,7 +142,7 @@ def test_collect_validates_its_arguments() -> None:
 
 
 def test_setup_refuses_bad_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nodeagent.flight_recorder import setup_flight_recording, setup_flight_recording_from_env
+    from nodeagent.trainer.flight_recording import setup_flight_recording, setup_flight_recording_from_env
 
     monkeypatch.delenv("RUNWARDEN_FR_SOCKET_DIR", raising=False)
     assert setup_flight_recording_from_env() is None  # not launched by runwarden

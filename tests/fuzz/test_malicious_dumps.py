@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from controller.supervisor.flight_recorder import dumps_from_rank_dumps
-from nodeagent.flight_recorder import FR_JSON_HANDLER, fetch_dump
+from nodeagent.daemon.flight_recorder import FR_JSON_HANDLER, fetch_dump
 from runwarden.v1 import agent_pb2
 
 

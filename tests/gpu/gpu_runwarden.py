@@ -326,7 +326,7 @@ FR_JOB = """
 import json, os, sys
 os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
 import torch, torch.distributed as dist
-from nodeagent import flight_recorder
+from nodeagent.trainer import flight_recording as flight_recorder
 from nodeagent.trainer import bootstrap
 rec = flight_recorder.setup_flight_recording(sys.argv[1], buffer_size=200)
 cuda = sys.argv[2] == "cuda"
@@ -350,7 +350,7 @@ def flight_recorder_and_counters(device: Any, tmp: Path) -> None:
     step(
         f"flight-recorder dump and the bootstrap's counters over {'NCCL' if device.type == 'cuda' else 'gloo'}"
     )
-    from nodeagent.flight_recorder import collect_dumps
+    from nodeagent.daemon.flight_recorder import collect_dumps
     from runwarden.flightrec import parse_dump
 
     sock = tmp / "fr" / "rank0.sock"

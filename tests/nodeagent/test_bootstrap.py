@@ -22,11 +22,12 @@ import pytest
 
 from controller.supervisor.flight_recorder import verdict_from_rank_dumps
 from nodeagent.daemon import torchrun
+from nodeagent.daemon.flight_recorder import collect_dumps, discover_sockets
+from nodeagent.daemon.progress_socket import ProgressDatagramServer
 from nodeagent.daemon.validate import ValidationError, launch_request
-from nodeagent.flight_recorder import collect_dumps, discover_sockets
-from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
 from nodeagent.trainer import bootstrap
 from nodeagent.trainer.bootstrap import BootstrapConfig, CollectiveClock, CollectiveSampler, GroupCounters
+from nodeagent.wire import progress_socket_path
 from runwarden.v1 import agent_pb2
 
 ROOT = Path(__file__).resolve().parents[2]

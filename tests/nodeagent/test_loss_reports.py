@@ -16,7 +16,8 @@ from controller.supervisor.events import ProgressObserved
 from nodeagent import trainer
 from nodeagent.daemon import validate
 from nodeagent.daemon.progress import MAX_RECENT_LOSSES, ProgressTable
-from nodeagent.progress_socket import ProgressDatagramServer, progress_socket_path
+from nodeagent.daemon.progress_socket import ProgressDatagramServer
+from nodeagent.wire import progress_socket_path
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, WatchEvent
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nodeagent import trainer
-from nodeagent.progress_socket import progress_socket_path
+from nodeagent.wire import progress_socket_path
 from runwarden.v1 import agent_pb2
 
 BASE_S = 0.01

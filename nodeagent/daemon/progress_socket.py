@@ -1,10 +1,10 @@
-"""The ranks' progress path: unix datagrams, one serialized ReportProgressRequest each.
+"""The agent's end of the ranks' progress path: unix datagrams, one serialized ReportProgressRequest each.
 
 Why not the gRPC ReportProgress call (which also exists): a gRPC call costs the agent about a
 millisecond of CPU when calls are sparse (thread hand-offs, polling), and 8 ranks reporting every
 second took the agent over its 1%-of-a-core budget. A datagram costs one recvfrom and a parse.
 
-Path: `<unix_socket>.progress` (mode 0660, like the gRPC socket). The agent answers each datagram
+Path: nodeagent.wire.progress_socket_path, `<unix_socket>.progress` (mode 0660, like the gRPC socket). The agent answers each datagram
 that comes from a bound address with a ReportProgressResponse (stop flag, injected slow-down);
 a rank that binds an (abstract, auto) address gets it. Bad datagrams are dropped (and logged).
 """
@@ -28,10 +28,6 @@ from runwarden.v1 import agent_pb2
 log = logging.getLogger(__name__)
 MAX_DATAGRAM = 64 * 1024
 Handler = Callable[[agent_pb2.ReportProgressRequest], agent_pb2.ReportProgressResponse]
-
-
-def progress_socket_path(agent_socket: str) -> str:
-    return agent_socket + ".progress"
 
 
 class ProgressDatagramServer:
