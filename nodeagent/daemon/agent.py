@@ -735,36 +735,12 @@ class Agent:
         self, run: str, attempt: int, grace_s: float, park_within_s: float = 0.0
     ) -> list[Worker]:
         """StopWorkers: with park_within_s > 0, a warm worker's ranks leave the attempt and park again
-        in the same processes (nodeagent.warm.protocol's `end`); what has not parked within the bound, or a
+        in the same processes (ParkedGroups.park); what has not parked within the bound, or a
         cold worker, is stopped as always (TERM, KILL after grace_s); on a node with fatal evidence,
         or for a worker with a stopped process, an unplanned stop (park_within_s > 0) KILLs at once."""
         parking: list[Worker] = []
         if park_within_s > 0 and self.warm is not None and not self.unhealthy:
-            for w in self.launcher.workers(run):
-                group = self.warm.group_of(w)
-                if w.running and (attempt == 0 or w.attempt == attempt) and group is not None:
-                    if group.stopped_ranks():  # SIGSTOPped: it cannot leave; the bound would only wait
-                        log.info("run %s: ranks %s are stopped: not parked", run, group.stopped_ranks())
-                        continue
-                    group.end_attempt()
-                    parking.append(w)
-            deadline = time.monotonic() + park_within_s
-            for w in parking:
-                w.reaped.wait(max(0.0, deadline - time.monotonic()))
-            late = [w for w in parking if not w.reaped.is_set()]
-            for w in late:
-                self.warm.lost(
-                    run,
-                    f"the ranks of attempt {w.attempt} did not leave their collectives within "
-                    f"{park_within_s:.1f} s and were killed",
-                )
-            if late:
-                log.warning(
-                    "run %s: ranks of %s did not leave their collectives within %.1f s: killed",
-                    run,
-                    ", ".join(f"attempt {w.attempt} (leader {w.pid})" for w in late),
-                    park_within_s,
-                )
+            parking = self.warm.park(run, attempt, park_within_s)
         if park_within_s > 0 and (self.unhealthy or self._holds_a_stopped_process(run, attempt)):
             # An unplanned stop on a node with fatal evidence (an Xid, say), or of a worker with a
             # stopped process (SIGSTOP: it cannot act on a TERM until it is continued): KILLed at

@@ -346,13 +346,38 @@ class ParkedGroups:
             discard(group)  # a rank died or was killed (or this node has fatal evidence): a fresh group
             self.refill()
 
-    def group_of(self, worker: Worker) -> ParkedGroup | None:
-        """The parked group a running warm worker runs on (None for a cold worker)."""
-        return self._running.get(worker.pid)
-
-    def lost(self, run: str, why: str) -> None:
-        """The run's warm ranks were killed (`why`): the next warm launch's detail says so."""
-        self._lost[run] = why
+    def park(self, run: str, attempt: int, park_within_s: float) -> list[Worker]:
+        """StopWorkers with park_within_s: the run's warm workers (of `attempt`, 0 = any) leave their
+        attempt and park again in the same processes (`end`); waits up to park_within_s for them to
+        be reaped and returns them all, parked or not (the caller stops what is left as always). A
+        group with a SIGSTOPped rank is left out: it cannot leave, the bound would only wait."""
+        parking: list[Worker] = []
+        for w in self.launcher.workers(run):
+            group = self._running.get(w.pid)
+            if w.running and (attempt == 0 or w.attempt == attempt) and group is not None:
+                if group.stopped_ranks():
+                    log.info("run %s: ranks %s are stopped: not parked", run, group.stopped_ranks())
+                    continue
+                group.end_attempt()
+                parking.append(w)
+        deadline = time.monotonic() + park_within_s
+        for w in parking:
+            w.reaped.wait(max(0.0, deadline - time.monotonic()))
+        late = [w for w in parking if not w.reaped.is_set()]
+        for w in late:
+            # the next warm launch's detail says why it starts from a fresh group on a healthy host
+            self._lost[run] = (
+                f"the ranks of attempt {w.attempt} did not leave their collectives within "
+                f"{park_within_s:.1f} s and were killed"
+            )
+        if late:
+            log.warning(
+                "run %s: ranks of %s did not leave their collectives within %.1f s: killed",
+                run,
+                ", ".join(f"attempt {w.attempt} (leader {w.pid})" for w in late),
+                park_within_s,
+            )
+        return parking
 
     def refill(self) -> None:
         """Start a parked group unless one is parked or starting (idempotent)."""
