@@ -1,27 +1,37 @@
-"""Rules for `ActionFailed`: what the core does when the shell could not carry out an action.
+"""Rules for `ActionFailed`: what the core does when the shell could not carry out an action, as a
+nested table (`FAILED[state][action type]`, every action type written out in every state).
 
 It reacts at once, never at a timeout: a launch that never happened is relaunched (a new attempt
 number, nothing quarantined, no restart consumed, a backoff that grows while it keeps failing); a
 node that preflight could not reach is replaced without being quarantined (temporary) or rejected
-(permanent), while a preflight that was never sent at all (`node == ""`: the log append failed) is
-sent again after a short delay; dumps that cannot be collected stop the attempt now. The rest is recorded.
-"""
+(permanent), a preflight never sent (`node == ""`) is sent again shortly; dumps that cannot be
+collected stop the attempt now. The rest is recorded."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from controller.supervisor import burn_in, failure, prepare, restart, soak
 from controller.supervisor.actions import (
+    Action,
     AllocateFromQueue,
     CollectDumps,
     Launch,
     MeasureBandwidth,
+    Page,
+    PersistCheckpoint,
+    PersistMemory,
+    PersistNode,
+    Quarantine,
+    Release,
     RunPreflight,
     SetTimer,
+    StopAttempt,
+    TakeSpare,
 )
 from controller.supervisor.events import ActionFailed, AttemptExited
-from controller.supervisor.states import IN_ATTEMPT, RunState
+from controller.supervisor.states import TERMINAL, RunState
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
@@ -33,70 +43,185 @@ QUEUE_RETRY_MAX_S = 300.0
 
 
 def on_action_failed(sv: Run, ev: ActionFailed) -> None:
-    act = ev.action
     kind = "temporary" if ev.temporary else "permanent"
-    what = f"{type(act).__name__}{' on ' + ev.node if ev.node else ''} failed ({kind}): {ev.reason}"
-    match act:
-        case Launch() if act.attempt == sv.attempt and sv.state in IN_ATTEMPT and ev.node:
-            # that node's workers never started: as if they exited at once
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
-            sv.apply(
-                AttemptExited(
-                    node=ev.node, attempt=act.attempt, exit_code=127, detail=f"launch failed: {ev.reason}"
-                )
-            )
-        case Launch() if act.attempt == sv.attempt and sv.state is RunState.RUNNING:
-            _not_launched(sv, act, what)
-        case RunPreflight(purpose="attempt") if sv.state is RunState.PREFLIGHT and not ev.node:
-            # the request never left (the log append failed): not the nodes' fault; ask again shortly
-            again = sorted(n for n in act.nodes if n in sv.pending_preflight)
-            if again:
-                sv.preflight_resend.update(again)
-                sv.preflight_deadline = sv.now + sv.backoff_s() + sv.cfg.preflight_timeout_s
-                sv.emit(SetTimer(key="preflight", at=sv.now + sv.backoff_s()))
-                sv.log(
-                    E.EVENT_KIND_CONTROL_PLANE,
-                    f"{what}; asking {', '.join(again)} again in {sv.backoff_s():g}s",
-                )
-        case RunPreflight(purpose="attempt") if sv.state is RunState.PREFLIGHT:
-            node = ev.node
-            if node not in sv.pending_preflight:
-                return
-            if ev.temporary:
-                sv.unreachable.add(node)
-                prepare.drop_from_slots(
-                    sv,
-                    node,
-                    f"preflight could not reach it ({ev.reason}); replaced for this attempt, not quarantined",
-                )
-            else:
-                # The agent could not run it (busy with a burn-in, refused the request): no verdict on
-                # the node, so no quarantine and no strike; it is left out of this attempt.
-                prepare.leave_out(sv, node, f"preflight could not run: {ev.reason}")
-        case RunPreflight(purpose="burn_in"):
-            for node in (ev.node,) if ev.node else act.nodes:
-                sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
-        case MeasureBandwidth(purpose="burn_in"):
-            soak.unanswered(sv, act.nodes, what, burn_in.record)
-        case MeasureBandwidth() if sv.state is RunState.PREFLIGHT and act.nodes == sv.gate_pending:
-            prepare.gate_unanswered(sv, what)
-        case CollectDumps() if sv.state is RunState.COLLECTING and act.attempt == sv.attempt:
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; stopping without the flight recorder")
-            failure.stop(sv)
-        case AllocateFromQueue():
-            sv.queue_outstanding = max(0, sv.queue_outstanding - act.count)
-            sv.queue_refusals += 1
-            delay = min(QUEUE_RETRY_MAX_S, QUEUE_RETRY_BASE_S * 2 ** (sv.queue_refusals - 1))
-            sv.queue_retry_at = sv.now + delay
-            sv.emit(SetTimer(key="queue_retry", at=sv.queue_retry_at))
+    what = f"{type(ev.action).__name__}{' on ' + ev.node if ev.node else ''} failed ({kind}): {ev.reason}"
+    FAILED[sv.state][type(ev.action)](sv, ev, what)
+
+
+# (run, the failure, what failed in words)
+FailedHandler = Callable[["Run", ActionFailed, str], None]
+
+
+def _recorded(sv: Run, ev: ActionFailed, what: str) -> None:
+    # StopAttempt: the stop deadline decides; Quarantine/Release/TakeSpare/Page/Persist*: the core's
+    # own state is already right and is written again at the node's next change.
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
+
+
+def _launch_failed_on_node(sv: Run, ev: ActionFailed, what: str) -> None:
+    """COLLECTING, STOPPING: one node's workers never started: as if they exited at once."""
+    act = ev.action
+    assert isinstance(act, Launch)
+    if act.attempt != sv.attempt or not ev.node:
+        _recorded(sv, ev, what)
+        return
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
+    sv.apply(
+        AttemptExited(node=ev.node, attempt=act.attempt, exit_code=127, detail=f"launch failed: {ev.reason}")
+    )
+
+
+def _launch_failed_running(sv: Run, ev: ActionFailed, what: str) -> None:
+    """RUNNING: one node's launch failed (as above), or the whole launch never happened."""
+    act = ev.action
+    assert isinstance(act, Launch)
+    if act.attempt == sv.attempt and not ev.node:
+        _not_launched(sv, act, what)
+    else:
+        _launch_failed_on_node(sv, ev, what)
+
+
+def _preflight_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:
+    """PREFLIGHT: the attempt's preflight (resent, or its node replaced), or a burn-in's."""
+    act = ev.action
+    assert isinstance(act, RunPreflight)
+    if act.purpose != "attempt":
+        _preflight_failed(sv, ev, what)
+    elif not ev.node:
+        # the request never left (the log append failed): not the nodes' fault; ask again shortly
+        again = sorted(n for n in act.nodes if n in sv.pending_preflight)
+        if again:
+            sv.preflight_resend.update(again)
+            sv.preflight_deadline = sv.now + sv.backoff_s() + sv.cfg.preflight_timeout_s
+            sv.emit(SetTimer(key="preflight", at=sv.now + sv.backoff_s()))
             sv.log(
-                E.EVENT_KIND_CONTROL_PLANE, f"{what}; asking again in {delay:g}s if a slot still needs a node"
+                E.EVENT_KIND_CONTROL_PLANE,
+                f"{what}; asking {', '.join(again)} again in {sv.backoff_s():g}s",
             )
-        case _:
-            # StopAttempt: the stop deadline decides; Quarantine/Release/TakeSpare/Page/PersistNode: the
-            # core's own state is already right and is written again at the node's next change.
-            sv.log(E.EVENT_KIND_CONTROL_PLANE, what)
+    elif ev.node in sv.pending_preflight:
+        if ev.temporary:
+            sv.unreachable.add(ev.node)
+            prepare.drop_from_slots(
+                sv,
+                ev.node,
+                f"preflight could not reach it ({ev.reason}); replaced for this attempt, not quarantined",
+            )
+        else:
+            # The agent could not run it (busy with a burn-in, refused the request): no verdict on
+            # the node, so no quarantine and no strike; it is left out of this attempt.
+            prepare.leave_out(sv, ev.node, f"preflight could not run: {ev.reason}")
+
+
+def _preflight_failed(sv: Run, ev: ActionFailed, what: str) -> None:
+    """Any state: a burn-in's preflight (the node stays in burn-in); an attempt's is late: recorded."""
+    act = ev.action
+    assert isinstance(act, RunPreflight)
+    if act.purpose != "burn_in":
+        _recorded(sv, ev, what)
+        return
+    for node in (ev.node,) if ev.node else act.nodes:
+        sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
+
+
+def _bandwidth_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:
+    """PREFLIGHT: a burn-in soak's, or the bandwidth gate's for the node set in play."""
+    act = ev.action
+    assert isinstance(act, MeasureBandwidth)
+    if act.purpose != "burn_in" and act.nodes == sv.gate_pending:
+        prepare.gate_unanswered(sv, what)
+    else:
+        _bandwidth_failed(sv, ev, what)
+
+
+def _bandwidth_failed(sv: Run, ev: ActionFailed, what: str) -> None:
+    """Any state: a burn-in soak's goes without its answer; a gate's is late: recorded."""
+    act = ev.action
+    assert isinstance(act, MeasureBandwidth)
+    if act.purpose == "burn_in":
+        soak.unanswered(sv, act.nodes, what, burn_in.record)
+    else:
+        _recorded(sv, ev, what)
+
+
+def _dumps_failed_collecting(sv: Run, ev: ActionFailed, what: str) -> None:
+    """COLLECTING: the attempt stops now, without the flight recorder."""
+    act = ev.action
+    assert isinstance(act, CollectDumps)
+    if act.attempt != sv.attempt:
+        _recorded(sv, ev, what)
+        return
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; stopping without the flight recorder")
+    failure.stop(sv)
+
+
+def _queue_refused(sv: Run, ev: ActionFailed, what: str) -> None:
+    """Any state: the queue refused an ask: asked again after a backoff, if a slot still needs a node."""
+    act = ev.action
+    assert isinstance(act, AllocateFromQueue)
+    sv.queue_outstanding = max(0, sv.queue_outstanding - act.count)
+    sv.queue_refusals += 1
+    delay = min(QUEUE_RETRY_MAX_S, QUEUE_RETRY_BASE_S * 2 ** (sv.queue_refusals - 1))
+    sv.queue_retry_at = sv.now + delay
+    sv.emit(SetTimer(key="queue_retry", at=sv.queue_retry_at))
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; asking again in {delay:g}s if a slot still needs a node")
+
+
+def _row(
+    *, launch: FailedHandler, preflight: FailedHandler, bandwidth: FailedHandler, dumps: FailedHandler
+) -> dict[type[Action], FailedHandler]:
+    return {
+        Launch: launch,
+        RunPreflight: preflight,
+        MeasureBandwidth: bandwidth,
+        CollectDumps: dumps,
+        AllocateFromQueue: _queue_refused,  # in every state
+        # recorded in every state: the core's own state is already right (or a deadline decides)
+        StopAttempt: _recorded,
+        Quarantine: _recorded,
+        Release: _recorded,
+        TakeSpare: _recorded,
+        Page: _recorded,
+        SetTimer: _recorded,
+        PersistNode: _recorded,
+        PersistMemory: _recorded,
+        PersistCheckpoint: _recorded,
+    }
+
+
+_S = RunState
+_IDLE = _row(launch=_recorded, preflight=_preflight_failed, bandwidth=_bandwidth_failed, dumps=_recorded)
+
+FAILED: dict[RunState, dict[type[Action], FailedHandler]] = {
+    _S.WAITING_NODES: _IDLE,
+    _S.PREFLIGHT: _row(
+        launch=_recorded,
+        preflight=_preflight_failed_preparing,
+        bandwidth=_bandwidth_failed_preparing,
+        dumps=_recorded,
+    ),
+    _S.RUNNING: _row(
+        launch=_launch_failed_running,
+        preflight=_preflight_failed,
+        bandwidth=_bandwidth_failed,
+        dumps=_recorded,
+    ),
+    _S.COLLECTING: _row(
+        launch=_launch_failed_on_node,
+        preflight=_preflight_failed,
+        bandwidth=_bandwidth_failed,
+        dumps=_dumps_failed_collecting,
+    ),
+    _S.STOPPING: _row(
+        launch=_launch_failed_on_node,
+        preflight=_preflight_failed,
+        bandwidth=_bandwidth_failed,
+        dumps=_recorded,
+    ),
+    _S.BACKOFF: _IDLE,
+    _S.CONTROL_PLANE: _IDLE,
+    **{s: _IDLE for s in TERMINAL},
+}
 
 
 def _not_launched(sv: Run, act: Launch, what: str) -> None:

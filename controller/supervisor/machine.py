@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controller.supervisor import prepare
 from controller.supervisor.actions import (
     Batch,
 )
@@ -44,7 +43,7 @@ from controller.supervisor.events import (
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.run import Run
 from controller.supervisor.states import IllegalTransition, RunState, TransitionError
-from controller.supervisor.table import EDGES, STATE_TRIGGERED, TABLE, diagram
+from controller.supervisor.table import AUTOMATIC, EDGES, STATE_TRIGGERED, TABLE, diagram
 
 __all__ = [
     "EDGES",
@@ -113,8 +112,11 @@ class Supervisor(Run):
         self._first_moves = rule.to
         rule.handler(self, event)
         self._first_moves = None
-        if self.state is RunState.WAITING_NODES:  # the state-triggered move (STATE_TRIGGERED)
-            prepare.try_start(self)
+        while (automatic := AUTOMATIC.get(self.state)) is not None:  # to a fixed point
+            before = self.state
+            automatic(self)
+            if self.state is before:
+                break
         batch = Batch(entries=tuple(self._entries), actions=tuple(self._actions))
         self._entries, self._actions = [], []
         return batch

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from controller.supervisor import (
     burn_in,
@@ -91,20 +91,23 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.states import TERMINAL, RunState
 
-Handler = Callable[[Any, Any], None]
+if TYPE_CHECKING:
+    from controller.supervisor.run import Run
+
+Ev = TypeVar("Ev", contravariant=True)
 
 
 @dataclass(frozen=True, slots=True)
-class Rule:
-    handler: Handler
+class Rule(Generic[Ev]):
+    handler: Callable[[Run, Ev], None]
     to: frozenset[RunState]  # the legal first moves (empty: the state stays)
 
 
-def _ignore(sv: Any, ev: object) -> None:
+def _ignore(sv: Run, ev: object) -> None:
     return None
 
 
-def _on(fn: Handler, *to: RunState) -> Rule:
+def _on(fn: Callable[[Run, Ev], None], *to: RunState) -> Rule[Ev]:
     return Rule(fn, frozenset(to))
 
 
@@ -122,8 +125,8 @@ _DECIDED = (
 _AFTER_CP = (S.RUNNING, S.COLLECTING, S.STOPPING, S.PREFLIGHT, S.WAITING_NODES, S.STOPPED)
 
 
-def _tick(fn: Callable[[Any], None]) -> Handler:
-    def on_tick(sv: Any, ev: Tick) -> None:
+def _tick(fn: Callable[[Run], None]) -> Callable[[Run, Tick], None]:
+    def on_tick(sv: Run, ev: Tick) -> None:
         soak.expire(sv, burn_in.record)  # a burn-in soak past its deadline, in any live state
         burn_in.retry_due(sv)  # inconclusive burn-ins whose backoff is over
         fn(sv)
@@ -134,29 +137,34 @@ def _tick(fn: Callable[[Any], None]) -> Handler:
 
 def _row(
     *,
-    joined: Rule,
-    lost: Rule,
-    preflight: Rule,
-    progress: Rule,
-    exited: Rule,
-    dumps: Rule,
-    stop: Rule,
-    tick: Rule,
-    checkpoint: Rule,
-    evidence: Rule,
-    operator_q: Rule,
-    cp_lost: Rule,
-    cp_restored: Rule,
-    snapshot: Rule,
-    failed: Rule,
-    bandwidth: Rule | None = None,
-    drain: Rule | None = None,
-    claimed: Rule | None = None,
-) -> dict[type, Rule]:
+    joined: Rule[NodeJoined],
+    lost: Rule[NodeLost],
+    drain: Rule[NodeDraining],
+    preflight: Rule[PreflightResult],
+    progress: Rule[ProgressObserved],
+    exited: Rule[AttemptExited],
+    dumps: Rule[DumpsCollected],
+    stop: Rule[StopRequested],
+    tick: Rule[Tick],
+    checkpoint: Rule[CheckpointCommitted],
+    checkpoint_failed: Rule[CheckpointFailed],
+    started: Rule[WorkersStarted],
+    evidence: Rule[EvidenceObserved],
+    operator_q: Rule[OperatorQuarantine],
+    operator_release: Rule[OperatorRelease],
+    cp_lost: Rule[ControlPlaneLost],
+    cp_restored: Rule[ControlPlaneRestored],
+    snapshot: Rule[Snapshot],
+    failed: Rule[ActionFailed],
+    bandwidth: Rule[BandwidthMeasured],
+    policy: Rule[PolicyChanged],
+    claimed: Rule[NodeClaimed],
+) -> dict[type, Rule[Any]]:
+    """One state's row: a rule for every event type (no defaults: each column is written out)."""
     return {
         NodeJoined: joined,
         NodeLost: lost,
-        NodeDraining: drain or _on(nodes.on_draining),
+        NodeDraining: drain,
         PreflightResult: preflight,
         ProgressObserved: progress,
         AttemptExited: exited,
@@ -164,26 +172,30 @@ def _row(
         StopRequested: stop,
         Tick: tick,
         CheckpointCommitted: checkpoint,
-        CheckpointFailed: _on(nodes.on_checkpoint_failed),
-        WorkersStarted: _on(running.on_workers_started),  # logged in any state: the attempt's record
+        CheckpointFailed: checkpoint_failed,
+        WorkersStarted: started,
         EvidenceObserved: evidence,
         OperatorQuarantine: operator_q,
-        OperatorRelease: _on(nodes.on_operator_release),
+        OperatorRelease: operator_release,
         ControlPlaneLost: cp_lost,
         ControlPlaneRestored: cp_restored,
         Snapshot: snapshot,
         ActionFailed: failed,
-        # a burn-in soak's answer in any state; in PREFLIGHT also the gate's (else a set no longer in play)
-        BandwidthMeasured: bandwidth or _on(nodes.on_bandwidth),
-        PolicyChanged: _on(reconfigure.on_policy_changed),  # every state: the next decision uses it
-        NodeClaimed: claimed or _on(nodes.on_claimed),  # every state: another run took or gave back a node
+        BandwidthMeasured: bandwidth,
+        PolicyChanged: policy,
+        NodeClaimed: claimed,
     }
 
 
+# the same in every state
+_CHECKPOINT_FAILED = _on(nodes.on_checkpoint_failed)
+_STARTED = _on(running.on_workers_started)  # logged in any state: the attempt's record
+_RELEASE = _on(nodes.on_operator_release)
+_POLICY = _on(reconfigure.on_policy_changed)  # the next decision uses it
 _CP_LOST = _on(control_plane.on_lost_etcd, *_BLIND)
 _FAILED = _on(failed_actions.on_action_failed)  # recorded, or a refill of the attempt being prepared
 
-TABLE: dict[RunState, dict[type, Rule]] = {
+TABLE: dict[RunState, dict[type, Rule[Any]]] = {
     S.WAITING_NODES: _row(
         joined=_on(nodes.on_joined),
         lost=_on(nodes.on_lost_idle, *_BLIND),
@@ -200,6 +212,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED),
         failed=_FAILED,
+        drain=_on(nodes.on_draining),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     S.PREFLIGHT: _row(
         joined=_on(nodes.on_joined_preflight, S.RUNNING),
@@ -220,6 +239,10 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         bandwidth=_on(nodes.on_bandwidth, S.RUNNING),
         drain=_on(nodes.on_draining, S.RUNNING),
         claimed=_on(nodes.on_claimed, S.RUNNING),  # a refill may launch
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     S.RUNNING: _row(
         joined=_on(nodes.on_joined),
@@ -238,6 +261,12 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         snapshot=_on(control_plane.on_snapshot, *_FAIL, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
         drain=_on(nodes.on_draining, *_FAIL),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     S.COLLECTING: _row(
         joined=_on(nodes.on_joined),
@@ -255,6 +284,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_BLIND),
         failed=_on(failed_actions.on_action_failed, S.STOPPING),
+        drain=_on(nodes.on_draining),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     S.STOPPING: _row(
         joined=_on(nodes.on_joined),
@@ -272,6 +308,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_DECIDED, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_DECIDED),
+        drain=_on(nodes.on_draining),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     S.BACKOFF: _row(
         joined=_on(nodes.on_joined),
@@ -289,6 +332,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=IGNORE,
         snapshot=_on(control_plane.on_snapshot, *_BLIND, S.STOPPED),
         failed=_FAILED,
+        drain=_on(nodes.on_draining),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     # blind: exits are recorded (reconciled later), progress and dumps are not evidence now
     S.CONTROL_PLANE: _row(
@@ -307,6 +357,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
         cp_restored=_on(control_plane.on_restored),
         snapshot=_on(control_plane.on_snapshot, *_AFTER_CP),
         failed=_on(failed_actions.on_action_failed),
+        drain=_on(nodes.on_draining),
+        bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+        claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+        checkpoint_failed=_CHECKPOINT_FAILED,
+        started=_STARTED,
+        operator_release=_RELEASE,
+        policy=_POLICY,
     ),
     **{
         s: _row(
@@ -325,6 +382,13 @@ TABLE: dict[RunState, dict[type, Rule]] = {
             cp_restored=IGNORE,
             snapshot=_on(control_plane.on_snapshot),
             failed=_on(failed_actions.on_action_failed),
+            drain=_on(nodes.on_draining),
+            bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
+            claimed=_on(nodes.on_claimed),  # another run took or gave back a node
+            checkpoint_failed=_CHECKPOINT_FAILED,
+            started=_STARTED,
+            operator_release=_RELEASE,
+            policy=_POLICY,
         )
         for s in TERMINAL
     },
@@ -335,6 +399,12 @@ STATE_TRIGGERED: dict[RunState, frozenset[RunState]] = {
     S.WAITING_NODES: frozenset({S.PREFLIGHT}),  # enough usable nodes: prepare an attempt
     S.STOPPING: frozenset(_DECIDED),  # nothing left to wait for: decide
     S.BACKOFF: frozenset({S.WAITING_NODES}),  # a zero backoff
+}
+
+# What the machine runs on its own in a state, after the event's rule (machine.Supervisor.handle
+# runs them to a fixed point: until the state stops changing). Their moves are STATE_TRIGGERED's.
+AUTOMATIC: dict[RunState, Callable[[Run], None]] = {
+    S.WAITING_NODES: prepare.try_start,  # enough usable nodes: prepare an attempt
 }
 
 EDGES: frozenset[tuple[RunState, RunState]] = frozenset(
