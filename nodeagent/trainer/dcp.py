@@ -15,38 +15,10 @@ Layout of one step (nodeagent.trainer.checkpoint's `step_<N>/`):
     rank<r>.state.json              rank r's own state: RNG states, data position, scheduler, extra
     COMMITTED                       the marker, written last by rank 0
 
-Order of obligations in `save()`, and why the marker means "every rank's files are durable":
-
-1. Every rank un-commits the step (removes a marker left by an earlier save of the same step, fsyncs
-   the directory), then writes and fsyncs its `rank<r>.state.json`.
-2. DCP's save (`async_save`: a CPU copy of the state dict is staged now, the upload runs on a
-   background thread) plans collectively first, so no rank writes a shard before every rank has
-   finished step 1. Each rank writes its shards and fsyncs them (FileSystemWriter sync_files);
-   the coordinator gathers every rank's write results, and only then writes `.metadata` (fsynced,
-   renamed into place). So the coordinator is the one rank that knows every rank is done: when
-   its save completes, every shard and every state file (written before that rank's save began)
-   is on disk.
-3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
-   rank's state file with their sizes, hashes `.metadata`, and writes COMMITTED
-   (nodeagent.trainer.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
-   (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
-
-One save is in flight at a time: `save()` first waits for the previous one. The saves use their
-own gloo process group, so the background thread's collectives never interleave with the
-training loop's (and async save needs a CPU backend anyway).
-
-Reading is validation first (the files come from storage, outside this process's control):
-
-* the marker must list `.metadata` with its SHA-256, and the bytes handed to DCP must hash to it
-  (a torn or swapped `.metadata` is refused, not unpickled);
-* DCP's own FileSystemReader unpickles `.metadata` with the standard unpickler, which runs any
-  callable a pickle names. `load_dcp` reads it with a restricted unpickler instead, which accepts
-  only DCP's metadata classes, torch.Size, dtypes and layouts, and paths; every shard it names
-  must be a file the marker lists, with an offset and length inside it;
-* DCP's default load planner unpickles non-tensor values (optimizer hyper-parameters) with
-  `torch.load(weights_only=False)`; `load_dcp` uses a planner that loads them with
-  `weights_only=True` (torch's own plain-data unpickler); tensors are loaded that way by DCP already;
-* `rank<r>.state.json` is JSON, bounded in size, and checked field by field.
+`save()` writes every rank's files, and rank 0 writes COMMITTED only once every one of them is
+durable: a rank killed anywhere before leaves no marker, and the step is not there
+(DcpCheckpointer says in which order). `load_dcp` validates what it reads before it trusts it (the
+files come from storage, outside this process's control).
 
 The old format (`step_N/rank<r>.pt`, nodeagent.trainer.save_checkpoint) stays readable: a
 commit's `meta["format"]` says which one it is (`trainer.load_checkpoint` dispatches on it).
@@ -182,8 +154,8 @@ def _blocks_training(method: _Method) -> _Method:
 
 
 class DcpCheckpointer:
-    """Saves through DCP under the commit protocol (the module doc says in which order); one per
-    rank, made by every rank (it creates the saves' process group: a collective).
+    """Saves through DCP under the commit protocol; one per rank, made by every rank (it creates the
+    saves' process group: a collective).
 
     `async_save` (default): `save()` blocks only while DCP stages a CPU copy of the state dict;
     the upload and the commit follow on a background thread. `reporter` (a ProgressReporter):
@@ -193,7 +165,28 @@ class DcpCheckpointer:
     its `save()` call (less the wait there for the previous save, which is that save's) and in any
     `wait()` for it, up to its commit (`stall_s(step)`). It goes to the reporter with the commit
     (`set_committed(step, save_stall_s=...)`, the supervisor's save_duration_s, goodput's
-    checkpoint_stall) and into the marker's meta as `save_stall_s` (rank 0's)."""
+    checkpoint_stall) and into the marker's meta as `save_stall_s` (rank 0's).
+
+    Order of obligations in `save()`, and why the marker means "every rank's files are durable":
+
+    1. Every rank un-commits the step (removes a marker left by an earlier save of the same step, fsyncs
+       the directory), then writes and fsyncs its `rank<r>.state.json`.
+    2. DCP's save (`async_save`: a CPU copy of the state dict is staged now, the upload runs on a
+       background thread) plans collectively first, so no rank writes a shard before every rank has
+       finished step 1. Each rank writes its shards and fsyncs them (FileSystemWriter sync_files);
+       the coordinator gathers every rank's write results, and only then writes `.metadata` (fsynced,
+       renamed into place). So the coordinator is the one rank that knows every rank is done: when
+       its save completes, every shard and every state file (written before that rank's save began)
+       is on disk.
+    3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
+       rank's state file with their sizes, hashes `.metadata`, and writes COMMITTED
+       (nodeagent.trainer.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
+       (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
+
+    One save is in flight at a time: `save()` first waits for the previous one. The saves use their
+    own gloo process group, so the background thread's collectives never interleave with the
+    training loop's (and async save needs a CPU backend anyway).
+    """
 
     def __init__(
         self,
@@ -419,8 +412,21 @@ def load_dcp(
     process_group: Any = None,
 ) -> LoadedState:
     """Load a committed DCP step into model (and optimizer, scheduler) on every rank (collective),
-    restore this rank's RNG states, and return its data position. Validates before it trusts (the
-    module doc)."""
+    restore this rank's RNG states, and return its data position.
+
+    Reading is validation first (the files come from storage, outside this process's control):
+
+    * the marker must list `.metadata` with its SHA-256, and the bytes handed to DCP must hash to it
+      (a torn or swapped `.metadata` is refused, not unpickled);
+    * DCP's own FileSystemReader unpickles `.metadata` with the standard unpickler, which runs any
+      callable a pickle names. `load_dcp` reads it with a restricted unpickler instead, which accepts
+      only DCP's metadata classes, torch.Size, dtypes and layouts, and paths; every shard it names
+      must be a file the marker lists, with an offset and length inside it;
+    * DCP's default load planner unpickles non-tensor values (optimizer hyper-parameters) with
+      `torch.load(weights_only=False)`; `load_dcp` uses a planner that loads them with
+      `weights_only=True` (torch's own plain-data unpickler); tensors are loaded that way by DCP already;
+    * `rank<r>.state.json` is JSON, bounded in size, and checked field by field.
+    """
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 

@@ -1,4 +1,4 @@
-"""The rank's in-memory copy of its last checkpoint: the fast path of a warm restart (issue 18).
+"""The rank's in-memory copy of its last checkpoint: the fast path of a warm restart.
 
 A warm rank process outlives its attempts (nodeagent.warm.rank), and this module, imported once, with
 it. `keep` is called by `nodeagent.trainer.save_checkpoint` once every rank has written its file
@@ -11,25 +11,9 @@ copy serves the load only if it is the state of that commit, i.e.
   rollback, never is);
 * the same run, the same global rank and world size (each rank's file is its own).
 
-A DCP commit (the default format; its load is a collective) is served by `restore_committed_dcp`,
-one plan agreed by every rank of the attempt: all from their own copies (every host kept its
-processes); or, when the replacement host's fresh ranks hold none and the state is whole on every
-rank (DDP's replicas), those ranks receive the lowest holder's copy over the attempt's own process
-group (a peer), the others use their own; else all from storage, which stays the truth on disk.
-Which source served the load is remembered (`loaded_from`) and the progress reporter sends it
-with its load mark, so the event log says per attempt where the state came from ("memory",
-"peer", "storage"). Two copies are kept per process (the newest; KEEP says why).
-
-Where the copies live (issue 28): in host memory, never on the GPU. Every tensor is copied into a
-plain host tensor (pinned when it comes from a GPU; a DTensor's local shard), CUDA tensors on a side
-stream the training thread does not wait for; the buffers are reused by the next copy of the same
-layout. Their cost is at most two model + optimizer states per rank, and never more than the copy
-budget (`set_budget`, the agent's memory_copy_budget_bytes, DEFAULT_BUDGET_BYTES): a copy over it
-is not kept, and the log and the load say so. Only a rank the warm path started keeps one (its
-process outlives the attempt); a cold rank's would die with it. A peer's state crosses the GPU
-only in chunks (STAGE_BYTES) under NCCL. A copy is only ever sent inside the process
-group of the attempt that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.rank), and
-only if it is the state of the commit being loaded: a stale rank cannot hand its state out.
+A DCP commit is served by `restore_committed_dcp` (from this rank's copies, a peer's, or storage,
+which stays the truth on disk; `loaded_from` says which); where the copies live and what they may
+cost is `keep`'s contract.
 """
 
 from __future__ import annotations
@@ -134,6 +118,13 @@ def keep(
 ) -> str:
     """Copy `payload` into host memory as this rank's state at checkpoint `step`: "" if kept, else
     why not (also logged, and said by the load of that step).
+
+    The copies live in host memory, never on the GPU, and cost at most two model + optimizer states
+    per rank, never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
+    DEFAULT_BUDGET_BYTES). A copy is only ever sent to a peer inside the process group of the attempt
+    that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.rank), in chunks
+    (STAGE_BYTES) under NCCL, and only if it is the state of the commit being loaded: a stale rank
+    cannot hand its state out.
 
     Only a rank the warm path started keeps one (`RUNWARDEN_LAUNCH_PATH=warm`): a cold rank's
     process ends with its attempt, and its copy with it. A copy over the budget is not kept; older
@@ -414,6 +405,15 @@ def restore_committed_dcp(
     """Serve the load of DCP commit `commit` from memory, this rank's or a peer's: (data_state,
     extra), or None when every rank must load from storage (nodeagent.trainer.dcp.load_dcp). A collective
     on the default group: every rank of the attempt calls it, and every rank takes the same way.
+
+    A DCP commit (the default format; its load is a collective) is served by `restore_committed_dcp`,
+    one plan agreed by every rank of the attempt: all from their own copies (every host kept its
+    processes); or, when the replacement host's fresh ranks hold none and the state is whole on every
+    rank (DDP's replicas), those ranks receive the lowest holder's copy over the attempt's own process
+    group (a peer), the others use their own; else all from storage, which stays the truth on disk.
+    Which source served the load is remembered (`loaded_from`) and the progress reporter sends it
+    with its load mark, so the event log says per attempt where the state came from ("memory",
+    "peer", "storage"). Two copies are kept per process (the newest; KEEP says why).
 
     Without every rank holding its own copy, memory serves only state every rank holds in full
     (DDP's replicas; the commit's `.metadata` says so: dcp_format.whole_tensors_bytes): the replacement

@@ -9,29 +9,9 @@
             dist.all_reduce(flag)
         reporter.report(step + 1, loss=loss.item())   # step time, compute and wait filled in
 
-The hook replaces DDP's built-in gradient all-reduce with the same arithmetic (each bucket scaled
-by 1/world size, then summed across ranks: the reducer's own order of operations, so gradients and
-losses are bit-identical to an unhooked run; torch's `allreduce_hook` divides instead, which is not
-bit-identical for a world size that is not a power of two) and stamps two moments per bucket: when
-the bucket became ready (the hook is called: backward has computed its gradients) and when its
-all-reduce completed (the future's callback). A backward pass's wait is the time from the last
-bucket's readiness (backward compute is done) to the last completion (every rank's gradients have
-arrived); what the all-reduces overlap with backward compute is compute, not wait. A step's wait is
-the sum over its backward passes plus the `waiting()` blocks; compute is the step time (the time
-between two reports) minus the wait.
-
-What the future's completion means:
-
-* gloo (CPU tensors): the callback runs on gloo's thread when the all-reduce is done: host
-  timestamps (`time.perf_counter`) are the truth.
-* NCCL (CUDA tensors): the future is marked complete as soon as the collective is *enqueued*, and
-  its callback runs at once on the host, with its current stream made to wait for the NCCL stream.
-  A host timestamp there says nothing about the device, so on CUDA both moments are CUDA events
-  instead: one recorded on the backward's stream when the bucket is ready, one on the callback's
-  stream (ordered after the all-reduce on the device). `take()` (at each report) synchronizes on
-  the step's last events, a host wait for the all-reduce the optimizer step's kernels follow
-  anyway, and reads their elapsed time. The step time stays host time between reports: a loop
-  that never synchronizes lets the host run ahead of the device, so the wait is capped at it.
+A step's wait is the time after backward's compute is done until every rank's gradients arrived,
+plus the `waiting()` blocks; compute is the rest of the step (CollectiveTimer says how each moment is
+taken on gloo and on NCCL).
 
 What the timer cannot see: collectives outside DDP's gradient all-reduce that are not inside
 `waiting()` (they count as compute); waiting that overlaps this rank's own backward (an early
@@ -94,7 +74,32 @@ class CollectiveTimer:
     """Per-step time in collectives: DDP's gradient all-reduce (a comm hook) and `waiting()` blocks.
 
     Thread-safe: the hook runs on the autograd thread, the completion callbacks on the process
-    group's thread, `take()` on the training loop's."""
+    group's thread, `take()` on the training loop's.
+
+    The hook replaces DDP's built-in gradient all-reduce with the same arithmetic (each bucket scaled
+    by 1/world size, then summed across ranks: the reducer's own order of operations, so gradients and
+    losses are bit-identical to an unhooked run; torch's `allreduce_hook` divides instead, which is not
+    bit-identical for a world size that is not a power of two) and stamps two moments per bucket: when
+    the bucket became ready (the hook is called: backward has computed its gradients) and when its
+    all-reduce completed (the future's callback). A backward pass's wait is the time from the last
+    bucket's readiness (backward compute is done) to the last completion (every rank's gradients have
+    arrived); what the all-reduces overlap with backward compute is compute, not wait. A step's wait is
+    the sum over its backward passes plus the `waiting()` blocks; compute is the step time (the time
+    between two reports) minus the wait.
+
+    What the future's completion means:
+
+    * gloo (CPU tensors): the callback runs on gloo's thread when the all-reduce is done: host
+      timestamps (`time.perf_counter`) are the truth.
+    * NCCL (CUDA tensors): the future is marked complete as soon as the collective is *enqueued*, and
+      its callback runs at once on the host, with its current stream made to wait for the NCCL stream.
+      A host timestamp there says nothing about the device, so on CUDA both moments are CUDA events
+      instead: one recorded on the backward's stream when the bucket is ready, one on the callback's
+      stream (ordered after the all-reduce on the device). `take()` (at each report) synchronizes on
+      the step's last events, a host wait for the all-reduce the optimizer step's kernels follow
+      anyway, and reads their elapsed time. The step time stays host time between reports: a loop
+      that never synchronizes lets the host run ahead of the device, so the wait is capped at it.
+    """
 
     def __init__(self, *, device: str = "cpu") -> None:
         """`device`: where the hooked model's gradients live ("cuda": CUDA events, else host time)."""
