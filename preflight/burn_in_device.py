@@ -1,19 +1,7 @@
 """The burn-in's device work: a sustained known-answer matmul loop and a device-memory pattern test,
-on every GPU at once (one thread per GPU) or on the CPU. Run in one child process per burn-in, which
-serves its device stages in turn (`python -m preflight.burn_in_device`, see `serve`), so neither torch
-nor a CUDA context stays in the agent; tests call the functions in-process through their seams.
-
-matmul: the inputs of preflight.checks.compute (integer-valued, so an fp32 product is exact). The
-reference product is computed on the device and verified exactly by its row and column checksums;
-then the timed dtype's product is computed again and again for `duration_s`, and *every* result is
-compared with the reference elementwise (exact for 32/64-bit dtypes, compute's stated tolerance for
-16-bit ones). Throughput counts the matmul time only, not the checking.
-
-memory: each pattern is written over every chunk first and only then read back and verified, so a
-value sits in memory while the rest is written (a cell that loses its charge or is disturbed by its
-neighbours shows up). Patterns: walking_ones (word i holds 1 << (i mod 64)), walking_zeros (its
-complement), address (word i holds its own index: aliased or misrouted addresses), random (a seeded
-stream regenerated to verify, never stored).
+on every GPU at once (one thread per GPU) or on the CPU. It runs in one child process per burn-in
+(`python -m preflight.burn_in_device`, `serve`), so neither torch nor a CUDA context stays in the
+agent; preflight.checks.burn_in drives it, and tests call the functions in-process.
 """
 
 from __future__ import annotations
@@ -334,7 +322,18 @@ def serve(burn: BurnInConfig, compute: ComputeConfig) -> int:
     """The device worker's loop: a stage name a line on stdin; its outcomes as JSON lines on stdout,
         then {"done": stage} ({"cuda_unavailable": why} instead of outcomes when CUDA is required and
     unavailable). Ends at EOF. One process serves a burn-in's device stages one after the
-        other, so torch and CUDA start once per burn-in, not once per stage."""
+        other, so torch and CUDA start once per burn-in, not once per stage.
+
+    matmul (`sustained_matmul`): preflight.checks.compute's inputs; the reference product is computed
+    on the device and verified by its checksums, then the timed dtype's product is computed for
+    `duration_s` and every result is compared with the reference (exact for 32/64-bit dtypes, compute's
+    tolerance for 16-bit ones); throughput counts the matmul time only.
+
+    memory (`memory_test`): each pattern is written over every chunk first and only then read back, so
+    a value sits in memory while the rest is written. Patterns: walking_ones (word i holds
+    1 << (i mod 64)), walking_zeros, address (word i holds its own index) and random (a seeded stream
+    regenerated to verify).
+    """
     work: dict[str, Callable[[BurnInConfig, ComputeConfig], Sequence[Any]]] = {
         "matmul": matmul_outcomes,
         "memory": memory_outcomes,

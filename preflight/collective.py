@@ -1,21 +1,10 @@
 """All-reduce bus bandwidth over torch.distributed: NCCL on GPUs, gloo on CPU.
 
-One entry point for both uses: the preflight launches it on one node (one process per GPU, or
-`cpu_processes` gloo ranks), and the controller can run it across a few neighbouring nodes with
-torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK):
-
-    torchrun --nnodes 2 --nproc-per-node 8 -m preflight.collective --out result.json
-
-or with the group given explicitly (the node agent's MeasureAllReduce: one rank per node, rank 0's
-agent hands it an already listening socket on its own advertised host, and each rank's gloo
-connections use its own address):
-
-    python -m preflight.collective --rank 1 --world-size 3 --master-addr 10.0.0.5 \
-        --master-port 29641 --bind-host 10.0.0.6 --group bw-1f3a-set --out result.json
-
-Bus bandwidth follows nccl-tests (PERFORMANCE.md): algbw = bytes / time, and for all-reduce
-busbw = algbw * 2 (n - 1) / n, the rate each link must carry; it is comparable across sizes of n.
-The reduction is also checked for the right answer (each rank contributes rank + 1).
+One entry point (`python -m preflight.collective`) for the preflight's in-node check (one process
+per GPU, or `cpu_processes` gloo ranks), a run across a few nodes under torchrun or any launcher
+that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, and the node agent's
+MeasureAllReduce (one rank per node, the group given by flags). Bus bandwidth follows nccl-tests:
+busbw = bytes / time * 2 (n - 1) / n; the reduction's answer is checked too.
 """
 
 from __future__ import annotations
@@ -361,6 +350,15 @@ def _group_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI, under torchrun or with the group given explicitly (the node agent's MeasureAllReduce)::
+
+        torchrun --nnodes 2 --nproc-per-node 8 -m preflight.collective --out result.json
+        python -m preflight.collective --rank 1 --world-size 3 --master-addr 10.0.0.5 \\
+            --master-port 29641 --bind-host 10.0.0.6 --group bw-1f3a-set --out result.json
+
+    With the group given explicitly, rank 0's agent hands it an already listening socket on its own
+    advertised host, and each rank's gloo connections use its own address (`--bind-host`).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m preflight.collective", description=__doc__.split("\n")[0]
     )

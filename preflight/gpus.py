@@ -1,19 +1,8 @@
-"""Where this host is expected to have GPUs, and who says so: there the preflight fails closed.
-
-Three independent sources, read once per run (`expect_gpus`):
-
-* config: `[inventory] expected_gpu_count` (the node agent fills it from its `local_ranks` where
-  another source below expects GPUs, nodeagent.daemon.preflight_defaults) and `[compute] device = "cuda"`;
-* the scheduler's allocation: `SLURM_GPUS_ON_NODE`, `CUDA_VISIBLE_DEVICES`, and `NVIDIA_VISIBLE_DEVICES`
-  as the Kubernetes device plugin sets it for a pod's `nvidia.com/gpu` request (its list of GPUs;
-  "all" is a CUDA image's default, not a request, and says nothing);
-* the PCI bus: NVIDIA display / 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx) under
-  `<[inventory] sysfs_root>/bus/pci/devices`, which needs no driver: it is the count NVML must match.
-
-Where any source expects GPUs, a check that cannot reach them (NVML's init fails, CUDA is unavailable,
-NVML or CUDA sees none) is a FAIL marked `fail_closed`, never a SKIP, and `device = "auto"` means
-"cuda" (`resolve_device`): nothing falls back to the CPU. Where none does, those checks SKIP as on a
-CPU-only host. `local_ranks` alone is no expectation: a CPU cluster runs that many gloo ranks.
+"""Where this host is expected to have GPUs, and who says so (`expect_gpus`): the config, the
+scheduler's allocation and the PCI bus, read once per run. Where any source expects GPUs, a check
+that cannot reach them is a FAIL marked `fail_closed`, never a SKIP, and `device = "auto"` means
+"cuda" (`resolve_device`): nothing falls back to the CPU. Called by the runner and the inventory
+and compute checks.
 """
 
 from __future__ import annotations
@@ -134,7 +123,18 @@ def allocation(environ: Mapping[str, str]) -> tuple[int | None, tuple[str, ...]]
 def expect_gpus(
     config: PreflightConfig, environ: Mapping[str, str] | None = None, sysfs_root: str | None = None
 ) -> GpuExpectation:
-    """Every source's say (module docstring); `environ` and `sysfs_root` default to this host's."""
+    """Every source's say; `environ` and `sysfs_root` default to this host's.
+
+    * config: `[inventory] expected_gpu_count` (the node agent fills it from its `local_ranks` where
+      another source expects GPUs, nodeagent.daemon.preflight_defaults) and `[compute] device = "cuda"`;
+    * the scheduler's allocation: `SLURM_GPUS_ON_NODE`, `CUDA_VISIBLE_DEVICES`, and
+      `NVIDIA_VISIBLE_DEVICES` as the Kubernetes device plugin sets it ("all" is a CUDA image's
+      default, not a request, and says nothing);
+    * the PCI bus: NVIDIA display / 3D controllers (vendor 0x10de, class 0x0300xx or 0x0302xx) under
+      `<[inventory] sysfs_root>/bus/pci/devices`, which needs no driver: the count NVML must match.
+
+    `local_ranks` alone is no expectation: a CPU cluster runs that many gloo ranks.
+    """
     env = os.environ if environ is None else environ
     pci = pci_gpus(config.inventory.sysfs_root if sysfs_root is None else sysfs_root)
     reasons: list[str] = []

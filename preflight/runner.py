@@ -1,15 +1,8 @@
-"""Runs the check units: side by side where safe, the compute/collective/DCGM units one at a time,
-each under its own timeout and all within the mode's total budget. A unit that overruns its own
-timeout is reported FAIL (a hung GPU, driver or mount) and abandoned (its daemon thread is left
-behind; its subprocesses kill themselves on their own timeouts). A unit cut off by the run's budget
-instead, one whose child it stopped when the budget ran out (preflight.checks.base.budget_timeout),
-or one that cannot start in the budget left, is INCONCLUSIVE: the budget, not the node, ran out.
-In the per-attempt modes those units run once more, alone, with a fresh budget, when nothing failed;
-what they say then is the answer (INCONCLUSIVE again: no pass and no evidence). The runner never
-waits past a budget.
-
-Before the units run, the runner reads where GPUs are expected (preflight.gpus: config, the
-scheduler's allocation, the PCI bus) and `[compute] device = "auto"` becomes "cuda" there.
+"""Runs the check units (`run_preflight`): side by side where safe, the compute/collective/DCGM units
+one at a time, each under its own timeout and all within the mode's total budget; the runner never
+waits past a budget. A unit that overruns its own timeout is a FAIL (a hung GPU, driver or mount)
+and is abandoned; one cut off by the run's budget is INCONCLUSIVE, and in the per-attempt modes runs
+once more alone when nothing failed. Called by the node agent, `preflight run` and the burn-in.
 """
 
 from __future__ import annotations
@@ -255,6 +248,11 @@ def run_preflight(
     the quick units a burn-in includes (the agent passes its own). `gpus` is where GPUs are
     expected (default: read from this host, preflight.gpus).
     Raises ValueError for a bad mode or check name; never raises for a failing or hanging check.
+
+    Before the units run, the runner reads where GPUs are expected (preflight.gpus) and `[compute]
+    device = "auto"` becomes "cuda" there. An abandoned unit's daemon thread is left behind (its
+    subprocesses kill themselves on their own timeouts). INCONCLUSIVE also covers a unit whose child the
+    budget stopped (preflight.checks.base.budget_timeout) or one that cannot start in the budget left.
     """
     worker = burn_in.DeviceWorker()  # the burn-in's device stages share one child process
     if specs is None and mode == BURN_IN:

@@ -1,18 +1,7 @@
-"""Parse NVIDIA Xid lines from the kernel log; classify each code by severity.
-
-Pure functions, no I/O: the node agent reuses them for its live /dev/kmsg monitor.
-
-The driver logs an Xid as `NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., GPU has fallen off
-the bus.`; the line may carry a dmesg prefix (`[ 1234.567890] `), a /dev/kmsg record header
-(`4,1023,1234567890,-;`), or a syslog/journal prefix (`Dec 01 00:00:00 host kernel: `).
-
-Severity comes from NVIDIA's Xid catalog, "XID Errors" (https://docs.nvidia.com/deploy/xid-errors/),
-its table of Xids with their causes and recommended actions (driver R535-R570 editions):
-  FATAL       the GPU or node must be reset, drained or repaired before it runs work again;
-  WARNING     a hardware event worth watching that does not by itself take the node out;
-  APPLICATION most often caused by the application (bad address, illegal instruction) - the
-              node is not to blame (attribution must not quarantine it for these).
-Codes not in the table are WARNING with "unknown Xid" so that nothing unknown is silently ignored.
+"""Parse NVIDIA Xid lines from the kernel log and classify each code by severity (`XID_TABLE`, from
+NVIDIA's Xid catalog, https://docs.nvidia.com/deploy/xid-errors/). Pure functions, no I/O: the Xid
+check and the node agent's live /dev/kmsg monitor call them. A code not in the table is WARNING,
+"unknown Xid", so nothing unknown is silently ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +17,11 @@ MAX_RAW_CHARS = 512  # what an XidEvent keeps of its line
 
 
 class XidSeverity(enum.Enum):
+    """FATAL: the GPU or node must be reset, drained or repaired before it runs work again. WARNING: a
+    hardware event worth watching that does not by itself take the node out. APPLICATION: most often
+    caused by the application (bad address, illegal instruction); the node is not to blame.
+    """
+
     FATAL = "fatal"
     WARNING = "warning"
     APPLICATION = "application"

@@ -1,14 +1,8 @@
-"""A private single-member etcd on loopback: for tests, and the embedded default of the demo.
-
-``EtcdServer(data_dir).start()`` picks free ports (retrying if another process grabs one first),
-waits until ``/health`` says true, and remembers the PID. ``stop()`` sends SIGTERM then SIGKILL,
-``kill()`` sends SIGKILL (a crash), ``restart()`` brings it back on the same data dir and ports.
-Nothing is left behind: ``__exit__`` and an atexit hook stop every server this process started,
-and on Linux etcd is also told to die with the thread that started it (setpriv --pdeathsig), which
-covers a test run killed with SIGKILL. Start servers from a long-lived thread (the main one).
-
-The health check uses a separate plain-HTTP metrics listener, so it works with TLS and client-cert
-auth on the client port without holding a client certificate.
+"""A private single-member etcd on loopback, for tests and the demo's embedded default.
+``EtcdServer(data_dir).start()`` picks free ports, waits until ``/health`` says true and remembers
+the PID; ``stop()``, ``kill()`` (a crash) and ``restart()`` (same data dir and ports) control it.
+Nothing is left behind: ``__exit__``, an atexit hook and, on Linux, setpriv --pdeathsig (etcd dies
+with the thread that started it: start servers from a long-lived thread).
 """
 
 from __future__ import annotations
@@ -63,7 +57,11 @@ class EtcdTls:
 
 class EtcdServer:
     """One etcd process. ``fast=True`` (tests) uses --heartbeat-interval 50 --election-timeout 500:
-    a quicker start and a minimum lease TTL of 1 s."""
+    a quicker start and a minimum lease TTL of 1 s.
+
+    The health check uses a separate plain-HTTP metrics listener, so it works with TLS and client-cert
+    auth on the client port without holding a client certificate.
+    """
 
     def __init__(
         self,

@@ -1,28 +1,8 @@
-"""Many hosts on one machine: one network namespace per host, joined by a bridge (tests and drills).
-
-A `Fleet` makes, under a per-run prefix ``P`` (``rw<pid>`` by default):
-
-* the fabric namespace ``P-fabric`` holding the bridge ``br0`` (no address: it only switches);
-* per host ``NAME`` a namespace ``P-NAME`` with loopback up and ``eth0`` at 198.18.0.<index>/24,
-  the peer of the veth ``v<index>`` that is a port of ``br0`` in the fabric namespace.
-
-Processes run "on" a host through ``ip netns exec``: they share the filesystem, /proc and PIDs with
-this machine (so a directory is a shared filesystem), only their network is the host's. Nothing
-here configures an address in the root namespace or sends traffic outside the namespaces it made;
-127.0.0.1 inside a host is that host's own loopback.
-
-Faults are plain functions an operator-style drill can call as well: `kill`, `sigstop`,
-`sigcont`, `crash` (every process on a host), `partition` / `heal` (the host's veth down / up on the bridge side: its processes keep
-running, its packets go nowhere), `slow` / `unslow` (a `tc tbf` token bucket on both ends of its
-veth). `netem` is not available on these machines, so there is no delay or loss fault.
-
-Cleanup: leaving the context (or `close()`) kills every process in the fleet's namespaces (found
-by ``ip netns pids``, so a worker a host's process started is found too), then deletes the
-namespaces (their veths and the bridge go with them). A run killed before it could clean up
-leaves namespaces of its prefix behind; `sweep(prefix)` removes them, and `sweep_orphans()` removes
-those of every ``rw<pid>`` prefix whose process is gone (a fixture calls it first).
-Top-level processes also get SIGKILL when the thread that started them dies (``setpriv
---pdeathsig``): start them from a long-lived thread.
+"""Many hosts on one machine (`Fleet`): one network namespace per host, joined by a bridge, for tests
+and drills. Processes run "on" a host through ``ip netns exec`` and share the filesystem, /proc and
+PIDs with this machine; only their network is the host's. Faults (`kill`, `sigstop`, `crash`,
+`partition`, `slow`, ...) are plain functions a drill can call too. Leaving the context kills every
+process in the fleet's namespaces and deletes them; `sweep_orphans()` removes what a killed run left.
 """
 
 from __future__ import annotations
@@ -298,7 +278,19 @@ def _enter_netns(netns: str) -> None:
 
 
 class Fleet:
-    """Hosts in network namespaces on one bridge. Use as a context manager; leaves nothing behind."""
+    """Hosts in network namespaces on one bridge. Use as a context manager; leaves nothing behind.
+
+    Under a per-run prefix ``P`` (``rw<pid>`` by default): the fabric namespace ``P-fabric`` holds the
+    bridge ``br0`` (no address); per host ``NAME`` a namespace ``P-NAME`` with loopback up and ``eth0``
+    at 198.18.0.<index>/24, the peer of the veth ``v<index>`` on ``br0``. Nothing configures an address
+    in the root namespace or sends traffic outside these namespaces.
+
+    `partition` / `heal` put the host's veth down / up on the bridge side (its processes keep running);
+    `slow` / `unslow` add a `tc tbf` token bucket on both ends of its veth. `netem` is not available on
+    these machines, so there is no delay or loss fault. Processes are found by ``ip netns pids`` (a
+    worker a host's process started too); top-level ones also get SIGKILL when the thread that started
+    them dies (``setpriv --pdeathsig``): start them from a long-lived thread.
+    """
 
     def __init__(self, prefix: str | None = None) -> None:
         self.prefix = prefix or default_prefix()

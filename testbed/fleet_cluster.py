@@ -1,23 +1,9 @@
-"""A whole runwarden deployment across a `Fleet` of network-namespace hosts (tests, bench, drills).
-
-`FleetCluster` is `examples/cluster.py`'s `LocalCluster` spread over hosts: etcd on host ``etcd``,
-the controller on host ``ctl`` (a standby on ``ctlb`` when asked), each node agent on its own host
-``node1``, ``node2``, ... Every part is the real program with its real CLI and config file,
-started under ``ip netns exec`` exactly as systemd would start it on that host.
-
-* Every listener off loopback speaks mTLS with certificates from `runwarden.certs` (one private CA
-  per cluster): etcd serves clients on ``<etcd address>:2379`` and demands client certificates;
-  each agent listens on ``<its address>:50051`` and advertises that; the controller presents its
-  certificate to etcd and the agents. The Controller API (mTLS too) and /metrics stay on the
-  controller host's own loopback (127.0.0.1:7070 and :9090), so `ctl` runs ``controllerctl`` on
-  that host, with an admin certificate (which `controllerctl chaos` also presents to the agents).
-  Every namespace has its own ports, so every port is fixed.
-* The run directory under `root` (checkpoints, losses, state dirs, the event log) is an ordinary
-  directory: namespaces share the filesystem, which makes it the cluster's shared filesystem.
-
-The config builders shared with `LocalCluster` (`ClusterSpec`, `write_toml`, `program`,
-`preflight_settings`, `agent_settings`, `controller_settings`, `wait_for_event`, `parse_status`)
-live here, once; `examples/cluster.py` imports them.
+"""A whole runwarden deployment across a `Fleet` of network-namespace hosts (`FleetCluster`), for
+tests, bench and drills: etcd on host ``etcd``, the controller on ``ctl`` (a standby on ``ctlb``),
+each node agent on its own host, every one the real program with its real CLI and config, started
+under ``ip netns exec`` as systemd would start it. Every listener off loopback speaks mTLS
+(`runwarden.certs`). The config builders `examples/cluster.py`'s `LocalCluster` shares
+(`ClusterSpec`, `write_toml`, `program`, `agent_settings`, ...) live here.
 """
 
 from __future__ import annotations
@@ -329,7 +315,14 @@ class ClusterBase:
 class FleetCluster(ClusterBase):
     """etcd, a controller (and optionally a standby) and one agent per node, each on its own host of
     `fleet`. `start()` / `stop()` or a context manager; `stop()` leaves no process on its hosts
-    (the fleet itself, and its namespaces, belong to the caller)."""
+    (the fleet itself, and its namespaces, belong to the caller).
+
+    etcd serves clients on ``<etcd address>:2379`` and demands client certificates; each agent listens
+    on ``<its address>:50051`` and advertises that. The Controller API (mTLS too) and /metrics stay on
+    the controller host's loopback (127.0.0.1:7070 and :9090), so `ctl` runs ``controllerctl`` on that
+    host with an admin certificate. The run directory under `root` is an ordinary directory: the
+    namespaces share the filesystem, which makes it the cluster's shared filesystem.
+    """
 
     def __init__(
         self, fleet: Fleet, root: Path, spec: ClusterSpec | None = None, *, standby: bool = False

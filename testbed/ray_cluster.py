@@ -1,14 +1,8 @@
-"""A real multi-node Ray cluster on this host for tests and benchmarks: a head with no CPUs (so no
-bundle lands there) and 1-CPU worker raylets, each on its own loopback address
-(ray.cluster_utils.Cluster).
-
-Starting one is retried: a worker raylet on this host occasionally dies within a second of its
-start (its log holds only a gRPC "epoll_wait: Bad file descriptor" line and Ray then waits 30 s for
-it: "The current node timed out during startup"). Seen once in a CI run, then three times in a row
-in the first two minutes of a full suite on 2 busy cores (04:59-05:01 UTC, 2026-12-02), never on a
-quiet machine; what is tested is runwarden on a cluster, not whether Ray's own start is flawless.
-So it is tried up to 5 times, a growing pause between tries (the busy start of a suite passes).
-Every failed start is reported on stderr, and the last one is raised."""
+"""A real multi-node Ray cluster on this host for tests and benchmarks (`start_ray_cluster`): a head
+with no CPUs (so no bundle lands there) and 1-CPU worker raylets, each on its own loopback address
+(ray.cluster_utils.Cluster). A start is retried with a growing pause; every failed start is
+reported on stderr and the last one is raised.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +13,12 @@ from typing import Any
 
 
 def start_ray_cluster(head_ip: str, worker_ips: Sequence[str], *, attempts: int = 5) -> Any:
-    """A started `ray.cluster_utils.Cluster` with every worker registered, or the last error."""
+    """A started `ray.cluster_utils.Cluster` with every worker registered, or the last error.
+
+    Why retry: a worker raylet occasionally dies within a second of its start on a busy host (Ray then
+    waits 30 s: "The current node timed out during startup"); what is tested is runwarden on a cluster,
+    not whether Ray's own start is flawless.
+    """
     from ray import cluster_utils
 
     if attempts < 1:

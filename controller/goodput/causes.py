@@ -1,27 +1,8 @@
-"""The lost-time cause of an incident, from its first ATTRIBUTION: one table, blame method -> cause.
-
-The cause is a function of ``AttributionDetail.blame_method`` (how the supervisor chose its
-suspects), never of free text. A log written before the enum existed has ``blame_method``
-UNSPECIFIED and only the deprecated ``method`` string: that string is mapped onto the same enum
-first (``METHOD_BY_NAME``), so an old line and a new line for the same decision give one cause.
-
-=================  =======================================================================
-blame method       cause
-=================  =======================================================================
-NONE               ``software``: no suspect, the same code and data failed
-HARDWARE           from the strongest suspect's evidence: ``hardware:<kind>`` (the kind's
-                   short name, ``runwarden.evidence.KIND_NAMES``); ``software`` for an
-                   application-severity record (Xid 13/31/43); ``network`` for network
-                   evidence; ``hardware:unknown`` when no evidence names a kind
-FLIGHT_RECORDER    ``hardware:flight_recorder``
-HEARTBEAT          ``hardware:heartbeat``
-STRAGGLER          ``hardware:straggler``
-FIRST_EXIT         ``unattributed:first_exit``: a crash with no other evidence names the
-                   first node to exit, which is not a claim that its hardware failed
-=================  =======================================================================
-
-Bad input is a value, not a crash: an enum number this build does not know, or an old string
-that names no method, gives ``unattributed:unknown_method``.
+"""The lost-time cause of an incident, from its first ATTRIBUTION: one table (`CAUSE_BY_METHOD`),
+blame method -> cause. The cause is a function of ``AttributionDetail.blame_method``, never of free
+text; an old log's deprecated ``method`` string is mapped onto the same enum first
+(``METHOD_BY_NAME``). Bad input is a value, not a crash: an unknown method gives
+``unattributed:unknown_method``. Called by `controller.goodput.report` and `windows`.
 """
 
 from __future__ import annotations
@@ -86,6 +67,13 @@ def blame_method_of(attr: events_pb2.AttributionDetail) -> int:
 
 
 def cause_from_attribution(attr: events_pb2.AttributionDetail) -> str:
-    """The lost-time cause an attribution names (the module docstring has the table)."""
+    """The lost-time cause an attribution names.
+
+    NONE: ``software``. HARDWARE: from the strongest suspect's evidence, ``hardware:<kind>``
+    (``runwarden.evidence.KIND_NAMES``), ``software`` for an application-severity Xid, ``network`` for
+    network evidence, ``hardware:unknown`` when no evidence names a kind. FLIGHT_RECORDER, HEARTBEAT,
+    STRAGGLER: ``hardware:<method>``. FIRST_EXIT: ``unattributed:first_exit`` (the first node to exit
+    is not a claim that its hardware failed).
+    """
     rule = CAUSE_BY_METHOD.get(blame_method_of(attr))
     return rule(attr) if rule is not None else UNKNOWN_METHOD

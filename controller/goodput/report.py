@@ -1,30 +1,7 @@
-"""Goodput from the event log: one pure function, used by the CLI, the API, the demo and the simulator.
-
-Definitions (the README's "Goodput" section has the long form and the comparison with ml-goodput-measurement):
-
-* **Allocated** time is the run's wall-clock time, from RUN_START (or its first event) to RUN_END
-  (or the end of the window). Each instant of it is given exactly one label, so
-  ``productive + lost == allocated`` holds exactly: every figure is kept in integer microseconds.
-* **Productive** time is training time whose progress was kept: training up to a committed
-  checkpoint, and training after the last commit that no failure has (yet) rolled back.
-* **Lost** time, by cause:
-  - the work since the last committed checkpoint that a failure rolled back goes to the incident's
-    cause: ``hardware:<evidence kind>``, ``network``, ``software`` (no suspect, or an application
-    Xid), ``control_plane``, ``unattributed`` (``unattributed:first_exit`` when only the first node
-    to exit was named); ``controller.goodput.causes`` maps each blame method to its cause;
-  - the time from the fault to the first new step is restart overhead, split at the event that
-    ends each phase: ``restart:detect`` (fault -> DETECTION), ``restart:attribute`` (-> ATTRIBUTION),
-    ``restart:replace`` (-> SPARE_TAKEN / QUARANTINE), ``restart:preflight`` (-> PREFLIGHT_RESULT),
-    ``restart:launch`` (-> LAUNCH), ``restart:load`` (-> LOAD_DONE), ``restart:first_step``
-    (-> FIRST_STEP). The first launch of a run is split the same way as ``startup:<phase>``;
-  - ``planned``: a stop request's save, exit and relaunch, up to the first new step;
-  - ``checkpoint_stall``: the time training was blocked saving (``save_duration_s`` before each
-    CHECKPOINT_COMMIT or CHECKPOINT_FAILED).
-* The fault time is ``DETECTION.ts - detection.latency_s`` (the last good observation).
-* A second DETECTION before the incident's relaunch is the same incident (overlapping faults);
-  one after the relaunch (a fault during a restart) opens a new incident, whose rollback is zero.
-* A DETECTION that does not end the attempt (``flag_only``: a straggler left running, fatal evidence
-  noted while the controller is blind) is no incident: lost time runs only from a failure to its recovery.
+"""Goodput from the event log: `compute_goodput(events)` is one pure function, used by the CLI, the
+API, the demo and the simulator. Every instant of a run's allocated time gets exactly one label
+(productive, or lost to a cause), kept in integer microseconds, so ``productive + lost ==
+allocated`` holds exactly. The README's "Goodput" section has the definitions in full.
 """
 
 from __future__ import annotations
@@ -608,6 +585,19 @@ def compute_goodput(
 
     Pure: the same events give the same report. Events are ordered by (ts, seq). ``until``
     defaults to the last event's time; a run still going is counted up to it.
+
+    * **Allocated**: RUN_START (or the run's first event) to RUN_END (or the end of the window).
+    * **Productive**: training whose progress was kept (up to a committed checkpoint, and after the
+      last commit that no failure has yet rolled back).
+    * **Lost**, by cause: work a failure rolled back goes to the incident's cause (``hardware:<kind>``,
+      ``network``, ``software``, ``control_plane``, ``unattributed[:first_exit]``; see
+      ``controller.goodput.causes``); the fault to the first new step is ``restart:<phase>``, split at
+      DETECTION, ATTRIBUTION, SPARE_TAKEN / QUARANTINE, PREFLIGHT_RESULT, LAUNCH, LOAD_DONE, FIRST_STEP
+      (a run's first launch is ``startup:<phase>``); ``planned`` is a stop request's save, exit and
+      relaunch; ``checkpoint_stall`` is ``save_duration_s`` before each CHECKPOINT_COMMIT / _FAILED.
+    * The fault time is ``DETECTION.ts - detection.latency_s``. A second DETECTION before the
+      relaunch is the same incident; one after opens a new incident with no rollback. A ``flag_only``
+      DETECTION is no incident.
     """
     ordered = sorted(events, key=lambda e: (e.ts, e.seq))
     runs = sorted({e.run for e in ordered if e.run}) if not run else [run]

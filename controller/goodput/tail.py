@@ -1,14 +1,7 @@
-"""Follow the event-log file: each poll reads only the bytes appended since the last one.
-
-The controller's event log is append-only (``runwarden.eventlog``), so a reader that remembers its
-offset never re-reads a line. Lines are validated exactly as ``read_events`` does (``decode_line``
-and a strictly increasing ``seq``); a bad line is counted, logged and skipped, never a crash.
-
-* A line still being written (no newline yet) waits for the next poll.
-* The writer cuts a torn tail off when it reopens the log: the file shrinks only by that unfinished
-  line, so the reader drops it and goes on from the last complete line.
-* A file that was replaced (another inode) or shrank below a line already read starts over:
-  ``on_reset`` is called and every line is read again (rare: a restore from backup, a test).
+"""Follow the append-only event-log file (`LogTail`): each poll reads only the bytes appended since the
+last one, validates lines exactly as ``read_events`` does, and counts, logs and skips a bad line,
+never crashes. Called by the controller's metrics (`controller.goodput.windows` through
+`WindowedRatesCollector`).
 """
 
 from __future__ import annotations
@@ -28,7 +21,13 @@ CHUNK_BYTES = 4 << 20  # read a long backlog (a restart on a months-old log) in 
 
 
 class LogTail:
-    """Calls ``on_event`` for each valid line appended to ``path`` (see the module docstring)."""
+    """Calls ``on_event`` for each valid line appended to ``path``.
+
+    A line still being written (no newline yet) waits for the next poll. The writer cuts a torn tail
+    off when it reopens the log, so a file that shrank by that unfinished line goes on from the last
+    complete line. A replaced file (another inode) or one that shrank below a line already read starts
+    over: ``on_reset`` is called and every line is read again.
+    """
 
     def __init__(
         self,

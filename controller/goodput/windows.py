@@ -1,25 +1,8 @@
-"""Windowed rates (last 1 h, 24 h, 7 d) and whole-run totals, folded in as events are appended.
-
-An on-call needs "how is the run doing *now*", not a whole-run average that a quarter of history
-keeps flat. Every figure here is kept incrementally: each new event is folded in once (the same
-``RunAccountant`` as the report labels its time, with no history kept), and what falls out of a
-window is subtracted when it expires. A scrape costs the events appended since the last one plus
-the expired ones, never a re-read of the whole log.
-
-Per run and window (``window`` = 1h | 24h | 7d; a window is the half-open (now - length, now]):
-
-* allocated, productive and node time -> goodput and failures per 1,000 node-hours. A span of
-  training stays productive until a fault or an uncommitted stop rolls it back; the rollback is
-  subtracted from each window's productive time at once (only the current training span can be
-  rolled back, so each window tracks its in-window length and nothing else);
-* failures (at the fault time), minutes to detect (at the detection), minutes from the fault to the
-  first new step (at that step), restarts (RESTART events), preflight rejections of an attempt's
-  nodes and burn-in rejections (a PREFLIGHT_RESULT that failed: a burn-in's when its mode is
-  ``burn_in`` or the supervisor's message says "burn-in of", as ``supervisor/nodes.py`` writes it).
-
-Whole-run totals are the report's figures (``runwarden_goodput_*``, same names and meaning as
-``controller.goodput.metrics``), kept the same way. All times are integer microseconds, so the
-running sums never drift however long the controller runs.
+"""Windowed rates (last 1 h, 24 h, 7 d) and whole-run totals of every run, folded in as events are
+appended (`RatesBook`): each event is folded in once with the report's own `RunAccountant` and
+what falls out of a window is subtracted when it expires, so a scrape costs the new and expired
+events, never a re-read of the log. All times are integer microseconds. Called by
+`controller.goodput.metrics`' `WindowedRatesCollector` (the controller's /metrics).
 """
 
 from __future__ import annotations
@@ -373,7 +356,14 @@ def _mean_min(s: _Samples) -> float:
 
 
 class RatesBook:
-    """Every run's RunRates, fed one event at a time (events without a run are not a run's)."""
+    """Every run's RunRates, fed one event at a time (events without a run are not a run's).
+
+    Per run and window (half-open (now - length, now]): allocated, productive and node time (goodput,
+    failures per 1,000 node-hours; a rollback is subtracted from each window's productive time at once);
+    failures at the fault time, minutes to detect, minutes from the fault to the first new step,
+    restarts, preflight rejections and burn-in rejections (`is_burn_in`). Whole-run totals are the
+    report's figures (``runwarden_goodput_*``), kept the same way.
+    """
 
     def __init__(self, windows: tuple[tuple[str, int], ...] = WINDOWS) -> None:
         self._windows = windows

@@ -1,11 +1,8 @@
-"""Failure draws, shared across policies (common random numbers).
-
-Every policy of a comparison sees the *same* faults: the same times, causes and node slots. The
-draws depend only on the scenario's failure processes and the seed, never on the policy, so the
-difference between two policies' ETTR is the policy's doing, not the dice's.
-
-A slot is a position in the run's node list (rank order); the fault hits whichever node holds
-that slot at that moment (after a swap, the replacement).
+"""Failure draws shared across policies (common random numbers): `draw(scenario, seed)` depends only
+on the scenario's failure processes and the seed, never on the policy, so every policy of a
+comparison sees the same faults (times, causes, node slots) and the difference between two ETTRs is
+the policy's doing. A slot is a position in the run's node list; the fault hits whichever node holds
+it at that moment. Called by `controller.sim.report` and the engine's tests.
 """
 
 from __future__ import annotations

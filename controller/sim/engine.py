@@ -1,49 +1,9 @@
-"""The discrete-event world around the real supervisor core (`controller.supervisor.machine.Supervisor`).
-
-The world owns what the core cannot see: the training job's real progress, the checkpoint
-cadence, the faults (drawn once per seed and shared by every policy), the latencies with which
-each signal reaches the supervisor, and how long each action takes. The core owns every
-decision: detection, blame, quarantine, spares, preflight, backoff, relaunch. Each `handle` call
-returns a `Batch`: its entries are appended to the event log first (in the live controller's format,
-which the live goodput function `controller.goodput.report.compute_goodput` reads), then its actions
-are executed with the scenario's latencies. `SetTimer` follows `controller.supervisor.timers.Timers`,
-the shells' one implementation; the world's heap only delivers (a replaced timer's entry is stale).
-
-What is summarised, and why it does not change the answer:
-
-* Progress. A 2,048-node job makes ~10^6 steps in 54 days; feeding every step of every node would
-  be ~10^9 `handle` calls. Instead every node reports one `ProgressObserved` at the first step of
-  an attempt and at each fault instant (the last good observation before the fault). The core's
-  hang timers that fall due while the world knows the job is healthy are delivered *late*, right
-  after the next such progress round (the timer contract allows late ticks): the hang detector
-  then sees the same last-advance time it would have seen with per-step progress, so a hang is
-  detected exactly one hang timeout after the fault, and a healthy run is never declared hung.
-  A straggler (a cause with symptom "straggler": a slow node, broken until repaired) is the one
-  exception: while it runs, the world sends `straggler_window` + 2 progress rounds one step apart
-  in which its rank computes longer and waits less than the others, so the core's detector sees it.
-* Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
-* Stop exits are delivered in reverse node order: the core checks "all exited" on each exit and
-  short-circuits on the first live node, so this keeps a 2,048-node stop linear instead of quadratic.
-
-A fault drawn while the job is not training hits the node in its slot: a hardware fault leaves
-that node broken (preflight may catch it; otherwise it fails again soon after the next first
-step); a node-loss fault takes the host down; a software fault has nothing to crash and is
-counted as absorbed.
-
-Software bugs at a fixed step (`Cause.fixed_step`, issue 26): the first hit arms a bug at the
-job's step; every later attempt that reaches that step fails there again, each time on another
-node of the attempt (the culprit rotates), until the job is fixed `fix_hours` after the first hit;
-the fix reaches a running attempt as a planned stop and relaunch (a restarting one gets it at its
-launch). If the core ends the run meanwhile (a crash loop, an exhausted budget), the operator fixes the job
-and starts the run again at that moment: a fresh core, given the store's state in a `Snapshot`
-(the node records and the supervisor memory it persisted, the commits), as `controller run` does;
-the world logs a RUN_START there. A control-plane blip (symptom "control_plane") is the controller
-losing etcd for a few seconds while the job runs on: `ControlPlaneLost`, `ControlPlaneRestored`,
-then a relisting `Snapshot`.
-
-Harm is recorded as it happens: every `Quarantine` action the core emits, with whether the node
-was healthy (no hardware fault on it: a software bug's victim) and the last fault the world
-injected before it (`SimResult.quarantines`), and every `Release` (`SimResult.releases`).
+"""The simulator's world: a seeded discrete-event loop around the real supervisor core
+(`controller.supervisor.machine.Supervisor`). The world owns what the core cannot see (the job's
+progress, checkpoints, the faults drawn once per seed, signal latencies, action durations); the
+core owns every decision. `simulate(scenario, policy, draws)` returns a `SimResult`: the event log
+the core wrote, in the live controller's format, and the harm it did. Called by
+`controller.sim.report` and `controllerctl simulate`.
 """
 
 from __future__ import annotations
@@ -182,7 +142,38 @@ class SimResult:
 
 
 class World:
-    """One policy on one seed's draws. `run()` returns the result; the object is single-use."""
+    """One policy on one seed's draws. `run()` returns the result; the object is single-use.
+
+    Each `handle` call returns a `Batch`: its entries are appended to the event log first, then its
+    actions are executed with the scenario's latencies. `SetTimer` follows
+    `controller.supervisor.timers.Timers`; the world's heap only delivers (a replaced timer's entry is stale).
+
+    What is summarised, and why it does not change the answer:
+
+    * Progress. Every node reports one `ProgressObserved` at the first step of an attempt and at each
+      fault instant (the last good observation before the fault), not every step. The core's hang
+      timers that fall due while the job is healthy are delivered late, right after the next such
+      round (the timer contract allows late ticks), so a hang is detected exactly one hang timeout
+      after the fault and a healthy run is never declared hung. A straggler is the exception: while it
+      runs, the world sends `straggler_window` + 2 rounds one step apart in which its rank computes
+      longer and waits less, so the core's detector sees it.
+    * Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
+    * Stop exits are delivered in reverse node order: the core checks "all exited" on each exit and
+      stops at the first live node, so a 2,048-node stop stays linear.
+
+    A fault drawn while the job is not training hits the node in its slot: a hardware fault leaves it
+    broken, a node-loss fault takes the host down, a software fault is counted as absorbed.
+
+    Software bugs at a fixed step (`Cause.fixed_step`): the first hit arms a bug at the job's step;
+    every later attempt that reaches it fails there, each time on another node, until the job is fixed
+    `fix_hours` after the first hit; the fix reaches a running attempt as a planned stop and relaunch.
+    If the core ends the run meanwhile, the operator fixes the job and starts the run again: a fresh
+    core given the store's state in a `Snapshot`, as `controller run` does. A control-plane blip is
+    `ControlPlaneLost`, `ControlPlaneRestored`, then a relisting `Snapshot`.
+
+    Harm is recorded as it happens: every `Quarantine` with whether the node was healthy and the last
+    fault injected before it (`SimResult.quarantines`), and every `Release` (`SimResult.releases`).
+    """
 
     def __init__(self, scenario: Scenario, policy: Policy, draws: Draws, *, keep_log: bool = True) -> None:
         self.sc = scenario

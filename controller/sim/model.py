@@ -1,15 +1,6 @@
-"""The first-order model of lost time, and the Young/Daly checkpoint interval.
-
-    lost fraction ~= stall / (interval + stall)  +  sum over causes of rate x minutes lost per failure
-
-where a failure loses the work since the last commit (half a checkpoint cycle on average) plus the
-downtime from the fault to the first new step: detection, attribution, replacement, preflight,
-stop, launch, load and first step. Its assumptions: failures are rare next to the checkpoint
-interval and the restart path (no fault during a restart), spares never run out, and a repaired
-node never comes back broken. Where they hold, the simulator must agree with it within a few
-points (tests/sim/test_model_agreement.py).
-
-Young (1974) / Daly (2006): the interval that minimises stall/I + I/(2 x MTBF) is sqrt(2 x MTBF x stall).
+"""The first-order model of lost time, and the Young/Daly checkpoint interval: what the simulator is
+checked against where the model's assumptions hold (tests/sim/test_model_agreement.py), and the
+"model" column of `controllerctl simulate`.
 """
 
 from __future__ import annotations
@@ -109,7 +100,16 @@ def failure_cost(scenario: Scenario, policy: Policy, cause: Cause) -> FailureCos
 
 
 def first_order(scenario: Scenario, policy: Policy) -> ModelResult:
-    """ETTR = (1 - rate x downtime) x I/(I+S) - rate x rework, planned stops included."""
+    """ETTR = (1 - rate x downtime) x I/(I+S) - rate x rework, planned stops included.
+
+        lost fraction ~= stall / (interval + stall)  +  sum over causes of rate x minutes lost per failure
+
+    A failure loses the work since the last commit (half a checkpoint cycle on average) plus the
+    downtime from the fault to the first new step. Assumptions: failures are rare next to the
+    checkpoint interval and the restart path, spares never run out, a repaired node never comes back
+    broken. Young (1974) / Daly (2006): the interval that minimises stall/I + I/(2 x MTBF) is
+    sqrt(2 x MTBF x stall).
+    """
     interval, stall = policy.checkpoint_interval_s, policy.checkpoint_stall_s
     # A straggler and a control-plane blip do not stop the job (not in the model's first order).
     costs = tuple(

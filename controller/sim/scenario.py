@@ -1,23 +1,9 @@
 """The scenario file: a fleet, its failure processes, its restart costs and the policies to compare.
-
-One TOML file, every key documented in the README, "The fleet simulator". Unknown keys are errors (a typo must not
-silently fall back to a default). Durations are seconds unless the key says otherwise
-(`duration_days`, `over_days`, `repair_hours`, `node_mtbf_hours`).
-
-Layout::
-
-    [run]           the job: nodes, GPUs per node, step time, simulated duration
-    [costs]         the restart path: allocate, preflight, launch, load, first step, repair, burn-in
-    [detection]     how long each signal takes to reach the supervisor (crash exit, evidence, dumps)
-    [[cause]]       one failure process per root cause: count over a window (or a node MTBF),
-                    its symptom (crash | hang | node_lost), the evidence an agent publishes, whether
-                    the node is broken until repaired
-    [planned]       planned stops (drain, maintenance windows, preemption): a count over the window
-    [fixed_step]    optional: make a share of every cause's failures software/data bugs at a fixed step
-                    (`share`, the symptom mix `hang`/`crash`, `fix_hours`): see `with_fixed_step_share`
-    [policy.NAME]   one per policy: spares, lease TTL, evidence watching, preflight, dumps, the
-                    checkpoint interval and save stall, cost overrides, and [policy.NAME.supervisor]:
-                    the real `controller.supervisor.policy.SupervisorConfig` the core runs with
+`load_scenario` reads one TOML file into frozen dataclasses (`Scenario`); unknown keys are errors,
+durations are seconds unless the key says otherwise. Every key is documented in the README's "The
+fleet simulator"; the sections are `[run]`, `[costs]`, `[detection]`, `[[cause]]`, `[planned]`,
+`[fixed_step]` and one `[policy.NAME]` (with `[policy.NAME.supervisor]`, the real
+`SupervisorConfig`) per policy. Called by `controllerctl simulate` and the simulator's tests.
 """
 
 from __future__ import annotations

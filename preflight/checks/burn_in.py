@@ -1,27 +1,8 @@
-"""The burn-in pipeline: the stages of `preflight run --burn-in` (mode "burn_in"), run one at a time in
-the order of [burn_in].stages, within [run] burn_in_budget_s. Every result's name starts with
-`burn_in.<stage>`, so a report (or the supervisor's event log) says which stage found what.
-Beside them run the quick preflight's own units, as in quick mode (`pipeline`: inventory, counters,
-Xid, the agent's leftovers...; a stage replaces the quick unit it does more thoroughly), so a node
-never leaves quarantine with a check it would fail at its next launch.
-
-* matmul: the known-answer product in a loop on every device at once for matmul_duration_s, every
-  product checked (preflight.burn_in_device); per-device throughput against [compute] tflops_floor
-  and against the node's median ([compute] gpu_spread_max); NVML counters around it.
-* memory: write/verify patterns over memory_fraction of each GPU's free memory (a host buffer of
-  memory_mb_cpu on CPU); NVML counters around it (a memory test is where ECC errors show).
-* dcgm: `dcgmi diag -r [dcgm] burn_in_level` (3) where DCGM is installed, else SKIP.
-* allreduce: the in-node all-reduce repeated for allreduce_duration_s, every result checked, its
-  bandwidth watched for sag against the node's own baseline ([collective] busbw_floor_gbps, from
-  `preflight baseline`, else its first rounds); on CPU [collective] cpu_processes gloo ranks; one
-  GPU: SKIP. It judges an idle node: another process on its GPUs (NVML's list, before and during)
-  or on its CPUs (above allreduce_max_foreign_load) makes a sag INCONCLUSIVE, never a FAIL.
-* storage: the storage check in its full form (write + fsync, uncached read speed).
-
-"Counters around a stage": NVML read before, sampled every sample_interval_s during (throttle
-reasons OR-ed, the hottest temperature) and read after; a new uncorrectable ECC error or row remap,
-a pending/failed remap, a failing throttle reason under load or a temperature above
-temperature_max_c is a FAIL with the before/during/after readings as evidence.
+"""The burn-in pipeline (`preflight run --burn-in`, mode "burn_in"): its stages (matmul, memory, dcgm,
+allreduce, storage) run one at a time in the order of [burn_in].stages within [run]
+burn_in_budget_s, beside the quick preflight's own units (a stage replaces the quick unit it does
+more thoroughly), so a node never leaves quarantine with a check it would fail at its next launch.
+Every result is named `burn_in.<stage>...`. The agent runs it for a quarantined node's burn-in.
 """
 
 from __future__ import annotations
@@ -842,5 +823,18 @@ def pipeline(config: PreflightConfig, worker: DeviceWorker, quick: Sequence[Chec
     """The burn-in as it runs: every quick preflight unit in `quick` (inventory, counters, Xid, the
     agent's leftovers; see `as_burn_in`) and then the stages (`stage_specs`), so a node cannot leave
     quarantine with a check it would fail at its next launch. The quick units that are not serial
-    run beside the first stage; they are cheap."""
+    run beside the first stage; they are cheap.
+
+    * matmul: the known-answer loop on every device at once (preflight.burn_in_device), per-device
+      throughput against [compute] tflops_floor and the node's median ([compute] gpu_spread_max).
+    * memory: write/verify patterns over memory_fraction of each GPU's free memory (memory_mb_cpu on CPU).
+    * dcgm: `dcgmi diag -r [dcgm] burn_in_level` where DCGM is installed, else SKIP.
+    * allreduce: the in-node all-reduce repeated for allreduce_duration_s, every result checked, its
+      bandwidth watched for sag against the node's baseline; a busy GPU or CPU makes a sag INCONCLUSIVE.
+    * storage: the storage check in its full form.
+
+    NVML counters are watched around matmul and memory (`watched`): a new uncorrectable ECC error or
+    row remap, a pending or failed remap, a failing throttle reason under load or a temperature above
+    temperature_max_c is a FAIL with the before/during/after readings as evidence.
+    """
     return [as_burn_in(s) for s in quick] + stage_specs(config, worker)

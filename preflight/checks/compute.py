@@ -1,16 +1,9 @@
 """Known-answer matmul on every GPU (or the CPU): catches silent corruption and slow or throttled GPUs.
-
-Inputs are integer-valued matrices with entries in [-2, 2]. Every product and partial sum is an
-integer below 2**24, so an fp32 (or TF32) matmul is exact, and the result is checked exactly by
-Huang-Abraham checksums: its row sums must equal A @ (B @ 1) and its column sums (1 @ A) @ B,
-both computed in int64 on the CPU in O(n^2). One wrong element changes one row and one column sum.
-The timed pass then runs in the configured dtype (bfloat16 on GPUs) and is compared elementwise
-with the exact product within a stated tolerance: rtol 2**-6 plus atol 1 for 16-bit dtypes (output
-rounding, and cuBLAS's reduced-precision split-K reduction), exact for 32/64-bit dtypes.
-The GPUs' checksum digests must agree, and no GPU may be slower than the median by more than
-`gpu_spread_max`. torch is imported here, lazily: the controller host does not have it.
-Where GPUs are expected (preflight.gpus) the device is CUDA: CUDA unavailable is a FAIL with torch's
-reason (fail closed), never a CPU run that passes.
+Integer-valued inputs make an fp32 product exact and checkable by row and column checksums; the
+timed pass in the configured dtype is compared with it within a stated tolerance; the GPUs' digests
+must agree and none may be slower than the median by more than `gpu_spread_max`. Where GPUs are
+expected (preflight.gpus) CUDA unavailable is a FAIL, never a CPU run. torch is imported lazily (the
+controller host does not have it). Called by the runner and the burn-in (preflight.burn_in_device).
 """
 
 from __future__ import annotations
@@ -103,7 +96,14 @@ def run_matmul(
     matmul: MatmulFn | None = None,
     gpu_index: int | None = None,
 ) -> MatmulOutcome:
-    """One device's known-answer check and throughput. `matmul` is the seam tests use to inject corruption."""
+    """One device's known-answer check and throughput. `matmul` is the seam tests use to inject corruption.
+
+    Inputs have entries in [-2, 2], so every product and partial sum is an integer below 2**24 and an
+    fp32 (or TF32) matmul is exact. Huang-Abraham checksums: the row sums must equal A @ (B @ 1) and the
+    column sums (1 @ A) @ B, computed in int64 on the CPU in O(n^2); one wrong element changes one row
+    and one column sum. The timed pass's tolerance: rtol 2**-6 plus atol 1 for 16-bit dtypes (output
+    rounding, cuBLAS's reduced-precision split-K reduction), exact for 32/64-bit dtypes.
+    """
     torch = _torch()
     mm = matmul or torch.matmul
     device = torch.device(device_name)

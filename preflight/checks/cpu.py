@@ -1,11 +1,6 @@
 """CPU frequency capped below nominal (from sysfs cpufreq): a BIOS power limit, a platform cap or a
-`max_perf_pct` left low starves the input pipeline and the host side of every step.
-
-Imbue's bring-up found hosts whose CPUs ran capped below their rated frequency; nothing GPU-side
-shows it. "Nominal" is the rated base frequency (`base_frequency`, intel_pstate) or, where the driver
-does not expose one, the hardware maximum (`cpuinfo_max_freq`). The cap is the lowest of the policy
-maximum (`scaling_max_freq`), the platform's limit (`bios_limit`, acpi-cpufreq) and intel_pstate's
-`max_perf_pct` share of the hardware maximum. Turbo switched off is not a cap below nominal.
+`max_perf_pct` left low starves the input pipeline and the host side of every step, and nothing
+GPU-side shows it. One of the quick preflight's units (`preflight.runner`).
 """
 
 from __future__ import annotations
@@ -59,6 +54,11 @@ def read_cpu(cpufreq: Path, cpu: str, max_perf_pct: int | None) -> CpuFreq | Non
 
 
 def frequency_result(cfg: CpuConfig) -> CheckResult:
+    """ "Nominal" is the rated base frequency (`base_frequency`, intel_pstate) or, where the driver does
+    not expose one, the hardware maximum (`cpuinfo_max_freq`). The cap is the lowest of the policy
+    maximum (`scaling_max_freq`), the platform's limit (`bios_limit`, acpi-cpufreq) and intel_pstate's
+    `max_perf_pct` share of the hardware maximum. Turbo switched off is not a cap below nominal.
+    """
     root = Path(cfg.sysfs_root) / "devices" / "system" / "cpu"
     pct = _positive_int(root / "intel_pstate" / "max_perf_pct")
     cpus = sorted(

@@ -54,7 +54,7 @@ def _bus_ids(nvml: Nvml, count: int) -> list[str] | str:
 
 def gpu_count(gpus: GpuExpectation, expected: int, count: int, nvml_ids: list[str] | str) -> CheckResult:
     """NVML's `count` against the PCI bus, the configured count (`expected`, 0: unset) and the
-    allocation (module docstring)."""
+    allocation (preflight.gpus)."""
     name = "inventory.gpu_count"
     pci = gpus.pci
     evidence = [

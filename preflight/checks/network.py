@@ -1,8 +1,8 @@
 """Network, where present: InfiniBand port state and error counters, NIC link state and speed, the
-NIC/HCA PCIe link width and the expected NIC count (all from sysfs).
-
-Imbue's 4,092-GPU bring-up found NICs whose PCIe link had trained at a fraction of its width and
-nodes missing a NIC outright: both look healthy to a link-state check and halve a node's bandwidth."""
+NIC/HCA PCIe link width and the expected NIC count (all from sysfs). A link trained at a fraction of
+its width and a missing NIC both look healthy to a link-state check and halve a node's bandwidth,
+so both are checked. One of the quick preflight's units (`preflight.runner`).
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""Processes that should not be on the node: a stray holding GPU memory, a leftover rank of an ended attempt.
-
-Who may hold GPU memory is a `ProcessView`'s answer. Alone (`preflight run`, a Slurm prolog) it is
-`OwnTree`: this process and its descendants, i.e. the preflight's own children. Inside the node
-agent it is the agent's view (nodeagent.daemon.leftovers), which also knows which processes are leftovers
-of the agent's ended attempts: the agent's whole tree is not "ours" there, because the agent is the
-subreaper of its earlier ranks (the seed's failure: a killed attempt's rank keeps its GPU memory and
-the next attempt runs out of memory on a healthy node).
-
-Which attempt a process came from is read from the environment the agent's launcher gives every
-rank (`RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT`, and `RUNWARDEN_NODEAGENT_SOCKET`, the
-agent it reports to, `RUNWARDEN_AGENT_SOCKET` from older agents: nodeagent.daemon.launcher.worker_env), which torchrun, the ranks and their children
-inherit; /proc/<pid>/environ is the environment at exec, so a rank that changes its own environment
-later still shows it.
+"""Processes that should not be on the node: a stray holding GPU memory, a leftover rank of an ended
+attempt. Who may hold GPU memory is a `ProcessView`'s answer: alone (`preflight run`, a Slurm
+prolog) `OwnTree`, the preflight's own children; inside the node agent the agent's view
+(nodeagent.daemon.leftovers), which also knows which processes are leftovers of its ended attempts.
+A process's attempt is read from the environment the agent's launcher gives every rank.
 """
 
 from __future__ import annotations
@@ -63,6 +54,15 @@ class Leftover:
 
 
 class ProcessView(Protocol):
+    """Inside the agent its whole tree is not "ours": the agent is the subreaper of its earlier ranks, and
+    a killed attempt's rank that keeps its GPU memory would make the next attempt run out of memory on
+    a healthy node. The origin comes from `RUNWARDEN_NODE`, `RUNWARDEN_RUN`, `RUNWARDEN_ATTEMPT` and
+    `RUNWARDEN_NODEAGENT_SOCKET` (`RUNWARDEN_AGENT_SOCKET` from older agents; see
+    nodeagent.daemon.launcher.worker_env), which torchrun, the ranks and their children inherit;
+    /proc/<pid>/environ is the environment at exec, so a rank that changes its own environment later
+    still shows it.
+    """
+
     def allowed(self, pid: int) -> bool:
         """Whether `pid` may hold GPU memory now (asked when NVML lists it, so children started
         since the preflight began are judged as they are then)."""
