@@ -219,7 +219,7 @@ class World:
         self.timers = Timers()
         self.ready_at = 0.0  # spares taken: preflight cannot finish before they arrive
         self.keep_log = keep_log
-        # issue 26: harm, software bugs at a fixed step, a fresh core after the operator's fix
+        # harm, software bugs at a fixed step, a fresh core after the operator's fix
         self.quarantines: list[Quarantined] = []
         self.releases: list[Released] = []
         self.pages: list[str] = []
@@ -598,7 +598,7 @@ class World:
                 Interruption(t=self.now, cause=cause.name, node=name, outcome="absorbed")
             )
 
-    # --- issue 26: software bugs at a fixed step, stragglers, control-plane blips -----------------
+    # --- software bugs at a fixed step, stragglers, control-plane blips -----------------
 
     def _fixed_step_fault(self, f: Fault, cause: Cause, name: str, running: bool) -> None:
         """A bug at a fixed step appears: armed at the job's step (the first hit now, if it runs)."""
