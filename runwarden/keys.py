@@ -138,7 +138,7 @@ class KeySchema:
     def reputation(self, node: str) -> str:
         return self.reputation_prefix() + check_name("node name", node)
 
-    # Claims: which run holds a node (controller/live/claims.py)
+    # Claims: which run holds a node (controller/fleet/claims.py)
     def claims_prefix(self) -> str:
         return self._join("claims", "")
 

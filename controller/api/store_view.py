@@ -91,7 +91,7 @@ class StoreBackedView:
         return statuses
 
     def claim_holders(self) -> dict[str, str]:
-        """node -> the run whose claim holds it (claims/: controller/live/claims.py)."""
+        """node -> the run whose claim holds it (claims/: controller/fleet/claims.py)."""
         k = self._keys
         holders = {}
         for kv in self._prefix(k.claims_prefix()):
@@ -361,10 +361,10 @@ class StoreBackedView:
 
     def release_claims(self, *, node: str, run: str, actor: str) -> list[str]:
         """An operator gives back the claims of a run that is gone without ending (its claims
-        outlive its controllers on purpose: controller/live/claims.py). A run with a leader is
+        outlive its controllers on purpose: controller/fleet/claims.py). A run with a leader is
         refused: it gives its nodes back itself, and a node taken from under a running attempt
         could be launched on by another run while its workers still run there."""
-        from controller.live.claims import release_by_operator
+        from controller.fleet.claims import release_by_operator
 
         holders = self.claim_holders()
         if node and node not in holders:

@@ -14,7 +14,7 @@ hosts it: node rank 0's c10d store, at the host and port that node's agent repor
 record (`rendezvous`, the live shell's view of the records). A spare that replaces node rank 0
 brings its own. No known rendezvous for node rank 0 is a `BackendError`: nothing is launched.
 
-The agents retry temporary RPC failures within the launch deadline (controller/live/agents.py).
+The agents retry temporary RPC failures within the launch deadline (controller/backends/agents.py).
 A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
 temporary; the other nodes of the attempt keep running (the supervisor decides what happens to
 them, as when a node's workers exit at once).
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from controller.backends.agents import AgentClients
 from controller.backends.base import (
     Allocation,
     AttemptHandle,
@@ -36,7 +37,6 @@ from controller.backends.base import (
     NodeStarted,
     attempt_env,
 )
-from controller.live.agents import AgentClients
 from runwarden import launch as launch_rule
 from runwarden.v1 import agent_pb2
 

@@ -1,6 +1,6 @@
 """`controllerctl claims release (NODE | --run RUN)`: give back node claims (admin).
 
-A run holds its nodes through claims that outlive its controllers (controller/live/claims.py), so a
+A run holds its nodes through claims that outlive its controllers (controller/fleet/claims.py), so a
 run that is gone without ending (every controller of it removed) leaves them behind; this gives them
 back to the shared pool. A run that has a leader is refused: it gives its nodes back itself.
 `controllerctl nodes` shows which run holds each node."""

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from controller.live.agents import RpcOutcome
+from controller.backends.agents import RpcOutcome
 from controller.supervisor.events import BandwidthMeasured
 from runwarden.v1 import agent_pb2
 
@@ -48,7 +48,7 @@ _REFUSALS = frozenset(
 
 
 class AllReduceRpc(Protocol):
-    """The one agent call the gate needs (controller.live.agents.AgentClients has it)."""
+    """The one agent call the gate needs (controller.backends.agents.AgentClients has it)."""
 
     def measure_all_reduce(
         self,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.backends.agents import AgentTLS
 from controller.backends.base import Scheduler
 from controller.backends.local import SCRIPT_MODES
-from controller.live.agents import AgentTLS
 from controller.live.paging import PagerConfig
 from controller.live.schedulers import SECTIONS as BACKEND_SECTIONS
 from controller.live.schedulers import build_scheduler, check_backend
@@ -47,7 +47,7 @@ class RunSection:
     backend: str = "agents"  # who places the node agents: agents (systemd) | slurm | ray | kubernetes
     spares: int = 0  # nodes allocated beyond `nodes` (inside the allocation: a swap takes seconds)
     # several runs on one fleet (one etcd root): who gets a free node first when two ask at once
-    # (the higher; the same: first come). controller/live/claims.py
+    # (the higher; the same: first come). controller/fleet/claims.py
     priority: int = 0
     election_ttl_s: float = 3.0
     tick_s: float = 0.25

@@ -6,7 +6,7 @@
    `ActionFailed(temporary=True, reason="event log append failed: ...")`.
 2. Execute the actions in order, one `match` over the `Action` union. `Launch` writes the attempt
    record with a compare-and-swap first, in one transaction with the leader's fence and every
-   node's claim (each must still be this run's: controller/live/claims.py); a refused transaction
+   node's claim (each must still be this run's: controller/fleet/claims.py); a refused transaction
    or a failed write is answered at once with `ActionFailed(temporary=False)` and a relist (the
    Snapshot raises the core's attempt number past the stored record). The workers are then started
    through the `Backend`, off the loop. `RunPreflight` first claims its nodes for the run; a node
@@ -33,11 +33,11 @@ from typing import assert_never
 
 from google.protobuf.message import DecodeError
 
+from controller.backends.agents import AgentClients
 from controller.backends.base import AttemptSpec, BackendError, Scheduler, StaticFleet
 from controller.backends.local import LaunchIncomplete, LocalBackend
+from controller.fleet.claims import Claims, read_claim
 from controller.live import bandwidth
-from controller.live.agents import AgentClients
-from controller.live.claims import Claims, read_claim
 from controller.live.paging import Pager
 from controller.live.translate import Translator, parse
 from controller.supervisor import flight_recorder

@@ -7,7 +7,7 @@ is the goroutine-shell. It owns every side effect, and nothing else:
   leader + standbys each); only the leader acts. Its fence (the election key's create revision) goes
   into every attempt record and every fenced write, so a stale leader cannot launch.
 * **Claims.** Nodes are the fleet's, shared by the runs under the root; a run uses a node only while
-  it holds the node's claim (controller/live/claims.py). After every batch the shell gives back the
+  it holds the node's claim (controller/fleet/claims.py). After every batch the shell gives back the
   nodes its core no longer holds (`Supervisor.holds`) and takes the out-of-service ones it answers
   for; an attempt's nodes are taken before their preflight (the executor). Other runs' claims reach
   the core as `NodeClaimed` events (and in the Snapshot): a node another run holds is no spare here.
@@ -45,10 +45,10 @@ from typing import Protocol
 from google.protobuf.message import DecodeError
 
 from controller.api import policy as policy_store
+from controller.backends.agents import AgentClients
 from controller.backends.base import BackendError, RunOutcome, Scheduler, StaticFleet
 from controller.backends.local import LocalBackend, LocalConfig
-from controller.live.agents import AgentClients
-from controller.live.claims import BID_WINDOW_S, Claims
+from controller.fleet.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
 from controller.live.loss_history import read_loss_history
 from controller.live.paging import Pager

@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         shell_kwargs["identity"] = run.identity
     if args.resume or args.exit_when_done:
         shell_kwargs["resume_stopped_before"] = started_at
-    from controller.live.agents import AgentClients
+    from controller.backends.agents import AgentClients
 
     pager = Pager(cfg.paging)
     shell = LiveController(

@@ -338,7 +338,7 @@ class PolicyChanged:
 class NodeClaimed:
     """The fleet's claims (several runs share one fleet; each node belongs to one run at a time):
     another run took `node` (`run`: that run), or gave it back to the shared pool (`run` ""). This
-    run's own claims never come as events: the shell takes them (controller/live/claims.py).
+    run's own claims never come as events: the shell takes them (controller/fleet/claims.py).
 
     record: the node's stored pool entry and reputation when it was given back, so its failures,
     strikes, holds and repairs follow it from run to run (None: nothing stored)."""

@@ -193,7 +193,7 @@ class Pool:
 
     def set_elsewhere(self, name: str, run: str) -> PoolNode:
         """Another run holds the node's claim (`run`), or none does (""): only a node no other run
-        holds is free here (the shared spare pool, controller/live/claims.py)."""
+        holds is free here (the shared spare pool, controller/fleet/claims.py)."""
         node = self.get(name)
         node.elsewhere = run
         self._sync(node)

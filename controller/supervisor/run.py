@@ -114,7 +114,7 @@ class Run(Effects):
         self.slots = []
 
     def holds(self) -> frozenset[str]:
-        """The nodes this run keeps a claim on (controller/live/claims.py takes and gives them back):
+        """The nodes this run keeps a claim on (controller/fleet/claims.py takes and gives them back):
         the attempt's (being prepared, running, or the last one, kept across a restart's backoff so
         the relaunch finds them) and the out-of-service nodes it answers for (their burn-in, an
         operator's release). None once the run is over; never a node another run holds."""

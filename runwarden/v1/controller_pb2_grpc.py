@@ -182,7 +182,7 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseClaims(self, request, context):
-        """Give back node claims (admin): one node's, or every claim of a run (controller/live/claims.py).
+        """Give back node claims (admin): one node's, or every claim of a run (controller/fleet/claims.py).
         Refused for a run that has a leader: a live run gives its nodes back itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -511,7 +511,7 @@ Global___PolicyRecord: _TypeAlias = PolicyRecord  # noqa: Y015
 class NodeClaim(_message.Message):
     """<root>/v1/claims/<node>: the run that holds the node now (one run at a time), taken with a
     transaction (create if absent) and given back with one (delete if still this run's). Persistent,
-    not under a lease: controller/live/claims.py says why.
+    not under a lease: controller/fleet/claims.py says why.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

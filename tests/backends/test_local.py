@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from controller.backends.agents import AgentClients, RpcOutcome
 from controller.backends.base import AttemptSpec, Backend, BackendError
 from controller.backends.local import LaunchIncomplete, LocalBackend, Rendezvous
-from controller.live.agents import AgentClients, RpcOutcome
 from runwarden.v1 import agent_pb2
 
 # What the nodes' records say: each agent reserved its own port on its own address.

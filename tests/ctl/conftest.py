@@ -96,7 +96,7 @@ def populate(store: Store, now: float, *, claims: bool = True) -> None:
     )
     store.put(k.memory(RUN), memory.SerializeToString())
     nodes = ["n0", "n1", "n3", "n4"]
-    for node in nodes if claims else ():  # as controller/live/claims.py writes them
+    for node in nodes if claims else ():  # as controller/fleet/claims.py writes them
         store.put(k.claim(node), store_pb2.NodeClaim(node=node, run=RUN).SerializeToString())
     store.put(
         k.attempt(RUN),

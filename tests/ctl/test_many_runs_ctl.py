@@ -14,7 +14,7 @@ from controller.api.access import AccessPolicy
 from controller.api.server import build_server
 from controller.api.store_view import StoreBackedView
 from controller.ctl.main import main
-from controller.live.claims import Claims
+from controller.fleet.claims import Claims
 from runwarden.keys import run_election
 from runwarden.store import Store
 from runwarden.v1 import store_pb2

@@ -42,8 +42,8 @@ import grpc
 import pytest
 
 from controller.ctl.main import main as ctl_main
+from controller.fleet.claims import read_claim
 from controller.goodput.report import compute_goodput
-from controller.live.claims import read_claim
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.eventlog import read_events
 from runwarden.store import KeyValue, Store, StoreConfig

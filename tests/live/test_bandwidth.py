@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from controller.backends.agents import AgentClients, RpcOutcome
 from controller.live import bandwidth
-from controller.live.agents import AgentClients, RpcOutcome
 from controller.live.bandwidth import ring_rounds, run_gate
 from controller.live.executor import Executor, RunSettings
 from controller.supervisor.actions import Batch, MeasureBandwidth

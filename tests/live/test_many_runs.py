@@ -35,7 +35,7 @@ import pytest
 from controller.api.access import AccessPolicy
 from controller.api.server import build_server
 from controller.ctl.main import main as ctl_main
-from controller.live.claims import read_claim
+from controller.fleet.claims import read_claim
 from controller.live.loop import LiveController, ShellConfig
 from controller.live.view import LiveView
 from controller.supervisor.machine import RunState, Supervisor

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.backends.agents import AgentClients
 from controller.backends.base import AttemptSpec, BackendError
 from controller.backends.local import LocalBackend, LocalConfig, Rendezvous
-from controller.live.agents import AgentClients
 from controller.live.config import RunSection
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.config import ConfigError

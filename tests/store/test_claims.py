@@ -1,4 +1,4 @@
-"""Claims of nodes by runs (controller/live/claims.py) and the store's transactions, on a real etcd:
+"""Claims of nodes by runs (controller/fleet/claims.py) and the store's transactions, on a real etcd:
 create-if-absent, give back only while still this run's, every change fenced by the leader's key,
 the bid round (priority, then first come) with both runs asking at once, and the operator's release."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.live.claims import Claims, read_claim, release_by_operator
+from controller.fleet.claims import Claims, read_claim, release_by_operator
 from runwarden.keys import KeySchema, run_election
 from runwarden.store import Compare, Delete, Leadership, Put, Store, StoreConfig, StoreError
 from testbed.etcd_server import EtcdServer

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from controller.live.agents import AgentClients, RpcOutcome, is_temporary, with_retries
+from controller.backends.agents import AgentClients, RpcOutcome, is_temporary, with_retries
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 
