@@ -2,32 +2,10 @@
 
 Like every backend, Kubernetes only places the node agents; the agents place the ranks (the
 structured torchrun launch, controller/backends/local.py), so the ranks get the same contract here
-as anywhere else. What `KubernetesScheduler` does (`Scheduler` in controller/backends/base.py):
-
-* ``allocate(nodes, spares)`` -- one JobSet ``<run>-n0`` of ``nodes + spares`` pods, one per node
-  (a required pod anti-affinity on the run's label, across every JobSet of the run), kept off every
-  node labelled ``runwarden.io/health=quarantined``, each pod running
-  ``nodeagent --config /etc/runwarden/agent.toml`` with the node's GPUs requested, its name and
-  advertised address from the downward API. Kueue admits it through ``kueue.x-k8s.io/queue-name``
-  when a queue is configured. Idempotent: a JobSet of that name that carries the run's label is
-  adopted (a controller restart or a standby taking over creates nothing).
-* ``request_nodes(count, exclude, reason)`` -- another JobSet ``<run>-n<k>`` of ``count`` pods,
-  off the excluded nodes (node affinity ``NotIn``) and off every node that already has an agent of
-  the run. The agents join when they register in etcd.
-* ``quarantine`` -- taint ``runwarden.io/quarantined:NoSchedule``, label
-  ``runwarden.io/health=quarantined``, the reason in an annotation. ``spec.unschedulable`` (an
-  operator's cordon) is never touched; ``release`` removes only runwarden's marks and answers False
-  while an operator's cordon holds the node.
-* ``check_stop_fits(save_commit_s)`` -- preemption and drains send SIGTERM and then, after
-  ``terminationGracePeriodSeconds``, SIGKILL: refuse a launch when that window is shorter than the
-  observed checkpoint save + commit plus a margin.
-* ``finish`` -- delete the run's JobSets.
-
-Each agent pod is an index of its own (``backoffLimitPerIndex: 0``, ``restartPolicy: Never``): a
-lost node fails its index only, the other agents keep running, and nothing is restarted behind the
-supervisor's back (``failurePolicy.maxRestarts: 0``); the supervisor asks for a replacement.
-
-Everything goes through the official ``kubernetes`` client; errors become :class:`BackendError`.
+as anywhere else. `KubernetesScheduler` is the `Scheduler` (controller/backends/base.py) the live
+controller calls; it never restarts anything behind the supervisor's back, never touches an
+operator's cordon, and goes through the official ``kubernetes`` client (errors become
+:class:`BackendError`).
 """
 
 from __future__ import annotations
@@ -294,7 +272,31 @@ def _default_api_client() -> k8s.ApiClient:
 
 
 class KubernetesScheduler:
-    """`backend = "kubernetes"`: see the module docstring."""
+    """`backend = "kubernetes"`.
+
+    * ``allocate(nodes, spares)`` -- one JobSet ``<run>-n0`` of ``nodes + spares`` pods, one per node
+      (a required pod anti-affinity on the run's label, across every JobSet of the run), kept off every
+      node labelled ``runwarden.io/health=quarantined``, each pod running
+      ``nodeagent --config /etc/runwarden/agent.toml`` with the node's GPUs requested, its name and
+      advertised address from the downward API. Kueue admits it through ``kueue.x-k8s.io/queue-name``
+      when a queue is configured. Idempotent: a JobSet of that name that carries the run's label is
+      adopted (a controller restart or a standby taking over creates nothing).
+    * ``request_nodes(count, exclude, reason)`` -- another JobSet ``<run>-n<k>`` of ``count`` pods,
+      off the excluded nodes (node affinity ``NotIn``) and off every node that already has an agent of
+      the run. The agents join when they register in etcd.
+    * ``quarantine`` -- taint ``runwarden.io/quarantined:NoSchedule``, label
+      ``runwarden.io/health=quarantined``, the reason in an annotation. ``spec.unschedulable`` (an
+      operator's cordon) is never touched; ``release`` removes only runwarden's marks and answers False
+      while an operator's cordon holds the node.
+    * ``check_stop_fits(save_commit_s)`` -- preemption and drains send SIGTERM and then, after
+      ``terminationGracePeriodSeconds``, SIGKILL: refuse a launch when that window is shorter than the
+      observed checkpoint save + commit plus a margin.
+    * ``finish`` -- delete the run's JobSets.
+
+    Each agent pod is an index of its own (``backoffLimitPerIndex: 0``, ``restartPolicy: Never``): a
+    lost node fails its index only, the other agents keep running, and nothing is restarted behind the
+    supervisor's back (``failurePolicy.maxRestarts: 0``); the supervisor asks for a replacement.
+    """
 
     name = "kubernetes"
 

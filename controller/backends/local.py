@@ -1,23 +1,10 @@
 """The local backend: a static fleet of node agents, one per host, and no scheduler.
 
 Nodes join by starting an agent (its lease registers it in etcd) and leave when it stops; nothing
-is allocated, drained or released here, because the pool state the supervisor decides is persisted
-in etcd and an agent needs no telling. What this backend does is start and stop attempts: `launch`
-sends each node a structured launch (`LaunchWorkersRequest.torchrun`): the command, the attempt's
-environment with the node's name (`attempt_env`), the node count and the node's rank, and the
-rendezvous endpoint; each agent builds its own torchrun line from its own config (its interpreter,
-its ranks per node, its advertised host, its collective interface) with the same rule the other
-backends use (`runwarden.launch.torchrun_argv`).
-
-Nothing about the launch is chosen on the controller's host. The rendezvous lives where torchrun
-hosts it: node rank 0's c10d store, at the host and port that node's agent reported in its node
-record (`rendezvous`, the live shell's view of the records). A spare that replaces node rank 0
-brings its own. No known rendezvous for node rank 0 is a `BackendError`: nothing is launched.
-
-The agents retry temporary RPC failures within the launch deadline (controller/backends/agents.py).
-A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
-temporary; the other nodes of the attempt keep running (the supervisor decides what happens to
-them, as when a node's workers exit at once).
+is allocated, drained or released here. `LocalBackend` starts and stops attempts through the agents'
+RPCs with a structured launch, so each agent builds its own torchrun line with the rule every
+backend uses (`runwarden.launch.torchrun_argv`); nothing about the launch is chosen on the
+controller's host. The live controller launches through it on every backend.
 """
 
 from __future__ import annotations
@@ -107,6 +94,25 @@ class LaunchIncomplete(BackendError):
 
 
 class LocalBackend:
+    """Starts and stops attempts on the nodes' agents.
+
+    `launch` sends each node a structured launch (`LaunchWorkersRequest.torchrun`): the command, the
+    attempt's environment with the node's name (`attempt_env`), the node count and the node's rank, and the
+    rendezvous endpoint; each agent builds its own torchrun line from its own config (its interpreter,
+    its ranks per node, its advertised host, its collective interface) with the same rule the other
+    backends use (`runwarden.launch.torchrun_argv`).
+
+    Nothing about the launch is chosen on the controller's host. The rendezvous lives where torchrun
+    hosts it: node rank 0's c10d store, at the host and port that node's agent reported in its node
+    record (`rendezvous`, the live shell's view of the records). A spare that replaces node rank 0
+    brings its own. No known rendezvous for node rank 0 is a `BackendError`: nothing is launched.
+
+    The agents retry temporary RPC failures within the launch deadline (controller/backends/agents.py).
+    A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
+    temporary; the other nodes of the attempt keep running (the supervisor decides what happens to
+    them, as when a node's workers exit at once).
+    """
+
     name = "local"
 
     def __init__(

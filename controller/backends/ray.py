@@ -1,37 +1,11 @@
 """The Ray backend (`[controller] backend = "ray"`): one node agent per Ray node, held by a placement group.
 
 Ray places the agents, the agents place the ranks (the structured torchrun launch of
-controller/backends/local.py, as on every backend). Everything the run holds lives in the Ray
-namespace ``namespace`` (default ``runwarden``; one per run) and is detached, so a controller that
-restarts, or its standby, adopts it instead of placing a second set:
-
-* ``allocate(nodes, spares)`` -- one ``STRICT_SPREAD`` placement group named ``alloc`` with
-  ``nodes + spares`` bundles (each ``bundle`` -- size it to a whole node, so that no second bundle
-  fits where one is), and in each bundle one actor (``alloc-agent-<i>``) whose process runs the node
-  agent as its child (``nodeagent --node ray-<node ip>``; the child dies with the actor, SIGTERM by
-  PR_SET_PDEATHSIG). A node that dies takes its actor and its agent with it: the agent's lease
-  expires (node lost). Ray then moves the lost bundle to another node and restarts the actor there,
-  so a new agent (a new node to the pool) registers by itself.
-* ``request_nodes(count, exclude)`` -- another ``STRICT_SPREAD`` group (``req-<n>``) with one
-  bundle pinned (``node:<ip>`` resource) to each alive node that holds none of the run's bundles,
-  carries no quarantine mark and is not excluded, granted now; what those cannot cover waits in
-  Ray's queue as ``req-<n>-queued`` (unpinned: Ray, or its autoscaler, grants it when a node has
-  room). While a queued ask waits, another request with no free node returns it instead of asking
-  twice. (A queued bundle is placed by Ray: with whole-node bundles it can only land on a node the
-  run does not hold.)
-* ``quarantine(node)`` -- the mark is a placement group ``quarantine-<node>`` of the run (one
-  bundle of ``node:<ip>: 0.001``): it survives a controller restart, ``request_nodes`` never picks
-  the node, and the node's own bundle stays reserved (nothing else lands there). The agent keeps
-  running, as under a Slurm drain or a Kubernetes taint: the pool's burn-in (a full preflight
-  through it) decides whether the node comes back. With ``quarantine_stops_agent`` the agent is
-  stopped too (SIGTERM: its lease revoked) and its actor killed for good; such a node comes back
-  only through ``release`` (an operator's ``controllerctl release``).
-* ``release(node)`` -- removes only that mark, and starts the agent again in the node's bundle if
-  it was stopped and the run still holds the bundle (a new registration: burn-in).
-* ``finish`` -- every actor (agents stopped first) and every placement group of the run is removed.
-
-Nothing an operator set (node resources, labels, other namespaces) is read for a decision or
-touched. ``ray`` is an optional extra: this module is imported only when the backend is chosen.
+controller/backends/local.py, as on every backend). Everything the run holds lives in its Ray
+namespace and is detached, so a controller that restarts, or its standby, adopts it instead of
+placing a second set; nothing an operator set is read for a decision or touched. `RayScheduler`
+is the `Scheduler` (controller/backends/base.py) the live controller calls. ``ray`` is an optional
+extra: this module is imported only when the backend is chosen.
 """
 
 from __future__ import annotations
@@ -258,7 +232,34 @@ class _Agent:
 
 
 class RayScheduler:
-    """`backend = "ray"`: see the module docstring. Thread-safe: the shell calls it off its loop."""
+    """`backend = "ray"`. Thread-safe: the shell calls it off its loop. Everything lives in the Ray
+    namespace ``namespace`` (default ``runwarden``; one per run), detached.
+
+    * ``allocate(nodes, spares)`` -- one ``STRICT_SPREAD`` placement group named ``alloc`` with
+      ``nodes + spares`` bundles (each ``bundle`` -- size it to a whole node, so that no second bundle
+      fits where one is), and in each bundle one actor (``alloc-agent-<i>``) whose process runs the node
+      agent as its child (``nodeagent --node ray-<node ip>``; the child dies with the actor, SIGTERM by
+      PR_SET_PDEATHSIG). A node that dies takes its actor and its agent with it: the agent's lease
+      expires (node lost). Ray then moves the lost bundle to another node and restarts the actor there,
+      so a new agent (a new node to the pool) registers by itself.
+    * ``request_nodes(count, exclude)`` -- another ``STRICT_SPREAD`` group (``req-<n>``) with one
+      bundle pinned (``node:<ip>`` resource) to each alive node that holds none of the run's bundles,
+      carries no quarantine mark and is not excluded, granted now; what those cannot cover waits in
+      Ray's queue as ``req-<n>-queued`` (unpinned: Ray, or its autoscaler, grants it when a node has
+      room). While a queued ask waits, another request with no free node returns it instead of asking
+      twice. (A queued bundle is placed by Ray: with whole-node bundles it can only land on a node the
+      run does not hold.)
+    * ``quarantine(node)`` -- the mark is a placement group ``quarantine-<node>`` of the run (one
+      bundle of ``node:<ip>: 0.001``): it survives a controller restart, ``request_nodes`` never picks
+      the node, and the node's own bundle stays reserved (nothing else lands there). The agent keeps
+      running, as under a Slurm drain or a Kubernetes taint: the pool's burn-in (a full preflight
+      through it) decides whether the node comes back. With ``quarantine_stops_agent`` the agent is
+      stopped too (SIGTERM: its lease revoked) and its actor killed for good; such a node comes back
+      only through ``release`` (an operator's ``controllerctl release``).
+    * ``release(node)`` -- removes only that mark, and starts the agent again in the node's bundle if
+      it was stopped and the run still holds the bundle (a new registration: burn-in).
+    * ``finish`` -- every actor (agents stopped first) and every placement group of the run is removed.
+    """
 
     name = "ray"
 

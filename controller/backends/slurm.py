@@ -2,20 +2,8 @@
 
 Every backend places one node agent per node and the agents place the ranks (the structured
 torchrun launch through agent RPCs, controller/backends/local.py); Slurm only decides where the
-agents run and keeps bad nodes out:
-
-* ``allocate(nodes, spares)`` submits ``deploy/slurm/agents.sbatch`` for ``nodes + spares``
-  nodes (``--exclusive``: one agent per node, the node name is its identity; ``--no-kill``: a
-  dead node shrinks the allocation instead of ending it; ``--signal=USR1@<lead>`` without
-  ``B:``: Slurm signals the job steps, i.e. the agents, before the time limit), waits until the
-  job runs and returns its nodes. The job is named ``job_name`` (``runwarden-<run>``): a leader
-  that takes office while one of this run's allocations is alive adopts it instead of
-  submitting a second, so ``allocate`` is idempotent across controller restarts and failovers.
-* ``request_nodes(count, exclude, reason)`` submits another such job (``<job_name>-more``,
-  ``--exclude``) and returns at once; its agents register in etcd when Slurm starts it.
-* ``quarantine`` is a Slurm DRAIN whose reason starts with ``runwarden:`` -- the mark that lets
-  ``release`` resume our own drains and never an operator's.
-* ``finish(outcome)`` cancels every job of the run (the agents get SIGTERM and leave).
+agents run and keeps bad nodes out. `SlurmScheduler` is the `Scheduler` (controller/backends/base.py)
+the live controller calls; it never resumes an operator's drain.
 """
 
 from __future__ import annotations
@@ -120,7 +108,21 @@ def reason_text(reason: str) -> str:
 
 
 class SlurmScheduler:
-    """`backend = "slurm"`: see the module docstring. Thread-safe: the shell calls it off its loop."""
+    """`backend = "slurm"`. Thread-safe: the shell calls it off its loop.
+
+    * ``allocate(nodes, spares)`` submits ``deploy/slurm/agents.sbatch`` for ``nodes + spares``
+      nodes (``--exclusive``: one agent per node, the node name is its identity; ``--no-kill``: a
+      dead node shrinks the allocation instead of ending it; ``--signal=USR1@<lead>`` without
+      ``B:``: Slurm signals the job steps, i.e. the agents, before the time limit), waits until the
+      job runs and returns its nodes. The job is named ``job_name`` (``runwarden-<run>``): a leader
+      that takes office while one of this run's allocations is alive adopts it instead of
+      submitting a second, so ``allocate`` is idempotent across controller restarts and failovers.
+    * ``request_nodes(count, exclude, reason)`` submits another such job (``<job_name>-more``,
+      ``--exclude``) and returns at once; its agents register in etcd when Slurm starts it.
+    * ``quarantine`` is a Slurm DRAIN whose reason starts with ``runwarden:`` -- the mark that lets
+      ``release`` resume our own drains and never an operator's.
+    * ``finish(outcome)`` cancels every job of the run (the agents get SIGTERM and leave).
+    """
 
     name = "slurm"
 

@@ -1,31 +1,11 @@
 """Claims: which run holds each node of a fleet that several runs share (one etcd root).
 
-A node belongs to one run at a time. The run that holds it is named by its claim,
-``<root>/v1/claims/<node>`` (a `NodeClaim`), and only that run launches on it, preflights or burns
-it in, and writes its pool entry and reputation. Every change is a transaction: a claim is taken
-only if absent (create-if-absent), given back only if it is still this run's (compare its mod
-revision), and both also compare the leader's election key (the fence), so a deposed leader can
-neither take nor give back. The attempt record's write compares every node's claim too
-(controller/live/executor.py): two runs can never both launch on one node.
-
-**Who gets a free node first: priority, then first come.** A run asking for free nodes first puts
-a bid per node, ``<root>/v1/bids/<node>/<run>`` (under its leader's lease, so a dead run's bid goes
-with it), waits `bid_window_s`, then reads the node's bids: it takes the node only if no bid beats
-its own (a higher priority, or the same priority put earlier: a lower create revision). Asks within
-one bid window of each other are decided by priority; a later ask finds the node claimed. Either way
-the create-if-absent transaction is the guarantee: a loser's transaction fails, it never holds the
-node. A loser is told which run won; its core picks the next spare (or the queue). With no other
-run's controller under the root there is nobody to out-bid, and no window is waited.
-
-**Why claims are persistent, not under the leader's lease.** A claim under the leader's lease would
-vanish whenever the leader dies, for the few seconds until its standby takes over and takes the
-claims again; in that window another run could claim the running attempt's nodes and launch on
-them. So a claim belongs to the *run*, not to one controller process: it outlives a leader change
-(the standby finds the run's claims and adopts them with its attempt), and it is given back
-explicitly: when the node leaves the run (its core no longer holds it: it went back to the spare
-pool after burn-in, or was replaced), and all of them when the run ends. A run that disappears
-without ending (its controllers all removed) leaves its claims; an operator gives them back with
-``controllerctl claims release NODE`` (or ``--run RUN``), which only a run's absence justifies.
+A node belongs to one run at a time, named by its claim ``<root>/v1/claims/<node>`` (a `NodeClaim`);
+only that run launches on it, preflights or burns it in, and writes its pool entry and reputation.
+Every change is a fenced transaction (a claim is taken only if absent, given back only if still this
+run's), and the attempt record's write compares every node's claim too (controller/live/executor.py):
+two runs can never both launch on one node. `Claims` is the live controller's side; the API's
+`controllerctl claims release` uses `release_by_operator`.
 """
 
 from __future__ import annotations
@@ -72,7 +52,27 @@ class Claims:
     """This run's claims, as this controller knows them (node -> the claim's mod revision).
 
     Thread-safe: the loop gives back and takes out-of-service nodes; pool threads take the nodes of
-    an attempt before their preflight. Rebuilt from the store at every relist (`load`)."""
+    an attempt before their preflight. Rebuilt from the store at every relist (`load`).
+
+    **Who gets a free node first: priority, then first come.** A run asking for free nodes first puts
+    a bid per node, ``<root>/v1/bids/<node>/<run>`` (under its leader's lease, so a dead run's bid goes
+    with it), waits `bid_window_s`, then reads the node's bids: it takes the node only if no bid beats
+    its own (a higher priority, or the same priority put earlier: a lower create revision). Asks within
+    one bid window of each other are decided by priority; a later ask finds the node claimed. Either way
+    the create-if-absent transaction is the guarantee: a loser's transaction fails, it never holds the
+    node. A loser is told which run won; its core picks the next spare (or the queue). With no other
+    run's controller under the root there is nobody to out-bid, and no window is waited.
+
+    **Why claims are persistent, not under the leader's lease.** A claim under the leader's lease would
+    vanish whenever the leader dies, for the few seconds until its standby takes over and takes the
+    claims again; in that window another run could claim the running attempt's nodes and launch on
+    them. So a claim belongs to the *run*, not to one controller process: it outlives a leader change
+    (the standby finds the run's claims and adopts them with its attempt), and it is given back
+    explicitly: when the node leaves the run (its core no longer holds it: it went back to the spare
+    pool after burn-in, or was replaced), and all of them when the run ends. A run that disappears
+    without ending (its controllers all removed) leaves its claims; an operator gives them back with
+    ``controllerctl claims release NODE`` (or ``--run RUN``), which only a run's absence justifies.
+    """
 
     def __init__(
         self,

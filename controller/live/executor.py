@@ -1,23 +1,9 @@
 """Executing a `Batch` in the order its contract states (controller/supervisor/actions.py).
 
-1. Append the batch's entries to the event log (fsync), after any entries an earlier failed append
-   left unwritten. If the append fails, the entries are kept (appended first next time: nothing is
-   lost), no action runs except `SetTimer`, and each skipped action is answered at once with
-   `ActionFailed(temporary=True, reason="event log append failed: ...")`.
-2. Execute the actions in order, one `match` over the `Action` union. `Launch` writes the attempt
-   record with a compare-and-swap first, in one transaction with the leader's fence and every
-   node's claim (each must still be this run's: controller/fleet/claims.py); a refused transaction
-   or a failed write is answered at once with `ActionFailed(temporary=False)` and a relist (the
-   Snapshot raises the core's attempt number past the stored record). The workers are then started
-   through the `Backend`, off the loop. `RunPreflight` first claims its nodes for the run; a node
-   another run holds (or out-bids us for) is answered with `ActionFailed(node=..., temporary=True)`,
-   and the core picks the next spare. `PersistNode` writes a node's record only while this run
-   holds its claim, or no run does (in one fenced transaction that compares the claim).
-
-`execute` returns the answers that are due at once; the loop feeds them to the core in the same
-iteration. Slow work (agent RPCs) runs in a thread pool, and its results come back on the queue:
-`PreflightResult`, `DumpsCollected`, `BandwidthMeasured`, `AttemptExited`, or `ActionFailed` for what
-could not be done.
+The live controller's loop (controller/live/loop.py) hands each batch to `Executor.execute`: the
+batch's entries are appended to the event log first (nothing is lost if the append fails), then
+the actions run in order; what is due at once comes back as answers the loop feeds to the core in
+the same iteration, slow work (agent RPCs) runs off the loop and its results come back as events.
 """
 
 from __future__ import annotations
@@ -101,7 +87,27 @@ class RunSettings:
 
 
 class Executor:
-    """Carries out one leader term's batches. Built anew whenever the shell (re)builds its core."""
+    """Carries out one leader term's batches. Built anew whenever the shell (re)builds its core.
+
+    1. Append the batch's entries to the event log (fsync), after any entries an earlier failed append
+       left unwritten. If the append fails, the entries are kept (appended first next time: nothing is
+       lost), no action runs except `SetTimer`, and each skipped action is answered at once with
+       `ActionFailed(temporary=True, reason="event log append failed: ...")`.
+    2. Execute the actions in order, one `match` over the `Action` union. `Launch` writes the attempt
+       record with a compare-and-swap first, in one transaction with the leader's fence and every
+       node's claim (each must still be this run's: controller/fleet/claims.py); a refused transaction
+       or a failed write is answered at once with `ActionFailed(temporary=False)` and a relist (the
+       Snapshot raises the core's attempt number past the stored record). The workers are then started
+       through the `Backend`, off the loop. `RunPreflight` first claims its nodes for the run; a node
+       another run holds (or out-bids us for) is answered with `ActionFailed(node=..., temporary=True)`,
+       and the core picks the next spare. `PersistNode` writes a node's record only while this run
+       holds its claim, or no run does (in one fenced transaction that compares the claim).
+
+    `execute` returns the answers that are due at once; the loop feeds them to the core in the same
+    iteration. Slow work (agent RPCs) runs in a thread pool, and its results come back on the queue:
+    `PreflightResult`, `DumpsCollected`, `BandwidthMeasured`, `AttemptExited`, or `ActionFailed` for what
+    could not be done.
+    """
 
     def __init__(
         self,

@@ -1,31 +1,11 @@
 """The live controller: the thin shell around the sans-IO supervisor core.
 
-raft's split: `controller.supervisor.machine.Supervisor` is the logic (no sockets, clock or threads); this module
-is the goroutine-shell. It owns every side effect, and nothing else:
-
-* **Leadership.** It campaigns in etcd, in its run's own election (several runs share one root, one
-  leader + standbys each); only the leader acts. Its fence (the election key's create revision) goes
-  into every attempt record and every fenced write, so a stale leader cannot launch.
-* **Claims.** Nodes are the fleet's, shared by the runs under the root; a run uses a node only while
-  it holds the node's claim (controller/fleet/claims.py). After every batch the shell gives back the
-  nodes its core no longer holds (`Supervisor.holds`) and takes the out-of-service ones it answers
-  for; an attempt's nodes are taken before their preflight (the executor). Other runs' claims reach
-  the core as `NodeClaimed` events (and in the Snapshot): a node another run holds is no spare here.
-* **Level-triggered view.** On becoming leader, and after any watch gap (a compacted revision, a
-  lost etcd), it lists the store and hands the core a `Snapshot`, then watches from that revision.
-* **One loop.** Watch callbacks, RPC results and timers only enqueue events; a single thread
-  pops them, calls `core.handle(event, now)`, and executes the returned `Batch` in the order its
-  contract states (controller/live/executor.py). Answers due at once (`ActionFailed` for a refused
-  attempt CAS or a failed log append) are fed back to the core in the same iteration.
-* **Slow work off the loop.** Agent RPCs (preflight, launch through the `Backend`, stop, dump
-  collection) run in a thread pool with deadlines; their outcomes come back as events.
-
-What the loop catches: bad input from outside (a value in etcd, an RPC answer; `ValueError` at
-the translation) is logged and dropped; a `TransitionError` (no rule for the event in this state)
-is logged. Any other exception out of `core.handle` is a bug that may have left the core
-half-mutated: the shell logs the traceback and rebuilds a fresh core from a store snapshot, the
-same path as becoming leader (new core from the factory, relist, Snapshot, watch from that
-revision). A fresh core that fails on its very first Snapshot steps down instead, and campaigns again.
+raft's split: `controller.supervisor.machine.Supervisor` is the logic (no sockets, clock or threads);
+this module's `LiveController` is the goroutine-shell that owns every side effect, and nothing else:
+leadership in etcd, the run's node claims, the level-triggered view of the store, one loop that
+feeds the core its events and executes its batches (controller/live/executor.py), slow agent work
+off the loop. Bad input from outside is logged and dropped; a bug out of the core rebuilds the core
+from a store snapshot. `controller run` (controller/live/main.py) starts it.
 """
 
 from __future__ import annotations
@@ -206,7 +186,32 @@ _OUTCOMES = {
 
 
 class LiveController:
-    """Runs one controller process: campaign, reconcile, then drive the core until stopped."""
+    """Runs one controller process: campaign, reconcile, then drive the core until stopped.
+
+    * **Leadership.** It campaigns in etcd, in its run's own election (several runs share one root, one
+      leader + standbys each); only the leader acts. Its fence (the election key's create revision) goes
+      into every attempt record and every fenced write, so a stale leader cannot launch.
+    * **Claims.** Nodes are the fleet's, shared by the runs under the root; a run uses a node only while
+      it holds the node's claim (controller/fleet/claims.py). After every batch the shell gives back the
+      nodes its core no longer holds (`Supervisor.holds`) and takes the out-of-service ones it answers
+      for; an attempt's nodes are taken before their preflight (the executor). Other runs' claims reach
+      the core as `NodeClaimed` events (and in the Snapshot): a node another run holds is no spare here.
+    * **Level-triggered view.** On becoming leader, and after any watch gap (a compacted revision, a
+      lost etcd), it lists the store and hands the core a `Snapshot`, then watches from that revision.
+    * **One loop.** Watch callbacks, RPC results and timers only enqueue events; a single thread
+      pops them, calls `core.handle(event, now)`, and executes the returned `Batch` in the order its
+      contract states (controller/live/executor.py). Answers due at once (`ActionFailed` for a refused
+      attempt CAS or a failed log append) are fed back to the core in the same iteration.
+    * **Slow work off the loop.** Agent RPCs (preflight, launch through the `Backend`, stop, dump
+      collection) run in a thread pool with deadlines; their outcomes come back as events.
+
+    What the loop catches: bad input from outside (a value in etcd, an RPC answer; `ValueError` at
+    the translation) is logged and dropped; a `TransitionError` (no rule for the event in this state)
+    is logged. Any other exception out of `core.handle` is a bug that may have left the core
+    half-mutated: the shell logs the traceback and rebuilds a fresh core from a store snapshot, the
+    same path as becoming leader (new core from the factory, relist, Snapshot, watch from that
+    revision). A fresh core that fails on its very first Snapshot steps down instead, and campaigns again.
+    """
 
     def __init__(
         self,

@@ -3,31 +3,11 @@
     controller run --config controller.toml [--etcd HOST:PORT] [--api ADDRESS] [--identity NAME]
 
 It campaigns for leadership in etcd (a standby waits), rebuilds its view from etcd, and supervises
-the run; the Controller gRPC API (for `controllerctl`) is served by every replica, and a standby
-answers reads from etcd. SIGTERM/SIGINT stop it cleanly. SIGHUP re-reads the config file's [policy]
-and makes it the run's policy the way `controllerctl config apply` does (validated whole, written to
-etcd with a compare-and-swap, applied by the leader; a bad file is refused with a log line and
-nothing changes); the other sections take effect at the next start.
-
-Under systemd (deploy/systemd/controller.service, Type=notify) it sends READY=1 once its API serves,
-and WATCHDOG=1 every WatchdogSec/2 while the supervisor thread's loop turns (campaigning or leading):
-a wedged controller is killed and restarted, and its standby takes over meanwhile.
-
-`[controller] backend` says who places the node agents (agents, slurm, ray, kubernetes); the leader
-allocates through it and gives the allocation back when the run is over.
-
-Exit codes: 0 stopped cleanly (by a signal) or the run completed, 2 bad config or etcd unreachable
-at start. With --exit-when-done the controller exits when the run is over, with the exit code
-contract of controller/backends/base.py (a batch script reads it): 0 completed, 75 stopped cleanly
-and resumable from its commit (requeue), 3 failed: crash loop or restart budget spent (do not requeue).
-
-A stop that ends the run stays in etcd, so a restarted daemon (systemd's Restart=always, a watchdog
-kill, a reboot) does not launch a run an operator stopped. --resume says a new launch is wanted: a
-run-ending stop requested before this process started is cleared when it takes office (logged: it
-becomes a relaunching stop, which the relaunch retires), and the run resumes from its latest commit;
-a stop requested after the start (a time limit's notice while it starts) is honoured.
---exit-when-done implies it: its exit 75 asks for exactly that requeue (deploy/slurm/runwarden.sbatch
-with RUNWARDEN_MODE=controller requeues the job on 75).
+the run (controller/live/loop.py); the Controller gRPC API (for `controllerctl`) is served by every
+replica, and a standby answers reads from etcd. `[controller] backend` says who places the node
+agents (agents, slurm, ray, kubernetes); the leader allocates through it and gives the allocation
+back when the run is over. `main` says how it stops, its signals, systemd and its exit
+codes.
 """
 
 from __future__ import annotations
@@ -78,6 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `controller` command.
+
+    SIGTERM/SIGINT stop it cleanly. SIGHUP re-reads the config file's [policy] and makes it the run's policy the way `controllerctl config apply` does (validated whole, written to
+    etcd with a compare-and-swap, applied by the leader; a bad file is refused with a log line and
+    nothing changes); the other sections take effect at the next start.
+
+    Under systemd (deploy/systemd/controller.service, Type=notify) it sends READY=1 once its API serves,
+    and WATCHDOG=1 every WatchdogSec/2 while the supervisor thread's loop turns (campaigning or leading):
+    a wedged controller is killed and restarted, and its standby takes over meanwhile.
+
+    Exit codes: 0 stopped cleanly (by a signal) or the run completed, 2 bad config or etcd unreachable
+    at start. With --exit-when-done the controller exits when the run is over, with the exit code
+    contract of controller/backends/base.py (a batch script reads it): 0 completed, 75 stopped cleanly
+    and resumable from its commit (requeue), 3 failed: crash loop or restart budget spent (do not requeue).
+
+    A stop that ends the run stays in etcd, so a restarted daemon (systemd's Restart=always, a watchdog
+    kill, a reboot) does not launch a run an operator stopped. --resume says a new launch is wanted: a
+    run-ending stop requested before this process started is cleared when it takes office (logged: it
+    becomes a relaunching stop, which the relaunch retires), and the run resumes from its latest commit;
+    a stop requested after the start (a time limit's notice while it starts) is honoured.
+    --exit-when-done implies it: its exit 75 asks for exactly that requeue (deploy/slurm/runwarden.sbatch
+    with RUNWARDEN_MODE=controller requeues the job on 75).
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return _run(args)

@@ -1,20 +1,10 @@
 """The store: the project's only door to etcd.
 
-Only this module imports the etcd client (``pyetcd``, from etcd-sdk-python). It uses the client's
-generated gRPC stubs directly rather than its client classes, because it needs what those classes do
-not give: a channel that reconnects quickly after an etcd restart, per-call deadlines, re-login after
-the server forgot an auth token, and full control of the watch stream.
-
-Semantics worth knowing:
-
-* Reads (``get``, ``get_prefix``, ``revision``) are retried while etcd is unavailable, until
-  ``timeout_s``. Writes are not retried (a write cut off mid-flight may or may not have applied):
-  they raise ``StoreUnavailable`` and the caller decides.
-* Every failure is a ``StoreError`` whose message is one line and never holds a password or token.
-* Background work (lease keepalive, watches, elections) lives in runwarden.store.lease,
-  runwarden.store.watch and runwarden.store.election; ``Store`` is the front door to all of it.
-  Those modules know the store only through small protocols, so imports flow one way:
-  types <- config <- lease, watch <- election <- client.
+Only this module imports the etcd client (``pyetcd``, from etcd-sdk-python); it uses the client's
+generated gRPC stubs directly, for quick reconnects after an etcd restart, per-call deadlines,
+re-login after a forgotten auth token and full control of the watch stream. `Store` is the front
+door every process uses; reads are retried, writes are not, and every failure is a one-line
+``StoreError``.
 """
 
 from __future__ import annotations
@@ -338,7 +328,17 @@ class WatchStream:
 
 
 class Store:
-    """A connected etcd client. Build with ``Store.connect(config)``; ``close()`` when done."""
+    """A connected etcd client. Build with ``Store.connect(config)``; ``close()`` when done.
+
+    * Reads (``get``, ``get_prefix``, ``revision``) are retried while etcd is unavailable, until
+      ``timeout_s``. Writes are not retried (a write cut off mid-flight may or may not have applied):
+      they raise ``StoreUnavailable`` and the caller decides.
+    * Every failure is a ``StoreError`` whose message is one line and never holds a password or token.
+    * Background work (lease keepalive, watches, elections) lives in runwarden.store.lease,
+      runwarden.store.watch and runwarden.store.election; ``Store`` is the front door to all of it.
+      Those modules know the store only through small protocols, so imports flow one way:
+      types <- config <- lease, watch <- election <- client.
+    """
 
     def __init__(self, config: StoreConfig, conn: _Connection) -> None:
         self.config = config
@@ -463,7 +463,7 @@ class Store:
         return int(self.call("read revision", "KV", "Range", request, retry=True).header.revision)
 
     def put(self, key: str, value: bytes, lease: Lease | int | None = None) -> int:
-        """Write ``value``; returns the revision of the write. Not retried (see module docstring)."""
+        """Write ``value``; returns the revision of the write. Not retried (see `Store`)."""
         request = etcdrpc.PutRequest(key=_enc(key), value=_as_bytes(value), lease=_lease_id(lease))
         return int(self.call(f"put {key}", "KV", "Put", request, retry=False).header.revision)
 
