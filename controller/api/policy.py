@@ -2,7 +2,7 @@
 
 `<root>/v1/runs/<run>/policy` holds a `PolicyRecord` with every `SupervisorConfig` field. The first
 leader seeds it from its config file (`seed`); after that it is the policy in force: a standby sees
-it, a new leader starts with it (the shell's Snapshot carries it), and the leader's watch hands each
+it, a new leader starts with it (the shell's StoreListed carries it), and the leader's watch hands each
 change to the core as `PolicyChanged`. Writers (`controllerctl config set/apply` through the API,
 SIGHUP to `controller run`) go through `update`: the new policy is built from the stored one and
 validated whole (`runwarden.config.load_section`: unknown keys and bad types refused naming the key,

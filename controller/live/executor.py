@@ -97,7 +97,7 @@ class Executor:
        record with a compare-and-swap first, in one transaction with the leader's fence and every
        node's claim (each must still be this run's: controller/fleet/claims.py); a refused transaction
        or a failed write is answered at once with `ActionFailed(temporary=False)` and a relist (the
-       Snapshot raises the core's attempt number past the stored record). The workers are then started
+       StoreListed raises the core's attempt number past the stored record). The workers are then started
        through the `Backend`, off the loop. `RunPreflight` first claims its nodes for the run; a node
        another run holds (or out-bids us for) is answered with `ActionFailed(node=..., temporary=True)`,
        and the core picks the next spare. `PersistNode` writes a node's record only while this run
@@ -147,7 +147,7 @@ class Executor:
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
         self.allocated = allocated or threading.Event()  # the leader's allocation is granted
         self.post = post  # an event for the loop's queue (RPC results, from pool threads)
-        self.relist = relist  # ask the loop to list the store and send a Snapshot
+        self.relist = relist  # ask the loop to list the store and send a StoreListed
         self.listeners = listeners
         self.clock = clock
         self.unwritten: list[events_pb2.Event] = []  # entries of a batch whose append failed
@@ -359,7 +359,7 @@ class Executor:
 
     def _retire_relaunch_stop(self) -> None:
         """A relaunching stop request has done its work once the next attempt launches: delete it, so
-        neither a later Snapshot nor an agent's watch stops the new attempt. Not before: the agents
+        neither a later StoreListed nor an agent's watch stops the new attempt. Not before: the agents
         watch the key, and a stop deleted while the ranks still save would be withdrawn there. A stop
         that ends the run stays, so a restarted controller does not relaunch it."""
         key = self.keys.stop(self.s.run)

@@ -41,7 +41,7 @@ from controller.supervisor.events import (
     NodeClaimed,
     OperatorQuarantine,
     OperatorRelease,
-    Snapshot,
+    StoreListed,
     Tick,
 )
 from controller.supervisor.machine import SupervisorStatus, TransitionError
@@ -117,7 +117,7 @@ LEADER_MARGIN_S = 0.5
 
 
 class _Relist:
-    """Marker on the queue: the view has a gap; list the store and send a Snapshot."""
+    """Marker on the queue: the view has a gap; list the store and send a StoreListed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,9 +195,9 @@ class LiveController:
       it holds the node's claim (controller/fleet/claims.py). After every batch the shell gives back the
       nodes its core no longer holds (`Supervisor.holds`) and takes the out-of-service ones it answers
       for; an attempt's nodes are taken before their preflight (the executor). Other runs' claims reach
-      the core as `NodeClaimed` events (and in the Snapshot): a node another run holds is no spare here.
+      the core as `NodeClaimed` events (and in the StoreListed): a node another run holds is no spare here.
     * **Level-triggered view.** On becoming leader, and after any watch gap (a compacted revision, a
-      lost etcd), it lists the store and hands the core a `Snapshot`, then watches from that revision.
+      lost etcd), it lists the store and hands the core a `StoreListed`, then watches from that revision.
     * **One loop.** Watch callbacks, RPC results and timers only enqueue events; a single thread
       pops them, calls `core.handle(event, now)`, and executes the returned `Batch` in the order its
       contract states (controller/live/executor.py). Answers due at once (`ActionFailed` for a refused
@@ -209,8 +209,8 @@ class LiveController:
     the translation) is logged and dropped; a `TransitionError` (no rule for the event in this state)
     is logged. Any other exception out of `core.handle` is a bug that may have left the core
     half-mutated: the shell logs the traceback and rebuilds a fresh core from a store snapshot, the
-    same path as becoming leader (new core from the factory, relist, Snapshot, watch from that
-    revision). A fresh core that fails on its very first Snapshot steps down instead, and campaigns again.
+    same path as becoming leader (new core from the factory, relist, StoreListed, watch from that
+    revision). A fresh core that fails on its very first StoreListed steps down instead, and campaigns again.
     """
 
     def __init__(
@@ -358,7 +358,7 @@ class LiveController:
                 built_at = time.monotonic()
 
     def _take_over(self) -> None:
-        """Becoming leader, and rebuilding a failed core: new core, relist, Snapshot, watch from there."""
+        """Becoming leader, and rebuilding a failed core: new core, relist, StoreListed, watch from there."""
         assert self.leadership is not None and self.eventlog is not None
         self.is_leader.clear()
         self._cancel_watches()
@@ -409,7 +409,7 @@ class LiveController:
             now=self.clock(),
         ):
             log.info("stored this controller's policy for run %s (none was stored)", self.cfg.run)
-        # Its Snapshot carries the stored policy and the loss history the event log kept: the core
+        # Its StoreListed carries the stored policy and the loss history the event log kept: the core
         # starts with both.
         revision = self._relist(fresh_core=True)
         # An attempt found in the store was launched by an earlier leader; it may never have reached
@@ -580,7 +580,7 @@ class LiveController:
                 break
             fed += 1
             key = poison_key(ev)
-            if self._broke_on.get(key, 0) >= POISON_AFTER and not isinstance(ev, Snapshot):
+            if self._broke_on.get(key, 0) >= POISON_AFTER and not isinstance(ev, StoreListed):
                 # (a store snapshot is never dropped: without it the core has no view; a fresh core
                 # that fails on it steps down instead)
                 self.dropped_poison += 1
@@ -682,7 +682,7 @@ class LiveController:
     # -- the view -----------------------------------------------------------------------------
 
     def _relist(self, *, fresh_core: bool = False) -> int:
-        """List the store, feed the core its Snapshot (then the exits it missed); returns the revision.
+        """List the store, feed the core its StoreListed (then the exits it missed); returns the revision.
         fresh_core: a new core, which also gets the loss history from the event log (a relist after
         a watch gap keeps the core, and its history)."""
         assert self.executor is not None

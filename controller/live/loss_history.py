@@ -3,7 +3,7 @@
 The core's replay comparison (controller/supervisor/loss.py) needs the losses earlier attempts
 reported; they live in its memory, and their durable copy is the LOSS_RECORD events it logs. When
 the shell builds a core (it became leader, or rebuilt a broken core), it reads the log's tail and
-hands the history over in the Snapshot (`LossHistory`), undoing what the old core undid: after a
+hands the history over in the StoreListed (`LossHistory`), undoing what the old core undid: after a
 stop for a loss anomaly (LOSS_ANOMALY, action "stop"), the relaunch (the next LAUNCH) forgets the
 steps from the anomaly's on. A bad value in the log is skipped alone, never a crash.
 """

@@ -33,8 +33,8 @@ from controller.supervisor.events import (
     PolicyChanged,
     ProgressObserved,
     RankSample,
-    Snapshot,
     StopRequested,
+    StoreListed,
     proto_losses,
 )
 from controller.supervisor.pool import NodeRecordView
@@ -100,9 +100,9 @@ class Translator:
 
     def snapshot(
         self, listing: Listing, claimed_elsewhere: dict[str, str] | None = None
-    ) -> tuple[Snapshot, Addresses, list[Event], store_pb2.AttemptRecord | None]:
-        """The Snapshot of a listing, the agent addresses it names, the exits written while no
-        leader watched (level-triggered: they follow the Snapshot), and the attempt record."""
+    ) -> tuple[StoreListed, Addresses, list[Event], store_pb2.AttemptRecord | None]:
+        """The StoreListed of a listing, the agent addresses it names, the exits written while no
+        leader watched (level-triggered: they follow the StoreListed), and the attempt record."""
         with self._lock:
             alive: dict[str, int] = {}
             addresses: dict[str, str] = {}
@@ -147,7 +147,7 @@ class Translator:
                 self._map_ranks(prog)
                 if prog.HasField("exit"):
                     exits.extend(self._exit_seen(prog))
-            snap = Snapshot(
+            snap = StoreListed(
                 alive=alive,
                 records=tuple(records),
                 attempt=attempt.attempt if attempt else 0,

@@ -50,8 +50,8 @@ from controller.supervisor.events import (
     PreflightResult,
     ProgressObserved,
     RankSample,
-    Snapshot,
     StopRequested,
+    StoreListed,
     Tick,
 )
 from controller.supervisor.machine import RunState, Supervisor
@@ -63,7 +63,7 @@ from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2
 _ENDED = (RunState.CRASH_LOOP, RunState.BUDGET_EXHAUSTED, RunState.STOPPED, RunState.COMPLETED)
-_CONTROL_PLANE_EVENTS = (Tick, ControlPlaneLost, ControlPlaneRestored, Snapshot)
+_CONTROL_PLANE_EVENTS = (Tick, ControlPlaneLost, ControlPlaneRestored, StoreListed)
 _EVIDENCE_KIND = {
     "xid": common_pb2.EVIDENCE_KIND_XID,
     "ecc": common_pb2.EVIDENCE_KIND_ECC_UNCORRECTABLE,
@@ -168,8 +168,8 @@ class World:
     every later attempt that reaches it fails there, each time on another node, until the job is fixed
     `fix_hours` after the first hit; the fix reaches a running attempt as a planned stop and relaunch.
     If the core ends the run meanwhile, the operator fixes the job and starts the run again: a fresh
-    core given the store's state in a `Snapshot`, as `controller run` does. A control-plane blip is
-    `ControlPlaneLost`, `ControlPlaneRestored`, then a relisting `Snapshot`.
+    core given the store's state in a `StoreListed`, as `controller run` does. A control-plane blip is
+    `ControlPlaneLost`, `ControlPlaneRestored`, then a relisting `StoreListed`.
 
     Harm is recorded as it happens: every `Quarantine` with whether the node was healthy and the last
     fault injected before it (`SimResult.quarantines`), and every `Release` (`SimResult.releases`).
@@ -705,7 +705,7 @@ class World:
         self.core = Supervisor(self.pol.supervisor, RunPlan(run=self.sc.run.name, nodes=self.sc.run.nodes))
         extra: dict[str, Any] = {} if self.memory is None else {"memory": self.memory}
         self.feed(
-            Snapshot(
+            StoreListed(
                 alive={n: 1 for n, node in self.nodes.items() if node.alive},
                 records=tuple(self.records.values()),
                 attempt=old.attempt,
@@ -748,7 +748,7 @@ class World:
         self.feed(ControlPlaneRestored())
         core = self.core
         self.feed(
-            Snapshot(
+            StoreListed(
                 alive={n: 1 for n, node in self.nodes.items() if node.alive},
                 attempt=core.attempt,
                 attempt_nodes=tuple(core.cur.node_step) if self.training else (),

@@ -13,8 +13,8 @@
    (late is fine, early is harmless). Extra ticks are always allowed. `controller.supervisor.timers`
    keeps these rules for every shell.
 4. `PersistNode`: write the node's pool entry and reputation to the store (level-triggered state
-   that `Snapshot` gives back after a controller restart); `PersistMemory` the run's supervisor
-   memory (`Snapshot.memory` gives it to a fresh core).
+   that `StoreListed` gives back after a controller restart); `PersistMemory` the run's supervisor
+   memory (`StoreListed.memory` gives it to a fresh core).
 5. An action that fails is answered with `ActionFailed` (temporary or permanent, with its reason);
    results come back as events (`PreflightResult`, `AttemptExited`, `DumpsCollected`, `NodeJoined`).
 """
@@ -160,7 +160,7 @@ class PersistMemory:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PersistCheckpoint:
     """Record an accepted commit in the store (runs/<run>/checkpoints/<step>): a resume point that a
-    `Snapshot` gives back after a controller restart. A superseded attempt's commit never gets one."""
+    `StoreListed` gives back after a controller restart. A superseded attempt's commit never gets one."""
 
     step: int
     path: str

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss, memory, nodes, prepare, reconfigure, transitions
+from controller.supervisor import failure, loss, memory, nodes, prepare, reconfigure, stops, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
@@ -14,7 +14,7 @@ from controller.supervisor.events import (
     NodeDraining,
     NodeJoined,
     NodeLost,
-    Snapshot,
+    StoreListed,
 )
 from controller.supervisor.pool import PoolState
 from controller.supervisor.states import LIVE, RunState
@@ -114,14 +114,14 @@ def resolve(sv: Run) -> None:
     else:
         transitions.become_waiting(sv)
     if sv.state is RunState.RUNNING:
-        failure.deliver_pending_stop(sv)
+        stops.deliver_pending_stop(sv)
     elif sv.pending_stop is not None and sv.state not in (RunState.COLLECTING, RunState.STOPPING):
         held, sv.pending_stop = sv.pending_stop, None
         if not held.relaunch:
             transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {held.reason}")
 
 
-def on_snapshot(sv: Run, snap: Snapshot) -> None:
+def on_store_listed(sv: Run, snap: StoreListed) -> None:
     """Rebuild the view from the store; the same in every state (level-triggered)."""
     if snap.policy is not None:  # the stored policy first: every decision below is made under it
         reconfigure.apply(sv, snap.policy)
@@ -183,7 +183,7 @@ def on_snapshot(sv: Run, snap: Snapshot) -> None:
         sv.apply(snap.stop_requested)
 
 
-def _adopt(sv: Run, snap: Snapshot) -> None:
+def _adopt(sv: Run, snap: StoreListed) -> None:
     """After a controller restart: keep a healthy running attempt; restart one that lost nodes."""
     attempt_nodes = tuple(snap.attempt_nodes)
     if sv.decided_attempt >= sv.attempt:
@@ -216,7 +216,7 @@ def _adopt(sv: Run, snap: Snapshot) -> None:
         # A stopped run resumed (`controller run --resume`, a requeued batch job): its attempt ended
         # on the stop and its nodes are gone with the old allocation. A planned relaunch, no fault.
         assert snap.stop_requested is not None
-        failure.on_stop_request(sv, snap.stop_requested)
+        stops.on_stop_request_running(sv, snap.stop_requested)
         return
     if missing:
         failure.begin(

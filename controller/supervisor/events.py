@@ -294,7 +294,7 @@ class ControlPlaneLost:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlPlaneRestored:
-    """etcd is reachable again. The shell relists and sends a `Snapshot` next."""
+    """etcd is reachable again. The shell relists and sends a `StoreListed` next."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -376,7 +376,7 @@ class LossHistory:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Snapshot:
+class StoreListed:
     """The store's state, listed by the shell after a (re)start or a watch gap (level-triggered).
 
     alive: nodes whose keys exist now, with their local rank counts. records: persisted pool/
@@ -462,7 +462,7 @@ Event = (
     | OperatorQuarantine
     | OperatorRelease
     | Tick
-    | Snapshot
+    | StoreListed
     | BandwidthMeasured
     | ActionFailed
     | PolicyChanged

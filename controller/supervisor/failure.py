@@ -1,5 +1,5 @@
 """The failure pipeline: detect -> collect flight-recorder dumps -> stop -> blame -> quarantine ->
-restart decision -> backoff -> relaunch; and entering the control-plane pause.
+restart decision -> backoff -> relaunch (a planned stop enters it through stops.py).
 
 Blame is `controller.supervisor.blame.blame` (the one ladder); whether and when to relaunch is
 `controller.supervisor.restart.restart_decision`. Both return their reason, which lands in the log.
@@ -15,7 +15,7 @@ from controller.supervisor import loss, memory, quarantine, restart, stats, tran
 from controller.supervisor.actions import StopAttempt
 from controller.supervisor.attempt import Failure
 from controller.supervisor.blame import BlameMethod, blame
-from controller.supervisor.events import DumpsCollected, StopRequested
+from controller.supervisor.events import DumpsCollected
 from controller.supervisor.pool import OUT_OF_SERVICE, PoolState
 from controller.supervisor.states import RunState
 from runwarden.v1 import common_pb2
@@ -332,36 +332,3 @@ def begin_backoff(sv: Run, delay: float, reason: str) -> None:
     sv.log(E.EVENT_KIND_RESTART, reason)
     sv.failure = None
     transitions.become_backoff(sv, delay)
-
-
-def log_stop_request(sv: Run, ev: StopRequested) -> None:
-    what = "stop and relaunch" if ev.relaunch else "stop the run"
-    sv.log(
-        E.EVENT_KIND_STOP_REQUEST,
-        f"planned stop requested ({ev.reason}): {what}; nothing is quarantined",
-        stop=E.StopDetail(reason=ev.reason, requested_by=ev.requested_by),
-    )
-
-
-def on_stop_request(sv: Run, ev: StopRequested) -> None:
-    """RUNNING: finish the step, save, commit, exit 0 (the planned-stop path of this pipeline)."""
-    log_stop_request(sv, ev)
-    begin(
-        sv,
-        Failure(
-            detector=E.DETECTOR_UNSPECIFIED,
-            nodes=[],
-            step=sv.job_step,
-            planned=True,
-            relaunch=ev.relaunch,
-            reason=f"planned stop: {ev.reason}",
-        ),
-        latency=0.0,
-    )
-
-
-def deliver_pending_stop(sv: Run) -> None:
-    """A stop request held during a control-plane pause reaches the attempt once one runs."""
-    if sv.pending_stop is not None and sv.state is RunState.RUNNING:
-        held, sv.pending_stop = sv.pending_stop, None
-        on_stop_request(sv, held)

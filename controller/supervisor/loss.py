@@ -34,7 +34,7 @@ so a replay after a controller restart would compare nothing. With a tolerance s
 history takes for a rank below `RECORDED_RANKS` (first seen or replayed) is also logged, in a
 `LOSS_RECORD` event at most `RECORD_EVERY_S` after it came (sooner when `RECORD_MAX_POINTS` are
 waiting, or when the attempt fails or changes); the shell reads them back from the event log's tail
-when it builds a fresh core and hands them over in the `Snapshot` (`LossHistory`), where `restore`
+when it builds a fresh core and hands them over in the `StoreListed` (`LossHistory`), where `restore`
 puts them back, rollbacks and the current attempt's logged rules included. What a restart loses:
 the values not yet logged (the last `RECORD_EVERY_S` at most), ranks from `RECORDED_RANKS` on (a
 replay after a restart is compared on ranks 0-7 only), and the spike windows (they refill; no spike

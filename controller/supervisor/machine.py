@@ -16,7 +16,7 @@ table). Driving it (live shell, simulator, tests):
 
     sup = Supervisor(SupervisorConfig(...), RunPlan(run="llama", nodes=4))
     batch = sup.handle(NodeJoined(node="n1", local_ranks=8), now)  # ... one event at a time
-    batch = sup.handle(Snapshot(...), now)                          # after a (re)start or watch gap
+    batch = sup.handle(StoreListed(...), now)                          # after a (re)start or watch gap
     sup.status(now)                                                 # read-only summary for APIs
 
 Answer `RunPreflight` with one `PreflightResult` per node, `CollectDumps` with `DumpsCollected`,

@@ -4,7 +4,7 @@ What outlives an attempt and must outlive the controller too: the restart budget
 storm and crash-loop history (restart.RestartHistory), the first-to-exit offences and the automatic
 quarantines the blast radius counts. The core writes it after every change (`PersistMemory`); a
 fresh core (a new leader, a core rebuilt after a poison event or an etcd blip) gets it back in its
-`Snapshot` and continues where the old one stopped. The record comes from outside: every value is
+`StoreListed` and continues where the old one stopped. The record comes from outside: every value is
 checked and a bad one dropped alone (logged in the reconcile message), never trusted.
 """
 

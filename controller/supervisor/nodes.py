@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import burn_in, detectors, failure, memory, prepare, quarantine, soak, transitions
+from controller.supervisor import (
+    burn_in,
+    detectors,
+    failure,
+    memory,
+    prepare,
+    quarantine,
+    soak,
+    stops,
+    transitions,
+)
 from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import (
@@ -383,7 +393,7 @@ def on_draining(sv: Run, ev: NodeDraining) -> None:
         node=E.NodeDetail(node=ev.node, reason=f"draining: {ev.reason}"),
     )
     if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
-        failure.on_stop_request(
+        stops.on_stop_request_running(
             sv,
             StopRequested(reason=f"node {ev.node} drains: {ev.reason}", requested_by=ev.node, relaunch=True),
         )

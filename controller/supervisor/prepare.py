@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import failure, loss, quarantine, stats, transitions
+from controller.supervisor import loss, quarantine, stats, stops, transitions
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
@@ -372,7 +372,7 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
             resume_step=sv.cur.resume_step,
         ),
     )
-    failure.deliver_pending_stop(sv)
+    stops.deliver_pending_stop(sv)
 
 
 def on_tick_waiting(sv: Run) -> None:

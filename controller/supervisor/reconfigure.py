@@ -1,4 +1,4 @@
-"""The policy changed live (`PolicyChanged`, or a `Snapshot` carrying the stored policy): swap it in.
+"""The policy changed live (`PolicyChanged`, or a `StoreListed` carrying the stored policy): swap it in.
 
 The new `SupervisorConfig` was validated whole where it was built (the API, SIGHUP, the shell's
 translation from etcd); here it only takes effect. Every rule reads `sv.cfg` when it decides, so the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, loss, nodes, stats, transitions
+from controller.supervisor import detectors, failure, loss, nodes, stats, stops, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -334,7 +334,7 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
     if label == "clean" and ev.planned_stop:
         # The ranks stopped on a request that did not come through this controller (a stop file a
         # batch script touched, a SIGTERM from the scheduler): a planned stop, never the end of training.
-        failure.on_stop_request(
+        stops.on_stop_request_running(
             sv,
             StopRequested(
                 reason=f"{ev.node} stopped on its own ({ev.planned_stop})",
@@ -379,24 +379,3 @@ def on_exited_stopping(sv: Run, ev: AttemptExited) -> None:
     """COLLECTING, STOPPING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
     if classify(sv, ev) is not None and sv.state is RunState.STOPPING:
         failure.maybe_stopped(sv, ev.node)
-
-
-def on_stop_request_stopping(sv: Run, ev: StopRequested) -> None:
-    """COLLECTING, STOPPING: the attempt is ending anyway; a stop that ends the run ends it after."""
-    failure.log_stop_request(sv, ev)
-    if not ev.relaunch:
-        sv.end_after_stop = True
-
-
-def on_stop_request_idle(sv: Run, ev: StopRequested) -> None:
-    """WAITING_NODES, PREFLIGHT, BACKOFF: nothing runs; a stop that ends the run ends it now."""
-    failure.log_stop_request(sv, ev)
-    if not ev.relaunch:
-        transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {ev.reason}")
-    # a relaunching stop while nothing runs: the next launch is the relaunch
-
-
-def on_stop_request_blind(sv: Run, ev: StopRequested) -> None:
-    """CONTROL_PLANE: held until the control plane is back."""
-    failure.log_stop_request(sv, ev)
-    sv.pending_stop = ev

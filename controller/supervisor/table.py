@@ -7,44 +7,44 @@ own. `Supervisor`'s state setter (controller/supervisor/machine.py) refuses anyt
 The graph, generated from the table (tests/supervisor/test_machine.py keeps it in step):
 
     WAITING_NODES
-      -> COLLECTING        Snapshot
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> COLLECTING        StoreListed
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
       -> PREFLIGHT         (state-triggered)
-      -> RUNNING           Snapshot
-      -> STOPPED           StopRequested, Snapshot
-      -> STOPPING          Snapshot
+      -> RUNNING           StoreListed
+      -> STOPPED           StopRequested, StoreListed
+      -> STOPPING          StoreListed
     PREFLIGHT
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> RUNNING           NodeJoined, NodeLost, NodeDraining, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed, BandwidthMeasured, NodeClaimed
-      -> STOPPED           StopRequested, Snapshot
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
+      -> RUNNING           NodeJoined, NodeLost, NodeDraining, PreflightResult, Tick, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed, BandwidthMeasured, NodeClaimed
+      -> STOPPED           StopRequested, StoreListed
     RUNNING
       -> BACKOFF           ActionFailed
-      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> COMPLETED         AttemptExited
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, Snapshot, ActionFailed
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
+      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> WAITING_NODES     ActionFailed
     COLLECTING
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
       -> STOPPING          DumpsCollected, Tick, ActionFailed
     STOPPING
-      -> BACKOFF           NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
-      -> BUDGET_EXHAUSTED  NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> CRASH_LOOP        NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
-      -> STOPPED           NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
-      -> WAITING_NODES     NodeLost, AttemptExited, Tick, Snapshot, ActionFailed, (state-triggered)
+      -> BACKOFF           NodeLost, AttemptExited, Tick, StoreListed, ActionFailed, (state-triggered)
+      -> BUDGET_EXHAUSTED  NodeLost, AttemptExited, Tick, StoreListed, ActionFailed, (state-triggered)
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
+      -> CRASH_LOOP        NodeLost, AttemptExited, Tick, StoreListed, ActionFailed, (state-triggered)
+      -> STOPPED           NodeLost, AttemptExited, Tick, StoreListed, ActionFailed, (state-triggered)
+      -> WAITING_NODES     NodeLost, AttemptExited, Tick, StoreListed, ActionFailed, (state-triggered)
     BACKOFF
-      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, Snapshot
-      -> STOPPED           StopRequested, Snapshot
+      -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
+      -> STOPPED           StopRequested, StoreListed
       -> WAITING_NODES     Tick, (state-triggered)
     CONTROL_PLANE
-      -> COLLECTING        NodeJoined, Tick, Snapshot
-      -> PREFLIGHT         NodeJoined, Tick, Snapshot
-      -> RUNNING           NodeJoined, Tick, Snapshot
-      -> STOPPED           NodeJoined, Tick, Snapshot
-      -> STOPPING          NodeJoined, Tick, Snapshot
-      -> WAITING_NODES     NodeJoined, Tick, Snapshot
+      -> COLLECTING        NodeJoined, Tick, StoreListed
+      -> PREFLIGHT         NodeJoined, Tick, StoreListed
+      -> RUNNING           NodeJoined, Tick, StoreListed
+      -> STOPPED           NodeJoined, Tick, StoreListed
+      -> STOPPING          NodeJoined, Tick, StoreListed
+      -> WAITING_NODES     NodeJoined, Tick, StoreListed
     terminal: BUDGET_EXHAUSTED, COMPLETED, CRASH_LOOP, STOPPED
 """
 
@@ -64,6 +64,7 @@ from controller.supervisor import (
     reconfigure,
     running,
     soak,
+    stops,
 )
 from controller.supervisor.events import (
     ActionFailed,
@@ -84,8 +85,8 @@ from controller.supervisor.events import (
     PolicyChanged,
     PreflightResult,
     ProgressObserved,
-    Snapshot,
     StopRequested,
+    StoreListed,
     Tick,
     WorkersStarted,
 )
@@ -154,7 +155,7 @@ def _row(
     operator_release: Rule[OperatorRelease],
     cp_lost: Rule[ControlPlaneLost],
     cp_restored: Rule[ControlPlaneRestored],
-    snapshot: Rule[Snapshot],
+    listed: Rule[StoreListed],
     failed: Rule[ActionFailed],
     bandwidth: Rule[BandwidthMeasured],
     policy: Rule[PolicyChanged],
@@ -179,7 +180,7 @@ def _row(
         OperatorRelease: operator_release,
         ControlPlaneLost: cp_lost,
         ControlPlaneRestored: cp_restored,
-        Snapshot: snapshot,
+        StoreListed: listed,
         ActionFailed: failed,
         BandwidthMeasured: bandwidth,
         PolicyChanged: policy,
@@ -203,14 +204,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=IGNORE,
         dumps=IGNORE,
-        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        stop=_on(stops.on_stop_request_idle, S.STOPPED),
         tick=_on(_tick(prepare.on_tick_waiting)),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED),
+        listed=_on(control_plane.on_store_listed, S.RUNNING, *_FAIL, *_BLIND, S.STOPPED),
         failed=_FAILED,
         drain=_on(nodes.on_draining),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -227,14 +228,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=IGNORE,
         dumps=IGNORE,
-        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        stop=_on(stops.on_stop_request_idle, S.STOPPED),
         tick=_on(_tick(prepare.on_tick), S.RUNNING),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence, S.RUNNING),
         operator_q=_on(nodes.on_operator_quarantine, S.RUNNING),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, S.RUNNING, *_BLIND, S.STOPPED),
+        listed=_on(control_plane.on_store_listed, S.RUNNING, *_BLIND, S.STOPPED),
         failed=_on(failed_actions.on_action_failed, S.RUNNING),
         bandwidth=_on(nodes.on_bandwidth, S.RUNNING),
         drain=_on(nodes.on_draining, S.RUNNING),
@@ -251,14 +252,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=_on(running.on_progress, *_FAIL),
         exited=_on(running.on_exited, *_FAIL, S.COMPLETED),
         dumps=IGNORE,
-        stop=_on(failure.on_stop_request, *_FAIL),
+        stop=_on(stops.on_stop_request_running, *_FAIL),
         tick=_on(_tick(running.check_hang), *_FAIL),
         checkpoint=_on(running.on_checkpoint, *_FAIL),
         evidence=_on(nodes.on_evidence, *_FAIL),
         operator_q=_on(nodes.on_operator_quarantine, *_FAIL),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, *_FAIL, *_BLIND),
+        listed=_on(control_plane.on_store_listed, *_FAIL, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
         drain=_on(nodes.on_draining, *_FAIL),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -275,14 +276,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=_on(running.on_exited_stopping),
         dumps=_on(failure.on_dumps, S.STOPPING),
-        stop=_on(running.on_stop_request_stopping),
+        stop=_on(stops.on_stop_request_stopping),
         tick=_on(_tick(failure.on_tick_collecting), S.STOPPING),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, *_BLIND),
+        listed=_on(control_plane.on_store_listed, *_BLIND),
         failed=_on(failed_actions.on_action_failed, S.STOPPING),
         drain=_on(nodes.on_draining),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -299,14 +300,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=_on(running.on_exited_stopping, *_DECIDED),
         dumps=IGNORE,
-        stop=_on(running.on_stop_request_stopping),
+        stop=_on(stops.on_stop_request_stopping),
         tick=_on(_tick(failure.on_tick_stopping), *_DECIDED),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, *_DECIDED, *_BLIND),
+        listed=_on(control_plane.on_store_listed, *_DECIDED, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_DECIDED),
         drain=_on(nodes.on_draining),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -323,14 +324,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=IGNORE,
         dumps=IGNORE,
-        stop=_on(running.on_stop_request_idle, S.STOPPED),
+        stop=_on(stops.on_stop_request_idle, S.STOPPED),
         tick=_on(_tick(failure.on_tick_backoff), S.WAITING_NODES),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
-        snapshot=_on(control_plane.on_snapshot, *_BLIND, S.STOPPED),
+        listed=_on(control_plane.on_store_listed, *_BLIND, S.STOPPED),
         failed=_FAILED,
         drain=_on(nodes.on_draining),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -348,14 +349,14 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         progress=IGNORE,
         exited=_on(running.on_exited_stopping),
         dumps=IGNORE,
-        stop=_on(running.on_stop_request_blind),
+        stop=_on(stops.on_stop_request_blind),
         tick=_on(_tick(control_plane.on_tick), *_AFTER_CP),
         checkpoint=_on(nodes.on_checkpoint),
         evidence=_on(nodes.on_evidence),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=_on(control_plane.on_restored),
-        snapshot=_on(control_plane.on_snapshot, *_AFTER_CP),
+        listed=_on(control_plane.on_store_listed, *_AFTER_CP),
         failed=_on(failed_actions.on_action_failed),
         drain=_on(nodes.on_draining),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
@@ -380,7 +381,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
             operator_q=_on(nodes.on_operator_quarantine),
             cp_lost=IGNORE,
             cp_restored=IGNORE,
-            snapshot=_on(control_plane.on_snapshot),
+            listed=_on(control_plane.on_store_listed),
             failed=_on(failed_actions.on_action_failed),
             drain=_on(nodes.on_draining),
             bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer

@@ -1,6 +1,6 @@
 """What agents write becomes the core's planned-stop events: a node record that says DRAINING is
 `NodeDraining` (and its end one with no reason), an exit record with `planned_stop` is an exit the
-core treats as a planned stop; a Snapshot carries the drains it lists. Reasons from outside are
+core treats as a planned stop; a StoreListed carries the drains it lists. Reasons from outside are
 bounded to one printable line."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from controller.supervisor.events import (
     NodeLost,
     OperatorRelease,
     PreflightResult,
-    Snapshot,
+    StoreListed,
 )
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.pool import PoolState
@@ -145,9 +145,9 @@ def failed_burn_in() -> tuple[Driver, list[Item]]:
     return d, out
 
 
-def snapshot(d: Driver) -> Snapshot:
+def snapshot(d: Driver) -> StoreListed:
     pool = d.sup.pool.nodes
-    return Snapshot(
+    return StoreListed(
         alive={n: 1 for n, p in pool.items() if p.alive},
         records=tuple(p.view() for p in pool.values()),
         attempt=d.sup.attempt,

@@ -9,7 +9,7 @@ from controller.supervisor.events import (
     EvidenceObserved,
     NodeClaimed,
     NodeJoined,
-    Snapshot,
+    StoreListed,
 )
 from controller.supervisor.machine import RunState
 from controller.supervisor.pool import NodeRecordView, PoolState
@@ -61,8 +61,8 @@ def test_given_back_with_its_record_a_held_node_stays_out_and_its_strike_follows
 
 def test_a_snapshot_marks_the_nodes_other_runs_hold() -> None:
     d = Driver(cfg=fast(), nodes=1)
-    d.send(Snapshot(alive={"n1": 1, "n2": 1}, claimed_elsewhere={"n1": "other"}))
+    d.send(StoreListed(alive={"n1": 1, "n2": 1}, claimed_elsewhere={"n1": "other"}))
     (pre,) = [a for a in d.actions if isinstance(a, RunPreflight)]
     assert pre.nodes == ("n2",)
-    d.send(Snapshot(alive={"n1": 1, "n2": 1}))  # the claim is gone: free again
+    d.send(StoreListed(alive={"n1": 1, "n2": 1}))  # the claim is gone: free again
     assert not d.sup.pool.get("n1").elsewhere

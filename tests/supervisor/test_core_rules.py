@@ -33,8 +33,8 @@ from controller.supervisor.events import (
     OperatorQuarantine,
     OperatorRelease,
     PreflightResult,
-    Snapshot,
     StopRequested,
+    StoreListed,
     Tick,
 )
 from controller.supervisor.machine import RunState, TransitionError
@@ -594,13 +594,13 @@ def test_lost_etcd_pauses_and_reconciles_without_quarantine() -> None:
     d.advance(100)  # nothing happens while blind: no hang, no quarantine
     assert not d.events(E.EVENT_KIND_DETECTION)
     d.send(ControlPlaneRestored())
-    out = d.send(Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
     assert d.sup.state == RunState.RUNNING and not d.of(Launch, out) and not d.of(Quarantine)
 
 
 def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
     d = Driver(cfg=fast(), nodes=2)
-    snap = Snapshot(
+    snap = StoreListed(
         alive={"n1": 1, "n2": 1, "n3": 1},
         attempt=7,
         attempt_nodes=("n1", "n2"),
@@ -622,7 +622,7 @@ def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
 def test_reconcile_with_a_missing_node_relaunches_without_quarantine() -> None:
     d = Driver(cfg=fast(), nodes=2)
     out = d.send(
-        Snapshot(alive={"n1": 1, "n3": 1}, attempt=3, attempt_nodes=("n1", "n2"), committed_steps=(5,))
+        StoreListed(alive={"n1": 1, "n3": 1}, attempt=3, attempt_nodes=("n1", "n2"), committed_steps=(5,))
     )
     assert d.of(StopAttempt, out) and not d.of(Quarantine, out)
     d.exit_all(code=-15)
@@ -883,7 +883,7 @@ def test_preflight_answers_during_a_control_plane_pause_launch_after_it() -> Non
     d.answer_preflight()
     assert not d.launches
     d.send(ControlPlaneRestored())
-    out = d.send(Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}))
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1, "n3": 1}))
     assert [lc.attempt for lc in d.of(Launch, out)] == [1] and not d.of(Quarantine)
 
 
@@ -955,12 +955,12 @@ def test_snapshot_after_a_watch_gap_converges_without_relaunching() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(3)
     d.steps(1, 4)
-    snap = Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2"))
+    snap = StoreListed(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2"))
     for _ in range(2):  # idempotent
         out = d.send(snap)
         assert not d.of(Launch, out) and not d.of(StopAttempt, out) and d.sup.state == RunState.RUNNING
     # a DELETE missed during the gap: the listing lacks n2 -> handled as node lost
-    out = d.send(Snapshot(alive={"n1": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
+    out = d.send(StoreListed(alive={"n1": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
     det = d.events(E.EVENT_KIND_DETECTION, out)
     assert det and det[0].detection.detector == E.DETECTOR_NODE_LOST and det[0].detection.nodes == ["n2"]
 
@@ -972,7 +972,7 @@ def test_crash_while_blind_is_a_crash_not_a_control_plane_fault() -> None:
     d.send(ControlPlaneLost())
     d.send(AttemptExited(node="n2", attempt=1, exit_code=1))
     d.send(ControlPlaneRestored())
-    out = d.send(Snapshot(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=1, attempt_nodes=("n1", "n2")))
     det = d.events(E.EVENT_KIND_DETECTION, out)
     assert det and det[0].detection.detector == E.DETECTOR_CRASH and "n2 exited" in det[0].message
 

@@ -16,8 +16,8 @@ from controller.supervisor.events import (
     EvidenceObserved,
     OperatorQuarantine,
     PreflightResult,
-    Snapshot,
     StopRequested,
+    StoreListed,
 )
 from controller.supervisor.machine import RunState
 from controller.supervisor.pool import PoolState
@@ -202,7 +202,7 @@ def test_a_new_core_continues_the_crash_loop_count_from_the_stored_memory() -> N
     fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
     records = tuple(p.view() for p in d.sup.pool.nodes.values())
     fresh.send(
-        Snapshot(
+        StoreListed(
             alive={n: 1 for n in d.sup.pool.nodes},
             records=records,
             attempt=d.sup.attempt,
@@ -227,14 +227,14 @@ def test_bad_memory_from_the_store_is_dropped_value_by_value() -> None:
         run="demo", restart_times=[float("nan"), 900.0, 1e18], quarantine_times=[float("inf"), 950.0]
     )
     rec.loops.add(label="hang", step=-7, count=2)
-    d.send(Snapshot(alive={}, memory=rec))
+    d.send(StoreListed(alive={}, memory=rec))
     assert d.sup.history.restart_times == [900.0] and d.sup.quarantine_times == [950.0]
     assert d.sup.history.loops == []  # a step below -1 is no step
 
 
 def test_a_rebuilt_core_is_quiet_about_memory_of_another_run() -> None:
     d = Driver(cfg=fast(), nodes=2)
-    d.send(Snapshot(alive={}, memory=store_pb2.SupervisorMemory(run="other", restart_times=[900.0])))
+    d.send(StoreListed(alive={}, memory=store_pb2.SupervisorMemory(run="other", restart_times=[900.0])))
     assert d.sup.history.restart_times == []
 
 
@@ -277,7 +277,7 @@ def test_a_resumed_stopped_run_whose_nodes_are_gone_relaunches_as_planned_not_as
     d = Driver(cfg=fast(), nodes=2)
     d.add_nodes(2, start=5)  # the new allocation: n5, n6
     out = d.send(
-        Snapshot(
+        StoreListed(
             alive={"n5": 1, "n6": 1},
             attempt=3,
             attempt_nodes=("n1", "n2"),
@@ -304,7 +304,7 @@ def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
     records = tuple(p.view() for p in d.sup.pool.nodes.values())
     fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
     out = fresh.send(
-        Snapshot(
+        StoreListed(
             alive={n: 1 for n in d.sup.pool.nodes},
             records=records,
             attempt=2,

@@ -10,7 +10,7 @@ from controller.supervisor.events import (
     CheckpointCommitted,
     NodeDraining,
     NodeLost,
-    Snapshot,
+    StoreListed,
 )
 from controller.supervisor.machine import RunState
 from runwarden.v1 import events_pb2
@@ -133,7 +133,7 @@ def test_a_snapshot_that_shows_a_drain_missed_in_a_watch_gap_stops_the_attempt()
     d = _running()
     alive = {n: 1 for n in ("n1", "n2", "s1")}
     d.send(
-        Snapshot(
+        StoreListed(
             alive=alive,
             attempt=d.sup.attempt,
             attempt_nodes=("n1", "n2"),

@@ -1,4 +1,4 @@
-"""The policy changed live (`PolicyChanged`, a `Snapshot`'s stored policy): the next decision uses it,
+"""The policy changed live (`PolicyChanged`, a `StoreListed`'s stored policy): the next decision uses it,
 the log says what changed (only that), and nothing happens when nothing changed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from controller.supervisor import reconfigure, table
 from controller.supervisor.actions import SetTimer
-from controller.supervisor.events import PolicyChanged, Snapshot
+from controller.supervisor.events import PolicyChanged, StoreListed
 from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.states import RunState
 from runwarden.v1 import common_pb2
@@ -59,7 +59,7 @@ def test_the_same_values_again_change_nothing_and_log_nothing() -> None:
 def test_a_snapshot_applies_the_stored_policy_before_anything_else() -> None:
     d = Driver(cfg=fast(burn_in_passes=3), nodes=2)
     stored = fast(burn_in_passes=1, restart_budget=7)
-    out = d.send(Snapshot(alive={"n1": 1, "n2": 1}, policy=PolicyChanged(config=stored, reason="stored")))
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1}, policy=PolicyChanged(config=stored, reason="stored")))
     entries = [a for a in out if isinstance(a, E.Event)]
     assert entries[0].kind == E.EVENT_KIND_POLICY_CHANGED  # first: the rest was decided under it
     assert {c.key for c in entries[0].policy.changes} == {"burn_in_passes", "restart_budget"}

@@ -29,8 +29,8 @@ from controller.supervisor.events import (
     OperatorQuarantine,
     OperatorRelease,
     PreflightResult,
-    Snapshot,
     StopRequested,
+    StoreListed,
     Tick,
     WorkersStarted,
 )
@@ -129,7 +129,7 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
         d.send(ControlPlaneRestored())
         alive = {n: 1 for n, p in sup.pool.nodes.items() if p.alive}
         d.send(
-            Snapshot(
+            StoreListed(
                 alive=alive,
                 attempt=sup.attempt,
                 attempt_nodes=sup.current_nodes,

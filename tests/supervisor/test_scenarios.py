@@ -60,8 +60,8 @@ from controller.supervisor.events import (
     NodeLost,
     OperatorQuarantine,
     OperatorRelease,
-    Snapshot,
     StopRequested,
+    StoreListed,
     WorkersStarted,
 )
 from controller.supervisor.policy import SupervisorConfig
@@ -206,7 +206,7 @@ class Runner:
         alive = {n: 1 for n, p in old.pool.nodes.items() if p.alive}
         self.d = Driver(cfg=old.cfg, nodes=old.plan.nodes, now=self.d.now)
         self.d.send(
-            Snapshot(
+            StoreListed(
                 alive=alive,
                 records=records,
                 attempt=old.attempt,
@@ -337,7 +337,7 @@ class Runner:
         sup = self.d.sup
         alive = {n: 1 for n, p in sup.pool.nodes.items() if p.alive}
         self.d.send(
-            Snapshot(
+            StoreListed(
                 alive=alive,
                 attempt=sup.attempt,
                 attempt_nodes=sup.current_nodes,
