@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from nodeagent.daemon import proctree
 from runwarden.flightrec import parse_dump
 from runwarden.v1 import agent_pb2
 from tests.nodeagent.helpers import ROOT, wait_for
@@ -36,6 +37,9 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
         )
         stopped = int((work / "ready2").read_text())
         os.kill(stopped, signal.SIGSTOP)
+        # the kernel stops the rank when it next runs: on a busy machine that is not at once, and the
+        # agent reads /proc once (a rank it sees running is asked, and times out)
+        wait_for(lambda: _proc_state(stopped) in ("T", "t"), 30, "the rank stopped")
 
         t0 = time.monotonic()
         reply = agent.stub.CollectFlightRecorder(
@@ -61,3 +65,8 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
     finally:
         reply = agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="fr", grace_s=1), timeout=60)
         assert not reply.stopped[0].running
+
+
+def _proc_state(pid: int) -> str:
+    state = proctree.read_proc(pid)
+    return state.state if state is not None else ""
