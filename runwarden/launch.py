@@ -1,24 +1,9 @@
 """The torchrun line and the collective environment: the one rule every launcher follows.
 
 Both sides import it: the controller's scheduler backends (controller/backends/base.py wraps it for an
-`AttemptSpec`) and the node agent, which builds its own node's line from its own config (its
-interpreter, its ranks per node, its advertised host) and a structured launch request. Nothing here
-knows about either side.
-
-The line (one rendezvous per attempt, no in-place restarts):
-
-    <prefix> --nnodes=N --nproc-per-node=P [--node-rank=R] --rdzv-backend=c10d
-             --rdzv-endpoint=HOST:PORT --rdzv-id=<run>-<attempt> [--rdzv-conf=is_host=true|false]
-             [--local-addr=ADDR] --max-restarts=0 [--no-python] <command...>
-
-* ``--max-restarts=0``: every failure goes through the supervisor, which can blame and replace a
-  node; torchrun restarting in place would hide the failure and reuse a bad node.
-* ``--rdzv-conf=is_host``: said explicitly when each node's line is started on its own (node rank 0
-  hosts the c10d store; torch's own guess compares host names, which a container or a namespace
-  host gets wrong).
-* ``--local-addr``: the address torch advertises for this node -- as the master address when c10d
-  makes it global rank 0, and in the rendezvous. Without it torch advertises the host name, which on
-  many hosts resolves to loopback.
+`AttemptSpec`) and the node agent, which builds its own node's line from its own config and a
+structured launch request. Nothing here knows about either side. `torchrun_argv` gives one
+rendezvous per attempt and no in-place restarts.
 """
 
 from __future__ import annotations
@@ -43,12 +28,27 @@ def torchrun_argv(
     local_addr: str = "",
     no_python: bool = True,
 ) -> list[str]:
-    """torchrun's argv for one attempt (see the module docstring for the rules).
+    """torchrun's argv for one attempt.
 
     node_rank / is_host: given when each node's torchrun is started on its own (one agent per node);
     None when a scheduler starts the same line everywhere and c10d ranks the nodes. no_python:
     `command` is a full argv with its own interpreter; False when it starts at a script torchrun runs
     with its own interpreter.
+
+    The line (one rendezvous per attempt, no in-place restarts):
+
+        <prefix> --nnodes=N --nproc-per-node=P [--node-rank=R] --rdzv-backend=c10d
+                 --rdzv-endpoint=HOST:PORT --rdzv-id=<run>-<attempt> [--rdzv-conf=is_host=true|false]
+                 [--local-addr=ADDR] --max-restarts=0 [--no-python] <command...>
+
+    * ``--max-restarts=0``: every failure goes through the supervisor, which can blame and replace a
+      node; torchrun restarting in place would hide the failure and reuse a bad node.
+    * ``--rdzv-conf=is_host``: said explicitly when each node's line is started on its own (node rank 0
+      hosts the c10d store; torch's own guess compares host names, which a container or a namespace
+      host gets wrong).
+    * ``--local-addr``: the address torch advertises for this node -- as the master address when c10d
+      makes it global rank 0, and in the rendezvous. Without it torch advertises the host name, which on
+      many hosts resolves to loopback.
     """
     if not prefix:
         raise ValueError("torchrun prefix: must be a non-empty argv")

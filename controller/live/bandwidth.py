@@ -1,19 +1,10 @@
 """The bandwidth gate's measurement: the shell's answer to `MeasureBandwidth`.
 
-The nodes' agents run `preflight.collective` together (MeasureAllReduce, one rank per node): first
-the whole set once, then pairs around the ring to locate a slow link, in rounds where no node is in
-two pairs (`ring_rounds`; the pairs of a round run at once). Each node's figure is the best of its
-pairs: a slow link is slow in both of its pairs, a healthy node has a healthy one. A pair that could
-not run on the network gives its nodes 0.0 (they cannot carry traffic) and its reason goes into the
-detail; a pair an agent refused (busy, an older agent, not allowed) gives no figure at all: a refusal
-says nothing about a link, and the core judges only the nodes with a figure.
-
-A group: rank 0's agent is asked first; its stream names the master (its own advertised host, a port
-it bound there) and only then are the other ranks' agents asked, with that address. Every call is
-bounded by the group's share of the budget, and every rank by the same deadline on its agent, so the
-whole gate ends within `MeasureBandwidth.timeout_s`, whatever the agents do.
-
-Sizes are CPU-sized (gloo on CPUs is tens of MB/s to a few GB/s): a few MiB, a few iterations.
+`run_gate` has the nodes' agents run `preflight.collective` together (MeasureAllReduce, one rank per
+node): the whole set once, then pairs around the ring to locate a slow link. It answers a
+`BandwidthMeasured` within `MeasureBandwidth.timeout_s`, whatever the agents do; a refusal gives no
+figure (it says nothing about a link). Sizes are CPU-sized (gloo on CPUs is tens of MB/s to a few
+GB/s): a few MiB, a few iterations.
 """
 
 from __future__ import annotations
@@ -102,8 +93,10 @@ def measure_group(
 ) -> Figure:
     """One all-reduce across `nodes` (nodes[0] is rank 0), within `timeout_s`.
 
-    Rank 0 first; the others once its stream names the master. The first rank that fails cancels
-    the rest (their agents stop their ranks), so a refusal costs seconds, not the group's timeout."""
+    Rank 0's agent is asked first; its stream names the master (its own advertised host, a port it
+    bound there) and only then are the other ranks' agents asked, with that address, each by the
+    same deadline. The first rank that fails cancels the rest (their agents stop their ranks), so a
+    refusal costs seconds, not the group's timeout."""
     end = clock() + timeout_s
     master: list[agent_pb2.CollectiveMaster] = []
     master_known = threading.Event()
@@ -179,7 +172,15 @@ def run_gate(
     clock: Callable[[], float] = time.monotonic,
 ) -> BandwidthMeasured | str:
     """The set, then the ring pairs; a `BandwidthMeasured`, or the reason nothing could be measured.
-    iterations: timed all-reduces per group (a burn-in soak runs many more than the gate)."""
+    iterations: timed all-reduces per group (a burn-in soak runs many more than the gate).
+
+    The pairs go around the ring in rounds where no node is in two pairs (`ring_rounds`; the pairs
+    of a round run at once). Each node's figure is the best of its pairs: a slow link is slow in both
+    of its pairs, a healthy node has a healthy one. A pair that could not run on the network gives
+    its nodes 0.0 (they cannot carry traffic) and its reason goes into the detail; a pair an agent
+    refused (busy, an older agent, not allowed) gives no figure at all: a refusal says nothing about
+    a link, and the core judges only the nodes with a figure. Every group is bounded by its share of
+    the budget, so the whole gate ends within `timeout_s`, whatever the agents do."""
     start = clock()
     deadline = start + timeout_s * (1 - _MARGIN_RATIO) - _MARGIN_S
     token = uuid.uuid4().hex[:8]
