@@ -1,17 +1,11 @@
 """Parse and validate PyTorch flight-recorder dumps (torch's format version 2.x).
 
-A dump comes from a process we do not trust (a rank, a file an operator copied, the network), so:
-
-* pickle dumps go through `restricted_loads`, which accepts plain data only (dict, list, tuple, str,
-  int, float, bool, None, bytes). Any opcode that names a global, calls a callable or builds an object
-  is refused before unpickling starts, and `find_class` refuses too (two independent locks);
-* sizes are bounded: bytes in, entries, tensors per entry, dims, frames, string lengths;
-* every field is type-checked; an unknown extra field is ignored (torch adds fields over versions).
-
-Both formats normalise to the same frozen `FrDump`. JSON dumps write 0 where pickle writes None
-and lists where pickle writes tuples; `FrDump` hides that. The gloo backend writes `pg_config` before
-Python names the group (`{'': {...}}`): such an unnamed, rank-less group is dropped, and
-`FrDump.pg_config` is then empty unless the rank repaired it (see nodeagent/trainer/flight_recording.py).
+A dump comes from a process we do not trust (a rank, a file an operator copied, the network), so
+pickle dumps go through `restricted_loads` (plain data only), sizes are bounded (bytes in, entries,
+tensors per entry, dims, frames, string lengths), and every field is type-checked; an unknown extra
+field is ignored (torch adds fields over versions). Pickle and JSON dumps both normalise to the same
+frozen `FrDump`. The node agent and the rank check dumps with it; the controller's attribution and
+`controllerctl attribute` read them.
 """
 
 from __future__ import annotations
@@ -94,6 +88,14 @@ class FrEntry:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrDump:
+    """One rank's dump, whichever format it came in.
+
+    JSON dumps write 0 where pickle writes None and lists where pickle writes tuples; this hides
+    that. The gloo backend writes `pg_config` before Python names the group (`{'': {...}}`): such an
+    unnamed, rank-less group is dropped, and `pg_config` is then empty unless the rank repaired it
+    (see nodeagent/trainer/flight_recording.py).
+    """
+
     rank: int | None
     version: str
     format: DumpFormat
@@ -133,7 +135,11 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 def restricted_loads(data: bytes, *, max_bytes: int = DEFAULT_MAX_DUMP_BYTES) -> object:
-    """Unpickle plain data only; raise UnsafePickle before running anything else."""
+    """Unpickle plain data only; raise UnsafePickle before running anything else.
+
+    Plain data: dict, list, tuple, str, int, float, bool, None, bytes. Any opcode that names a
+    global, calls a callable or builds an object is refused before unpickling starts, and
+    `find_class` refuses too (two independent locks)."""
     if len(data) > max_bytes:
         raise DumpTooLarge(f"pickle is {len(data)} bytes, over the limit of {max_bytes}")
     try:
