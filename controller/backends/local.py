@@ -173,8 +173,8 @@ class LocalBackend:
         not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
         launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
-        with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as pool:
-            answers = list(pool.map(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs))
+        with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as threads:
+            answers = list(threads.map(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs))
         started = tuple(
             NodeStarted(
                 node=o.node,
@@ -200,9 +200,11 @@ class LocalBackend:
         """SIGTERM every node's workers of the attempt, SIGKILL after `grace_s` (the agent does both)."""
         spec = handle.spec
         req = agent_pb2.StopWorkersRequest(run=spec.run, attempt=spec.attempt, grace_s=grace_s)
-        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes)), thread_name_prefix="stop") as pool:
+        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes)), thread_name_prefix="stop") as threads:
             outcomes = list(
-                pool.map(lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes)
+                threads.map(
+                    lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes
+                )
             )
         failed = tuple(o.node for o in outcomes if not o.ok)
         return AttemptStatus(

@@ -134,13 +134,13 @@ def measure_group(
         master_known.set()  # rank 0 ended (or failed) without a master: stop waiting for one
         return out, res
 
-    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="allreduce") as pool:
-        calls = [pool.submit(rank, nodes[0], request(0), on_master)]
+    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="allreduce") as threads:
+        calls = [threads.submit(rank, nodes[0], request(0), on_master)]
         master_known.wait(timeout_s)
         if master and not stop.is_set():
             m = master[0]
             calls += [
-                pool.submit(rank, n, request(r, m.addr, m.port), None) for r, n in enumerate(nodes[1:], 1)
+                threads.submit(rank, n, request(r, m.addr, m.port), None) for r, n in enumerate(nodes[1:], 1)
             ]
         else:
             stop.set()
@@ -206,8 +206,8 @@ def run_gate(
         budget = share(stages - r)
         members = [(nodes[a], nodes[b]) for a, b in pairs]
         ids = [f"bw-{token}-r{r}p{i}" for i in range(len(members))]
-        with ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="pairs") as pool:
-            done = list(pool.map(group, members, ids, [budget] * len(members)))
+        with ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="pairs") as threads:
+            done = list(threads.map(group, members, ids, [budget] * len(members)))
         for f in done:
             figures.append(f)
             for n in f.nodes:

@@ -122,7 +122,7 @@ class Executor:
         pager: Pager,
         translator: Translator,
         claims: Claims | None = None,
-        pool: ThreadPoolExecutor,
+        rpc_pool: ThreadPoolExecutor,
         scheduler: Scheduler | None = None,
         allocated: threading.Event | None = None,
         post: Callable[[Event], None],
@@ -141,12 +141,12 @@ class Executor:
         self.pager = pager
         self.translator = translator
         self.claims = claims or Claims(store, settings.run)
-        self.pool = pool
+        self.rpc_pool = rpc_pool
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
         self.allocated = allocated or threading.Event()  # the leader's allocation is granted
-        self.post = post  # an event for the loop's queue (RPC results, from pool threads)
+        self.post = post  # an event for the loop's queue (RPC results, from rpc_pool threads)
         self.relist = relist  # ask the loop to list the store and send a StoreListed
         self.listeners = listeners
         self.clock = clock
@@ -237,7 +237,7 @@ class Executor:
             except Exception:
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
-        self.pool.submit(guarded)
+        self.rpc_pool.submit(guarded)
 
     # -- the scheduler ---------------------------------------------------------------------------
 

@@ -249,7 +249,7 @@ class LiveController:
         self.clock = clock
         self.events: queue.Queue[Item] = queue.Queue()
         self.timers = Timers()
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc")
+        self.rpc_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc")
         self.stopping = threading.Event()
         self.leadership: Leadership | None = None
         self.eventlog: EventLog | None = None
@@ -321,7 +321,7 @@ class LiveController:
 
     def close(self) -> None:
         self.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.rpc_pool.shutdown(wait=False, cancel_futures=True)
         self.agents.close()
 
     # -- leading ------------------------------------------------------------------------------
@@ -392,7 +392,7 @@ class LiveController:
             pager=self.pager,
             translator=self.translator,
             claims=self.claims,
-            pool=self.pool,
+            rpc_pool=self.rpc_pool,
             scheduler=self.scheduler,
             allocated=self._allocated,
             post=lambda ev: self.events.put(ev),
@@ -419,7 +419,7 @@ class LiveController:
         self._start_watches(revision + 1)
         self.is_leader.set()
         if not self._allocated.is_set():
-            self.pool.submit(self._allocate)
+            self.rpc_pool.submit(self._allocate)
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
@@ -649,7 +649,7 @@ class LiveController:
         outcome = _OUTCOMES.get(st.state.name)
         if outcome is not None and self.outcome is None:
             self.outcome = outcome
-            self.pool.submit(self._finish, outcome)
+            self.rpc_pool.submit(self._finish, outcome)
 
     def pool_state(self, node: str) -> common_pb2.PoolState.ValueType:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None
