@@ -42,7 +42,7 @@ RUN = "llm"
 
 
 class LogWriter:
-    """Event lines in the protobuf JSON mapping, written as text (encode_event is 40x slower)."""
+    """Event lines in the protobuf JSON mapping, written as text (encode_entry is 40x slower)."""
 
     def __init__(self) -> None:
         self.seq = 0
@@ -180,7 +180,7 @@ def main() -> int:
         total_events = writer.seq
 
         baseline = CollectorRegistry()
-        register_goodput_metrics(baseline, lambda: [compute_goodput(read_events(log).events, run=RUN)])
+        register_goodput_metrics(baseline, lambda: [compute_goodput(read_events(log).entries, run=RUN)])
         base_times = []
         for _ in range(args.baseline_scrapes):
             took, base_text = scrape(baseline)

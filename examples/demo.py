@@ -69,7 +69,7 @@ def describe(ev: events_pb2.Event, t0: float) -> str | None:
 def follow(cluster: LocalCluster, t0: float, stop: threading.Event) -> None:
     seen = 0
     while not stop.is_set():
-        for ev in read_events(cluster.event_log).events:
+        for ev in read_events(cluster.event_log).entries:
             if ev.seq > seen:
                 seen = ev.seq
                 line = describe(ev, t0)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         cluster.stop()
-    events = read_events(cluster.event_log).events
+    events = read_events(cluster.event_log).entries
     print_recoveries(recoveries(events, injections))
     report = compute_goodput(events, run=spec.run)
     print_goodput(report)

@@ -25,6 +25,10 @@ from runwarden.v1 import events_pb2
 
 log = logging.getLogger(__name__)
 
+# One line of the log: the proto message runwarden.v1.Event as written (seq assigned). Not the
+# supervisor's events (controller/supervisor/events.py), which are its inputs.
+LogEntry = events_pb2.Event
+
 # A line longer than this is refused on write and reported on read: bounded memory for a hostile file.
 MAX_LINE_BYTES = 1 << 20
 
@@ -44,25 +48,25 @@ class LineError:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EventLogRead:
-    """Everything read from a log: the valid events, a torn last line if any, and bad lines."""
+    """Everything read from a log: the valid entries, a torn last line if any, and bad lines."""
 
-    events: list[events_pb2.Event]
+    entries: list[LogEntry]
     torn_tail: str | None
     errors: list[LineError]
 
 
-def encode_event(event: events_pb2.Event) -> bytes:
-    """One event as one JSON line (protobuf JSON mapping, field names as in the .proto)."""
-    text = json_format.MessageToJson(event, preserving_proto_field_name=True, indent=None, sort_keys=True)
+def encode_entry(entry: LogEntry) -> bytes:
+    """One entry as one JSON line (protobuf JSON mapping, field names as in the .proto)."""
+    text = json_format.MessageToJson(entry, preserving_proto_field_name=True, indent=None, sort_keys=True)
     data = text.encode() + b"\n"
     if len(data) > MAX_LINE_BYTES:
         raise EventLogError(
-            f"event seq={event.seq} is {len(data)} bytes, over the {MAX_LINE_BYTES}-byte limit"
+            f"entry seq={entry.seq} is {len(data)} bytes, over the {MAX_LINE_BYTES}-byte limit"
         )
     return data
 
 
-def decode_line(line: bytes) -> events_pb2.Event:
+def decode_line(line: bytes) -> LogEntry:
     """Parse one line; raises ValueError with a clear reason."""
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(f"line is {len(line)} bytes, over the {MAX_LINE_BYTES}-byte limit")
@@ -76,14 +80,14 @@ def decode_line(line: bytes) -> events_pb2.Event:
         raise ValueError(f"not JSON: {exc.msg} at column {exc.colno}") from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
-    event = events_pb2.Event()
+    entry = LogEntry()
     try:
-        json_format.ParseDict(obj, event, ignore_unknown_fields=False)
+        json_format.ParseDict(obj, entry, ignore_unknown_fields=False)
     except json_format.ParseError as exc:
         raise ValueError(f"not an Event: {str(exc)[:200]}") from None
-    if event.kind == events_pb2.EVENT_KIND_UNSPECIFIED:
+    if entry.kind == events_pb2.EVENT_KIND_UNSPECIFIED:
         raise ValueError("event has no kind")
-    return event
+    return entry
 
 
 def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
@@ -96,16 +100,16 @@ def read_events(path: str | os.PathLike[str]) -> EventLogRead:
     """Read a whole log, validating each line. A missing file is an empty log."""
     p = Path(path)
     if not p.exists():
-        return EventLogRead(events=[], torn_tail=None, errors=[])
+        return EventLogRead(entries=[], torn_tail=None, errors=[])
     return parse_log_bytes(p.read_bytes())
 
 
 def read_tail(path: str | os.PathLike[str], max_bytes: int) -> EventLogRead:
-    """The events in a log's last `max_bytes` (the partial line they start in dropped): bounded
-    reading for what only recent events hold. A missing file is an empty log."""
+    """The entries in a log's last `max_bytes` (the partial line they start in dropped): bounded
+    reading for what only recent entries hold. A missing file is an empty log."""
     p = Path(path)
     if not p.exists():
-        return EventLogRead(events=[], torn_tail=None, errors=[])
+        return EventLogRead(entries=[], torn_tail=None, errors=[])
     with p.open("rb") as f:
         start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
         f.seek(start)
@@ -117,7 +121,7 @@ def read_tail(path: str | os.PathLike[str], max_bytes: int) -> EventLogRead:
 
 def parse_log_bytes(data: bytes) -> EventLogRead:
     lines, tail = _split_lines(data)
-    events: list[events_pb2.Event] = []
+    entries: list[LogEntry] = []
     errors: list[LineError] = []
     torn: str | None = None
     last_seq = 0
@@ -125,7 +129,7 @@ def parse_log_bytes(data: bytes) -> EventLogRead:
         if not raw.strip():
             continue
         try:
-            ev = decode_line(raw)
+            entry = decode_line(raw)
         except ValueError as exc:
             is_last = i == len(lines) and not tail
             if is_last:
@@ -136,16 +140,18 @@ def parse_log_bytes(data: bytes) -> EventLogRead:
                     LineError(line_no=i, reason=str(exc), excerpt=raw[:120].decode("utf-8", "replace"))
                 )
             continue
-        if ev.seq <= last_seq:
+        if entry.seq <= last_seq:
             errors.append(
-                LineError(line_no=i, reason=f"seq {ev.seq} does not increase (after {last_seq})", excerpt="")
+                LineError(
+                    line_no=i, reason=f"seq {entry.seq} does not increase (after {last_seq})", excerpt=""
+                )
             )
             continue
-        last_seq = ev.seq
-        events.append(ev)
+        last_seq = entry.seq
+        entries.append(entry)
     if tail:
         torn = tail[:200].decode("utf-8", "replace")
-    return EventLogRead(events=events, torn_tail=torn, errors=errors)
+    return EventLogRead(entries=entries, torn_tail=torn, errors=errors)
 
 
 class EventLog:
@@ -164,7 +170,7 @@ class EventLog:
         for err in existing.errors:
             log.warning("event log %s: line %d unreadable: %s", self.path, err.line_no, err.reason)
         self.recovered = existing
-        self._seq = existing.events[-1].seq if existing.events else 0
+        self._seq = existing.entries[-1].seq if existing.entries else 0
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -186,13 +192,13 @@ class EventLog:
             f.flush()
             os.fsync(f.fileno())
 
-    def append(self, event: events_pb2.Event) -> events_pb2.Event:
-        """Assign the next seq, write one line, fsync. Returns the event as written."""
+    def append(self, entry: LogEntry) -> LogEntry:
+        """Assign the next seq, write one line, fsync. Returns the entry as written."""
         with self._lock:
-            out = events_pb2.Event()
-            out.CopyFrom(event)
+            out = LogEntry()
+            out.CopyFrom(entry)
             out.seq = self._seq + 1
-            data = encode_event(out)
+            data = encode_entry(out)
             try:
                 written = os.write(self._fd, data)
                 if written != len(data):

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runwarden import certs
-from runwarden.eventlog import read_events
-from runwarden.v1 import events_pb2
+from runwarden.eventlog import LogEntry, read_events
 from testbed.etcd_server import EtcdServer, EtcdTls
 from testbed.fleet import Fleet, FleetError, Host, crash
 
@@ -238,12 +237,12 @@ def wait_for_event(
     kind: int,
     after_seq: int,
     timeout_s: float,
-    pred: Callable[[events_pb2.Event], bool] | None = None,
-) -> events_pb2.Event | None:
+    pred: Callable[[LogEntry], bool] | None = None,
+) -> LogEntry | None:
     """The first event of `kind` after `after_seq` in the log (matching `pred`), or None in time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for ev in read_events(event_log).events:
+        for ev in read_events(event_log).entries:
             if ev.seq > after_seq and ev.kind == kind and (pred is None or pred(ev)):
                 return ev
         time.sleep(0.2)
@@ -287,16 +286,16 @@ class ClusterBase:
         out = self.ctl("status", "--json")
         return parse_status(out.stdout) if out.returncode == 0 else {}
 
-    def events(self) -> list[events_pb2.Event]:
-        return read_events(self.event_log).events
+    def events(self) -> list[LogEntry]:
+        return read_events(self.event_log).entries
 
     def wait_for_event(
         self,
         kind: int,
         after_seq: int,
         timeout_s: float,
-        pred: Callable[[events_pb2.Event], bool] | None = None,
-    ) -> events_pb2.Event | None:
+        pred: Callable[[LogEntry], bool] | None = None,
+    ) -> LogEntry | None:
         return wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
 
     def restart_agent(self, node: str) -> None:

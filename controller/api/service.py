@@ -31,7 +31,7 @@ import grpc
 from controller.api.access import AccessPolicy, Caller, Role, caller_of
 from controller.api.view import ControllerView, ViewInvalid, ViewNotFound, ViewRefused, ViewUnavailable
 from controller.goodput.report import compute_goodput, normalise_by, shape_report
-from runwarden.eventlog import decode_line, read_events
+from runwarden.eventlog import LogEntry, decode_line, read_events
 from runwarden.names import check_name
 from runwarden.v1 import controller_pb2, controller_pb2_grpc, events_pb2
 
@@ -87,7 +87,7 @@ def _since(value: float) -> float:
     return value
 
 
-def _matches(ev: events_pb2.Event, run: str, kinds: frozenset[int]) -> bool:
+def _matches(ev: LogEntry, run: str, kinds: frozenset[int]) -> bool:
     return (not run or ev.run == run) and (not kinds or ev.kind in kinds)
 
 
@@ -184,7 +184,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             limit = request.limit or DEFAULT_EVENT_LIMIT
             events = [
                 e
-                for e in read_events(self._view.event_log_path).events
+                for e in read_events(self._view.event_log_path).entries
                 if _matches(e, run, kinds) and e.ts >= since
             ]
             return controller_pb2.ListEventsResponse(events=events[-limit:])
@@ -227,7 +227,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             except ValueError as exc:
                 raise _Invalid(str(exc)) from None
             since = _since(request.since) or None
-            events = read_events(self._view.event_log_path).events
+            events = read_events(self._view.event_log_path).entries
             if run and not any(e.run == run for e in events):
                 raise ViewNotFound(f"no events for run {run!r} in the event log")
             until = time.time() if _run_is_open(events, run) else None
@@ -345,7 +345,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return self._call(context, body)
 
 
-def _run_is_open(events: Sequence[events_pb2.Event], run: str) -> bool:
+def _run_is_open(events: Sequence[LogEntry], run: str) -> bool:
     """A run without RUN_END is still allocated now: count it up to the present, not its last event."""
     runs = {e.run for e in events if not run or e.run == run}
     ended = {e.run for e in events if e.kind == events_pb2.EVENT_KIND_RUN_END}
@@ -354,7 +354,7 @@ def _run_is_open(events: Sequence[events_pb2.Event], run: str) -> bool:
 
 def follow_events(
     path: Path, *, after_seq: int, active: Callable[[], bool], poll_s: float = WATCH_POLL_S
-) -> Iterator[events_pb2.Event]:
+) -> Iterator[LogEntry]:
     """Every event with seq > after_seq, then new ones as they are appended, while active().
 
     Only complete lines are parsed (a line being written is waited for); a bad line is skipped

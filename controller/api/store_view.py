@@ -22,7 +22,7 @@ from controller.api import policy as policy_store
 from controller.api.view import ViewInvalid, ViewNotFound, ViewRefused, ViewUnavailable
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.config import ConfigError
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.keys import LEGACY_ELECTION, run_election
 from runwarden.store import KeyValue, Store, StoreError
 from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
@@ -80,7 +80,7 @@ class StoreBackedView:
         """Every run under the root (several runs share one fleet), each with its own leader."""
         ended = {
             e.run: e
-            for e in read_events(self._event_log_path).events
+            for e in read_events(self._event_log_path).entries
             if e.kind == events_pb2.EVENT_KIND_RUN_END
         }
         claimed = self.claim_counts()
@@ -106,7 +106,7 @@ class StoreBackedView:
             counts[run] = counts.get(run, 0) + 1
         return counts
 
-    def _run_status(self, run: str, end: events_pb2.Event | None) -> controller_pb2.RunStatus:
+    def _run_status(self, run: str, end: LogEntry | None) -> controller_pb2.RunStatus:
         now = self._clock()
         spec = _parse(store_pb2.RunSpec, self._get(self._keys.spec(run)))
         attempt = _parse(store_pb2.AttemptRecord, self._get(self._keys.attempt(run)))
@@ -141,7 +141,7 @@ class StoreBackedView:
 
     @staticmethod
     def _phase(
-        end: events_pb2.Event | None,
+        end: LogEntry | None,
         stop: store_pb2.StopRequest | None,
         attempt: store_pb2.AttemptRecord | None,
         last_write: float,

@@ -180,7 +180,7 @@ def _offline(path: str) -> list[events_pb2.Event]:
         raise CtlError(f"cannot read {path}: {exc.strerror}", ExitCode.USAGE) from None
     for err in read.errors[:5]:
         print(f"controllerctl: {path}:{err.line_no}: skipped: {err.reason}", file=sys.stderr)
-    return read.events
+    return read.entries
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ def _offline_events(path: str) -> list[events_pb2.Event]:
         print(f"controllerctl: {path}: skipped a torn last line (a crash mid-write)", file=sys.stderr)
     for err in read.errors[:5]:
         print(f"controllerctl: {path}:{err.line_no}: skipped: {err.reason}", file=sys.stderr)
-    return read.events
+    return read.entries
 
 
 def run(args: argparse.Namespace) -> int:

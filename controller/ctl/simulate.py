@@ -24,7 +24,7 @@ from controller.sim.engine import simulate
 from controller.sim.report import PolicySummary, compare, format_counts, format_summary
 from controller.sim.scenario import Scenario, load_scenario
 from runwarden.config import ConfigError
-from runwarden.eventlog import encode_event
+from runwarden.eventlog import encode_entry
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,7 +89,7 @@ def write_event_logs(scenario: Scenario, policies: list[str], seeds: list[int], 
             path = out_dir / f"{name}-seed{seed}.jsonl"
             with open(path, "wb") as f:  # the live format; no fsync per line: it is a simulation
                 for ev in result.events:
-                    f.write(encode_event(ev))
+                    f.write(encode_entry(ev))
 
 
 def run(args: argparse.Namespace) -> int:

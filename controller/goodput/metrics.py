@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from controller.goodput.report import US, GoodputReport, percentile
 from controller.goodput.tail import LogTail
 from controller.goodput.windows import RatesBook, RunTotals, WindowRates
-from runwarden.v1 import events_pb2
+from runwarden.eventlog import LogEntry
 
 ReportSource = Callable[[], Sequence[GoodputReport]]
 # Lines folded per hold of the collector's lock (~5,000 events, well under a second): a scrape
@@ -102,7 +102,7 @@ class WindowedRatesCollector(Collector):
         self._book = RatesBook()
         self._tail = LogTail(event_log, self._fold, self._reset)
 
-    def _fold(self, ev: events_pb2.Event) -> None:
+    def _fold(self, ev: LogEntry) -> None:
         self._book.fold(ev)
 
     def _reset(self) -> None:

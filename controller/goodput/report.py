@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controller.goodput.causes import cause_from_attribution
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import controller_pb2, events_pb2
 
 E = events_pb2
@@ -338,7 +339,7 @@ class RunAccountant:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def begin(self, ev: events_pb2.Event) -> None:
+    def begin(self, ev: LogEntry) -> None:
         t = to_us(ev.ts)
         if self.mode in ("idle", "ended"):
             if self.start is None:
@@ -349,7 +350,7 @@ class RunAccountant:
         if ev.HasField("run_detail") and ev.run_detail.nodes > 0:
             self.nodes_now = ev.run_detail.nodes
 
-    def handle(self, ev: events_pb2.Event) -> None:
+    def handle(self, ev: LogEntry) -> None:
         kind = ev.kind
         if kind == E.EVENT_KIND_RUN_START or self.mode == "idle":
             self.begin(ev)
@@ -364,12 +365,12 @@ class RunAccountant:
         elif kind in _MILESTONE_PHASE and self.mode in ("startup", "recovering"):
             self._milestone(ev, t)
 
-    def _milestone(self, ev: events_pb2.Event, t: int) -> None:
+    def _milestone(self, ev: LogEntry, t: int) -> None:
         phase = _MILESTONE_PHASE[ev.kind]
         self._advance(t, phase)
         self.last_phase = phase
 
-    def on_detection(self, ev: events_pb2.Event, t: int) -> None:
+    def on_detection(self, ev: LogEntry, t: int) -> None:
         if is_flag_only(ev):
             return  # the attempt went on: nothing was interrupted, no phase ended
         latency = to_us(max(0.0, ev.detection.latency_s)) if ev.HasField("detection") else 0
@@ -407,23 +408,23 @@ class RunAccountant:
             )
         )
 
-    def on_attribution(self, ev: events_pb2.Event, t: int) -> None:
+    def on_attribution(self, ev: LogEntry, t: int) -> None:
         if self.incident is not None and self.incident.cause is None:
             self.incident.cause = cause_from_attribution(ev.attribution)
         if self.mode in ("startup", "recovering"):
             self._milestone(ev, t)
 
-    def on_control_plane(self, ev: events_pb2.Event, t: int) -> None:
+    def on_control_plane(self, ev: LogEntry, t: int) -> None:
         if self.incident is not None and self.mode == "recovering" and self.incident.cause is None:
             self.incident.cause = "control_plane"
 
-    def on_preflight(self, ev: events_pb2.Event, t: int) -> None:
+    def on_preflight(self, ev: LogEntry, t: int) -> None:
         if ev.HasField("preflight") and (not ev.preflight.summary.passed or len(ev.preflight.failed) > 0):
             self.preflight_rejections += 1
         if self.mode in ("startup", "recovering"):
             self._milestone(ev, t)
 
-    def on_launch(self, ev: events_pb2.Event, t: int) -> None:
+    def on_launch(self, ev: LogEntry, t: int) -> None:
         if self.mode == "training" and self.stop_pending:
             self._stop_rollback(t)
         if self.mode in ("startup", "recovering"):
@@ -445,7 +446,7 @@ class RunAccountant:
             )
         )
 
-    def on_first_step(self, ev: events_pb2.Event, t: int) -> None:
+    def on_first_step(self, ev: LogEntry, t: int) -> None:
         if self.mode in ("startup", "recovering"):
             self._milestone(ev, t)
         else:
@@ -457,7 +458,7 @@ class RunAccountant:
         self.stop_pending = False
         self.mode = "training"
 
-    def on_commit(self, ev: events_pb2.Event, t: int) -> None:
+    def on_commit(self, ev: LogEntry, t: int) -> None:
         save = to_us(max(0.0, ev.checkpoint.save_duration_s)) if ev.HasField("checkpoint") else 0
         save_start = min(t, max(self.cursor, t - save))
         failed = ev.kind == E.EVENT_KIND_CHECKPOINT_FAILED
@@ -479,7 +480,7 @@ class RunAccountant:
         else:
             self._advance(t)
 
-    def on_stop_request(self, ev: events_pb2.Event, t: int) -> None:
+    def on_stop_request(self, ev: LogEntry, t: int) -> None:
         self._advance(t)
         self.planned_stops += 1
         self._mark(
@@ -497,7 +498,7 @@ class RunAccountant:
         elif self.mode == "startup":
             self.mode = "stopping"
 
-    def on_exit(self, ev: events_pb2.Event, t: int) -> None:
+    def on_exit(self, ev: LogEntry, t: int) -> None:
         if self.mode == "training" and self.stop_pending:
             self._stop_rollback(t)
 
@@ -511,7 +512,7 @@ class RunAccountant:
         self.mode = "stopping"
         self.stop_pending = False
 
-    def on_run_end(self, ev: events_pb2.Event, t: int) -> None:
+    def on_run_end(self, ev: LogEntry, t: int) -> None:
         self._advance(t)
         outcome = ev.run_detail.outcome if ev.HasField("run_detail") else ""
         if self.mode == "training" and outcome in ("completed", "stopped", ""):
@@ -532,7 +533,7 @@ class RunAccountant:
 _LEGACY_STRAGGLER_FLAG = "not killed mid-run"
 
 
-def is_flag_only(ev: events_pb2.Event) -> bool:
+def is_flag_only(ev: LogEntry) -> bool:
     """A DETECTION after which the attempt went on: ``flag_only``, or an older log's straggler flag."""
     if not ev.HasField("detection"):
         return False
@@ -575,7 +576,7 @@ def _incident_cause(inc: OpenIncident) -> str:
 
 
 def compute_goodput(
-    events: Iterable[events_pb2.Event],
+    events: Iterable[LogEntry],
     *,
     run: str = "",
     since: float | None = None,
@@ -608,7 +609,7 @@ def compute_goodput(
     return merge_reports(reports, run=run or "*")
 
 
-def _one_run(run: str, events: list[events_pb2.Event], since: float | None, until: float) -> GoodputReport:
+def _one_run(run: str, events: list[LogEntry], since: float | None, until: float) -> GoodputReport:
     acct = RunAccountant(run)
     for ev in events:
         if ev.ts > until:

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from runwarden.eventlog import MAX_LINE_BYTES, decode_line
-from runwarden.v1 import events_pb2
+from runwarden.eventlog import MAX_LINE_BYTES, LogEntry, decode_line
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class LogTail:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        on_event: Callable[[events_pb2.Event], None],
+        on_event: Callable[[LogEntry], None],
         on_reset: Callable[[], None],
     ) -> None:
         self.path = Path(path)

@@ -20,6 +20,7 @@ from controller.goodput.report import (
     percentile,
     to_us,
 )
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -207,7 +208,7 @@ class _Window:
             s.expire(cutoff)
 
 
-def is_burn_in(ev: events_pb2.Event) -> bool:
+def is_burn_in(ev: LogEntry) -> bool:
     """A burn-in's PREFLIGHT_RESULT (not an attempt's): its mode, or the supervisor's own wording."""
     return ev.preflight.summary.mode == "burn_in" or ev.message.startswith("burn-in of ")
 
@@ -255,7 +256,7 @@ class RunRates:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def fold(self, ev: events_pb2.Event) -> None:
+    def fold(self, ev: LogEntry) -> None:
         acct = self._acct
         incident, rejections = acct.incident, acct.preflight_rejections
         waiting = list(acct.awaiting_first_step) if ev.kind == E.EVENT_KIND_FIRST_STEP else []
@@ -369,7 +370,7 @@ class RatesBook:
         self._windows = windows
         self.runs: dict[str, RunRates] = {}
 
-    def fold(self, ev: events_pb2.Event) -> None:
+    def fold(self, ev: LogEntry) -> None:
         if not ev.run:
             return
         rates = self.runs.get(ev.run)

@@ -56,9 +56,9 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.pool import NodeRecordView
 from controller.supervisor.timers import Timers
-from runwarden.eventlog import EventLog, EventLogError
+from runwarden.eventlog import EventLog, EventLogError, LogEntry
 from runwarden.store import Compare, Leadership, Put, Store, StoreError
-from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
+from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Executor:
         allocated: threading.Event | None = None,
         post: Callable[[Event], None],
         relist: Callable[[], None],
-        listeners: list[Callable[[events_pb2.Event], None]],
+        listeners: list[Callable[[LogEntry], None]],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.s = settings
@@ -150,7 +150,7 @@ class Executor:
         self.relist = relist  # ask the loop to list the store and send a StoreListed
         self.listeners = listeners
         self.clock = clock
-        self.unwritten: list[events_pb2.Event] = []  # entries of a batch whose append failed
+        self.unwritten: list[LogEntry] = []  # entries of a batch whose append failed
         self.attempt = 0
         self.attempt_nodes: dict[str, int] = {}  # node -> node rank of the current attempt
 

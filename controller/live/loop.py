@@ -48,10 +48,10 @@ from controller.supervisor.machine import SupervisorStatus, TransitionError
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import OUT_OF_SERVICE, Pool
 from controller.supervisor.timers import Timers
-from runwarden.eventlog import EventLog
+from runwarden.eventlog import EventLog, LogEntry
 from runwarden.keys import LEGACY_ELECTION, run_election
 from runwarden.store import Compare, Leadership, Put, Relisted, Store, StoreError, Watch, WatchEvent
-from runwarden.v1 import common_pb2, controller_pb2, events_pb2, store_pb2
+from runwarden.v1 import common_pb2, controller_pb2, store_pb2
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class LiveController:
         self.executor: Executor | None = None
         self._watches: list[Watch] = []
         self._adopted: tuple[int, float] | None = None
-        self.listeners: list[Callable[[events_pb2.Event], None]] = []
+        self.listeners: list[Callable[[LogEntry], None]] = []
         self.is_leader = threading.Event()
         self.status: controller_pb2.RunStatus | None = None
         self.rebuilds = 0  # how often a failed core was replaced (tests and logs read it)

@@ -57,7 +57,7 @@ def read_loss_history(path: Path, run: str, tail_bytes: int = TAIL_BYTES) -> Los
     except OSError as exc:
         log.warning("loss history: cannot read the event log %s: %s; starting without it", path, exc)
         return LossHistory()
-    history = loss_history(read.events, run)
+    history = loss_history(read.entries, run)
     log.info(
         "loss history from the event log: %d values, %d steps",
         len(history.points),

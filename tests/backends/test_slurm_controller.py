@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 from testbed.etcd_server import EtcdServer, free_port
 from testbed.fleet_cluster import (
@@ -156,8 +156,8 @@ class _SlurmRun:
     def event_log(self) -> Path:
         return self.run_dir / "events.jsonl"
 
-    def events(self) -> list[events_pb2.Event]:
-        return list(read_events(self.event_log).events)
+    def events(self) -> list[LogEntry]:
+        return list(read_events(self.event_log).entries)
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:]
@@ -166,14 +166,14 @@ class _SlurmRun:
         self,
         kind: int,
         timeout_s: float,
-        pred: Callable[[events_pb2.Event], bool] | None = None,
+        pred: Callable[[LogEntry], bool] | None = None,
         after_seq: int = 0,
-    ) -> events_pb2.Event:
+    ) -> LogEntry:
         ev = wait_for_event(self.event_log, kind, after_seq, timeout_s, pred)
         assert ev is not None, (f"no event of kind {kind}", self.tail())
         return ev
 
-    def wait_for_event(self, kind: int, after_seq: int, timeout_s: float) -> events_pb2.Event | None:
+    def wait_for_event(self, kind: int, after_seq: int, timeout_s: float) -> LogEntry | None:
         return wait_for_event(self.event_log, kind, after_seq, timeout_s)
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -231,7 +231,7 @@ class _SlurmRun:
 @dataclass
 class SlurmFaultedRun:
     run: _SlurmRun
-    events: list[events_pb2.Event]
+    events: list[LogEntry]
     recoveries: list[Recovery]
     torn_tail: str | None
     log_errors: int
@@ -279,8 +279,8 @@ def slurm_faulted(
     read = read_events(run.event_log)
     yield SlurmFaultedRun(
         run=run,
-        events=read.events,
-        recoveries=recoveries(read.events, injections),
+        events=read.entries,
+        recoveries=recoveries(read.entries, injections),
         torn_tail=read.torn_tail,
         log_errors=len(read.errors),
         exit_code=rc,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2
@@ -12,14 +13,14 @@ class LogBuilder:
 
     def __init__(self, run: str = "llm", nodes: int = 4) -> None:
         self.run = run
-        self.events: list[events_pb2.Event] = []
+        self.events: list[LogEntry] = []
         self.attempt = 0
         self.step = 0
         self.nodes = nodes
         self.flags: set[int] = set()  # seq of each detection after which the attempt went on
 
-    def _add(self, ts: float, kind: int, **detail: object) -> events_pb2.Event:
-        ev = events_pb2.Event(
+    def _add(self, ts: float, kind: int, **detail: object) -> LogEntry:
+        ev = LogEntry(
             seq=len(self.events) + 1,
             ts=ts,
             run=self.run,

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from controller.goodput.metrics import WindowedRatesCollector
 from controller.live.metrics import ControlPlaneCollector
 from nodeagent.daemon.metrics import AgentMetrics
-from runwarden.eventlog import encode_event
+from runwarden.eventlog import encode_entry
 from runwarden.v1 import common_pb2, controller_pb2
 
 from .test_goodput_outputs import long_run
@@ -67,7 +67,7 @@ class _View:
 def _exported(tmp_path: Path) -> str:
     log = tmp_path / "events.jsonl"
     b = long_run()
-    log.write_bytes(b"".join(encode_event(e) for e in b.events))
+    log.write_bytes(b"".join(encode_entry(e) for e in b.events))
     registry = CollectorRegistry()
     registry.register(WindowedRatesCollector(log, clock=lambda: b.events[-1].ts))
     registry.register(

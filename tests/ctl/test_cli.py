@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from controller.ctl.main import main
 from controller.goodput.report import compute_goodput
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, events_pb2, store_pb2
 
 from .conftest import RUN, T0, LiveController
@@ -171,7 +171,7 @@ def test_goodput_online_matches_offline(
     rc, offline, _ = ctl(capsys, None, "goodput", RUN, "--log", str(live_ended.log_path), "--json")
     assert rc == 0 and json.loads(online) == json.loads(offline)
     report = json.loads(online)
-    expected = compute_goodput(read_events(live_ended.log_path).events, run=RUN)
+    expected = compute_goodput(read_events(live_ended.log_path).entries, run=RUN)
     assert report["productive_s"] == 95.0 and report["allocated_s"] == 300.0
     assert report["productive_s"] == expected.productive_us / 1e6
     assert report["lost_by_cause"][0] == {"cause": "hardware:xid", "seconds": 90.0}
@@ -234,7 +234,7 @@ def test_watch_events_resumes_after_seq_and_follow_streams(live: LiveController)
     stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(after_seq=12), timeout=20)
     got = [next(stream).event.seq, next(stream).event.seq]
     assert got == [13, 14]  # the log holds seq 1..14: resume after 12
-    live.log.append(events_pb2.Event(ts=T0 + 400, run=RUN, kind=events_pb2.EVENT_KIND_PAGE, message="paged"))
+    live.log.append(LogEntry(ts=T0 + 400, run=RUN, kind=events_pb2.EVENT_KIND_PAGE, message="paged"))
     ev = next(stream).event
     assert (ev.seq, ev.kind, ev.message) == (15, events_pb2.EVENT_KIND_PAGE, "paged")
     stream.cancel()
@@ -266,7 +266,7 @@ def test_watch_events_resumes_after_seq_and_follow_streams(live: LiveController)
         first = json.loads(proc.stdout.readline())
         assert first["kind"] == "EVENT_KIND_CHECKPOINT_COMMIT" and first["seq"] == "6"
         live.log.append(
-            events_pb2.Event(ts=T0 + 500, run=RUN, step=200, kind=events_pb2.EVENT_KIND_CHECKPOINT_COMMIT)
+            LogEntry(ts=T0 + 500, run=RUN, step=200, kind=events_pb2.EVENT_KIND_CHECKPOINT_COMMIT)
         )
         second = json.loads(proc.stdout.readline())
         assert second["seq"] == "16" and second["step"] == "200"

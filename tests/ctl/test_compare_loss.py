@@ -12,7 +12,7 @@ from controller.ctl.compare_loss import compare, to_json
 from controller.ctl.main import main
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import AttemptExited, CheckpointCommitted, DumpsCollected
-from runwarden.eventlog import EventLog, read_events
+from runwarden.eventlog import EventLog, LogEntry, read_events
 from runwarden.v1 import events_pb2
 from tests.supervisor.harness import Driver, fast
 
@@ -90,8 +90,8 @@ def test_compare_loss_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_a_step_split_over_two_events_is_merged() -> None:
-    def replay(points: list[tuple[int, int, float, int]]) -> events_pb2.Event:
-        return events_pb2.Event(
+    def replay(points: list[tuple[int, int, float, int]]) -> LogEntry:
+        return LogEntry(
             run="r",
             attempt=2,
             kind=events_pb2.EVENT_KIND_LOSS_REPLAY,
@@ -125,7 +125,7 @@ def test_no_resume_and_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixtu
     with EventLog(path) as log:
         for e in d.events():
             log.append(e)
-    assert read_events(path).events
+    assert read_events(path).entries
     assert main(["compare-loss", "llm", "--log", str(path)]) == 0
     assert "no resumed attempt replayed a step" in capsys.readouterr().out
     assert main(["compare-loss", "other", "--log", str(path)]) != 0

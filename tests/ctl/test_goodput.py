@@ -272,7 +272,7 @@ def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
         f.write(b'{"seq": 99, "ts": 1764547500.0, "kind": "EVENT_KIND_RUN_E')  # a crash mid-write
     read = read_events(path)
     assert read.torn_tail is not None and not read.errors
-    r = compute_goodput(read.events)
+    r = compute_goodput(read.entries)
     # no RUN_END: the window ends at the last event (FIRST_STEP +260); nothing after it is invented
     assert r.allocated_us == 260 * US
     assert r.productive_us == 55 * US

@@ -18,7 +18,7 @@ from controller.ctl.goodput import _hours, _pct
 from controller.ctl.main import main
 from controller.goodput.chart import render_weekly_png
 from controller.goodput.report import US, compute_goodput, normalise_by
-from runwarden.eventlog import encode_event
+from runwarden.eventlog import encode_entry
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, controller_pb2, controller_pb2_grpc, events_pb2
 
@@ -122,7 +122,7 @@ def test_every_week_adds_up_exactly_and_splits_at_monday() -> None:
 
 def _write(tmp_path: Path) -> Path:
     log = tmp_path / "events.jsonl"
-    log.write_bytes(b"".join(encode_event(e) for e in four_weeks().events))
+    log.write_bytes(b"".join(encode_entry(e) for e in four_weeks().events))
     return log
 
 

@@ -15,7 +15,7 @@ from controller.goodput.metrics import WindowedRatesCollector
 from controller.goodput.report import US, compute_goodput, to_us
 from controller.goodput.tail import LogTail
 from controller.goodput.windows import RatesBook, RunRates
-from runwarden.eventlog import MAX_LINE_BYTES, encode_event
+from runwarden.eventlog import MAX_LINE_BYTES, LogEntry, encode_entry
 from runwarden.v1 import common_pb2, events_pb2
 from testbed.etcd_server import free_port
 
@@ -156,9 +156,9 @@ def test_windows_equal_the_report_clipped_to_them(b: LogBuilder, fracs: list[flo
         assert totals.lost_by_cause_s == {c: us / US for c, us in whole.lost_by_cause_us.items() if us}
 
 
-def _write(path: Path, events: list[events_pb2.Event], mode: str = "ab") -> None:
+def _write(path: Path, events: list[LogEntry], mode: str = "ab") -> None:
     with open(path, mode) as f:
-        f.write(b"".join(encode_event(e) for e in events))
+        f.write(b"".join(encode_entry(e) for e in events))
 
 
 def test_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
@@ -169,17 +169,17 @@ def test_tail_reads_only_new_complete_lines(tmp_path: Path) -> None:
     assert tail.poll() == 0  # no file yet
     events = long_run().events
     _write(log, events[:3])
-    line = encode_event(events[3])
+    line = encode_entry(events[3])
     with open(log, "ab") as f:
         f.write(line[:20])  # being written
     tail.poll()
     assert seen == [1, 2, 3]
     with open(log, "ab") as f:
-        f.write(line[20:] + b"not json\n" + encode_event(events[1]))  # then a bad line, a repeated seq
+        f.write(line[20:] + b"not json\n" + encode_entry(events[1]))  # then a bad line, a repeated seq
     tail.poll()
     assert seen == [1, 2, 3, 4] and tail.bad_lines == 2
     with open(log, "ab") as f:
-        f.write(encode_event(events[4])[:30])  # a torn tail the writer cuts off when it reopens
+        f.write(encode_entry(events[4])[:30])  # a torn tail the writer cuts off when it reopens
     tail.poll()
     data = log.read_bytes()
     log.write_bytes(data[: data.rfind(b"\n") + 1])
@@ -233,7 +233,7 @@ def test_tail_skips_an_overlong_line(tmp_path: Path) -> None:
             f.write(b"x" * (MAX_LINE_BYTES + 10))
         tail.poll()
     with open(log, "ab") as f:
-        f.write(b"yyy\n" + encode_event(events[0]))
+        f.write(b"yyy\n" + encode_entry(events[0]))
     tail.poll()
     assert seen == [1] and tail.bad_lines == 1 and tail.backlog_bytes == 0
 

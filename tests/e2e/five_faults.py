@@ -19,6 +19,7 @@ import pytest
 from controller.goodput.report import compute_goodput
 from examples.cluster import REPO, ClusterSpec
 from examples.demo import FAULTS, Recovery
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -52,7 +53,7 @@ def rank0_losses(loss_dir: Path) -> dict[int, list[float]]:
 
 
 def check_every_fault_recovered(
-    recoveries: list[Recovery], events: list[events_pb2.Event], *, host_dies: bool = False
+    recoveries: list[Recovery], events: list[LogEntry], *, host_dies: bool = False
 ) -> None:
     """host_dies: the node-lost fault kills the whole host (its ranks and the c10d store with it,
     when it is node rank 0), so the other ranks may exit before its lease expires: the first
@@ -99,7 +100,7 @@ def check_every_fault_recovered(
                 ), f"the Xid node {node} came back without a repair"
 
 
-def check_resumes_only_from_commits(events: list[events_pb2.Event]) -> None:
+def check_resumes_only_from_commits(events: list[LogEntry]) -> None:
     committed: set[int] = set()
     quarantined: set[str] = set()
     rdzv: list[str] = []
@@ -121,9 +122,7 @@ def check_resumes_only_from_commits(events: list[events_pb2.Event]) -> None:
     assert committed, "no checkpoint was ever committed"
 
 
-def check_event_log_whole(
-    events: list[events_pb2.Event], run: str, torn_tail: str | None, log_errors: int
-) -> None:
+def check_event_log_whole(events: list[LogEntry], run: str, torn_tail: str | None, log_errors: int) -> None:
     assert torn_tail is None and log_errors == 0
     seqs = [e.seq for e in events]
     assert seqs == list(range(1, len(seqs) + 1))

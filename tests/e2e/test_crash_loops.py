@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.store import Store, StoreConfig
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
 from testbed.etcd_server import free_port
@@ -83,10 +83,10 @@ class Run:
     def pages_file(self) -> Path:
         return self.root / "pages.txt"
 
-    def events(self) -> list[events_pb2.Event]:
-        return read_events(self.event_log).events if self.event_log.exists() else []
+    def events(self) -> list[LogEntry]:
+        return read_events(self.event_log).entries if self.event_log.exists() else []
 
-    def of(self, kind: int) -> list[events_pb2.Event]:
+    def of(self, kind: int) -> list[LogEntry]:
         return [e for e in self.events() if e.kind == kind]
 
     def pages(self) -> list[str]:
@@ -269,7 +269,7 @@ def ended(run: Run, identity: str) -> int:
         raise AssertionError(f"{identity} did not exit after the run ended\n{run.tail()}") from None
 
 
-def check_crash_loop(fleet: Fleet, run: Run, label: str) -> list[events_pb2.Event]:
+def check_crash_loop(fleet: Fleet, run: Run, label: str) -> list[LogEntry]:
     """The run ended as one crash loop of `label` after three identical failures, paged once and left
     every node in service. Returns its ATTRIBUTION events."""
     events = run.events()
@@ -308,7 +308,7 @@ def suspected_in(page: str) -> set[str]:
     return set(m.group(1).split(", ")) if m else set()
 
 
-def check_hang_blame(run: Run, attributions: list[events_pb2.Event]) -> list[str]:
+def check_hang_blame(run: Run, attributions: list[LogEntry]) -> list[str]:
     """The flight recorder blamed each hang, a different node each time; the first two failures'
     suspects were quarantined (and given back), the third's not (it completed the loop); the page
     names every suspect. Returns the node blamed first in each attempt."""
@@ -393,6 +393,6 @@ def test_the_standby_continues_the_crash_loop_count_after_the_leader_is_killed(f
     check_hang_blame(run, check_crash_loop(fleet, run, "hang"))
 
 
-def restored(run: Run) -> list[events_pb2.Event]:
+def restored(run: Run) -> list[LogEntry]:
     """The reconcile lines of a leader that continued a predecessor's memory."""
     return [e for e in run.of(E.EVENT_KIND_CONTROL_PLANE) if "memory restored" in e.message]

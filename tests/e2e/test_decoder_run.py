@@ -44,7 +44,7 @@ from controller.live.loss_history import loss_history
 from examples.cluster import REPO, ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import Recovery, current_nodes, last_seq, recoveries, run_faults
 from nodeagent.trainer.checkpoint import read_commit, step_dir
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 from tests.e2e.five_faults import EXPECTED_DETECTOR, rank0_losses, reference_command
 
@@ -61,7 +61,7 @@ REPORT_INTERVAL_S = 1.0 + 0.5  # the trainer's flush_interval_s + the test agent
 @dataclass
 class DecoderRun:
     cluster: LocalCluster
-    events: list[events_pb2.Event]
+    events: list[LogEntry]
     recoveries: list[Recovery]  # of FAULTS
     skip_rng: Recovery  # the last restart: a crash whose resume skipped the RNG states
     straggler_victim: str
@@ -135,11 +135,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecoderRun]:
                     reference.kill()
     assert reference is not None and reference.returncode == 0, (root / "reference.log").read_text()[-3000:]
     read = read_events(cluster.event_log)
-    recovered = recoveries(read.events, injections)
+    recovered = recoveries(read.entries, injections)
     assert recovered[-1].launch is not None, "no launch after the last crash"
     yield DecoderRun(
         cluster=cluster,
-        events=read.events,
+        events=read.entries,
         recoveries=recovered[:-1],
         skip_rng=recovered[-1],
         straggler_victim=victim,
@@ -177,7 +177,7 @@ def _wait_past_a_commit(cluster: LocalCluster) -> None:
     raise AssertionError(f"never 5..25 steps past a commit in 30 s\n{_tail(cluster)}")
 
 
-def _of(run: DecoderRun, kind: int) -> list[events_pb2.Event]:
+def _of(run: DecoderRun, kind: int) -> list[LogEntry]:
     return [e for e in run.events if e.kind == kind]
 
 

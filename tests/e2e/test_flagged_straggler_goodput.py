@@ -30,6 +30,7 @@ import pytest
 from controller.goodput.report import US, compute_goodput
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from nodeagent.trainer.checkpoint import read_commit, step_dir
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -95,7 +96,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]
     assert not leftover_processes(c.root, wait_s=10), "the cluster left processes behind"
 
 
-def _flagged(events: list[events_pb2.Event]) -> tuple[events_pb2.Event, events_pb2.Event, events_pb2.Event]:
+def _flagged(events: list[LogEntry]) -> tuple[LogEntry, LogEntry, LogEntry]:
     """The flag, the first step of the attempt it flagged (a launch that failed before it, on a loaded
     machine, is that launch's own incident), and the stop request."""
     (flag,) = [e for e in events if e.kind == E.EVENT_KIND_DETECTION and e.seq > _first_step(events, 1).seq]
@@ -104,7 +105,7 @@ def _flagged(events: list[events_pb2.Event]) -> tuple[events_pb2.Event, events_p
     return flag, first, stop
 
 
-def _first_step(events: list[events_pb2.Event], attempt: int) -> events_pb2.Event:
+def _first_step(events: list[LogEntry], attempt: int) -> LogEntry:
     return next(e for e in events if e.kind == E.EVENT_KIND_FIRST_STEP and e.attempt >= attempt)
 
 

@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 
 from examples.cluster import LocalCluster
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _launches(cluster: LocalCluster) -> list[events_pb2.Event]:
+def _launches(cluster: LocalCluster) -> list[LogEntry]:
     return [e for e in cluster.events() if e.kind == E.EVENT_KIND_LAUNCH]
 
 
-def _wait_first_step(cluster: LocalCluster, after_seq: int = 0, timeout_s: float = 120) -> events_pb2.Event:
+def _wait_first_step(cluster: LocalCluster, after_seq: int = 0, timeout_s: float = 120) -> LogEntry:
     ev = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, after_seq, timeout_s)
     assert ev is not None, (
         f"no first step; controller log:\n{(cluster.run_dir / 'controller.log').read_text()[-3000:]}"

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 
 E = events_pb2
@@ -52,11 +53,11 @@ def _last_seq(c: LocalCluster) -> int:
     return events[-1].seq if events else 0
 
 
-def _current_launch(c: LocalCluster) -> events_pb2.Event:
+def _current_launch(c: LocalCluster) -> LogEntry:
     return next(e for e in reversed(c.events()) if e.kind == E.EVENT_KIND_LAUNCH)
 
 
-def _relaunched(c: LocalCluster, mark: int, what: str) -> events_pb2.Event:
+def _relaunched(c: LocalCluster, mark: int, what: str) -> LogEntry:
     """The next attempt's launch after `mark`, and its first step past the resume point."""
     launch = c.wait_for_event(E.EVENT_KIND_LAUNCH, mark, RELAUNCH_S)
     assert launch is not None, f"{what}: no relaunch\n{_tail(c)}"
@@ -65,7 +66,7 @@ def _relaunched(c: LocalCluster, mark: int, what: str) -> events_pb2.Event:
     return launch
 
 
-def _assert_planned(c: LocalCluster, mark: int, launch: events_pb2.Event, what: str) -> None:
+def _assert_planned(c: LocalCluster, mark: int, launch: LogEntry, what: str) -> None:
     between = [e for e in c.events() if mark < e.seq < launch.seq]
     kinds = {e.kind for e in between}
     assert E.EVENT_KIND_STOP_REQUEST in kinds, f"{what}: not handled as a planned stop"

@@ -29,7 +29,7 @@ import pytest
 
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 from testbed.fleet import Fleet, default_prefix, sweep_orphans
 from testbed.fleet import available as fleet_available
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @dataclass
 class FaultedRun:
     cluster: LocalCluster | FleetCluster
-    events: list[events_pb2.Event]
+    events: list[LogEntry]
     recoveries: list[Recovery]
     torn_tail: str | None
     log_errors: int
@@ -83,8 +83,8 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
         read = read_events(cluster.event_log)
         yield FaultedRun(
             cluster=cluster,
-            events=read.events,
-            recoveries=recoveries(read.events, injections),
+            events=read.entries,
+            recoveries=recoveries(read.entries, injections),
             torn_tail=read.torn_tail,
             log_errors=len(read.errors),
         )
@@ -132,7 +132,7 @@ _PIDS = re.compile(r"^parked ranks \[([0-9, ]+)\] \((kept from attempt (\d+)|fre
 _PARK_MISSED = re.compile(r"did not leave their collectives within [0-9.]+ s and were killed")
 
 
-def _started(events: list[events_pb2.Event]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]]:
+def _started(events: list[LogEntry]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]]:
     """attempt -> node -> (its rank pids, the attempt its processes were kept from or None: fresh, why
     fresh if the agent said), from the WORKERS_STARTED events (the agents' launch answers)."""
     out: dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]] = {}

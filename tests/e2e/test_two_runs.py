@@ -45,7 +45,7 @@ from controller.ctl.main import main as ctl_main
 from controller.fleet.claims import read_claim
 from controller.goodput.report import compute_goodput
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.store import KeyValue, Store, StoreConfig
 from runwarden.v1 import (
     agent_pb2,
@@ -82,8 +82,8 @@ class TwoRuns(LocalCluster):
     def run_root(self, run: str) -> Path:
         return self.root / run
 
-    def events_of(self, run: str) -> list[events_pb2.Event]:
-        return read_events(self.run_root(run) / "events.jsonl").events
+    def events_of(self, run: str) -> list[LogEntry]:
+        return read_events(self.run_root(run) / "events.jsonl").entries
 
     def _start_controller(self) -> None:  # LocalCluster.start: after etcd and the agents
         assert self.etcd is not None
@@ -201,7 +201,7 @@ def wait_until(
         time.sleep(0.2)
 
 
-def launches(fleet: TwoRuns, run: str) -> list[events_pb2.Event]:
+def launches(fleet: TwoRuns, run: str) -> list[LogEntry]:
     return [e for e in fleet.events_of(run) if e.kind == E.EVENT_KIND_LAUNCH]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 from testbed.fleet import (
     Fleet,
@@ -41,7 +41,7 @@ STOP_GRACE_S = 5.0
 @dataclass
 class Scenario:
     cluster: FleetCluster
-    events: list[events_pb2.Event] = field(default_factory=list)
+    events: list[LogEntry] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict)
     seqs: dict[str, int] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
@@ -66,7 +66,7 @@ def _workers_on(cluster: FleetCluster, node: str) -> list[int]:
     return [p for p in netns_pids(cluster.host(node).netns) if p != agent]
 
 
-def _first_step_after(cluster: FleetCluster, seq: int, timeout_s: float = 120.0) -> events_pb2.Event:
+def _first_step_after(cluster: FleetCluster, seq: int, timeout_s: float = 120.0) -> LogEntry:
     ev = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, seq, timeout_s)
     assert ev is not None, cluster.controller_log()[-3000:]
     return ev
@@ -142,7 +142,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             cluster.stop()
         read = read_events(cluster.event_log)
         assert not read.errors and read.torn_tail is None
-        sc.events = read.events
+        sc.events = read.entries
         gate = [e for e in sc.events if "bandwidth gate on" in e.message]
         print(f"\nfleet faults: partitioned host fenced after {sc.notes['fenced_after_s']:.2f}s; "
               f"standby took over {sc.notes['standby_took_over_s']}s after the leader's partition; "
@@ -150,7 +150,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         yield sc
 
 
-def _between(sc: Scenario, start: str, end: str | None) -> list[events_pb2.Event]:
+def _between(sc: Scenario, start: str, end: str | None) -> list[LogEntry]:
     lo = sc.seqs[start]
     hi = sc.seqs[end] if end else 10**12
     return [e for e in sc.events if lo < e.seq <= hi]

@@ -205,7 +205,7 @@ EVENT_LINE = st.fixed_dictionaries(
 )
 def test_event_log_reader_random_structured_lines(lines: list[bytes], tail: bytes) -> None:
     read = parse_log_bytes(b"\n".join(lines) + b"\n" + tail)
-    assert len(read.events) + len(read.errors) <= len(lines) + 2
+    assert len(read.entries) + len(read.errors) <= len(lines) + 2
 
 
 def test_event_log_reader_huge_and_nested_lines() -> None:
@@ -221,6 +221,6 @@ def test_event_log_reader_huge_and_nested_lines() -> None:
     )
     t0 = time.monotonic()
     read = parse_log_bytes(data)
-    assert [e.seq for e in read.events] == [1, 2]
+    assert [e.seq for e in read.entries] == [1, 2]
     assert len(read.errors) == 2 and all(len(str(e)) < 2000 for e in read.errors)
     assert time.monotonic() - t0 < 10

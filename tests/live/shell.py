@@ -18,6 +18,7 @@ import grpc
 from controller.live.loop import LiveController, ShellConfig
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
+from runwarden.eventlog import LogEntry
 from runwarden.store import Store
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
 
@@ -85,22 +86,20 @@ def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
 class LogWatch:
     """Every entry the shell appended, with the monotonic time it was written (a listener's view)."""
 
-    entries: list[tuple[float, events_pb2.Event]] = field(default_factory=list)
+    entries: list[tuple[float, LogEntry]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self, ev: events_pb2.Event) -> None:
+    def __call__(self, ev: LogEntry) -> None:
         with self.lock:
             self.entries.append((time.monotonic(), ev))
 
-    def find(
-        self, pred: Callable[[events_pb2.Event], bool], after: float = 0.0
-    ) -> tuple[float, events_pb2.Event] | None:
+    def find(self, pred: Callable[[LogEntry], bool], after: float = 0.0) -> tuple[float, LogEntry] | None:
         with self.lock:
             return next(((t, e) for t, e in self.entries if t >= after and pred(e)), None)
 
     def wait(
-        self, pred: Callable[[events_pb2.Event], bool], timeout_s: float, after: float = 0.0
-    ) -> tuple[float, events_pb2.Event]:
+        self, pred: Callable[[LogEntry], bool], timeout_s: float, after: float = 0.0
+    ) -> tuple[float, LogEntry]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             hit = self.find(pred, after)
@@ -161,9 +160,9 @@ def live_shell(
         assert not thread.is_alive(), "the shell did not stop"
 
 
-def is_launch(attempt: int | None = None) -> Callable[[events_pb2.Event], bool]:
+def is_launch(attempt: int | None = None) -> Callable[[LogEntry], bool]:
     return lambda e: e.kind == events_pb2.EVENT_KIND_LAUNCH and (attempt is None or e.attempt == attempt)
 
 
-def says(text: str) -> Callable[[events_pb2.Event], bool]:
+def says(text: str) -> Callable[[LogEntry], bool]:
     return lambda e: text in e.message

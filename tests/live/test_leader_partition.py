@@ -80,7 +80,7 @@ def test_a_leader_partitioned_from_etcd_stops_before_the_standby_leads_and_nothi
             assert [r.attempt for r in agent.launches] == [1], "no double launch"
             read = read_events(run_dir / "events.jsonl")
             assert not read.errors and read.torn_tail is None
-            seqs = [e.seq for e in read.events]
+            seqs = [e.seq for e in read.entries]
             assert seqs == sorted(set(seqs)) and len(seqs) == len(leader_log.entries) + len(
                 standby_log.entries
             )

@@ -31,7 +31,7 @@ from controller.live.paging import Pager
 from controller.supervisor.events import Event, PreflightResult, Tick
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
-from runwarden.eventlog import EventLog, EventLogError, read_events
+from runwarden.eventlog import EventLog, EventLogError, LogEntry, read_events
 from runwarden.store import Store
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
 from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy, says
@@ -79,7 +79,7 @@ class AppendFailsOnceOnLaunch(EventLog):
         super().__init__(path)
         self.failed_at: float | None = None
 
-    def append(self, event: events_pb2.Event) -> events_pb2.Event:
+    def append(self, event: LogEntry) -> LogEntry:
         if event.kind == E.EVENT_KIND_LAUNCH and self.failed_at is None:
             self.failed_at = time.monotonic()
             raise EventLogError("cannot append to event log: No space left on device (injected by the test)")
@@ -110,7 +110,7 @@ def test_a_failed_log_append_skips_the_launch_and_the_core_reacts_within_one_tic
             time.sleep(0.05)
         assert [r.attempt for r in agent.launches] == [2]  # the unlogged launch never happened
         path = shell.cfg.event_log_path
-    events = read_events(path).events
+    events = read_events(path).entries
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     launch1 = [i for i, e in enumerate(events) if e.kind == E.EVENT_KIND_LAUNCH and e.attempt == 1]

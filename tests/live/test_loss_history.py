@@ -100,7 +100,7 @@ def test_a_replay_after_a_controller_restart_is_compared_with_the_losses_logged_
             time.sleep(0.2)
         log.wait(lambda e: e.kind == E.EVENT_KIND_LOSS_RECORD and e.step == 30, 10)
         log.wait(lambda e: e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.step == 20, 10)
-    recorded = read_events(run_dir / "events.jsonl").events
+    recorded = read_events(run_dir / "events.jsonl").entries
     points = [(p.step, p.loss) for e in recorded if e.kind == E.EVENT_KIND_LOSS_RECORD for p in e.loss.points]
     assert points == [(s, _curve(s)) for s in range(1, 31)]
 

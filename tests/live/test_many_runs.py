@@ -41,6 +41,7 @@ from controller.live.view import LiveView
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import PoolState
+from runwarden.eventlog import LogEntry
 from runwarden.store import Store, StoreConfig
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
 from testbed.etcd_server import EtcdServer
@@ -135,7 +136,7 @@ def wait_for(
         time.sleep(0.05)
 
 
-def launched(attempt: int) -> Callable[[events_pb2.Event], bool]:
+def launched(attempt: int) -> Callable[[LogEntry], bool]:
     """The attempt's workers started on every node (logged after its record was written and the
     launch RPCs answered; its LAUNCH entry is logged before either)."""
     return lambda e: e.kind == events_pb2.EVENT_KIND_WORKERS_STARTED and e.attempt == attempt

@@ -24,6 +24,7 @@ from controller.backends.local import LocalBackend, LocalConfig, Rendezvous
 from controller.live.config import RunSection
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from runwarden.config import ConfigError
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import agent_pb2, events_pb2
 
 E = events_pb2
@@ -123,7 +124,7 @@ def _tail(c: LocalCluster) -> str:
     return f"{events}\n--- controller.log ---\n{text}"
 
 
-def _running(c: LocalCluster, attempt: int) -> events_pb2.Event:
+def _running(c: LocalCluster, attempt: int) -> LogEntry:
     """The launch of `attempt` once its ranks took a step (through the bootstrap)."""
     launch = c.wait_for_event(E.EVENT_KIND_LAUNCH, 0, WAIT_S, pred=lambda e: e.attempt == attempt)
     assert launch is not None, f"no launch of attempt {attempt}\n{_tail(c)}"
@@ -132,7 +133,7 @@ def _running(c: LocalCluster, attempt: int) -> events_pb2.Event:
     return launch
 
 
-def _attribution(c: LocalCluster, after_seq: int, detector: int) -> tuple[events_pb2.Event, events_pb2.Event]:
+def _attribution(c: LocalCluster, after_seq: int, detector: int) -> tuple[LogEntry, LogEntry]:
     detection = c.wait_for_event(
         E.EVENT_KIND_DETECTION, after_seq, WAIT_S, pred=lambda e: e.detection.detector == detector
     )

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from runwarden.eventlog import (
     EventLog,
     EventLogError,
+    LogEntry,
     decode_line,
-    encode_event,
+    encode_entry,
     parse_log_bytes,
     read_events,
     read_tail,
@@ -24,8 +25,8 @@ from runwarden.eventlog import (
 from runwarden.v1 import events_pb2
 
 
-def _event(kind: int = events_pb2.EVENT_KIND_LAUNCH, step: int = 0) -> events_pb2.Event:
-    ev = events_pb2.Event(ts=1000.0 + step, run="r", attempt=1, step=step, kind=kind, message="m")
+def _event(kind: int = events_pb2.EVENT_KIND_LAUNCH, step: int = 0) -> LogEntry:
+    ev = LogEntry(ts=1000.0 + step, run="r", attempt=1, step=step, kind=kind, message="m")
     ev.launch.rendezvous_id = "r-1"
     ev.launch.nodes.extend(["n1", "n2"])
     return ev
@@ -38,8 +39,8 @@ def test_append_assigns_increasing_seq_and_round_trips(tmp_path: Path) -> None:
     assert [e.seq for e in written] == [1, 2, 3, 4, 5]
     read = read_events(path)
     assert read.torn_tail is None and read.errors == []
-    assert [e.step for e in read.events] == [0, 1, 2, 3, 4]
-    assert read.events[0].launch.nodes == ["n1", "n2"]
+    assert [e.step for e in read.entries] == [0, 1, 2, 3, 4]
+    assert read.entries[0].launch.nodes == ["n1", "n2"]
     # Reopening continues the sequence rather than restarting it.
     with EventLog(path) as log:
         assert log.append(_event(step=9)).seq == 6
@@ -54,9 +55,9 @@ def test_read_tail_reads_only_the_last_bytes_and_drops_the_line_they_start_in(tm
     line = size // 20  # every line has about the same length
     tail = read_tail(path, 3 * line + line // 2)  # three and a half lines: the half is dropped
     assert tail.errors == [] and tail.torn_tail is None
-    assert [e.step for e in tail.events] == [17, 18, 19]
-    assert [e.step for e in read_tail(path, 10 * size).events] == list(range(20))
-    assert read_tail(tmp_path / "missing.jsonl", 100).events == []
+    assert [e.step for e in tail.entries] == [17, 18, 19]
+    assert [e.step for e in read_tail(path, 10 * size).entries] == list(range(20))
+    assert read_tail(tmp_path / "missing.jsonl", 100).entries == []
 
 
 def test_torn_tail_is_reported_skipped_and_cut_on_reopen(tmp_path: Path) -> None:
@@ -64,19 +65,19 @@ def test_torn_tail_is_reported_skipped_and_cut_on_reopen(tmp_path: Path) -> None
     with EventLog(path) as log:
         log.append(_event(step=1))
         log.append(_event(step=2))
-    whole = encode_event(_event(step=3))
+    whole = encode_entry(_event(step=3))
     with path.open("ab") as f:
         f.write(whole[: len(whole) // 2])  # a crash mid-write
     read = read_events(path)
-    assert [e.step for e in read.events] == [1, 2]
+    assert [e.step for e in read.entries] == [1, 2]
     assert read.torn_tail is not None
     with EventLog(path) as log:
         assert log.recovered.torn_tail is not None
         log.append(_event(step=4))
     read = read_events(path)
     assert read.torn_tail is None and read.errors == []
-    assert [e.step for e in read.events] == [1, 2, 4]
-    assert [e.seq for e in read.events] == [1, 2, 3]
+    assert [e.step for e in read.entries] == [1, 2, 4]
+    assert [e.seq for e in read.entries] == [1, 2, 3]
 
 
 def test_crash_of_a_writer_process_never_merges_lines(tmp_path: Path) -> None:
@@ -86,13 +87,13 @@ def test_crash_of_a_writer_process_never_merges_lines(tmp_path: Path) -> None:
         f"""
         import os, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from runwarden.eventlog import EventLog
+        from runwarden.eventlog import EventLog, LogEntry
         from runwarden.v1 import events_pb2
         log = EventLog({str(path)!r})
         i = 0
         while True:
             i += 1
-            log.append(events_pb2.Event(ts=i, run="r", kind=events_pb2.EVENT_KIND_EXIT, step=i, message="x" * 500))
+            log.append(LogEntry(ts=i, run="r", kind=events_pb2.EVENT_KIND_EXIT, step=i, message="x" * 500))
             if i == 50:
                 os.write(1, b"ready\\n")
         """
@@ -104,17 +105,17 @@ def test_crash_of_a_writer_process_never_merges_lines(tmp_path: Path) -> None:
     proc.wait()
     read = read_events(path)
     assert read.errors == []
-    assert len(read.events) >= 50
-    assert [e.seq for e in read.events] == list(range(1, len(read.events) + 1))
+    assert len(read.entries) >= 50
+    assert [e.seq for e in read.entries] == list(range(1, len(read.entries) + 1))
 
 
 def test_bad_lines_in_the_middle_are_reported_and_reading_goes_on() -> None:
-    good1 = encode_event(events_pb2.Event(seq=1, kind=events_pb2.EVENT_KIND_EXIT))
-    good2 = encode_event(events_pb2.Event(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
-    dup = encode_event(events_pb2.Event(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
+    good1 = encode_entry(LogEntry(seq=1, kind=events_pb2.EVENT_KIND_EXIT))
+    good2 = encode_entry(LogEntry(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
+    dup = encode_entry(LogEntry(seq=2, kind=events_pb2.EVENT_KIND_EXIT))
     data = good1 + b"{not json\n" + b'{"kind": "NO_SUCH_KIND"}\n' + b"[1]\n" + good2 + dup
     read = parse_log_bytes(data)
-    assert [e.seq for e in read.events] == [1, 2]
+    assert [e.seq for e in read.entries] == [1, 2]
     reasons = [e.reason for e in read.errors]
     assert any("not JSON" in r for r in reasons)
     assert any("not an Event" in r for r in reasons)
@@ -132,7 +133,7 @@ def test_huge_line_is_refused_with_bounded_memory() -> None:
     with pytest.raises(ValueError, match="over the"):
         decode_line(b"x" * ((1 << 20) + 1))
     with pytest.raises(EventLogError, match="over the"):
-        encode_event(events_pb2.Event(seq=1, kind=events_pb2.EVENT_KIND_EXIT, message="x" * (1 << 20)))
+        encode_entry(LogEntry(seq=1, kind=events_pb2.EVENT_KIND_EXIT, message="x" * (1 << 20)))
 
 
 def test_unwritable_directory_gives_a_clear_error(tmp_path: Path) -> None:
@@ -146,7 +147,7 @@ def test_unwritable_directory_gives_a_clear_error(tmp_path: Path) -> None:
 @given(st.binary(max_size=4096))
 def test_reader_never_crashes_on_arbitrary_bytes(data: bytes) -> None:
     read = parse_log_bytes(data)
-    assert all(e.kind != events_pb2.EVENT_KIND_UNSPECIFIED for e in read.events)
+    assert all(e.kind != events_pb2.EVENT_KIND_UNSPECIFIED for e in read.entries)
 
 
 def test_fsync_is_called_per_append(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ from controller.sim.draws import draw
 from controller.sim.engine import World, simulate
 from controller.sim.scenario import load_scenario
 from controller.supervisor.machine import Supervisor
-from runwarden.eventlog import encode_event, read_events
+from runwarden.eventlog import encode_entry, read_events
 from runwarden.v1 import events_pb2 as E
 from tests.sim.helpers import tiny
 
@@ -44,12 +44,12 @@ def test_event_log_round_trips_and_gives_the_same_goodput(small, tmp_path) -> No
     path = tmp_path / "events.jsonl"
     with open(path, "wb") as f:
         for ev in result.events:
-            f.write(encode_event(ev))
+            f.write(encode_entry(ev))
     read = read_events(path)
     assert read.errors == [] and read.torn_tail is None
-    assert len(read.events) == len(result.events)
+    assert len(read.entries) == len(result.events)
     direct = compute_goodput(result.events, until=result.end_ts)
-    from_file = compute_goodput(read.events, until=result.end_ts)
+    from_file = compute_goodput(read.entries, until=result.end_ts)
     assert from_file.productive_us == direct.productive_us
     assert 0.5 < direct.goodput < 1.0
     assert direct.productive_us + direct.lost_us == direct.allocated_us
@@ -82,7 +82,7 @@ def test_same_seed_same_log_and_draws_shared_across_policies(small) -> None:
     d = draw(small, 6)
     a = simulate(small, small.policy("defaults"), d)
     b = simulate(small, small.policy("defaults"), draw(small, 6))
-    assert [encode_event(e) for e in a.events] == [encode_event(e) for e in b.events]
+    assert [encode_entry(e) for e in a.events] == [encode_entry(e) for e in b.events]
     naive = simulate(small, small.policy("naive"), d)
     # Every drawn fault reaches both worlds at the same instant (refails are the policy's own doing).
     assert (

@@ -402,8 +402,8 @@ def test_scenario_events_cover_the_log_schema_and_round_trip_through_the_event_l
         for ev in written:
             log.append(ev)
     read = read_events(log_path)
-    assert read.errors == [] and read.torn_tail is None and len(read.events) == len(written)
-    for got, want in zip(read.events, written, strict=True):
+    assert read.errors == [] and read.torn_tail is None and len(read.entries) == len(written)
+    for got, want in zip(read.entries, written, strict=True):
         want_copy = E.Event()
         want_copy.CopyFrom(want)
         want_copy.seq = got.seq
