@@ -1,23 +1,16 @@
 """The supervisor core: a deterministic, sans-IO state machine for one run.
 
-Theory (etcd raft's and h11's): `Supervisor.handle(event, now) -> Batch`. No sockets, clock,
-threads, store or randomness inside; `now` is an argument (seconds, any epoch, non-decreasing).
-The same core runs under the live shell (controller/live/) and the fleet simulator
-(controller/sim/). Rule 1 (h11): the state graph lives in one place, as data. `TABLE[state][event
-type]` is a `Rule`: the function that handles it (in the small rule modules: nodes, prepare,
-running, failure, control_plane, failed_actions) and the legal first moves; `EDGES` is the whole
-graph; `STATE_TRIGGERED` the moves the machine makes on its own. The state setter refuses a move
-outside them (`IllegalTransition`: a bug); an unknown (state, event) pair raises `TransitionError`
-naming both, before anything changes. Late answers (for an older attempt, or a node no longer in
-play) have explicit IGNORE entries. Every decision is explained in words: the message it logs.
-
-The graph is data in controller/supervisor/table.py (its docstring shows it, generated from the
-table). Driving it (live shell, simulator, tests):
+`Supervisor.handle(event, now) -> Batch`: no sockets, clock, threads, store or randomness inside;
+`now` is an argument (seconds, any epoch, non-decreasing). The live shell (controller/live/) and the
+fleet simulator (controller/sim/) drive the same core. `handle` runs the rule `table.TABLE[state]
+[event type]` names (an unknown pair raises `TransitionError` before anything changes), then
+`table.AUTOMATIC` to a fixed point; every state change goes through transitions.py, and a move
+outside `table.EDGES` raises `IllegalTransition` (a bug). Every decision is logged in words.
 
     sup = Supervisor(SupervisorConfig(...), RunPlan(run="llama", nodes=4))
     batch = sup.handle(NodeJoined(node="n1", local_ranks=8), now)  # ... one event at a time
-    batch = sup.handle(StoreListed(...), now)                          # after a (re)start or watch gap
-    sup.status(now)                                                 # read-only summary for APIs
+    batch = sup.handle(StoreListed(...), now)  # after a (re)start or a watch gap
+    sup.status(now)  # read-only summary for APIs
 
 Answer `RunPreflight` with one `PreflightResult` per node, `CollectDumps` with `DumpsCollected`,
 `StopAttempt` with the nodes' `AttemptExited` (or their `NodeLost`), `AllocateFromQueue` with the

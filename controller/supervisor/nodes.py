@@ -34,8 +34,9 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.policy import burn_in_passes_text
 from controller.supervisor.pool import PoolState
-from controller.supervisor.states import IN_ATTEMPT, RunState
+from controller.supervisor.states import RunState
 from runwarden.evidence import is_fatal, kind_name
+from runwarden.v1 import common_pb2
 from runwarden.v1 import events_pb2 as E
 
 if TYPE_CHECKING:
@@ -75,8 +76,9 @@ def on_joined_preflight(sv: Run, ev: NodeJoined) -> None:
     prepare.fill_slots(sv)
 
 
-def on_lost(sv: Run, ev: NodeLost) -> bool:
-    """The bookkeeping of every state; True when it was a mass expiry (the control plane, not nodes)."""
+def on_lost(sv: Run, ev: NodeLost, *, watching: bool = True) -> bool:
+    """The bookkeeping of every state; True when it was a mass expiry (the control plane, not nodes).
+    `watching`: whether this state looks for a mass expiry (not when blind already, nor once over)."""
     drained = sv.pool.get(ev.node).draining
     sv.pool.set_alive(ev.node, False)
     sv.pool.set_draining(ev.node, "")  # its next registration says its own state
@@ -97,11 +99,6 @@ def on_lost(sv: Run, ev: NodeLost) -> bool:
         f"node {ev.node} lost: its lease expired",
         node=E.NodeDetail(node=ev.node, reason="lease expired"),
     )
-    watching = sv.state in IN_ATTEMPT or sv.state in (
-        RunState.WAITING_NODES,
-        RunState.PREFLIGHT,
-        RunState.BACKOFF,
-    )
     if watching and detectors.is_mass_expiry(sv.loss_times, sv.now, len(sv.pool.nodes), sv.cfg):
         transitions.become_blind(
             sv,
@@ -121,8 +118,14 @@ def _lost_tail(sv: Run, node: str) -> None:
 
 
 def on_lost_idle(sv: Run, ev: NodeLost) -> None:
-    """WAITING_NODES, BACKOFF, CONTROL_PLANE and the terminal states: bookkeeping only."""
+    """WAITING_NODES, BACKOFF: bookkeeping, and a mass expiry makes the run blind."""
     on_lost(sv, ev)
+    _lost_tail(sv, ev.node)
+
+
+def on_lost_unwatched(sv: Run, ev: NodeLost) -> None:
+    """CONTROL_PLANE and the terminal states: bookkeeping only."""
+    on_lost(sv, ev, watching=False)
     _lost_tail(sv, ev.node)
 
 
@@ -154,15 +157,32 @@ def on_lost_running(sv: Run, ev: NodeLost) -> None:
     _lost_tail(sv, ev.node)
 
 
+def on_lost_collecting(sv: Run, ev: NodeLost) -> None:
+    """COLLECTING: a lost node of the attempt counts as exited (see `_lost_ending`)."""
+    if _lost_ending(sv, ev) is not None:
+        _lost_tail(sv, ev.node)
+
+
 def on_lost_stopping(sv: Run, ev: NodeLost) -> None:
-    """COLLECTING and STOPPING: a lost node of the attempt counts as exited.
+    """STOPPING: a lost node of the attempt counts as exited; the last one decides."""
+    counted = _lost_ending(sv, ev)
+    if counted is None:
+        return
+    if counted:
+        failure.maybe_stopped(sv, ev.node)
+    _lost_tail(sv, ev.node)
+
+
+def _lost_ending(sv: Run, ev: NodeLost) -> bool | None:
+    """An ending attempt lost a node: True when it was one of the attempt's (counted as exited),
+    None when it was a mass expiry (the run went blind).
 
     A crash is blamed on a node of the attempt that then loses its lease before its ranks exited:
     when a host dies its peers' collectives fail at once (the connections close), so a survivor's
     exit often comes before the dead host's lease expires; the first exit is a victim."""
     drained = bool(sv.pool.get(ev.node).draining)
     if on_lost(sv, ev):
-        return
+        return None
     a = sv.cur
     if ev.node in a.node_step:
         f = sv.failure
@@ -176,24 +196,39 @@ def on_lost_stopping(sv: Run, ev: NodeLost) -> None:
             f.detector, f.nodes, f.ranks, f.label = E.DETECTOR_NODE_LOST, [ev.node], [], "node_lost"
             f.reason = f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)"
         a.exited.setdefault(ev.node, "lost")
-        if sv.state is RunState.STOPPING:
-            failure.maybe_stopped(sv, ev.node)
-    _lost_tail(sv, ev.node)
+        return True
+    return False
 
 
 def on_evidence(sv: Run, ev: EvidenceObserved) -> None:
+    """WAITING_NODES, COLLECTING, STOPPING, BACKOFF, terminal: fatal evidence is noted (see `_note`)."""
+    if (fatal := _fatal(sv, ev)) is not None:
+        _note(sv, ev.evidence, *fatal)
+
+
+def on_evidence_blind(sv: Run, ev: EvidenceObserved) -> None:
+    """CONTROL_PLANE: noted; a node of the paused attempt is judged when the attempt's fate is."""
+    if (fatal := _fatal(sv, ev)) is not None:
+        _note(sv, ev.evidence, *fatal, paused_attempt=True)
+
+
+def on_evidence_preflight(sv: Run, ev: EvidenceObserved) -> None:
+    """PREFLIGHT: noted; a quarantined node of the attempt being prepared is replaced."""
+    if (
+        (fatal := _fatal(sv, ev)) is not None
+        and _note(sv, ev.evidence, *fatal)
+        and ev.evidence.node in sv.slots
+    ):
+        prepare.drop_from_slots(sv, ev.evidence.node, fatal[0], logged=True)
+
+
+def on_evidence_running(sv: Run, ev: EvidenceObserved) -> None:
+    """RUNNING: fatal evidence on a node of the attempt is its failure; elsewhere it is noted."""
+    if (fatal := _fatal(sv, ev)) is None:
+        return
     e = ev.evidence
-    sv.pool.add_evidence(e.node, e, sv.now)
-    if not is_fatal(e):
-        return
-    if sv.pool.get(e.node).elsewhere and e.node not in sv.cur.node_step:
-        # Another run holds it: that run detects, quarantines and writes its record. A detection
-        # logged here would be a fault of this run (goodput: an incident, and lost time until a
-        # relaunch that nothing calls for).
-        return
-    latency = max(0.0, sv.now - e.observed_at) if e.observed_at > 0 else 0.0
-    reason = f"fatal {kind_name(e.kind)} on {e.node}: {e.detail}".rstrip(": ")
-    if sv.state is RunState.RUNNING and e.node in sv.cur.node_step:
+    reason, latency = fatal
+    if e.node in sv.cur.node_step:
         failure.begin(
             sv,
             Failure(
@@ -206,6 +241,28 @@ def on_evidence(sv: Run, ev: EvidenceObserved) -> None:
             latency=latency,
         )
         return
+    _note(sv, e, reason, latency)
+
+
+def _fatal(sv: Run, ev: EvidenceObserved) -> tuple[str, float] | None:
+    """Records the evidence; for fatal evidence this run answers for, its reason and latency."""
+    e = ev.evidence
+    sv.pool.add_evidence(e.node, e, sv.now)
+    if not is_fatal(e):
+        return None
+    if sv.pool.get(e.node).elsewhere and e.node not in sv.cur.node_step:
+        # Another run holds it: that run detects, quarantines and writes its record. A detection
+        # logged here would be a fault of this run (goodput: an incident, and lost time until a
+        # relaunch that nothing calls for).
+        return None
+    latency = max(0.0, sv.now - e.observed_at) if e.observed_at > 0 else 0.0
+    return f"fatal {kind_name(e.kind)} on {e.node}: {e.detail}".rstrip(": "), latency
+
+
+def _note(
+    sv: Run, e: common_pb2.Evidence, reason: str, latency: float, *, paused_attempt: bool = False
+) -> bool:
+    """Fatal evidence, logged; a node out of the attempt is quarantined (True when it was)."""
     sv.log(
         E.EVENT_KIND_DETECTION,
         reason,
@@ -214,15 +271,15 @@ def on_evidence(sv: Run, ev: EvidenceObserved) -> None:
             detector=E.DETECTOR_EVIDENCE, nodes=[e.node], latency_s=latency, reason=reason, flag_only=True
         ),
     )
-    if sv.in_attempt(e.node) or (sv.state is RunState.CONTROL_PLANE and e.node in sv.cur.node_step):
-        return  # blamed by hardware evidence when the attempt's failure is decided
+    if sv.in_attempt(e.node) or (paused_attempt and e.node in sv.cur.node_step):
+        return False  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
     if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
         sv.forget_burn_in(e.node)  # quarantined again: its soak and retry decide nothing now
         if not quarantine.quarantine(sv, e.node, reason, evidence=[e]):
             sv.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
-        if sv.state is RunState.PREFLIGHT and e.node in sv.slots:
-            prepare.drop_from_slots(sv, e.node, reason, logged=True)
+        return True
+    return False
 
 
 def on_checkpoint(sv: Run, ev: CheckpointCommitted) -> None:
@@ -279,9 +336,22 @@ def on_checkpoint_failed(sv: Run, ev: CheckpointFailed) -> None:
 
 
 def on_operator_quarantine(sv: Run, ev: OperatorQuarantine) -> None:
+    """Every state but RUNNING and PREFLIGHT: the node is quarantined; nothing of an attempt changes."""
+    quarantine.quarantine(sv, ev.node, f"operator: {ev.reason}", operator=True)
+
+
+def on_operator_quarantine_preflight(sv: Run, ev: OperatorQuarantine) -> None:
+    """PREFLIGHT: quarantined, and replaced in the attempt being prepared."""
+    on_operator_quarantine(sv, ev)
+    if ev.node in sv.slots:
+        prepare.drop_from_slots(sv, ev.node, f"operator: {ev.reason}", logged=True)
+
+
+def on_operator_quarantine_running(sv: Run, ev: OperatorQuarantine) -> None:
+    """RUNNING: quarantined; a node of the attempt ends it with a planned stop and a relaunch without it."""
+    on_operator_quarantine(sv, ev)
     reason = f"operator: {ev.reason}"
-    quarantine.quarantine(sv, ev.node, reason, operator=True)
-    if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
+    if ev.node in sv.cur.node_step:
         failure.begin(
             sv,
             Failure(
@@ -293,8 +363,6 @@ def on_operator_quarantine(sv: Run, ev: OperatorQuarantine) -> None:
             ),
             latency=0.0,
         )
-    elif sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
-        prepare.drop_from_slots(sv, ev.node, reason, logged=True)
 
 
 def on_operator_release(sv: Run, ev: OperatorRelease) -> None:
@@ -317,33 +385,59 @@ def on_preflight(sv: Run, ev: PreflightResult) -> None:
 
 
 def on_preflight_preparing(sv: Run, ev: PreflightResult) -> None:
-    """PREFLIGHT (and CONTROL_PLANE paused in it: recorded, launched after the pause)."""
+    """PREFLIGHT: a burn-in's result, or the attempt's."""
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
-    elif ev.node in sv.pending_preflight and (
-        sv.state is RunState.PREFLIGHT or sv.cp_prev is RunState.PREFLIGHT
-    ):
+    elif ev.node in sv.pending_preflight:
+        prepare.on_attempt_preflight(sv, ev)
+
+
+def on_preflight_blind(sv: Run, ev: PreflightResult) -> None:
+    """CONTROL_PLANE: a burn-in's result; the attempt's when paused in PREFLIGHT (recorded, launched
+    after the pause)."""
+    if ev.node in sv.burn_in:
+        burn_in.on_result(sv, ev)
+    elif ev.node in sv.pending_preflight and sv.cp_prev is RunState.PREFLIGHT:
         prepare.on_attempt_preflight(sv, ev)
 
 
 def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
-    """Every state: a burn-in soak's answer; in PREFLIGHT otherwise the gate's."""
-    if soak.on_measured(sv, ev, burn_in.record):
-        return
-    if sv.state is RunState.PREFLIGHT:
+    """Every state but PREFLIGHT: a burn-in soak's answer (a gate's is late: dropped)."""
+    soak.on_measured(sv, ev, burn_in.record)
+
+
+def on_bandwidth_preflight(sv: Run, ev: BandwidthMeasured) -> None:
+    """PREFLIGHT: a burn-in soak's answer, or else the bandwidth gate's."""
+    if not soak.on_measured(sv, ev, burn_in.record):
         prepare.on_bandwidth(sv, ev)
-    # "failed": needs repair; burn-in again when it re-registers or an operator releases it
 
 
 def on_claimed(sv: Run, ev: NodeClaimed) -> None:
-    """Every state: another run took a node of the shared fleet (it is no spare here, and its holder
+    """Every state but PREFLIGHT (see `_claim_changed`)."""
+    _claim_changed(sv, ev)
+
+
+def on_claimed_preflight(sv: Run, ev: NodeClaimed) -> None:
+    """PREFLIGHT: a node taken by another run leaves the attempt being prepared; one given back may fill it."""
+    match _claim_changed(sv, ev):
+        case "taken" if ev.node in sv.slots:
+            prepare.drop_from_slots(sv, ev.node, f"run {ev.run} holds it now", logged=True)
+        case "free":
+            prepare.fill_slots(sv)
+        case _:
+            pass
+
+
+def _claim_changed(sv: Run, ev: NodeClaimed) -> str:
+    """Another run took a node of the shared fleet (it is no spare here, and its holder
     alone burns it in and writes its record), or gave it back (free again, with the record it brings:
     its strikes, holds and repairs follow it). A node in this run's attempt is never taken from it by
     a run's claim (the claim is taken before a launch); only an operator can, and then the node is
-    out of this attempt's preparation like a drained one."""
+    out of this attempt's preparation like a drained one. Says what became of the node: "taken",
+    "free" (back and free for a slot), or "" (nothing new, or back into burn-in)."""
     was = sv.pool.get(ev.node).elsewhere
     if ev.run == was and ev.record is None:
-        return
+        return ""
     if ev.run:
         sv.pool.set_elsewhere(ev.node, ev.run)
         sv.forget_burn_in(ev.node)
@@ -352,9 +446,7 @@ def on_claimed(sv: Run, ev: NodeClaimed) -> None:
             f"node {ev.node} is claimed by run {ev.run}: no spare for this run until it is given back",
             node=E.NodeDetail(node=ev.node, reason=f"claimed by run {ev.run}"),
         )
-        if sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
-            prepare.drop_from_slots(sv, ev.node, f"run {ev.run} holds it now", logged=True)
-        return
+        return "taken"
     if ev.record is not None and not sv.in_attempt(ev.node) and ev.node not in sv.slots:
         sv.pool.load([ev.record])
     node = sv.pool.set_elsewhere(ev.node, "")
@@ -366,19 +458,42 @@ def on_claimed(sv: Run, ev: NodeClaimed) -> None:
     )
     if node.alive and node.state in (PoolState.QUARANTINED, PoolState.BURN_IN) and ev.node not in sv.burn_in:
         sv.begin_burn_in(ev.node)  # its holder gave it back before it returned: this run burns it in
-    elif sv.state is RunState.PREFLIGHT:
-        prepare.fill_slots(sv)
+        return ""
+    return "free"
 
 
 def on_draining(sv: Run, ev: NodeDraining) -> None:
-    """Every state: a node drains (maintenance, SIGTERM to its agent, a scheduler's notice) or is back.
+    """Every state but RUNNING and PREFLIGHT (see `_drains`)."""
+    _drains(sv, ev)
+
+
+def on_draining_preflight(sv: Run, ev: NodeDraining) -> None:
+    """PREFLIGHT: a node of the attempt being prepared that drains is replaced at once."""
+    if _drains(sv, ev) and ev.node in sv.slots:
+        prepare.drop_from_slots(
+            sv, ev.node, f"it drains ({ev.reason}); replaced, not quarantined", logged=True
+        )
+
+
+def on_draining_running(sv: Run, ev: NodeDraining) -> None:
+    """RUNNING: a node of the attempt that drains ends it with a planned stop and a relaunch."""
+    if _drains(sv, ev) and ev.node in sv.cur.node_step:
+        stops.on_stop_request_running(
+            sv,
+            StopRequested(reason=f"node {ev.node} drains: {ev.reason}", requested_by=ev.node, relaunch=True),
+        )
+
+
+def _drains(sv: Run, ev: NodeDraining) -> bool:
+    """A node drains (maintenance, SIGTERM to its agent, a scheduler's notice) or is back.
 
     Never a failure and never a quarantine: the node takes no new placement; a running attempt it is
     part of ends with a planned stop (finish the step, save, commit, exit 0) and is relaunched from
-    that commit with a spare in its node rank; an attempt being prepared replaces it at once."""
+    that commit with a spare in its node rank; an attempt being prepared replaces it at once. True
+    when it now drains (it did not, or for another reason)."""
     was = sv.pool.get(ev.node).draining
     if ev.reason == was:
-        return
+        return False
     sv.pool.set_draining(ev.node, ev.reason)
     if not ev.reason:
         sv.log(
@@ -386,18 +501,10 @@ def on_draining(sv: Run, ev: NodeDraining) -> None:
             f"node {ev.node} is back in service after draining ({was})",
             node=E.NodeDetail(node=ev.node, reason="drain ended"),
         )
-        return  # in WAITING_NODES the machine tries to start after every event
+        return False  # in WAITING_NODES the machine tries to start after every event
     sv.log(
         E.EVENT_KIND_STOP_REQUEST,
         f"node {ev.node} drains ({ev.reason}): no new placement; nothing is quarantined",
         node=E.NodeDetail(node=ev.node, reason=f"draining: {ev.reason}"),
     )
-    if sv.state is RunState.RUNNING and ev.node in sv.cur.node_step:
-        stops.on_stop_request_running(
-            sv,
-            StopRequested(reason=f"node {ev.node} drains: {ev.reason}", requested_by=ev.node, relaunch=True),
-        )
-    elif sv.state is RunState.PREFLIGHT and ev.node in sv.slots:
-        prepare.drop_from_slots(
-            sv, ev.node, f"it drains ({ev.reason}); replaced, not quarantined", logged=True
-        )
+    return True

@@ -375,7 +375,12 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
     )
 
 
+def on_exited_ending(sv: Run, ev: AttemptExited) -> None:
+    """COLLECTING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
+    classify(sv, ev)
+
+
 def on_exited_stopping(sv: Run, ev: AttemptExited) -> None:
-    """COLLECTING, STOPPING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
-    if classify(sv, ev) is not None and sv.state is RunState.STOPPING:
+    """STOPPING: a victim's exit, counted; the last one decides."""
+    if classify(sv, ev) is not None:
         failure.maybe_stopped(sv, ev.node)

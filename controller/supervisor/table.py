@@ -1,8 +1,10 @@
 """The state graph as data (h11's Rule 1): `TABLE`, `EDGES`, `STATE_TRIGGERED`.
 
-`TABLE[state][event type]` is a `Rule`: the function that handles it (in the rule modules) and its
-legal first moves; `EDGES` is the whole graph; `STATE_TRIGGERED` the moves the machine makes on its
-own. `Supervisor`'s state setter (controller/supervisor/machine.py) refuses anything else.
+`TABLE[state][event type]` is a `Rule`: the per-state function that handles it (in the rule
+modules; every column written out in every row) and its legal first moves; `AUTOMATIC` what the
+machine runs on its own in a state, `STATE_TRIGGERED` the moves that may make; `EDGES` is the whole
+graph. `Supervisor.handle` (machine.py) dispatches on it, and every move goes through transitions.py,
+which refuses anything outside `EDGES`.
 
 The graph, generated from the table (tests/supervisor/test_machine.py keeps it in step):
 
@@ -231,15 +233,15 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         stop=_on(stops.on_stop_request_idle, S.STOPPED),
         tick=_on(_tick(prepare.on_tick), S.RUNNING),
         checkpoint=_on(nodes.on_checkpoint),
-        evidence=_on(nodes.on_evidence, S.RUNNING),
-        operator_q=_on(nodes.on_operator_quarantine, S.RUNNING),
+        evidence=_on(nodes.on_evidence_preflight, S.RUNNING),
+        operator_q=_on(nodes.on_operator_quarantine_preflight, S.RUNNING),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
         listed=_on(control_plane.on_store_listed, S.RUNNING, *_BLIND, S.STOPPED),
         failed=_on(failed_actions.on_action_failed, S.RUNNING),
-        bandwidth=_on(nodes.on_bandwidth, S.RUNNING),
-        drain=_on(nodes.on_draining, S.RUNNING),
-        claimed=_on(nodes.on_claimed, S.RUNNING),  # a refill may launch
+        bandwidth=_on(nodes.on_bandwidth_preflight, S.RUNNING),
+        drain=_on(nodes.on_draining_preflight, S.RUNNING),
+        claimed=_on(nodes.on_claimed_preflight, S.RUNNING),  # a refill may launch
         checkpoint_failed=_CHECKPOINT_FAILED,
         started=_STARTED,
         operator_release=_RELEASE,
@@ -255,13 +257,13 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         stop=_on(stops.on_stop_request_running, *_FAIL),
         tick=_on(_tick(running.check_hang), *_FAIL),
         checkpoint=_on(running.on_checkpoint, *_FAIL),
-        evidence=_on(nodes.on_evidence, *_FAIL),
-        operator_q=_on(nodes.on_operator_quarantine, *_FAIL),
+        evidence=_on(nodes.on_evidence_running, *_FAIL),
+        operator_q=_on(nodes.on_operator_quarantine_running, *_FAIL),
         cp_lost=_CP_LOST,
         cp_restored=IGNORE,
         listed=_on(control_plane.on_store_listed, *_FAIL, *_BLIND),
         failed=_on(failed_actions.on_action_failed, *_FAIL, S.BACKOFF, S.WAITING_NODES),
-        drain=_on(nodes.on_draining, *_FAIL),
+        drain=_on(nodes.on_draining_running, *_FAIL),
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
@@ -271,10 +273,10 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
     ),
     S.COLLECTING: _row(
         joined=_on(nodes.on_joined),
-        lost=_on(nodes.on_lost_stopping, *_BLIND),
+        lost=_on(nodes.on_lost_collecting, *_BLIND),
         preflight=_on(nodes.on_preflight),
         progress=IGNORE,
-        exited=_on(running.on_exited_stopping),
+        exited=_on(running.on_exited_ending),
         dumps=_on(failure.on_dumps, S.STOPPING),
         stop=_on(stops.on_stop_request_stopping),
         tick=_on(_tick(failure.on_tick_collecting), S.STOPPING),
@@ -344,15 +346,15 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
     # blind: exits are recorded (reconciled later), progress and dumps are not evidence now
     S.CONTROL_PLANE: _row(
         joined=_on(control_plane.on_joined, *_AFTER_CP),
-        lost=_on(nodes.on_lost_idle),
-        preflight=_on(nodes.on_preflight_preparing),
+        lost=_on(nodes.on_lost_unwatched),
+        preflight=_on(nodes.on_preflight_blind),
         progress=IGNORE,
-        exited=_on(running.on_exited_stopping),
+        exited=_on(running.on_exited_ending),
         dumps=IGNORE,
         stop=_on(stops.on_stop_request_blind),
         tick=_on(_tick(control_plane.on_tick), *_AFTER_CP),
         checkpoint=_on(nodes.on_checkpoint),
-        evidence=_on(nodes.on_evidence),
+        evidence=_on(nodes.on_evidence_blind),
         operator_q=_on(nodes.on_operator_quarantine),
         cp_lost=_CP_LOST,
         cp_restored=_on(control_plane.on_restored),
@@ -369,7 +371,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
     **{
         s: _row(
             joined=_on(nodes.on_joined),
-            lost=_on(nodes.on_lost_idle),
+            lost=_on(nodes.on_lost_unwatched),
             preflight=_on(nodes.on_preflight),
             progress=IGNORE,
             exited=IGNORE,
