@@ -27,7 +27,7 @@ from runwarden.eventlog import LogEntry, read_events
 from testbed.etcd_server import EtcdServer, EtcdTls
 from testbed.fleet import Fleet, FleetError, Host, crash
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ETCD_CLIENT_PORT, ETCD_PEER_PORT, ETCD_METRICS_PORT = 2379, 2380, 2381
 AGENT_PORT = 50051
 RDZV_PORT = 29400
