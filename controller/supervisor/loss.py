@@ -1,44 +1,10 @@
-"""The training-loss rules: NaN / loss spike, and divergence after a resume. Pure, like every rule.
-
-Every step's loss of every rank reaches the core (`RankSample.losses`, the agent's `recent_losses`).
-
-* **Anomaly** (`LOSS_ANOMALY`): a non-finite loss, always; or, with `loss_spike_factor` k > 0, a
-  loss above k x the rank's running median (the median of its last `loss_spike_window` finite,
-  non-anomalous losses), once the rank is past `loss_spike_warmup_steps` and its window is full, and
-  only while that median is > 0 (k x a median <= 0 means nothing). Logged once per rule per attempt
-  with the step, rank, node and values. `on_loss_anomaly = "page"` pages; `"stop"` stops the attempt
-  and relaunches from the newest commit *before* the anomaly's step: commits at or after it hold
-  the state that produced it and stop being resume points (older commits stay on disk: the trainer
-  never prunes them, nodeagent/trainer/checkpoint.py). If no commit is older, the relaunch is from scratch.
-  An anomalous loss is kept out of the history and the rank's window (no reference for a replay,
-  not part of the normal), and a rollback forgets the losses from the anomaly's step on.
-* **Divergence** (`DIVERGENCE`): a resumed attempt that replays a (step, rank) an earlier attempt
-  reported is compared with it: relative difference |new - old| / max(|old|, 1e-12), inf when one
-  of the two is non-finite and the other is not the same value. Beyond `divergence_tolerance`
-  (0: off) the first divergence of the attempt is logged with both values and pages, or stops
-  (`on_divergence`), relaunching from the latest commit as any failure does. Every replayed step is
-  summarised in `LOSS_REPLAY` events (one point per step: its worst rank; at most
-  `REPLAY_POINTS_PER_EVENT` points an event; a step's ranks may be split over two events, a reader
-  merges them), which `controllerctl compare-loss` reads offline.
-
-Neither is blamed on a node: the stop is a `DETECTOR_LOSS` failure with no node, so the blame ladder
-finds no suspect (BLAME_METHOD_NONE: goodput's cause is "software", the model or data) and the
-crash-loop rule sees the same label at the same step if the rollback does not help.
-
-Memory: the losses of the last `loss_history_steps` steps (by step number, from the newest seen)
-and at most `MAX_HISTORY_VALUES` (step, rank) values in all, the oldest steps dropped first; plus
-each rank's spike window (`loss_spike_window` values per rank).
-
-Durable: the history is the core's memory, and a new leader (or a rebuilt core) starts without it,
-so a replay after a controller restart would compare nothing. With a tolerance set, every value the
-history takes for a rank below `RECORDED_RANKS` (first seen or replayed) is also logged, in a
-`LOSS_RECORD` event at most `RECORD_EVERY_S` after it came (sooner when `RECORD_MAX_POINTS` are
-waiting, or when the attempt fails or changes); the shell reads them back from the event log's tail
-when it builds a fresh core and hands them over in the `StoreListed` (`LossHistory`), where `restore`
-puts them back, rollbacks and the current attempt's logged rules included. What a restart loses:
-the values not yet logged (the last `RECORD_EVERY_S` at most), ranks from `RECORDED_RANKS` on (a
-replay after a restart is compared on ranks 0-7 only), and the spike windows (they refill; no spike
-check until then).
+"""The training-loss rules: a NaN or spiking loss (`LOSS_ANOMALY`, `_anomaly`) and divergence after
+a resume (`DIVERGENCE`, `_compare`). Pure, like every rule. Every step's loss of every rank reaches
+the core (`RankSample.losses`); `observe` takes one node's and returns the failure to begin, if a
+rule stops the attempt. Neither is blamed on a node: the stop is a `DETECTOR_LOSS` failure with no
+node, so the blame ladder finds no suspect (software: the model or data) and the crash-loop rule
+sees the same label at the same step if the rollback does not help. The history survives a
+controller restart through `LOSS_RECORD` events (`flush_record`, `restore`).
 """
 
 from __future__ import annotations
@@ -156,6 +122,14 @@ def _replayed_all(book: LossBook) -> bool:
 def _compare(
     sv: Run, node: str, rank: int, step: int, value: float, prev: tuple[int, float], tol: float
 ) -> Failure | None:
+    """Divergence: a resumed attempt that replays a (step, rank) an earlier attempt reported is
+    compared with it: relative difference |new - old| / max(|old|, 1e-12), inf when one of the
+    two is non-finite and the other is not the same value. Beyond `divergence_tolerance` (0:
+    off) the first divergence of the attempt is logged with both values and pages, or stops
+    (`on_divergence`), relaunching from the latest commit as any failure does. Every replayed
+    step is summarised in `LOSS_REPLAY` events (one point per step: its worst rank; at most
+    `REPLAY_POINTS_PER_EVENT` points an event; a step's ranks may be split over two events, a
+    reader merges them), which `controllerctl compare-loss` reads offline."""
     book: LossBook = sv.losses
     old_attempt, old = prev
     rel = rel_diff(value, old)
@@ -216,6 +190,17 @@ def _compare(
 def _anomaly(
     sv: Run, node: str, rank: int, step: int, value: float, rule: str, med: float, reported_at: float
 ) -> Failure | None:
+    """An anomaly: a non-finite loss, always; or, with `loss_spike_factor` k > 0, a loss above k x
+    the rank's running median (the median of its last `loss_spike_window` finite, non-anomalous
+    losses), once the rank is past `loss_spike_warmup_steps` and its window is full, and only
+    while that median is > 0 (k x a median <= 0 means nothing). Logged once per rule per attempt
+    with the step, rank, node and values. `on_loss_anomaly = "page"` pages; `"stop"` stops the
+    attempt and relaunches from the newest commit *before* the anomaly's step: commits at or
+    after it hold the state that produced it and stop being resume points (older commits stay on
+    disk: the trainer never prunes them, nodeagent/trainer/checkpoint.py). If no commit is
+    older, the relaunch is from scratch. An anomalous loss is kept out of the history and the
+    rank's window (no reference for a replay, not part of the normal), and a rollback forgets
+    the losses from the anomaly's step on."""
     book: LossBook = sv.losses
     if rule in book.logged:
         return None
@@ -333,7 +318,23 @@ def resume_step(sv: Run) -> int:
 
 def flush_record(sv: Run) -> None:
     """Log the history's values not yet recorded (one LOSS_RECORD event), if any: the durable copy a
-    new leader's core is rebuilt from (`restore`)."""
+    new leader's core is rebuilt from (`restore`).
+
+    Memory: the losses of the last `loss_history_steps` steps (by step number, from the newest
+    seen) and at most `MAX_HISTORY_VALUES` (step, rank) values in all, the oldest steps dropped
+    first; plus each rank's spike window (`loss_spike_window` values per rank).
+
+    Durable: the history is the core's memory, and a new leader (or a rebuilt core) starts
+    without it, so a replay after a controller restart would compare nothing. With a tolerance
+    set, every value the history takes for a rank below `RECORDED_RANKS` (first seen or
+    replayed) is also logged, in a `LOSS_RECORD` event at most `RECORD_EVERY_S` after it came
+    (sooner when `RECORD_MAX_POINTS` are waiting, or when the attempt fails or changes); the
+    shell reads them back from the event log's tail when it builds a fresh core and hands them
+    over in the `StoreListed` (`LossHistory`), where `restore` puts them back, rollbacks and the
+    current attempt's logged rules included. What a restart loses: the values not yet logged
+    (the last `RECORD_EVERY_S` at most), ranks from `RECORDED_RANKS` on (a replay after a
+    restart is compared on ranks 0-7 only), and the spike windows (they refill; no spike check
+    until then)."""
     book: LossBook = sv.losses
     if not book.unrecorded:
         return
