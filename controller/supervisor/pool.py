@@ -10,20 +10,6 @@ Pure bookkeeping (no IO): the core decides *when* to move a node; this module ke
                  (not while a failed burn-in waits for a repair: a new lease, or an operator)
     QUARANTINED | HELD | BURN_IN --operator_release--> BURN_IN
     QUARANTINED | HELD | BURN_IN --strike_off--> SPARE (quarantined for a fault not its own: a crash loop's victim)
-
-* a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
-  passes (a failure restarts the count and waits for a repair: re-registration or an operator);
-* a node quarantined on fatal evidence (`runwarden.evidence.is_fatal`: a GPU off the bus, an
-  uncorrectable ECC error, a row-remap failure, a fatal Xid) is HELD as *needs repair*: a burn-in
-  of a GPU that fell off the bus means nothing until it was reset, reseated or rebooted, so it gets
-  none until an operator (or a repair hook, through the API) marks it repaired; then burn-in;
-* a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
-  an operator releases it (operator release puts it into burn-in, like any quarantined node);
-* spares are picked best reputation first: fewest recent failures (a node that failed recently is
-  the last choice), then golden hosts (clean for `golden_after_s` since first seen or last failure,
-  no straggler flag or preflight rejection) before the merely clean, then the lifetime record
-  (failures, straggler flags, preflight rejections), then name, for determinism. Empty node ranks
-  fill lowest first, so node rank 0 (the rendezvous store's host) gets the best node available.
 """
 
 from __future__ import annotations
@@ -139,7 +125,21 @@ class PoolNode:
 
 
 class Pool:
-    """All nodes the controller knows, by name."""
+    """All nodes the controller knows, by name. Its rules:
+
+    * a quarantined node returns only through burn-in: `burn_in_passes` consecutive full-preflight
+      passes (a failure restarts the count and waits for a repair: re-registration or an operator);
+    * a node quarantined on fatal evidence (`runwarden.evidence.is_fatal`: a GPU off the bus, an
+      uncorrectable ECC error, a row-remap failure, a fatal Xid) is HELD as *needs repair*: a burn-in
+      of a GPU that fell off the bus means nothing until it was reset, reseated or rebooted, so it gets
+      none until an operator (or a repair hook, through the API) marks it repaired; then burn-in;
+    * a node with `hold_after_failures` failures within `hold_window_s` is HELD: no burn-in, out until
+      an operator releases it (operator release puts it into burn-in, like any quarantined node);
+    * spares are picked best reputation first: fewest recent failures (a node that failed recently is
+      the last choice), then golden hosts (clean for `golden_after_s` since first seen or last failure,
+      no straggler flag or preflight rejection) before the merely clean, then the lifetime record
+      (failures, straggler flags, preflight rejections), then name, for determinism. Empty node ranks
+      fill lowest first, so node rank 0 (the rendezvous store's host) gets the best node available."""
 
     def __init__(self, cfg: SupervisorConfig) -> None:
         self._cfg = cfg

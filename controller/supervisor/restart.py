@@ -1,29 +1,9 @@
 """Whether and when to relaunch after a failure: a pure decision that carries its reason.
 
-torchft's habit: the decision returns the sentence the event log records, and tests assert on it.
-`RestartHistory` is the little state the rules need (kept by the core across attempts, and in the
-store as the run's `SupervisorMemory`, so a new leader continues it); the functions read it and
-return a frozen decision; only `record` changes it after a stop.
-
-* The same failure `crash_loop_count` times while the run never got past its step -> `CrashLoop`,
-  **whoever was blamed**: a software or data bug at one step rotates its victim (the rank that reads
-  the bad shard changes with the attempt), so a suspect the flight recorder named and the core
-  quarantined does not make the failure the node's. "The same failure": the same label at the same
-  step (`Signature.matches` says how close), each compared with the candidate's first. Other
-  failures in between (a hardware fault before the step, a planned stop, a control-plane blip) do
-  not reset a candidate; the run getting past its step does (a later failure, a later commit).
-  A failure blamed on evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is no
-  candidate. The nodes quarantined for a candidate's failures are its `suspects`, released by the
-  verdict without their strike (failure.py).
-* More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
-* Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
-  A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
-  run) or it is the same kind of failure as the one before; k counts the storm's failures in a row
-  (`backoff_base_s` x 2^(k-1), at most `backoff_max_s`; an attempt that ran `backoff_reset_s` ends
-  the storm). A first failure of its kind whose suspect was quarantined and replaced waits for
-  nothing: the node that failed is out, so there is nothing to wait for, and unrelated faults on
-  different nodes do not tax each other. Planned stops and control-plane faults consume neither
-  the budget nor the crash-loop count (`Relaunch(delay=0)`).
+`restart_decision` returns a frozen `Relaunch`, `CrashLoop` or `BudgetExhausted` whose reason is the
+sentence the event log records (torchft's habit: tests assert on it). `RestartHistory` is the little
+state the rules need, kept by the core across attempts and in the store as the run's
+`SupervisorMemory` (a new leader continues it); only `record` changes it after a stop.
 """
 
 from __future__ import annotations
@@ -121,7 +101,28 @@ def restart_decision(
     control_plane: bool,
     attempt_ran_s: float,
 ) -> RestartDecision:
-    """The decision for a stopped attempt; `record(...)` must follow it."""
+    """The decision for a stopped attempt; `record(...)` must follow it.
+
+    * The same failure `crash_loop_count` times while the run never got past its step -> `CrashLoop`,
+      **whoever was blamed**: a software or data bug at one step rotates its victim (the rank that reads
+      the bad shard changes with the attempt), so a suspect the flight recorder named and the core
+      quarantined does not make the failure the node's. "The same failure": the same label at the same
+      step (`Signature.matches` says how close), each compared with the candidate's first. Other
+      failures in between (a hardware fault before the step, a planned stop, a control-plane blip) do
+      not reset a candidate; the run getting past its step does (a later failure, a later commit).
+      A failure blamed on evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is no
+      candidate. The nodes quarantined for a candidate's failures are its `suspects`, released by the
+      verdict without their strike (failure.py).
+    * More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
+    * Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
+      A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
+      run) or it is the same kind of failure as the one before; k counts the storm's failures in a row
+      (`backoff_base_s` x 2^(k-1), at most `backoff_max_s`; an attempt that ran `backoff_reset_s` ends
+      the storm). A first failure of its kind whose suspect was quarantined and replaced waits for
+      nothing: the node that failed is out, so there is nothing to wait for, and unrelated faults on
+      different nodes do not tax each other. Planned stops and control-plane faults consume neither
+      the budget nor the crash-loop count (`Relaunch(delay=0)`).
+    """
     label, step = signature.label, signature.step
     if planned or control_plane:
         what = "planned stop" if planned else "control-plane fault"
