@@ -55,12 +55,22 @@ def test_eight_ranks_at_high_rate_one_etcd_write_per_interval(etcd, store, agent
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0 and "flushed" in out
     reports_done = time.monotonic()
-    time.sleep(1.5)  # one more interval for the last reports to be written
+
+    def final_written() -> store_pb2.NodeProgress | None:
+        """The write that holds every rank's last report, once the watch has seen it too."""
+        kv = store.get(key)
+        if kv is None:
+            return None
+        value = store_pb2.NodeProgress.FromString(kv.value)
+        with lock:
+            seen = any(rev == kv.mod_revision for _, rev in puts)
+        return value if seen and [r.step for r in value.ranks] == [1000 + r for r in range(RANKS)] else None
+
+    value = wait_for(final_written, 30, "the last reports' write")
     window = time.monotonic() - t0
     watch.cancel()
 
     # Values: one NodeProgress with all 8 ranks at their final step, the pids of the rank processes.
-    value = store_pb2.NodeProgress.FromString(store.get(key).value)
     assert value.node == "n1" and value.run == "r1" and value.attempt == 3
     assert [r.rank for r in value.ranks] == list(range(RANKS))
     assert [r.step for r in value.ranks] == [1000 + r for r in range(RANKS)]

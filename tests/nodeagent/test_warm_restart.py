@@ -36,15 +36,18 @@ names = ("torch._dynamo", "json.tool", "tabnanny")
 with open({out!r}, "w") as f:
     json.dump({{m: m in sys.modules for m in names}}, f)
 """
+# The scripts below say they run (their argv[1] appears) once they are where the test needs them.
 DEAF = """
-import signal, time
+import signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "w").close()
 while True:
     time.sleep(3600)
 """
 XID79 = "[ 1234.5] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
 STUBBORN = """
-import time
+import sys, time
+open(sys.argv[1], "w").close()
 while True:
     try:
         time.sleep(3600)
@@ -135,7 +138,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         # A hang on k1 (SIGSTOP): the stop asks both to park. k0 leaves its collective (the socket
         # abort) and parks; k1's stopped rank cannot, so its group is killed at once (no waiting).
         os.kill(fresh, signal.SIGSTOP)
-        time.sleep(0.5)
+        wait_for(lambda: proctree.read_proc(fresh).state == "T", 10, "k1's rank stopped")
         out: dict = {}
         threads = [threading.Thread(target=_stop, args=(a, 2, 2.0, out, 5.0)) for a in agents]
         for t in threads:
@@ -208,8 +211,9 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         _ended(k0, 5, 30)  # its peer left: k0's rank leaves the failed collective by itself
         stubborn = tmp_path / "stubborn.py"
         stubborn.write_text(STUBBORN)
-        _launch([k0], port, 6, [str(stubborn)], nnodes=1)
-        time.sleep(1.0)
+        running = tmp_path / "stubborn-6"
+        _launch([k0], port, 6, [str(stubborn), str(running)], nnodes=1)
+        wait_for(running.exists, 30, "attempt 6's script")
         _stop(k0, 6, 2.5, out)
         (s0,), t0 = out["k0"][0].stopped, out["k0"][1]
         assert not s0.parked and t0 >= 2.5, (s0, t0)
@@ -218,7 +222,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         assert "(most recent call first)" in k0.log() and 'stubborn.py", line' in k0.log(), k0.log()[-3000:]
         wait_for(lambda: (p := parked_ranks(k0)) and kept not in p, 60, "k0's next group")
         # the next launch comes from a fresh group, and its detail says why this healthy host has one
-        (reply,) = _launch([k0], port, 7, [str(stubborn)], nnodes=1)
+        (reply,) = _launch([k0], port, 7, [str(stubborn), str(tmp_path / "stubborn-7")], nnodes=1)
         assert reply.launch_path == "warm", reply.launch_detail
         assert "(fresh: the ranks of attempt 6 did not leave their collectives within 2.5 s" in (
             reply.launch_detail
@@ -242,8 +246,9 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         # stop KILLs its ranks at once, even one that ignores TERM, instead of a TERM and a grace.
         deaf = tmp_path / "deaf.py"
         deaf.write_text(DEAF)
-        _launch([k0], port, 9, [str(deaf)], nnodes=1)
-        time.sleep(1.0)
+        deaf_running = tmp_path / "deaf-9"
+        _launch([k0], port, 9, [str(deaf), str(deaf_running)], nnodes=1)
+        wait_for(deaf_running.exists, 30, "attempt 9's script, TERM ignored")
         k0.stub.InjectFault(agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_XID, line=XID79))
         wait_for(lambda: _status(k0).state == common_pb2.NODE_STATE_UNHEALTHY, 10, "k0 unhealthy")
         t0 = time.monotonic()
