@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 from bench.bench_faults import phases  # noqa: E402
 from examples.cluster import ClusterSpec, LocalCluster, kill_strays  # noqa: E402
 from examples.demo import FAULTS, Injection, current_nodes, inject, last_seq  # noqa: E402
+from runwarden.eventlog import LogEntry  # noqa: E402
 from runwarden.v1 import events_pb2  # noqa: E402
 from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
 from testbed.fleet_cluster import (  # noqa: E402
@@ -92,10 +93,10 @@ class Bench(Protocol):
     def stop(self) -> None: ...
     def lose_node(self, node: str) -> None: ...
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]: ...
-    def events(self) -> list[events_pb2.Event]: ...
+    def events(self) -> list[LogEntry]: ...
     def wait_for_event(
         self, kind: int, after_seq: int, timeout_s: float, pred: Any = None
-    ) -> events_pb2.Event | None: ...
+    ) -> LogEntry | None: ...
 
 
 # -- agents: the static fleet -----------------------------------------------------------------------
@@ -310,7 +311,7 @@ def time_limit_stop(run: SlurmRun, timeout_s: float) -> dict[str, Any] | None:
     jobs = run.time_limit()
     print(f"  [slurm] scancel --signal=USR1 {' '.join(jobs)}", flush=True)
 
-    def planned_exit(e: events_pb2.Event) -> bool:
+    def planned_exit(e: LogEntry) -> bool:
         return e.exit.classification == "planned_stop"
 
     end = run.wait_for_event(E.EVENT_KIND_EXIT, mark, timeout_s, pred=planned_exit)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.cluster import ClusterSpec, LocalCluster
 from examples.demo import FAULTS, Injection, run_faults
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 from testbed.fleet import Fleet, default_prefix
 from testbed.fleet_cluster import FleetCluster
@@ -46,7 +47,7 @@ E = events_pb2
 PHASES = ("detect", "attribute", "replace", "preflight", "launch", "load", "first_step")
 
 
-def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict[str, float] | None:
+def phases(events: list[LogEntry], inj: Injection, end_seq: int) -> dict[str, float] | None:
     window = [e for e in events if inj.after_seq < e.seq <= end_seq]
     launch = next((e for e in window if e.kind == E.EVENT_KIND_LAUNCH), None)
     detect = next((e for e in window if e.kind == E.EVENT_KIND_DETECTION), None)
@@ -57,7 +58,7 @@ def phases(events: list[events_pb2.Event], inj: Injection, end_seq: int) -> dict
         return None
     before = [e for e in window if e.seq < launch.seq]
 
-    def last(*kinds: int) -> events_pb2.Event | None:
+    def last(*kinds: int) -> LogEntry | None:
         return next((e for e in reversed(before) if e.kind in kinds), None)
 
     marks: list[tuple[str, float | None]] = [

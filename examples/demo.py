@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controller.goodput.report import GoodputReport, compute_goodput
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 
 FAULTS = ("crash", "hang", "node-lost", "straggler", "xid")
 E = events_pb2
 
 
-def describe(ev: events_pb2.Event, t0: float) -> str | None:
+def describe(ev: LogEntry, t0: float) -> str | None:
     """One readable line per event worth showing."""
     at = f"[{ev.ts - t0:6.1f}s]"
     kind = E.EventKind.Name(ev.kind).removeprefix("EVENT_KIND_").lower()
@@ -181,12 +181,12 @@ class Recovery:
     """What the controller did about one injected fault, read back from the event log."""
 
     injection: Injection
-    detection: events_pb2.Event | None
-    attribution: events_pb2.Event | None
+    detection: LogEntry | None
+    attribution: LogEntry | None
     quarantined: bool
     spare: str
-    launch: events_pb2.Event | None
-    first_step: events_pb2.Event | None
+    launch: LogEntry | None
+    first_step: LogEntry | None
 
     @property
     def detect_s(self) -> float:
@@ -197,13 +197,13 @@ class Recovery:
         return self.first_step.ts - self.injection.at if self.first_step else float("nan")
 
 
-def recoveries(events: list[events_pb2.Event], injections: list[Injection]) -> list[Recovery]:
+def recoveries(events: list[LogEntry], injections: list[Injection]) -> list[Recovery]:
     out = []
     bounds = [i.after_seq for i in injections[1:]] + [10**12]
     for inj, end in zip(injections, bounds, strict=True):
         window = [e for e in events if inj.after_seq < e.seq <= end]
 
-        def first(kind: int, window: list[events_pb2.Event] = window) -> events_pb2.Event | None:
+        def first(kind: int, window: list[LogEntry] = window) -> LogEntry | None:
             return next((e for e in window if e.kind == kind), None)
 
         spare = first(E.EVENT_KIND_SPARE_TAKEN)

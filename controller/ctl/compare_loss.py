@@ -18,7 +18,7 @@ from typing import Any
 
 from controller.ctl.client import CtlError, ExitCode
 from controller.ctl.format import Cell, print_json, table
-from runwarden.eventlog import read_events
+from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import controller_pb2, events_pb2
 
 E = events_pb2
@@ -59,7 +59,7 @@ class AttemptComparison:
         return self.divergence is not None or (self.tolerance > 0 and self.max_rel_diff > self.tolerance)
 
 
-def compare(events: list[events_pb2.Event], run: str) -> list[AttemptComparison]:
+def compare(events: list[LogEntry], run: str) -> list[AttemptComparison]:
     """The run's resumed attempts, oldest first, from its LOSS_REPLAY and DIVERGENCE events."""
     by_attempt: dict[int, AttemptComparison] = {}
     for ev in events:
@@ -170,7 +170,7 @@ def render(run: str, comparisons: list[AttemptComparison], paint: Any) -> str:
     return "\n".join(out).rstrip()
 
 
-def _offline(path: str) -> list[events_pb2.Event]:
+def _offline(path: str) -> list[LogEntry]:
     p = Path(path)
     if not p.is_file():
         raise CtlError(f"no event-log file {path}", ExitCode.USAGE)

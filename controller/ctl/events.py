@@ -14,6 +14,7 @@ import grpc
 from controller.ctl.args import client_of, since_arg
 from controller.ctl.client import Client, CtlError, ExitCode, rpc_error
 from controller.ctl.format import Cell, ago, enum_label, message_to_json, print_json, step_label, table
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import controller_pb2, events_pb2
 
 _KIND_COLOUR = {
@@ -63,7 +64,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def event_row(ev: events_pb2.Event, now: float) -> list[Cell]:
+def event_row(ev: LogEntry, now: float) -> list[Cell]:
     kind = enum_label(events_pb2.EventKind.Name(ev.kind), "EVENT_KIND_")
     return [
         ago(ev.ts, now),
@@ -76,7 +77,7 @@ def event_row(ev: events_pb2.Event, now: float) -> list[Cell]:
     ]
 
 
-def _detail_summary(ev: events_pb2.Event) -> str:
+def _detail_summary(ev: LogEntry) -> str:
     which = ev.WhichOneof("detail")
     if which is None:
         return ""
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     return follow(client, args, last_seq)
 
 
-def print_json_line(ev: events_pb2.Event) -> None:
+def print_json_line(ev: LogEntry) -> None:
     print(json.dumps(message_to_json(ev), sort_keys=True), flush=True)
 
 
@@ -158,7 +159,7 @@ def follow(client: Client, args: argparse.Namespace, after_seq: int, *, max_outa
             time.sleep(1.0)
 
 
-def _stream(client: Client, args: argparse.Namespace, after_seq: int) -> Iterator[events_pb2.Event]:
+def _stream(client: Client, args: argparse.Namespace, after_seq: int) -> Iterator[LogEntry]:
     request = controller_pb2.WatchEventsRequest(run=args.run, kinds=args.kind, after_seq=after_seq)
     for resp in client.stub.WatchEvents(request):
         yield resp.event

@@ -11,8 +11,8 @@ from controller.ctl.args import since_arg
 from controller.ctl.client import CtlError, ExitCode
 from controller.ctl.format import Cell, Painter, print_json, table
 from controller.goodput.report import compute_goodput, normalise_by, shape_report
-from runwarden.eventlog import read_events
-from runwarden.v1 import controller_pb2, events_pb2
+from runwarden.eventlog import LogEntry, read_events
+from runwarden.v1 import controller_pb2
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def _offline_events(path: str) -> list[events_pb2.Event]:
+def _offline_events(path: str) -> list[LogEntry]:
     p = Path(path)
     if not p.is_file():
         raise CtlError(f"no event-log file {path}", ExitCode.USAGE)
@@ -60,7 +60,7 @@ def _offline_events(path: str) -> list[events_pb2.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    events: list[events_pb2.Event] | None = None
+    events: list[LogEntry] | None = None
     by = normalise_by(args.by or ())  # argparse's choices already refused anything else
     if args.log:
         events = _offline_events(args.log)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draw(events: list[events_pb2.Event], args: argparse.Namespace, *, weekly: bool) -> None:
+def _draw(events: list[LogEntry], args: argparse.Namespace, *, weekly: bool) -> None:
     from controller.goodput.chart import ChartError, render_png, render_weekly_png
 
     draw = render_weekly_png if weekly else render_png

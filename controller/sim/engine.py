@@ -59,6 +59,7 @@ from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import NodeRecordView, PoolState
 from controller.supervisor.states import TransitionError
 from controller.supervisor.timers import Timers
+from runwarden.eventlog import LogEntry
 from runwarden.v1 import common_pb2, events_pb2
 
 E = events_pb2
@@ -128,7 +129,7 @@ class FixedStepBug:
 class SimResult:
     policy: str
     seed: int
-    events: list[events_pb2.Event]
+    events: list[LogEntry]
     interruptions: list[Interruption]
     start_ts: float
     end_ts: float
@@ -196,7 +197,7 @@ class World:
         self.heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.seq = 0
         self.now = 0.0
-        self.events: list[events_pb2.Event] = []
+        self.events: list[LogEntry] = []
         self.nodes: dict[str, SimNode] = {}
         self.queue_serial = 0
         self.handle_calls = 0
@@ -259,7 +260,7 @@ class World:
         for act in batch.actions:
             self.execute(act)
 
-    def log(self, ev: events_pb2.Event) -> None:
+    def log(self, ev: LogEntry) -> None:
         ev.seq = len(self.events) + 1
         self.events.append(ev)
 
