@@ -5,13 +5,11 @@ relaunch resumes from the previous committed step."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from nodeagent.trainer.checkpoint import latest_committed, read_commit, step_dir
 
-from .helpers import E, assert_log_whole, last_seq, names, since, tail
+from .helpers import E, assert_log_whole, last_seq, names, since, tail, wait_commit_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -19,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_failed_save_writes_no_marker_and_the_run_resumes_from_the_previous_commit(make_cluster) -> None:
     cluster = make_cluster(active=2, spares=1, ckpt_every=5)
     assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, tail(cluster)
-    time.sleep(1)
+    assert wait_commit_after(cluster, 0.0, 60) is not None, tail(cluster)  # the first commit
     latest = latest_committed(cluster.ckpt_dir)
     assert latest is not None
     doomed = (latest.step // 5 + 12) * 5  # a save a few seconds ahead
