@@ -33,7 +33,7 @@ def on_lost_etcd(sv: Run, ev: ControlPlaneLost) -> None:
 
 
 def on_restored(sv: Run, ev: ControlPlaneRestored) -> None:
-    sv.cp_etcd_lost = False
+    sv.blind.etcd_lost = False
     sv.deadline = sv.now + sv.cfg.control_plane_grace_s
     sv.log(E.EVENT_KIND_CONTROL_PLANE, "etcd reachable again: reconciling from a fresh listing")
     sv.emit(SetTimer(key="control_plane", at=sv.deadline))
@@ -42,18 +42,18 @@ def on_restored(sv: Run, ev: ControlPlaneRestored) -> None:
 def on_joined(sv: Run, ev: NodeJoined) -> None:
     """CONTROL_PLANE: a node back; when every node of the attempt is, the pause ends."""
     nodes.on_joined(sv, ev)
-    if not sv.cp_etcd_lost and all(sv.pool.nodes[n].alive for n in sv.cur.node_step):
+    if not sv.blind.etcd_lost and all(sv.pool.nodes[n].alive for n in sv.cur.node_step):
         resolve(sv)
 
 
 def on_tick(sv: Run) -> None:
-    if not sv.cp_etcd_lost and sv.now >= sv.deadline:
+    if not sv.blind.etcd_lost and sv.now >= sv.deadline:
         resolve(sv)
 
 
 def resolve(sv: Run) -> None:
     """Leave CONTROL_PLANE: keep a healthy attempt running; otherwise go on without quarantine."""
-    prev = sv.cp_prev
+    prev = sv.blind.paused
     a = sv.cur
     missing = sorted(n for n in a.node_step if not sv.pool.nodes[n].alive)
     f = sv.failure
@@ -162,7 +162,7 @@ def on_store_listed(sv: Run, snap: StoreListed) -> None:
         + remembered,
     )
     if sv.state is RunState.CONTROL_PLANE:
-        sv.cp_etcd_lost = False
+        sv.blind.etcd_lost = False
         resolve(sv)
     elif fresh and snap.attempt > 0 and snap.attempt_nodes:
         _adopt(sv, snap)

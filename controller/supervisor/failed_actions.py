@@ -159,11 +159,11 @@ def _queue_refused(sv: Run, ev: ActionFailed, what: str) -> None:
     """Any state: the queue refused an ask: asked again after a backoff, if a slot still needs a node."""
     act = ev.action
     assert isinstance(act, AllocateFromQueue)
-    sv.queue_outstanding = max(0, sv.queue_outstanding - act.count)
-    sv.queue_refusals += 1
-    delay = min(QUEUE_RETRY_MAX_S, QUEUE_RETRY_BASE_S * 2 ** (sv.queue_refusals - 1))
-    sv.queue_retry_at = sv.now + delay
-    sv.emit(SetTimer(key="queue_retry", at=sv.queue_retry_at))
+    sv.queue.outstanding = max(0, sv.queue.outstanding - act.count)
+    sv.queue.refusals += 1
+    delay = min(QUEUE_RETRY_MAX_S, QUEUE_RETRY_BASE_S * 2 ** (sv.queue.refusals - 1))
+    sv.queue.retry_at = sv.now + delay
+    sv.emit(SetTimer(key="queue_retry", at=sv.queue.retry_at))
     sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; asking again in {delay:g}s if a slot still needs a node")
 
 

@@ -48,10 +48,10 @@ def on_joined(sv: Run, ev: NodeJoined) -> None:
     node = sv.pool.set_alive(ev.node, True, ev.local_ranks, now=sv.now)
     if first_seen:
         sv.persist(ev.node)  # its known history starts now, across controller restarts
-    if sv.queue_outstanding > 0 and node.state is PoolState.SPARE:
-        sv.queue_outstanding -= 1
-        sv.queue_refusals = 0
-        sv.from_queue.add(ev.node)
+    if sv.queue.outstanding > 0 and node.state is PoolState.SPARE:
+        sv.queue.outstanding -= 1
+        sv.queue.refusals = 0
+        sv.queue.nodes.add(ev.node)
     sv.log(
         E.EVENT_KIND_NODE_JOINED,
         f"node {ev.node} joined ({ev.local_ranks} ranks), pool state {node.state.label}",
@@ -397,7 +397,7 @@ def on_preflight_blind(sv: Run, ev: PreflightResult) -> None:
     after the pause)."""
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
-    elif ev.node in sv.pending_preflight and sv.cp_prev is RunState.PREFLIGHT:
+    elif ev.node in sv.pending_preflight and sv.blind.paused is RunState.PREFLIGHT:
         prepare.on_attempt_preflight(sv, ev)
 
 

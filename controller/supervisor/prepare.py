@@ -60,7 +60,7 @@ def try_start(sv: Run) -> None:
                 sv.emit(SetTimer(key="waiting", at=sv.now + sv.cfg.waiting_page_s))
         if sv.attempt == 0 and sv.now < sv.waiting_since + sv.cfg.queue_wait_s:
             return
-        ask = need - free - sv.queue_outstanding
+        ask = need - free - sv.queue.outstanding
         if ask > 0:
             _ask_queue(sv, ask, f"need {need} nodes, {free} usable spares: asking the queue for {ask}")
         return
@@ -83,9 +83,9 @@ def try_start(sv: Run) -> None:
 
 
 def _ask_queue(sv: Run, count: int, reason: str) -> None:
-    if sv.now < sv.queue_retry_at:
+    if sv.now < sv.queue.retry_at:
         return  # the queue refused the last ask: asked again at the retry timer, not at every event
-    sv.queue_outstanding += count
+    sv.queue.outstanding += count
     sv.log(E.EVENT_KIND_ALLOCATE, reason)
     sv.emit(AllocateFromQueue(count=count, reason=reason))
 
@@ -102,17 +102,17 @@ def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
         new.append(n)
         replaces = sv.vacated.get(rank, "")
         if replaces:
-            source = "queue" if n in sv.from_queue else "spare"
+            source = "queue" if n in sv.queue.nodes else "spare"
             sv.log(
                 E.EVENT_KIND_SPARE_TAKEN,
                 f"{n} ({source}, {sv.pool.record_note(n, sv.now)}) replaces {replaces} as node rank {rank}",
                 spare=E.SpareDetail(node=n, replaces=replaces, source=source),
             )
             sv.emit(TakeSpare(node=n, replaces=replaces))
-        sv.from_queue.discard(n)
+        sv.queue.nodes.discard(n)
     still_empty = len(empty) - len(picked)
-    if still_empty > sv.queue_outstanding:
-        ask = still_empty - sv.queue_outstanding
+    if still_empty > sv.queue.outstanding:
+        ask = still_empty - sv.queue.outstanding
         _ask_queue(sv, ask, f"no spare left for {still_empty} node ranks: asking the queue for {ask}")
     if new:
         sv.pending_preflight.update(new)
@@ -220,7 +220,7 @@ def leave_out(sv: Run, node: str, reason: str) -> None:
 def on_tick(sv: Run) -> None:
     """PREFLIGHT: requests that never left are sent again; a node that did not answer within the
     preflight timeout is rejected."""
-    if sv.empty_slots > sv.queue_outstanding and sv.queue_retry_at and sv.now >= sv.queue_retry_at:
+    if sv.empty_slots > sv.queue.outstanding and sv.queue.retry_at and sv.now >= sv.queue.retry_at:
         fill_slots(sv)  # the queue refused an earlier ask: ask again (after its backoff)
     resend = sorted(n for n in sv.preflight_resend if n in sv.pending_preflight)
     sv.preflight_resend.clear()
@@ -385,7 +385,7 @@ def on_tick_waiting(sv: Run) -> None:
         return
     sv.waiting_paged = True
     missing = max(0, sv.plan.nodes - sv.pool.free_count())
-    asked = f"; {sv.queue_outstanding} asked of the queue" if sv.queue_outstanding else "; no queue to ask"
+    asked = f"; {sv.queue.outstanding} asked of the queue" if sv.queue.outstanding else "; no queue to ask"
     sv.page(
         f"waiting for {missing} node{'s' if missing != 1 else ''} for {waited / 60:.0f} min "
         f"(need {sv.plan.nodes}, {sv.pool.free_count()} usable{asked})"

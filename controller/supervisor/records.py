@@ -1,11 +1,13 @@
-"""The run's data as small records, below the rules that change them: a burn-in soak in flight and
-the loss book. Plain data with no rules beyond their own bookkeeping; the rule modules (soak.py,
-loss.py) read and change them through `Run`."""
+"""The run's data as small records, below the rules that change them: a burn-in soak in flight, the
+loss book, the ask of the queue, a control-plane pause. Plain data with no rules beyond their own
+bookkeeping; the rule modules read and change them through `Run`."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from controller.supervisor.states import RunState
 
 MAX_HISTORY_VALUES = 1 << 20  # (step, rank) losses kept for the replay comparison, at most
 
@@ -70,3 +72,23 @@ class LossBook:
             if s > low and self.values <= MAX_HISTORY_VALUES:
                 break
             self.values -= len(self.history.pop(s))
+
+
+@dataclass(slots=True)
+class QueueAsk:
+    """Asking the queue for nodes: nodes asked for and not come yet, asks refused in a row (the
+    backoff: 5 s doubling to 5 min), when to ask again, and the nodes the queue gave."""
+
+    outstanding: int = 0
+    refusals: int = 0
+    retry_at: float = 0.0
+    nodes: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Blind:
+    """A control-plane pause: the state it paused (resolved back from it) and whether etcd itself
+    was lost (then nothing resolves the pause before a `ControlPlaneRestored`)."""
+
+    paused: RunState = RunState.WAITING_NODES
+    etcd_lost: bool = False

@@ -16,7 +16,7 @@ from controller.supervisor.effects import Effects
 from controller.supervisor.events import Event, StopRequested
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import OUT_OF_SERVICE, Pool
-from controller.supervisor.records import LossBook, Soak
+from controller.supervisor.records import Blind, LossBook, QueueAsk, Soak
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, TERMINAL, RunState
 
@@ -56,11 +56,7 @@ class Run(Effects):
         self.gate_deadline = 0.0
         self.waiting_since: float | None = None
         self.waiting_paged = False  # this wait for nodes has paged (once per wait)
-        # asking the queue for nodes
-        self.queue_outstanding = 0
-        self.queue_refusals = 0  # asks of the queue refused in a row (backoff: 5 s doubling to 5 min)
-        self.queue_retry_at = 0.0
-        self.from_queue: set[str] = set()
+        self.queue = QueueAsk()  # asking the queue for nodes
         # burn-ins
         self.burn_in: set[str] = set()
         self.soaks: dict[str, Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
@@ -81,8 +77,7 @@ class Run(Effects):
         self.deadline = 0.0  # COLLECTING / STOPPING / BACKOFF / CONTROL_PLANE deadline
         self.end_after_stop = False
         self.pending_stop: StopRequested | None = None
-        self.cp_prev = RunState.WAITING_NODES
-        self.cp_etcd_lost = False
+        self.blind = Blind()  # what a control-plane pause paused
 
     @property
     def current_nodes(self) -> tuple[str, ...]:

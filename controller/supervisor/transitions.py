@@ -88,10 +88,10 @@ def become_blind(sv: Run, *, etcd_lost: bool, reason: str) -> None:
     """Any live state -> CONTROL_PLANE: blind until the store is listed again (remembering the
     state it left); nothing is quarantined meanwhile. Already blind: only etcd's loss is noted."""
     if sv.state is RunState.CONTROL_PLANE:
-        sv.cp_etcd_lost = sv.cp_etcd_lost or etcd_lost
+        sv.blind.etcd_lost = sv.blind.etcd_lost or etcd_lost
         return
-    sv.cp_prev = sv.state
-    sv.cp_etcd_lost = etcd_lost
+    sv.blind.paused = sv.state
+    sv.blind.etcd_lost = etcd_lost
     if sv.failure is not None:
         sv.failure.control_plane = True
     _enter(sv, RunState.CONTROL_PLANE)
