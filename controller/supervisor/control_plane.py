@@ -108,7 +108,7 @@ def resolve(sv: Run) -> None:
             failure.decide(sv)
     elif prev is RunState.PREFLIGHT:
         transitions.resume_preflight(sv)
-        for n in [n for n in sv.slots if n is not None and not sv.pool.get(n).alive]:
+        for n in [n for n in sv.preparing.slots if n is not None and not sv.pool.get(n).alive]:
             prepare.drop_from_slots(sv, n, "lost during the control-plane fault")
         prepare.maybe_launch(sv)
     else:
@@ -189,15 +189,15 @@ def _adopt(sv: Run, snap: StoreListed) -> None:
     if sv.decided_attempt >= sv.attempt:
         # The previous leader stopped this attempt and decided its end (its memory says so), then
         # died before the relaunch: relaunch, without handling the same failure twice.
-        sv.prev_slots = list(attempt_nodes)
+        sv.preparing.prev_slots = list(attempt_nodes)
         sv.log(
             E.EVENT_KIND_CONTROL_PLANE,
             f"reconcile: attempt {sv.attempt} ended and its failure was decided by the previous leader; "
             "relaunching",
         )
         return
-    sv.prev_slots = list(attempt_nodes)
-    sv.slots = list(attempt_nodes)
+    sv.preparing.prev_slots = list(attempt_nodes)
+    sv.preparing.slots = list(attempt_nodes)
     sv.cur = Attempt.adopted(
         sv.attempt,
         attempt_nodes,

@@ -89,18 +89,18 @@ def _preflight_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:
         _preflight_failed(sv, ev, what)
     elif not ev.node:
         # the request never left (the log append failed): not the nodes' fault; ask again shortly
-        again = sorted(n for n in act.nodes if n in sv.pending_preflight)
+        again = sorted(n for n in act.nodes if n in sv.preparing.pending_preflight)
         if again:
-            sv.preflight_resend.update(again)
-            sv.preflight_deadline = sv.now + sv.backoff_s() + sv.cfg.preflight_timeout_s
+            sv.preparing.preflight_resend.update(again)
+            sv.preparing.preflight_deadline = sv.now + sv.backoff_s() + sv.cfg.preflight_timeout_s
             sv.emit(SetTimer(key="preflight", at=sv.now + sv.backoff_s()))
             sv.log(
                 E.EVENT_KIND_CONTROL_PLANE,
                 f"{what}; asking {', '.join(again)} again in {sv.backoff_s():g}s",
             )
-    elif ev.node in sv.pending_preflight:
+    elif ev.node in sv.preparing.pending_preflight:
         if ev.temporary:
-            sv.unreachable.add(ev.node)
+            sv.preparing.unreachable.add(ev.node)
             prepare.drop_from_slots(
                 sv,
                 ev.node,
@@ -128,7 +128,7 @@ def _bandwidth_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:
     """PREFLIGHT: a burn-in soak's, or the bandwidth gate's for the node set in play."""
     act = ev.action
     assert isinstance(act, MeasureBandwidth)
-    if act.purpose != "burn_in" and act.nodes == sv.gate_pending:
+    if act.purpose != "burn_in" and act.nodes == sv.preparing.gate_pending:
         prepare.gate_unanswered(sv, what)
     else:
         _bandwidth_failed(sv, ev, what)

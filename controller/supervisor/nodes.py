@@ -67,7 +67,7 @@ def on_joined(sv: Run, ev: NodeJoined) -> None:
             )
             sv.pool.start_burn_in(ev.node, repaired=True)
         sv.begin_burn_in(ev.node)
-    elif not sv.in_attempt(ev.node) and ev.node not in sv.slots:
+    elif not sv.in_attempt(ev.node) and ev.node not in sv.preparing.slots:
         sv.pool.unassign(ev.node)
 
 
@@ -113,7 +113,7 @@ def on_lost(sv: Run, ev: NodeLost, *, watching: bool = True) -> bool:
 
 
 def _lost_tail(sv: Run, node: str) -> None:
-    if not sv.in_attempt(node) and node not in sv.slots:
+    if not sv.in_attempt(node) and node not in sv.preparing.slots:
         sv.pool.unassign(node)
 
 
@@ -132,7 +132,7 @@ def on_lost_unwatched(sv: Run, ev: NodeLost) -> None:
 def on_lost_preflight(sv: Run, ev: NodeLost) -> None:
     if on_lost(sv, ev):
         return
-    if ev.node in sv.slots:
+    if ev.node in sv.preparing.slots:
         prepare.drop_from_slots(sv, ev.node, f"node {ev.node} lost during preflight")
     _lost_tail(sv, ev.node)
 
@@ -217,7 +217,7 @@ def on_evidence_preflight(sv: Run, ev: EvidenceObserved) -> None:
     if (
         (fatal := _fatal(sv, ev)) is not None
         and _note(sv, ev.evidence, *fatal)
-        and ev.evidence.node in sv.slots
+        and ev.evidence.node in sv.preparing.slots
     ):
         prepare.drop_from_slots(sv, ev.evidence.node, fatal[0], logged=True)
 
@@ -274,10 +274,12 @@ def _note(
     if sv.in_attempt(e.node) or (paused_attempt and e.node in sv.cur.node_step):
         return False  # blamed by hardware evidence when the attempt's failure is decided
     state = sv.pool.get(e.node).state
-    if state in (PoolState.SPARE, PoolState.BURN_IN) or (state is PoolState.ASSIGNED and e.node in sv.slots):
+    if state in (PoolState.SPARE, PoolState.BURN_IN) or (
+        state is PoolState.ASSIGNED and e.node in sv.preparing.slots
+    ):
         sv.forget_burn_in(e.node)  # quarantined again: its soak and retry decide nothing now
         if not quarantine.quarantine(sv, e.node, reason, evidence=[e]):
-            sv.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
+            sv.preparing.unreachable.add(e.node)  # kept in service by the blast radius: not in this attempt
         return True
     return False
 
@@ -343,7 +345,7 @@ def on_operator_quarantine(sv: Run, ev: OperatorQuarantine) -> None:
 def on_operator_quarantine_preflight(sv: Run, ev: OperatorQuarantine) -> None:
     """PREFLIGHT: quarantined, and replaced in the attempt being prepared."""
     on_operator_quarantine(sv, ev)
-    if ev.node in sv.slots:
+    if ev.node in sv.preparing.slots:
         prepare.drop_from_slots(sv, ev.node, f"operator: {ev.reason}", logged=True)
 
 
@@ -388,7 +390,7 @@ def on_preflight_preparing(sv: Run, ev: PreflightResult) -> None:
     """PREFLIGHT: a burn-in's result, or the attempt's."""
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
-    elif ev.node in sv.pending_preflight:
+    elif ev.node in sv.preparing.pending_preflight:
         prepare.on_attempt_preflight(sv, ev)
 
 
@@ -397,7 +399,7 @@ def on_preflight_blind(sv: Run, ev: PreflightResult) -> None:
     after the pause)."""
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
-    elif ev.node in sv.pending_preflight and sv.blind.paused is RunState.PREFLIGHT:
+    elif ev.node in sv.preparing.pending_preflight and sv.blind.paused is RunState.PREFLIGHT:
         prepare.on_attempt_preflight(sv, ev)
 
 
@@ -420,7 +422,7 @@ def on_claimed(sv: Run, ev: NodeClaimed) -> None:
 def on_claimed_preflight(sv: Run, ev: NodeClaimed) -> None:
     """PREFLIGHT: a node taken by another run leaves the attempt being prepared; one given back may fill it."""
     match _claim_changed(sv, ev):
-        case "taken" if ev.node in sv.slots:
+        case "taken" if ev.node in sv.preparing.slots:
             prepare.drop_from_slots(sv, ev.node, f"run {ev.run} holds it now", logged=True)
         case "free":
             prepare.fill_slots(sv)
@@ -447,7 +449,7 @@ def _claim_changed(sv: Run, ev: NodeClaimed) -> str:
             node=E.NodeDetail(node=ev.node, reason=f"claimed by run {ev.run}"),
         )
         return "taken"
-    if ev.record is not None and not sv.in_attempt(ev.node) and ev.node not in sv.slots:
+    if ev.record is not None and not sv.in_attempt(ev.node) and ev.node not in sv.preparing.slots:
         sv.pool.load([ev.record])
     node = sv.pool.set_elsewhere(ev.node, "")
     sv.log(
@@ -469,7 +471,7 @@ def on_draining(sv: Run, ev: NodeDraining) -> None:
 
 def on_draining_preflight(sv: Run, ev: NodeDraining) -> None:
     """PREFLIGHT: a node of the attempt being prepared that drains is replaced at once."""
-    if _drains(sv, ev) and ev.node in sv.slots:
+    if _drains(sv, ev) and ev.node in sv.preparing.slots:
         prepare.drop_from_slots(
             sv, ev.node, f"it drains ({ev.reason}); replaced, not quarantined", logged=True
         )

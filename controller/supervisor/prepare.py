@@ -65,21 +65,21 @@ def try_start(sv: Run) -> None:
             _ask_queue(sv, ask, f"need {need} nodes, {free} usable spares: asking the queue for {ask}")
         return
     sv.waiting_since = None
-    prev = sv.prev_slots[:need]
-    sv.slots = [None] * need
-    sv.empty_slots = need
-    sv.unreachable = set()
-    sv.preflight_retried = set()
-    sv.preflight_resend = set()
-    sv.gate_pending = sv.gate_passed = None
+    prev = sv.preparing.prev_slots[:need]
+    sv.preparing.slots = [None] * need
+    sv.preparing.empty_slots = need
+    sv.preparing.unreachable = set()
+    sv.preparing.preflight_retried = set()
+    sv.preparing.preflight_resend = set()
+    sv.preparing.gate_pending = sv.preparing.gate_passed = None
     for rank, n in enumerate(prev):
         if sv.pool.usable(n) and sv.pool.get(n).state is PoolState.SPARE:
-            sv.slots[rank] = n
-            sv.empty_slots -= 1
+            sv.preparing.slots[rank] = n
+            sv.preparing.empty_slots -= 1
             sv.pool.assign(n)
-    sv.vacated = {r: n for r, n in enumerate(prev) if sv.slots[r] != n}
+    sv.preparing.vacated = {r: n for r, n in enumerate(prev) if sv.preparing.slots[r] != n}
     transitions.become_preflight(sv)
-    fill_slots(sv, also=[n for n in sv.slots if n is not None])
+    fill_slots(sv, also=[n for n in sv.preparing.slots if n is not None])
 
 
 def _ask_queue(sv: Run, count: int, reason: str) -> None:
@@ -92,15 +92,15 @@ def _ask_queue(sv: Run, count: int, reason: str) -> None:
 
 def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
     """Fill empty slots from spares (queue as fallback), preflight new nodes; launch when done."""
-    empty = [r for r, n in enumerate(sv.slots) if n is None] if sv.empty_slots else []
-    picked = sv.pool.pick_spares(len(empty), sv.now, exclude=sv.unreachable)
+    empty = [r for r, n in enumerate(sv.preparing.slots) if n is None] if sv.preparing.empty_slots else []
+    picked = sv.pool.pick_spares(len(empty), sv.now, exclude=sv.preparing.unreachable)
     new = list(also)
     for rank, n in zip(empty, picked, strict=False):
-        sv.slots[rank] = n
-        sv.empty_slots -= 1
+        sv.preparing.slots[rank] = n
+        sv.preparing.empty_slots -= 1
         sv.pool.assign(n)
         new.append(n)
-        replaces = sv.vacated.get(rank, "")
+        replaces = sv.preparing.vacated.get(rank, "")
         if replaces:
             source = "queue" if n in sv.queue.nodes else "spare"
             sv.log(
@@ -115,7 +115,7 @@ def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
         ask = still_empty - sv.queue.outstanding
         _ask_queue(sv, ask, f"no spare left for {still_empty} node ranks: asking the queue for {ask}")
     if new:
-        sv.pending_preflight.update(new)
+        sv.preparing.pending_preflight.update(new)
         sv.emit(
             RunPreflight(
                 nodes=tuple(new),
@@ -124,20 +124,20 @@ def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
                 timeout_s=sv.cfg.preflight_timeout_s,
             )
         )
-        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
-        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+        sv.preparing.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+        sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
     maybe_launch(sv)
 
 
 def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) -> None:
     """Take `node` out of the attempt being prepared and refill its slot; `reason` reaches the log
     here unless the caller's own entry already said it (`logged`)."""
-    rank = sv.slots.index(node)
-    sv.slots[rank] = None
-    sv.empty_slots += 1
-    sv.vacated.setdefault(rank, node)
-    sv.pending_preflight.discard(node)
-    sv.gate_pending = None  # the set changed: the gate measures the new one
+    rank = sv.preparing.slots.index(node)
+    sv.preparing.slots[rank] = None
+    sv.preparing.empty_slots += 1
+    sv.preparing.vacated.setdefault(rank, node)
+    sv.preparing.pending_preflight.discard(node)
+    sv.preparing.gate_pending = None  # the set changed: the gate measures the new one
     sv.pool.unassign(node)
     if not logged:
         sv.log(
@@ -149,7 +149,7 @@ def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) ->
 
 
 def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
-    sv.pending_preflight.discard(ev.node)
+    sv.preparing.pending_preflight.discard(ev.node)
     if ev.passed:
         maybe_launch(sv)
         return
@@ -157,11 +157,11 @@ def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
         # A check that could not tell (it measured the host's load, or ran past its budget) is no
         # verdict on the node: asked once more, then left out of this attempt, never quarantined.
         checks = ", ".join(ev.inconclusive_checks)
-        if ev.node in sv.preflight_retried:
+        if ev.node in sv.preparing.preflight_retried:
             leave_out(sv, ev.node, f"preflight ({ev.mode}) inconclusive twice: {checks}")
             return
-        sv.preflight_retried.add(ev.node)
-        sv.pending_preflight.add(ev.node)
+        sv.preparing.preflight_retried.add(ev.node)
+        sv.preparing.pending_preflight.add(ev.node)
         sv.log(
             E.EVENT_KIND_PREFLIGHT_RESULT,
             f"{ev.node}: preflight ({ev.mode}) inconclusive ({checks}); asking once more",
@@ -172,8 +172,10 @@ def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
                 nodes=(ev.node,), mode=ev.mode, purpose="attempt", timeout_s=sv.cfg.preflight_timeout_s
             )
         )
-        sv.preflight_deadline = max(sv.preflight_deadline, sv.now + sv.cfg.preflight_timeout_s)
-        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+        sv.preparing.preflight_deadline = max(
+            sv.preparing.preflight_deadline, sv.now + sv.cfg.preflight_timeout_s
+        )
+        sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
         return
     reason = f"preflight ({ev.mode}) failed: {', '.join(ev.failed_checks) or 'no check named'}"
     reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.attempt + 1}: {reason}", detail(ev))
@@ -190,7 +192,7 @@ def reject(
 ) -> None:
     """Quarantine a node that failed its attempt preflight; the attempt is not consumed. A node the
     blast radius keeps in service is only left out of this attempt."""
-    sv.pending_preflight.discard(node)
+    sv.preparing.pending_preflight.discard(node)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
         f"{message}; quarantined, the attempt is not consumed",
@@ -199,15 +201,15 @@ def reject(
     if counted:
         sv.pool.get(node).preflight_rejections += 1
     if not quarantine.quarantine(sv, node, reason):
-        sv.unreachable.add(node)
+        sv.preparing.unreachable.add(node)
     drop_from_slots(sv, node, reason, logged=True)
 
 
 def leave_out(sv: Run, node: str, reason: str) -> None:
     """Leave `node` out of the attempt being prepared without a judgement of it (no quarantine, no
     strike): the answer that did not come may be the controller's or the network's fault."""
-    sv.pending_preflight.discard(node)
-    sv.unreachable.add(node)
+    sv.preparing.pending_preflight.discard(node)
+    sv.preparing.unreachable.add(node)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
         f"{node} left out of attempt {sv.attempt + 1}: {reason}; inconclusive, so no quarantine and no "
@@ -220,10 +222,10 @@ def leave_out(sv: Run, node: str, reason: str) -> None:
 def on_tick(sv: Run) -> None:
     """PREFLIGHT: requests that never left are sent again; a node that did not answer within the
     preflight timeout is rejected."""
-    if sv.empty_slots > sv.queue.outstanding and sv.queue.retry_at and sv.now >= sv.queue.retry_at:
+    if sv.preparing.empty_slots > sv.queue.outstanding and sv.queue.retry_at and sv.now >= sv.queue.retry_at:
         fill_slots(sv)  # the queue refused an earlier ask: ask again (after its backoff)
-    resend = sorted(n for n in sv.preflight_resend if n in sv.pending_preflight)
-    sv.preflight_resend.clear()
+    resend = sorted(n for n in sv.preparing.preflight_resend if n in sv.preparing.pending_preflight)
+    sv.preparing.preflight_resend.clear()
     if resend:
         sv.emit(
             RunPreflight(
@@ -233,48 +235,52 @@ def on_tick(sv: Run) -> None:
                 timeout_s=sv.cfg.preflight_timeout_s,
             )
         )
-        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
-    if sv.gate_pending is not None and sv.now >= sv.gate_deadline:
+        sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
+    if sv.preparing.gate_pending is not None and sv.now >= sv.preparing.gate_deadline:
         gate_unanswered(sv, f"no answer within its budget of {sv.cfg.bandwidth_gate_timeout_s:g}s")
         return
-    if sv.now < sv.preflight_deadline:
+    if sv.now < sv.preparing.preflight_deadline:
         return
-    if not sv.pending_preflight:
-        if sv.empty_slots and sv.unreachable:
+    if not sv.preparing.pending_preflight:
+        if sv.preparing.empty_slots and sv.preparing.unreachable:
             # No spare came meanwhile: the nodes left out get another chance (a late answer or a
             # one-off RPC failure is no reason to keep a node out of the run for good).
             sv.log(
                 E.EVENT_KIND_PREFLIGHT_RESULT,
-                f"{sv.empty_slots} node rank(s) still empty: asking {sv.names(sorted(sv.unreachable))} again",
+                f"{sv.preparing.empty_slots} node rank(s) still empty: asking {sv.names(sorted(sv.preparing.unreachable))} again",
                 preflight=E.PreflightDetail(),
             )
-            sv.unreachable = set()
+            sv.preparing.unreachable = set()
             fill_slots(sv)
         return
     reason = f"no preflight answer within {sv.cfg.preflight_timeout_s:g}s"
-    for n in sorted(sv.pending_preflight):
-        if n in sv.pending_preflight:  # (a refill below never adds a node that is already due)
+    for n in sorted(sv.preparing.pending_preflight):
+        if n in sv.preparing.pending_preflight:  # (a refill below never adds a node that is already due)
             leave_out(sv, n, reason)
-    if sv.empty_slots and not sv.pending_preflight:  # nobody to ask now: ask the left-out ones later
-        sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
-        sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+    if (
+        sv.preparing.empty_slots and not sv.preparing.pending_preflight
+    ):  # nobody to ask now: ask the left-out ones later
+        sv.preparing.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+        sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
 
 
 def maybe_launch(sv: Run) -> None:
-    if sv.state is not RunState.PREFLIGHT or sv.pending_preflight or sv.empty_slots:
+    if sv.state is not RunState.PREFLIGHT or sv.preparing.pending_preflight or sv.preparing.empty_slots:
         return
-    for n in sv.slots:  # the gate: no launch ever includes a node that is not usable now
+    for n in sv.preparing.slots:  # the gate: no launch ever includes a node that is not usable now
         p = sv.pool.get(n) if n is not None else None
         if p is not None and not (p.alive and p.state is PoolState.ASSIGNED):
             drop_from_slots(sv, p.name, f"{p.name} is no longer usable ({p.state.label})")
             return
-    nodes = tuple(n for n in sv.slots if n is not None)
-    if sv.cfg.bandwidth_gate and len(nodes) > 1 and sv.gate_passed != nodes:
-        if sv.gate_pending != nodes:  # every node passed: measure the set before it pays for a launch
-            sv.gate_pending = nodes
-            sv.gate_deadline = sv.now + sv.cfg.bandwidth_gate_timeout_s
+    nodes = tuple(n for n in sv.preparing.slots if n is not None)
+    if sv.cfg.bandwidth_gate and len(nodes) > 1 and sv.preparing.gate_passed != nodes:
+        if (
+            sv.preparing.gate_pending != nodes
+        ):  # every node passed: measure the set before it pays for a launch
+            sv.preparing.gate_pending = nodes
+            sv.preparing.gate_deadline = sv.now + sv.cfg.bandwidth_gate_timeout_s
             sv.emit(MeasureBandwidth(nodes=nodes, timeout_s=sv.cfg.bandwidth_gate_timeout_s))
-            sv.emit(SetTimer(key="bandwidth", at=sv.gate_deadline))
+            sv.emit(SetTimer(key="bandwidth", at=sv.preparing.gate_deadline))
         return
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
@@ -290,9 +296,9 @@ def maybe_launch(sv: Run) -> None:
 
 def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
     """PREFLIGHT: the gate's answer. A node well below the floor is quarantined and replaced."""
-    if ev.nodes != sv.gate_pending:
+    if ev.nodes != sv.preparing.gate_pending:
         return  # for a node set no longer in play
-    sv.gate_pending = None
+    sv.preparing.gate_pending = None
     figures = dict(ev.per_node_gbps)
     values = sorted(figures.values())
     floor = sv.cfg.bandwidth_floor_gbps or (stats.median(values) if len(values) > 2 else 0.0)
@@ -316,24 +322,24 @@ def on_bandwidth(sv: Run, ev: BandwidthMeasured) -> None:
         ),
     )
     if not slow:
-        sv.gate_passed = ev.nodes
+        sv.preparing.gate_passed = ev.nodes
         maybe_launch(sv)
         return
     for n in slow:
-        if n in sv.slots:
+        if n in sv.preparing.slots:
             reason = f"bandwidth gate: best pair {figures[n]:.3g} GB/s, below {limit:.3g} GB/s"
             if not quarantine.quarantine(sv, n, reason):
-                sv.unreachable.add(n)
+                sv.preparing.unreachable.add(n)
             drop_from_slots(sv, n, reason, logged=True)
 
 
 def gate_unanswered(sv: Run, why: str) -> None:
     """The gate could not run (its budget ran out, the shell could not do it): launch without it."""
-    nodes = sv.gate_pending
+    nodes = sv.preparing.gate_pending
     if nodes is None:
         return
-    sv.gate_pending = None
-    sv.gate_passed = nodes
+    sv.preparing.gate_pending = None
+    sv.preparing.gate_passed = nodes
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
         f"bandwidth gate skipped: {why}; launching without it",
@@ -352,7 +358,7 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
         straggler_window=sv.cfg.straggler_window,
     )
     sv.failure = None
-    sv.prev_slots = list(nodes)
+    sv.preparing.prev_slots = list(nodes)
     sv.job_step = sv.cur.resume_step
     rdzv = f"{sv.plan.run}-{sv.attempt}"
     resume = f"committed step {sv.cur.resume_step}" if sv.cur.resume_step >= 0 else "scratch"

@@ -92,3 +92,22 @@ class Blind:
 
     paused: RunState = RunState.WAITING_NODES
     etcd_lost: bool = False
+
+
+@dataclass(slots=True)
+class Preparing:
+    """The attempt being prepared: a node per node rank (`slots`, kept while it runs), its preflight
+    and bandwidth gate, and what the previous attempt left (`prev_slots`, `vacated`)."""
+
+    slots: list[str | None] = field(default_factory=list)
+    empty_slots: int = 0
+    pending_preflight: set[str] = field(default_factory=set)
+    preflight_deadline: float = 0.0
+    vacated: dict[int, str] = field(default_factory=dict)  # node rank -> node that held it before
+    prev_slots: list[str] = field(default_factory=list)
+    unreachable: set[str] = field(default_factory=set)  # preflight could not reach them: not picked now
+    preflight_resend: set[str] = field(default_factory=set)  # their RunPreflight never left: again at a tick
+    preflight_retried: set[str] = field(default_factory=set)  # asked again after an inconclusive one (once)
+    gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
+    gate_passed: tuple[str, ...] | None = None  # the node set that passed it
+    gate_deadline: float = 0.0

@@ -16,7 +16,7 @@ from controller.supervisor.effects import Effects
 from controller.supervisor.events import Event, StopRequested
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import OUT_OF_SERVICE, Pool
-from controller.supervisor.records import Blind, LossBook, QueueAsk, Soak
+from controller.supervisor.records import Blind, LossBook, Preparing, QueueAsk, Soak
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, TERMINAL, RunState
 
@@ -41,19 +41,7 @@ class Run(Effects):
         self.latest_committed = -1
         self.job_step = -1
         self.now = 0.0
-        # preparing an attempt
-        self.slots: list[str | None] = []  # node per node rank, for the attempt being prepared/run
-        self.empty_slots = 0
-        self.pending_preflight: set[str] = set()
-        self.preflight_deadline = 0.0
-        self.vacated: dict[int, str] = {}  # node rank -> node that held it in the previous attempt
-        self.prev_slots: list[str] = []
-        self.unreachable: set[str] = set()  # preflight could not reach them: not picked for this attempt
-        self.preflight_resend: set[str] = set()  # their RunPreflight never left: sent again at the next tick
-        self.preflight_retried: set[str] = set()  # asked again after an inconclusive preflight (once)
-        self.gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
-        self.gate_passed: tuple[str, ...] | None = None  # the node set that passed it
-        self.gate_deadline = 0.0
+        self.preparing = Preparing()  # the attempt being prepared (its slots are also the running one's)
         self.waiting_since: float | None = None
         self.waiting_paged = False  # this wait for nodes has paged (once per wait)
         self.queue = QueueAsk()  # asking the queue for nodes
@@ -82,7 +70,7 @@ class Run(Effects):
     @property
     def current_nodes(self) -> tuple[str, ...]:
         """The nodes of the attempt being prepared or run, in node-rank order (read-only view)."""
-        return tuple(n for n in self.slots if n is not None)
+        return tuple(n for n in self.preparing.slots if n is not None)
 
     def backoff_s(self) -> float:
         """The short wait before doing again what the shell could not do (the restart backoff's base)."""
@@ -105,8 +93,8 @@ class Run(Effects):
     def release_slots(self) -> None:
         for n in [*self.current_nodes, *self.cur.node_step]:
             self.pool.unassign(n)
-        self.pending_preflight.clear()
-        self.slots = []
+        self.preparing.pending_preflight.clear()
+        self.preparing.slots = []
 
     def holds(self) -> frozenset[str]:
         """The nodes this run keeps a claim on (controller/fleet/claims.py takes and gives them back):
@@ -115,7 +103,11 @@ class Run(Effects):
         operator's release). None once the run is over; never a node another run holds."""
         if self.state in TERMINAL:
             return frozenset()
-        mine = {n for n in (*self.slots, *self.prev_slots, *self.cur.node_step) if n is not None}
+        mine = {
+            n
+            for n in (*self.preparing.slots, *self.preparing.prev_slots, *self.cur.node_step)
+            if n is not None
+        }
         mine.update(self.burn_in)
         mine.update(n for n, p in self.pool.nodes.items() if p.state in OUT_OF_SERVICE)
         return frozenset(n for n in mine if not self.pool.get(n).elsewhere)

@@ -38,7 +38,7 @@ def start(sv: Run, node: str, local: E.PreflightDetail) -> bool:
     if want <= 0:
         return False
     busy = {n for s in sv.soaks.values() for n in s.nodes}
-    neighbours = sv.pool.pick_spares(want, sv.now, exclude={node, *busy, *sv.unreachable})
+    neighbours = sv.pool.pick_spares(want, sv.now, exclude={node, *busy, *sv.preparing.unreachable})
     if not neighbours:
         sv.log(
             E.EVENT_KIND_PREFLIGHT_RESULT,

@@ -32,16 +32,16 @@ def become_waiting(sv: Run) -> None:
 def become_preflight(sv: Run) -> None:
     """PREFLIGHT for a new attempt: no preflight asked yet, the preflight's deadline from now."""
     _enter(sv, RunState.PREFLIGHT)
-    sv.pending_preflight = set()
-    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+    sv.preparing.pending_preflight = set()
+    sv.preparing.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
 
 
 def resume_preflight(sv: Run) -> None:
     """PREFLIGHT again after a control-plane fault: the gate measures again, a fresh deadline."""
     _enter(sv, RunState.PREFLIGHT)
-    sv.gate_pending = None  # an answer that came while blind was dropped: measure again
-    sv.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
-    sv.emit(SetTimer(key="preflight", at=sv.preflight_deadline))
+    sv.preparing.gate_pending = None  # an answer that came while blind was dropped: measure again
+    sv.preparing.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
+    sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
 
 
 def become_running(sv: Run, *, hang_after_s: float, launch: Launch | None = None) -> None:

@@ -237,7 +237,9 @@ def test_two_runs_share_a_fleet_a_spare_goes_to_one_and_a_quarantine_follows_the
     lost = fleet.logs["alpha"].wait(lambda e: spare in e.message and "run beta" in e.message, 10)[1]
     assert "not claimed" in lost.message or "claimed by run beta" in lost.message, lost.message
     core_a = fleet.core("alpha")
-    assert core_a.state in (RunState.PREFLIGHT, RunState.WAITING_NODES) and spare not in core_a.slots
+    assert (
+        core_a.state in (RunState.PREFLIGHT, RunState.WAITING_NODES) and spare not in core_a.preparing.slots
+    )
     assert not fleet.logs["alpha"].find(lambda e: e.kind == events_pb2.EVENT_KIND_LAUNCH and e.attempt == 2)
     assert fleet.holder(spare) == "beta" and spare in fleet.attempt_nodes("beta"), fleet.dump()
     assert "beta" in fleet.agents[spare].launched_by and "alpha" not in fleet.agents[spare].launched_by

@@ -31,7 +31,7 @@ def test_a_node_claimed_by_another_run_is_never_picked_and_a_failed_claim_picks_
     )
     assert any(isinstance(a, AllocateFromQueue) for a in out)
     d.send(NodeClaimed(node="n3", run="other"))
-    assert "n3" not in d.sup.slots and "n3" not in d.sup.holds()
+    assert "n3" not in d.sup.preparing.slots and "n3" not in d.sup.holds()
     assert d.sup.pool.get("n3").elsewhere == "other"
     d.send(NodeJoined(node="n4"))
     d.answer_preflight()

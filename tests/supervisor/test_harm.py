@@ -308,7 +308,7 @@ def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
             alive={n: 1 for n in d.sup.pool.nodes},
             records=records,
             attempt=2,
-            attempt_nodes=tuple(d.sup.prev_slots),
+            attempt_nodes=tuple(d.sup.preparing.prev_slots),
             resume_step=40,
             committed_steps=(30, 40),
             memory=memory,
