@@ -24,7 +24,6 @@ Commands:
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +33,7 @@ from nodeagent.daemon.launcher import AttemptEnd, LaunchSpec
 from nodeagent.warm import protocol
 from nodeagent.warm.groups import ParkedGroup, WarmAsk, handoff_message
 from nodeagent.warm.lifecycle import ParkedEvent, ParkedState, transition
+from tests.support.golden import check_golden
 
 SCRIPTS = Path(__file__).parent / "warm_scripts"
 LEADER_PID = 500
@@ -180,32 +180,9 @@ class Runner:
         return [f"{state} --{event}--> {step.state.name}" + (f" ({', '.join(flags)})" if flags else "")]
 
 
-def run_script(text: str) -> str:
-    runner = Runner()
-    out: list[str] = []
-    for block in text.split("\n\n"):
-        lines = [ln for ln in block.strip("\n").splitlines() if not ln.startswith("#")]
-        if not lines:
-            continue
-        cmd = lines[0]
-        out += [
-            *[ln for ln in block.strip("\n").splitlines() if ln.startswith("#")],
-            cmd,
-            "----",
-            *runner.run(cmd),
-            "",
-        ]
-    return "\n".join(out)
-
-
 @pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.txt")), ids=lambda p: p.stem)
 def test_warm_script(path: Path) -> None:
-    text = path.read_text()
-    got = run_script(text)
-    if os.environ.get("REWRITE_WARM_SCRIPTS"):
-        path.write_text(got)
-        return
-    assert got == text, f"{path.name} differs from its golden output (REWRITE_WARM_SCRIPTS=1 to regenerate)"
+    check_golden(path, Runner().run, "REWRITE_WARM_SCRIPTS")
 
 
 def test_every_state_and_event_is_scripted() -> None:

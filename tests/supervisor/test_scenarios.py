@@ -36,7 +36,6 @@ Errors (an unknown pair, a bad value) are output lines (`error: ...`), never an 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,6 +67,7 @@ from controller.supervisor.policy import SupervisorConfig
 from controller.supervisor.states import TransitionError
 from runwarden.v1 import common_pb2, events_pb2
 from tests.supervisor.harness import Driver, render
+from tests.support.golden import check_golden
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 
@@ -352,32 +352,9 @@ class Runner:
         self.d.send(OperatorRelease(node=args[0], reason=" ".join(args[1:])))
 
 
-def run_script(text: str) -> str:
-    runner = Runner()
-    out: list[str] = []
-    for block in text.split("\n\n"):
-        lines = [ln for ln in block.strip("\n").splitlines() if not ln.startswith("#")]
-        if not lines:
-            continue
-        cmd = lines[0]
-        out += [
-            *[ln for ln in block.strip("\n").splitlines() if ln.startswith("#")],
-            cmd,
-            "----",
-            *runner.run(cmd),
-            "",
-        ]
-    return "\n".join(out)
-
-
 @pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.txt")), ids=lambda p: p.stem)
 def test_scenario(path: Path) -> None:
-    text = path.read_text()
-    got = run_script(text)
-    if os.environ.get("REWRITE_SCENARIOS"):
-        path.write_text(got)
-        return
-    assert got == text, f"{path.name} differs from its golden output (REWRITE_SCENARIOS=1 to regenerate)"
+    check_golden(path, Runner().run, "REWRITE_SCENARIOS")
 
 
 def test_scenarios_exist() -> None:
