@@ -17,6 +17,7 @@ from controller.supervisor.policy import RunPlan
 from runwarden.eventlog import read_events
 from runwarden.store import Store, StoreConfig
 from testbed.etcd_server import EtcdServer
+from testbed.wait import wait_contender, wait_until
 from tests.live.shell import RUN, LogWatch, agent_double, is_launch, policy
 from tests.support.tcp_proxy import TcpProxy
 
@@ -45,6 +46,20 @@ def _wait(pred: Callable[[], bool], timeout_s: float) -> float:
     raise AssertionError(f"not within {timeout_s} s")
 
 
+def _loop_turns(shell: LiveController, turns: int, timeout_s: float = 30.0) -> None:
+    """Until `shell` has fed its core `turns` more items (ticks included): it publishes a new status
+    after each."""
+    last, count = shell.status, 0
+
+    def counted() -> bool:
+        nonlocal last, count
+        if shell.status is not last:  # a lower bound: two turns between two looks count as one
+            last, count = shell.status, count + 1
+        return count >= turns
+
+    wait_until(counted, timeout_s, f"{turns} loop turns of {shell.cfg.identity}", interval_s=0.005)
+
+
 def test_a_leader_partitioned_from_etcd_stops_before_the_standby_leads_and_nothing_is_doubled(
     etcd: EtcdServer, store: Store, tmp_path: Path
 ) -> None:
@@ -60,7 +75,7 @@ def test_a_leader_partitioned_from_etcd_stops_before_the_standby_leads_and_nothi
             leader_log.wait(is_launch(1), 30)
             _wait(lambda: len(agent.launches) == 1, 10)
             standby, standby_log, t2 = _controller(direct, run_dir, "standby")
-            time.sleep(1.0)
+            wait_contender(direct, RUN, "standby")
             assert leader.is_leader.is_set() and not standby.is_leader.is_set()
             held = leader.leadership
             assert held is not None
@@ -76,7 +91,7 @@ def test_a_leader_partitioned_from_etcd_stops_before_the_standby_leads_and_nothi
             last_old = max((t for t, _ in leader_log.entries), default=0.0)
             first_new = min(t for t, _ in standby_log.entries)
             assert last_old < first_new, "no event-log append by the old leader once the standby leads"
-            time.sleep(1.0)
+            _loop_turns(standby, 10)  # a relaunch would be decided on one of them
             assert [r.attempt for r in agent.launches] == [1], "no double launch"
             read = read_events(run_dir / "events.jsonl")
             assert not read.errors and read.torn_tail is None

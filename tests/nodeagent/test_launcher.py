@@ -100,11 +100,21 @@ def test_workers_survive_the_schedulers_usr1_notice(agent_factory, tmp_path):
     leader = _launch(agent, "r6", [sys.executable, "-c", code, str(pidfile)])
     assert int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the leader's pid")) == leader
     os.killpg(leader, signal.SIGUSR1)  # the leader's process group: the worker and its child
-    time.sleep(0.5)
+    # ignored by both, so the signal is discarded: no window to wait out before looking
+    survivors = [leader, *_children(leader)]
+    assert len(survivors) == 2 and all(_ignores_usr1(pid) for pid in survivors), survivors
     ws = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).workers
     assert [w.running for w in ws if w.pid == leader] == [True]
     assert _children(leader), "the worker's child died of SIGUSR1"
     agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="r6", grace_s=2.0), timeout=30)
+
+
+def _ignores_usr1(pid: int) -> bool:
+    """Whether SIGUSR1 is in the process's ignored set (/proc/PID/status SigIgn, a hex mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+    return False
 
 
 def _children(pid: int) -> list[int]:

@@ -150,7 +150,8 @@ def test_drain_is_in_the_record_at_once_refuses_launches_and_undoes(agent_factor
         lambda: (r := _record(store)) is not None and r.state == DRAINING and r, 5, "the USR1 drain"
     )
     assert rec.drain_reason == "scheduler notice (SIGUSR1): this node leaves soon"
-    time.sleep(0.3)
+    # it handled the notice and still answers (SIGTERM below must find it in its loop, exit 0)
+    assert agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest(), timeout=5).state == DRAINING
     assert agent.proc.poll() is None
 
     assert agent.terminate(timeout_s=10) == 0  # nothing runs: SIGTERM exits at once

@@ -44,6 +44,7 @@ from preflight.nvml import THROTTLE_BITS, GpuProcess, NvmlUnavailable, RemappedR
 from preflight.report import EXIT_INCONCLUSIVE, PreflightReport
 from preflight.result import CheckResult, CheckStatus
 from preflight.runner import run_preflight
+from testbed.wait import wait_until
 from tests.preflight.fake_nvml import FakeGpu, FakeNvml
 
 DATA = Path(__file__).parent / "data"
@@ -225,15 +226,23 @@ def test_a_new_uncorrectable_ecc_error_during_the_loop_fails_that_gpu_fake_nvml(
     )
 
 
-def test_throttling_seen_only_while_the_loop_runs_fails_fake_nvml() -> None:
+def test_throttling_seen_only_while_the_loop_runs_fails_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = two_gpus()
-    calls = [0]
+    calls, reads = [0], [0]
+    read_throttle = fake.throttle_reasons
+
+    def counted(index: int) -> int:
+        reads[0] += index == 0
+        return read_throttle(index)
+
+    monkeypatch.setattr(fake, "throttle_reasons", counted)
 
     def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 3:
             fake.gpus[0].throttle = THROTTLE_BITS["hw_slowdown"]
-            time.sleep(0.2)  # several samples see it ...
+            seen = reads[0]  # several samples (the stage's thread samples while this one works) see it ...
+            wait_until(lambda: reads[0] >= seen + 2, 30, "two samples of GPU 0 while it throttles")
         elif calls[0] == 4:
             fake.gpus[0].throttle = THROTTLE_BITS["gpu_idle"]  # ... gone again before the stage ends
         return torch.matmul(a, b)

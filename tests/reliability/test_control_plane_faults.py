@@ -22,6 +22,7 @@ import pytest
 from examples.cluster import LocalCluster
 from runwarden.store import Store, StoreConfig
 from runwarden.v1 import store_pb2
+from testbed.wait import wait_contender
 
 from .helpers import ALARMS, E, assert_log_whole, last_seq, names, since, tail, wait_commit_after
 
@@ -30,9 +31,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def _start(make_cluster, **spec: object) -> LocalCluster:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5, **spec)
-    assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, tail(cluster)
-    time.sleep(2)
+    first = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150)
+    assert first is not None, tail(cluster)
+    # steady training: a checkpoint committed after the first step
+    assert wait_commit_after(cluster, first.ts, 60) is not None, tail(cluster)
     return cluster
+
+
+def _quiet_window(cluster: LocalCluster, window_s: float, timeout_s: float = 60) -> None:
+    """Until a checkpoint commit logged `window_s` from now: the controller has run through the window
+    (an alarm raised in it is in the log before that commit)."""
+    assert wait_commit_after(cluster, time.time() + window_s, timeout_s) is not None, tail(cluster)
 
 
 def _active(cluster: LocalCluster) -> list[str]:
@@ -49,10 +58,10 @@ def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:
     # 1. SIGSTOP for 40% of the 2 s lease TTL, then SIGCONT: nothing is declared dead.
     mark, paused_at = last_seq(cluster), time.time()
     os.kill(etcd.pid, signal.SIGSTOP)
-    time.sleep(0.4 * cluster.spec.lease_ttl_s)
+    time.sleep(0.4 * cluster.spec.lease_ttl_s)  # the pause under test, not a wait
     os.kill(etcd.pid, signal.SIGCONT)
     assert wait_commit_after(cluster, paused_at + 1.0, 30) is not None, tail(cluster)
-    time.sleep(cluster.spec.lease_ttl_s + 2)
+    _quiet_window(cluster, cluster.spec.lease_ttl_s + 2)  # a lease the pause broke would have expired
     alarms = [e for e in since(cluster, mark) if e.kind in ALARMS]
     assert alarms == [], names(alarms)
 
@@ -60,7 +69,7 @@ def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:
     mark, killed_at = last_seq(cluster), time.time()
     etcd.kill()
     cluster.kill_agent_process(spare)  # its lease is never revoked: it must expire after the restart
-    time.sleep(2.0)
+    time.sleep(2.0)  # the outage under test, not a wait
     etcd.start()
     back_at = time.time()
     lost = cluster.wait_for_event(E.EVENT_KIND_NODE_LOST, mark, 30, pred=lambda e: spare in e.message)
@@ -68,7 +77,7 @@ def test_etcd_pause_then_kill_and_restart(make_cluster) -> None:
     assert lost.ts - back_at <= cluster.spec.lease_ttl_s + 8, "detected, but far too late"
     # the run continues on the same attempt, and nothing was blamed on the etcd outage
     assert wait_commit_after(cluster, back_at + 1.0, 60) is not None, tail(cluster)
-    time.sleep(cluster.spec.lease_ttl_s + 2)
+    _quiet_window(cluster, cluster.spec.lease_ttl_s + 2)
     after = since(cluster, mark)
     wrong = [
         e
@@ -108,7 +117,7 @@ def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
             time.sleep(0.5)
         assert fresh, f"progress from {victim} did not resume after its agent restarted\n{tail(cluster)}"
     assert wait_commit_after(cluster, time.time(), 30) is not None, tail(cluster)
-    time.sleep(5)
+    _quiet_window(cluster, 5)  # a false hang or relaunch would be logged in it
     alarms = [e for e in since(cluster, mark) if e.kind in ALARMS]
     assert alarms == [], names(alarms)
     assert_log_whole(cluster)
@@ -120,7 +129,8 @@ def test_agent_restart_within_its_lease_ttl_keeps_the_run(make_cluster) -> None:
 def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) -> None:
     cluster = _start(make_cluster)
     cluster.start_standby("controller-b")
-    time.sleep(3)
+    assert cluster.etcd is not None
+    wait_contender(cluster.etcd.endpoint, cluster.spec.run, "controller-b")
     victim = _active(cluster)[0]
     mark = last_seq(cluster)
     out = cluster.ctl("chaos", victim, "kill-rank")
@@ -135,7 +145,7 @@ def test_leader_killed_during_a_relaunch_standby_finishes_it_once(make_cluster) 
     # Training goes on: the standby either adopted the relaunched attempt (no new FIRST_STEP: it did
     # not launch it) or launched it itself; either way checkpoints commit after the takeover.
     assert wait_commit_after(cluster, took_over.ts + 1.0, 60) is not None, tail(cluster, "controller-b.log")
-    time.sleep(3)
+    _quiet_window(cluster, 3)  # a second relaunch would be logged in it
     launches = [e for e in since(cluster, mark) if e.kind == E.EVENT_KIND_LAUNCH]
     # exactly one relaunch for the one crash: adopted by the standby, or redone under a new attempt
     # number if the first never started - never the same attempt number twice

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,8 @@ import pytest
 from controller.ctl.main import main
 from examples.cluster import write_toml
 from runwarden.eventlog import read_events
-from runwarden.keys import run_election
-from runwarden.store import Store, StoreConfig
 from testbed.etcd_server import EtcdServer, free_port
+from testbed.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 PASSWORD = "pw-7f3a9c-never-in-a-log"
@@ -103,25 +101,22 @@ def test_no_secret_in_controller_logs_events_or_errors(
 
     # good credentials: it runs (waits for nodes, elected, serves its API), then stops on SIGTERM
     proc, log, run_dir = _controller(tmp_path, etcd, pki, PASSWORD)
-    with Store.connect(StoreConfig(endpoints=(etcd.endpoint,), user="root", password=PASSWORD)) as store:
-        deadline = time.monotonic() + 60
-        while (
-            time.monotonic() < deadline
-            and not store.get_prefix(store.keys.election(run_election("secretrun")))[0]
-            and proc.poll() is None
-        ):
-            time.sleep(0.3)
-    time.sleep(2)
-    assert proc.poll() is None, log.read_text()[-2000:]
+    events = run_dir / "events.jsonl"
+
+    def leading() -> bool:  # elected, and its first event logged: it has run the paths that log
+        assert proc.poll() is None, log.read_text()[-2000:]
+        return "c1 is the leader" in log.read_text() and events.exists() and bool(read_events(events).entries)
+
+    wait_until(
+        leading, 60, "the controller to lead and log its first event", detail=lambda: log.read_text()[-2000:]
+    )
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     text = log.read_text()
     assert text.strip(), "the controller logged nothing"
     _assert_clean(text, secrets, "the controller's DEBUG log")
-    events = run_dir / "events.jsonl"
-    if events.exists():
-        _assert_clean(events.read_text(), secrets, "the event log")
-        assert read_events(events).errors == []
+    _assert_clean(events.read_text(), secrets, "the event log")
+    assert read_events(events).errors == []
 
     # wrong password: it fails with a clear message that names neither the right nor the wrong one
     wrong = "wrong-" + PASSWORD

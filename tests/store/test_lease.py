@@ -37,7 +37,7 @@ def test_kept_alive_lease_outlives_several_ttls_and_dies_with_its_keeper(
     keeper = spawn_peer("keeper", etcd.endpoint, key, str(TTL_S))
     keeper.expect("READY", timeout_s=20)
 
-    time.sleep(3 * TTL_S + 0.5)
+    time.sleep(3 * TTL_S + 0.5)  # the span under test (the key outlives 3 TTLs), not a wait for an event
     kv = store.get(key)
     assert kv is not None and kv.value == b"alive", "the kept-alive key vanished within 3 TTLs"
     assert not deletes
@@ -57,7 +57,7 @@ def test_keeper_reports_revoked_lease_as_lost(store: Store) -> None:
     lease = store.grant_lease(1)
     called = threading.Event()
     keeper = store.keep_alive(lease, on_lost=called.set)
-    time.sleep(0.5)
+    wait_until(lambda: keeper.refreshes >= 1, 5, "the keeper's first keepalive answer")
     assert not keeper.lost.is_set()
     store.revoke(lease)
     assert called.wait(3.0), "on_lost was not called after the lease was revoked"
@@ -69,7 +69,7 @@ def test_keeper_reports_revoked_lease_as_lost(store: Store) -> None:
 def test_keeper_reports_loss_when_etcd_stays_silent_past_the_ttl(etcd: EtcdServer, store: Store) -> None:
     lease = store.grant_lease(1)
     keeper = store.keep_alive(lease)
-    time.sleep(0.5)
+    wait_until(lambda: keeper.refreshes >= 1, 5, "the keeper's first keepalive answer")
     etcd.kill()
     started = time.monotonic()
     assert keeper.lost.wait(5.0), "the keeper did not notice that etcd stopped answering"
