@@ -20,6 +20,7 @@ import pytest
 from examples.cluster import LocalCluster
 from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
+from testbed.wait import wait_contender
 
 E = events_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -37,10 +38,15 @@ def _wait_first_step(cluster: LocalCluster, after_seq: int = 0, timeout_s: float
     return ev
 
 
+def _wait_commit_after(cluster: LocalCluster, ts: float, log: str = "controller.log") -> LogEntry:
+    ev = cluster.wait_for_event(E.EVENT_KIND_CHECKPOINT_COMMIT, 0, 90, pred=lambda e: e.ts > ts)
+    assert ev is not None, f"no checkpoint committed; {log}:\n{(cluster.run_dir / log).read_text()[-3000:]}"
+    return ev
+
+
 def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -> None:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
-    _wait_first_step(cluster)
-    time.sleep(2)
+    _wait_commit_after(cluster, _wait_first_step(cluster).ts)  # steady training before the fault
     first = _launches(cluster)[-1].launch.nodes
     victim = first[0]
     (spare_node,) = set(cluster.nodes) - set(first)  # the one node the first attempt left as a spare
@@ -87,7 +93,8 @@ def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:
     cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
     _wait_first_step(cluster)  # controller-a leads this attempt
     cluster.start_standby("controller-b")
-    time.sleep(2)
+    assert cluster.etcd is not None
+    wait_contender(cluster.etcd.endpoint, cluster.spec.run, "controller-b")
     before = len(_launches(cluster))
     assert cluster.controller is not None
     os.killpg(cluster.controller.pid, signal.SIGKILL)  # the leader dies mid-run
@@ -97,7 +104,8 @@ def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:
     took_over = cluster.wait_for_event(E.EVENT_KIND_CONTROL_PLANE, 0, 30, pred=lambda e: e.ts > killed_at)
     assert took_over is not None, (cluster.run_dir / "controller-b.log").read_text()[-3000:]
     assert took_over.ts - killed_at <= 3.0 + 2.0
-    time.sleep(5)
+    # a commit logged 5 s on: the new leader has supervised the attempt that long (a relaunch is logged first)
+    _wait_commit_after(cluster, time.time() + 5, "controller-b.log")
     assert len(_launches(cluster)) == before, "the new leader relaunched a healthy attempt"
     # The new leader still supervises: a crash is detected and relaunched exactly once.
     nodes = _launches(cluster)[-1].launch.nodes

@@ -349,7 +349,7 @@ def test_a_nodes_known_history_is_written_to_etcd_and_the_next_controller_keeps_
         log.wait(is_launch(1), 20)
         first = known_since()
     assert before - 1 <= first <= time.time()
-    time.sleep(0.05)
+    time.sleep(0.05)  # the clock moves on: a known_since taken again would differ (not a wait)
     with agent_double(store), live_shell(store, tmp_path / "b", core_factory=factory) as (_shell, log):
         deadline = time.monotonic() + 20
         while not (len(cores) == 2 and cores[-1].pool.get("n1").alive) and time.monotonic() < deadline:

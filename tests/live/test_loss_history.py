@@ -97,7 +97,7 @@ def test_a_replay_after_a_controller_restart_is_compared_with_the_losses_logged_
         log.wait(is_launch(1), 20)
         for first in (1, 11, 21):
             _put(store, 1, range(first, first + 10), committed=20 if first == 21 else None)
-            time.sleep(0.2)
+            log.wait(lambda e: e.kind == E.EVENT_KIND_LOSS_RECORD and e.step == first + 9, 10)  # noqa: B023
         log.wait(lambda e: e.kind == E.EVENT_KIND_LOSS_RECORD and e.step == 30, 10)
         log.wait(lambda e: e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.step == 20, 10)
     recorded = read_events(run_dir / "events.jsonl").entries

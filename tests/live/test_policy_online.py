@@ -28,6 +28,7 @@ from runwarden.keys import KeySchema
 from runwarden.store import EventType, Store, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
 from runwarden.v1 import events_pb2 as E
+from testbed.wait import wait_until
 from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy
 
 
@@ -72,7 +73,11 @@ def test_config_set_takes_effect_on_the_next_hang_refuses_bad_values_and_survive
         assert stored(store).config.hang_timeout_floor_s == 30.0  # the first leader seeded its file's
         for step in range(1, 4):
             put_progress(store, 1, step)
-            time.sleep(0.05)
+            wait_until(
+                lambda: shell.status is not None and shell.status.current_step >= step,
+                10,
+                f"step {step} seen",
+            )  # noqa: B023
         with api(shell) as address:
             capsys.readouterr()
             # refused, naming the key; nothing changed in etcd or in the core
