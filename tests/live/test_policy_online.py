@@ -74,10 +74,10 @@ def test_config_set_takes_effect_on_the_next_hang_refuses_bad_values_and_survive
         for step in range(1, 4):
             put_progress(store, 1, step)
             wait_until(
-                lambda: shell.status is not None and shell.status.current_step >= step,
+                lambda: shell.status is not None and shell.status.current_step >= step,  # noqa: B023 - used at once
                 10,
                 f"step {step} seen",
-            )  # noqa: B023
+            )
         with api(shell) as address:
             capsys.readouterr()
             # refused, naming the key; nothing changed in etcd or in the core
