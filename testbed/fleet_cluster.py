@@ -24,6 +24,7 @@ from typing import Any
 
 from runwarden import certs
 from runwarden.eventlog import LogEntry, read_events
+from runwarden.keys import KeySchema, run_election
 from testbed.etcd_server import EtcdServer, EtcdTls
 from testbed.fleet import Fleet, FleetError, Host, crash
 
@@ -584,6 +585,12 @@ class FleetCluster(ClusterBase):
         prefix = "/runwarden/v1/nodes/"
         out = self.etcdctl("get", "--prefix", "--keys-only", prefix)
         return {line[len(prefix) :] for line in out.stdout.split() if line.startswith(prefix)}
+
+    def contenders(self) -> set[str]:
+        """The identities of the controllers standing in the run's election now (the leader's included)."""
+        prefix = KeySchema().election(run_election(self.spec.run))
+        out = self.etcdctl("get", "--prefix", "--print-value-only", prefix)
+        return set(out.stdout.split()) if out.returncode == 0 else set()
 
     def wait_registered(self, timeout_s: float = 60.0) -> float:
         """Until every agent is registered in etcd; returns the seconds it took. FleetError on timeout."""

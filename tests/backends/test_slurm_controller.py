@@ -252,8 +252,10 @@ def slurm_faulted(
     run = _SlurmRun(slurm_cluster_module, etcd_module, tmp, free_port(), spec)
     try:
         run.start()
-        assert run.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, run.tail()
-        time.sleep(1)
+        first = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150)
+        assert first is not None, run.tail()
+        # steady training before the faults: a checkpoint committed after the first step
+        assert run.wait_for_event(E.EVENT_KIND_CHECKPOINT_COMMIT, first.seq, 120) is not None, run.tail()
         # node rank 0 hosts the c10d store: losing it moves the rendezvous to another node.
         injections = run_faults(
             run,

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 
 from examples.cluster import leftover_processes  # noqa: E402
 from examples.demo import Injection, current_nodes, inject, last_seq, recoveries  # noqa: E402
+from runwarden.eventlog import LogEntry  # noqa: E402
 from runwarden.v1 import events_pb2  # noqa: E402
 from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
 from testbed.fleet_cluster import (  # noqa: E402
@@ -151,6 +152,11 @@ def _tail(run: RayRun) -> str:
     return (run.run_dir / "controller.log").read_text(errors="replace")[-4000:]
 
 
+def _wait_commit_after(run: RayRun, first_step: LogEntry) -> None:
+    """Steady training before the next fault: a checkpoint committed after the attempt's first step."""
+    assert run.wait_for_event(E.EVENT_KIND_CHECKPOINT_COMMIT, first_step.seq, 120) is not None, _tail(run)
+
+
 @pytest.fixture(scope="module")
 def faulted(
     tmp_path_factory: pytest.TempPathFactory,
@@ -162,9 +168,10 @@ def faulted(
     try:
         started = time.monotonic()
         run.start()
-        assert run.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, _tail(run)
+        first = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150)
+        assert first is not None, _tail(run)
         facts["first_step_s"] = time.monotonic() - started
-        time.sleep(1)
+        _wait_commit_after(run, first)
         for fault in FAULTS:
             nodes = current_nodes(run)
             mark = last_seq(run)
@@ -174,10 +181,12 @@ def faulted(
                 run.lose_ray_node(victim)
             else:
                 victim = inject(run, fault, nodes)
-            recovered = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, 90) is not None
-            injections.append(Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=recovered))
-            assert recovered, f"{fault}: no recovery\n{_tail(run)}"
-            time.sleep(1.5)
+            first = run.wait_for_event(E.EVENT_KIND_FIRST_STEP, mark, 90)
+            injections.append(
+                Injection(fault=fault, node=victim, at=at, after_seq=mark, recovered=first is not None)
+            )
+            assert first is not None, f"{fault}: no recovery\n{_tail(run)}"
+            _wait_commit_after(run, first)
         run.ctl("stop", spec.run, "--reason", "test finished")
         assert run.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90) is not None, _tail(run)
         deadline = time.monotonic() + 30

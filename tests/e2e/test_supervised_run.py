@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +72,12 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
             cluster = LocalCluster(root / "cluster", spec)
         try:
             cluster.start()
-            assert cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150) is not None, _tail(cluster)
-            time.sleep(1)
+            first = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 150)
+            assert first is not None, _tail(cluster)
+            # steady training before the faults: a checkpoint committed after the first step
+            assert cluster.wait_for_event(E.EVENT_KIND_CHECKPOINT_COMMIT, first.seq, 120) is not None, _tail(
+                cluster
+            )
             injections = run_faults(cluster, list(FAULTS), timeout_s=90, victim_ranks=victims)
             cluster.ctl("stop", cluster.spec.run, "--reason", "test finished")
             assert cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90) is not None, _tail(cluster)

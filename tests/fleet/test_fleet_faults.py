@@ -9,6 +9,7 @@ show. The loss of the whole run still equals an uninterrupted run of the same se
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from testbed.fleet import (
 )
 from testbed.fleet import available as fleet_available
 from testbed.fleet_cluster import ClusterSpec, FleetCluster
+from testbed.wait import wait_until
 from tests.e2e.five_faults import assert_losses_equal_an_uninterrupted_run
 
 E = events_pb2
@@ -88,8 +90,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         sc = Scenario(cluster=cluster)
         try:
             cluster.start()
-            _first_step_after(cluster, 0, 150)
-            time.sleep(2)
+            first = _first_step_after(cluster, 0, 150)
+            # steady training before the first fault: a checkpoint committed after the first step
+            commit = cluster.wait_for_event(E.EVENT_KIND_CHECKPOINT_COMMIT, first.seq, 120)
+            assert commit is not None, cluster.controller_log()[-3000:]
             # 1. A host partitioned mid-run (node rank 1): its agent fences itself; a spare replaces it.
             victim = _launch_nodes(cluster)[1]
             sc.nodes["partitioned"] = victim
@@ -132,10 +136,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
                 lambda e: "reconciled from the store" in e.message,
             )  # fmt: skip
             sc.notes["standby_took_over_s"] = (took.ts - sc.marks["leader"]) if took else None
-            time.sleep(3)
+            with contextlib.suppress(AssertionError):  # the test below says what was seen
+                wait_until(lambda: cluster.leader() == other, 30, f"{other} to lead in the controllers' logs")
             sc.notes["new_leader"] = cluster.leader()
             heal(cluster.controller_host_of(leader))
-            time.sleep(2)
+            # the healed controller is back in the election (a standby now) before the run is stopped
+            wait_until(
+                lambda: leader in cluster.contenders(),
+                60,
+                f"{leader} to campaign again after the heal",
+                interval_s=0.5,
+                detail=lambda: cluster.controller_log(leader)[-3000:],
+            )
             cluster.ctl("stop", spec.run, "--reason", "test finished", host=cluster.controller_host_of(other))
             cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90)
         finally:
