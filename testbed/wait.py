@@ -24,7 +24,7 @@ def wait_until(
     timeout_s: float,
     what: str,
     *,
-    interval_s: float = 0.05,
+    interval_s: float = 0.02,
     detail: Callable[[], object] | None = None,
 ) -> T:
     """The first truthy value of `condition()`; AssertionError naming `what` after `timeout_s`."""

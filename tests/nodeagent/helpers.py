@@ -6,28 +6,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runwarden.v1 import agent_pb2_grpc
+from testbed.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
+wait_for = wait_until  # the nodeagent tests' name for testbed's wait
 
 
 class AgentProc:

@@ -1,4 +1,4 @@
-"""Helpers for the store tests: peer processes with timestamped output, and waiting for conditions."""
+"""Helpers for the store tests: peer processes with timestamped output."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,11 +80,3 @@ class Peer:
         if self.process.poll() is None or self.process.stderr is None:
             return "(still running)"
         return self.process.stderr.read()[-2000:]
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)

@@ -9,7 +9,7 @@ import pytest
 
 from runwarden.store import Relisted, Store, StoreConfig, StoreError, StoreUnavailable, WatchEvent
 from testbed.etcd_server import EtcdServer
-from tests.store.helpers import wait_until
+from testbed.wait import wait_until
 
 PASSWORD = "s3cret-Passw0rd"
 

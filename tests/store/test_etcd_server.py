@@ -13,7 +13,8 @@ import pytest
 from runwarden.store import Store, StoreConfig
 from testbed import etcd_server
 from testbed.etcd_server import EtcdServer, EtcdServerError
-from tests.store.helpers import REPO, wait_until
+from testbed.wait import wait_until
+from tests.store.helpers import REPO
 
 
 def _alive(pid: int) -> bool:

@@ -11,7 +11,8 @@ import pytest
 
 from runwarden.store import EventType, Relisted, Store, WatchEvent
 from testbed.etcd_server import EtcdServer
-from tests.store.helpers import Peer, wait_until
+from testbed.wait import wait_until
+from tests.store.helpers import Peer
 
 TTL_S = 2
 # etcd checks lease expiry every 500 ms, so a DELETE comes up to TTL + 0.5 s after the last refresh,

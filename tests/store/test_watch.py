@@ -7,7 +7,7 @@ import time
 
 from runwarden.store import EventType, Relisted, Store, StoreConfig, StoreUnavailable, WatchEvent
 from testbed.etcd_server import EtcdServer
-from tests.store.helpers import wait_until
+from testbed.wait import wait_until
 
 
 def _history(etcd: EtcdServer, prefix: str, last_revision: int) -> list[WatchEvent]:
