@@ -23,8 +23,8 @@ def wait_until(
     condition: Callable[[], T | None],
     timeout_s: float,
     what: str,
-    *,
     interval_s: float = 0.02,
+    *,
     detail: Callable[[], object] | None = None,
 ) -> T:
     """The first truthy value of `condition()`; AssertionError naming `what` after `timeout_s`."""
@@ -55,6 +55,5 @@ def wait_contender(store: Store | str, run: str, identity: str, timeout_s: float
         lambda: identity in contenders(),
         timeout_s,
         f"{identity} to campaign in run {run}'s election",
-        interval_s=0.02,
         detail=lambda: f"contenders: {contenders()}",
     )

@@ -122,7 +122,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecoderRun]:
         injections += run_faults(cluster, ["crash"], timeout_s=90, victim_ranks={"crash": SKIP_RNG_VICTIM})
         div = cluster.wait_for_event(E.EVENT_KIND_DIVERGENCE, injections[-1].after_seq, 60)
         assert div is not None, _tail(cluster)
-        time.sleep(REPORT_INTERVAL_S)
+        # the last attempt's losses in the durable record (a LOSS_RECORD after the divergence) before the stop
+        kept = cluster.wait_for_event(
+            E.EVENT_KIND_LOSS_RECORD, div.seq, 60, pred=lambda e: e.attempt == div.attempt
+        )
+        assert kept is not None, _tail(cluster)
         cluster.ctl("stop", spec.run, "--reason", "test finished")
         assert cluster.wait_for_event(E.EVENT_KIND_RUN_END, 0, 90) is not None, _tail(cluster)
     finally:
