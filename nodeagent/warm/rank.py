@@ -19,6 +19,11 @@ kills the attempt's own children, frees what it does not keep on the GPU (`relea
 (nodeagent.trainer.memory_state's in-memory copies). A rank still inside the attempt
 LEAVE_STACKS_AFTER_S after an abort prints every thread's stack to the agent's log.
 
+An abort is level-triggered: it holds until the attempt has unwound. Every LEAVE_RESCAN_S the rank
+shuts the sockets the attempt opened since (a process group built after the abort, a pair gloo
+connects late, a store reconnect), so no collective or store call can block on a peer after it;
+an abort that arrives while a hand-off waits in the queue ends that attempt before its script runs.
+
 CUDA: a fresh parked rank never touches CUDA (it checks `torch.cuda.is_initialized()` is False
 before it first says ready) and nothing forks after the import. Environment read at interpreter
 start-up or at torch's import cannot be changed after the fact (the agent sends such launches
@@ -65,6 +70,8 @@ from nodeagent.warm.protocol import (
 # A rank still inside the attempt this long after an abort prints every thread's stack (stderr: the
 # agent's log), so a rank the agent then kills for missing its park bound (3 s) says where it was.
 LEAVE_STACKS_AFTER_S = 1.5
+# How often an aborted attempt's new sockets are looked for and shut until it has unwound.
+LEAVE_RESCAN_S = 0.02
 PREFIX = "runwarden-warm"
 
 
@@ -156,6 +163,12 @@ class WarmRank:
         self.in_attempt = False
         self.before: set[str] = set()
         self.last_attempt = -1  # the fence: a hand-off for this attempt or an older one is refused
+        # Hand-offs queued (control thread) and taken (main thread), counted under the lock: an abort
+        # covers every hand-off queued before it, also one the main thread has not taken yet.
+        self.queued = 0
+        self.taken = 0
+        self.aborted_through = 0
+        self.aborted = False  # the running attempt was aborted: its sockets are shut until it ends
 
     def say(self, line: str) -> None:
         os.write(self.status_fd, (line + "\n").encode())
@@ -174,6 +187,8 @@ class WarmRank:
             if line == ABORT:
                 self.abort()
             elif line:
+                with self.lock:
+                    self.queued += 1
                 self.handoffs.put(line)
 
     def abort(self) -> None:
@@ -181,10 +196,13 @@ class WarmRank:
         so every collective and store call of this rank fails at once and the script unwinds; on
         other backends than gloo the process group's own abort too (NCCL: ncclCommAbort)."""
         with self.lock:
-            if not self.in_attempt:
+            self.aborted_through = self.queued
+            if not self.in_attempt or self.aborted:
                 return
+            self.aborted = True
             shut = shut_sockets(self.before)
             faulthandler.dump_traceback_later(LEAVE_STACKS_AFTER_S, exit=False, file=sys.stderr)
+        threading.Thread(target=self.keep_shut, name="runwarden-warm-leave", daemon=True).start()
         print(f"runwarden warm: leaving the attempt: {shut} socket(s) shut", file=sys.stderr, flush=True)
         import torch.distributed as dist
 
@@ -194,7 +212,18 @@ class WarmRank:
         except Exception as exc:  # the sockets are what gloo needs; an abort that fails changes nothing
             print(f"runwarden warm: process group abort: {exc}", file=sys.stderr, flush=True)
 
+    def keep_shut(self) -> None:
+        """Until the aborted attempt has unwound: shut each socket it opens after the abort's scan."""
+        while True:
+            with self.lock:
+                if not self.aborted:
+                    return
+                shut_sockets(self.before)
+            time.sleep(LEAVE_RESCAN_S)
+
     def run_attempt(self, data: bytes) -> int:
+        with self.lock:
+            self.taken += 1
         try:
             handoff = parse_handoff(data)
         except HandOffError as exc:
@@ -209,10 +238,19 @@ class WarmRank:
             )
             return EXIT_FENCED
         self.last_attempt = handoff.attempt
-        saved = _ProcessState()
         with self.lock:
-            self.before = set(attempt_sockets().values())
-            self.in_attempt = True
+            aborted_before_start = self.taken <= self.aborted_through
+            if not aborted_before_start:
+                self.before = set(attempt_sockets().values())
+                self.in_attempt = True
+        if aborted_before_start:
+            print(
+                f"runwarden warm: attempt {handoff.attempt} was aborted before it started",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        saved = _ProcessState()
         held: list[Any] = []  # the store: closed with the attempt, so the next one can host its own
         try:
             rank, world_size, store = rendezvous(handoff.rendezvous)
@@ -232,6 +270,7 @@ class WarmRank:
         finally:
             with self.lock:
                 self.in_attempt = False
+                self.aborted = False
                 faulthandler.cancel_dump_traceback_later()
                 # whatever of the attempt still waits on a peer (an async save's collective on its own
                 # group, say) fails now instead of holding the teardown
