@@ -13,10 +13,12 @@ network-namespace host (mTLS, the collectives on each host's eth0; needs root). 
 fault list into one cluster before starting a fresh one. Phases are read from the event log:
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
-first step (-> FIRST_STEP). With `--warm on|both`, every agent keeps warm workers (parked ranks,
-torch imported; healthy hosts keep their processes across the restart, nodeagent/warm/rank.py): each row
-also counts the nodes whose processes were kept (`kept_nodes`) and whose state came from their own
-memory (`memory_nodes`).
+first step (-> FIRST_STEP). By default the deployment is the demo's (examples/demo.demo_cluster):
+preflight and the agents' warm-worker setting at their shipped defaults (`--preflight test`: the test
+clusters' cut-down preflight; `--fleet` always runs those). With `--warm on|off|both` the agents' warm
+workers are set explicitly (parked ranks, torch imported; healthy hosts keep their processes across the
+restart, nodeagent/warm/rank.py): each row also counts the nodes whose processes were kept
+(`kept_nodes`) and whose state came from their own memory (`memory_nodes`).
 
     flock /tmp/runwarden-heavy.lock .venv/bin/python bench/bench_faults.py --warm both --trials 5 \
         --per-run 5 --out bench/results/bench_faults_warm.json
@@ -103,9 +105,11 @@ def one_run(
     rounds: int,
     timeout_s: float,
     fleet: bool = False,
-    warm: bool = False,
+    warm: bool | None = None,
     settle_s: float = 1.0,
+    shipped_preflight: bool = True,
 ) -> list[tuple[str, dict[str, float] | None]]:
+    """One cluster, `rounds` rounds of `faults`; warm None: the agents' shipped default."""
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
     if rounds > 1:
         # Many faults on six nodes: without this the "failed twice in a week stays out" rule holds
@@ -113,11 +117,13 @@ def one_run(
         policy["hold_after_failures"] = 1000
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp, contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
+        # warm None: the key is not set, the agents run their shipped default
+        spec = ClusterSpec(policy=policy) if warm is None else ClusterSpec(policy=policy, warm_workers=warm)
         if fleet:
             hosts = stack.enter_context(Fleet(default_prefix()))
-            cluster = FleetCluster(hosts, Path(tmp) / "c", ClusterSpec(policy=policy, warm_workers=warm))
+            cluster = FleetCluster(hosts, Path(tmp) / "c", spec)
         else:
-            cluster = LocalCluster(Path(tmp) / "c", ClusterSpec(policy=policy, warm_workers=warm))
+            cluster = LocalCluster(Path(tmp) / "c", spec, shipped_preflight=shipped_preflight)
         try:
             cluster.start()
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
@@ -144,21 +150,29 @@ def main() -> int:
     p.add_argument("--fleet", action="store_true", help="across network-namespace hosts (root)")
     p.add_argument(
         "--warm",
-        choices=("off", "on", "both"),
-        default="off",
-        help="the agents' warm workers; both: cold and warm clusters alternate, one result per mode",
+        choices=("default", "off", "on", "both"),
+        default="default",
+        help="the agents' warm workers (default: as shipped); both: cold and warm clusters alternate, "
+        "one result per mode",
+    )
+    p.add_argument(
+        "--preflight",
+        choices=("shipped", "test"),
+        default="shipped",
+        help="preflight's shipped defaults, or the test clusters' cut-down settings",
     )
     p.add_argument(
         "--settle",
         type=float,
-        default=1.0,
+        default=20.0,
         help="seconds of training before the first fault (warm: the standby groups park meanwhile)",
     )
     args = p.parse_args()
     if args.settle < 0:
         p.error("--settle: seconds, >= 0")
     faults = [f for f in args.faults.split(",") if f]
-    modes = {"off": ["cold"], "on": ["warm"], "both": ["cold", "warm"]}[args.warm]
+    modes = {"default": ["default"], "off": ["cold"], "on": ["warm"], "both": ["cold", "warm"]}[args.warm]
+    warm_of: dict[str, bool | None] = {"default": None, "cold": False, "warm": True}
     samples = {m: {f: [] for f in faults} for m in modes}
     failures = {m: dict.fromkeys(faults, 0) for m in modes}
     t0 = time.time()
@@ -171,7 +185,13 @@ def main() -> int:
             # The last cluster runs only the rounds still missing (5 trials at 3 per run: 3 + 2).
             rounds = min(args.per_run, args.trials - done(mode))
             for fault, ph in one_run(
-                faults, rounds, args.timeout, args.fleet, warm=mode == "warm", settle_s=args.settle
+                faults,
+                rounds,
+                args.timeout,
+                args.fleet,
+                warm=warm_of[mode],
+                settle_s=args.settle,
+                shipped_preflight=args.preflight == "shipped",
             ):
                 if ph is None:
                     failures[mode][fault] += 1
@@ -201,7 +221,7 @@ def report(
     result: dict[str, object] = {"wall_s": wall_s}
     if len(per_mode) == 1:
         ((mode, faults),) = per_mode.items()
-        result |= {"warm_workers": mode == "warm", "faults": faults}
+        result |= {"warm_workers": {"default": "shipped default"}.get(mode, mode == "warm"), "faults": faults}
     else:
         ratios = {}
         for fault, cold in per_mode["cold"].items():

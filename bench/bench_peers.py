@@ -7,8 +7,12 @@
 Every trial is a fresh deployment of one tool running examples/train.py (4 "nodes" x 1 rank, gloo on
 CPU; runwarden also has its 2 spares): torchrun (TorchElastic, --max-restarts=3, c10d rendezvous, one
 agent per node) at its defaults and with a 10 s process-group timeout; NVRx's ft_launcher (heartbeats,
-10 s rank timeout); runwarden with the demo's settings (bench/peers/ has each adapter). Once the job has
-committed a checkpoint the fault is injected into rank 1 (node 1), the same way for every tool:
+10 s rank timeout); runwarden as the demo deploys it, at its shipped defaults (warm workers as the agent
+ships them; bench/peers/ has each adapter). The fault comes once the job has settled, the same for
+every tool: every rank has logged step WARM_STEP (past the first committed checkpoint) and `--settle`
+seconds (20 by default) have passed since the job's first step, so each tool has finished what it does
+after a start (runwarden's agents park their standby groups). It is injected into rank 1, the same way
+for every tool:
 
     crash            SIGKILL the rank's process
     hang             SIGSTOP the rank's process
@@ -67,7 +71,8 @@ FAULTS = ("crash", "hang", "node-lost", "node-lost-store", "straggler")
 TOOLS = ("torchrun", "torchrun-10s", "nvrx", "runwarden")
 WORLD = 4
 VICTIM_RANK = 1
-WARM_STEP = 14  # inject once every rank has logged this step (the first checkpoint is at 10)
+WARM_STEP = 14  # inject once every rank has logged this step (the first checkpoint is at 10) ...
+SETTLE_S = 20.0  # ... and this long after the job's first step (the module docstring says why)
 STEPS_AFTER_RECOVERY = 3
 LOSS_RTOL = 1e-6
 RESTART_LAUNCHER_AFTER_S = 8.0  # as the demo: systemd's Restart=always brings a dead agent back
@@ -204,7 +209,9 @@ class Deployment:
             pid = impl.rank_pid(VICTIM_RANK)
             if pid is None:
                 raise RuntimeError(f"rank {VICTIM_RANK} has no process")
-            node = node_of_worker(pid) or impl.node_of_rank(VICTIM_RANK)
+            # c10d hands out ranks in join order: the node is the one the rank's pid runs on
+            found = impl.node_of_pid(pid) if isinstance(impl, RunwardenDeployment) else node_of_worker(pid)
+            node = found or impl.node_of_rank(VICTIM_RANK)
             at = time.time()
             os.kill(pid, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
             return at, node
@@ -231,11 +238,13 @@ class Deployment:
         return node in self.impl.nodes_training()
 
 
-def wait_warm(tail: Tail, dep: Deployment, timeout_s: float) -> bool:
+def wait_warm(tail: Tail, dep: Deployment, timeout_s: float, settle_s: float = 0.0) -> bool:
+    """Whether the job settled within `timeout_s`: every rank logged WARM_STEP and `settle_s` seconds
+    have passed since the first step every rank logged."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = completions(step_entries(tail.snapshot()), 0.0)
-        if done and max(s for _, s in done) >= WARM_STEP:
+        if done and max(s for _, s in done) >= WARM_STEP and time.time() >= done[0][0] + settle_s:
             return True
         if not dep.impl.alive():
             return False
@@ -244,7 +253,13 @@ def wait_warm(tail: Tail, dep: Deployment, timeout_s: float) -> bool:
 
 
 def run_trial(
-    tool: str, fault: str, rnd: int, cap_s: float, reference: dict[tuple[int, int], float], workdir: Path
+    tool: str,
+    fault: str,
+    rnd: int,
+    cap_s: float,
+    reference: dict[tuple[int, int], float],
+    workdir: Path,
+    settle_s: float | None = None,
 ) -> Trial:
     t_start = time.time()
     root = Path(tempfile.mkdtemp(prefix=f"peer-{tool}-{fault}-", dir=workdir))
@@ -256,7 +271,8 @@ def run_trial(
     stopped = False
     try:
         dep.impl.start()
-        if not wait_warm(tail, dep, 240):
+        settle = SETTLE_S if settle_s is None else settle_s
+        if not wait_warm(tail, dep, 240 + settle, settle):
             left_procs, stopped = dep.impl.stop(), True
             return failed_trial(tool, fault, rnd, "not started", len(left_procs), time.time() - t_start)
         base = base_step_time(step_entries(tail.snapshot()), time.time())
@@ -542,7 +558,9 @@ def markdown(results: dict[str, object]) -> str:
     return "\n".join(out)
 
 
-def environment(tools: Sequence[str], cap_s: float, argv: Sequence[str]) -> dict[str, object]:
+def environment(
+    tools: Sequence[str], cap_s: float, settle_s: float, argv: Sequence[str]
+) -> dict[str, object]:
     configs: dict[str, object] = {
         name: peer.config() for name, peer in peer_configs().items() if name in tools
     }
@@ -560,6 +578,7 @@ def environment(tools: Sequence[str], cap_s: float, argv: Sequence[str]) -> dict
         "world": f"{WORLD} nodes x 1 rank (runwarden: +2 spares)",
         "victim_rank": VICTIM_RANK,
         "warm_step": WARM_STEP,
+        "settle_s": settle_s,
         "job": job_args(Path("<trial>")),
         "configs": configs,
     }
@@ -582,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--trials", type=int, default=5, help="trials per (tool, fault)")
     p.add_argument("--cap", type=float, default=120.0, help="seconds after the fault before a trial gives up")
+    p.add_argument(
+        "--settle", type=float, default=SETTLE_S, help="seconds after the job's first step before the fault"
+    )
     p.add_argument("--reference-steps", type=int, default=150, help="0: no reference run (own losses only)")
     p.add_argument(
         "--budget", type=float, default=0.0, help="start no trial after this many seconds (0: none)"
@@ -612,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         hh, mm = (int(x) for x in args.end_by.split(":"))
         now = time.localtime()
         end_by = time.mktime((now.tm_year, now.tm_mon, now.tm_mday, hh, mm, 0, 0, 0, -1))
-    env = environment(tools, args.cap, ["bench/bench_peers.py", *(sys.argv[1:] if argv is None else argv)])
+    env = environment(
+        tools, args.cap, args.settle, ["bench/bench_peers.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     print(json.dumps(env, indent=1), flush=True)
     reference = reference_losses(args.reference_steps, args.workdir) if args.reference_steps > 0 else {}
     print(f"reference run: {len(reference)} losses", flush=True)
@@ -631,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                     print_table(summarize(trials, args.cap))
                     return 0
                 try:
-                    trial = run_trial(tool, fault, rnd, args.cap, reference, args.workdir)
+                    trial = run_trial(tool, fault, rnd, args.cap, reference, args.workdir, args.settle)
                 except Exception as exc:  # one broken trial is a result too; the others go on
                     trial = failed_trial(tool, fault, rnd, f"error: {type(exc).__name__}: {exc}")
                 trials.append(trial)

@@ -4,6 +4,8 @@ Used by the demo (`examples/demo.py`) and by the end-to-end tests. Every part is
 program with its real CLI and config file, started as a process exactly as systemd would start it
 (`nodeagent --config`, `controller run --config`); nothing here reaches into their internals.
 Each "node" is an agent on its own loopback port with its own state directory and unix socket.
+Preflight runs either the shipped defaults with only what the deployment must say (`shipped_preflight`:
+the demo, a user's first run) or the test clusters' cut-down settings (the tests' default).
 """
 
 from __future__ import annotations
@@ -30,15 +32,26 @@ from testbed.fleet_cluster import (
     write_toml,
 )
 
-__all__ = ["REPO", "ClusterSpec", "LocalCluster", "kill_strays", "leftover_processes", "write_toml"]
+__all__ = [
+    "REPO",
+    "ClusterSpec",
+    "LocalCluster",
+    "deployment_preflight_settings",
+    "kill_strays",
+    "leftover_processes",
+    "write_toml",
+]
 
 
 class LocalCluster(ClusterBase):
     """Start with `start()`, stop with `stop()` (or use as a context manager). Leaves no process."""
 
-    def __init__(self, root: Path, spec: ClusterSpec | None = None) -> None:
+    def __init__(
+        self, root: Path, spec: ClusterSpec | None = None, *, shipped_preflight: bool = False
+    ) -> None:
         self.root = root.resolve()
         self.spec = spec or ClusterSpec()
+        self.shipped_preflight = shipped_preflight
         self.etcd: EtcdServer | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.controller: subprocess.Popen[bytes] | None = None
@@ -68,7 +81,12 @@ class LocalCluster(ClusterBase):
         return self
 
     def _write_preflight_config(self) -> None:
-        write_toml(self.root / "preflight.toml", preflight_settings(self.ckpt_dir))
+        settings = (
+            deployment_preflight_settings(self.ckpt_dir)
+            if self.shipped_preflight
+            else preflight_settings(self.ckpt_dir)
+        )
+        write_toml(self.root / "preflight.toml", settings)
 
     def agent_config(self, node: str) -> Path:
         assert self.etcd is not None
@@ -188,6 +206,12 @@ class LocalCluster(ClusterBase):
 
     def ctl(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         return controllerctl(self.controller_address, *args, timeout=timeout)
+
+
+def deployment_preflight_settings(ckpt_dir: Path) -> dict[str, dict[str, object]]:
+    """preflight.toml as a deployment writes it: the shipped defaults (preflight/defaults.toml) plus
+    what only the deployment knows, the checkpoint path the storage check probes. No tuning."""
+    return {"storage": {"checkpoint_path": str(ckpt_dir)}}
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:

@@ -178,7 +178,12 @@ def run_faults(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Recovery:
-    """What the controller did about one injected fault, read back from the event log."""
+    """What the controller did about one injected fault, read back from the event log.
+
+    The phases of the recovery, each from the end of the one before: detect (fault -> detection),
+    verdict (detection -> the decision to relaunch: the RESTART event, else the blame), launch
+    (decision -> the launch of the attempt that trained again: backoff, preflight, spares), load
+    (launch -> every node loaded its checkpoint), first step (loaded -> the first new step)."""
 
     injection: Injection
     detection: LogEntry | None
@@ -187,6 +192,10 @@ class Recovery:
     spare: str
     launch: LogEntry | None
     first_step: LogEntry | None
+    restart: LogEntry | None = None  # the supervisor's decision to relaunch
+    trained_launch: LogEntry | None = None  # the launch of the attempt whose first step is first_step
+    load_done: LogEntry | None = None  # that attempt's "every node loaded"
+    workers_started: LogEntry | None = None  # that attempt's launch path per node (warm / cold)
 
     @property
     def detect_s(self) -> float:
@@ -196,6 +205,40 @@ class Recovery:
     def first_step_s(self) -> float:
         return self.first_step.ts - self.injection.at if self.first_step else float("nan")
 
+    @property
+    def decision(self) -> LogEntry | None:
+        return self.restart or self.attribution
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase (nan where an event is missing): detect, verdict, launch, load, first
+        step, and total (fault -> first new step)."""
+        marks = [
+            self.injection.at,
+            self.detection.ts if self.detection else None,
+            self.decision.ts if self.decision else None,
+            self.trained_launch.ts if self.trained_launch else None,
+            self.load_done.ts if self.load_done else None,
+            self.first_step.ts if self.first_step else None,
+        ]
+        names = ("detect", "verdict", "launch", "load", "first step")
+        out = {
+            name: (b - a if a is not None and b is not None else float("nan"))
+            for name, a, b in zip(names, marks[:-1], marks[1:], strict=True)
+        }
+        out["total"] = self.first_step_s
+        return out
+
+    @property
+    def launch_path(self) -> str:
+        """How the relaunched attempt's nodes started their ranks: "warm", "cold", "warm 3/4"."""
+        if self.workers_started is None:
+            return "-"
+        paths = [n.path or "?" for n in self.workers_started.workers_started.nodes]
+        warm = paths.count("warm")
+        if warm == len(paths):
+            return "warm"
+        return "cold" if warm == 0 else f"warm {warm}/{len(paths)}"
+
 
 def recoveries(events: list[LogEntry], injections: list[Injection]) -> list[Recovery]:
     out = []
@@ -203,21 +246,39 @@ def recoveries(events: list[LogEntry], injections: list[Injection]) -> list[Reco
     for inj, end in zip(injections, bounds, strict=True):
         window = [e for e in events if inj.after_seq < e.seq <= end]
 
-        def first(kind: int, window: list[LogEntry] = window) -> LogEntry | None:
-            return next((e for e in window if e.kind == kind), None)
+        def first(kind: int, window: list[LogEntry] = window, attempt: int | None = None) -> LogEntry | None:
+            return next(
+                (e for e in window if e.kind == kind and (attempt is None or e.attempt == attempt)), None
+            )
 
         spare = first(E.EVENT_KIND_SPARE_TAKEN)
+        first_step = first(E.EVENT_KIND_FIRST_STEP)
+        # the attempt that trained again (an earlier launch of the window may have failed)
+        trained = first_step.attempt if first_step else None
+        detection = first(E.EVENT_KIND_DETECTION)
+        restart = next(
+            (
+                e
+                for e in window
+                if e.kind == E.EVENT_KIND_RESTART and (not detection or e.seq > detection.seq)
+            ),
+            None,
+        )
         out.append(
             Recovery(
                 injection=inj,
-                detection=first(E.EVENT_KIND_DETECTION),
+                detection=detection,
                 attribution=first(E.EVENT_KIND_ATTRIBUTION),
                 quarantined=any(
                     e.kind == E.EVENT_KIND_QUARANTINE and e.quarantine.node == inj.node for e in window
                 ),
                 spare=spare.spare.node if spare else "",
                 launch=first(E.EVENT_KIND_LAUNCH),
-                first_step=first(E.EVENT_KIND_FIRST_STEP),
+                first_step=first_step,
+                restart=restart,
+                trained_launch=first(E.EVENT_KIND_LAUNCH, attempt=trained) if trained else None,
+                load_done=first(E.EVENT_KIND_LOAD_DONE, attempt=trained) if trained else None,
+                workers_started=first(E.EVENT_KIND_WORKERS_STARTED, attempt=trained) if trained else None,
             )
         )
     return out
@@ -226,8 +287,8 @@ def recoveries(events: list[LogEntry], injections: list[Injection]) -> list[Reco
 def print_recoveries(rs: list[Recovery]) -> None:
     print("\n=== per fault ===")
     head = (
-        f"{'fault':<10} {'node':<6} {'detector':<10} {'detect':>7} {'blamed':<8} {'method':<16} {'quar':<5} "
-        f"{'spare':<6} {'attempt':>7} {'resumed':>7} {'1st step':>8} {'after':>7}"
+        f"{'fault':<10} {'node':<6} {'detector':<10} {'blamed':<8} {'method':<16} {'quar':<5} "
+        f"{'spare':<6} {'attempt':>7} {'resumed':>7} {'1st step':>8} {'path':<9}"
     )
     print(head)
     for r in rs:
@@ -237,13 +298,43 @@ def print_recoveries(rs: list[Recovery]) -> None:
             else "-"
         )
         sus = r.attribution.attribution.suspects if r.attribution else []
+        launch = r.trained_launch or r.launch
         print(
-            f"{r.injection.fault:<10} {r.injection.node:<6} {det:<10} {r.detect_s:6.1f}s "
+            f"{r.injection.fault:<10} {r.injection.node:<6} {det:<10} "
             f"{sus[0].node if sus else '-':<8} {r.attribution.attribution.method if r.attribution else '-':<16} "
             f"{'yes' if r.quarantined else 'no':<5} {r.spare or '-':<6} "
-            f"{r.launch.attempt if r.launch else '-':>7} {r.launch.launch.resume_step if r.launch else '-':>7} "
-            f"{r.first_step.step if r.first_step else '-':>8} {r.first_step_s:6.1f}s"
+            f"{launch.attempt if launch else '-':>7} {launch.launch.resume_step if launch else '-':>7} "
+            f"{r.first_step.step if r.first_step else '-':>8} {r.launch_path:<9}"
         )
+    print_phases(rs)
+
+
+def print_phases(rs: list[Recovery]) -> None:
+    """Seconds per phase of each recovery, from the event log (Recovery's docstring says where each
+    phase starts and ends)."""
+    print("\n=== per fault: seconds from the fault to the first new step, by phase ===")
+    names = ("detect", "verdict", "launch", "load", "first step", "total")
+    print(f"{'fault':<10} " + " ".join(f"{n:>10}" for n in names))
+    for r in rs:
+        ph = r.phases()
+        print(f"{r.injection.fault:<10} " + " ".join(f"{ph[n]:>9.1f}s" for n in names))
+    print(
+        "detect: fault -> detection; verdict: -> decision to relaunch; launch: -> launch (backoff, "
+        "preflight, spare); load: -> every node loaded; first step: -> first new step"
+    )
+
+
+def demo_spec() -> ClusterSpec:
+    """The demo's deployment: the shipped defaults but for one policy key. A persistent straggler is
+    stopped at once here (kill_stragglers_mid_run); by default it is only quarantined at the next
+    restart, which a short demo might never reach."""
+    return ClusterSpec(policy={"kill_stragglers_mid_run": True})
+
+
+def demo_cluster(root: Path) -> LocalCluster:
+    """The demo's cluster in `root`: preflight at its shipped defaults, as a user's deployment runs it
+    (not the test clusters' cut-down settings), the agents at theirs."""
+    return LocalCluster(root, demo_spec(), shipped_preflight=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,10 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in faults if f not in FAULTS]
     if bad:
         p.error(f"unknown fault(s) {bad}; choose from {FAULTS}")
-    # A persistent straggler is stopped at once here (kill_stragglers_mid_run); by default it is only
-    # quarantined at the next restart, which a short demo might never reach.
-    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
-    cluster = LocalCluster(args.dir, spec)
+    cluster = demo_cluster(args.dir)
+    spec = cluster.spec
     t0 = time.time()
     print(
         f"runwarden demo: etcd, {spec.active + spec.spares} node agents ({spec.spares} spares), controller; "

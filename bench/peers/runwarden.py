@@ -1,8 +1,13 @@
-"""runwarden with the demo's settings: examples/cluster.LocalCluster (private etcd, 4 active node agents
-+ 2 spares, the controller, torchrun + gloo under each agent), `kill_stragglers_mid_run` on, running
-examples/train.py unchanged. The faults are injected as for the peers (signals to the rank's pid, the
-agent's pid); the straggler through `controllerctl chaos slow-rank`, which makes the rank's
-`ProgressReporter.report` sleep exactly as the peers' adapter does."""
+"""runwarden as the demo deploys it (examples/demo.demo_cluster): examples/cluster.LocalCluster (private
+etcd, 4 active node agents + 2 spares, the controller, gloo ranks under each agent) with the shipped
+defaults (preflight's, the agents' warm-worker setting: whatever the agent ships) but for
+`kill_stragglers_mid_run`, running examples/train.py unchanged. The faults are injected as for the
+peers (signals to the rank's pid, the agent's pid); the straggler through `controllerctl chaos
+slow-rank`, which makes the rank's `ProgressReporter.report` sleep exactly as the peers' adapter does.
+
+A rank's process is found through its agent (GetNodeStatus on the agent's unix socket: the pid each
+rank reports with its progress), the same for a cold rank (torchrun's child) and a warm one (a parked
+process, nodeagent/warm/rank.py, whose command line and start-up environment name no rank)."""
 
 from __future__ import annotations
 
@@ -13,12 +18,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.peers.observe import Tail, processes_mentioning, rank_pid
-from examples.cluster import ClusterSpec, LocalCluster
-from runwarden.v1 import events_pb2
+import grpc
+
+from bench.peers.observe import Tail, processes_mentioning
+from examples.demo import demo_cluster, demo_spec
+from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2
 
 E = events_pb2
-DEMO_SPEC = ClusterSpec(policy={"kill_stragglers_mid_run": True})
 
 
 class RunwardenDeployment:
@@ -26,15 +32,16 @@ class RunwardenDeployment:
 
     def __init__(self, root: Path, tail: Tail) -> None:
         self.root = root
-        self.cluster = LocalCluster(root / "c", ClusterSpec(policy=dict(DEMO_SPEC.policy)))
+        self.cluster = demo_cluster(root / "c")
         self.loss_dir = self.cluster.loss_dir
         self.tail = tail
 
     @staticmethod
     def config() -> dict[str, object]:
         return {
-            "spec": {k: v for k, v in vars(DEMO_SPEC).items() if k != "train_args"},
+            "spec": {k: v for k, v in vars(demo_spec()).items() if k != "train_args"},
             "layout": "LocalCluster",
+            "preflight": "shipped defaults + the checkpoint path",
         }
 
     def start(self) -> None:
@@ -50,7 +57,34 @@ class RunwardenDeployment:
         return self._launch_nodes()[rank]  # node rank `rank` (its global rank is c10d's join order)
 
     def rank_pid(self, rank: int) -> int | None:
-        return rank_pid(str(self.cluster.root), rank)
+        found = self._rank_process(rank)
+        return found[0] if found else None
+
+    def node_of_pid(self, pid: int) -> str:
+        """The node whose agent reports a rank with this pid ("" if none does)."""
+        for node in self._launch_nodes():
+            if any(r.pid == pid for r in self._reported_ranks(node)):
+                return node
+        return ""
+
+    def _rank_process(self, rank: int) -> tuple[int, str] | None:
+        """(pid, node) of global rank `rank` of the current attempt, as its agent reports it."""
+        for node in self._launch_nodes():
+            for r in self._reported_ranks(node):
+                if r.rank == rank and r.pid > 0:
+                    return r.pid, node
+        return None
+
+    def _reported_ranks(self, node: str) -> list[common_pb2.RankProgress]:
+        sock = self.cluster.root / "nodes" / node / "agent.sock"
+        with grpc.insecure_channel(f"unix:{sock}") as channel:
+            try:
+                status = agent_pb2_grpc.NodeAgentStub(channel).GetNodeStatus(
+                    agent_pb2.GetNodeStatusRequest(), timeout=5.0
+                )
+            except grpc.RpcError:
+                return []  # a dead agent reports nothing
+        return list(status.ranks)
 
     def kill_launcher(self, node_rank: int) -> str:
         node = self.node_of_rank(node_rank)
