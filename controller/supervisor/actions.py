@@ -1,22 +1,8 @@
 """Actions out of the supervisor core, and the `Batch` that carries them with their log entries.
 
-`Supervisor.handle(event, now)` returns one frozen `Batch`. The order of obligations (raft's `Ready`):
-
-1. Append every entry of `batch.entries` to the event log, in order, and fsync, *before* executing
-   any action. If the append fails, execute no action (the log is the truth: an unlogged action must
-   not happen) except `SetTimer`, keep the entries to append again first, and answer each skipped
-   action with `ActionFailed(temporary=True)`.
-2. Execute `batch.actions` in order. `Launch`: first write the attempt record with a
-   compare-and-swap (attempt fencing, the leader's fence in `leader_fence`), then start the workers;
-   a refused CAS is `ActionFailed(action=launch, temporary=False)`.
-3. `SetTimer(key, at)`: replace any pending timer with the same key; deliver `Tick()` at `at`
-   (late is fine, early is harmless). Extra ticks are always allowed. `controller.supervisor.timers`
-   keeps these rules for every shell.
-4. `PersistNode`: write the node's pool entry and reputation to the store (level-triggered state
-   that `StoreListed` gives back after a controller restart); `PersistMemory` the run's supervisor
-   memory (`StoreListed.memory` gives it to a fresh core).
-5. An action that fails is answered with `ActionFailed` (temporary or permanent, with its reason);
-   results come back as events (`PreflightResult`, `AttemptExited`, `DumpsCollected`, `NodeJoined`).
+`Supervisor.handle(event, now)` returns one frozen `Batch`; every shell (controller/live/, the
+simulator, the tests' harness) carries it out under the order of obligations `Batch` states, and
+answers what it could not do with `ActionFailed`. The actions are plain data: no I/O here.
 """
 
 from __future__ import annotations
@@ -188,7 +174,25 @@ Action = (
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """What one `handle` call asks of the shell: log `entries` first, then execute `actions`, in order."""
+    """What one `handle` call asks of the shell: log `entries` first, then execute `actions`, in
+    order. The order of obligations (raft's `Ready`):
+
+    1. Append every entry of `batch.entries` to the event log, in order, and fsync, *before* executing
+       any action. If the append fails, execute no action (the log is the truth: an unlogged action must
+       not happen) except `SetTimer`, keep the entries to append again first, and answer each skipped
+       action with `ActionFailed(temporary=True)`.
+    2. Execute `batch.actions` in order. `Launch`: first write the attempt record with a
+       compare-and-swap (attempt fencing, the leader's fence in `leader_fence`), then start the workers;
+       a refused CAS is `ActionFailed(action=launch, temporary=False)`.
+    3. `SetTimer(key, at)`: replace any pending timer with the same key; deliver `Tick()` at `at`
+       (late is fine, early is harmless). Extra ticks are always allowed. `controller.supervisor.timers`
+       keeps these rules for every shell.
+    4. `PersistNode`: write the node's pool entry and reputation to the store (level-triggered state
+       that `StoreListed` gives back after a controller restart); `PersistMemory` the run's supervisor
+       memory (`StoreListed.memory` gives it to a fresh core).
+    5. An action that fails is answered with `ActionFailed` (temporary or permanent, with its reason);
+       results come back as events (`PreflightResult`, `AttemptExited`, `DumpsCollected`, `NodeJoined`).
+    """
 
     entries: tuple[events_pb2.Event, ...] = ()
     actions: tuple[Action, ...] = ()

@@ -1,21 +1,7 @@
 """The blame ladder: who is to blame for a failed attempt. One ladder, one vocabulary; pure.
 
-Evidence, strongest first (DESIGN.md, "Blame from evidence"):
-
-1. HARDWARE: fatal evidence (`runwarden.evidence.is_fatal`) on a node of the attempt, received since
-   it launched (older evidence was acted on when it arrived);
-2. HEARTBEAT for a lost node: its lease expired, its heartbeats stopped;
-3. STRAGGLER: the persistent straggler the detector flagged;
-4. FLIGHT_RECORDER for a hang: the suspects of the flight-recorder verdict
-   (controller/supervisor/flight_recorder.py) at or above `fr_min_confidence`;
-5. HEARTBEAT for a hang: the one node whose progress stopped first (behind every other node); for
-   a stalled checkpoint load (`hang:load`), the nodes still loading while more of the others
-   finished (when most nodes stall, it is the storage, not a node: no suspect);
-6. FIRST_EXIT for a crash with nothing stronger: the first node to exit. Not quarantined on a first
-   offence (the repeat-offender rule in the core decides);
-7. NONE: software or data; the crash-loop rule decides.
-
-`blame(...)` returns a frozen `Blame` whose `reason` is the sentence the event log records.
+The core's failure rules call `blame(...)` with the facts of a failed attempt and the evidence
+about its nodes; it returns a frozen `Blame` whose `reason` is the sentence the event log records.
 """
 
 from __future__ import annotations
@@ -133,9 +119,24 @@ def blame(
     fr_min_confidence: float,
     node_ranks: Mapping[str, range] | None = None,
 ) -> Blame:
-    """Walk the ladder (module docstring). evidence: each attempt node's evidence since launch.
-    node_ranks: each node's global ranks in the attempt (a hardware suspect names the rank on the
-    broken GPU)."""
+    """Walk the ladder. evidence: each attempt node's evidence since launch. node_ranks: each
+    node's global ranks in the attempt (a hardware suspect names the rank on the broken GPU).
+
+    Evidence, strongest first (DESIGN.md, "Blame from evidence"):
+
+    1. HARDWARE: fatal evidence (`runwarden.evidence.is_fatal`) on a node of the attempt, received since
+       it launched (older evidence was acted on when it arrived);
+    2. HEARTBEAT for a lost node: its lease expired, its heartbeats stopped;
+    3. STRAGGLER: the persistent straggler the detector flagged;
+    4. FLIGHT_RECORDER for a hang: the suspects of the flight-recorder verdict
+       (controller/supervisor/flight_recorder.py) at or above `fr_min_confidence`;
+    5. HEARTBEAT for a hang: the one node whose progress stopped first (behind every other node); for
+       a stalled checkpoint load (`hang:load`), the nodes still loading while more of the others
+       finished (when most nodes stall, it is the storage, not a node: no suspect);
+    6. FIRST_EXIT for a crash with nothing stronger: the first node to exit. Not quarantined on a first
+       offence (the repeat-offender rule in the core decides);
+    7. NONE: software or data; the crash-loop rule decides.
+    """
     hw = []
     for node in node_steps:
         fatal = tuple(e for e in evidence.get(node, ()) if is_fatal(e))

@@ -71,6 +71,8 @@ def record(
             release=E.ReleaseDetail(node=name, reason=reason),
         )
         sv.emit_release(name, reason)
+        # A released node may fill an attempt being prepared. Not a table column: record is reached
+        # from the preflight, bandwidth, tick and failed-action rules of every state (and soak's callback).
         if sv.state is RunState.PREFLIGHT:
             prepare.fill_slots(sv)
     elif outcome == "again" and node.alive:

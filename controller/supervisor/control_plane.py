@@ -113,6 +113,7 @@ def resolve(sv: Run) -> None:
         prepare.maybe_launch(sv)
     else:
         transitions.become_waiting(sv)
+    # the moves above chose the state the pause ends in: a held stop follows it
     if sv.state is RunState.RUNNING:
         stops.deliver_pending_stop(sv)
     elif sv.pending_stop is not None and sv.state not in (RunState.COLLECTING, RunState.STOPPING):
@@ -122,13 +123,44 @@ def resolve(sv: Run) -> None:
 
 
 def on_store_listed(sv: Run, snap: StoreListed) -> None:
-    """Rebuild the view from the store; the same in every state (level-triggered)."""
+    """A watched state: rebuild the view from the store (level-triggered); a node alive here and
+    missing from the listing is lost, one back is joined, as if the watch had said so."""
+    _reconcile(sv, snap, quiet=False, fresh=False)
+    if sv.state is RunState.CONTROL_PLANE:  # a replayed loss just paused the run (a mass expiry)
+        sv.blind.etcd_lost = False
+        resolve(sv)
+    _follow_up(sv, snap)
+
+
+def on_store_listed_waiting(sv: Run, snap: StoreListed) -> None:
+    """WAITING_NODES: a fresh core (attempt 0) takes the listing as the view it starts from (no
+    loss, no join), continues its predecessor's memory and adopts the attempt it finds running;
+    after an attempt it is a watched state like any other."""
+    if sv.attempt != 0:
+        on_store_listed(sv, snap)
+        return
+    _reconcile(sv, snap, quiet=True, fresh=True)
+    if snap.attempt > 0 and snap.attempt_nodes:
+        _adopt(sv, snap)
+    _follow_up(sv, snap)
+
+
+def on_store_listed_blind(sv: Run, snap: StoreListed) -> None:
+    """CONTROL_PLANE: the listing is the view the pause ends on (no loss, no join); then resolve."""
+    _reconcile(sv, snap, quiet=True, fresh=False)
+    sv.blind.etcd_lost = False
+    resolve(sv)
+    _follow_up(sv, snap)
+
+
+def _reconcile(sv: Run, snap: StoreListed, *, quiet: bool, fresh: bool) -> None:
+    """Load the listing: `quiet` takes the nodes as listed, otherwise a difference is replayed as
+    the event a watch gap missed; `fresh` (a new core) restores its predecessor's memory."""
     if snap.policy is not None:  # the stored policy first: every decision below is made under it
         reconfigure.apply(sv, snap.policy)
     sv.pool.load(snap.records)
     for name in {*snap.claimed_elsewhere, *(n for n, p in sv.pool.nodes.items() if p.elsewhere)}:
         sv.pool.set_elsewhere(name, snap.claimed_elsewhere.get(name, ""))  # before any pick below
-    quiet = sv.state is RunState.CONTROL_PLANE or (sv.attempt == 0 and sv.state is RunState.WAITING_NODES)
     for name in [n for n, p in sv.pool.nodes.items() if p.alive and n not in snap.alive]:
         if quiet:
             sv.pool.set_alive(name, False)
@@ -147,7 +179,6 @@ def on_store_listed(sv: Run, snap: StoreListed) -> None:
         sv.committed.add(s)
         sv.latest_committed = max(sv.latest_committed, s)
     sv.job_step = max(sv.job_step, sv.latest_committed)
-    fresh = sv.attempt == 0 and sv.state is RunState.WAITING_NODES
     sv.attempt = max(sv.attempt, snap.attempt)
     if snap.losses is not None:  # a fresh core: the loss history its predecessor logged
         loss.restore(sv, snap.losses, snap.attempt, snap.resume_step)
@@ -161,11 +192,10 @@ def on_store_listed(sv: Run, snap: StoreListed) -> None:
         + f", attempt record {snap.attempt}, latest committed step {sv.latest_committed}"
         + remembered,
     )
-    if sv.state is RunState.CONTROL_PLANE:
-        sv.blind.etcd_lost = False
-        resolve(sv)
-    elif fresh and snap.attempt > 0 and snap.attempt_nodes:
-        _adopt(sv, snap)
+
+
+def _follow_up(sv: Run, snap: StoreListed) -> None:
+    """What the listing asks of any state: burn-ins to start, drains missed in a gap, a stored stop."""
     for name, p in sv.pool.nodes.items():
         # A failed burn-in waits for a repair (the pool refuses it); an inconclusive one for its backoff.
         if (
@@ -179,6 +209,7 @@ def on_store_listed(sv: Run, snap: StoreListed) -> None:
         reason = snap.draining.get(name, "")
         if sv.pool.get(name).draining != reason:
             sv.apply(NodeDraining(node=name, reason=reason))  # a drain (or its end) missed in a gap
+    # the state the listing led to (an adopted attempt, a resolved pause, a replayed loss) takes the stop
     if snap.stop_requested is not None and sv.state in LIVE:
         sv.apply(snap.stop_requested)
 

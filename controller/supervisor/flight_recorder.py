@@ -3,18 +3,6 @@
 This module reads flight-recorder dumps and says who the dumps blame; where that answer ranks
 against hardware evidence and heartbeats is decided once, in controller/supervisor/blame.py.
 
-The rule, per process group, over non-p2p entries: last[r] = the highest collective_seq_id rank r
-enqueued, S = the highest over the members. Members with last[r] < S never called collective S: they
-lag. A lagging rank that is itself waiting at the front of another stuck group is a victim of a
-cascade (it cannot call S because it is blocked elsewhere); the lagging ranks that wait for nobody
-are the culprits. A member with no dump is a suspect; one whose agent saw its process stopped
-(/proc state T) is the culprit, and the lagging ranks are then taken for its victims (blocked in an
-operation the recorder does not see, like gloo's send/recv). If every member reached S, the entries
-at S are compared (op, sizes, dtypes): the odd one out is a suspect.
-
-The rank that reported the timeout was waiting: it is never blamed for lagging. collective_seq_id is
-used, not op_id or record_id: it is aligned across ranks and survives the ring buffer wrapping.
-
 `analyze_flight_recorder` gives the per-rank findings (groups, suspects by rank, explanation);
 `verdict` turns them into a `blame.FlightRecorderVerdict` (suspects per node, strongest first), and
 `verdict_from_rank_dumps` does the whole path from the agents' `RankDump` answers.
@@ -232,6 +220,18 @@ def analyze_flight_recorder(
     stopped: Iterable[int] = (),
 ) -> FrFindings:
     """Apply the rule to a set of dumps. Ranks in expected_ranks without a dump are 'no dump'.
+
+    The rule, per process group, over non-p2p entries: last[r] = the highest collective_seq_id rank r
+    enqueued, S = the highest over the members. Members with last[r] < S never called collective S: they
+    lag. A lagging rank that is itself waiting at the front of another stuck group is a victim of a
+    cascade (it cannot call S because it is blocked elsewhere); the lagging ranks that wait for nobody
+    are the culprits. A member with no dump is a suspect; one whose agent saw its process stopped
+    (/proc state T) is the culprit, and the lagging ranks are then taken for its victims (blocked in an
+    operation the recorder does not see, like gloo's send/recv). If every member reached S, the entries
+    at S are compared (op, sizes, dtypes): the odd one out is a suspect.
+
+    The rank that reported the timeout was waiting: it is never blamed for lagging. collective_seq_id is
+    used, not op_id or record_id: it is aligned across ranks and survives the ring buffer wrapping.
 
     `stopped`: dumpless ranks whose process was seen stopped. They outrank lagging ranks: a dumped
     rank that never called collective S may be blocked on the stopped one in an operation the

@@ -1,15 +1,15 @@
 """The burn-in's link stage: a node that passed its node-local burn-in soaks an all-reduce with idle
-neighbours before it returns to the spare pool (issue 20: "an all-reduce soak with a few neighbours").
+neighbours before it returns to the spare pool (no node can burn in its NIC, cable and switch port
+alone). burn_in.py starts it after the last node-local pass and passes `burn_in.record` as the
+verdict's callback; the node stays in BURN_IN until the verdict.
 
-No node can burn in its NIC, cable and switch port alone, and the incident reports' replacements
-that "came back faulty" were often links. So after the last node-local pass, the core asks the shell
-to measure (`MeasureBandwidth(purpose="burn_in")`) the node with `burn_in_soak_neighbours` idle
-spares, best reputation first, `burn_in_soak_iterations` all-reduces per group: the set, then the
-ring pairs. The node passes when its best pair reaches `bandwidth_gate_ratio` x the floor: the
-configured `bandwidth_floor_gbps`, or the neighbours' own median (with one neighbour there is no
-reference and only a pair that could not carry the all-reduce fails). No idle neighbour, no answer
-within `burn_in_soak_timeout_s`, or a shell that cannot measure: released on its node-local stages,
-and the log says which. The node stays in BURN_IN until the verdict.
+The core asks the shell to measure (`MeasureBandwidth(purpose="burn_in")`) the node with
+`burn_in_soak_neighbours` idle spares, best reputation first, `burn_in_soak_iterations` all-reduces
+per group: the set, then the ring pairs. The node passes when its best pair reaches
+`bandwidth_gate_ratio` x the floor: the configured `bandwidth_floor_gbps`, or the neighbours' own
+median (with one neighbour there is no reference and only a pair that could not carry the
+all-reduce fails). No idle neighbour, no answer within `burn_in_soak_timeout_s`, or a shell that
+cannot measure: released on its node-local stages, and the log says which.
 """
 
 from __future__ import annotations

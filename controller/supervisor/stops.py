@@ -44,6 +44,7 @@ def on_stop_request_running(sv: Run, ev: StopRequested) -> None:
 
 def deliver_pending_stop(sv: Run) -> None:
     """A stop request held during a control-plane pause reaches the attempt once one runs."""
+    # called right after a move (a pause resolved, a launch): only an attempt that now runs takes it
     if sv.pending_stop is not None and sv.state is RunState.RUNNING:
         held, sv.pending_stop = sv.pending_stop, None
         on_stop_request_running(sv, held)

@@ -110,3 +110,75 @@ def test_the_supervisor_modules_import_as_a_dag() -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The table chooses the move by state; a rule module reads the run's state only where the check is
+# about something a handler just caused, or is a query, never as a second dispatch. Each one here
+# says why; a new check fails until it is moved into the table or listed with its reason.
+NOT_RULES = {
+    "machine": "the machine: it dispatches by state, and its status is a query",
+    "run": "the run's data and its queries (in_attempt, holds)",
+    "transitions": "the one module that moves the state",
+}
+STATE_CHECKS_ALLOWED: dict[tuple[str, str], str] = {
+    ("control_plane", "resolve"): "the pause's end just chose a state: a held stop follows it",
+    ("control_plane", "on_store_listed"): "a replayed NodeLost may have just paused the run (a mass expiry)",
+    ("control_plane", "_follow_up"): "the state the listing just led to takes the stored stop, if live",
+    ("stops", "deliver_pending_stop"): "called right after a move: only an attempt that now runs takes it",
+    (
+        "burn_in",
+        "record",
+    ): "reached from many columns and soak's callback: a release may fill a preflight slot",
+    ("running", "on_progress"): "the step rules may have just ended the attempt (a straggler killed)",
+    ("prepare", "maybe_launch"): "called after a slot is filled or dropped, which may have moved the state",
+}
+
+
+def _reads_run_state(expr: ast.expr) -> bool:
+    return (
+        isinstance(expr, ast.Attribute)
+        and expr.attr in ("state", "_state")
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id in ("sv", "self", "run")
+    )
+
+
+def _state_checks(tree: ast.Module) -> dict[str, list[int]]:
+    """Comparisons of the run's state (`sv.state is X`, `in`, `==`...), by enclosing function."""
+    found: dict[str, list[int]] = {}
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func = node.name
+        if isinstance(node, ast.Compare) and any(_reads_run_state(e) for e in [node.left, *node.comparators]):
+            found.setdefault(func, []).append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_run_state_is_checked_only_where_a_reason_is_written() -> None:
+    checks = {
+        (name, func): lines
+        for name, tree in _modules().items()
+        if name not in NOT_RULES
+        for func, lines in _state_checks(tree).items()
+    }
+    unexplained = sorted(
+        f"{name}.py:{lines[0]} in {func}"
+        for (name, func), lines in checks.items()
+        if (name, func) not in STATE_CHECKS_ALLOWED
+    )
+    assert not unexplained, (
+        "a state check inside a handler is a second dispatch beside the table: name a per-state handler "
+        f"in table.py, or list it in STATE_CHECKS_ALLOWED with why: {unexplained}"
+    )
+    stale = sorted(f"{n}.{f}" for n, f in STATE_CHECKS_ALLOWED if (n, f) not in checks)
+    assert not stale, f"allowed state checks that no longer exist: {stale}"
+
+
+def test_the_state_check_scan_finds_a_check() -> None:
+    tree = ast.parse("def h(sv):\n    if sv.state is RunState.RUNNING:\n        pass\n    node.state is X\n")
+    assert _state_checks(tree) == {"h": [2]}
