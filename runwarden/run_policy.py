@@ -2,7 +2,7 @@
 
 `<root>/v1/runs/<run>/policy` (`PolicyRecord`) holds every supervisor policy value of a run and is
 changed live (`controllerctl config set|apply`, SIGHUP). Three of its values are the agents', so an
-operator can turn tracing up on a running job without a release or a restart (Llama 3's lesson):
+operator can turn tracing up on a running job without a release or a restart:
 
     agent_fr_buffer_size        flight-recorder entries per rank (TORCH_FR_BUFFER_SIZE) for the next
                                 attempt's ranks; 0: the agent's own `fr_buffer_size`

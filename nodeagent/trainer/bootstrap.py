@@ -15,8 +15,8 @@ Before the script's own code runs, in the rank's process:
   `pg_config` is written next to it whenever a new group appears;
 * a sampler thread that reads the process groups' flight-recorder counters every
   `RUNWARDEN_BOOTSTRAP_SAMPLE_S` (default 0.02 s): torch's JSON dump *without* collectives, whose
-  `pg_status` holds per group the last collective enqueued, started and completed (about 10 us of
-  CPU a read; the dump with entries costs 60 ms, so it is never polled);
+  `pg_status` holds per group the last collective enqueued, started and completed (a cheap read;
+  the dump with entries is not, so it is never polled);
 * a `ProgressReporter` (nodeagent.trainer) that sends what the sampler derives through the agent's
   progress socket, every `RUNWARDEN_BOOTSTRAP_REPORT_S` (default 1 s) in which it changed.
 
