@@ -341,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path("demo-run"))
     p.add_argument("--faults", default=",".join(FAULTS))
-    p.add_argument("--fault-timeout", type=float, default=60.0, help="seconds to wait for recovery per fault")
+    p.add_argument(
+        "--fault-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for recovery per fault (a bound: the demo goes on as soon as it recovered)",
+    )
     args = p.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     bad = [f for f in faults if f not in FAULTS]
