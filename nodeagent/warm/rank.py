@@ -17,7 +17,8 @@ what the script changed in the process (environment, directory, sys.argv/sys.pat
 kills the attempt's own children, frees what it does not keep on the GPU (`release_gpu`), says
 `ended <code>` and parks again in the same process, keeping what lives in imported modules
 (nodeagent.trainer.memory_state's in-memory copies). A rank still inside the attempt
-LEAVE_STACKS_AFTER_S after an abort prints every thread's stack to the agent's log.
+LEAVE_STACKS_AFTER_S after an abort prints every thread's stack to the agent's log, and what each
+native thread waits in (its system call) and the state of each socket of the attempt still open.
 
 An abort is level-triggered: it holds until the attempt has unwound. Every LEAVE_RESCAN_S the rank
 shuts the sockets the attempt opened since (a process group built after the abort, a pair gloo
@@ -86,6 +87,67 @@ def attempt_sockets() -> dict[int, str]:
         if link.startswith("socket:"):
             out[int(name)] = link
     return out
+
+
+# x86_64 system calls a thread stuck in a collective or a store call waits in (others: the number)
+_SYSCALLS = {
+    "0": "read",
+    "7": "poll",
+    "23": "select",
+    "35": "nanosleep",
+    "45": "recvfrom",
+    "47": "recvmsg",
+    "202": "futex",
+    "230": "clock_nanosleep",
+    "232": "epoll_wait",
+    "271": "ppoll",
+    "281": "epoll_pwait",
+}
+_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0A": "LISTEN",
+    "0B": "CLOSING",
+}
+
+
+def where_it_waits(keep: set[str]) -> str:
+    """What a rank still inside an aborted attempt waits in, read from /proc (no ptrace): each
+    native thread's name and system call, and each socket of the attempt with its TCP state."""
+    threads = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                call = f.read().split()[0]
+        except (OSError, IndexError):
+            continue
+        threads.append(f"{tid} {name}: {_SYSCALLS.get(call, call)}")
+    states: dict[str, str] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9:
+                states[f"socket:[{cols[9]}]"] = _TCP_STATES.get(cols[3], cols[3])
+    sockets = [
+        f"fd {fd} {states.get(name, 'not TCP')}"
+        for fd, name in sorted(attempt_sockets().items())
+        if name not in keep
+    ]
+    return f"threads: {'; '.join(threads)}\nthe attempt's sockets: {', '.join(sockets) or 'none'}"
 
 
 def shut_sockets(keep: set[str]) -> int:
@@ -213,12 +275,20 @@ class WarmRank:
             print(f"runwarden warm: process group abort: {exc}", file=sys.stderr, flush=True)
 
     def keep_shut(self) -> None:
-        """Until the aborted attempt has unwound: shut each socket it opens after the abort's scan."""
+        """Until the aborted attempt has unwound: shut each socket it opens after the abort's scan;
+        past LEAVE_STACKS_AFTER_S, say once where the rank waits."""
+        said_at = time.monotonic() + LEAVE_STACKS_AFTER_S
         while True:
             with self.lock:
                 if not self.aborted:
                     return
                 shut_sockets(self.before)
+                report = where_it_waits(self.before) if time.monotonic() >= said_at else ""
+            if report:
+                said_at = float("inf")
+                print(
+                    f"runwarden warm: still inside the aborted attempt: {report}", file=sys.stderr, flush=True
+                )
             time.sleep(LEAVE_RESCAN_S)
 
     def run_attempt(self, data: bytes) -> int:

@@ -229,6 +229,8 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         assert proctree.read_proc(kept) is None
         # before the kill it printed where it was (every thread's stack, after LEAVE_STACKS_AFTER_S)
         assert "(most recent call first)" in k0.log() and 'stubborn.py", line' in k0.log(), k0.log()[-3000:]
+        # and what its native threads wait in (their system calls), read from /proc
+        assert "still inside the aborted attempt: threads: " in k0.log(), k0.log()[-3000:]
         wait_for(lambda: (p := parked_ranks(k0)) and kept not in p, 60, "k0's next group")
         # the next launch comes from a fresh group, and its detail says why this healthy host has one
         (reply,) = _launch([k0], port, 7, [str(stubborn), str(tmp_path / "stubborn-7")], nnodes=1)
