@@ -222,7 +222,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         stubborn.write_text(STUBBORN)
         running = tmp_path / "stubborn-6"
         _launch([k0], port, 6, [str(stubborn), str(running)], nnodes=1)
-        wait_for(running.exists, 30, "attempt 6's script")
+        wait_for(running.exists, 30, "attempt 6's script", detail=lambda: k0.log()[-6000:])
         _stop(k0, 6, 2.5, out)
         (s0,), t0 = out["k0"][0].stopped, out["k0"][1]
         assert not s0.parked and t0 >= 2.5, (s0, t0)
