@@ -101,7 +101,8 @@ class ClusterSpec:
     seed: int = 1234
     train_args: tuple[str, ...] = ()
     policy: dict[str, object] = field(default_factory=dict)
-    warm_workers: bool = False  # every agent keeps a parked group (nodeagent/warm/rank.py)
+    # every agent keeps a parked group (nodeagent/warm/rank.py); None: the agent's shipped default (on)
+    warm_workers: bool | None = None
     # the job, relative to the repository (it takes examples/train.py's flags: examples/decoder.py does)
     script: str = "examples/train.py"
 
@@ -147,7 +148,7 @@ def agent_settings(
     preflight_config: Path,
 ) -> dict[str, object]:
     """A test agent's config keys (top level of nodeagent.toml); callers add TLS keys."""
-    return {
+    settings: dict[str, object] = {
         "node": node,
         "listen": listen,
         "unix_socket": str(state_dir / "agent.sock"),
@@ -164,8 +165,10 @@ def agent_settings(
         "preflight_config": str(preflight_config),
         "stop_grace_s": 5.0,
         "drain_handoff_s": 3.0,  # a SIGTERM'd test agent stops its ranks itself if no controller does
-        "warm_workers": spec.warm_workers,
     }
+    if spec.warm_workers is not None:
+        settings["warm_workers"] = spec.warm_workers
+    return settings
 
 
 def controller_settings(

@@ -562,12 +562,13 @@ class Agent:
 
     def _on_worker_exit(self, worker: Any) -> None:
         """Reaper thread: the exit goes into the run's NodeProgress and to etcd now, not at the next
-        interval; the controller's watch on progress is how it learns that workers ended."""
+        interval; the controller's watch on progress is how it learns that workers ended. A parked
+        group goes back first: a launch the exit record brings finds it, not an empty slot."""
+        if self.warm is not None:
+            self.warm.attempt_ended(worker, keep=not self.unhealthy)
         if self.progress.record_exit(worker.run, worker.attempt, worker.exit.to_proto()):
             self.flush_progress()
             self._state_changed.set()
-        if self.warm is not None:
-            self.warm.attempt_ended(worker, keep=not self.unhealthy)
 
     # --- launching -------------------------------------------------------------------------------
 

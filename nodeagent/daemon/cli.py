@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm-workers",
         dest="warm_workers",
         choices=("true", "false"),
-        help="keep parked rank processes ready for a structured launch (default false)",
+        help="keep parked rank processes ready for a structured launch (default true)",
     )
     p.add_argument(
         "--warm-preload",

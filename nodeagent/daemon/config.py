@@ -50,8 +50,9 @@ Keys (TOML top level, or `RUNWARDEN_AGENT_<KEY>` in the environment, or the CLI 
     warm_workers              true: keep one parked group of rank processes (torch imported) ready and
                               hand a structured launch to it instead of starting torchrun; anything the
                               warm path cannot run goes cold, and the launch's answer says which path
-                              ran (nodeagent.warm.groups). Default false. Every agent of a run needs the
-                              same setting
+                              ran (nodeagent.warm.groups). Default true (false: every launch is cold
+                              torchrun, no parked processes). Every agent of a run should have the same
+                              setting (a cold node makes the whole attempt go cold)
     warm_wait_s               how long a launch waits for a parked group that is still starting before
                               it goes cold; default 30, 0..600
     warm_preload              modules a parked rank imports before it says ready, so the restart path
@@ -140,7 +141,7 @@ class AgentConfig:
     torchrun: tuple[str, ...] = ()
     collective_ifname: str = ""
     rdzv_port: int = 0
-    warm_workers: bool = False
+    warm_workers: bool = True
     warm_wait_s: float = 30.0
     warm_preload: tuple[str, ...] = DEFAULT_WARM_PRELOAD
     memory_copy_budget_bytes: int = 16 * 1024**3  # nodeagent.trainer.memory_state.DEFAULT_BUDGET_BYTES

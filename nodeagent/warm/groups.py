@@ -1,7 +1,7 @@
 """The agent's parked groups (`ParkedGroups`): keep one ready, decide whether a launch goes warm
 (`try_launch`, the one place), hand it a structured launch, take it back after the attempt.
 
-With `warm_workers = true` the agent keeps one parked group (a leader, nodeagent.warm.leader, and
+With `warm_workers = true` (the default) the agent keeps one parked group (a leader, nodeagent.warm.leader, and
 one rank process per local rank, torch imported) started with its own interpreter and environment.
 A launch that goes warm is handed to it instead of starting torchrun; the group's leader then
 becomes the attempt's worker exactly as torchrun's process would (`Launcher.adopt`: the same reaper,

@@ -60,6 +60,9 @@ class AgentProc:
             "--log-level",
             "info",
         ]
+        # cold unless a test asks for warm workers (its flags come later and win): the shipped default
+        # parks torch-importing processes beside every agent, which the other tests do not exercise
+        argv += ["--warm-workers", "false"]
         if etcd:
             argv += ["--etcd", etcd] + (["--etcd-root", etcd_root] if etcd_root else [])
         argv += flags or []

@@ -357,7 +357,7 @@ def test_a_bad_warm_workers_value_is_a_clear_config_error(tmp_path):
         timeout=30,
     )
     assert proc.returncode == 2 and "warm_workers: expected true or false" in proc.stderr, proc.stderr
-    assert from_sources(file=None, environ={}).warm_workers is False  # off unless asked for
+    assert from_sources(file=None, environ={}).warm_workers is True  # on unless turned off
 
 
 def _handoff(**over: object) -> dict:
