@@ -394,6 +394,9 @@ class ParkedGroups:
                 standby.settled.is_set() and (standby.failure or not standby.alive())
             ):
                 self._group = standby  # parked (or parking) already: no import on the restart path
+                # and a new standby at once, not after the next warm launch: a second fault seconds
+                # after this recovery finds it further into its imports (they take 5-17 s on 2 cores)
+                self._standby = self._start()
                 log.info("warm workers: the standby group (leader pid %d) is next", standby.popen.pid)
                 return
             if standby is not None:

@@ -92,6 +92,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     agent_config.write_text(
         f'lease_ttl_s = {LEASE_TTL_S}\nprogress_interval_s = 0.5\nkernel_log = "none"\n'
         f'nvml_interval_s = 0.0\nlocal_ranks = 1\nstop_grace_s = 2.0\nallowed_executables = ["{sys.executable}"]\n'
+        "warm_workers = false\n"
     )
     cluster = None
     try:

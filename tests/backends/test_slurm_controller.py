@@ -247,7 +247,7 @@ def slurm_faulted(
     slurm_cluster_module: SlurmCluster, etcd_module: EtcdServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SlurmFaultedRun]:
     """The demo's five faults, in order, into one supervised run on Slurm; then a stop."""
-    spec = ClusterSpec(run="slurm5", policy={"kill_stragglers_mid_run": True})
+    spec = ClusterSpec(warm_workers=False, run="slurm5", policy={"kill_stragglers_mid_run": True})
     tmp = tmp_path_factory.mktemp("slurm5")
     run = _SlurmRun(slurm_cluster_module, etcd_module, tmp, free_port(), spec)
     try:
@@ -363,6 +363,7 @@ def test_slurm_run_without_spares_replaces_a_dead_node_from_the_queue(
     """2 nodes, no spare: a node dies, the core asks the queue (ALLOCATE), SlurmScheduler submits
     <job>-more, its agent registers, and the run relaunches on it from the last commit."""
     spec = ClusterSpec(
+        warm_workers=False,
         run="slurmq",
         active=2,
         spares=0,
@@ -422,6 +423,7 @@ def test_slurm_time_limit_notice_stops_cleanly_at_a_commit_and_resumes_on_nodes_
     exits 0, nothing detected or quarantined), and the run resumes from that commit on the nodes
     the queue brings (the drained ones take no placement)."""
     spec = ClusterSpec(
+        warm_workers=False,
         run="slurmsig",
         active=2,
         spares=0,
@@ -491,7 +493,12 @@ def test_slurm_crash_loop_exits_3_pages_and_gives_everything_back(
     identical failure is a crash loop, the controller pages (the PAGE event and the [paging]
     command) and `--exit-when-done` exits 3 (do not requeue) after finish cancelled the jobs."""
     spec = ClusterSpec(
-        run="slurmloop", active=2, spares=0, steps=50, policy={"crash_loop_count": 2, "backoff_base_s": 0.2}
+        warm_workers=False,
+        run="slurmloop",
+        active=2,
+        spares=0,
+        steps=50,
+        policy={"crash_loop_count": 2, "backoff_base_s": 0.2},
     )
     pages = tmp_path / "pages.txt"
     pager = tmp_path / "pager.sh"

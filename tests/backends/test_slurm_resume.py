@@ -32,6 +32,7 @@ def test_a_run_stopped_with_exit_75_resumes_from_its_commit_when_started_again(
     free_port: int,
 ) -> None:
     spec = ClusterSpec(
+        warm_workers=False,
         run="slurmresume",
         active=2,
         spares=0,

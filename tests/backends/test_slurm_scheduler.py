@@ -49,6 +49,7 @@ class Run:
         agent_toml.write_text(
             'listen = "127.0.0.1:0"\nmetrics_listen = ""\nkernel_log = "none"\nnvml_interval_s = 0.0\n'
             "lease_ttl_s = 2.0\nprogress_interval_s = 0.5\nlocal_ranks = 1\nstop_grace_s = 2.0\n"
+            "warm_workers = false\n"
         )
         self.section = {
             "job_name": f"rw-{name}",

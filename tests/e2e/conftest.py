@@ -15,7 +15,11 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     made: list[LocalCluster] = []
 
     def make(**spec: object) -> LocalCluster:
-        cluster = LocalCluster(tmp_path / f"cluster{len(made)}", ClusterSpec(**spec))
+        # cold unless a test names warm_workers (None: the shipped default, warm): most of these tests
+        # find ranks by their /proc environment, which a warm rank does not carry
+        cluster = LocalCluster(
+            tmp_path / f"cluster{len(made)}", ClusterSpec(**{"warm_workers": False, **spec})
+        )
         made.append(cluster)
         return cluster.start()
 

@@ -85,6 +85,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecoderRun]:
     root = tmp_path_factory.mktemp("decoder")
     skip_rng = root / "skip-rng-restore"
     spec = ClusterSpec(
+        warm_workers=False,
         run="decoder",
         script="examples/decoder.py",
         steps=STEPS,

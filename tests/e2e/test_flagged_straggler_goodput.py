@@ -66,6 +66,7 @@ def _wait_for_step(c: LocalCluster, step: int, timeout_s: float) -> bool:
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # The default straggler policy (20 evaluations, 70% of them, flag only).
     spec = ClusterSpec(
+        warm_workers=False,
         run="flagged",
         active=2,
         spares=0,

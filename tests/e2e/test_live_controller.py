@@ -45,7 +45,7 @@ def _wait_commit_after(cluster: LocalCluster, ts: float, log: str = "controller.
 
 
 def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -> None:
-    cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
+    cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5, warm_workers=None)
     _wait_commit_after(cluster, _wait_first_step(cluster).ts)  # steady training before the fault
     first = _launches(cluster)[-1].launch.nodes
     victim = first[0]
@@ -90,7 +90,7 @@ def test_agent_killed_is_detected_blamed_replaced_and_relaunched(make_cluster) -
 
 
 def test_standby_takes_over_without_a_double_launch(make_cluster) -> None:
-    cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5)
+    cluster: LocalCluster = make_cluster(active=2, spares=1, ckpt_every=5, warm_workers=None)
     _wait_first_step(cluster)  # controller-a leads this attempt
     cluster.start_standby("controller-b")
     assert cluster.etcd is not None

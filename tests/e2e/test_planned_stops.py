@@ -32,7 +32,7 @@ RELAUNCH_S = 90.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(active=2, spares=2, ckpt_every=5)
+    spec = ClusterSpec(warm_workers=False, active=2, spares=2, ckpt_every=5)
     c = LocalCluster(tmp_path_factory.mktemp("planned") / "cluster", spec)
     try:
         c.start()

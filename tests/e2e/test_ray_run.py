@@ -161,7 +161,9 @@ def _wait_commit_after(run: RayRun, first_step: LogEntry) -> None:
 def faulted(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[RayRun, list[Injection], dict[str, Any]]]:
-    spec = ClusterSpec(run="rayrun", active=2, spares=1, policy={"kill_stragglers_mid_run": True})
+    spec = ClusterSpec(
+        warm_workers=False, run="rayrun", active=2, spares=1, policy={"kill_stragglers_mid_run": True}
+    )
     run = RayRun(tmp_path_factory.mktemp("rayrun"), spec)
     facts: dict[str, Any] = {}
     injections: list[Injection] = []

@@ -72,7 +72,7 @@ class TwoRuns(LocalCluster):
     Every controller process is kept in `standbys` (by identity), which `LocalCluster.stop` stops."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(root, ClusterSpec(active=2, spares=3, ckpt_every=5))
+        super().__init__(root, ClusterSpec(warm_workers=False, active=2, spares=3, ckpt_every=5))
         self.api: dict[str, str] = {}  # identity -> its Controller API address
         self.store: Store | None = None
         # what the spare race left, for the step after it

@@ -24,7 +24,9 @@ NODES = 3
 @pytest.fixture(scope="module")
 def cluster(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetCluster, float]]:
     made = FleetCluster(
-        fleet, tmp_path_factory.mktemp("fleet") / "cluster", ClusterSpec(active=NODES, spares=0)
+        fleet,
+        tmp_path_factory.mktemp("fleet") / "cluster",
+        ClusterSpec(warm_workers=False, active=NODES, spares=0),
     )
     t0 = time.monotonic()
     try:

@@ -62,7 +62,9 @@ def test_a_host_cut_off_from_etcd_alone_fences_while_its_peers_answer(tmp_path: 
     if not ok:
         pytest.skip(f"skipped: no network namespaces ({reason})")
     sweep_orphans()
-    spec = ClusterSpec(active=2, spares=1, lease_ttl_s=TTL_S, policy={"stop_grace_s": STOP_GRACE_S})
+    spec = ClusterSpec(
+        warm_workers=False, active=2, spares=1, lease_ttl_s=TTL_S, policy={"stop_grace_s": STOP_GRACE_S}
+    )
     with Fleet(default_prefix()) as fleet, FleetCluster(fleet, tmp_path / "cluster", spec) as cluster:
         first = cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180)
         assert first is not None, cluster.controller_log()[-3000:]

@@ -82,6 +82,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     sweep_orphans()
     root = tmp_path_factory.mktemp("fleet-faults")
     spec = ClusterSpec(
+        warm_workers=False,
         lease_ttl_s=TTL_S,
         policy={"bandwidth_gate": True, "bandwidth_gate_timeout_s": 45.0, "stop_grace_s": STOP_GRACE_S},
     )
