@@ -268,7 +268,8 @@ def test_two_nodes_launch_on_parked_ranks_kept_across_attempts_until_a_hard_stop
             )
         assert not set(fourth[0]) & set(third[0])  # node 0's hard-stopped group is gone
         wait_for(lambda: (tmp_path / "out-4" / "loss-rank1.jsonl").exists(), 90, "cold ranks' first step")
-        assert [parked_ranks(a) for a in agents] == fourth
+        # still parked (a new standby may have joined them: a promoted standby is replaced at once)
+        assert all(set(f) <= set(parked_ranks(a)) for a, f in zip(agents, fourth, strict=True))
         for agent in agents:
             agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="wr", attempt=4, grace_s=3), timeout=30)
         last = [wait_for(lambda a=a: parked_ranks(a), 60, f"{a.node}'s last parked rank") for a in agents]
