@@ -76,12 +76,12 @@ LEAVE_RESCAN_S = 0.02
 PREFIX = "runwarden-warm"
 
 
-def attempt_sockets() -> dict[int, str]:
-    """This process's socket fds -> their `socket:[inode]` names."""
+def attempt_sockets(proc: str = "/proc/self") -> dict[int, str]:
+    """A process's (`proc`: its /proc directory) socket fds -> their `socket:[inode]` names."""
     out: dict[int, str] = {}
-    for name in os.listdir("/proc/self/fd"):
+    for name in os.listdir(f"{proc}/fd"):
         try:
-            link = os.readlink(f"/proc/self/fd/{name}")
+            link = os.readlink(f"{proc}/fd/{name}")
         except OSError:
             continue
         if link.startswith("socket:"):
@@ -118,21 +118,22 @@ _TCP_STATES = {
 }
 
 
-def where_it_waits(keep: set[str]) -> str:
+def where_it_waits(keep: set[str], proc: str = "/proc/self") -> str:
     """What a rank still inside an aborted attempt waits in, read from /proc (no ptrace): each
-    native thread's name and system call, and each socket of the attempt with its TCP state."""
+    native thread's name and system call, and each socket not in `keep` with its TCP state
+    (`proc`: another process's /proc directory, for a test that waits on a rank in vain)."""
     threads = []
-    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+    for tid in sorted(os.listdir(f"{proc}/task"), key=int):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"{proc}/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/syscall") as f:
+            with open(f"{proc}/task/{tid}/syscall") as f:
                 call = f.read().split()[0]
         except (OSError, IndexError):
             continue
         threads.append(f"{tid} {name}: {_SYSCALLS.get(call, call)}")
     states: dict[str, str] = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for table in (f"{proc}/net/tcp", f"{proc}/net/tcp6"):
         try:
             with open(table) as f:
                 rows = f.read().splitlines()[1:]
@@ -144,7 +145,7 @@ def where_it_waits(keep: set[str]) -> str:
                 states[f"socket:[{cols[9]}]"] = _TCP_STATES.get(cols[3], cols[3])
     sockets = [
         f"fd {fd} {states.get(name, 'not TCP')}"
-        for fd, name in sorted(attempt_sockets().items())
+        for fd, name in sorted(attempt_sockets(proc).items())
         if name not in keep
     ]
     return f"threads: {'; '.join(threads)}\nthe attempt's sockets: {', '.join(sockets) or 'none'}"

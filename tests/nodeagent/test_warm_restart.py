@@ -26,6 +26,7 @@ import pytest
 from nodeagent.daemon import proctree
 from nodeagent.trainer import latest_committed
 from nodeagent.warm import protocol
+from nodeagent.warm.rank import where_it_waits
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
 from tests.nodeagent.test_warm_workers import HOSTS, _agent, _ended, _launch, _status, _train, parked_ranks
@@ -74,11 +75,20 @@ def _past(agent, pid: int, step: int) -> list:
 
 def _left(agent, attempt: int) -> agent_pb2.WorkerStatus:
     """The attempt's end on `agent` once its rank left a collective its peer left; if it does not
-    within 30 s, the failure carries the agent's log (what the rank and its leader said last)."""
+    within 30 s, the failure carries the agent's log (what the rank and its leader said last) and
+    what each of its ranks waits in (native threads' system calls, sockets' TCP states)."""
     try:
         return _ended(agent, attempt, 30)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; {agent.node}'s log ends with:\n{agent.log()[-6000:]}") from None
+        waits = []
+        for r in _status(agent).ranks:
+            try:
+                waits.append(f"rank pid {r.pid}: {where_it_waits(set(), f'/proc/{r.pid}')}")
+            except OSError as err:
+                waits.append(f"rank pid {r.pid}: {err}")
+        raise AssertionError(
+            f"{exc}; {agent.node}'s log ends with:\n{agent.log()[-6000:]}\n" + "\n".join(waits)
+        ) from None
 
 
 def _stop(agent, attempt: int, park_within_s: float, out: dict, grace_s: float = 1.0) -> None:
