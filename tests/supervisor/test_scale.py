@@ -59,7 +59,7 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
             for n in req.nodes:
                 feed(PreflightResult(node=n, passed=True, mode=req.mode))
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for i in range(NODES + SPARES):
         feed(NodeJoined(node=f"node{i:05d}", local_ranks=8))
     answer()
@@ -97,18 +97,19 @@ def drive_fleet(failures: int, seed: int = 1) -> tuple[Supervisor, float, int]:
         answer()
         feed(Tick())
         answer()
-    return sup, time.perf_counter() - t0, events
+    return sup, time.process_time() - t0, events
 
 
 def test_fleet_scale_core_cost_is_small() -> None:
-    sup, wall, events = drive_fleet(FAILURES)
+    sup, cpu, events = drive_fleet(FAILURES)
     assert sup.attempt == FAILURES + 1 and sup.state == RunState.RUNNING
-    per_event_us = wall / events * 1e6
+    per_event_us = cpu / events * 1e6
     print(
-        f"\n{FAILURES} failures on {NODES} nodes: {events} events in {wall:.2f}s ({per_event_us:.1f} us/event)"
+        f"\n{FAILURES} failures on {NODES} nodes: {events} events in {cpu:.2f}s of CPU ({per_event_us:.1f} us/event)"
     )
-    # Measured ~10-15 s on the shared 2-core box; the bound leaves room for a loaded machine.
-    assert wall < 45.0, f"core too slow: {wall:.1f}s for {events} events"
+    # CPU time, not wall time: a loaded machine (another test, a busy loop) slows the clock, not the
+    # core. Measured ~10-15 s on the shared 2-core box.
+    assert cpu < 45.0, f"core too slow: {cpu:.1f}s of CPU for {events} events"
 
 
 def test_launch_lists_every_node_once_at_scale() -> None:
