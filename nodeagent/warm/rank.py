@@ -40,6 +40,7 @@ import faulthandler
 import gc
 import importlib
 import os
+import platform
 import queue
 import runpy
 import signal
@@ -89,7 +90,7 @@ def attempt_sockets(proc: str = "/proc/self") -> dict[int, str]:
     return out
 
 
-# x86_64 system calls a thread stuck in a collective or a store call waits in (others: the number)
+# x86_64 system calls (other machines: the number) a thread stuck in a collective or a store call waits in (others: the number)
 _SYSCALLS = {
     "0": "read",
     "7": "poll",
@@ -131,7 +132,8 @@ def where_it_waits(keep: set[str], proc: str = "/proc/self") -> str:
                 call = f.read().split()[0]
         except (OSError, IndexError):
             continue
-        threads.append(f"{tid} {name}: {_SYSCALLS.get(call, call)}")
+        named = _SYSCALLS.get(call, call) if platform.machine() == "x86_64" else call
+        threads.append(f"{tid} {name}: {named}")
     states: dict[str, str] = {}
     for table in (f"{proc}/net/tcp", f"{proc}/net/tcp6"):
         try:

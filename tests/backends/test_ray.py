@@ -25,6 +25,7 @@ from controller.backends.ray import MARK_PREFIX, RayScheduler  # noqa: E402
 from runwarden.store import Store, StoreConfig  # noqa: E402
 from testbed.etcd_server import EtcdServer, free_port  # noqa: E402
 from testbed.ray_cluster import start_ray_cluster  # noqa: E402
+from testbed.wait import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -35,14 +36,7 @@ LEASE_TTL_S = 2.0
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.1)
+    return wait_until(check, timeout_s, what, interval_s=0.1)
 
 
 def alive(pid: int) -> bool:
