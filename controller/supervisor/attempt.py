@@ -30,6 +30,7 @@ class Attempt:
     min_step: int = UNREPORTED
     min_advanced_at: float = 0.0
     node_seen_at: dict[str, float] = field(default_factory=dict)  # last progress report (node-lost latency)
+    node_advanced_at: dict[str, float] = field(default_factory=dict)  # its step last went up (it trained)
     ckpt_nodes: set[str] = field(default_factory=set)  # nodes with a rank inside a checkpoint save
     save_started: dict[int, float] = field(default_factory=dict)  # step -> first "saving" report
     first_step_logged: bool = False

@@ -64,6 +64,7 @@ def record(
     )
     sv.persist(name)
     if outcome == "released":
+        sv.pool.get(name).checked_at = sv.now  # the burn-in is a superset of the attempt preflight
         reason = f"passed {burn_in_passes_text(sv.cfg.burn_in_passes)} in a row"
         sv.log(
             E.EVENT_KIND_RELEASE,

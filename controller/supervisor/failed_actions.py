@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import burn_in, failure, prepare, restart, soak
+from controller.supervisor import burn_in, failure, prepare, restart, soak, spare_checks
 from controller.supervisor.actions import (
     Action,
     AllocateFromQueue,
@@ -85,7 +85,9 @@ def _preflight_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:
     """PREFLIGHT: the attempt's preflight (resent, or its node replaced), or a burn-in's."""
     act = ev.action
     assert isinstance(act, RunPreflight)
-    if act.purpose != "attempt":
+    if act.purpose == "spare":
+        _spare_check_failed(sv, ev, what)
+    elif act.purpose != "attempt":
         _preflight_failed(sv, ev, what)
     elif not ev.node:
         # the request never left (the log append failed): not the nodes' fault; ask again shortly
@@ -116,12 +118,23 @@ def _preflight_failed(sv: Run, ev: ActionFailed, what: str) -> None:
     """Any state: a burn-in's preflight (the node stays in burn-in); an attempt's is late: recorded."""
     act = ev.action
     assert isinstance(act, RunPreflight)
+    if act.purpose == "spare":
+        _spare_check_failed(sv, ev, what)
+        return
     if act.purpose != "burn_in":
         _recorded(sv, ev, what)
         return
     for node in (ev.node,) if ev.node else act.nodes:
         sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
     sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
+
+
+def _spare_check_failed(sv: Run, ev: ActionFailed, what: str) -> None:
+    """A spare's background preflight could not run or reach it: no verdict, asked again later."""
+    act = ev.action
+    assert isinstance(act, RunPreflight)
+    spare_checks.unanswered(sv, act, ev.node)
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; no verdict on the spare, asked again at the next interval")
 
 
 def _bandwidth_failed_preparing(sv: Run, ev: ActionFailed, what: str) -> None:

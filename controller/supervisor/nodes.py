@@ -13,6 +13,7 @@ from controller.supervisor import (
     prepare,
     quarantine,
     soak,
+    spare_checks,
     stops,
     transitions,
 )
@@ -381,13 +382,18 @@ def on_operator_release(sv: Run, ev: OperatorRelease) -> None:
 
 
 def on_preflight(sv: Run, ev: PreflightResult) -> None:
-    """Outside PREFLIGHT a result is a burn-in's (or late: ignored)."""
+    """Outside PREFLIGHT a result is a spare check's or a burn-in's (or late: ignored)."""
+    if spare_checks.on_result(sv, ev):
+        return
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
 
 
 def on_preflight_preparing(sv: Run, ev: PreflightResult) -> None:
-    """PREFLIGHT: a burn-in's result, or the attempt's."""
+    """PREFLIGHT: a spare check's, a burn-in's result, or the attempt's (a spare check the attempt
+    waits for answers it too)."""
+    if spare_checks.on_result(sv, ev):
+        return
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
     elif ev.node in sv.preparing.pending_preflight:
@@ -397,6 +403,8 @@ def on_preflight_preparing(sv: Run, ev: PreflightResult) -> None:
 def on_preflight_blind(sv: Run, ev: PreflightResult) -> None:
     """CONTROL_PLANE: a burn-in's result; the attempt's when paused in PREFLIGHT (recorded, launched
     after the pause)."""
+    if spare_checks.on_result_blind(sv, ev):
+        return
     if ev.node in sv.burn_in:
         burn_in.on_result(sv, ev)
     elif ev.node in sv.preparing.pending_preflight and sv.blind.paused is RunState.PREFLIGHT:

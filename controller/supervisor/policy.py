@@ -23,9 +23,15 @@ class SupervisorConfig:
     backoff_max_s: float = 60.0
     backoff_reset_s: float = 300.0  # an attempt that ran this long resets the backoff exponent
 
-    # Preflight before every attempt, and burn-in for quarantined nodes.
+    # Preflight before an attempt, and burn-in for quarantined nodes. Every node of an attempt has a
+    # passing preflight, or trained healthily in the attempt before, within preflight_max_age_s and
+    # no evidence about it since; the others are preflighted before the launch (0: every node, every
+    # attempt). Idle spares are re-checked in the background every spare_check_interval_s while the
+    # run trains (0: never), so a replacement is a pre-validated spare.
     preflight_mode: str = "quick"
     preflight_timeout_s: float = 120.0
+    preflight_max_age_s: float = 600.0
+    spare_check_interval_s: float = 300.0
     queue_wait_s: float = (
         30.0  # before the first attempt: let the allocated nodes join before asking for more
     )
@@ -182,6 +188,8 @@ class SupervisorConfig:
             "backoff_max_s",
             "backoff_reset_s",
             "preflight_timeout_s",
+            "preflight_max_age_s",
+            "spare_check_interval_s",
             "burn_in_timeout_s",
             "burn_in_soak_timeout_s",
             "bandwidth_floor_gbps",

@@ -105,6 +105,9 @@ class PoolNode:
     repaired_at: float = 0.0  # an operator's last repair or release (durable); 0: never
     awaiting_repair_since: float = 0.0  # its last burn-in failed then (durable); 0: not waiting
     elsewhere: str = ""  # the other run that holds the node's claim now: never picked here
+    registered_at: float | None = None  # its current lease's registration, as seen here
+    checked_at: float | None = None  # its last passing preflight or burn-in since then (not durable)
+    evidence_at: float | None = None  # the last evidence about the node (not its job) came then
 
     def view(self) -> NodeRecordView:
         return NodeRecordView(
@@ -176,9 +179,14 @@ class Pool:
     ) -> PoolNode:
         """`now` (a registration): starts the node's known history the first time it is seen."""
         node = self.get(name)
+        if alive and now is not None:
+            if node.known_since is None:
+                node.known_since = now
+            if not node.alive:
+                node.registered_at = now  # a new lease: a host that restarted is checked again
+        if not alive:
+            node.checked_at = None
         node.alive = alive
-        if alive and now is not None and node.known_since is None:
-            node.known_since = now
         if local_ranks is not None:
             node.local_ranks = local_ranks
         self._sync(node)
@@ -218,6 +226,10 @@ class Pool:
 
     def free_count(self) -> int:
         return len(self._free)
+
+    def free_names(self) -> list[str]:
+        """The alive spares no run uses now (unordered)."""
+        return list(self._free)
 
     def usable(self, name: str) -> bool:
         node = self.nodes.get(name)
@@ -319,6 +331,8 @@ class Pool:
         node = self.get(name)
         horizon = now - self._cfg.evidence_window_s
         node.evidence = [(at, e) for at, e in node.evidence[-15:] if at >= horizon] + [(now, ev)]
+        if ev.severity != common_pb2.SEVERITY_APPLICATION:  # about the node, not its job
+            node.evidence_at = now
 
     def evidence_since(self, name: str, since: float) -> list[common_pb2.Evidence]:
         return [e for at, e in self.get(name).evidence if at >= since]

@@ -24,6 +24,7 @@ from controller.supervisor.attempt import Attempt
 from controller.supervisor.events import BandwidthMeasured, PreflightResult
 from controller.supervisor.pool import PoolState
 from controller.supervisor.states import RunState
+from runwarden.evidence import kind_name
 from runwarden.v1 import common_pb2, events_pb2
 from runwarden.v1 import events_pb2 as E
 
@@ -70,6 +71,7 @@ def try_start(sv: Run) -> None:
     sv.preparing.empty_slots = need
     sv.preparing.unreachable = set()
     sv.preparing.preflight_retried = set()
+    sv.preparing.vouched = set()
     sv.preparing.preflight_resend = set()
     sv.preparing.gate_pending = sv.preparing.gate_passed = None
     for rank, n in enumerate(prev):
@@ -114,11 +116,12 @@ def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
     if still_empty > sv.queue.outstanding:
         ask = still_empty - sv.queue.outstanding
         _ask_queue(sv, ask, f"no spare left for {still_empty} node ranks: asking the queue for {ask}")
-    if new:
-        sv.preparing.pending_preflight.update(new)
+    checked = _sort_by_preflight(sv, new) if new else []
+    if checked:
+        sv.preparing.pending_preflight.update(checked)
         sv.emit(
             RunPreflight(
-                nodes=tuple(new),
+                nodes=tuple(checked),
                 mode=sv.cfg.preflight_mode,
                 purpose="attempt",
                 timeout_s=sv.cfg.preflight_timeout_s,
@@ -127,6 +130,56 @@ def fill_slots(sv: Run, also: Iterable[str] = ()) -> None:
         sv.preparing.preflight_deadline = sv.now + sv.cfg.preflight_timeout_s
         sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
     maybe_launch(sv)
+
+
+def vouched_for(sv: Run, name: str) -> tuple[bool, str]:
+    """Whether `name` joins the attempt being prepared without a preflight, and why (the log's words):
+    a passing preflight (or burn-in) or healthy training in the attempt before, within
+    `preflight_max_age_s`, on its current lease, with no evidence about it since."""
+    max_age = sv.cfg.preflight_max_age_s
+    if max_age <= 0:
+        return False, "preflight_max_age_s = 0: every node before every attempt"
+    node = sv.pool.get(name)
+    seen: list[tuple[float, str]] = []
+    if node.checked_at is not None:
+        seen.append((node.checked_at, "passed its preflight"))
+    trained = sv.cur.node_advanced_at.get(name)  # sv.cur is the attempt before, until the launch
+    if trained is not None:
+        seen.append((trained, "trained healthily"))
+    if not seen:
+        return False, "no passing preflight on record"
+    at, what = max(seen)
+    if node.registered_at is not None and node.registered_at > at:
+        return False, f"registered a new lease since it {what.split(' ')[0]}"
+    age = sv.now - at
+    if age > max_age:
+        return False, f"{what} {age:.0f}s ago, longer than preflight_max_age_s ({max_age:g}s)"
+    if node.evidence_at is not None and node.evidence_at >= at:
+        kinds = ", ".join(sorted({kind_name(e.kind) for e in sv.pool.evidence_since(name, at)})) or "?"
+        return False, f"evidence since it {what.split(' ')[0]}: {kinds}"
+    return True, f"{what} {age:.1f}s ago, no evidence since"
+
+
+def _sort_by_preflight(sv: Run, nodes: list[str]) -> list[str]:
+    """The nodes to preflight now; the others are vouched for. The event log says which and why."""
+    checked: list[E.NodeReason] = []
+    vouched: list[E.NodeReason] = []
+    for n in nodes:
+        skip, why = vouched_for(sv, n)
+        (vouched if skip else checked).append(E.NodeReason(node=n, reason=why))
+        if skip:
+            sv.preparing.vouched.add(n)
+    parts = []
+    if checked:
+        parts.append("preflight " + "; ".join(f"{r.node} ({r.reason})" for r in checked))
+    if vouched:
+        parts.append("no preflight for " + "; ".join(f"{r.node} ({r.reason})" for r in vouched))
+    sv.log(
+        E.EVENT_KIND_PREFLIGHT_PLAN,
+        f"before attempt {sv.attempt + 1}: " + "; ".join(parts),
+        preflight_plan=E.PreflightPlanDetail(checked=checked, vouched=vouched),
+    )
+    return [r.node for r in checked]
 
 
 def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) -> None:
@@ -151,6 +204,7 @@ def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) ->
 def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
     sv.preparing.pending_preflight.discard(ev.node)
     if ev.passed:
+        sv.pool.get(ev.node).checked_at = sv.now
         maybe_launch(sv)
         return
     if ev.inconclusive:
@@ -282,9 +336,13 @@ def maybe_launch(sv: Run) -> None:
             sv.emit(MeasureBandwidth(nodes=nodes, timeout_s=sv.cfg.bandwidth_gate_timeout_s))
             sv.emit(SetTimer(key="bandwidth", at=sv.preparing.gate_deadline))
         return
+    vouched = sum(1 for n in nodes if n in sv.preparing.vouched)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
-        f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight",
+        f"all {len(nodes)} nodes passed {sv.cfg.preflight_mode} preflight"
+        if not vouched
+        else f"all {len(nodes)} nodes cleared: {len(nodes) - vouched} passed {sv.cfg.preflight_mode} "
+        f"preflight now, {vouched} vouched for (a recent pass or healthy training, no evidence since)",
         preflight=E.PreflightDetail(
             summary=common_pb2.PreflightSummary(
                 mode=sv.cfg.preflight_mode, passed=True, pass_count=len(nodes)

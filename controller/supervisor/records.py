@@ -86,6 +86,16 @@ class QueueAsk:
 
 
 @dataclass(slots=True)
+class SpareChecks:
+    """Background preflights of idle spares (spare_checks.py): in flight, and when each node was
+    last asked (node -> the core's clock)."""
+
+    asked: dict[str, float] = field(default_factory=dict)
+    last_asked: dict[str, float] = field(default_factory=dict)
+    timer_at: float = 0.0  # the "spare_check" timer set last
+
+
+@dataclass(slots=True)
 class Blind:
     """A control-plane pause: the state it paused (resolved back from it) and whether etcd itself
     was lost (then nothing resolves the pause before a `ControlPlaneRestored`)."""
@@ -108,6 +118,7 @@ class Preparing:
     unreachable: set[str] = field(default_factory=set)  # preflight could not reach them: not picked now
     preflight_resend: set[str] = field(default_factory=set)  # their RunPreflight never left: again at a tick
     preflight_retried: set[str] = field(default_factory=set)  # asked again after an inconclusive one (once)
+    vouched: set[str] = field(default_factory=set)  # not preflighted: a recent pass or healthy training
     gate_pending: tuple[str, ...] | None = None  # the node set the bandwidth gate is measuring
     gate_passed: tuple[str, ...] | None = None  # the node set that passed it
     gate_deadline: float = 0.0

@@ -116,11 +116,13 @@ def restart_decision(
     * More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
     * Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
       A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
-      run) or it is the same kind of failure as the one before; k counts the storm's failures in a row
-      (`backoff_base_s` x 2^(k-1), at most `backoff_max_s`; an attempt that ran `backoff_reset_s` ends
+      run) or it is the same kind of failure as the one before; k counts the storm's failures in a row.
+      The first (k = 1) waits for nothing: a wait learns nothing about a failure seen once, and
+      relaunching at once costs no more than a wait would; from the second on the backoff is
+      `backoff_base_s` x 2^(k-2), at most `backoff_max_s` (an attempt that ran `backoff_reset_s` ends
       the storm). A first failure of its kind whose suspect was quarantined and replaced waits for
-      nothing: the node that failed is out, so there is nothing to wait for, and unrelated faults on
-      different nodes do not tax each other. Planned stops and control-plane faults consume neither
+      nothing either: the node that failed is out, and unrelated faults on different nodes do not
+      tax each other. Planned stops and control-plane faults consume neither
       the budget nor the crash-loop count (`Relaunch(delay=0)`).
     """
     label, step = signature.label, signature.step
@@ -154,8 +156,14 @@ def restart_decision(
     k = storm_count(
         cfg, history, label=label, suspects_quarantined=suspects_quarantined, attempt_ran_s=attempt_ran_s
     )
-    delay = 0.0 if k == 0 else min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (k - 1))
-    why = "an independent fault: its node is out" if k == 0 else f"storm x{k}"
+    delay = 0.0 if k <= 1 else min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (k - 2))
+    why = (
+        "an independent fault: its node is out"
+        if k == 0
+        else "a first failure: nothing is learned by waiting"
+        if k == 1
+        else f"storm x{k}"
+    )
     return Relaunch(
         delay=delay,
         counted=True,

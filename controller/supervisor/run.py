@@ -16,7 +16,7 @@ from controller.supervisor.effects import Effects
 from controller.supervisor.events import Event, StopRequested
 from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import OUT_OF_SERVICE, Pool
-from controller.supervisor.records import Blind, LossBook, Preparing, QueueAsk, Soak
+from controller.supervisor.records import Blind, LossBook, Preparing, QueueAsk, Soak, SpareChecks
 from controller.supervisor.restart import RestartHistory
 from controller.supervisor.states import IN_ATTEMPT, TERMINAL, RunState
 
@@ -50,6 +50,7 @@ class Run(Effects):
         self.soaks: dict[str, Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
         self.burn_in_retry: dict[str, float] = {}  # inconclusive burn-ins: node -> when it runs again
         self.burn_in_inconclusive: dict[str, int] = {}  # inconclusive burn-ins in a row (the backoff)
+        self.spare_checks = SpareChecks()  # idle spares preflighted in the background
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)
@@ -109,6 +110,7 @@ class Run(Effects):
             if n is not None
         }
         mine.update(self.burn_in)
+        mine.update(self.spare_checks.asked)
         mine.update(n for n, p in self.pool.nodes.items() if p.state in OUT_OF_SERVICE)
         return frozenset(n for n in mine if not self.pool.get(n).elsewhere)
 

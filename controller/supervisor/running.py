@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, loss, nodes, stats, stops, transitions
+from controller.supervisor import detectors, failure, loss, nodes, spare_checks, stats, stops, transitions
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -89,6 +89,7 @@ def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
     if node_step <= old:
         return
     a.node_step[ev.node] = node_step
+    a.node_advanced_at[ev.node] = sv.now
     count = a.step_count
     count[old] -= 1
     if not count[old]:
@@ -245,6 +246,12 @@ def _hang(sv: Run, label: str, nodes: list[str], step: int, reason: str, since: 
         Failure(detector=E.DETECTOR_HANG, nodes=nodes, step=step, label=label, reason=reason),
         latency=sv.now - since,
     )
+
+
+def on_tick(sv: Run) -> None:
+    """RUNNING: the idle spares' background checks, then the hang rules."""
+    spare_checks.due(sv)
+    check_hang(sv)
 
 
 def check_hang(sv: Run) -> None:

@@ -75,6 +75,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
     EVENT_KIND_QUARANTINE_HELD_BACK: _EventKind.ValueType  # 29
     """the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
+    EVENT_KIND_PREFLIGHT_PLAN: _EventKind.ValueType  # 30
+    """before a launch: which nodes are preflighted and why, and why the others are not"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -120,6 +122,8 @@ EVENT_KIND_LOSS_RECORD: EventKind.ValueType  # 28
 """losses the core keeps for the replay comparison (ranks < 8): what a new leader rebuilds it from"""
 EVENT_KIND_QUARANTINE_HELD_BACK: EventKind.ValueType  # 29
 """the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
+EVENT_KIND_PREFLIGHT_PLAN: EventKind.ValueType  # 30
+"""before a launch: which nodes are preflighted and why, and why the others are not"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -525,6 +529,62 @@ class PreflightDetail(_message.Message):
 Global___PreflightDetail: _TypeAlias = PreflightDetail  # noqa: Y015
 
 @_typing.final
+class NodeReason(_message.Message):
+    """A node and why it is (or is not) preflighted before an attempt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeReason: _TypeAlias = NodeReason  # noqa: Y015
+
+@_typing.final
+class PreflightPlanDetail(_message.Message):
+    """The attempt's nodes sorted by the preflight rule: every node of an attempt has a passing preflight,
+    or trained healthily, within the policy's preflight_max_age_s, with no evidence about it since.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKED_FIELD_NUMBER: _builtins.int
+    VOUCHED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checked(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeReason]:
+        """preflighted now"""
+
+    @_builtins.property
+    def vouched(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeReason]:
+        """not preflighted again, and what vouches for them"""
+
+    def __init__(
+        self,
+        *,
+        checked: _abc.Iterable[Global___NodeReason] | None = ...,
+        vouched: _abc.Iterable[Global___NodeReason] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked", b"checked", "vouched", b"vouched"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreflightPlanDetail: _TypeAlias = PreflightPlanDetail  # noqa: Y015
+
+@_typing.final
 class CheckpointDetail(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -795,6 +855,7 @@ class Event(_message.Message):
     WORKERS_STARTED_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     LOSS_FIELD_NUMBER: _builtins.int
+    PREFLIGHT_PLAN_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """strictly increasing within one log file"""
     ts: _builtins.float
@@ -837,6 +898,8 @@ class Event(_message.Message):
     def policy(self) -> Global___PolicyDetail: ...
     @_builtins.property
     def loss(self) -> Global___LossDetail: ...
+    @_builtins.property
+    def preflight_plan(self) -> Global___PreflightPlanDetail: ...
     def __init__(
         self,
         *,
@@ -863,12 +926,13 @@ class Event(_message.Message):
         workers_started: Global___WorkersStartedDetail | None = ...,
         policy: Global___PolicyDetail | None = ...,
         loss: Global___LossDetail | None = ...,
+        preflight_plan: Global___PreflightPlanDetail | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "loss", b"loss", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop", "workers_started", b"workers_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "launch", b"launch", "loss", b"loss", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "preflight_plan", b"preflight_plan", "quarantine", b"quarantine", "release", b"release", "run_detail", b"run_detail", "spare", b"spare", "stop", b"stop", "workers_started", b"workers_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "loss", b"loss", "message", b"message", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts", "workers_started", b"workers_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attribution", b"attribution", "checkpoint", b"checkpoint", "detail", b"detail", "detection", b"detection", "exit", b"exit", "kind", b"kind", "launch", b"launch", "loss", b"loss", "message", b"message", "node", b"node", "page", b"page", "policy", b"policy", "preflight", b"preflight", "preflight_plan", b"preflight_plan", "quarantine", b"quarantine", "release", b"release", "run", b"run", "run_detail", b"run_detail", "seq", b"seq", "spare", b"spare", "step", b"step", "stop", b"stop", "ts", b"ts", "workers_started", b"workers_started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail", "workers_started", "policy", "loss"]  # noqa: Y015
+    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["launch", "exit", "detection", "attribution", "quarantine", "release", "spare", "preflight", "checkpoint", "stop", "page", "node", "run_detail", "workers_started", "policy", "loss", "preflight_plan"]  # noqa: Y015
     _WhichOneofArgType_detail: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_detail) -> _WhichOneofReturnType_detail | None: ...
 

@@ -227,10 +227,12 @@ def test_restart_decisions_carry_their_reason() -> None:
     h = restart.RestartHistory()
     d1 = _decide(cfg, h, now=100.0, label="exit:1", step=7)
     assert d1 == restart.Relaunch(
-        delay=1.0, counted=True, reason="restart 1/2 after exit:1; backoff 1s (storm x1)"
+        delay=0.0,
+        counted=True,
+        reason="restart 1/2 after exit:1; backoff 0s (a first failure: nothing is learned by waiting)",
     )
     d2 = _decide(cfg, h, now=101.0, label="exit:1", step=7)
-    assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 2s (storm x2)"
+    assert isinstance(d2, restart.Relaunch) and d2.reason == "restart 2/2 after exit:1; backoff 1s (storm x2)"
     d3 = _decide(cfg, h, now=102.0, label="exit:1", step=7, record=False)
     assert d3 == restart.CrashLoop(
         reason="crash loop: the same failure (exit:1) at step 7 3 times, the run never past it (resumed from "
@@ -317,13 +319,15 @@ def test_backoff_taxes_storms_not_independent_faults() -> None:
 
     # The demo's faults, one after another on different nodes, each node quarantined: no waiting.
     assert [fail(f, True) for f in ("hang", "node_lost", "straggler", "evidence")] == [0.0] * 4
-    # A crash with nobody to blame starts a storm; the same kind again (blamed or not) grows it.
-    assert [fail("exit:1", False), fail("exit:1", True), fail("exit:1", False)] == [1.0, 2.0, 4.0]
-    assert fail("hang", False) == 8.0 and fail("hang", False) == 8.0  # capped at backoff_max_s
+    # A crash with nobody to blame starts a storm (its first failure waits for nothing); the same
+    # kind again (blamed or not) grows it.
+    assert [fail("exit:1", False), fail("exit:1", True), fail("exit:1", False)] == [0.0, 1.0, 2.0]
+    assert [fail("hang", False) for _ in range(3)] == [4.0, 8.0, 8.0]  # capped at backoff_max_s
     # A different fault whose node is out ends the storm ...
     assert fail("evidence", True) == 0.0
     # ... and so does an attempt that ran backoff_reset_s.
-    assert fail("exit:1", False) == 1.0 and fail("exit:1", False, ran_s=400.0) == 1.0
+    assert fail("exit:1", False) == 0.0 and fail("exit:1", False) == 1.0
+    assert fail("exit:1", False, ran_s=400.0) == 0.0
 
 
 def test_a_launch_never_carried_out_is_relaunched_at_once_with_a_new_attempt() -> None:

@@ -36,6 +36,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.policy import SupervisorConfig
 from runwarden.v1 import common_pb2, events_pb2
+from runwarden.v1 import events_pb2 as E
 from tests.supervisor.harness import Driver
 
 NODES = [f"n{i}" for i in range(7)]
@@ -168,18 +169,29 @@ def apply(d: Driver, op: tuple[Any, ...], committed: list[int]) -> None:
 
 
 class Recorder(Driver):
-    """A Driver that also records which nodes passed an attempt preflight, in action order."""
+    """A Driver that also records, in action order, which nodes passed an attempt preflight (and
+    when) and which got evidence about them."""
 
     def send(self, event: Any, now: float | None = None) -> list[Any]:
         out = super().send(event, now)
+        at = len(self.actions) - len(out)
         if (
             isinstance(event, PreflightResult) and event.passed and event.mode == "quick"
-        ):  # attempt, not burn-in
-            self.actions.insert(len(self.actions) - len(out), _Passed(event.node))  # test marker
+        ):  # attempt or spare check, not burn-in
+            self.actions.insert(at, _Passed(event.node, self.now))  # test marker
+        elif isinstance(event, EvidenceObserved):
+            self.actions.insert(at, _Evidence(event.evidence.node))  # test marker
         return out
 
 
 class _Passed:
+    __slots__ = ("at", "node")
+
+    def __init__(self, node: str, at: float) -> None:
+        self.node, self.at = node, at
+
+
+class _Evidence:
     __slots__ = ("node",)
 
     def __init__(self, node: str) -> None:
@@ -187,16 +199,34 @@ class _Passed:
 
 
 def check_preflight_before_launch(d: Driver) -> None:
-    passed: set[str] = set()
+    """Every launched node passed a preflight since the launch before, or was vouched for: it ran
+    in the launch before or passed a preflight within preflight_max_age_s, with no evidence since."""
+    max_age = d.cfg.preflight_max_age_s
+    passed_now: set[str] = set()  # since the last launch
+    passed_at: dict[str, float] = {}
+    evidence: set[str] = set()  # nodes with evidence since their last pass or launch
+    before: set[str] = set()
+    now = 0.0
     for a in d.actions:
         if isinstance(a, _Passed):
-            passed.add(a.node)
+            passed_now.add(a.node)
+            passed_at[a.node] = now = a.at
+            evidence.discard(a.node)
+        elif isinstance(a, _Evidence):
+            evidence.add(a.node)
+        elif isinstance(a, E.Event):
+            now = max(now, a.ts)
         elif isinstance(a, Launch):
             nodes = {nr.node for nr in a.nodes}
-            assert nodes <= passed, (
-                f"attempt {a.attempt} launched {nodes - passed} without a passed preflight"
-            )
-            passed = set()
+            for n in nodes - passed_now:
+                fresh = n in before or (n in passed_at and now - passed_at[n] <= max_age)
+                assert max_age > 0 and fresh and n not in evidence, (
+                    f"attempt {a.attempt} launched {n} without a passed preflight or a vouch "
+                    f"(ran before: {n in before}, evidence since: {n in evidence})"
+                )
+            evidence -= nodes
+            passed_now = set()
+            before = nodes
 
 
 def check_all(d: Driver, committed: list[int]) -> None:
