@@ -310,6 +310,15 @@ class Executor:
             leader_fence=fence,
         )
         key = self.keys.attempt(action.run)
+        # A node vouched for without a preflight now (a pre-validated spare) was not claimed by one:
+        # claimed here, before the attempt record compares every node's claim.
+        refused = self.claims.take(spec.nodes, self.leadership)
+        if refused:
+            self.relist()
+            why = "; ".join(f"{r.node}: {r.reason}" for r in refused)
+            return [
+                self._not_launched(action, f"attempt {action.attempt} cannot be launched: not claimed: {why}")
+            ]
         claimed = self.claims.compares(spec.nodes)
         if isinstance(claimed, str):
             self.relist()
