@@ -162,6 +162,7 @@ class LocalBackend:
                         no_python=self.config.no_python,
                         script_mode=SCRIPT_MODES[self.config.script_mode],
                         peers=[a for n in spec.nodes if n != node and (a := self.agents.address(n))],
+                        cold=spec.cold,
                     ),
                 ),
             )

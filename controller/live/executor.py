@@ -292,6 +292,7 @@ class Executor:
                 resume_step=action.resume_step,
                 procs_per_node=self.s.procs_per_node,
                 leader_fence=fence,
+                cold=action.cold,
             )
         except BackendError as exc:
             return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]

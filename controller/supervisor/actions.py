@@ -55,7 +55,8 @@ class Launch:
     """Start attempt `attempt` on `nodes` (torchrun --max-restarts=0, rdzv id `rendezvous_id`).
 
     resume_step: the latest *committed* checkpoint step, -1 = from scratch. leader_fence: 0 here;
-    the shell fills in its leadership fence when it writes the attempt record (CAS).
+    the shell fills in its leadership fence when it writes the attempt record (CAS). cold: every
+    node starts torchrun even where a parked group is ready (one of them did not go warm before).
     """
 
     run: str
@@ -64,6 +65,7 @@ class Launch:
     nodes: tuple[NodeRank, ...]
     resume_step: int
     leader_fence: int = 0
+    cold: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -93,6 +93,8 @@ class Failure:
     first_exit: str | None = None
     verdict: FlightRecorderVerdict | None = None
     dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
+    # no fault: the nodes' launch paths disagreed (warm and cold never meet); relaunched at once, cold
+    paths_disagree: bool = False
 
     def facts(self) -> FailureFacts:
         return FailureFacts(

@@ -30,7 +30,7 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
     sv.failure = f
     loss.flush_replay(sv)  # the attempt's replay comparisons so far, before it ends
     loss.flush_record(sv)  # and its losses' durable copy (a controller restart may follow)
-    if not f.planned:
+    if not f.planned and not f.paths_disagree:
         sv.log(
             E.EVENT_KIND_DETECTION,
             f.reason,
@@ -43,7 +43,14 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
             ),
         )
     live = sv.live_nodes()
-    if sv.cfg.collect_dumps and f.dumps and not f.planned and not f.control_plane and live:
+    if (
+        sv.cfg.collect_dumps
+        and f.dumps
+        and not f.planned
+        and not f.control_plane
+        and not f.paths_disagree
+        and live
+    ):
         transitions.become_collecting(sv, live)
     else:
         stop(sv)
@@ -138,7 +145,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
     a = sv.cur
     out: list[_Suspect] = []
     node_evidence = f.detector == E.DETECTOR_NODE_LOST
-    if not f.planned and not f.control_plane:
+    if not f.planned and not f.control_plane and not f.paths_disagree:
         evidence = {n: sv.pool.evidence_since(n, a.launched_at) for n in a.node_step}
         b = blame(
             f.facts(),
@@ -173,7 +180,9 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
                         blamed=True,
                     )
                 ]
-    if not f.control_plane and not f.planned:  # a planned stop quarantines nothing, as it says
+    if (
+        not f.control_plane and not f.planned and not f.paths_disagree
+    ):  # a planned stop quarantines nothing, as it says
         out += [
             _Suspect(
                 node=n, reason="persistent straggler (quarantined at restart)", evidence=[], blamed=False
@@ -242,6 +251,9 @@ def decide(sv: Run) -> None:
     sv.release_slots()
     if sv.end_after_stop or not f.relaunch:
         transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {f.reason}")
+        return
+    if f.paths_disagree:  # no failure of the job or a node: nothing counted, nothing to wait for
+        begin_backoff(sv, 0.0, f"{f.reason}: relaunching at once, cold on every node; no restart consumed")
         return
     ran = sv.now - sv.cur.launched_at
     decision = restart.restart_decision(

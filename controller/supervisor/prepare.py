@@ -408,6 +408,9 @@ def gate_unanswered(sv: Run, why: str) -> None:
 
 def launch(sv: Run, nodes: tuple[str, ...]) -> None:
     sv.attempt += 1
+    trained = (
+        sv.cur.node_advanced_at
+    )  # a node's last healthy training outlives an attempt it never stepped in
     sv.cur = Attempt.launched(
         sv.attempt,
         nodes,
@@ -415,6 +418,7 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
         now=sv.now,
         straggler_window=sv.cfg.straggler_window,
     )
+    sv.cur.node_advanced_at.update((n, t) for n, t in trained.items() if n in sv.cur.node_step)
     sv.failure = None
     sv.preparing.prev_slots = list(nodes)
     sv.job_step = sv.cur.resume_step
@@ -434,6 +438,7 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
             rendezvous_id=rdzv,
             nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
             resume_step=sv.cur.resume_step,
+            cold=not sv.went_cold.keys().isdisjoint(nodes),
         ),
     )
     stops.deliver_pending_stop(sv)

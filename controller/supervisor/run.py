@@ -51,6 +51,8 @@ class Run(Effects):
         self.burn_in_retry: dict[str, float] = {}  # inconclusive burn-ins: node -> when it runs again
         self.burn_in_inconclusive: dict[str, int] = {}  # inconclusive burn-ins in a row (the backoff)
         self.spare_checks = SpareChecks()  # idle spares preflighted in the background
+        # nodes that went cold while others of their attempt went warm (why): attempts with them go cold
+        self.went_cold: dict[str, str] = {}
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)

@@ -152,6 +152,32 @@ def on_workers_started(sv: Run, ev: WorkersStarted) -> None:
     )
 
 
+def on_workers_started_running(sv: Run, ev: WorkersStarted) -> None:
+    """RUNNING: logged; and when some nodes went warm and others cold, the attempt cannot meet in
+    one rendezvous (the warm nodes would wait out theirs): stopped at once and relaunched cold on
+    every node, with no failure counted; the nodes that went cold keep their attempts cold."""
+    on_workers_started(sv, ev)
+    if ev.attempt != sv.attempt:
+        return
+    cold = [n for n in ev.nodes if n.path == "cold"]
+    if not cold or not any(n.path == "warm" for n in ev.nodes):
+        return
+    for n in cold:
+        sv.went_cold[n.node] = n.detail or "no reason given"
+    why = "; ".join(f"{n.node} ({n.detail or 'no reason given'})" for n in cold)
+    f = Failure(
+        detector=E.DETECTOR_UNSPECIFIED,
+        reason=f"launch paths of attempt {ev.attempt} disagree: cold on {why}, warm on the others",
+        nodes=[n.node for n in cold],
+        step=sv.job_step,
+        label="launch_paths",
+        paths_disagree=True,
+        dumps=False,
+    )
+    sv.log(E.EVENT_KIND_RESTART, f.reason)
+    failure.begin(sv, f, latency=0.0)
+
+
 def hang_timeout(sv: Run) -> float:
     med = stats.median(sv.step_times) if sv.step_times else None
     return detectors.hang_timeout(

@@ -267,7 +267,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
-        started=_STARTED,
+        started=_on(running.on_workers_started_running, *_FAIL),
         operator_release=_RELEASE,
         policy=_POLICY,
     ),

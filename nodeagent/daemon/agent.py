@@ -679,6 +679,7 @@ class Agent:
                 no_python=request.torchrun.no_python,
                 node_rank=request.node_rank,
                 nnodes=request.nnodes,
+                cold=request.torchrun.cold,
             )
             if request.HasField("torchrun")
             else None

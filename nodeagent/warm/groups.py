@@ -87,6 +87,7 @@ class WarmAsk:
     no_python: bool
     node_rank: int
     nnodes: int
+    cold: bool = False  # the controller asked for cold (TorchrunLaunch.cold)
 
 
 def warm_interpreter(torchrun_prefix: tuple[str, ...]) -> str:
@@ -128,6 +129,8 @@ def plan(ask: WarmAsk | None, *, enabled: bool, interpreter: str) -> str:
         return "warm_workers is off"
     if ask is None:
         return "not a structured (torchrun) launch"
+    if ask.cold:
+        return "the controller asked for cold: this run's nodes did not all go warm before"
     if ask.no_python:
         return "no_python: the command is not a Python script"
     if ask.command[0].startswith("-") and not (ask.command[0] == "-m" and len(ask.command) >= 2):

@@ -564,6 +564,7 @@ class TorchrunLaunch(_message.Message):
     NO_PYTHON_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
     SCRIPT_MODE_FIELD_NUMBER: _builtins.int
+    COLD_FIELD_NUMBER: _builtins.int
     rdzv_endpoint: _builtins.str
     """interpreter, or a full argv with `no_python`
     "host:port" of the c10d store: node rank 0's torch host and rdzv_port
@@ -577,6 +578,10 @@ class TorchrunLaunch(_message.Message):
     with no runwarden calls at all (UNMODIFIED): each rank then runs it through the agent's bootstrap
     (`-m nodeagent.trainer.bootstrap <command...>`), which derives progress from the flight recorder.
     UNMODIFIED needs a script or `-m module` (never `no_python`) and the agent's flight recorder on.
+    """
+    cold: _builtins.bool
+    """Go cold (torchrun) even where a parked group is ready: an earlier launch of this run's nodes
+    went warm on some and cold on others, and warm and cold nodes never meet in one rendezvous.
     """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -598,10 +603,11 @@ class TorchrunLaunch(_message.Message):
         no_python: _builtins.bool = ...,
         peers: _abc.Iterable[_builtins.str] | None = ...,
         script_mode: Global___ScriptMode.ValueType = ...,
+        cold: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "is_host", b"is_host", "no_python", b"no_python", "peers", b"peers", "rdzv_endpoint", b"rdzv_endpoint", "script_mode", b"script_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cold", b"cold", "command", b"command", "is_host", b"is_host", "no_python", b"no_python", "peers", b"peers", "rdzv_endpoint", b"rdzv_endpoint", "script_mode", b"script_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -56,8 +56,9 @@ class FaultedRun:
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
-    # Warm workers (issue 18): parked ranks start each attempt, and healthy hosts keep theirs across it.
-    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True}, warm_workers=True)
+    # The shipped defaults: warm workers (parked ranks start each attempt, healthy hosts keep theirs
+    # across it) and preflight off the restart's critical path.
+    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
     with contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         victims: dict[str, int] = {}
@@ -189,6 +190,41 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
                 )
     # the fallback is the exception: nearly every healthy host keeps its processes
     assert healthy >= 3 * len(faulted.recoveries) and kept >= healthy - 2, (kept, healthy)
+
+
+def test_survivors_were_not_preflighted_again_and_replacements_were_pre_validated_spares(
+    faulted: FaultedRun,
+) -> None:
+    """Before each relaunch (PREFLIGHT_PLAN): a host that trained healthily in the failed attempt is
+    not preflighted again, and the spare that replaces the faulty host is vouched for by its recent
+    background check (or a burn-in it passed), so no preflight sits between the verdict and the launch."""
+    launches = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH}
+    for r in faulted.recoveries:
+        assert r.launch is not None
+        new = r.launch.attempt
+        failed = max(a for a in launches if a < new)  # (an attempt never launched has no LAUNCH)
+        before = set(launches[failed].launch.nodes)
+        now = set(r.launch.launch.nodes)
+        plans = [
+            e
+            for e in faulted.events
+            if e.kind == E.EVENT_KIND_PREFLIGHT_PLAN
+            and failed <= e.attempt < new
+            and r.injection.after_seq < e.seq < r.launch.seq
+        ]
+        assert plans, (r.injection.fault, "no PREFLIGHT_PLAN before the relaunch")
+        checked = {c.node: c.reason for p in plans for c in p.preflight_plan.checked}
+        vouched = {c.node: c.reason for p in plans for c in p.preflight_plan.vouched}
+        survivors = (before & now) - {r.injection.node}
+        assert not survivors & set(checked), (r.injection.fault, checked, [p.message for p in plans])
+        for n in survivors:
+            assert "trained healthily" in vouched.get(n, ""), (r.injection.fault, n, vouched)
+        for n in now - before:  # the replacement
+            assert n in vouched and "passed its preflight" in vouched[n], (
+                r.injection.fault,
+                n,
+                [p.message for p in plans],
+            )
 
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:

@@ -237,7 +237,7 @@ def render(action: Item) -> str | None:
     if isinstance(action, Launch):
         return (
             f"launch attempt={action.attempt} rdzv={action.rendezvous_id} resume={action.resume_step} "
-            f"nodes={','.join(nr.node for nr in action.nodes)}"
+            f"nodes={','.join(nr.node for nr in action.nodes)}" + (" cold" if action.cold else "")
         )
     if isinstance(action, RunPreflight):
         return f"preflight {action.mode} ({action.purpose}) {','.join(action.nodes)}"
