@@ -21,10 +21,10 @@ The graph, generated from the table (tests/supervisor/test_machine.py keeps it i
       -> STOPPED           StopRequested, StoreListed
     RUNNING
       -> BACKOFF           ActionFailed
-      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
+      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> COMPLETED         AttemptExited
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
-      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
+      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> WAITING_NODES     ActionFailed
     COLLECTING
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
