@@ -682,7 +682,7 @@ class LiveController:
     # -- the view -----------------------------------------------------------------------------
 
     def _relist(self, *, fresh_core: bool = False) -> int:
-        """List the store, feed the core its StoreListed (then the exits it missed); returns the revision.
+        """List the store, feed the core its StoreListed (then the progress and exits it missed); returns the revision.
         fresh_core: a new core, which also gets the loss history from the event log (a relist after
         a watch gap keeps the core, and its history)."""
         assert self.executor is not None
@@ -702,7 +702,7 @@ class LiveController:
             memory=self.store.get(k.memory(run)),
         )
         elsewhere = self.claims.load(listing.claims)  # this run's claims (a predecessor's too) are its own
-        snap, addresses, exits, attempt = self.translator.snapshot(listing, elsewhere)
+        snap, addresses, follow, attempt = self.translator.snapshot(listing, elsewhere)
         if fresh_core:
             snap = replace(snap, losses=read_loss_history(self.cfg.event_log_path, run))
         self._apply(addresses)
@@ -710,7 +710,7 @@ class LiveController:
             self.executor.attempt = int(attempt.attempt)
             self.executor.attempt_nodes = {n: i for i, n in enumerate(attempt.nodes)}
         self._feed(snap, listing.now)
-        for ev in exits:
+        for ev in follow:
             self.events.put(ev)
         return rev
 

@@ -101,8 +101,9 @@ class Translator:
     def snapshot(
         self, listing: Listing, claimed_elsewhere: dict[str, str] | None = None
     ) -> tuple[StoreListed, Addresses, list[Event], store_pb2.AttemptRecord | None]:
-        """The StoreListed of a listing, the agent addresses it names, the exits written while no
-        leader watched (level-triggered: they follow the StoreListed), and the attempt record."""
+        """The StoreListed of a listing, the agent addresses it names, the current attempt's progress
+        and the exits written while no leader watched (level-triggered: they follow the StoreListed),
+        and the attempt record."""
         with self._lock:
             alive: dict[str, int] = {}
             addresses: dict[str, str] = {}
@@ -137,7 +138,7 @@ class Translator:
                 req = _try(store_pb2.StopRequest, listing.stop.value)
                 if req is not None:
                     stop = _stop_requested(req)
-            exits = []
+            follow: list[Event] = []
             if attempt is not None and attempt.attempt != self.attempt:
                 self.attempt, self.rank_to_node = attempt.attempt, {}
             for kv in listing.progress:
@@ -145,8 +146,19 @@ class Translator:
                 if prog is None or attempt is None or prog.attempt != attempt.attempt:
                     continue
                 self._map_ranks(prog)
+                if prog.ranks:
+                    # where each node's ranks stand now: an adopted attempt whose ranks stopped
+                    # advancing before this leader watched (a hang) has no later put to show it.
+                    # Without the losses: a relist after a watch gap must not record them twice.
+                    follow.append(
+                        ProgressObserved(
+                            node=prog.node,
+                            attempt=prog.attempt,
+                            ranks=tuple(RankSample.from_proto(r, losses=()) for r in prog.ranks),
+                        )
+                    )
                 if prog.HasField("exit"):
-                    exits.extend(self._exit_seen(prog))
+                    follow.extend(self._exit_seen(prog))
             snap = StoreListed(
                 alive=alive,
                 records=tuple(records),
@@ -160,7 +172,7 @@ class Translator:
                 claimed_elsewhere=dict(claimed_elsewhere or {}),
                 memory=_try(store_pb2.SupervisorMemory, listing.memory.value) if listing.memory else None,
             )
-        return snap, Addresses(set=addresses), exits, attempt
+        return snap, Addresses(set=addresses), follow, attempt
 
     # -- watch ---------------------------------------------------------------------------------
 

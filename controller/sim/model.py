@@ -28,7 +28,7 @@ class FailureCost:
     detect_s: float
     attribute_s: float
     replace_s: float
-    restart_s: float  # stop + preflight + launch + load + first step
+    restart_s: float  # stop + preflight (of the nodes not vouched for) + launch + load + first step
     rework_s: float  # work since the last commit, rolled back
 
     @property
@@ -64,6 +64,24 @@ def detect_s(scenario: Scenario, policy: Policy, cause: Cause) -> float:
     return det.evidence_s if evidence else policy_hang_timeout_s(scenario, policy)
 
 
+def restart_preflight_s(scenario: Scenario, policy: Policy, *, hardware: bool) -> float:
+    """The quick preflight on a restart's critical path (the core's rule, prepare.vouched_for). The
+    hosts that trained healthily until the fault are vouched for while preflight_max_age_s > 0; a
+    hardware fault's replacement too when it is a spare re-checked in the background at least as
+    often as the vouch lasts. A node from the scheduler's queue is preflighted."""
+    if not policy.preflight:
+        return 0.0
+    sup, preflight_s = policy.supervisor, policy.effective_costs(scenario.costs).preflight_s
+    if sup.preflight_max_age_s <= 0:
+        return preflight_s
+    if not hardware:
+        return 0.0
+    checked_spare = (
+        policy.spare_count(scenario.run) > 0 and 0 < sup.spare_check_interval_s <= sup.preflight_max_age_s
+    )
+    return 0.0 if checked_spare else preflight_s
+
+
 def failure_cost(scenario: Scenario, policy: Policy, cause: Cause) -> FailureCost:
     costs = policy.effective_costs(scenario.costs)
     interval, stall = policy.checkpoint_interval_s, policy.checkpoint_stall_s
@@ -80,7 +98,7 @@ def failure_cost(scenario: Scenario, policy: Policy, cause: Cause) -> FailureCos
         replace = 0.0
     restart = (
         costs.stop_s
-        + (costs.preflight_s if policy.preflight else 0.0)
+        + restart_preflight_s(scenario, policy, hardware=cause.hardware)
         + costs.launch_s
         + costs.load_s
         + costs.first_step_s
@@ -120,7 +138,12 @@ def first_order(scenario: Scenario, policy: Policy) -> ModelResult:
     c = policy.effective_costs(scenario.costs)
     planned_rate = scenario.planned.rate_s(scenario.run)
     planned_down = (
-        stall + c.stop_s + c.launch_s + c.load_s + c.first_step_s + (c.preflight_s if policy.preflight else 0)
+        stall
+        + c.stop_s
+        + c.launch_s
+        + c.load_s
+        + c.first_step_s
+        + restart_preflight_s(scenario, policy, hardware=False)
     )
     down = sum(fc.rate_s * fc.downtime_s for fc in costs) + planned_rate * planned_down
     rework = sum(fc.rate_s * fc.rework_s for fc in costs)

@@ -92,18 +92,25 @@ def inconclusive(sv: Run, ev: PreflightResult) -> None:
     node = sv.pool.get(ev.node)
     if node.state is not PoolState.BURN_IN:
         return  # it left burn-in meanwhile (an operator held it): the result means nothing
-    count = sv.burn_in_inconclusive.get(ev.node, 0)
-    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2**count)
-    sv.burn_in_inconclusive[ev.node] = count + 1
-    sv.burn_in_retry[ev.node] = sv.now + delay
+    delay = retry_later(sv, ev.node)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
         f"burn-in of {ev.node}: inconclusive ({', '.join(ev.inconclusive_checks)} could not tell: "
         f"it measured its host's load, not the node); no strike; again in {delay:g}s "
-        f"({count + 1} inconclusive in a row)",
+        f"({sv.burn_in_inconclusive[ev.node]} in a row without a verdict)",
         preflight=prepare.detail(ev),
     )
-    sv.emit(SetTimer(key=f"burn_in_retry:{ev.node}", at=sv.now + delay))
+
+
+def retry_later(sv: Run, node: str) -> float:
+    """The node's burn-in runs again after a backoff that doubles per try in a row without a verdict
+    (inconclusive, or it could not run); returns the delay."""
+    count = sv.burn_in_inconclusive.get(node, 0)
+    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2**count)
+    sv.burn_in_inconclusive[node] = count + 1
+    sv.burn_in_retry[node] = sv.now + delay
+    sv.emit(SetTimer(key=f"burn_in_retry:{node}", at=sv.now + delay))
+    return delay
 
 
 def retry_due(sv: Run) -> None:

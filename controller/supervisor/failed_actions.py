@@ -124,9 +124,15 @@ def _preflight_failed(sv: Run, ev: ActionFailed, what: str) -> None:
     if act.purpose != "burn_in":
         _recorded(sv, ev, what)
         return
+    # It stays in burn-in and is asked again after the inconclusive burn-in's backoff (or at once
+    # when its agent re-registers): the agent may be busy with a burn-in a previous leader asked for.
+    delays = []
     for node in (ev.node,) if ev.node else act.nodes:
-        sv.burn_in.discard(node)  # it stays in burn-in; it runs again when the node re-registers
-    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run")
+        if node in sv.burn_in:
+            sv.burn_in.discard(node)
+            delays.append(burn_in.retry_later(sv, node))
+    again = f" (asked again in {max(delays):g}s)" if delays else ""
+    sv.log(E.EVENT_KIND_CONTROL_PLANE, f"{what}; the node stays out until its burn-in can run{again}")
 
 
 def _spare_check_failed(sv: Run, ev: ActionFailed, what: str) -> None:

@@ -49,7 +49,7 @@ class Run(Effects):
         self.burn_in: set[str] = set()
         self.soaks: dict[str, Soak] = {}  # burned-in nodes soaking an all-reduce with neighbours
         self.burn_in_retry: dict[str, float] = {}  # inconclusive burn-ins: node -> when it runs again
-        self.burn_in_inconclusive: dict[str, int] = {}  # inconclusive burn-ins in a row (the backoff)
+        self.burn_in_inconclusive: dict[str, int] = {}  # burn-ins in a row without a verdict (the backoff)
         self.spare_checks = SpareChecks()  # idle spares preflighted in the background
         # nodes that went cold while others of their attempt went warm (why): attempts with them go cold
         self.went_cold: dict[str, str] = {}

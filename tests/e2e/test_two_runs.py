@@ -205,6 +205,15 @@ def launches(fleet: TwoRuns, run: str) -> list[LogEntry]:
     return [e for e in fleet.events_of(run) if e.kind == E.EVENT_KIND_LAUNCH]
 
 
+def started(fleet: TwoRuns, run: str) -> list[LogEntry]:
+    """The LAUNCH entries whose workers started. A LAUNCH is logged before it is carried out (the
+    log is written ahead); one on a shared spare another run claimed first is followed by "attempt N
+    was not launched" instead (a pre-validated spare is claimed at the launch, not by a preflight)."""
+    events = fleet.events_of(run)
+    ran = {e.attempt for e in events if e.kind == E.EVENT_KIND_WORKERS_STARTED}
+    return [e for e in events if e.kind == E.EVENT_KIND_LAUNCH and e.attempt in ran]
+
+
 def first_step(fleet: TwoRuns, run: str, attempt: int) -> bool:
     return any(e.kind == E.EVENT_KIND_FIRST_STEP and e.attempt == attempt for e in fleet.events_of(run))
 
@@ -241,7 +250,10 @@ def test_both_runs_train_each_on_nodes_only_it_holds(fleet: TwoRuns) -> None:
     for run, nodes in (("alpha", alpha), ("beta", beta)):
         assert all(fleet.holder(n) == run for n in nodes), fleet.tail(run)
     (spare,) = set(fleet.nodes) - alpha - beta
-    assert fleet.holder(spare) == ""
+    # a run claims the shared spare only while its background preflight of it runs (spare_checks.py)
+    wait_until(
+        "the shared spare to be free", lambda: fleet.holder(spare) == "", 60, partial(fleet.tail, "beta")
+    )
     # every controller answers for every run under the root: each run with its own leader
     status = fleet.runs_seen_by("alpha-a")
     assert status["alpha"].leader == "alpha-a" and status["beta"].leader == "beta-a"
@@ -315,16 +327,19 @@ def test_faults_in_both_runs_at_once_the_spare_goes_to_one_run_only(fleet: TwoRu
     fleet.inject_xid([victims["alpha"], victims["beta"]])
     wait_until(
         "one run to relaunch on the spare",
-        lambda: any(len(launches(fleet, run)) == 2 for run in PRIORITY),
+        lambda: any(len(started(fleet, run)) == 2 for run in PRIORITY),
         WAIT_S,
         lambda: fleet.tail("alpha") + fleet.tail("beta"),
     )
-    winner = next(run for run in PRIORITY if len(launches(fleet, run)) == 2)
+    winner = next(run for run in PRIORITY if len(started(fleet, run)) == 2)
     (loser,) = set(PRIORITY) - {winner}
-    relaunch = launches(fleet, winner)[-1]
+    relaunch = started(fleet, winner)[-1]
     assert spare in relaunch.launch.nodes and victims[winner] not in relaunch.launch.nodes
     wait_until(
-        f"{winner}'s first step", lambda: first_step(fleet, winner, 2), WAIT_S, lambda: fleet.tail(winner)
+        f"{winner}'s first step",
+        lambda: first_step(fleet, winner, relaunch.attempt),
+        WAIT_S,
+        lambda: fleet.tail(winner),
     )
     assert fleet.holder(spare) == winner
     # the loser never launched there: it waits for a node, told which run holds the spare
@@ -340,15 +355,20 @@ def test_faults_in_both_runs_at_once_the_spare_goes_to_one_run_only(fleet: TwoRu
         10,
         lambda: fleet.tail(loser),
     )
-    assert len(launches(fleet, loser)) == 1, fleet.tail(loser)
+    assert len(started(fleet, loser)) == 1, fleet.tail(loser)
+    for e in launches(fleet, loser)[1:]:  # a launch on the spare the winner claimed first, not carried out
+        assert any(
+            f"attempt {e.attempt} was not launched" in x.message and f"not claimed: {spare}" in x.message
+            for x in fleet.events_of(loser)
+        ), fleet.tail(loser)
     # both asked within one bid window (the usual case here: the faults were one instant): priority decided
     at_once = [
         e for e in fleet.events_of(loser) if e.seq > marks[loser] and "asked for it at once" in e.message
     ]
     assert not at_once or (winner == "beta" and "run beta" in at_once[0].message), at_once[0].message
     lost = fleet.runs_seen_by(fleet_leader(fleet, loser))[loser]
-    # still preparing attempt 2 (its healthy node in a slot, one slot to fill), on no node of the spare's
-    assert lost.attempt == 1 and lost.phase != controller_pb2.RUN_PHASE_RUNNING, lost
+    # still preparing its relaunch (its healthy node in a slot, one slot to fill), not on the spare
+    assert lost.phase != controller_pb2.RUN_PHASE_RUNNING, lost
     assert spare not in lost.nodes and victims[loser] not in lost.nodes, lost
     for run, victim in victims.items():  # each run quarantined its own node and answers for it
         quarantined = [
@@ -364,8 +384,8 @@ def test_faults_in_both_runs_at_once_the_spare_goes_to_one_run_only(fleet: TwoRu
         assert fleet.reputation(victim).failures == 1
     for run in PRIORITY:  # no node was ever launched on by both runs
         other = ({*PRIORITY} - {run}).pop()
-        mine = {n for e in launches(fleet, run) for n in e.launch.nodes}
-        assert not mine & {n for e in launches(fleet, other) for n in e.launch.nodes}
+        mine = {n for e in started(fleet, run) for n in e.launch.nodes}
+        assert not mine & {n for e in started(fleet, other) for n in e.launch.nodes}
     fleet.winner, fleet.loser, fleet.victims, fleet.spare = winner, loser, victims, spare  # for the next step
 
 
@@ -377,7 +397,7 @@ def test_the_winner_ends_and_its_quarantined_node_is_never_handed_to_the_other_r
     assert fleet.winner, "runs after test_faults_in_both_runs_at_once_the_spare_goes_to_one_run_only"
     winner, loser, victims = fleet.winner, fleet.loser, fleet.victims
     held = victims[winner]  # quarantined by the winner: held for repair, one strike
-    given_back = set(launches(fleet, winner)[-1].launch.nodes)
+    given_back = set(started(fleet, winner)[-1].launch.nodes)
     ctl(fleet.api[fleet_leader(fleet, winner)], "stop", winner, "--reason", "done")
     wait_until(
         f"{winner} to end",
@@ -387,11 +407,13 @@ def test_the_winner_ends_and_its_quarantined_node_is_never_handed_to_the_other_r
     )
     wait_until(
         f"{loser}'s relaunch",
-        lambda: len(launches(fleet, loser)) == 2 and first_step(fleet, loser, 2),
+        lambda: (
+            len(started(fleet, loser)) == 2 and first_step(fleet, loser, started(fleet, loser)[-1].attempt)
+        ),
         WAIT_S,
         lambda: fleet.tail(loser),
     )
-    relaunch = launches(fleet, loser)[-1]
+    relaunch = started(fleet, loser)[-1]
     assert held not in relaunch.launch.nodes and victims[loser] not in relaunch.launch.nodes
     kept = set(launches(fleet, loser)[0].launch.nodes) - {victims[loser]}
     assert set(relaunch.launch.nodes) - kept <= given_back - {held}
@@ -402,7 +424,7 @@ def test_the_winner_ends_and_its_quarantined_node_is_never_handed_to_the_other_r
     assert fleet.reputation(held).failures == 1
     seen = fleet.nodes_seen_by(fleet_leader(fleet, loser))[held]
     assert seen.failures == 1 and seen.pool_state == common_pb2.POOL_STATE_HELD, seen
-    assert not any(held in e.launch.nodes for e in launches(fleet, loser))
+    assert not any(held in e.launch.nodes for e in started(fleet, loser))
     for run in PRIORITY:  # one failure each, in each run's own goodput, which adds up
         report = compute_goodput(fleet.events_of(run), run=run).to_proto()
         assert report.failures == 1, (run, report)

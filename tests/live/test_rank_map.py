@@ -84,8 +84,14 @@ def test_a_relist_maps_the_current_attempts_ranks_from_the_stored_progress():
         ),
         now=0.0,
     )
-    tr.snapshot(listing)
+    _, _, follow, _ = tr.snapshot(listing)
     assert tr.ranks() == {0: "b", 1: "a"}
+    # where the current attempt's ranks stand follows the snapshot (an attempt hung before this
+    # leader watched writes no later progress); an earlier attempt's record is not fed
+    assert [(type(e).__name__, e.node, e.attempt, [r.step for r in e.ranks]) for e in follow] == [
+        ("ProgressObserved", "a", 4, [5]),
+        ("ProgressObserved", "b", 4, [5]),
+    ]
 
 
 def test_the_rendezvous_comes_from_the_node_record():

@@ -17,13 +17,31 @@ def test_first_order_by_hand() -> None:
     sc = tiny(mtbf_h=4.0, interval_s=600, stall_s=30)
     pol = sc.policy("p")
     fc = failure_cost(sc, pol, sc.causes[0])
-    # crash with evidence: min(crash 5, evidence 5); spare 5; stop 5 + preflight 30 + launch 30 + load 30 + first 15
-    assert fc.detect_s == 5 and fc.replace_s == 5 and fc.restart_s == 110
+    # crash with evidence: min(crash 5, evidence 5); spare 5; stop 5 + launch 30 + load 30 + first 15,
+    # no preflight: the spare was re-checked in the background, the others trained healthily
+    assert fc.detect_s == 5 and fc.replace_s == 5 and fc.restart_s == 80
     assert fc.rework_s == pytest.approx(600 * (300 + 30) / 630)
     rate = 1 / (4 * 3600)
-    up = 1 - rate * 120
+    up = 1 - rate * 90
     expected = up * 600 / 630 - rate * fc.rework_s
     assert first_order(sc, pol).ettr == pytest.approx(expected)
+
+
+def test_the_restart_pays_the_preflight_only_for_nodes_not_vouched_for() -> None:
+    every_attempt = tiny(supervisor={"preflight_max_age_s": 0.0})
+    fc = failure_cost(every_attempt, every_attempt.policy("p"), every_attempt.causes[0])
+    assert fc.restart_s == 110  # the old rule: every node of every attempt, 30 s on the path
+    causes = [
+        {"name": "gpu", "share": 0.5, "symptom": "crash", "evidence": "xid"},
+        {"name": "bug", "share": 0.5, "symptom": "crash", "hardware": False},
+    ]
+    unchecked_spares = tiny(causes=causes, supervisor={"spare_check_interval_s": 0.0})
+    pol = unchecked_spares.policy("p")
+    hardware = [c for c in unchecked_spares.causes if c.hardware]
+    software = [c for c in unchecked_spares.causes if not c.hardware]
+    assert all(failure_cost(unchecked_spares, pol, c).restart_s == 110 for c in hardware)
+    assert all(failure_cost(unchecked_spares, pol, c).restart_s == 80 for c in software)
+    assert hardware and software
 
 
 def test_hang_detection_uses_the_cores_timeout() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from controller.supervisor.actions import PersistNode, Quarantine, Release, RunPreflight
 from controller.supervisor.events import (
+    ActionFailed,
     EvidenceObserved,
     NodeClaimed,
     NodeJoined,
@@ -107,15 +108,38 @@ def test_an_inconclusive_burn_in_is_no_strike_and_runs_again_after_a_backoff_not
     )
     [logged] = d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)
     assert "burn-in of n2: inconclusive (burn_in.allreduce could not tell" in logged.message
-    assert "no strike; again in 60s (1 inconclusive in a row)" in logged.message
+    assert "no strike; again in 60s (1 in a row without a verdict)" in logged.message
     assert not burn_ins(d, d.advance(59.0))  # the backoff is a timer, not a loop
     [again] = burn_ins(d, d.advance(2.0))
     assert again.mode == "burn_in"
     out = d.send(inconclusive())
     assert (
-        "again in 120s (2 inconclusive in a row)" in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)[0].message
+        "again in 120s (2 in a row without a verdict)"
+        in d.events(E.EVENT_KIND_PREFLIGHT_RESULT, out)[0].message
     )
     assert not burn_ins(d, d.advance(119.0)) and burn_ins(d, d.advance(2.0))
+    out = d.send(PreflightResult(node="n2", passed=True, mode="burn_in"))
+    assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == ["n2"]
+
+
+def test_a_burn_in_the_agent_cannot_run_now_is_asked_again_after_the_backoff() -> None:
+    # a new leader asks for a burn-in the previous leader's request still runs on the agent
+    d = released_for_burn_in()
+    asked = burn_ins(d, d.actions)[-1]
+    out = d.send(
+        ActionFailed(
+            action=asked,
+            node="n2",
+            temporary=False,
+            reason="ABORTED: a preflight is already running on this node",
+        )
+    )
+    assert d.sup.pool.get("n2").state == PoolState.BURN_IN and not d.of(Quarantine, out)
+    [logged] = d.events(E.EVENT_KIND_CONTROL_PLANE, out)
+    assert "the node stays out until its burn-in can run (asked again in 60s)" in logged.message
+    assert not burn_ins(d, d.advance(59.0))
+    [again] = burn_ins(d, d.advance(2.0))
+    assert again.mode == "burn_in"
     out = d.send(PreflightResult(node="n2", passed=True, mode="burn_in"))
     assert d.sup.pool.get("n2").state == PoolState.SPARE and [r.node for r in d.of(Release, out)] == ["n2"]
 

@@ -620,6 +620,20 @@ def test_reconcile_after_controller_restart_adopts_a_healthy_attempt() -> None:
     assert d.launches[-1].attempt == 8 and d.launches[-1].resume_step == 40
 
 
+def test_an_adopted_attempt_that_hung_before_the_takeover_is_a_hang_at_its_step() -> None:
+    # The ranks stopped at step 43 while no controller watched: no later progress put comes. The
+    # shell feeds the stored progress after the StoreListed; the hang rule (not the startup timeout,
+    # startup_timeout_s) finds it, at step 43, so a crash loop's count sees the same failure.
+    d = Driver(cfg=fast(hang_timeout_s=10.0, startup_timeout_s=120.0), nodes=2)
+    d.send(
+        StoreListed(alive={"n1": 1, "n2": 1, "n3": 1}, attempt=7, attempt_nodes=("n1", "n2"), resume_step=40)
+    )
+    d.progress(43, dt=0.0)
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(9.0))
+    [det] = d.events(E.EVENT_KIND_DETECTION, d.advance(2.0))
+    assert det.detection.detector == E.DETECTOR_HANG and det.step == 43, det.message
+
+
 def test_reconcile_with_a_missing_node_relaunches_without_quarantine() -> None:
     d = Driver(cfg=fast(), nodes=2)
     out = d.send(
