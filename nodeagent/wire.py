@@ -10,6 +10,7 @@ from pathlib import Path
 FR_ENV_SOCKET_DIR = "RUNWARDEN_FR_SOCKET_DIR"  # set by the launcher; one socket per rank inside it
 FR_ENV_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_BUFFER_SIZE = 2000
+FR_MAX_SOCKET_PATH = 107  # bytes: sun_path is 108 with the terminating NUL
 
 
 def progress_socket_path(agent_socket: str) -> str:

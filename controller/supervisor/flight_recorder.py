@@ -283,11 +283,21 @@ def analyze_flight_recorder(
     for r in circular:
         suspects[r] = (CONFIDENCE_CIRCULAR, "circular wait (collective order differs across ranks): "
                                             "it waits elsewhere and never called " + _lag_text(r, lags_in[r]))  # fmt: skip
+    # Without a single dump nobody is seen waiting for anyone: a missing dump is then no evidence
+    # about its node (an agent or a config that cannot serve dumps, not the rank), only a stopped
+    # process is.
+    silent = not dumps
+    if silent and no_dump and not stopped_set:
+        lines.append(
+            f"no rank gave a dump ({len(no_dump)} asked): nothing to compare, no suspect from missing dumps"
+        )
     for r, why in sorted(no_dump.items()):
         if r in reported:
             continue
         if r in stopped_set:
             suspects[r] = (CONFIDENCE_STOPPED, f"gave no dump and its process is stopped ({why})")
+            continue
+        if silent:
             continue
         alone = r in awaited_no_dump and not culprits
         suspects[r] = (CONFIDENCE_NO_DUMP_ALONE if alone else CONFIDENCE_NO_DUMP, f"gave no dump ({why})")

@@ -29,7 +29,7 @@ from nodeagent.daemon.agent import Agent, LaunchRefused, Refusal
 from nodeagent.daemon.flight_recorder import CollectedDump, collect_dumps, discover_sockets
 from nodeagent.daemon.launcher import LaunchError
 from nodeagent.daemon.progress_socket import ProgressDatagramServer
-from nodeagent.wire import progress_socket_path
+from nodeagent.wire import FR_MAX_SOCKET_PATH, fr_socket_path, progress_socket_path
 from runwarden.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,15 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         )
         self._require_known(request.run, context)
         attempt = self.agent.attempts.get(request.run, self.agent.progress.attempt(request.run) or 0)
-        sockets = discover_sockets(self.agent.config.fr_socket_dir(request.run, attempt))
+        socket_dir = self.agent.config.fr_socket_dir(request.run, attempt)
+        sockets = discover_sockets(socket_dir)
+        # The attempt's ranks that opened no socket answer too (a rank the controller expects but
+        # nobody answers for is "no dump" without its /proc state: a stopped rank looks like the rest)
+        unserved = sorted(
+            r.rank
+            for r in self.agent.progress.ranks(request.run)
+            if self.agent.progress.attempt(request.run) == attempt and r.rank not in sockets
+        )
         # A stopped rank (SIGSTOP, a debugger) cannot answer: it is not asked, so the collection does
         # not wait out its timeout (the hang's detection -> relaunch path); "no dump" plus its state
         # is the evidence, exactly as after a timeout.
@@ -204,6 +212,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         dumps += [
             CollectedDump(rank=r, ok=False, error="no dump: its process is stopped", format="", data=b"")
             for r in stopped
+        ]
+        dumps += [
+            CollectedDump(
+                rank=r, ok=False, error=_no_socket(fr_socket_path(socket_dir, r)), format="", data=b""
+            )
+            for r in unserved
         ]
         dumps.sort(key=lambda d: d.rank)
         silent_states = self._process_states(request.run, [d.rank for d in dumps if not d.ok])
@@ -398,3 +412,14 @@ class AgentServer:
         self.health.enter_graceful_shutdown()
         done: threading.Event = self.server.stop(grace_s)
         done.wait(grace_s + 1)
+
+
+def _no_socket(path: Path) -> str:
+    """Why a rank of the attempt has no flight-recorder socket, as far as the agent can tell."""
+    size = len(os.fsencode(path))
+    if size > FR_MAX_SOCKET_PATH:
+        return (
+            f"no dump: its flight-recorder socket path is {size} bytes, over the {FR_MAX_SOCKET_PATH}-byte "
+            f"limit of a unix socket ({path}): shorten the agent's run_dir"
+        )
+    return "no dump: no flight-recorder socket (the rank opened none, or it has exited)"

@@ -23,12 +23,12 @@ from typing import Any
 from nodeagent.wire import FR_DEFAULT_BUFFER_SIZE as DEFAULT_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_BUFFER_SIZE as ENV_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_SOCKET_DIR as ENV_SOCKET_DIR
+from nodeagent.wire import FR_MAX_SOCKET_PATH
 from nodeagent.wire import fr_pg_config_path as pg_config_path_for
 from nodeagent.wire import fr_socket_path as socket_path_for
 from runwarden.flightrec import FlightRecorderError, restricted_loads
 
 _log = logging.getLogger(__name__)
-_MAX_UNIX_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 
 
 class FlightRecording:
@@ -113,8 +113,8 @@ def setup_flight_recording(
         )
     if not 0 <= buffer_size <= 10_000_000:  # 0 turns recording off (the server still answers, empty)
         raise ValueError(f"buffer_size must be in 0..10000000, got {buffer_size}")
-    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
-        raise ValueError(f"socket path longer than {_MAX_UNIX_PATH} bytes: {path}")
+    if len(os.fsencode(path)) > FR_MAX_SOCKET_PATH:
+        raise ValueError(f"socket path longer than {FR_MAX_SOCKET_PATH} bytes: {path}")
     os.environ[ENV_BUFFER_SIZE] = str(buffer_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # a stale socket from an earlier attempt would make bind fail

@@ -135,6 +135,22 @@ def test_only_a_dumpless_rank_seen_stopped_counts_as_stopped() -> None:
     assert stopped_ranks(rank_dumps) == {0, 3}
 
 
+def test_when_no_rank_gave_a_dump_only_a_stopped_rank_is_a_suspect() -> None:
+    # Every agent answered without a dump (sockets that could not open: a run_dir too long for a unix
+    # socket path): nobody is seen waiting for anyone, so a missing dump says nothing about its node.
+    why = "no dump: its flight-recorder socket path is 110 bytes, over the 107-byte limit"
+    nodes = {0: "a", 1: "b"}
+    silent = [agent_pb2.RankDump(rank=r, ok=False, error=why) for r in nodes]
+    result = verdict_from_rank_dumps(silent, nodes)
+    assert not result.suspects and "no rank gave a dump (2 asked)" in result.explanation
+    # the same with rank 0's process seen stopped: that is a fact about its node, and it alone is blamed
+    silent[0].process_state = "T"
+    result = verdict_from_rank_dumps(silent, nodes)
+    assert [(s.node, s.ranks) for s in result.suspects] == [("a", (0,))]
+    # ranks the agents did not answer for at all are no evidence either
+    assert not verdict_from_rank_dumps([], nodes).suspects
+
+
 def test_a_dumpless_member_of_a_completed_collective_is_not_awaited() -> None:
     # gloo is synchronous: rank 0 went on after tp0 #2, so tp0 #2 completed with rank 1 in it.
     groups = {"0": ("default_pg", [0, 1, 2]), "1": ("tp0", [0, 1])}

@@ -19,14 +19,16 @@ WORLD = 3
 def rank_main(work: Path, rank: int, steps: int) -> None:
     from nodeagent.trainer import ProgressReporter, setup_flight_recording
 
-    rec = setup_flight_recording()
-    assert rec is not None, "RUNWARDEN_FR_SOCKET_DIR and RANK must be set by the launcher"
+    rec = setup_flight_recording()  # None where the socket cannot be made (FR_JOB_NO_SOCKET_OK=1 expects it)
+    if os.environ.get("FR_JOB_NO_SOCKET_OK") != "1":
+        assert rec is not None, "RUNWARDEN_FR_SOCKET_DIR and RANK must be set by the launcher"
     import torch
     import torch.distributed as dist
 
     store = dist.FileStore(str(work / "filestore"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    rec.record_process_groups()
+    if rec is not None:
+        rec.record_process_groups()
     reporter = ProgressReporter.from_env(flush_interval_s=0.1)
     for step in range(steps):
         dist.all_reduce(torch.ones(8))

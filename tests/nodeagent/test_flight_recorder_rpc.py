@@ -67,6 +67,46 @@ def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
         assert not reply.stopped[0].running
 
 
+@pytest.mark.slow
+def test_ranks_that_could_not_open_a_socket_are_answered_for_with_the_reason_and_their_state(
+    agent_factory, tmp_path
+):
+    # The run's name makes each rank's socket path longer than a unix socket allows: no rank opens
+    # one. The agent still answers for every rank of the attempt it knows from their progress, says
+    # why, and reads the /proc state: the stopped rank is a fact, the others no evidence.
+    pytest.importorskip("torch")
+    run = "r" * 63
+    agent = agent_factory(flags=["--allow-exec", sys.executable])
+    work = tmp_path / "work"
+    work.mkdir()
+    agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run=run,
+            attempt=1,
+            argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
+            env={"PYTHONPATH": str(ROOT), "FR_JOB_NO_SOCKET_OK": "1"},
+        )
+    )
+    try:
+        wait_for(
+            lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps"
+        )
+        stopped = int((work / "ready2").read_text())
+        os.kill(stopped, signal.SIGSTOP)
+        wait_for(lambda: _proc_state(stopped) in ("T", "t"), 30, "the rank stopped")
+        reply = agent.stub.CollectFlightRecorder(
+            agent_pb2.CollectFlightRecorderRequest(run=run, timeout_s=5), timeout=30
+        )
+        by_rank = {d.rank: d for d in reply.dumps}
+        assert sorted(by_rank) == [0, 1, 2] and not any(d.ok for d in reply.dumps)
+        for d in reply.dumps:
+            assert "over the 107-byte limit of a unix socket" in d.error and "run_dir" in d.error, d.error
+        assert by_rank[2].process_state == "T" and by_rank[0].process_state in ("R", "S")
+    finally:
+        reply = agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run=run, grace_s=1), timeout=60)
+        assert not reply.stopped[0].running
+
+
 def _proc_state(pid: int) -> str:
     state = proctree.read_proc(pid)
     return state.state if state is not None else ""
