@@ -328,7 +328,7 @@ def demo_spec() -> ClusterSpec:
     """The demo's deployment: the shipped defaults but for one policy key. A persistent straggler is
     stopped at once here (kill_stragglers_mid_run); by default it is only quarantined at the next
     restart, which a short demo might never reach."""
-    return ClusterSpec(policy={"kill_stragglers_mid_run": True})
+    return ClusterSpec(policy={"kill_stragglers_mid_run": True}, shipped_timings=True)
 
 
 def demo_cluster(root: Path) -> LocalCluster:

@@ -103,6 +103,10 @@ class ClusterSpec:
     policy: dict[str, object] = field(default_factory=dict)
     # every agent keeps a parked group (nodeagent/warm/rank.py); None: the agent's shipped default (on)
     warm_workers: bool | None = None
+    # the agents' and the controller's clocks at their shipped defaults (lease TTL, progress interval,
+    # stop grace, drain hand-off, restart backoff, dump and startup timeouts, queue wait), as a user's
+    # deployment runs them; False: the test clusters' short ones (lease_ttl_s above among them)
+    shipped_timings: bool = False
     # the job, relative to the repository (it takes examples/train.py's flags: examples/decoder.py does)
     script: str = "examples/train.py"
 
@@ -153,8 +157,6 @@ def agent_settings(
         "listen": listen,
         "unix_socket": str(state_dir / "agent.sock"),
         "etcd_endpoints": list(etcd_endpoints),
-        "lease_ttl_s": spec.lease_ttl_s,
-        "progress_interval_s": 0.5,
         "kernel_log": "none",
         "nvml_interval_s": 0.0,
         "allowed_executables": [sys.executable],
@@ -163,9 +165,14 @@ def agent_settings(
         "run_dir": str(state_dir / "run"),
         "local_ranks": 1,
         "preflight_config": str(preflight_config),
-        "stop_grace_s": 5.0,
-        "drain_handoff_s": 3.0,  # a SIGTERM'd test agent stops its ranks itself if no controller does
     }
+    if not spec.shipped_timings:
+        settings.update(
+            lease_ttl_s=spec.lease_ttl_s,
+            progress_interval_s=0.5,
+            stop_grace_s=5.0,
+            drain_handoff_s=3.0,  # a SIGTERM'd test agent stops its ranks itself if no controller does
+        )
     if spec.warm_workers is not None:
         settings["warm_workers"] = spec.warm_workers
     return settings
@@ -204,13 +211,16 @@ def controller_settings(
         # No all-reduce soak with neighbours: six agents' gloo ranks share two cores here, so a pair's
         # figure is the machine's load, not a link (tests/live/test_bandwidth.py runs the soak for real).
         "burn_in_soak_neighbours": 0,
-        "backoff_base_s": 0.5,
-        "backoff_max_s": 5.0,
-        "stop_grace_s": 5.0,
-        "dump_timeout_s": 3.0,
-        "queue_wait_s": 5.0,
-        "startup_timeout_s": 120.0,
     }
+    if not spec.shipped_timings:
+        policy.update(
+            backoff_base_s=0.5,
+            backoff_max_s=5.0,
+            stop_grace_s=5.0,
+            dump_timeout_s=3.0,
+            queue_wait_s=5.0,
+            startup_timeout_s=120.0,
+        )
     policy.update(spec.policy)
     return {
         "store": store,
