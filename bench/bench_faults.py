@@ -14,8 +14,9 @@ fault list into one cluster before starting a fresh one. Phases are read from th
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
 first step (-> FIRST_STEP). By default the deployment is the demo's (examples/demo.demo_cluster):
-preflight and the agents' warm-worker setting at their shipped defaults (`--preflight test`: the test
-clusters' cut-down preflight; `--fleet` always runs those). With `--warm on|off|both` the agents' warm
+preflight, the agents' warm-worker setting and every clock at their shipped defaults (`--preflight
+test`: the test clusters' cut-down preflight, `--fleet` always runs it; `--timings test`: their short
+lease TTL, stop grace, backoff and dump timeout). With `--warm on|off|both` the agents' warm
 workers are set explicitly (parked ranks, torch imported; healthy hosts keep their processes across the
 restart, nodeagent/warm/rank.py): each row also counts the nodes whose processes were kept
 (`kept_nodes`) and whose state came from their own memory (`memory_nodes`).
@@ -108,6 +109,7 @@ def one_run(
     warm: bool | None = None,
     settle_s: float = 1.0,
     shipped_preflight: bool = True,
+    shipped_timings: bool = True,
 ) -> list[tuple[str, dict[str, float] | None]]:
     """One cluster, `rounds` rounds of `faults`; warm None: the agents' shipped default."""
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
@@ -118,7 +120,7 @@ def one_run(
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp, contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         # warm None: the key is not set, the agents run their shipped default
-        spec = ClusterSpec(policy=policy) if warm is None else ClusterSpec(policy=policy, warm_workers=warm)
+        spec = ClusterSpec(policy=policy, warm_workers=warm, shipped_timings=shipped_timings)
         if fleet:
             hosts = stack.enter_context(Fleet(default_prefix()))
             cluster = FleetCluster(hosts, Path(tmp) / "c", spec)
@@ -162,6 +164,13 @@ def main() -> int:
         help="preflight's shipped defaults, or the test clusters' cut-down settings",
     )
     p.add_argument(
+        "--timings",
+        choices=("shipped", "test"),
+        default="shipped",
+        help="the agents' and controller's clocks (lease TTL, stop grace, backoff, dump timeout): "
+        "shipped defaults, or the test clusters' short ones",
+    )
+    p.add_argument(
         "--settle",
         type=float,
         default=20.0,
@@ -192,6 +201,7 @@ def main() -> int:
                 warm=warm_of[mode],
                 settle_s=args.settle,
                 shipped_preflight=args.preflight == "shipped",
+                shipped_timings=args.timings == "shipped",
             ):
                 if ph is None:
                     failures[mode][fault] += 1

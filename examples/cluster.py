@@ -220,9 +220,12 @@ def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _processes_under(root: Path) -> Iterator[int]:
+    """Processes whose command line mentions `root`; never this one or its ancestors (a shell or
+    `timeout` that started it with `--dir ROOT` is no stray)."""
     needle = str(root).encode()
+    mine = _ancestors()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in mine:
             continue
         try:
             cmd = (entry / "cmdline").read_bytes()
@@ -230,6 +233,18 @@ def _processes_under(root: Path) -> Iterator[int]:
             continue
         if needle in cmd:
             yield int(entry.name)
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+    return pids
 
 
 def kill_strays(root: Path, keep: set[int] | None = None) -> list[int]:
