@@ -17,12 +17,14 @@ def test_llama3_scenario_carries_the_papers_counts() -> None:
     assert len(counts) == 18
     assert sc.planned.count == 47
     assert sc.run.nodes * sc.run.gpus_per_node == 16_384
-    assert set(sc.policies) == {"naive", "defaults", "tuned", "warm"}
-    # warm: the defaults with the warm path's stop and launch (issue 18's measured breakdown, scaled)
-    warm, defaults = sc.policy("warm"), sc.policy("defaults")
-    assert warm.costs == {"stop_s": 5, "launch_s": 30} and not defaults.costs  # load: from storage
-    assert warm.effective_costs(sc.costs).load_s == sc.costs.load_s == 120
-    assert warm.spare_fraction == defaults.spare_fraction
+    assert set(sc.policies) == {"naive", "defaults", "cold", "tuned"}
+    # the shipped defaults: the warm path's stop and launch (issue 18's measured breakdown, scaled),
+    # the load from storage, the core's preflight rule as shipped; cold: as before both existed
+    defaults, cold = sc.policy("defaults"), sc.policy("cold")
+    assert defaults.costs == {"stop_s": 5, "launch_s": 30} and not cold.costs
+    assert defaults.effective_costs(sc.costs).load_s == sc.costs.load_s == 120
+    assert defaults.supervisor.preflight_max_age_s > 0 and defaults.supervisor.spare_check_interval_s > 0
+    assert cold.supervisor.preflight_max_age_s == 0 and cold.spare_fraction == defaults.spare_fraction
     naive = sc.policy("naive")
     assert naive.spare_count(sc.run) == 0 and not naive.preflight and naive.supervisor.hang_timeout_s == 600
     assert naive.checkpoint_interval_s == 3600
