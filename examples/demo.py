@@ -166,6 +166,8 @@ def run_faults(
         if not recovered:
             print(f"demo: no recovery from {fault} within {timeout_s:.0f} s", flush=True)
         if fault == "xid" and repair_xid_nodes:
+            # a repair ends with the host rebooted: its agent starts without the fatal evidence it held
+            cluster.reboot_agent(victim)
             out = cluster.ctl("repaired", victim, "--note", "the injected Xid was not real")
             print(
                 f"           >>> controllerctl repaired {victim}: {(out.stdout or out.stderr).strip()}",

@@ -318,6 +318,19 @@ class ClusterBase:
         if p is None or p.poll() is not None:
             self.start_agent(node)
 
+    def reboot_agent(self, node: str) -> None:
+        """The end of a repair: the host's agent stops (SIGINT: its workers now) and starts afresh,
+        without the fatal evidence the old one held."""
+        p = self.agents.get(node)
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.start_agent(node)
+
     def kill_agent_process(self, node: str) -> None:
         p = self.agents.get(node)
         if p is not None and p.poll() is None:

@@ -120,7 +120,8 @@ class Agent:
         self.attempts: dict[str, int] = {}
         self.last_preflight: common_pb2.PreflightSummary | None = None
         self.preflight_running = threading.Lock()
-        self.unhealthy = False
+        self.unhealthy = False  # fatal evidence seen: no launch until this agent is restarted (repaired)
+        self.unhealthy_because = ""
         self.gpu_count = 0
         self.advertise = config.advertise
         self.rdzv_port = config.rdzv_port  # 0 until start() picks one
@@ -199,6 +200,7 @@ class Agent:
     def _on_evidence(self, evidence: common_pb2.Evidence) -> None:
         if is_fatal(evidence) and not self.unhealthy:
             self.unhealthy = True
+            self.unhealthy_because = evidence.detail[:300] or common_pb2.EvidenceKind.Name(evidence.kind)
             self.state_changed()
 
     # --- draining --------------------------------------------------------------------------------

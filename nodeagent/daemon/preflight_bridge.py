@@ -154,6 +154,17 @@ def _run(agent: Any, run: Callable[..., Any], request: agent_pb2.RunPreflightReq
         if isinstance(failure[0], ValueError):  # a bad mode or check name, said by the library
             raise ValidationError(str(failure[0]))
         raise RuntimeError(f"preflight failed to run: {failure[0]}")
+    if agent.unhealthy:
+        # The checks may pass on the repaired host, but this agent still holds its fatal evidence and
+        # launches nothing: a pass here would put a node into the pool that refuses every launch.
+        latched = common_pb2.CheckResult(
+            name="agent.fatal_evidence",
+            status=common_pb2.CHECK_STATUS_FAIL,
+            message=f"this agent holds fatal evidence ({agent.unhealthy_because}) and launches nothing",
+            remedy="restart the node agent once the host is repaired (a repair is a reboot or an agent restart)",
+        )
+        seen.append(latched)
+        yield agent_pb2.RunPreflightResponse(result=latched)
     cleaned = view.clean(LEFTOVER_GRACE_S)  # before the summary: a client that has it finds them gone
     summary = summarize(request.mode, seen, time.monotonic() - start)
     if closed:  # fatal evidence: the agent's listener marks the host unhealthy before the summary is out

@@ -80,6 +80,13 @@ def test_xid_injection_publishes_evidence_and_kill_agent_leaves_the_lease_to_exp
         5,
         "the node record to say UNHEALTHY",
     )
+    # its preflight fails while it holds the evidence, whatever the checks find: the controller must
+    # not take back into the pool a node whose agent refuses every launch (a repair restarts it)
+    items = list(agent.stub.RunPreflight(agent_pb2.RunPreflightRequest(mode="quick"), timeout=120))
+    summary = items[-1].summary
+    assert not summary.passed and "agent.fatal_evidence" in summary.failed_checks, summary
+    [latched] = [i.result for i in items[:-1] if i.result.name == "agent.fatal_evidence"]
+    assert "79" in latched.message and "restart the node agent" in latched.remedy, latched
 
     agent.stub.InjectFault(agent_pb2.InjectFaultRequest(kind=agent_pb2.FAULT_KIND_KILL_AGENT))
     agent.proc.wait(timeout=5)
