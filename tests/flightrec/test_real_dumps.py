@@ -50,7 +50,11 @@ def test_collected_json_blames_the_culprit_and_never_a_rank_that_reported_the_ti
     )
     assert not blamed & set(run.timeouts), "a rank that reported the timeout was blamed"
     assert set(run.timeouts) == set(range(sc.world)) - {sc.culprit}
-    assert all("Timed out" in text for text in run.timeouts.values())
+    # The first victim to time out closes its gloo pairs: on a loaded machine another victim's op can
+    # fail on that connection (a gloo transport error) before its own timer fires. Either way it
+    # failed waiting, and at least one saw the timeout itself.
+    assert any("Timed out" in text for text in run.timeouts.values()), run.timeouts
+    assert all("Timed out" in t or "gloo/transport" in t for t in run.timeouts.values()), run.timeouts
     proto = top.to_proto()
     assert proto.node == top.node and proto.evidence[0].kind == common_pb2.EVIDENCE_KIND_FLIGHT_RECORDER
 
