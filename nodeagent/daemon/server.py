@@ -190,11 +190,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         sockets = discover_sockets(socket_dir)
         # The attempt's ranks that opened no socket answer too (a rank the controller expects but
         # nobody answers for is "no dump" without its /proc state: a stopped rank looks like the rest)
-        unserved = sorted(
-            r.rank
-            for r in self.agent.progress.ranks(request.run)
-            if self.agent.progress.attempt(request.run) == attempt and r.rank not in sockets
+        known = (
+            self.agent.progress.ranks(request.run)
+            if self.agent.progress.attempt(request.run) == attempt
+            else []
         )
+        unserved = sorted(r.rank for r in known if r.rank not in sockets)
         # A stopped rank (SIGSTOP, a debugger) cannot answer: it is not asked, so the collection does
         # not wait out its timeout (the hang's detection -> relaunch path); "no dump" plus its state
         # is the evidence, exactly as after a timeout.

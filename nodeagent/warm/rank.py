@@ -90,7 +90,8 @@ def attempt_sockets(proc: str = "/proc/self") -> dict[int, str]:
     return out
 
 
-# x86_64 system calls (other machines: the number) a thread stuck in a collective or a store call waits in (others: the number)
+# x86_64 system calls a thread stuck in a collective or a store call waits in (other machines and
+# other calls: the number, as /proc/<tid>/syscall gives it)
 _SYSCALLS = {
     "0": "read",
     "7": "poll",
@@ -104,6 +105,7 @@ _SYSCALLS = {
     "271": "ppoll",
     "281": "epoll_pwait",
 }
+_SYSCALL_NAMES = _SYSCALLS if platform.machine() == "x86_64" else {}
 _TCP_STATES = {
     "01": "ESTABLISHED",
     "02": "SYN_SENT",
@@ -132,8 +134,7 @@ def where_it_waits(keep: set[str], proc: str = "/proc/self") -> str:
                 call = f.read().split()[0]
         except (OSError, IndexError):
             continue
-        named = _SYSCALLS.get(call, call) if platform.machine() == "x86_64" else call
-        threads.append(f"{tid} {name}: {named}")
+        threads.append(f"{tid} {name}: {_SYSCALL_NAMES.get(call, call)}")
     states: dict[str, str] = {}
     for table in (f"{proc}/net/tcp", f"{proc}/net/tcp6"):
         try:

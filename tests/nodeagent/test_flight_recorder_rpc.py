@@ -21,20 +21,8 @@ STEPS = 3
 def test_collect_from_gloo_ranks_one_hung_one_stopped(agent_factory, tmp_path):
     pytest.importorskip("torch")
     agent = agent_factory(flags=["--allow-exec", sys.executable])
-    work = tmp_path / "work"
-    work.mkdir()
-    agent.stub.LaunchWorkers(
-        agent_pb2.LaunchWorkersRequest(
-            run="fr",
-            attempt=1,
-            argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
-            env={"PYTHONPATH": str(ROOT)},
-        )
-    )
+    work = _launch_fr_job(agent, tmp_path, "fr")
     try:
-        wait_for(
-            lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps"
-        )
         stopped = int((work / "ready2").read_text())
         os.kill(stopped, signal.SIGSTOP)
         # the kernel stops the rank when it next runs: on a busy machine that is not at once, and the
@@ -77,20 +65,8 @@ def test_ranks_that_could_not_open_a_socket_are_answered_for_with_the_reason_and
     pytest.importorskip("torch")
     run = "r" * 63
     agent = agent_factory(flags=["--allow-exec", sys.executable])
-    work = tmp_path / "work"
-    work.mkdir()
-    agent.stub.LaunchWorkers(
-        agent_pb2.LaunchWorkersRequest(
-            run=run,
-            attempt=1,
-            argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
-            env={"PYTHONPATH": str(ROOT), "FR_JOB_NO_SOCKET_OK": "1"},
-        )
-    )
+    work = _launch_fr_job(agent, tmp_path, run, FR_JOB_NO_SOCKET_OK="1")
     try:
-        wait_for(
-            lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps"
-        )
         stopped = int((work / "ready2").read_text())
         os.kill(stopped, signal.SIGSTOP)
         wait_for(lambda: _proc_state(stopped) in ("T", "t"), 30, "the rank stopped")
@@ -105,6 +81,22 @@ def test_ranks_that_could_not_open_a_socket_are_answered_for_with_the_reason_and
     finally:
         reply = agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run=run, grace_s=1), timeout=60)
         assert not reply.stopped[0].running
+
+
+def _launch_fr_job(agent, tmp_path, run: str, **env: str):
+    """fr_job.py's 3 gloo ranks as attempt 1 of `run`, once every rank is past its steps; its workdir."""
+    work = tmp_path / "work"
+    work.mkdir()
+    agent.stub.LaunchWorkers(
+        agent_pb2.LaunchWorkersRequest(
+            run=run,
+            attempt=1,
+            argv=[sys.executable, str(ROOT / "tests/nodeagent/fr_job.py"), str(work), str(STEPS)],
+            env={"PYTHONPATH": str(ROOT), **env},
+        )
+    )
+    wait_for(lambda: all((work / f"ready{r}").exists() for r in range(3)), 120, "3 ranks past their steps")
+    return work
 
 
 def _proc_state(pid: int) -> str:
