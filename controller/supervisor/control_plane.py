@@ -11,6 +11,7 @@ from controller.supervisor.attempt import Attempt, Failure
 from controller.supervisor.events import (
     ControlPlaneLost,
     ControlPlaneRestored,
+    NodeClaimed,
     NodeDraining,
     NodeJoined,
     NodeLost,
@@ -159,8 +160,13 @@ def _reconcile(sv: Run, snap: StoreListed, *, quiet: bool, fresh: bool) -> None:
     if snap.policy is not None:  # the stored policy first: every decision below is made under it
         reconfigure.apply(sv, snap.policy)
     sv.pool.load(snap.records)
-    for name in {*snap.claimed_elsewhere, *(n for n, p in sv.pool.nodes.items() if p.elsewhere)}:
-        sv.pool.set_elsewhere(name, snap.claimed_elsewhere.get(name, ""))  # before any pick below
+    # claims before any pick below; a change a watch gap missed is told as the watch would have
+    for name in sorted({*snap.claimed_elsewhere, *(n for n, p in sv.pool.nodes.items() if p.elsewhere)}):
+        holder = snap.claimed_elsewhere.get(name, "")
+        if quiet or sv.pool.get(name).elsewhere == holder:
+            sv.pool.set_elsewhere(name, holder)
+        else:
+            sv.apply(NodeClaimed(node=name, run=holder))
     for name in [n for n, p in sv.pool.nodes.items() if p.alive and n not in snap.alive]:
         if quiet:
             sv.pool.set_alive(name, False)

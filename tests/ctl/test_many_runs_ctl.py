@@ -34,9 +34,11 @@ def two_runs(store: Store, tmp_path: Path) -> Iterator[str]:
             run="vision", attempt=1, nodes=["n4"], rendezvous_id="vision-1"
         ).SerializeToString(),
     )
-    llm = store.campaign(run_election("llm"), b"ctl-a", ttl_s=5, timeout_s=5)
+    # ctl-a's lease must outlast this process starved for seconds on a loaded machine (the full suite
+    # once lost a 5 s one mid-test, and `claims release --run llm` then found no leader): 30 s
+    llm = store.campaign(run_election("llm"), b"ctl-a", ttl_s=30, timeout_s=5)
     assert Claims(store, "llm").take(["n0", "n1", "n3"], llm) == []
-    vision = store.campaign(run_election("vision"), b"ctl-v", ttl_s=5, timeout_s=5)
+    vision = store.campaign(run_election("vision"), b"ctl-v", ttl_s=30, timeout_s=5)
     assert Claims(store, "vision").take(["n4"], vision) == []
     vision.resign()  # its controllers are gone; its claim stays (persistent by design)
     server, port = build_server(

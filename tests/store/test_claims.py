@@ -36,7 +36,8 @@ def shared(etcd_server: EtcdServer) -> Iterator[Store]:
 
 
 def lead(store: Store, run: str) -> Leadership:
-    return store.campaign(run_election(run), run.encode(), ttl_s=5, timeout_s=5)
+    # a lease long enough to outlast this process starved on a loaded machine: no test here is about expiry
+    return store.campaign(run_election(run), run.encode(), ttl_s=30, timeout_s=5)
 
 
 def test_claim_keys_and_the_run_election() -> None:

@@ -66,3 +66,21 @@ def test_a_snapshot_marks_the_nodes_other_runs_hold() -> None:
     assert pre.nodes == ("n2",)
     d.send(StoreListed(alive={"n1": 1, "n2": 1}))  # the claim is gone: free again
     assert not d.sup.pool.get("n1").elsewhere
+
+
+def test_a_relist_tells_a_claim_change_the_watch_missed() -> None:
+    """A watched core learns from a relist that another run took a spare (its claim landed while the
+    watch restarted) or gave it back: logged as the watch would have, not only set."""
+    d = Driver(cfg=fast(), nodes=1)
+    d.start(nodes=2)  # n1 trains, n2 is a spare
+    spare = next(n for n in ("n1", "n2") if n not in d.running_nodes())
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1}, claimed_elsewhere={spare: "other"}))
+    (claimed,) = d.events(E.EVENT_KIND_NODE_CLAIMED, out)
+    assert claimed.message.startswith(f"node {spare} is claimed by run other")
+    assert d.sup.pool.get(spare).elsewhere == "other"
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1}, claimed_elsewhere={spare: "other"}))
+    assert not d.events(E.EVENT_KIND_NODE_CLAIMED, out)  # nothing new: nothing told
+    out = d.send(StoreListed(alive={"n1": 1, "n2": 1}))
+    (back,) = d.events(E.EVENT_KIND_NODE_CLAIMED, out)
+    assert f"node {spare} is back in the shared pool from run other" in back.message
+    assert not d.sup.pool.get(spare).elsewhere
