@@ -8,9 +8,11 @@ becomes the attempt's worker exactly as torchrun's process would (`Launcher.adop
 exit record, stop and kill of its session, stray-process rescan, stop file and agent socket). A
 group outlives its attempts: when an attempt ends with every rank parked again, the worker's exit
 is recorded without killing the tree and the same group serves the next attempt, its ranks holding
-their last checkpoint in memory (nodeagent.trainer.memory_state). A group that lost a rank, was
-killed or ran on a node with fatal evidence is closed, and a fresh one is started once that
-attempt's worker has ended. A group's states are nodeagent.warm.lifecycle's.
+their last checkpoint in memory (nodeagent.trainer.memory_state); a rank that died in the attempt
+is forked again by its leader first (a new pid, no copy in memory; the launch's detail says so). A
+group that was killed, could not replace a rank, or ran on a node with fatal evidence is closed,
+and a fresh one is started once that attempt's worker has ended. A group's states are
+nodeagent.warm.lifecycle's.
 
 The warm path is used only when it starts what torchrun would; anything else goes cold, and the
 launch's answer and the agent's log say which path ran and why (`LaunchPath`):
@@ -154,6 +156,7 @@ class ParkedGroup:
         self.started_at = time.time()
         self.state = ParkedState.STARTING
         self.rank_pids: tuple[int, ...] = ()
+        self.renewed: tuple[int, ...] = ()  # ranks forked again in place of ones that died (last attempt)
         self.failure = ""  # why it never became ready
         self.settled = threading.Event()  # ready or failed
         self.attempts: list[int] = []  # the attempts it ran, oldest first
@@ -215,7 +218,13 @@ class ParkedGroup:
             self.popen.stdin.flush()
 
     def on_line(self, line: bytes) -> None:
-        """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again."""
+        """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again;
+        before it, `ready <pids>` when a rank that died in the attempt was forked again."""
+        pids = protocol.parse_ready(line, self.local_ranks)
+        if pids:
+            self.renewed = tuple(p for p in pids if p not in self.rank_pids)
+            self.rank_pids = pids  # before the end below: the launcher keeps exactly these alive
+            return
         code = protocol.parse_ended(line)
         if code is None:
             return
@@ -320,7 +329,8 @@ class ParkedGroups:
         except LaunchError:
             self.put_back(group)
             raise
-        kept = list(group.attempts)
+        kept, renewed = list(group.attempts), group.renewed
+        group.renewed = ()
         end = group.hand_off(message, spec.attempt)
         if end is None:
             self.refill()
@@ -333,6 +343,8 @@ class ParkedGroups:
         standby.start()
         lost = self._lost.pop(spec.run, "")
         origin = f"kept from attempt {kept[-1]}" if kept else (f"fresh: {lost}" if lost else "fresh")
+        if kept and renewed:
+            origin += f"; ranks {list(renewed)} forked again in place of ranks that died"
         detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
         log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
         return Launched(worker=worker, detail=detail)
@@ -346,7 +358,7 @@ class ParkedGroups:
         if worker.parked and keep:
             self.put_back(group)  # the same processes, their state in memory, for the next attempt
         else:
-            discard(group)  # a rank died or was killed (or this node has fatal evidence): a fresh group
+            discard(group)  # killed, or a rank not replaced (or this node has fatal evidence): a fresh group
             self.refill()
 
     def park(self, run: str, attempt: int, park_within_s: float) -> list[Worker]:

@@ -8,13 +8,14 @@ tests/nodeagent/warm_scripts/ drive it line by line).
        v
     FAILED          any state --gone / closed--> DEAD
 
-STARTING: the leader runs, its ranks import torch. PARKED: every rank said ready (or parked again
+STARTING: the leader imports torch and forks its ranks. PARKED: every rank said ready (or parked again
 after an attempt): a launch may take it. RUNNING: a hand-off was written, an attempt runs on its
 ranks. LEAVING: the agent asked the ranks to leave the attempt (`end`) and park again. FAILED: it
 exited before it was ready (it never ran anything; the owner starts another after a back-off).
 DEAD: its leader exited or the agent closed it; it runs nothing again. `ended <code>` while an
 attempt runs is the attempt's end with every rank parked again (the same processes serve the next
-attempt); `gone` while one runs is the attempt's end without them.
+attempt; a `ready <pids>` just before it names ranks forked again, not a change of state); `gone`
+while one runs is the attempt's end without them.
 """
 
 from __future__ import annotations

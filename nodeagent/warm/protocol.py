@@ -6,8 +6,9 @@ on pipes (JSON never holds a raw newline), plus the command lines that start the
 * leader -> rank (a control pipe): the hand-off with its local rank (`with_local_rank`), `abort`, EOF;
 * rank -> leader (a status pipe): `ready`, then `ended <code>` after each attempt;
 * leader -> agent (the ready fd): `ready <pids>`, then `ended <code>` after each attempt whose
-  ranks all parked again alive (`parse_ready`, `parse_ended`); the leader exits instead when a rank
-  died, after a TERM, or when the agent is gone.
+  ranks all parked again alive (`parse_ready`, `parse_ended`), preceded by `ready <pids>` with the
+  new set when a rank that died was forked again; the leader exits instead when a rank could not
+  be replaced, after a TERM, or when the agent is gone.
 
 Fencing by attempt: a hand-off names its attempt and a rank runs only attempts newer than the last
 it ran (EXIT_FENCED). `parse_handoff` validates every field (the bytes arrive on a pipe): anything

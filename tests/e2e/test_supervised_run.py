@@ -12,8 +12,9 @@ in the planned-stop, live-controller and reliability tests.
 
 The agents run warm workers (issue 18): every attempt starts on parked rank processes, the healthy
 hosts' processes survive each restart (the same pids, kept from the failed attempt, in the agents'
-launch answers that WORKERS_STARTED logs), the replacement and the crashed rank's host start on a
-fresh parked group, and LOAD_DONE names where each node's state came from.
+launch answers that WORKERS_STARTED logs), the crashed rank's host on its group with the dead rank
+forked again by its leader, the replacement on a fresh parked group, and LOAD_DONE names where each
+node's state came from.
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ _PARK_MISSED = re.compile(r"did not leave their collectives within [0-9.]+ s and
 
 
 def _started(events: list[LogEntry]) -> dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]]:
-    """attempt -> node -> (its rank pids, the attempt its processes were kept from or None: fresh, why
-    fresh if the agent said), from the WORKERS_STARTED events (the agents' launch answers)."""
+    """attempt -> node -> (its rank pids, the attempt its processes were kept from or None: fresh,
+    what the agent said of them: why fresh, or which ranks its leader forked again), from the
+    WORKERS_STARTED events (the agents' launch answers)."""
     out: dict[int, dict[str, tuple[tuple[int, ...], int | None, str]]] = {}
     for ev in events:
         if ev.kind != E.EVENT_KIND_WORKERS_STARTED:
@@ -149,7 +151,8 @@ def _started(events: list[LogEntry]) -> dict[int, dict[str, tuple[tuple[int, ...
             m = _PIDS.match(n.detail)
             assert m is not None, n.detail
             pids = tuple(int(p) for p in m.group(1).split(", "))
-            nodes[n.node] = (pids, int(m.group(3)) if m.group(3) else None, (m.group(4) or "")[2:])
+            why = (m.group(4) or "")[2:] if m.group(4) else n.detail[m.end() :]
+            nodes[n.node] = (pids, int(m.group(3)) if m.group(3) else None, why)
         out[ev.attempt] = nodes
     return out
 
@@ -180,9 +183,11 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
                     why,
                 )
                 kept += 1
-            else:  # the replacement, or the crashed rank's host: a group not of the failed attempt
-                # (fresh, or kept from an older attempt: a host that left the run for a burn-in and
-                # came back as a spare keeps its parked group)
+            elif node in before:  # the crashed rank's host: its leader forked the dead rank again
+                assert source == new - 1 and not set(pids) & earlier, (r.injection.fault, node, source, why)
+                assert "forked again in place of ranks that died" in why, why
+            else:  # the replacement: a group not of the failed attempt (fresh, or kept from an older
+                # attempt: a host that left the run for a burn-in and came back as a spare keeps it)
                 assert (source is None or source < new - 1) and not set(pids) & earlier, (
                     r.injection.fault,
                     node,

@@ -3,7 +3,8 @@
 
 What is proved with real processes: a crashed peer ends the attempt and the healthy node's rank
 parks again in the same process; the next attempt runs on it and it restores its state from its own
-memory (the commit it saved), while the replaced node's fresh rank receives it from that rank; a hung peer
+memory (the commit it saved), while the crashed node's rank, forked again by its leader in place of
+the dead one (the group goes on), receives it from that rank; a hung peer
 (SIGSTOP) is left behind by the healthy rank when the stop says park (the socket abort); the
 stopped rank cannot leave, so it is killed at once and replaced by a fresh parked group;
 a rank handed an older attempt than the store serves is refused before it joins (fencing by
@@ -130,22 +131,27 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
                 lambda a=a, p=pid: [r for r in _status(a).ranks if r.pid == p and r.step >= 5], 60, "step 5"
             )
 
-        # A crash on k1: its rank is SIGKILLed. k0's rank leaves the failed collective by itself.
+        # A crash on k1: its rank is SIGKILLed. k0's rank leaves the failed collective by itself;
+        # k1's leader forks a rank in place of the dead one, so k1's group parks again too (its
+        # leader never exits: no new group imports torch before k1 can run the next attempt).
         os.kill(first[1][0], signal.SIGKILL)
         w1 = _ended(k1, 1, 30)
-        assert not w1.parked and w1.exit.exit_code == 128 + signal.SIGKILL, w1.exit.detail
+        assert w1.parked and w1.exit.exit_code == 128 + signal.SIGKILL, w1.exit.detail
         w0 = _left(k0, 1)
         assert w0.parked and w0.exit.exit_code == 1, w0.exit.detail
         assert kept in parked_ranks(k0)  # the same process, parked again
+        (forked,) = wait_for(lambda: parked_ranks(k1), 10, "k1's rank forked again")
+        assert forked != first[1][0] and proctree.read_proc(first[1][0]) is None
         committed = latest_committed(tmp_path / "ckpt")
         assert committed is not None and committed.step >= 4
 
-        # Attempt 2: the kept rank restores from its memory, the fresh one on k1 gets the state from it.
+        # Attempt 2: the kept rank restores from its memory, the new one on k1 gets the state from it.
         replies = _launch(agents, port, 2, _train(tmp_path, 2), resume_step=committed.step)
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
         assert _pids(replies[0]) == ((kept,), "kept from attempt 1"), replies[0].launch_detail
-        (fresh,), origin = _pids(replies[1])
-        assert origin == "fresh" and fresh != first[1][0], replies[1].launch_detail
+        assert _pids(replies[1]) == ((forked,), "kept from attempt 1"), replies[1].launch_detail
+        assert f"ranks [{forked}] forked again in place of ranks that died" in replies[1].launch_detail
+        fresh = forked
         r0 = wait_for(lambda: _loaded(k0, kept, committed.step), 60, "k0's load mark")
         r1 = wait_for(lambda: _loaded(k1, fresh, committed.step), 60, "k1's load mark")
         # the example's DDP state is whole on every rank (DCP's metadata says so): the fresh rank

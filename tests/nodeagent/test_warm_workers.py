@@ -65,13 +65,15 @@ def parked_ranks(agent: AgentProc) -> tuple[int, ...]:
         for p in procs
         if p.ppid == agent.pid and _cmdline(p.pid)[1:3] == ["-m", "nodeagent.warm.leader"]
     ]
-    return tuple(
-        sorted(
-            p.pid
-            for p in procs
-            if p.ppid in leaders and _cmdline(p.pid)[1:3] == ["-m", "nodeagent.warm.rank"]
-        )
-    )
+    return tuple(sorted(p.pid for p in procs if p.ppid in leaders and _comm(p.pid) == "rw-warm-rank"))
+
+
+def _comm(pid: int) -> str:
+    """A process's name: a rank forked from its leader has the leader's command line, not its own."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def agent_flags(host: str, *, warm_on: bool, local_ranks: int = 1) -> list[str]:
