@@ -19,7 +19,8 @@ test`: the test clusters' cut-down preflight, `--fleet` always runs it; `--timin
 lease TTL, stop grace, backoff and dump timeout). With `--warm on|off|both` the agents' warm
 workers are set explicitly (parked ranks, torch imported; healthy hosts keep their processes across the
 restart, nodeagent/warm/rank.py): each row also counts the nodes whose processes were kept
-(`kept_nodes`) and whose state came from their own memory (`memory_nodes`).
+(`kept_nodes`), whose group was kept with a dead rank forked again (`reforked_nodes`), and whose
+state came from their own memory (`memory_nodes`).
 
     flock /tmp/runwarden-heavy.lock .venv/bin/python bench/bench_faults.py --warm both --trials 5 \
         --per-run 5 --out bench/results/bench_faults_warm.json
@@ -92,9 +93,10 @@ def phases(events: list[LogEntry], inj: Injection, end_seq: int) -> dict[str, fl
     started = next(
         (e for e in window if e.kind == E.EVENT_KIND_WORKERS_STARTED and e.attempt == launch.attempt), None
     )
-    out["kept_nodes"] = float(
-        sum("kept from attempt" in n.detail for n in started.workers_started.nodes) if started else 0
-    )
+    details = [n.detail for n in started.workers_started.nodes] if started else []
+    reforked = [d for d in details if "forked again in place of ranks that died" in d]
+    out["kept_nodes"] = float(sum("kept from attempt" in d for d in details) - len(reforked))
+    out["reforked_nodes"] = float(len(reforked))  # its group kept, a dead rank forked again by its leader
     load = next((e for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None)
     memory = re.search(r"memory on ([^;]+)", load.message) if load else None
     out["memory_nodes"] = float(len(memory.group(1).split(", ")) if memory else 0)

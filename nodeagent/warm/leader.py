@@ -78,7 +78,7 @@ class Forked:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped already (cannot happen: only this object waits)
+            except ChildProcessError:  # reaped already: cannot happen, only this object waits for it
                 self.returncode = 255
                 return self.returncode
             if pid == self.pid:
@@ -94,7 +94,8 @@ class Forked:
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
+        # no waitpid here (the TERM handler calls this): an unreaped pid is still this rank's
+        if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -242,8 +243,7 @@ class Leader:
         # torchrun forwards a TERM to every rank; so does the leader, and it keeps waiting for them
         self.terminated = True
         for r in self.ranks:
-            if r.popen.poll() is None:
-                r.popen.send_signal(signal.SIGTERM)
+            r.popen.send_signal(signal.SIGTERM)
 
     def tell_agent(self, line: str) -> None:
         os.write(self.ready_fd, (line + "\n").encode())
