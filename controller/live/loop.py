@@ -30,7 +30,7 @@ from controller.backends.base import BackendError, RunOutcome, Scheduler, Static
 from controller.backends.local import LocalBackend, LocalConfig
 from controller.fleet.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
-from controller.live.loss_history import read_loss_history
+from controller.live.loss_history import read_history
 from controller.live.paging import Pager
 from controller.live.translate import Addresses, Listing, Translator, record_view
 from controller.supervisor.actions import Batch
@@ -704,7 +704,8 @@ class LiveController:
         elsewhere = self.claims.load(listing.claims)  # this run's claims (a predecessor's too) are its own
         snap, addresses, follow, attempt = self.translator.snapshot(listing, elsewhere)
         if fresh_core:
-            snap = replace(snap, losses=read_loss_history(self.cfg.event_log_path, run))
+            losses, launched = read_history(self.cfg.event_log_path, run)
+            snap = replace(snap, losses=losses, logged_attempt=launched)
         self._apply(addresses)
         if attempt is not None:
             self.executor.attempt = int(attempt.attempt)

@@ -1,4 +1,5 @@
-"""The loss history a fresh core starts with, read back from the event log (level-triggered).
+"""What a fresh core takes from the event log (level-triggered): the loss history, and the last
+attempt a LAUNCH names.
 
 The core's replay comparison (controller/supervisor/loss.py) needs the losses earlier attempts
 reported; they live in its memory, and their durable copy is the LOSS_RECORD events it logs. When
@@ -6,6 +7,10 @@ the shell builds a core (it became leader, or rebuilt a broken core), it reads t
 hands the history over in the StoreListed (`LossHistory`), undoing what the old core undid: after a
 stop for a loss anomaly (LOSS_ANOMALY, action "stop"), the relaunch (the next LAUNCH) forgets the
 steps from the anomaly's on. A bad value in the log is skipped alone, never a crash.
+
+The last LAUNCH: a leader logs the launch before it writes the attempt record; killed in between,
+it leaves a number the store does not know, and its successor launches past it (`last_launch`),
+so no attempt number is logged as launched twice.
 """
 
 from __future__ import annotations
@@ -50,17 +55,23 @@ def loss_history(events: Iterable[E.Event], run: str) -> LossHistory:
     return LossHistory(points=tuple(points), logged=tuple(sorted(logged)), rollback_before=cut)
 
 
-def read_loss_history(path: Path, run: str, tail_bytes: int = TAIL_BYTES) -> LossHistory:
-    """`loss_history` of the log's tail; an unreadable log is an empty history (logged)."""
+def last_launch(events: Iterable[E.Event], run: str) -> int:
+    """The highest attempt a LAUNCH of `run` names (0: none)."""
+    return max((ev.attempt for ev in events if ev.run == run and ev.kind == E.EVENT_KIND_LAUNCH), default=0)
+
+
+def read_history(path: Path, run: str, tail_bytes: int = TAIL_BYTES) -> tuple[LossHistory, int]:
+    """(`loss_history`, `last_launch`) of the log's tail (a launch whose record was never written
+    is among the log's last lines); an unreadable log is an empty history and 0 (logged)."""
     try:
         read = read_tail(path, tail_bytes)
     except OSError as exc:
         log.warning("loss history: cannot read the event log %s: %s; starting without it", path, exc)
-        return LossHistory()
+        return LossHistory(), 0
     history = loss_history(read.entries, run)
     log.info(
         "loss history from the event log: %d values, %d steps",
         len(history.points),
         len({p[0] for p in history.points}),
     )
-    return history
+    return history, last_launch(read.entries, run)

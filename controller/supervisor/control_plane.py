@@ -186,6 +186,7 @@ def _reconcile(sv: Run, snap: StoreListed, *, quiet: bool, fresh: bool) -> None:
         sv.latest_committed = max(sv.latest_committed, s)
     sv.job_step = max(sv.job_step, sv.latest_committed)
     sv.attempt = max(sv.attempt, snap.attempt)
+    sv.logged_attempt = max(sv.logged_attempt, snap.logged_attempt)
     if snap.losses is not None:  # a fresh core: the loss history its predecessor logged
         loss.restore(sv, snap.losses, snap.attempt, snap.resume_step)
     remembered = ""

@@ -398,6 +398,7 @@ class StoreListed:
     claimed_elsewhere: dict[str, str] = field(default_factory=dict)  # node -> the other run holding it
     losses: LossHistory | None = None
     memory: store_pb2.SupervisorMemory | None = None  # the run's supervisor memory (a fresh core takes it)
+    logged_attempt: int = 0  # the highest attempt a LAUNCH of this run in the event log names (fresh core)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

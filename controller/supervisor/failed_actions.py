@@ -255,7 +255,7 @@ def _not_launched(sv: Run, act: Launch, what: str) -> None:
     failure.begin_backoff(
         sv,
         delay,
-        f"relaunching as attempt {sv.attempt + 1} after {delay:g}s "
+        f"relaunching as attempt {sv.next_attempt} after {delay:g}s "
         f"({sv.history.launch_failures} launch{'es' if sv.history.launch_failures > 1 else ''} "
         "in a row not carried out)",
     )

@@ -176,7 +176,7 @@ def _sort_by_preflight(sv: Run, nodes: list[str]) -> list[str]:
         parts.append("no preflight for " + "; ".join(f"{r.node} ({r.reason})" for r in vouched))
     sv.log(
         E.EVENT_KIND_PREFLIGHT_PLAN,
-        f"before attempt {sv.attempt + 1}: " + "; ".join(parts),
+        f"before attempt {sv.next_attempt}: " + "; ".join(parts),
         preflight_plan=E.PreflightPlanDetail(checked=checked, vouched=vouched),
     )
     return [r.node for r in checked]
@@ -195,7 +195,7 @@ def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) ->
     if not logged:
         sv.log(
             E.EVENT_KIND_PREFLIGHT_RESULT,
-            f"{node} leaves node rank {rank} of attempt {sv.attempt + 1}: {reason}",
+            f"{node} leaves node rank {rank} of attempt {sv.next_attempt}: {reason}",
             preflight=E.PreflightDetail(node=node),
         )
     fill_slots(sv)
@@ -232,7 +232,7 @@ def on_attempt_preflight(sv: Run, ev: PreflightResult) -> None:
         sv.emit(SetTimer(key="preflight", at=sv.preparing.preflight_deadline))
         return
     reason = f"preflight ({ev.mode}) failed: {', '.join(ev.failed_checks) or 'no check named'}"
-    reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.attempt + 1}: {reason}", detail(ev))
+    reject(sv, ev.node, reason, f"{ev.node} rejected before attempt {sv.next_attempt}: {reason}", detail(ev))
 
 
 def reject(
@@ -266,7 +266,7 @@ def leave_out(sv: Run, node: str, reason: str) -> None:
     sv.preparing.unreachable.add(node)
     sv.log(
         E.EVENT_KIND_PREFLIGHT_RESULT,
-        f"{node} left out of attempt {sv.attempt + 1}: {reason}; inconclusive, so no quarantine and no "
+        f"{node} left out of attempt {sv.next_attempt}: {reason}; inconclusive, so no quarantine and no "
         "strike (it stays a spare)",
         preflight=E.PreflightDetail(node=node),
     )
@@ -407,7 +407,7 @@ def gate_unanswered(sv: Run, why: str) -> None:
 
 
 def launch(sv: Run, nodes: tuple[str, ...]) -> None:
-    sv.attempt += 1
+    sv.attempt = sv.next_attempt
     trained = (
         sv.cur.node_advanced_at
     )  # a node's last healthy training outlives an attempt it never stepped in

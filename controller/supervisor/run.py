@@ -36,6 +36,9 @@ class Run(Effects):
         # runs the current state's rule for an event inside the one being handled (the machine's table)
         self.apply: Callable[[Event], None] = _no_rules
         self.attempt = 0  # last launched attempt number
+        # the highest attempt a predecessor's LAUNCH in the event log names: one it logged and died
+        # before its attempt record was written; its number is never launched again
+        self.logged_attempt = 0
         self.cur = Attempt.none()
         self.committed: set[int] = set()
         self.latest_committed = -1
@@ -69,6 +72,11 @@ class Run(Effects):
         self.end_after_stop = False
         self.pending_stop: StopRequested | None = None
         self.blind = Blind()  # what a control-plane pause paused
+
+    @property
+    def next_attempt(self) -> int:
+        """The number the next launch takes: past the last launched, and past one only logged."""
+        return max(self.attempt, self.logged_attempt) + 1
 
     @property
     def current_nodes(self) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.live.loss_history import loss_history
+from controller.live.loss_history import last_launch, loss_history, read_history
 from controller.supervisor import loss
 from runwarden.eventlog import read_events
 from runwarden.store import Store
@@ -119,3 +119,14 @@ def test_a_replay_after_a_controller_restart_is_compared_with_the_losses_logged_
     assert p.earlier_loss == _curve(21) and p.rel_diff == pytest.approx(0.1, rel=1e-6)
     assert [x.step for x in replay.loss.points] == list(range(21, 31))  # every replayed step compared
     assert all(x.earlier_attempt == 1 for x in replay.loss.points)
+
+
+def test_the_last_launch_is_the_highest_attempt_a_launch_of_this_run_names(tmp_path: Path) -> None:
+    events = [
+        _ev(E.EVENT_KIND_LAUNCH, 1),
+        _ev(E.EVENT_KIND_LAUNCH, 2),
+        _ev(E.EVENT_KIND_LAUNCH, 7, run="other"),
+    ]
+    assert last_launch(events, RUN) == 2 and last_launch([], RUN) == 0
+    missing = read_history(tmp_path / "no-such-log.jsonl", RUN)  # unreadable: nothing, no crash
+    assert missing[1] == 0 and not missing[0].points

@@ -320,3 +320,34 @@ def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
     fresh.steps(41, 41)
     hang_at(fresh, 45, 2)
     assert fresh.sup.state is RunState.CRASH_LOOP and len(fresh.of(Page)) == 1
+
+
+def test_a_new_leader_launches_past_an_attempt_its_predecessor_only_logged() -> None:
+    """The leader logged LAUNCH of attempt 3 and was killed before the attempt record was written:
+    the store says attempt 2, the event log's tail says 3 (StoreListed.logged_attempt). The new core
+    launches attempt 4, so no attempt number is logged as launched twice."""
+    d = Driver(cfg=fast(), nodes=4)
+    rotating_hang_run(d, failures=2)
+    memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
+    records = tuple(p.view() for p in d.sup.pool.nodes.values())
+    fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
+    out = fresh.send(
+        StoreListed(
+            alive={n: 1 for n in d.sup.pool.nodes},
+            records=records,
+            attempt=2,
+            attempt_nodes=tuple(d.sup.preparing.prev_slots),
+            resume_step=40,
+            committed_steps=(30, 40),
+            memory=memory,
+            logged_attempt=3,
+        )
+    )
+    plans = fresh.events(events_pb2.EVENT_KIND_PREFLIGHT_PLAN, out) + fresh.events(
+        events_pb2.EVENT_KIND_RESTART, out
+    )
+    assert all("attempt 3" not in e.message for e in plans), [e.message for e in plans]
+    answer_attempt_preflights(fresh)
+    assert fresh.launches[-1].attempt == 4 and fresh.launches[-1].rendezvous_id.endswith("-4")
+    launched = [e.attempt for e in fresh.events(events_pb2.EVENT_KIND_LAUNCH)]
+    assert launched == [4], launched
