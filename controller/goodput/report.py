@@ -661,6 +661,9 @@ def _build_report(
     )
     start = spans[0].start_us if spans else (acct.start or 0)
     end = spans[-1].end_us if spans else start
+    # an incident detected at the instant a run (re)started has no span after it: the report still
+    # reaches it (a requeued run's RUN_START and a detection at the same time, say)
+    end = max([end, *(to_us(i.detected_ts) for i in incidents)])
     return GoodputReport(
         run=run,
         start_ts=start / US,

@@ -149,3 +149,18 @@ def test_a_detection_after_which_the_attempt_went_on_changes_nothing(b: LogBuild
     assert (
         with_flags.allocated_us == without.allocated_us and with_flags.productive_us == without.productive_us
     )
+
+
+def test_a_detection_at_the_instant_a_run_started_again_is_inside_the_report() -> None:
+    """Found by the property above in a full suite run: a run ended, started again and a failure was
+    detected at that same instant; no span follows, and the report ended before the incident."""
+    b = LogBuilder()
+    t = 1_764_547_200.0
+    b.start(t)
+    b.end(t)
+    b.start(t + 1)
+    b.detect(t + 1, latency_s=0)
+    r = compute_goodput(b.events)
+    (inc,) = r.incidents
+    assert r.start_ts <= inc.fault_ts <= inc.detected_ts <= r.end_ts
+    assert _recoveries(r) == [(to_us(inc.fault_ts), to_us(r.end_ts))]
