@@ -219,11 +219,16 @@ class ParkedGroup:
 
     def on_line(self, line: bytes) -> None:
         """The leader's word after `ready` (watcher thread): `ended <code>`, its ranks parked again;
-        before it, `ready <pids>` when a rank that died in the attempt was forked again."""
+        `replacing` before it and `ready <pids>` after it when a rank that died in the attempt is
+        forked again (no launch takes the group in between: `settled` is clear)."""
+        if line.strip() == protocol.REPLACING.encode():
+            self.settled.clear()
+            return
         pids = protocol.parse_ready(line, self.local_ranks)
         if pids:
             self.renewed = tuple(p for p in pids if p not in self.rank_pids)
-            self.rank_pids = pids  # before the end below: the launcher keeps exactly these alive
+            self.rank_pids = pids
+            self.settled.set()
             return
         code = protocol.parse_ended(line)
         if code is None:
@@ -235,6 +240,7 @@ class ParkedGroup:
 
     def on_gone(self) -> None:
         """The leader's pipe closed: it exited (or is exiting); a running attempt ended with it."""
+        self.settled.set()  # a launch waiting for a replaced rank finds the group gone
         self._advance(ParkedEvent.GONE)
         end, self.current = self.current, None
         if end is not None:

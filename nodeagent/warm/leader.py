@@ -12,10 +12,11 @@ its local rank, and `ended <code>` goes back once every rank parked again alive.
 It supervises like torchrun --max-restarts=0, without ending processes: the first rank to fail
 gets the others out of the attempt (`abort`, KILLed after RANK_FAIL_GRACE_S) and its code becomes
 the attempt's exit code (128+n for a rank killed by signal n); all ranks ending 0 is 0. A rank
-that died in the attempt (a crash, the OOM killer) is forked again in its place before the
-`ended`, which a `ready <pids>` naming the new set precedes: the group serves the next attempt at
-once instead of a new group importing torch for seconds (a second crash soon after a recovery
-found no parked group on that host). The survivors keep their in-memory copies; the new rank
+that died in the attempt (a crash, the OOM killer) is forked again in its place right after the
+`ended` (which `replacing` precedes, and `ready <pids>` naming the new set follows; the end is
+told first, since the order in which nodes end decides "first to exit"): the group serves the
+next attempt at once instead of a new group importing torch for seconds (a second crash soon
+after a recovery found no parked group on that host). The survivors keep their in-memory copies; the new rank
 holds none and gets its state from a peer or storage (nodeagent.trainer.memory_state). A SIGTERM
 is forwarded to the ranks and the leader keeps waiting for them (so a rank's save is not cut
 short), then exits. It exits (ending its ranks) after a TERM, at EOF from the agent while parked,
@@ -47,6 +48,7 @@ from nodeagent.warm.protocol import (
     EXIT_NOT_READY,
     LEADER_MODULE,
     MAX_STATUS_BYTES,
+    REPLACING,
     HandOffError,
     Lines,
     add_process_options,
@@ -274,10 +276,12 @@ class Leader:
                 return self.end(code)
             try:
                 if not intact:
+                    self.tell_agent(REPLACING)  # the attempt's end first: its time decides "first to exit"
+                self.tell_agent(f"ended {code}")
+                if not intact:
                     if not self.replace_dead():
                         return self.end(code)
-                    self.tell_agent("ready " + self.pids())  # the new set, before the end it belongs to
-                self.tell_agent(f"ended {code}")
+                    self.tell_agent("ready " + self.pids())
             except OSError:
                 return self.end(code)
 

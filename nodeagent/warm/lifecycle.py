@@ -14,8 +14,9 @@ ranks. LEAVING: the agent asked the ranks to leave the attempt (`end`) and park 
 exited before it was ready (it never ran anything; the owner starts another after a back-off).
 DEAD: its leader exited or the agent closed it; it runs nothing again. `ended <code>` while an
 attempt runs is the attempt's end with every rank parked again (the same processes serve the next
-attempt; a `ready <pids>` just before it names ranks forked again, not a change of state); `gone`
-while one runs is the attempt's end without them.
+attempt; when ranks died in it, `replacing` before it and `ready <pids>` after it bracket their
+replacement, during which the PARKED group takes no launch: not a change of state); `gone` while
+one runs is the attempt's end without them.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ on pipes (JSON never holds a raw newline), plus the command lines that start the
 * leader -> rank (a control pipe): the hand-off with its local rank (`with_local_rank`), `abort`, EOF;
 * rank -> leader (a status pipe): `ready`, then `ended <code>` after each attempt;
 * leader -> agent (the ready fd): `ready <pids>`, then `ended <code>` after each attempt whose
-  ranks all parked again alive (`parse_ready`, `parse_ended`), preceded by `ready <pids>` with the
-  new set when a rank that died was forked again; the leader exits instead when a rank could not
-  be replaced, after a TERM, or when the agent is gone.
+  ranks all parked again alive (`parse_ready`, `parse_ended`); when a rank died in the attempt,
+  `replacing`, `ended <code>`, then `ready <pids>` with the new set once the rank forked in its
+  place parked (the group takes no launch in between); the leader exits instead when a rank could
+  not be replaced, after a TERM, or when the agent is gone.
 
 Fencing by attempt: a hand-off names its attempt and a rank runs only attempts newer than the last
 it ran (EXIT_FENCED). `parse_handoff` validates every field (the bytes arrive on a pipe): anything
@@ -34,6 +35,7 @@ EXIT_BAD_HANDOFF = 4  # the hand-off was malformed (a bug in the agent, never gu
 EXIT_RENDEZVOUS = 5  # the warm rendezvous did not complete (a peer node fell back to cold, say)
 EXIT_FENCED = 6  # a hand-off for an attempt this process already ran, or an older one
 END = b"end"  # agent -> leader: the running attempt's ranks leave it and park again
+REPLACING = "replacing"  # leader -> agent, before an `ended`: ranks that died are forked again next
 ABORT = b"abort"  # leader -> rank: leave the running attempt now
 LEADER_MODULE = "nodeagent.warm.leader"  # `python -m` of the leader (nodeagent.warm.leader)
 RANK_MODULE = "nodeagent.warm.rank"  # `python -m` of a rank (nodeagent.warm.rank)

@@ -234,7 +234,8 @@ def test_survivors_were_not_preflighted_again_and_replacements_were_pre_validate
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
     """Hosts kept from the failed attempt restore from their own memory; the others (a fresh group,
-    or one kept from an older attempt) receive the state from a peer."""
+    one kept from an older attempt, or the crashed host whose one rank its leader forked again)
+    receive the state from a peer."""
     loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
     started = _started(faulted.events)
     for r in faulted.recoveries:
@@ -248,7 +249,9 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
             by_source[source] = set(nodes.split(", "))
         new = r.launch.attempt  # a host not kept from the failed attempt holds no copy of its commit
         fresh = {
-            n for n, (_, kept_from, _) in started[new].items() if kept_from is None or kept_from < new - 1
+            n
+            for n, (_, kept_from, why) in started[new].items()
+            if kept_from is None or kept_from < new - 1 or "forked again in place of ranks that died" in why
         }
         kept = set(started[r.launch.attempt]) - fresh
         assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)
