@@ -169,6 +169,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
             ]
         elif b.method is BlameMethod.FIRST_EXIT and f.first_exit is not None:
             steps = sv.offences.setdefault(f.first_exit, set())
+            again = any(abs(s - f.step) <= slack for s in steps)
             steps.add(f.step)
             if _distinct_steps(steps, slack) >= sv.cfg.repeat_offender_count:
                 out = [
@@ -176,6 +177,21 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
                         node=f.first_exit,
                         reason=f"first to exit at {len(steps)} different steps ({sorted(steps)}) with no "
                         "hardware evidence",
+                        evidence=[],
+                        blamed=True,
+                    )
+                ]
+            elif again and sv.cfg.repeat_offender_count <= 2:  # its second first exit, at one step
+                # The same node first out at the same step again: a node's fault (a relapse) or the
+                # job's on that node's ranks look alike. Moved out, the next attempt tells them apart:
+                # a node's fault does not recur; the job's does, on the spare, and completes the crash
+                # loop, which gives this node back without the strike (a loop's victim). The fleet
+                # simulator's Llama-3 replay ended a run as a crash loop on a relapsing node without it.
+                out = [
+                    _Suspect(
+                        node=f.first_exit,
+                        reason=f"first to exit at step {f.step} again, with no hardware evidence: moved "
+                        "out, so the next attempt tells its fault from the job's",
                         evidence=[],
                         blamed=True,
                     )

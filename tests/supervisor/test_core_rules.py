@@ -491,6 +491,48 @@ def test_crash_loop_same_failure_same_step_three_times_stops_and_pages() -> None
     assert not d.of(Quarantine), "n1 first at the same step twice is the crash-loop rule's, not a quarantine"
 
 
+def _fail_at_step_10(d: Driver, first: str) -> None:
+    attempt = d.sup.attempt
+    d.send(AttemptExited(node=first, attempt=attempt, exit_code=3))
+    d.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
+    d.exit_all(code=-15)
+
+
+@pytest.mark.parametrize("recurs", [False, True], ids=["a relapsing node", "the job on that rank"])
+def test_the_same_node_first_out_at_the_same_step_twice_is_moved_out_to_tell_node_from_job(
+    recurs: bool,
+) -> None:
+    """A node that relapses at one step (the fleet simulator's Llama-3 replay ended a run as a crash
+    loop on one) and the job failing on that node's ranks look alike; the second time, the node is
+    moved out. Not recurring on the spare: it was the node, the run trains on. Recurring on the
+    spare (the same node rank first out): the crash loop, and the node is back without the strike."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(3)  # n1 and n2 train, n3 is the spare
+    first = d.running_nodes()[0]
+    d.steps(1, 10)
+    _fail_at_step_10(d, first)
+    d.advance(10)
+    d.answer_preflight()
+    assert not d.of(Quarantine)  # a first offence
+    d.steps(1, 10)
+    _fail_at_step_10(d, first)
+    (q,) = d.of(Quarantine)
+    assert q.node == first and "first to exit at step 10 again" in q.reason, q.reason
+    d.advance(10)
+    d.answer_preflight()
+    assert first not in d.running_nodes() and d.sup.state is RunState.RUNNING
+    if not recurs:
+        d.steps(1, 30)
+        assert d.sup.state is RunState.RUNNING
+        assert d.sup.pool.get(first).failure_times  # its strike stays (a burn-in decides its return)
+        return
+    d.steps(1, 10)
+    _fail_at_step_10(d, d.running_nodes()[0])  # the spare, in the moved node's node rank
+    assert d.sup.state is RunState.CRASH_LOOP
+    node = d.sup.pool.get(first)
+    assert node.state is PoolState.SPARE and not node.failure_times, node
+
+
 def test_different_steps_are_not_a_crash_loop() -> None:
     d = Driver(cfg=fast(), nodes=2)
     d.start(2)
