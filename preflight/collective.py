@@ -118,6 +118,10 @@ class SoakResult:
     own_cpu_s: float = 0.0
     host_busy_s: float = -1.0
     host_cpus: int = 0
+    # The same per round: other processes' CPU seconds and the round's seconds (() where unmeasured),
+    # so a sag is judged by the load during its own rounds, not diluted over the whole soak.
+    round_foreign_s: tuple[float, ...] = ()
+    round_s: tuple[float, ...] = ()
 
 
 def host_cpu_busy() -> tuple[float, int] | None:
@@ -165,10 +169,14 @@ def soak(
     host_before = host_cpu_busy() if rank == 0 else None
     cpu_before = time.process_time()
     started = time.perf_counter()
+    foreign_s: list[float] = []
+    round_s: list[float] = []
     while True:
         bad = torch.zeros(1, dtype=torch.float64, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        round_host = host_cpu_busy() if rank == 0 else None
+        round_cpu = time.process_time()
         t0 = time.perf_counter()
         for _ in range(iterations):
             tensor.fill_(float(rank + 1))
@@ -177,10 +185,18 @@ def soak(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
-        # [this round's time, elapsed, wrong results]: MAX of the times, SUM of the wrong results.
+        # [this round's time, elapsed]: MAX; [wrong results, this round's CPU time]: SUM over ranks.
         stats = torch.tensor([now - t0, now - started], dtype=torch.float64, device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(bad)
+        summed = torch.cat(
+            [bad, torch.tensor([time.process_time() - round_cpu], dtype=torch.float64, device=device)]
+        )
+        dist.all_reduce(summed)
+        bad = summed[:1]
+        host_now = host_cpu_busy() if round_host is not None else None
+        if round_host is not None and host_now is not None:
+            foreign_s.append(max(0.0, host_now[0] - round_host[0] - float(summed[1].item())))
+            round_s.append(now - t0)
         count = int(bad.item())
         if count and first_bad < 0:
             first_bad = len(rates)
@@ -207,6 +223,8 @@ def soak(
         own_cpu_s=float(own.item()),
         host_busy_s=host_busy,
         host_cpus=host_cpus,
+        round_foreign_s=tuple(foreign_s) if len(foreign_s) == len(rates) else (),
+        round_s=tuple(round_s) if len(round_s) == len(rates) else (),
     )
 
 

@@ -604,6 +604,19 @@ def foreign_cpu_share(result: SoakResult) -> float | None:
     return max(0.0, result.host_busy_s - result.own_cpu_s) / (result.duration_s * result.host_cpus)
 
 
+WINDOW_MIN_S = 0.5  # /proc/stat counts 10 ms ticks: a shorter window's share is mostly rounding
+
+
+def window_cpu_share(result: SoakResult, first: int, rounds: int) -> float | None:
+    """Other processes' share of the host's CPUs over rounds [first, first + rounds) (None: not
+    measured, or the rounds too short to say)."""
+    foreign = result.round_foreign_s[first : first + rounds]
+    wall = sum(result.round_s[first : first + rounds])
+    if len(foreign) != rounds or result.host_cpus <= 0 or wall < WINDOW_MIN_S:
+        return None
+    return sum(foreign) / (wall * result.host_cpus)
+
+
 def evaluate_soak(
     result: SoakResult, burn: BurnInConfig, floor_gbps: float = 0.0, load: HostLoad | None = None
 ) -> CheckResult:
@@ -642,14 +655,21 @@ def evaluate_soak(
         )
     if floor_gbps > 0:
         base, basis = floor_gbps, "the node's floor ([collective] busbw_floor_gbps)"
-        windows = [statistics.median(rates[i : i + w]) for i in range(max(1, len(rates) - w + 1))]
+        starts = range(max(1, len(rates) - w + 1))
     else:
         base, basis = statistics.median(rates[:w]), "its first rounds"
-        windows = [statistics.median(rates[i : i + w]) for i in range(w, len(rates) - w + 1)]
-    worst = min(windows) / base if base > 0 else 0.0
+        starts = range(w, len(rates) - w + 1)
+    windows = {i: statistics.median(rates[i : i + w]) for i in starts}
+    slowest = min(windows, key=lambda i: windows[i])
+    worst = windows[slowest] / base if base > 0 else 0.0
     evidence.append(f"baseline {base:.4g} GB/s ({basis}); the slowest window at {worst:.0%}")
     if worst < burn.allreduce_min_ratio:
         sag = f"bandwidth sagged to {worst:.0%} of {basis} (limit {burn.allreduce_min_ratio:.0%})"
+        during = window_cpu_share(result, slowest, w)
+        if during is not None and (load.cpu_share is None or during > load.cpu_share):
+            # the load while it sagged, not diluted over the soak: a neighbour's burst is the host's
+            load = dataclasses.replace(load, cpu_share=during)
+            evidence.append(f"in the slowest window: {load.describe()}")
         if why := load.busy(burn.allreduce_max_foreign_load):
             return inconclusive(
                 name,

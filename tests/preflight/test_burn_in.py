@@ -385,6 +385,22 @@ def test_a_sag_on_a_loaded_host_is_inconclusive_and_on_an_idle_one_a_fail() -> N
     assert evaluate_soak(soak_result(SAG), BurnInConfig()).status is CheckStatus.FAIL
 
 
+def test_a_sag_is_judged_by_the_load_during_its_own_rounds() -> None:
+    """A neighbour's burst over the sag's rounds is the host's load even when the soak's average is
+    low (the demo's burn-in failed a healthy node so: another node's burn-in ran beside part of it)."""
+    idle_average = burn_in.HostLoad(cpu_share=0.02)
+    rounds = dict(host_cpus=2, round_s=(1.0,) * 8)  # 8 rounds of 1 s on 2 CPUs
+    burst = dataclasses.replace(soak_result(SAG), round_foreign_s=(0, 0, 0, 0, 1.0, 1.2, 1.0, 0.8), **rounds)
+    judged = evaluate_soak(burst, BurnInConfig(), load=idle_average)
+    assert judged.status is CheckStatus.INCONCLUSIVE, judged.message
+    assert any("in the slowest window" in e for e in judged.evidence), judged.evidence
+    quiet = dataclasses.replace(soak_result(SAG), round_foreign_s=(1, 1, 0, 0, 0, 0.02, 0, 0), **rounds)
+    assert evaluate_soak(quiet, BurnInConfig(), load=idle_average).status is CheckStatus.FAIL
+    # rounds too short for /proc/stat's 10 ms ticks to say anything: the soak's average judges
+    short = dataclasses.replace(burst, round_s=(0.001,) * 8)
+    assert evaluate_soak(short, BurnInConfig(), load=idle_average).status is CheckStatus.FAIL
+
+
 def test_the_sag_is_judged_against_the_nodes_own_floor_when_it_has_one() -> None:
     # 245 GB/s after 405 at first: a sag against the first rounds, yet above 0.7 x the floor of this
     # node class (300 GB/s, `preflight baseline`'s figure less its margin): the link is fine.
