@@ -293,27 +293,35 @@ def test_a_resumed_stopped_run_whose_nodes_are_gone_relaunches_as_planned_not_as
     assert not d.of(Quarantine) and d.sup.status(d.now).restarts_used == 0
 
 
-def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
-    """The leader decided attempt 2's end (quarantine, crash-loop count 2) and died before launching
-    attempt 3: the new core finds attempt 2 stopped with a quarantined node, relaunches it without a
-    second DETECTION, and the third identical failure is the crash loop."""
+def _new_leader_after_two_hangs(
+    logged_attempt: int = 0,
+) -> tuple[Driver, list[Item], store_pb2.SupervisorMemory]:
+    """A leader decided attempt 2's end (two rotating hangs) and died; a new core lists the store."""
     d = Driver(cfg=fast(), nodes=4)
     rotating_hang_run(d, failures=2)
     memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
-    assert memory.decided_attempt == 2
-    records = tuple(p.view() for p in d.sup.pool.nodes.values())
     fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
     out = fresh.send(
         StoreListed(
             alive={n: 1 for n in d.sup.pool.nodes},
-            records=records,
+            records=tuple(p.view() for p in d.sup.pool.nodes.values()),
             attempt=2,
             attempt_nodes=tuple(d.sup.preparing.prev_slots),
             resume_step=40,
             committed_steps=(30, 40),
             memory=memory,
+            logged_attempt=logged_attempt,
         )
     )
+    return fresh, out, memory
+
+
+def test_a_new_leader_does_not_handle_a_decided_failure_twice() -> None:
+    """The leader decided attempt 2's end (quarantine, crash-loop count 2) and died before launching
+    attempt 3: the new core finds attempt 2 stopped with a quarantined node, relaunches it without a
+    second DETECTION, and the third identical failure is the crash loop."""
+    fresh, out, memory = _new_leader_after_two_hangs()
+    assert memory.decided_attempt == 2
     assert not fresh.events(E.EVENT_KIND_DETECTION, out)
     answer_attempt_preflights(fresh)
     assert fresh.launches[-1].attempt == 3 and fresh.sup.state is RunState.RUNNING
@@ -326,23 +334,7 @@ def test_a_new_leader_launches_past_an_attempt_its_predecessor_only_logged() -> 
     """The leader logged LAUNCH of attempt 3 and was killed before the attempt record was written:
     the store says attempt 2, the event log's tail says 3 (StoreListed.logged_attempt). The new core
     launches attempt 4, so no attempt number is logged as launched twice."""
-    d = Driver(cfg=fast(), nodes=4)
-    rotating_hang_run(d, failures=2)
-    memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
-    records = tuple(p.view() for p in d.sup.pool.nodes.values())
-    fresh = Driver(cfg=d.cfg, nodes=4, now=d.now + 5)
-    out = fresh.send(
-        StoreListed(
-            alive={n: 1 for n in d.sup.pool.nodes},
-            records=records,
-            attempt=2,
-            attempt_nodes=tuple(d.sup.preparing.prev_slots),
-            resume_step=40,
-            committed_steps=(30, 40),
-            memory=memory,
-            logged_attempt=3,
-        )
-    )
+    fresh, out, _ = _new_leader_after_two_hangs(logged_attempt=3)
     plans = fresh.events(events_pb2.EVENT_KIND_PREFLIGHT_PLAN, out) + fresh.events(
         events_pb2.EVENT_KIND_RESTART, out
     )
