@@ -15,13 +15,13 @@ the attempt's exit code (128+n for a rank killed by signal n); all ranks ending 
 that died in the attempt (a crash, the OOM killer) is forked again in its place right after the
 `ended` (which `replacing` precedes, and `ready <pids>` naming the new set follows; the end is
 told first, since the order in which nodes end decides "first to exit"): the group serves the
-next attempt at once instead of a new group importing torch for seconds (a second crash soon
-after a recovery found no parked group on that host). The survivors keep their in-memory copies; the new rank
-holds none and gets its state from a peer or storage (nodeagent.trainer.memory_state). A SIGTERM
-is forwarded to the ranks and the leader keeps waiting for them (so a rank's save is not cut
-short), then exits. It exits (ending its ranks) after a TERM, at EOF from the agent while parked,
-when a parked rank died or a rank forked again did not park, or once a running attempt ended
-after the agent went away.
+next attempt at once instead of a new group importing torch for seconds (a crash soon after a
+launch found no parked group on that host). The survivors keep their in-memory copies; the new
+rank holds none and gets its state from a peer or storage (nodeagent.trainer.memory_state). A
+SIGTERM is forwarded to the ranks and the leader keeps waiting for them (so a rank's save is not
+cut short), then exits. It exits (ending its ranks) after a TERM, at EOF from the agent while
+parked, when a parked rank died or a rank forked again did not park, or once a running attempt
+ended after the agent went away.
 """
 
 from __future__ import annotations
