@@ -1,5 +1,5 @@
-"""A parked rank: `python -m nodeagent.warm.rank --status-fd FD --control-fd FD`, started by the
-leader (nodeagent.warm.leader).
+"""A parked rank: `rank_main`, forked by its leader (nodeagent.warm.leader) from the imports it
+holds; `python -m nodeagent.warm.rank --status-fd FD --control-fd FD` runs the same on its own.
 
 It imports `torch`, `torch.distributed` and the agent's `warm_preload` modules (by default what
 DDP and DCP import on first use) and says `ready` on its status pipe. A hand-off (its control pipe)
@@ -25,8 +25,9 @@ shuts the sockets the attempt opened since (a process group built after the abor
 connects late, a store reconnect), so no collective or store call can block on a peer after it;
 an abort that arrives while a hand-off waits in the queue ends that attempt before its script runs.
 
-CUDA: a fresh parked rank never touches CUDA (it checks `torch.cuda.is_initialized()` is False
-before it first says ready) and nothing forks after the import. Environment read at interpreter
+CUDA: a rank is forked from its leader, which only imported (nodeagent.warm.leader: no torch op, no
+CUDA call), and never touches CUDA while parked (it checks `torch.cuda.is_initialized()` is False
+before it first says ready); a rank itself never forks. Environment read at interpreter
 start-up or at torch's import cannot be changed after the fact (the agent sends such launches
 cold); PYTHONPATH entries are added to sys.path and OMP_NUM_THREADS becomes torch.set_num_threads
 at the hand-off.
