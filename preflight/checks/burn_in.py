@@ -608,13 +608,18 @@ WINDOW_MIN_S = 0.5  # /proc/stat counts 10 ms ticks: a shorter window's share is
 
 
 def window_cpu_share(result: SoakResult, first: int, rounds: int) -> float | None:
-    """Other processes' share of the host's CPUs over rounds [first, first + rounds) (None: not
-    measured, or the rounds too short to say)."""
-    foreign = result.round_foreign_s[first : first + rounds]
-    wall = sum(result.round_s[first : first + rounds])
-    if len(foreign) != rounds or result.host_cpus <= 0 or wall < WINDOW_MIN_S:
+    """Other processes' share of the host's CPUs over rounds [first, first + rounds), widened round by
+    round on both sides until they span WINDOW_MIN_S (None: not measured, or the soak too short)."""
+    n = len(result.round_s)
+    if len(result.round_foreign_s) != n or result.host_cpus <= 0 or not 0 <= first < first + rounds <= n:
         return None
-    return sum(foreign) / (wall * result.host_cpus)
+    lo, hi = first, first + rounds
+    while sum(result.round_s[lo:hi]) < WINDOW_MIN_S and (lo > 0 or hi < n):
+        lo, hi = max(0, lo - 1), min(n, hi + 1)
+    wall = sum(result.round_s[lo:hi])
+    if wall < WINDOW_MIN_S:
+        return None
+    return sum(result.round_foreign_s[lo:hi]) / (wall * result.host_cpus)
 
 
 def evaluate_soak(

@@ -396,9 +396,12 @@ def test_a_sag_is_judged_by_the_load_during_its_own_rounds() -> None:
     assert any("in the slowest window" in e for e in judged.evidence), judged.evidence
     quiet = dataclasses.replace(soak_result(SAG), round_foreign_s=(1, 1, 0, 0, 0, 0.02, 0, 0), **rounds)
     assert evaluate_soak(quiet, BurnInConfig(), load=idle_average).status is CheckStatus.FAIL
-    # rounds too short for /proc/stat's 10 ms ticks to say anything: the soak's average judges
-    short = dataclasses.replace(burst, round_s=(0.001,) * 8)
-    assert evaluate_soak(short, BurnInConfig(), load=idle_average).status is CheckStatus.FAIL
+    # short rounds: the window widens to the rounds around it until they span 0.5 s (/proc/stat
+    # counts 10 ms ticks), here the burst's four; a soak too short for that judges by its average
+    short = dataclasses.replace(burst, round_s=(0.1,) * 8, round_foreign_s=(0, 0, 0, 0, 0.1, 0.12, 0.1, 0.08))
+    assert evaluate_soak(short, BurnInConfig(), load=idle_average).status is CheckStatus.INCONCLUSIVE
+    tiny = dataclasses.replace(burst, round_s=(0.001,) * 8)
+    assert evaluate_soak(tiny, BurnInConfig(), load=idle_average).status is CheckStatus.FAIL
 
 
 def test_the_sag_is_judged_against_the_nodes_own_floor_when_it_has_one() -> None:
