@@ -91,6 +91,7 @@ class Failure:
     relaunch: bool = True
     control_plane: bool = False
     first_exit: str | None = None
+    first_exit_at: float | None = None  # when it ended, as its agent said
     verdict: FlightRecorderVerdict | None = None
     dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
     # no fault: the nodes' launch paths disagreed (warm and cold never meet); relaunched at once, cold

@@ -402,6 +402,7 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
             label=label,
             reason=reason,
             first_exit=ev.node,
+            first_exit_at=ev.ended_at,
             ranks=[ev.rank] if ev.rank is not None else [],
         ),
         latency=latency,
@@ -410,10 +411,47 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
 
 def on_exited_ending(sv: Run, ev: AttemptExited) -> None:
     """COLLECTING, CONTROL_PLANE: a victim's exit, counted in the attempt's one EXIT summary."""
-    classify(sv, ev)
+    if (label := classify(sv, ev)) is not None:
+        _reconsider_first_exit(sv, ev, label)
 
 
 def on_exited_stopping(sv: Run, ev: AttemptExited) -> None:
     """STOPPING: a victim's exit, counted; the last one decides."""
-    if classify(sv, ev) is not None:
+    if (label := classify(sv, ev)) is not None:
+        _reconsider_first_exit(sv, ev, label)
         failure.maybe_stopped(sv, ev.node)
+
+
+# A rank dead of one of these did not exit over its peers' failure; a peer's error exit reported
+# just before it is that death's collateral (its collective's "connection reset by peer"), the two
+# reports racing from two hosts. (SIGABRT and SIGTERM are left out: NCCL's watchdog aborts a rank
+# over a peer's failure, and a stop sends TERM.)
+FATAL_SIGNALS = frozenset(
+    {"signal:SIGKILL", "signal:SIGSEGV", "signal:SIGBUS", "signal:SIGILL", "signal:SIGFPE"}
+)
+COLLATERAL_S = 1.0  # a death this close after the first exit (the agents' clocks) is its cause
+
+
+def _reconsider_first_exit(sv: Run, ev: AttemptExited, label: str) -> None:
+    """The crash's first exit was an error exit and this node's rank died of a fatal signal at
+    nearly the same moment: this node's death is the cause, the first exit its collateral."""
+    f = sv.failure
+    if (
+        f is None
+        or f.detector != E.DETECTOR_CRASH
+        or f.first_exit is None
+        or f.first_exit == ev.node
+        or f.label in FATAL_SIGNALS
+        or label not in FATAL_SIGNALS
+        or f.first_exit_at is None
+        or ev.ended_at is None
+        or ev.ended_at - f.first_exit_at > COLLATERAL_S
+    ):
+        return
+    collateral, gap = f.first_exit, max(0.0, ev.ended_at - f.first_exit_at)
+    f.first_exit, f.first_exit_at, f.label, f.nodes = ev.node, ev.ended_at, label, [ev.node]
+    f.ranks = [ev.rank] if ev.rank is not None else []
+    f.reason = (
+        f"{ev.node} died of {label.split(':', 1)[1]}; {collateral}'s "
+        f"{sv.cur.exited.get(collateral, 'exit')} {gap:.2f} s before it was its collateral"
+    )

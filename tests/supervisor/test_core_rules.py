@@ -491,6 +491,24 @@ def test_crash_loop_same_failure_same_step_three_times_stops_and_pages() -> None
     assert not d.of(Quarantine), "n1 first at the same step twice is the crash-loop rule's, not a quarantine"
 
 
+@pytest.mark.parametrize("gap_s", [0.005, 3.0])
+def test_a_peers_error_exit_just_before_a_killed_ranks_death_is_its_collateral(gap_s: float) -> None:
+    """Two agents race to report: a rank SIGKILLed and its peer failing on the reset connection. The
+    peer's exit:1 arrived first (5 ms earlier by the agents' clocks, seen in a full suite run); the
+    killed rank is the cause. Seconds apart, the first exit stands."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(2)
+    d.steps(1, 5)
+    peer, killed = d.running_nodes()
+    attempt = d.sup.attempt
+    d.send(AttemptExited(node=peer, attempt=attempt, exit_code=1, ended_at=d.now))
+    d.send(AttemptExited(node=killed, attempt=attempt, signal=9, ended_at=d.now + gap_s))
+    d.send(DumpsCollected(attempt=attempt, verdict=FlightRecorderVerdict()))
+    (blame,) = d.events(events_pb2.EVENT_KIND_ATTRIBUTION)
+    expected = killed if gap_s < 1.0 else peer
+    assert blame.attribution.suspects[0].node == expected, blame.message
+
+
 def _fail_at_step_10(d: Driver, first: str) -> None:
     attempt = d.sup.attempt
     d.send(AttemptExited(node=first, attempt=attempt, exit_code=3))
