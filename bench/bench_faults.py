@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.cluster import ClusterSpec, LocalCluster
 from examples.demo import FAULTS, Injection, run_faults
+from nodeagent.warm.groups import REFORKED
 from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
 from testbed.fleet import Fleet, default_prefix
@@ -94,7 +95,7 @@ def phases(events: list[LogEntry], inj: Injection, end_seq: int) -> dict[str, fl
         (e for e in window if e.kind == E.EVENT_KIND_WORKERS_STARTED and e.attempt == launch.attempt), None
     )
     details = [n.detail for n in started.workers_started.nodes] if started else []
-    reforked = [d for d in details if "forked again in place of ranks that died" in d]
+    reforked = [d for d in details if REFORKED in d]
     out["kept_nodes"] = float(sum("kept from attempt" in d for d in details) - len(reforked))
     out["reforked_nodes"] = float(len(reforked))  # its group kept, a dead rank forked again by its leader
     load = next((e for e in window if e.kind == E.EVENT_KIND_LOAD_DONE and e.seq > launch.seq), None)

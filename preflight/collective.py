@@ -177,7 +177,7 @@ def soak(
             torch.cuda.synchronize(device)
         round_host = host_cpu_busy() if rank == 0 else None
         round_cpu = time.process_time()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # (also the start of the span the host's busy time is read over)
         for _ in range(iterations):
             tensor.fill_(float(rank + 1))
             reduce(tensor)
@@ -195,8 +195,9 @@ def soak(
         bad = summed[:1]
         host_now = host_cpu_busy() if round_host is not None else None
         if round_host is not None and host_now is not None:
+            # busy time and wall time over the same span (the round and its two small reductions)
             foreign_s.append(max(0.0, host_now[0] - round_host[0] - float(summed[1].item())))
-            round_s.append(now - t0)
+            round_s.append(time.perf_counter() - t0)
         count = int(bad.item())
         if count and first_bad < 0:
             first_bad = len(rates)

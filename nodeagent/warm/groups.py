@@ -68,6 +68,7 @@ WARM_RENDEZVOUS_TIMEOUT_S = 120.0
 TORCHRUN_MODULE = ("-m", "torch.distributed.run")
 MAX_RESTART_DELAY_S = 30.0
 NOT_PARKED = "the parked group was not ready"  # a temporary refusal, not a reason to go cold
+REFORKED = "forked again in place of ranks that died"  # a launch detail's words for such ranks
 STANDBY_DELAY_S = 0.5  # after a warm launch: the standby's imports start once the hand-off is done
 
 
@@ -350,7 +351,7 @@ class ParkedGroups:
         lost = self._lost.pop(spec.run, "")
         origin = f"kept from attempt {kept[-1]}" if kept else (f"fresh: {lost}" if lost else "fresh")
         if kept and renewed:
-            origin += f"; ranks {list(renewed)} forked again in place of ranks that died"
+            origin += f"; ranks {list(renewed)} {REFORKED}"
         detail = f"parked ranks {list(group.rank_pids)} ({origin}; leader {group.popen.pid}), {why}"
         log.info("run %s attempt %d: warm launch: %s", spec.run, spec.attempt, detail)
         return Launched(worker=worker, detail=detail)

@@ -29,6 +29,7 @@ import pytest
 
 from examples.cluster import ClusterSpec, LocalCluster, leftover_processes
 from examples.demo import FAULTS, Recovery, recoveries, run_faults
+from nodeagent.warm.groups import REFORKED
 from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 from testbed.fleet import Fleet, default_prefix, sweep_orphans
@@ -185,7 +186,7 @@ def test_healthy_hosts_kept_their_processes_and_replacements_started_warm(faulte
                 kept += 1
             elif node in before:  # the crashed rank's host: its leader forked the dead rank again
                 assert source == new - 1 and not set(pids) & earlier, (r.injection.fault, node, source, why)
-                assert "forked again in place of ranks that died" in why, why
+                assert REFORKED in why, why
             else:  # the replacement: a group not of the failed attempt (fresh, or kept from an older
                 # attempt: a host that left the run for a burn-in and came back as a spare keeps it)
                 assert (source is None or source < new - 1) and not set(pids) & earlier, (
@@ -251,7 +252,7 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
         fresh = {
             n
             for n, (_, kept_from, why) in started[new].items()
-            if kept_from is None or kept_from < new - 1 or "forked again in place of ranks that died" in why
+            if kept_from is None or kept_from < new - 1 or REFORKED in why
         }
         kept = set(started[r.launch.attempt]) - fresh
         assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)

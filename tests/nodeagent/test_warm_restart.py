@@ -27,6 +27,7 @@ import pytest
 from nodeagent.daemon import proctree
 from nodeagent.trainer import latest_committed
 from nodeagent.warm import protocol
+from nodeagent.warm.groups import REFORKED
 from nodeagent.warm.rank import where_it_waits
 from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
@@ -150,7 +151,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         assert [r.launch_path for r in replies] == ["warm", "warm"], [r.launch_detail for r in replies]
         assert _pids(replies[0]) == ((kept,), "kept from attempt 1"), replies[0].launch_detail
         assert _pids(replies[1]) == ((forked,), "kept from attempt 1"), replies[1].launch_detail
-        assert f"ranks [{forked}] forked again in place of ranks that died" in replies[1].launch_detail
+        assert f"ranks [{forked}] {REFORKED}" in replies[1].launch_detail
         fresh = forked
         r0 = wait_for(lambda: _loaded(k0, kept, committed.step), 60, "k0's load mark")
         r1 = wait_for(lambda: _loaded(k1, fresh, committed.step), 60, "k1's load mark")
