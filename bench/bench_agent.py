@@ -127,7 +127,7 @@ def main() -> int:
             runs = [one_agent_run(tmp / f"a{i}", etcd, args.cpu_window) for i in range(args.repeats)]
             costs = report_cost_us(tmp / "cost", etcd, args.repeats)
         finally:
-            etcd.kill()
+            etcd.discard()
     rss = [r[0] for r in runs]
     cpu = [r[2] for r in runs]
     print("| metric | goal | median | runs |\n|---|---|---|---|")

@@ -210,7 +210,7 @@ class SlurmRun(ClusterBase):
         self.slurm.kill_steps()
         kill_strays(self.agents_dir)
         if self.etcd is not None:
-            self.etcd.kill()
+            self.etcd.discard()
         shutil.rmtree(self.agents_dir, ignore_errors=True)
         restore_slurm(self.slurm, self.lost)
 

@@ -194,7 +194,9 @@ class LocalCluster(ClusterBase):
         # and anything still running from this cluster's directory is killed here.
         kill_strays(self.root, keep={self.etcd.pid} if self.etcd is not None and self.etcd.pid else set())
         if self.etcd is not None:
+            # the event log and every log stay; etcd's data (two preallocated 64 MB WAL files) goes
             self.etcd.stop()
+            self.etcd.discard()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

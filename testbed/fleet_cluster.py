@@ -559,6 +559,8 @@ class FleetCluster(ClusterBase):
             crash(self.etcd_host)
         if self.etcd is not None:
             self.etcd.wait(timeout=5)
+            # the logs stay; etcd's data (two preallocated 64 MB WAL files) goes
+            shutil.rmtree(self.root / "etcd" / "data", ignore_errors=True)
 
     # -- operating it -------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ def etcd_factory(tmp_path: Path) -> Iterator[Callable[..., EtcdServer]]:
 
     yield make
     for server in servers:
-        server.kill()  # a test's etcd holds nothing worth a clean shutdown
+        server.discard()  # a test's etcd holds nothing worth a clean shutdown, or worth keeping
 
 
 @pytest.fixture

@@ -121,7 +121,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         if cluster is not None:
             cluster.shutdown()
         store.close()
-        etcd.kill()
+        etcd.discard()
 
 
 def test_allocate_places_one_agent_per_ray_node_and_each_registers(env: Env) -> None:

@@ -82,7 +82,7 @@ def etcd_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
     try:
         yield etcd
     finally:
-        etcd.kill()
+        etcd.discard()
 
 
 class _SlurmRun:

@@ -31,7 +31,7 @@ NODEAGENT = str(Path(sys.executable).parent / "nodeagent")
 def etcd_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data", fast=True).start()
     yield server
-    server.kill()
+    server.discard()
 
 
 class Run:

@@ -145,7 +145,7 @@ class RayRun(ClusterBase):
         if self.ray_cluster is not None:
             self.ray_cluster.shutdown()
         if self.etcd is not None:
-            self.etcd.kill()
+            self.etcd.discard()
 
 
 def _tail(run: RayRun) -> str:

@@ -201,7 +201,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for server in servers:
             server.stop(grace=None)
         store.close()
-        etcd.kill()
+        etcd.discard()
 
 
 def test_two_runs_share_a_fleet_a_spare_goes_to_one_and_a_quarantine_follows_the_node(

@@ -137,4 +137,4 @@ def test_the_agent_takes_the_runs_policy_live_and_keeps_the_last_good_one(
         assert _launch_env(agent, tmp_path, 4)["TORCH_FR_BUFFER_SIZE"] == "2000"
     finally:
         store.close()
-        etcd.kill()
+        etcd.discard()

@@ -21,7 +21,7 @@ from testbed.etcd_server import EtcdServer
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     server = EtcdServer(Path(tmp_path_factory.mktemp("claims-etcd")) / "data", fast=True).start()
     yield server
-    server.kill()
+    server.discard()
 
 
 _roots = iter(range(10_000))

@@ -50,6 +50,16 @@ def test_stop_and_kill_leave_no_process_and_restart_keeps_data_and_port(tmp_path
     server.stop()  # idempotent
 
 
+def test_discard_kills_it_and_deletes_its_data_but_keeps_its_log(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path / "data", fast=True).start()
+    pid = server.pid
+    assert pid is not None and (tmp_path / "data" / "member" / "wal").is_dir()
+    server.discard()
+    assert not _alive(pid) and not server.running
+    assert not (tmp_path / "data").exists()
+    assert server.log_path.is_file() and server.log_path.stat().st_size > 0
+
+
 def test_a_new_server_object_reopens_an_existing_data_dir(tmp_path: Path) -> None:
     with (
         EtcdServer(tmp_path / "data", fast=True) as first,
