@@ -117,6 +117,10 @@ def software_fault_here(fault: tuple[str, int] | None, step: int, rank: int, wor
     return kind
 
 
+# The last step index this rank logged (the test-only writer below waits for the step after its save).
+_logged_step = -1
+
+
 def killing_writer(rank: int, spec: str, attempt: int) -> Callable[[Path], Any] | None:
     """TEST ONLY (`--test-kill-rank-in-save`): a DCP storage writer that dies mid-save."""
     if not spec or attempt != 1:
@@ -130,6 +134,10 @@ def killing_writer(rank: int, spec: str, attempt: int) -> Callable[[Path], Any] 
         def write_data(self, plan: Any, planner: Any) -> Any:
             result = super().write_data(plan, planner)
             if Path(self.path).name == f"step_{step:012d}":
+                # the save is async: the ranks train on meanwhile; die once they have, whatever the load
+                deadline = time.monotonic() + 60
+                while _logged_step < step and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 for shard in Path(self.path).glob(f"{plan.storage_data.prefix}*"):
                     os.truncate(shard, shard.stat().st_size // 2)  # torn, as if killed while writing
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -165,6 +173,7 @@ def batch_for(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor,
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _logged_step
     args = parse_args(argv)
     recording = trainer.setup_flight_recording()
     backend, device = rank_device.pick(args.backend)  # NCCL on the LOCAL_RANK GPU, or gloo
@@ -218,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_log.write(
             json.dumps({"step": step, "loss": loss.item(), "attempt": attempt, "ts": time.time()}) + "\n"
         )
+        _logged_step = step
         reporter.report(done, loss=reported)  # step time, compute and wait measured by the reporter
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, in_checkpoint=True)  # a repeat of the step: its timings, not the save's

@@ -41,9 +41,10 @@ stamp=.venv/.runwarden-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   echo "setup: installing runwarden and its extras into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
-  # torch==2.13.0 exactly (the [torch] extra): that CPU build installs from local disk; ray==2.40.0
-  # (the [ray] extra) for tests/backends/test_ray.py's real Ray cluster.
-  .venv/bin/python -m pip install -q -e ".[torch,plot,kubernetes,ray,dev]"
+  # torch==2.13.0 exactly, inside the [torch] extra's range: that CPU build installs from local disk
+  # (the range alone would pull the newest CUDA build); ray==2.40.0 (the [ray] extra) for
+  # tests/backends/test_ray.py's real Ray cluster.
+  .venv/bin/python -m pip install -q -e ".[torch,plot,kubernetes,ray,dev]" torch==2.13.0
   touch "$stamp"
 fi
 # testbed/ (the private etcd, the namespace fleet, the test clusters the tests, benchmarks and the demo

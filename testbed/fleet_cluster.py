@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -43,9 +44,18 @@ _MODULES = {
 # -- shared with examples/cluster.py's LocalCluster ---------------------------------------------
 
 
+# A controller host's install to take `controller` and `controllerctl` from, not this interpreter's:
+# scripts/test_compat.sh points it at a virtualenv with the wheel and no torch.
+ENV_CONTROLLER_BIN = "RUNWARDEN_TESTBED_CONTROLLER_BIN"
+
+
 def program(name: str) -> list[str]:
-    """The argv prefix of one of runwarden's programs: the console script beside this interpreter,
-    or ``python -m <module>`` when it is not installed."""
+    """The argv prefix of one of runwarden's programs: the console script beside this interpreter
+    (for the controller's, in $RUNWARDEN_TESTBED_CONTROLLER_BIN when set), or
+    ``python -m <module>`` when it is not installed."""
+    controller_bin = os.environ.get(ENV_CONTROLLER_BIN, "")
+    if controller_bin and name in ("controller", "controllerctl"):
+        return [str(Path(controller_bin) / name)]
     exe = Path(sys.executable).parent / name
     return [str(exe)] if exe.exists() else [sys.executable, "-m", _MODULES[name]]
 

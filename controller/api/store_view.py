@@ -221,6 +221,7 @@ class StoreBackedView:
         info = controller_pb2.NodeInfo(node=name, alive=rec is not None, evidence=evidence[-20:])
         if rec is not None:
             info.address, info.state, info.gpu_count = rec.address, rec.state, rec.gpu_count
+            info.agent_version = rec.agent_version
             info.last_preflight.CopyFrom(rec.last_preflight)
             info.last_heartbeat_age_s = max(0.0, now - rec.registered_at) if rec.registered_at else -1.0
         else:

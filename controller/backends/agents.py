@@ -105,19 +105,21 @@ def with_retries(
     deadline_s: float,
     sleep: Callable[[float], object] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> tuple[RpcOutcome, _Resp | None]:
     """Call `call(timeout_s)` until it succeeds, fails permanently, or `deadline_s` has passed.
 
     Each try gets what is left of the deadline as its timeout; between tries the wait doubles from
-    RETRY_FIRST_S up to RETRY_MAX_S (never past the deadline). The last outcome is returned, with
-    the number of tries made."""
+    RETRY_FIRST_S up to RETRY_MAX_S (never past the deadline), and none once `stopped()` (the
+    clients are closed: the controller is exiting). The last outcome is returned, with the number of
+    tries made."""
     end = clock() + deadline_s
     wait = RETRY_FIRST_S
     tries = 0
     while True:
         tries += 1
         out, resp = call(max(0.05, end - clock()))
-        if out.ok or not out.temporary or clock() + wait >= end:
+        if out.ok or not out.temporary or stopped() or clock() + wait >= end:
             if tries > 1:
                 out = RpcOutcome(node=out.node, ok=out.ok, code=out.code, error=out.error, tries=tries)
             return out, resp
@@ -133,6 +135,7 @@ class AgentClients:
         self._tls = tls
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[str, grpc.Channel, agent_pb2_grpc.NodeAgentStub]] = {}
+        self._closed = threading.Event()  # set by close(): calls in flight end, none is retried
         self._creds: grpc.ChannelCredentials | None = None
         if tls is not None:
             self._creds = grpc.ssl_channel_credentials(
@@ -176,6 +179,7 @@ class AgentClients:
         return None if cur is None else cur[2]
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             chans = list(self._channels.values())
             self._channels.clear()
@@ -210,7 +214,7 @@ class AgentClients:
                 return RpcOutcome(node=node, ok=False, code="DATA_LOSS", error="agent sent no summary"), None
             return RpcOutcome(node=node, ok=True), summary
 
-        out, summary = with_retries(once, deadline_s=timeout_s)
+        out, summary = self._retried(once, timeout_s)
         failed = found[-1][1] if found else ()
         return PreflightOutcome(
             node=node,
@@ -235,7 +239,7 @@ class AgentClients:
                 return RpcOutcome(node=node, ok=True), None
             return out, resp
 
-        return with_retries(once, deadline_s=timeout_s)
+        return self._retried(once, timeout_s)
 
     def _runs_attempt(self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float) -> bool:
         _, status = self._call(
@@ -254,7 +258,7 @@ class AgentClients:
             out, resp = self._call(node, "StopWorkers", lambda s: s.StopWorkers(request, timeout=timeout))
             return (RpcOutcome(node=node, ok=True), resp) if out.code == "NOT_FOUND" else (out, resp)
 
-        return with_retries(once, deadline_s=timeout_s)[0]
+        return self._retried(once, timeout_s)[0]
 
     def request_stop(
         self, node: str, request: agent_pb2.RequestStopRequest, timeout_s: float = 5.0
@@ -262,7 +266,7 @@ class AgentClients:
         def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.RequestStopResponse | None]:
             return self._call(node, "RequestStop", lambda s: s.RequestStop(request, timeout=timeout))
 
-        return with_retries(once, deadline_s=timeout_s)[0]
+        return self._retried(once, timeout_s)[0]
 
     def drain(
         self, node: str, request: agent_pb2.DrainRequest, timeout_s: float = 5.0
@@ -272,7 +276,7 @@ class AgentClients:
         def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.DrainResponse | None]:
             return self._call(node, "Drain", lambda s: s.Drain(request, timeout=timeout))
 
-        return with_retries(once, deadline_s=timeout_s)
+        return self._retried(once, timeout_s)
 
     def collect_dumps(
         self, node: str, request: agent_pb2.CollectFlightRecorderRequest, timeout_s: float
@@ -339,9 +343,14 @@ class AgentClients:
         def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.GetNodeStatusResponse | None]:
             return self._call(node, "GetNodeStatus", lambda s: s.GetNodeStatus(req, timeout=timeout))
 
-        return with_retries(once, deadline_s=timeout_s)
+        return self._retried(once, timeout_s)
 
     # -- plumbing ------------------------------------------------------------------------------
+
+    def _retried(
+        self, once: Callable[[float], tuple[RpcOutcome, _Resp | None]], timeout_s: float
+    ) -> tuple[RpcOutcome, _Resp | None]:
+        return with_retries(once, deadline_s=timeout_s, sleep=self._closed.wait, stopped=self._closed.is_set)
 
     def _call(
         self, node: str, name: str, call: Callable[[agent_pb2_grpc.NodeAgentStub], _Resp]

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         ("alive", "yes" if n.alive else "no"),
         ("run", n.run or "-"),
         ("gpus", str(n.gpu_count)),
+        ("agent version", n.agent_version or "-"),
         ("failures", str(n.failures)),
         ("straggler flags", str(n.straggler_flags)),
         ("reputation", f"{n.reputation_score:g}"),

@@ -19,6 +19,7 @@ from typing import assert_never
 
 from google.protobuf.message import DecodeError
 
+import runwarden
 from controller.backends.agents import AgentClients
 from controller.backends.base import AttemptSpec, BackendError, Scheduler, StaticFleet
 from controller.backends.local import LaunchIncomplete, LocalBackend
@@ -125,6 +126,7 @@ class Executor:
         rpc_pool: ThreadPoolExecutor,
         scheduler: Scheduler | None = None,
         allocated: threading.Event | None = None,
+        stopping: threading.Event | None = None,
         post: Callable[[Event], None],
         relist: Callable[[], None],
         listeners: list[Callable[[LogEntry], None]],
@@ -146,6 +148,7 @@ class Executor:
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
         self.allocated = allocated or threading.Event()  # the leader's allocation is granted
+        self.stopping = stopping or threading.Event()  # the controller is exiting: no waits go on
         self.post = post  # an event for the loop's queue (RPC results, from rpc_pool threads)
         self.relist = relist  # ask the loop to list the store and send a StoreListed
         self.listeners = listeners
@@ -175,7 +178,10 @@ class Executor:
                     )
             return answers
         answers = []
-        for action in batch.actions:
+        # The supervisor's memory first: a leader killed in the middle of the batch has then written
+        # what the logged decisions counted (a crash loop's count, the budget) for its successor.
+        first = [a for a in batch.actions if isinstance(a, PersistMemory)]
+        for action in first + [a for a in batch.actions if not isinstance(a, PersistMemory)]:
             answers.extend(self._execute(action))
         return answers
 
@@ -309,6 +315,7 @@ class Executor:
             resume_step=action.resume_step,
             launched_at=self.clock(),
             leader_fence=fence,
+            controller_version=runwarden.__version__,
         )
         key = self.keys.attempt(action.run)
         # A node vouched for without a preflight now (a pre-validated spare) was not claimed by one:
@@ -460,7 +467,8 @@ class Executor:
             # The stop also reaches the agent through the run's stop key; wait for the exit either way.
             deadline = time.monotonic() + action.grace_s  # ends as soon as the exit is seen
             while time.monotonic() < deadline and not self.translator.has_exited(node, action.attempt):
-                time.sleep(_EXIT_POLL_S)
+                if self.stopping.wait(_EXIT_POLL_S):
+                    return
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
         out = self.agents.stop(
             node,

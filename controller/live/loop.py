@@ -395,6 +395,7 @@ class LiveController:
             rpc_pool=self.rpc_pool,
             scheduler=self.scheduler,
             allocated=self._allocated,
+            stopping=self.stopping,
             post=lambda ev: self.events.put(ev),
             relist=lambda: self.events.put(_Relist()),
             listeners=self.listeners,

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+import runwarden
 from controller.api import policy as policy_store
 from controller.backends.local import Rendezvous
 from controller.supervisor.events import (
@@ -41,6 +42,7 @@ from controller.supervisor.pool import NodeRecordView
 from runwarden.keys import KeySchema
 from runwarden.store import KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
+from runwarden.version import agent_skew
 
 _M = TypeVar("_M", bound=Message)
 log = logging.getLogger(__name__)
@@ -82,10 +84,21 @@ class Listing:
 
 
 class Translator:
-    def __init__(self, keys: KeySchema, run: str, *, procs_per_node: int = 1) -> None:
+    def __init__(
+        self,
+        keys: KeySchema,
+        run: str,
+        *,
+        procs_per_node: int = 1,
+        controller_version: str = runwarden.__version__,
+    ) -> None:
         self.keys = keys
         self.run = run
         self.procs_per_node = procs_per_node
+        self.controller_version = controller_version
+        self.left_out: dict[
+            str, str
+        ] = {}  # node -> why its agent's version is not driven (runwarden.version)
         self._lock = threading.Lock()
         self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
         self.attempt = 0  # the attempt whose ranks `rank_to_node` maps
@@ -110,7 +123,7 @@ class Translator:
             draining: dict[str, str] = {}
             for kv in listing.nodes:
                 rec = _try(store_pb2.NodeRecord, kv.value)
-                if rec is None or not rec.node:
+                if rec is None or not rec.node or not self._admitted(rec):
                     continue
                 self.known_nodes[rec.node] = rec
                 if why := _drain_reason(rec):
@@ -236,6 +249,10 @@ class Translator:
             self.known_nodes.pop(node, None)
             return [NodeLost(node=node)], Addresses(forget=(node,))
         rec = parse(store_pb2.NodeRecord, value, f"node {node}")
+        if not self._admitted(rec):
+            if self.known_nodes.pop(node, None) is None:
+                return [], Addresses()
+            return [NodeLost(node=node)], Addresses(forget=(node,))
         prev = self.known_nodes.get(node)
         fresh = prev is None
         out: list[Event] = []
@@ -249,6 +266,18 @@ class Translator:
         # after the agent died and fail the next RPC (its burn-in) at once.
         addresses = Addresses(set={node: rec.address}, forget=(node,) if fresh else ())
         return out, addresses
+
+    def _admitted(self, rec: store_pb2.NodeRecord) -> bool:
+        """Whether this controller drives the agent of `rec`: its version within the skew rule. One
+        error log per node and reason; the node is not seen (neither alive nor a spare) meanwhile."""
+        why = agent_skew(rec.agent_version, self.controller_version)
+        if not why:
+            self.left_out.pop(rec.node, None)
+            return True
+        if self.left_out.get(rec.node) != why:
+            log.error("node %s is left out: %s", rec.node, why)
+            self.left_out[rec.node] = why
+        return False
 
     def _progress(self, prog: store_pb2.NodeProgress) -> list[Event]:
         out: list[Event] = []
@@ -324,8 +353,10 @@ class Translator:
             self.exited.add((node, attempt))
 
     def has_exited(self, node: str, attempt: int) -> bool:
+        """Whether `node`'s workers of `attempt` have ended: their exit was seen, or a later attempt
+        has begun (new_attempt forgets the older exits; whoever still waits on one must not wait on)."""
         with self._lock:
-            return (node, attempt) in self.exited
+            return (node, attempt) in self.exited or attempt < self.attempt
 
     def new_attempt(self, attempt: int) -> None:
         with self._lock:

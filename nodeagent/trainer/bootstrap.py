@@ -260,9 +260,9 @@ class CollectiveClock:
 
 def read_pg_status() -> dict[str, GroupCounters]:
     """This process's counters, from torch (the cheap dump: no entries, no stack traces)."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # no stub
+    from nodeagent.trainer.torch_api import c10d_private
 
-    return parse_pg_status(_dump_fr_trace_json(includeCollectives=False, onlyActive=False))
+    return parse_pg_status(c10d_private("_dump_fr_trace_json")(includeCollectives=False, onlyActive=False))
 
 
 # --- the rank's thread --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from nodeagent.trainer.dcp_format import (
     rng_state_json,
     whole_tensors_bytes,
 )
+from nodeagent.trainer.torch_api import set_nested
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,6 @@ def _verified_reader(path: Path, metadata: Any) -> Any:
 def _plain_data_planner() -> Any:
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element
 
     class PlainDataLoadPlanner(DefaultLoadPlanner):
         """DefaultLoadPlanner, but non-tensor values come back through torch's weights_only
@@ -110,7 +110,7 @@ def _plain_data_planner() -> Any:
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                set_nested(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 

@@ -189,7 +189,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        raise CheckpointError(f"DCP metadata refers to {module}.{name}: not a DCP metadata type")
+        raise CheckpointError(
+            f"DCP metadata refers to {module}.{name}: not a DCP metadata type of torch {torch.__version__}"
+        )
 
     def persistent_load(self, pid: object) -> Any:
         raise CheckpointError("DCP metadata uses persistent ids: refused")

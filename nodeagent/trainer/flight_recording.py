@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nodeagent.trainer.torch_api import c10d_private
 from nodeagent.wire import FR_DEFAULT_BUFFER_SIZE as DEFAULT_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_BUFFER_SIZE as ENV_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_SOCKET_DIR as ENV_SOCKET_DIR
@@ -78,16 +79,14 @@ class FlightRecording:
 
     def dump_json(self) -> bytes:
         """This rank's dump as JSON, pg_config repaired (works while another thread is blocked)."""
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # no stub
-
-        raw = _dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+        raw = c10d_private("_dump_fr_trace_json")(includeCollectives=True, onlyActive=False)
         return json.dumps(self._repaired(json.loads(raw))).encode()
 
     def dump_pickle(self, *, stack_traces: bool = False) -> bytes:
         """This rank's dump as a pickle (the format torch's analyzer reads), pg_config repaired."""
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # no stub
-
-        raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces, onlyActive=False)
+        raw = c10d_private("_dump_fr_trace")(
+            includeCollectives=True, includeStackTraces=stack_traces, onlyActive=False
+        )
         dump = restricted_loads(raw)  # our own process's bytes, but never the standard unpickler
         if not isinstance(dump, dict):
             raise FlightRecorderError("torch returned a dump that is not a dict")
@@ -104,8 +103,8 @@ def setup_flight_recording(
 ) -> FlightRecording:
     """Call before `init_process_group`: sets the ring size and starts the worker server."""
     import torch.distributed as dist
-    from torch._C._distributed_c10d import _WorkerServer
 
+    worker_server = c10d_private("_WorkerServer")
     path = Path(socket_path)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -119,7 +118,7 @@ def setup_flight_recording(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # a stale socket from an earlier attempt would make bind fail
     pg_config_path_for(path).unlink(missing_ok=True)
-    return FlightRecording(socket_path=path, server=_WorkerServer(str(path)), since_ns=time.time_ns())
+    return FlightRecording(socket_path=path, server=worker_server(str(path)), since_ns=time.time_ns())
 
 
 def setup_flight_recording_from_env(*, buffer_size: int | None = None) -> FlightRecording | None:

@@ -273,9 +273,11 @@ class WarmRank:
         print(f"runwarden warm: leaving the attempt: {shut} socket(s) shut", file=sys.stderr, flush=True)
         import torch.distributed as dist
 
+        from nodeagent.trainer.torch_api import abort_default_group
+
         try:
             if dist.is_initialized() and dist.get_backend() != "gloo":
-                dist.distributed_c10d._get_default_group().abort()
+                abort_default_group()
         except Exception as exc:  # the sockets are what gloo needs; an abort that fails changes nothing
             print(f"runwarden warm: process group abort: {exc}", file=sys.stderr, flush=True)
 

@@ -193,6 +193,7 @@ class NodeInfo(_message.Message):
     LAST_PREFLIGHT_FIELD_NUMBER: _builtins.int
     GPU_COUNT_FIELD_NUMBER: _builtins.int
     CLAIMED_BY_FIELD_NUMBER: _builtins.int
+    AGENT_VERSION_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     address: _builtins.str
     state: _common_pb2.NodeState.ValueType
@@ -209,6 +210,8 @@ class NodeInfo(_message.Message):
     gpu_count: _builtins.int
     claimed_by: _builtins.str
     """the run holding the node's claim ("" : free for any run)"""
+    agent_version: _builtins.str
+    """what its agent's node record says (runwarden.version: the skew rule)"""
     @_builtins.property
     def evidence(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Evidence]: ...
     @_builtins.property
@@ -231,10 +234,11 @@ class NodeInfo(_message.Message):
         last_preflight: _common_pb2.PreflightSummary | None = ...,
         gpu_count: _builtins.int = ...,
         claimed_by: _builtins.str = ...,
+        agent_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_preflight", b"last_preflight"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "claimed_by", b"claimed_by", "evidence", b"evidence", "failures", b"failures", "gpu_count", b"gpu_count", "last_heartbeat_age_s", b"last_heartbeat_age_s", "last_preflight", b"last_preflight", "node", b"node", "pool_state", b"pool_state", "reason", b"reason", "reputation_score", b"reputation_score", "run", b"run", "state", b"state", "straggler_flags", b"straggler_flags"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_version", b"agent_version", "alive", b"alive", "claimed_by", b"claimed_by", "evidence", b"evidence", "failures", b"failures", "gpu_count", b"gpu_count", "last_heartbeat_age_s", b"last_heartbeat_age_s", "last_preflight", b"last_preflight", "node", b"node", "pool_state", b"pool_state", "reason", b"reason", "reputation_score", b"reputation_score", "run", b"run", "state", b"state", "straggler_flags", b"straggler_flags"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,6 +47,7 @@ class NodeRecord(_message.Message):
     """host:port of the agent's TCP gRPC endpoint"""
     gpu_count: _builtins.int
     agent_version: _builtins.str
+    """runwarden.__version__ of the agent; the controller checks it (runwarden.version)"""
     state: _common_pb2.NodeState.ValueType
     registered_at: _builtins.float
     lease_id: _builtins.int
@@ -417,6 +418,7 @@ class AttemptRecord(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     LAUNCHED_AT_FIELD_NUMBER: _builtins.int
     LEADER_FENCE_FIELD_NUMBER: _builtins.int
+    CONTROLLER_VERSION_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     rendezvous_id: _builtins.str
@@ -426,6 +428,8 @@ class AttemptRecord(_message.Message):
     launched_at: _builtins.float
     leader_fence: _builtins.int
     """the launching leader's fencing token"""
+    controller_version: _builtins.str
+    """runwarden.__version__ of the launching leader ("": before 0.1.0's issue 32)"""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -438,10 +442,11 @@ class AttemptRecord(_message.Message):
         resume_step: _builtins.int = ...,
         launched_at: _builtins.float = ...,
         leader_fence: _builtins.int = ...,
+        controller_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "controller_version", b"controller_version", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,6 +5,7 @@ servicer fails the first calls (the real agent is in tests/live/test_loop_failur
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 
@@ -88,6 +89,20 @@ def test_still_temporary_when_the_deadline_runs_out() -> None:
     out, _ = with_retries(call, deadline_s=5.0, sleep=t.sleep, clock=t.clock)
     assert not out.ok and out.temporary and out.tries == len(timeouts) > 1
     assert t.now <= 5.0 + 0.5  # never waits past the deadline (the last try may take its own time)
+
+
+def test_no_retry_once_stopped_and_closed_clients_retry_nothing() -> None:
+    t = FakeTime()
+    call, _ = scripted(["UNAVAILABLE"] * 100, t)
+    stops = iter([False, False, True])
+    out, _ = with_retries(call, deadline_s=300.0, sleep=t.sleep, clock=t.clock, stopped=lambda: next(stops))
+    assert not out.ok and out.tries == 3 and t.sleeps == [0.1, 0.2]
+    # an exiting controller closes its clients: a call to an agent with no address returns at once
+    clients = AgentClients()
+    clients.close()
+    started = time.monotonic()
+    status, _ = clients.status("gone", timeout_s=120.0)
+    assert not status.ok and status.tries <= 1 and time.monotonic() - started < 1.0
 
 
 class FlakyAgent(agent_pb2_grpc.NodeAgentServicer):

@@ -18,6 +18,7 @@ import grpc
 from controller.live.loop import LiveController, ShellConfig
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
+from runwarden import __version__
 from runwarden.eventlog import LogEntry
 from runwarden.store import Store
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
@@ -73,7 +74,12 @@ def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
     server.start()
     # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
     rec = store_pb2.NodeRecord(
-        node=node, address=f"127.0.0.1:{port}", local_ranks=1, torch_host="127.0.0.1", rdzv_port=29400
+        node=node,
+        address=f"127.0.0.1:{port}",
+        local_ranks=1,
+        torch_host="127.0.0.1",
+        rdzv_port=29400,
+        agent_version=__version__,
     )
     store.put(store.keys.node(node), rec.SerializeToString())
     try:

@@ -41,6 +41,7 @@ from controller.live.view import LiveView
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import PoolState
+from runwarden import __version__
 from runwarden.eventlog import LogEntry
 from runwarden.store import Store, StoreConfig
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
@@ -159,7 +160,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             servers.append(server)
             # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
             rec = store_pb2.NodeRecord(
-                node=node, address=f"127.0.0.1:{port}", local_ranks=1, torch_host="127.0.0.1", rdzv_port=29400
+                node=node,
+                address=f"127.0.0.1:{port}",
+                local_ranks=1,
+                torch_host="127.0.0.1",
+                rdzv_port=29400,
+                agent_version=__version__,
             )
             store.put(store.keys.node(node), rec.SerializeToString())
             fleet.agents[node] = agent

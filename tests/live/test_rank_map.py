@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from controller.live.translate import Listing, Translator
 from controller.supervisor import flight_recorder
+from runwarden import __version__
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, KeyValue, WatchEvent
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
@@ -96,8 +97,14 @@ def test_a_relist_maps_the_current_attempts_ranks_from_the_stored_progress():
 
 def test_the_rendezvous_comes_from_the_node_record():
     tr = Translator(KEYS, RUN)
-    rec = store_pb2.NodeRecord(node="a", address="10.0.0.11:50051", torch_host="10.0.0.11", rdzv_port=29411)
-    old = store_pb2.NodeRecord(node="b", address="10.0.0.12:50051")  # an agent that reports none
+    rec = store_pb2.NodeRecord(
+        node="a",
+        address="10.0.0.11:50051",
+        torch_host="10.0.0.11",
+        rdzv_port=29411,
+        agent_version=__version__,
+    )
+    old = store_pb2.NodeRecord(node="b", address="10.0.0.12:50051", agent_version=__version__)  # reports none
     for r in (rec, old):
         tr.watch_event(
             WatchEvent(

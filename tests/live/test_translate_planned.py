@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from controller.live.translate import Listing, Translator
 from controller.supervisor.events import AttemptExited, CheckpointCommitted, NodeDraining, NodeJoined
+from runwarden import __version__
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, KeyValue, WatchEvent
 from runwarden.v1 import common_pb2, store_pb2
@@ -20,7 +21,9 @@ def _put(key: str, value: bytes) -> WatchEvent:
 
 
 def _record(node: str, state: int, reason: str = "") -> WatchEvent:
-    rec = store_pb2.NodeRecord(node=node, address="10.0.0.1:50051", state=state, drain_reason=reason)
+    rec = store_pb2.NodeRecord(
+        node=node, address="10.0.0.1:50051", state=state, drain_reason=reason, agent_version=__version__
+    )
     return _put(KEYS.node(node), rec.SerializeToString())
 
 
@@ -67,7 +70,7 @@ def test_a_snapshot_lists_the_nodes_that_drain() -> None:
         KeyValue(
             key=KEYS.node(n),
             value=store_pb2.NodeRecord(
-                node=n, address="a:1", state=state, drain_reason=why
+                node=n, address="a:1", state=state, drain_reason=why, agent_version=__version__
             ).SerializeToString(),
             mod_revision=1,
             create_revision=1,
@@ -113,3 +116,15 @@ def test_a_commit_reported_by_any_rank_is_one_commit_event() -> None:
     assert report("n3", 2, 70) == [], "the same commit from another rank is not a new one"
     assert report("n1", 0, 60) == [], "an older commit reported late changes nothing"
     assert report("n1", 0, 80) == [CheckpointCommitted(step=80, attempt=2)]
+
+
+def test_an_attempt_older_than_the_current_one_counts_as_exited_everywhere() -> None:
+    """A planned stop's wait for a node's exit ends once a later attempt begins, although the
+    later attempt forgets the older exits (else the wait runs on to its grace, holding a thread)."""
+    tr = Translator(KEYS, RUN)
+    tr.new_attempt(2)
+    assert not tr.has_exited("n1", 2)
+    tr.mark_exited("n1", 2)
+    assert tr.has_exited("n1", 2) and not tr.has_exited("n2", 2)
+    tr.new_attempt(3)
+    assert tr.has_exited("n1", 2) and tr.has_exited("n2", 2) and not tr.has_exited("n1", 3)

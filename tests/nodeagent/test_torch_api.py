@@ -1,0 +1,105 @@
+"""nodeagent.trainer.torch_api: the private torch calls the ranks make, the version check around them
+and their fallbacks, against the torch installed here (scripts/test_compat.sh runs this module at both
+ends of the supported range)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nodeagent.trainer import torch_api
+from nodeagent.trainer.torch_api import TorchApiError
+
+
+def test_the_version_is_read_as_major_minor_and_checked_against_the_range() -> None:
+    assert torch_api.parse_version("2.9.1+cu128") == (2, 9)
+    assert torch_api.parse_version("2.14.0a0+git1234") == (2, 14)
+    assert torch_api.parse_version("2.13.0+cpu") == (2, 13)
+    with pytest.raises(TorchApiError, match="cannot read"):
+        torch_api.parse_version("nightly")
+    assert torch_api.supported((2, 9)) and torch_api.supported((2, 14))
+    assert not torch_api.supported((2, 8)) and not torch_api.supported((2, 15))
+    assert not torch_api.supported((3, 0))
+
+
+def test_every_private_c10d_call_exists_in_this_torch() -> None:
+    for name in ("_dump_fr_trace_json", "_dump_fr_trace", "_WorkerServer"):
+        assert callable(torch_api.c10d_private(name))
+
+
+def test_a_missing_call_names_the_torch_version_and_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TorchApiError) as inside:
+        torch_api.c10d_private("_no_such_call")
+    message = str(inside.value)
+    assert f"torch {torch.__version__} has no torch._C._distributed_c10d._no_such_call" in message
+    assert "supports torch 2.9 to 2.14" in message and "outside" not in message
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    with pytest.raises(TorchApiError, match=r"torch 2\.99\.0 has no .*\(2\.99\.0 is outside it\)"):
+        torch_api.c10d_private("_no_such_call")
+
+
+def test_the_flight_recorder_dump_is_json_this_torch_reads() -> None:
+    from nodeagent.trainer.bootstrap import read_pg_status
+
+    assert read_pg_status() == {}  # no process group yet: an empty table, not an error
+
+
+def _reference_set(root: Any, path: tuple[str | int, ...], value: Any) -> None:
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        [("a",), ("b", "c"), ("b", "d")],
+        [("opt", "state", 0, "exp_avg"), ("opt", "state", 1, "step"), ("opt", "param_groups", 0, "lr")],
+        [("lst", 2), ("lst", 0, "x"), ("lst", 1, 0)],
+        [("sched", "milestones", 1), ("sched", "last_epoch")],
+    ],
+)
+def test_set_nested_builds_what_dcps_own_set_element_builds(paths: list[tuple[str | int, ...]]) -> None:
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    for n, path in enumerate(paths):
+        torch_api.set_nested(ours, path, n)
+        _reference_set(theirs, path, n)
+    assert ours == theirs
+
+
+def test_set_nested_keeps_int_keys_of_a_dict_and_refuses_a_bad_path() -> None:
+    state: dict[Any, Any] = {"state": {}}
+    torch_api.set_nested(state, ("state", 3, "step"), 7)
+    assert state == {"state": {3: {"step": 7}}}
+    with pytest.raises(TypeError, match="into a list"):
+        torch_api.set_nested({"l": [1]}, ("l", "x"), 0)
+    with pytest.raises(TypeError, match="into a int"):
+        torch_api.set_nested({"l": [1]}, ("l", 0, "x"), 0)
+    with pytest.raises(ValueError, match="empty path"):
+        torch_api.set_nested({}, (), 0)
+
+
+def test_abort_uses_the_groups_own_abort_and_falls_back_to_destroy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        aborted: list[str] = []
+        world = dist.group.WORLD
+        assert world is not None and callable(getattr(world, "abort", None))  # every supported torch has it
+        monkeypatch.setattr(type(world), "abort", lambda self: aborted.append("abort"), raising=False)
+        torch_api.abort_default_group()
+        assert aborted == ["abort"] and dist.is_initialized()
+        # a torch whose group has no abort: the group is destroyed instead
+        monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=object()))
+        torch_api.abort_default_group()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
