@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FR_ENV_SOCKET_DIR = "RUNWARDEN_FR_SOCKET_DIR"  # set by the launcher; one socket per rank inside it
+FR_JSON_HANDLER = "fr_trace_json"  # the worker server's handler the agent asks: POST /handler/<it>
 FR_ENV_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_BUFFER_SIZE = 2000
 FR_MAX_SOCKET_PATH = 107  # bytes: sun_path is 108 with the terminating NUL

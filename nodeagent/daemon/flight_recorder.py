@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodeagent.wire import FR_JSON_HANDLER
 from nodeagent.wire import fr_pg_config_path as pg_config_path_for
 from runwarden.flightrec import DEFAULT_MAX_DUMP_BYTES, FlightRecorderError, parse_dump
 
-FR_JSON_HANDLER = "/handler/fr_trace_json"
 _MAX_PG_CONFIG_BYTES = 16 * 1024 * 1024
 
 
@@ -117,7 +117,7 @@ def fetch_dump(
         return no_dump(f"no socket at {socket_path}")
     conn = _UnixHTTPConnection(socket_path, timeout_s)
     try:
-        conn.request("POST", FR_JSON_HANDLER)
+        conn.request("POST", f"/handler/{FR_JSON_HANDLER}")
         response = conn.getresponse()
         length = response.getheader("Content-Length")
         if length is not None and length.isdigit() and int(length) > max_bytes:

@@ -52,6 +52,7 @@ from nodeagent.trainer.dcp_format import (
     DCP_METADATA,
     FORMAT,
     bad,
+    load_metadata_pickle,
     rank_state_name,
     read_dcp_metadata,
     read_rank_state,
@@ -357,6 +358,11 @@ class DcpCheckpointer:
         rank's write results came in (the module doc); list and commit."""
         if self.rank != 0:
             return None
+        if getattr(metadata, "storage_data", None) is None:
+            # torch 2.9's async_save answers with the plan's Metadata, before the coordinator filled
+            # in where each chunk went; what it wrote to .metadata (before answering) has it
+            path = writer.path / DCP_METADATA
+            metadata = load_metadata_pickle(path.read_bytes(), path)
         shards = sorted({info.relative_path for info in metadata.storage_data.values()})
         files = [*shards, DCP_METADATA, *(rank_state_name(r) for r in range(self.world_size))]
         meta: dict[str, Any] = {"format": FORMAT, "world_size": self.world_size}

@@ -197,6 +197,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError("DCP metadata uses persistent ids: refused")
 
 
+def load_metadata_pickle(raw: bytes, path: Path) -> Any:
+    """DCP's Metadata from the bytes of a `.metadata` file, through the restricted unpickler."""
+    try:
+        return _MetadataUnpickler(io.BytesIO(raw)).load()
+    except CheckpointError as exc:
+        raise bad(path, str(exc)) from None
+    except Exception as exc:
+        raise bad(path, f"not a DCP metadata pickle: {type(exc).__name__}: {exc}") from None
+
+
 def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
     """DCP's Metadata of a committed step, verified: hashed as the marker says, unpickled with the
     restricted unpickler, every shard it points into listed by the marker and long enough."""
@@ -216,12 +226,7 @@ def read_dcp_metadata(commit: CommittedCheckpoint) -> Any:
         raise bad(path, f"cannot read: {exc}") from None
     if len(raw) != size or hashlib.sha256(raw).hexdigest() != digest:
         raise bad(path, "does not match the commit marker's size and SHA-256")
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except CheckpointError as exc:
-        raise bad(path, str(exc)) from None
-    except Exception as exc:
-        raise bad(path, f"not a DCP metadata pickle: {type(exc).__name__}: {exc}") from None
+    metadata = load_metadata_pickle(raw, path)
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise bad(path, "not a DCP Metadata with storage data")
     for info in metadata.storage_data.values():

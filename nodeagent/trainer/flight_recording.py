@@ -8,28 +8,74 @@ or spins in Python still gives its dump. After the process groups are created th
 (`{'': ...}`), so the rank writes the real one beside its socket and the agent
 (nodeagent.daemon.flight_recorder) puts it into every dump it collects; the in-process dumps
 (`dump_json`, `dump_pickle`) are repaired the same way (torch's own analyzer needs it).
+
+A torch whose worker server has no `fr_trace_json` handler (2.9: it dumps NCCL's ring alone, so a
+gloo job's dump would come back empty) gets `PythonWorkerServer` on the same socket instead: the same
+request answered from `_dump_fr_trace_json` on a thread of its own, which needs the GIL only while
+it answers (a rank blocked in a collective has released it; one spinning in Python delays it).
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
 import pickle
+import socketserver
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from nodeagent.trainer.torch_api import c10d_private
+from nodeagent.trainer.torch_api import c10d_private, has_worker_handler
 from nodeagent.wire import FR_DEFAULT_BUFFER_SIZE as DEFAULT_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_BUFFER_SIZE as ENV_BUFFER_SIZE
 from nodeagent.wire import FR_ENV_SOCKET_DIR as ENV_SOCKET_DIR
-from nodeagent.wire import FR_MAX_SOCKET_PATH
+from nodeagent.wire import FR_JSON_HANDLER, FR_MAX_SOCKET_PATH
 from nodeagent.wire import fr_pg_config_path as pg_config_path_for
 from nodeagent.wire import fr_socket_path as socket_path_for
 from runwarden.flightrec import FlightRecorderError, restricted_loads
 
 _log = logging.getLogger(__name__)
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class PythonWorkerServer:
+    """torch's worker server protocol for the flight recorder's JSON dump, in Python: POST
+    /handler/fr_trace_json on a unix socket, answered with `_dump_fr_trace_json`'s bytes."""
+
+    def __init__(self, path: str) -> None:
+        dump = c10d_private("_dump_fr_trace_json")
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                if self.path != f"/handler/{FR_JSON_HANDLER}":
+                    self.send_error(404, f"Handler {self.path} not found")
+                    return
+                body = dump(includeCollectives=True, onlyActive=False)
+                body = body if isinstance(body, bytes) else str(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._server = _UnixHTTPServer(path, Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="runwarden-fr", daemon=True
+        )
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 class FlightRecording:
@@ -104,7 +150,10 @@ def setup_flight_recording(
     """Call before `init_process_group`: sets the ring size and starts the worker server."""
     import torch.distributed as dist
 
-    worker_server = c10d_private("_WorkerServer")
+    # torch's C++ server where it answers the JSON dump of every backend's ring; else ours
+    worker_server = (
+        c10d_private("_WorkerServer") if has_worker_handler(FR_JSON_HANDLER) else PythonWorkerServer
+    )
     path = Path(socket_path)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(

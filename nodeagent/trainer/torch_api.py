@@ -66,6 +66,13 @@ def c10d_private(name: str) -> Any:
     return found
 
 
+def has_worker_handler(name: str) -> bool:
+    """Whether torch's C++ worker server answers ``POST /handler/<name>`` (2.13: ``fr_trace_json``;
+    2.9 has only ``dump_nccl_trace_json``, NCCL's ring alone)."""
+    names = c10d_private("_get_handler_names")
+    return name in names()
+
+
 def abort_default_group() -> None:
     """Abort the default process group's communicators now, without waiting for the peers.
 

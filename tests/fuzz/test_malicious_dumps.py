@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 from controller.supervisor.flight_recorder import dumps_from_rank_dumps
-from nodeagent.daemon.flight_recorder import FR_JSON_HANDLER, fetch_dump
+from nodeagent.daemon.flight_recorder import fetch_dump
+from nodeagent.wire import FR_JSON_HANDLER
 from runwarden.v1 import agent_pb2
 
 
@@ -28,7 +29,7 @@ class _Evil:
 def _serve_unix(path: Path, body: bytes) -> socketserver.BaseServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            assert self.path == FR_JSON_HANDLER
+            assert self.path == f"/handler/{FR_JSON_HANDLER}"
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

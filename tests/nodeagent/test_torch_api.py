@@ -103,3 +103,53 @@ def test_abort_uses_the_groups_own_abort_and_falls_back_to_destroy(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_worker_servers_handlers_are_read_from_torch() -> None:
+    assert torch_api.has_worker_handler("ping") and not torch_api.has_worker_handler("no_such_handler")
+    # where torch's C++ server has no JSON dump of every ring (2.9), the Python server answers it
+    assert torch_api.has_worker_handler("fr_trace_json") == (
+        torch_api.parse_version(torch.__version__) >= (2, 10)
+    )
+
+
+_RANK_WITH_PYTHON_SERVER = """
+import sys, torch, torch.distributed as dist
+from nodeagent.trainer.flight_recording import PythonWorkerServer
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+server = PythonWorkerServer(sys.argv[2])
+dist.all_reduce(torch.ones(4))
+print("ready", flush=True)
+sys.stdin.readline()
+server.shutdown()
+"""
+
+
+def test_the_python_worker_server_answers_the_agents_request_with_this_ranks_ring(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from nodeagent.daemon.flight_recorder import fetch_dump
+    from runwarden.flightrec import parse_dump
+
+    sock = tmp_path / "rank0.sock"
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK_WITH_PYTHON_SERVER, str(tmp_path / "store"), str(sock)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"},  # read once, when the first group is made
+    )
+    try:
+        assert rank.stdout is not None
+        while (line := rank.stdout.readline()) and line.strip() != "ready":  # gloo prints to stdout too
+            pass
+        assert line.strip() == "ready"
+        got = fetch_dump(0, sock, 5.0, 1 << 24)
+        assert got.ok, got.error
+        dump = parse_dump(got.data, max_bytes=1 << 24)
+        assert any(e.profiling_name.endswith("all_reduce") for e in dump.entries), dump
+    finally:
+        rank.communicate("done\n", timeout=30)
+    assert rank.returncode == 0
