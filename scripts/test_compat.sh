@@ -55,7 +55,7 @@ for version in $versions; do
     "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "cryptography>=42,<60" 2>&1 \
     | grep -v '^WARNING: Location' || true
   testbed_pth "$venv"
-  "$venv/bin/python" -c 'import torch, runwarden, sys; print(f"torch {torch.__version__}, runwarden {runwarden.__version__} from {runwarden.__file__}")'
+  (cd / && "$venv/bin/python" -c 'import torch, runwarden; print(f"torch {torch.__version__}, runwarden {runwarden.__version__} from {runwarden.__file__}")')
   set +e
   (cd "$repo" && "$venv/bin/python" -m pytest -p no:cacheprovider --basetemp "$work/t$version" -q \
     tests/compat \

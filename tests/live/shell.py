@@ -65,13 +65,8 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
 
 
 @contextmanager
-def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
-    """Serve an `AgentDouble` on loopback and register `node` at its address in etcd."""
-    servicer = AgentDouble()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+def register(store: Store, node: str, port: int) -> None:
+    """The node record of an agent double serving on loopback `port` (no lease: the test removes it)."""
     # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
     rec = store_pb2.NodeRecord(
         node=node,
@@ -82,6 +77,16 @@ def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
         agent_version=__version__,
     )
     store.put(store.keys.node(node), rec.SerializeToString())
+
+
+def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
+    """Serve an `AgentDouble` on loopback and register `node` at its address in etcd."""
+    servicer = AgentDouble()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    register(store, node, port)
     try:
         yield servicer
     finally:

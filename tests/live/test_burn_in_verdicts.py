@@ -19,10 +19,9 @@ import pytest
 from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import PoolState
-from runwarden import __version__
 from runwarden.store import Store
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
-from tests.live.shell import RUN, AgentDouble, live_shell, policy, says
+from tests.live.shell import RUN, AgentDouble, live_shell, policy, register, says
 
 pytestmark = pytest.mark.timeout(120)
 S = common_pb2
@@ -62,15 +61,7 @@ def serve(store: Store, servicer: AgentDouble, node: str = "n2") -> Iterator[Non
     agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    rec = store_pb2.NodeRecord(
-        node=node,
-        address=f"127.0.0.1:{port}",
-        local_ranks=1,
-        torch_host="127.0.0.1",
-        rdzv_port=29400,
-        agent_version=__version__,
-    )
-    store.put(store.keys.node(node), rec.SerializeToString())
+    register(store, node, port)
     try:
         yield
     finally:

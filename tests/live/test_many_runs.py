@@ -41,12 +41,11 @@ from controller.live.view import LiveView
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from controller.supervisor.pool import PoolState
-from runwarden import __version__
 from runwarden.eventlog import LogEntry
 from runwarden.store import Store, StoreConfig
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, events_pb2, store_pb2
 from testbed.etcd_server import EtcdServer
-from tests.live.shell import AgentDouble, LogWatch, policy
+from tests.live.shell import AgentDouble, LogWatch, policy, register
 
 NODES = ("n1", "n2", "n3", "n4", "n5")
 PRIORITY = {"alpha": 0, "beta": 5}
@@ -158,16 +157,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             port = server.add_insecure_port("127.0.0.1:0")
             server.start()
             servers.append(server)
-            # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
-            rec = store_pb2.NodeRecord(
-                node=node,
-                address=f"127.0.0.1:{port}",
-                local_ranks=1,
-                torch_host="127.0.0.1",
-                rdzv_port=29400,
-                agent_version=__version__,
-            )
-            store.put(store.keys.node(node), rec.SerializeToString())
+            register(store, node, port)
             fleet.agents[node] = agent
         for run in ("alpha", "beta"):
             cfg = ShellConfig(
