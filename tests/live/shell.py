@@ -64,7 +64,6 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.GetNodeStatusResponse()
 
 
-@contextmanager
 def register(store: Store, node: str, port: int) -> None:
     """The node record of an agent double serving on loopback `port` (no lease: the test removes it)."""
     # a real agent reports where it hosts a rendezvous as node rank 0; the double never listens there
@@ -79,6 +78,7 @@ def register(store: Store, node: str, port: int) -> None:
     store.put(store.keys.node(node), rec.SerializeToString())
 
 
+@contextmanager
 def agent_double(store: Store, node: str = "n1") -> Iterator[AgentDouble]:
     """Serve an `AgentDouble` on loopback and register `node` at its address in etcd."""
     servicer = AgentDouble()
