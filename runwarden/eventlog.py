@@ -75,7 +75,7 @@ def decode_line(line: bytes) -> LogEntry:
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8: {exc.reason}") from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc.msg} at column {exc.colno}") from None
     if not isinstance(obj, dict):
@@ -83,11 +83,17 @@ def decode_line(line: bytes) -> LogEntry:
     entry = LogEntry()
     try:
         json_format.ParseDict(obj, entry, ignore_unknown_fields=False)
-    except json_format.ParseError as exc:
-        raise ValueError(f"not an Event: {str(exc)[:200]}") from None
+    except (json_format.ParseError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # protobuf's parser raises more than ParseError on values of the wrong kind (an enum of 1e400)
+        raise ValueError(f"not an Event: {type(exc).__name__}: {str(exc)[:200]}") from None
     if entry.kind == events_pb2.EVENT_KIND_UNSPECIFIED:
         raise ValueError("event has no kind")
     return entry
+
+
+def _no_constant(name: str) -> object:
+    """json.loads' hook for NaN and Infinity: no event field holds one (the writer never writes them)."""
+    raise json.JSONDecodeError(f"{name} is not a value an event holds", name, 0)
 
 
 def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:

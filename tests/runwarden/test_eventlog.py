@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -159,3 +160,28 @@ def test_fsync_is_called_per_append(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         log.append(_event())
         log.append(_event())
         assert len(calls) - before == 2
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b'{"seq": 1, "kind": Infinity}', "Infinity is not a value an event holds"),
+        (b'{"seq": 1, "kind": NaN}', "NaN is not a value an event holds"),
+        (b'{"seq": 1, "kind": 1e400}', "OverflowError"),  # found by the fuzzer: not a ParseError
+        (b'{"seq": 1, "kind": "EVENT_KIND_LAUNCH", "ts": [1]}', "not an Event"),
+    ],
+)
+def test_a_number_no_event_holds_is_a_bad_line_not_a_crash(line: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_line(line)
+    good = _event()
+    good.seq = 2
+    read = parse_log_bytes(line + b"\n" + encode_entry(good))  # a bad line before a good one
+    assert len(read.entries) == 1 and len(read.errors) == 1 and read.torn_tail is None
+
+
+def test_a_nan_loss_the_writer_wrote_reads_back() -> None:
+    entry = LogEntry(seq=1, ts=1.0, run="r", kind=events_pb2.EVENT_KIND_LOSS_ANOMALY)
+    entry.loss.points.add(rank=0, loss=float("nan"))
+    back = decode_line(encode_entry(entry).rstrip(b"\n"))
+    assert math.isnan(back.loss.points[0].loss)
