@@ -96,9 +96,8 @@ class Translator:
         self.run = run
         self.procs_per_node = procs_per_node
         self.controller_version = controller_version
-        self.left_out: dict[
-            str, str
-        ] = {}  # node -> why its agent's version is not driven (runwarden.version)
+        # node -> why this controller does not drive its agent's version (runwarden.version)
+        self.left_out: dict[str, str] = {}
         self._lock = threading.Lock()
         self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
         self.attempt = 0  # the attempt whose ranks `rank_to_node` maps
