@@ -20,8 +20,16 @@ work=$(mktemp -d /tmp/rwcXXXX)
 mkdir -p "$cache"
 PY=${PYTHON:-python3}
 
+# pip, its exit status kept, without the lines this machine's index configuration prints on every call
+pip_q() {
+  local out status=0
+  out=$("$@" 2>&1) || status=$?
+  printf '%s\n' "$out" | grep -v '^WARNING: Location' || true
+  return "$status"
+}
+
 echo "== build the wheel"
-.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" . 2>&1 | grep -v '^WARNING: Location' || true
+pip_q .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" .
 wheel=$(ls "$work"/dist/runwarden-*.whl)
 echo "built $(basename "$wheel")"
 
@@ -36,7 +44,7 @@ testbed_pth() {
 echo "== controller host: the wheel, no torch"
 ctl_venv="$work/controller-host"
 "$PY" -m venv "$ctl_venv"
-"$ctl_venv/bin/python" -m pip install -q "$wheel" 2>&1 | grep -v '^WARNING: Location' || true
+pip_q "$ctl_venv/bin/python" -m pip install -q "$wheel"
 export RUNWARDEN_TESTBED_CONTROLLER_BIN="$ctl_venv/bin"
 
 rc=0
@@ -46,14 +54,13 @@ for version in $versions; do
   if [[ ! -f $venv/.torch-installed ]]; then
     rm -rf "$venv"
     "$PY" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q "torch==$version" numpy 2>&1 | grep -v '^WARNING: Location' || true
+    pip_q "$venv/bin/python" -m pip install -q "torch==$version" numpy
     touch "$venv/.torch-installed"
   fi
-  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel" 2>&1 | grep -v '^WARNING: Location' || true
+  pip_q "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel"
   # the wheel's own dependencies, then what the tests use; torch stays the one installed above
-  "$venv/bin/python" -m pip install -q "${wheel}[torch]" "torch==$version" \
-    "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "cryptography>=42,<60" 2>&1 \
-    | grep -v '^WARNING: Location' || true
+  pip_q "$venv/bin/python" -m pip install -q "${wheel}[torch]" "torch==$version" \
+    "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "cryptography>=42,<60"
   testbed_pth "$venv"
   (cd / && "$venv/bin/python" -c 'import torch, runwarden; print(f"torch {torch.__version__}, runwarden {runwarden.__version__} from {runwarden.__file__}")')
   set +e

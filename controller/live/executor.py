@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import assert_never
@@ -178,10 +178,7 @@ class Executor:
                     )
             return answers
         answers = []
-        # The supervisor's memory first: a leader killed in the middle of the batch has then written
-        # what the logged decisions counted (a crash loop's count, the budget) for its successor.
-        first = [a for a in batch.actions if isinstance(a, PersistMemory)]
-        for action in first + [a for a in batch.actions if not isinstance(a, PersistMemory)]:
+        for action in memory_first(batch.actions):
             answers.extend(self._execute(action))
         return answers
 
@@ -635,6 +632,15 @@ class Executor:
     def close(self) -> None:
         with contextlib.suppress(EventLogError):
             self.eventlog.close()
+
+
+def memory_first(actions: Sequence[Action]) -> list[Action]:
+    """A batch's actions in the order they run: the supervisor's memory first, the rest as the core
+    emitted them. A leader killed in the middle of the batch has then written what the logged
+    decisions counted (a crash loop's count, the budget) for its successor."""
+    return [a for a in actions if isinstance(a, PersistMemory)] + [
+        a for a in actions if not isinstance(a, PersistMemory)
+    ]
 
 
 def _attempt_of(value: bytes) -> int:

@@ -358,11 +358,13 @@ class DcpCheckpointer:
         rank's write results came in (the module doc); list and commit."""
         if self.rank != 0:
             return None
-        if getattr(metadata, "storage_data", None) is None:
-            # torch 2.9's async_save answers with the plan's Metadata, before the coordinator filled
-            # in where each chunk went; what it wrote to .metadata (before answering) has it
+        if not isinstance(getattr(metadata, "storage_data", None), dict):
+            # torch 2.9's async_save answers with a Metadata whose storage data is None; the
+            # .metadata file its coordinator wrote before answering has it
             path = writer.path / DCP_METADATA
             metadata = load_metadata_pickle(path.read_bytes(), path)
+            if not isinstance(getattr(metadata, "storage_data", None), dict):
+                raise bad(path, "DCP wrote no storage data: the shards cannot be listed")
         shards = sorted({info.relative_path for info in metadata.storage_data.values()})
         files = [*shards, DCP_METADATA, *(rank_state_name(r) for r in range(self.world_size))]
         meta: dict[str, Any] = {"format": FORMAT, "world_size": self.world_size}
