@@ -8,7 +8,8 @@ leader's ``controller_version``.
 The skew rule (Kubernetes' kubelet/apiserver rule, for the same reason): the controller is upgraded
 first, then the agents host by host, so an agent may run the controller's version or one minor
 version older, never newer and never another major version. The controller drives only the agents
-the rule admits; another agent is logged with both versions and left out, never launched on.
+the rule admits; another agent's node drains for its version (logged once with both versions): no
+new placement and never seen as lost (controller.live.translate).
 """
 
 from __future__ import annotations

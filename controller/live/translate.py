@@ -96,7 +96,8 @@ class Translator:
         self.run = run
         self.procs_per_node = procs_per_node
         self.controller_version = controller_version
-        # node -> why this controller does not drive its agent's version (runwarden.version)
+        # node -> why this controller does not drive its agent's version (runwarden.version): such a
+        # node drains for that reason (no placement, no strike; an attempt it runs in stops as planned)
         self.left_out: dict[str, str] = {}
         self._lock = threading.Lock()
         self.known_nodes: dict[str, store_pb2.NodeRecord] = {}
@@ -122,10 +123,10 @@ class Translator:
             draining: dict[str, str] = {}
             for kv in listing.nodes:
                 rec = _try(store_pb2.NodeRecord, kv.value)
-                if rec is None or not rec.node or not self._admitted(rec):
+                if rec is None or not rec.node:
                     continue
                 self.known_nodes[rec.node] = rec
-                if why := _drain_reason(rec):
+                if why := self._drain_reason(rec):
                     draining[rec.node] = why
                 addresses[rec.node] = rec.address
                 alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
@@ -248,16 +249,12 @@ class Translator:
             self.known_nodes.pop(node, None)
             return [NodeLost(node=node)], Addresses(forget=(node,))
         rec = parse(store_pb2.NodeRecord, value, f"node {node}")
-        if not self._admitted(rec):
-            if self.known_nodes.pop(node, None) is None:
-                return [], Addresses()
-            return [NodeLost(node=node)], Addresses(forget=(node,))
         prev = self.known_nodes.get(node)
         fresh = prev is None
         out: list[Event] = []
         if fresh:
             out.append(NodeJoined(node=node, local_ranks=max(1, rec.local_ranks or 1)))
-        why, was = _drain_reason(rec), _drain_reason(prev) if prev is not None else ""
+        why, was = self._drain_reason(rec), self._drain_reason(prev, quiet=True) if prev is not None else ""
         if why != was:
             out.append(NodeDraining(node=node, reason=why))
         self.known_nodes[node] = rec
@@ -266,17 +263,22 @@ class Translator:
         addresses = Addresses(set={node: rec.address}, forget=(node,) if fresh else ())
         return out, addresses
 
-    def _admitted(self, rec: store_pb2.NodeRecord) -> bool:
-        """Whether this controller drives the agent of `rec`: its version within the skew rule. One
-        error log per node and reason; the node is not seen (neither alive nor a spare) meanwhile."""
-        why = agent_skew(rec.agent_version, self.controller_version)
-        if not why:
+    def _drain_reason(self, rec: store_pb2.NodeRecord, *, quiet: bool = False) -> str:
+        """Why the node of `rec` drains ("" when it does not): its agent's state says DRAINING, or
+        its version is outside the skew rule (runwarden.version). A node this controller does not
+        drive is still alive, so it is never seen as lost (no strike, no quarantine): it takes no
+        placement, and an attempt it runs in ends with a planned stop and a spare in its place. One
+        error log per node and reason."""
+        skew = agent_skew(rec.agent_version, self.controller_version)
+        if quiet:
+            return f"version: {skew}" if skew else _drain_reason(rec)
+        if not skew:
             self.left_out.pop(rec.node, None)
-            return True
-        if self.left_out.get(rec.node) != why:
-            log.error("node %s is left out: %s", rec.node, why)
-            self.left_out[rec.node] = why
-        return False
+            return _drain_reason(rec)
+        if self.left_out.get(rec.node) != skew:
+            log.error("node %s is left out: %s", rec.node, skew)
+            self.left_out[rec.node] = skew
+        return f"version: {skew}"
 
     def _progress(self, prog: store_pb2.NodeProgress) -> list[Event]:
         out: list[Event] = []

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from controller.live.translate import Listing, Translator
-from controller.supervisor.events import NodeJoined
+from controller.supervisor.events import NodeDraining, NodeJoined
 from runwarden import __version__
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, KeyValue, WatchEvent
@@ -60,21 +60,32 @@ def put(node: str, version: str) -> WatchEvent:
     )
 
 
-def test_the_controller_leaves_out_an_agent_outside_the_rule_once_logged(
+def test_an_agent_outside_the_rule_drains_never_lost_and_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A node this controller does not drive stays alive, so it is never seen as lost (a strike): it
+    drains for its version (no placement; an attempt it runs in stops as planned, a spare replaces it)."""
     tr = Translator(KEYS, "r", controller_version="0.4.0")
+    why = "agent 0.2.7 is more than one minor version older than controller 0.4.0: upgrade the agent"
     with caplog.at_level(logging.ERROR, logger="controller.live.translate"):
         assert [type(e) for e in tr.watch_event(put("old", "0.3.1"))[0]] == [NodeJoined]
         events, addresses = tr.watch_event(put("older", "0.2.7"))
-        assert events == [] and not addresses.set
+        assert events == [
+            NodeJoined(node="older", local_ranks=1),
+            NodeDraining(node="older", reason=f"version: {why}"),
+        ]
+        assert addresses.set == {"older": "10.0.0.1:50051"}
         assert tr.watch_event(put("older", "0.2.7"))[0] == []
+        # an agent of the running attempt that a controller two minors ahead meets: no NodeLost
+        events, _ = tr.watch_event(put("old", "0.2.9"))
+        assert [type(e) for e in events] == [NodeDraining] and "0.2.9" in events[0].reason
     errors = [r.getMessage() for r in caplog.records]
     assert errors == [
-        "node older is left out: agent 0.2.7 is more than one minor version older than controller 0.4.0: "
-        "upgrade the agent"
+        f"node older is left out: {why}",
+        "node old is left out: agent 0.2.9 is more than one minor version older than controller 0.4.0: "
+        "upgrade the agent",
     ]
-    # a relist does not see it either; once upgraded, it joins
+    # a relist sees it alive and draining; once upgraded, its drain ends
     listing = Listing(
         nodes=tuple(
             KeyValue(key=KEYS.node(n), value=_record(n, v), mod_revision=1, create_revision=1)
@@ -89,6 +100,7 @@ def test_the_controller_leaves_out_an_agent_outside_the_rule_once_logged(
         now=0.0,
     )
     listed, addresses, _, _ = tr.snapshot(listing)
-    assert set(addresses.set) == {"old"} and "older" not in listed.alive
-    assert [type(e) for e in tr.watch_event(put("older", "0.4.0"))[0]] == [NodeJoined]
+    assert set(addresses.set) == {"old", "older"} and set(listed.alive) == {"old", "older"}
+    assert listed.draining == {"older": f"version: {why}"}
+    assert tr.watch_event(put("older", "0.4.0"))[0] == [NodeDraining(node="older", reason="")]
     assert tr.left_out == {}
