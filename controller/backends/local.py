@@ -9,9 +9,10 @@ controller's host. The live controller launches through it on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from controller.backends.agents import AgentClients
 from controller.backends.base import (
@@ -26,6 +27,18 @@ from controller.backends.base import (
 )
 from runwarden import launch as launch_rule
 from runwarden.v1 import agent_pb2
+
+T = TypeVar("T")
+R = TypeVar("R")
+# `fn` over the items at once, results in order
+FanOut = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
+
+
+def _fan_out(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    todo = list(items)
+    with ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix="fan-out") as threads:
+        return list(threads.map(fn, todo))
+
 
 SCRIPT_MODES = {
     "instrumented": agent_pb2.SCRIPT_MODE_INSTRUMENTED,
@@ -120,10 +133,14 @@ class LocalBackend:
         agents: AgentClients,
         rendezvous: Callable[[str], Rendezvous | None],
         config: LocalConfig | None = None,
+        fan_out: FanOut | None = None,
     ) -> None:
         self.agents = agents
         self.rendezvous = rendezvous  # node -> where it hosts the store (its node record), or None
         self.config = config or LocalConfig()
+        # how the nodes' calls run at once: the live shell's call pool (controller.live.rpc_pools);
+        # else a pool per fan-out, as wide as the attempt
+        self.fan_out: FanOut = fan_out or _fan_out
 
     def allocate(self, nodes: int, spares: int) -> Allocation:
         raise BackendError("the local fleet is static: a node joins when its agent starts")
@@ -174,8 +191,7 @@ class LocalBackend:
         not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
         launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
-        with ThreadPoolExecutor(max_workers=min(32, len(reqs)), thread_name_prefix="launch") as threads:
-            answers = list(threads.map(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs))
+        answers = self.fan_out(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs)
         started = tuple(
             NodeStarted(
                 node=o.node,
@@ -201,12 +217,9 @@ class LocalBackend:
         """SIGTERM every node's workers of the attempt, SIGKILL after `grace_s` (the agent does both)."""
         spec = handle.spec
         req = agent_pb2.StopWorkersRequest(run=spec.run, attempt=spec.attempt, grace_s=grace_s)
-        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes)), thread_name_prefix="stop") as threads:
-            outcomes = list(
-                threads.map(
-                    lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes
-                )
-            )
+        outcomes = self.fan_out(
+            lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes
+        )
         failed = tuple(o.node for o in outcomes if not o.ok)
         return AttemptStatus(
             state=AttemptState.UNKNOWN if failed else AttemptState.STOPPED,

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -26,6 +25,7 @@ from controller.backends.local import LaunchIncomplete, LocalBackend
 from controller.fleet.claims import Claims, read_claim
 from controller.live import bandwidth
 from controller.live.paging import Pager
+from controller.live.rpc_pools import RpcKind, RpcPools
 from controller.live.translate import Translator, parse
 from controller.supervisor import flight_recorder
 from controller.supervisor.actions import (
@@ -123,7 +123,7 @@ class Executor:
         pager: Pager,
         translator: Translator,
         claims: Claims | None = None,
-        rpc_pool: ThreadPoolExecutor,
+        pools: RpcPools,
         scheduler: Scheduler | None = None,
         allocated: threading.Event | None = None,
         stopping: threading.Event | None = None,
@@ -143,7 +143,7 @@ class Executor:
         self.pager = pager
         self.translator = translator
         self.claims = claims or Claims(store, settings.run)
-        self.rpc_pool = rpc_pool
+        self.pools = pools
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
@@ -197,16 +197,15 @@ class Executor:
             case SetTimer():
                 self.timers.set(action.key, action.at)
             case RunPreflight():
-                self._submit(self._claim_then_preflight, action)
+                self.pools.submit(RpcKind.TASK, self._claim_then_preflight, action)
             case Launch():
                 return self._launch(action)
             case StopAttempt():
-                for node in action.nodes:
-                    self._submit(self._stop_node, action, node)
+                self.pools.submit(RpcKind.TASK, self._stop, action)
             case CollectDumps():
-                self._submit(self._collect, action)
+                self.pools.submit(RpcKind.TASK, self._collect, action)
             case MeasureBandwidth():
-                self._submit(self._measure_bandwidth, action)
+                self.pools.submit(RpcKind.TASK, self._measure_bandwidth, action)
             case PersistNode():
                 self._persist(action.record)
             case PersistCheckpoint():
@@ -219,28 +218,17 @@ class Executor:
                 # The pool state is persisted by PersistNode; the scheduler keeps the node out of its
                 # own placements too (a Slurm drain, a Kubernetes taint, off the Ray placement).
                 self.kept_out.add(action.node)
-                self._submit(self._tell_scheduler, action)
+                self.pools.submit(RpcKind.TASK, self._tell_scheduler, action)
             case Release():
                 self.kept_out.discard(action.node)
-                self._submit(self._tell_scheduler, action)
+                self.pools.submit(RpcKind.TASK, self._tell_scheduler, action)
             case AllocateFromQueue():
-                self._submit(self._request_nodes, action, tuple(sorted(self.kept_out)))
+                self.pools.submit(RpcKind.TASK, self._request_nodes, action, tuple(sorted(self.kept_out)))
             case TakeSpare():
                 log.info("%s", action)  # the spare is already ours: inside the allocation
             case _:
                 assert_never(action)
         return []
-
-    def _submit(self, fn: Callable[..., None], *args: object) -> None:
-        """Slow work off the loop. An exception escaping it is a bug: logged with its traceback."""
-
-        def guarded() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("%s failed", getattr(fn, "__name__", fn))
-
-        self.rpc_pool.submit(guarded)
 
     # -- the scheduler ---------------------------------------------------------------------------
 
@@ -368,7 +356,7 @@ class Executor:
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
-        self._submit(self._start_workers, action, spec)
+        self.pools.submit(RpcKind.TASK, self._start_workers, action, spec)
         return []
 
     def _retire_relaunch_stop(self) -> None:
@@ -431,7 +419,8 @@ class Executor:
                     )
                 )
             else:
-                self._submit(self._preflight, action, node)
+                kind = RpcKind.BURN_IN if action.purpose == "burn_in" else RpcKind.PREFLIGHT
+                self.pools.submit(kind, self._preflight, action, node)
 
     def _preflight(self, action: RunPreflight, node: str) -> None:
         out = self.agents.run_preflight(
@@ -458,14 +447,24 @@ class Executor:
             )
         )
 
-    def _stop_node(self, action: StopAttempt, node: str) -> None:
+    def _stop(self, action: StopAttempt) -> None:
+        """Stop the attempt on its nodes at once. Planned: ask every node to stop (finish the step,
+        save, commit, exit), wait once for all their exits (one thread for the whole attempt, however
+        many nodes), then stop every node (what still runs is ended; the rest answer at once);
+        otherwise stop them all now."""
         if action.planned:
-            self.agents.request_stop(node, agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason))
-            # The stop also reaches the agent through the run's stop key; wait for the exit either way.
-            deadline = time.monotonic() + action.grace_s  # ends as soon as the exit is seen
-            while time.monotonic() < deadline and not self.translator.has_exited(node, action.attempt):
-                if self.stopping.wait(_EXIT_POLL_S):
+            req = agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason)
+            self.pools.map(lambda n: self.agents.request_stop(n, req), action.nodes)
+            # The stop also reaches the agents through the run's stop key; wait for the exits either way.
+            deadline = time.monotonic() + action.grace_s  # ends as soon as every exit is seen
+            running = list(action.nodes)
+            while running and time.monotonic() < deadline:
+                running = [n for n in running if not self.translator.has_exited(n, action.attempt)]
+                if running and self.stopping.wait(_EXIT_POLL_S):
                     return
+        self.pools.map(lambda n: self._stop_node(action, n), action.nodes)
+
+    def _stop_node(self, action: StopAttempt, node: str) -> None:
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
         out = self.agents.stop(
             node,
@@ -498,10 +497,9 @@ class Executor:
         # timeout once, not once per node, and the answer arrives before the core gives up on it.
         per_rank_s = max(0.5, action.timeout_s * 0.6)
         req = agent_pb2.CollectFlightRecorderRequest(run=self.s.run, timeout_s=per_rank_s)
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(action.nodes)))) as ex:
-            answers = list(
-                ex.map(lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes)
-            )
+        answers = self.pools.map(
+            lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes
+        )
         for node, out, resp in answers:
             if not out.ok or resp is None:
                 rank_dumps.extend(

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +32,7 @@ from controller.fleet.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
 from controller.live.loss_history import read_history
 from controller.live.paging import Pager
+from controller.live.rpc_pools import RpcKind, RpcPools
 from controller.live.translate import Addresses, Listing, Translator, record_view
 from controller.supervisor.actions import Batch
 from controller.supervisor.events import (
@@ -235,10 +236,12 @@ class LiveController:
         self.restart_budget = int(probe.cfg.restart_budget)
         self.core: Core | None = None
         self.agents = agents or AgentClients()
+        self.pools = RpcPools()
         self.backend = backend or LocalBackend(
             self.agents,
             lambda node: self.translator.rendezvous(node),  # node records, as the current view has them
             LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s, script_mode=cfg.script_mode),
+            fan_out=self.pools.map,
         )
         self.pager = pager or Pager()
         self.scheduler: Scheduler = scheduler or StaticFleet()
@@ -249,7 +252,6 @@ class LiveController:
         self.clock = clock
         self.events: queue.Queue[Item] = queue.Queue()
         self.timers = Timers()
-        self.rpc_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc")
         self.stopping = threading.Event()
         self.leadership: Leadership | None = None
         self.eventlog: EventLog | None = None
@@ -321,7 +323,7 @@ class LiveController:
 
     def close(self) -> None:
         self.stop()
-        self.rpc_pool.shutdown(wait=False, cancel_futures=True)
+        self.pools.shutdown()
         self.agents.close()
 
     # -- leading ------------------------------------------------------------------------------
@@ -392,7 +394,7 @@ class LiveController:
             pager=self.pager,
             translator=self.translator,
             claims=self.claims,
-            rpc_pool=self.rpc_pool,
+            pools=self.pools,
             scheduler=self.scheduler,
             allocated=self._allocated,
             stopping=self.stopping,
@@ -420,7 +422,7 @@ class LiveController:
         self._start_watches(revision + 1)
         self.is_leader.set()
         if not self._allocated.is_set():
-            self.rpc_pool.submit(self._allocate)
+            self.pools.submit(RpcKind.TASK, self._allocate)
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
@@ -650,7 +652,7 @@ class LiveController:
         outcome = _OUTCOMES.get(st.state.name)
         if outcome is not None and self.outcome is None:
             self.outcome = outcome
-            self.rpc_pool.submit(self._finish, outcome)
+            self.pools.submit(RpcKind.TASK, self._finish, outcome)
 
     def pool_state(self, node: str) -> common_pb2.PoolState.ValueType:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None
