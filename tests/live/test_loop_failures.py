@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -79,11 +79,11 @@ class AppendFailsOnceOnLaunch(EventLog):
         super().__init__(path)
         self.failed_at: float | None = None
 
-    def append(self, event: LogEntry) -> LogEntry:
-        if event.kind == E.EVENT_KIND_LAUNCH and self.failed_at is None:
+    def append_all(self, entries: Sequence[LogEntry]) -> list[LogEntry]:
+        if any(e.kind == E.EVENT_KIND_LAUNCH for e in entries) and self.failed_at is None:
             self.failed_at = time.monotonic()
             raise EventLogError("cannot append to event log: No space left on device (injected by the test)")
-        return super().append(event)
+        return super().append_all(entries)
 
 
 def test_a_failed_log_append_skips_the_launch_and_the_core_reacts_within_one_tick_nothing_lost(

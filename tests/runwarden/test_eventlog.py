@@ -47,6 +47,44 @@ def test_append_assigns_increasing_seq_and_round_trips(tmp_path: Path) -> None:
         assert log.append(_event(step=9)).seq == 6
 
 
+def test_a_batch_is_one_write_and_one_fsync_and_durable_when_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor batch's entries (a fleet's reconcile logs thousands) cost one disk flush."""
+    path = tmp_path / "events.jsonl"
+    flushes: list[int] = []
+    real_fsync = os.fsync
+    with EventLog(path) as log:
+        log.append(_event(step=0))
+        monkeypatch.setattr("runwarden.eventlog.os.fsync", lambda fd: (flushes.append(fd), real_fsync(fd)))
+        written = log.append_all([_event(step=i) for i in range(1, 2049)])
+        assert log.append_all([]) == []
+    assert len(flushes) == 1
+    assert [e.seq for e in written] == list(range(2, 2050))
+    assert [e.step for e in read_events(path).entries] == list(range(2049))
+
+
+def test_a_failed_batch_write_leaves_none_of_its_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short write (a full disk) is cut back off: the log holds no half batch, and the seqs the
+    failed batch would have taken are the next batch's."""
+    path = tmp_path / "events.jsonl"
+    real_write = os.write
+    with EventLog(path) as log:
+        log.append(_event(step=0))
+        monkeypatch.setattr(
+            "runwarden.eventlog.os.write", lambda fd, data: real_write(fd, data[: len(data) // 2])
+        )
+        with pytest.raises(EventLogError, match="short write"):
+            log.append_all([_event(step=i) for i in range(1, 50)])
+        monkeypatch.undo()
+        assert [e.seq for e in log.append_all([_event(step=7)])] == [2]
+    read = read_events(path)
+    assert read.torn_tail is None and read.errors == []
+    assert [(e.seq, e.step) for e in read.entries] == [(1, 0), (2, 7)]
+
+
 def test_read_tail_reads_only_the_last_bytes_and_drops_the_line_they_start_in(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     with EventLog(path) as log:
