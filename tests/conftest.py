@@ -51,6 +51,8 @@ HEAVY_MODULES = (
     "tests/nodeagent/test_self_fencing.py",
     "tests/nodeagent/test_warm_",
     "tests/supervisor/test_scale.py",
+    "tests/lightfleet/test_controller.py",
+    "tests/lightfleet/test_leases.py",
 )
 # The light worker's tests (and what they start) run at this niceness, so that when both workers want
 # the CPU the heavy worker's timing is the one kept; it is set per test, which needs root to lower

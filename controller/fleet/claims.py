@@ -10,6 +10,7 @@ two runs can never both launch on one node. `Claims` is the live controller's si
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,6 +26,9 @@ from runwarden.v1 import store_pb2
 log = logging.getLogger(__name__)
 
 BID_WINDOW_S = 0.3  # asks this close together are decided by priority
+# An attempt record's transaction compares each node's claim up to this many nodes (with the fence and
+# the record's own compare, within etcd's default --max-txn-ops of 128); past it, one prefix compare.
+PER_NODE_COMPARES = 100
 
 
 def read_claim(kv: KeyValue | None) -> store_pb2.NodeClaim | None:
@@ -126,12 +130,37 @@ class Claims:
             return node in self._held
 
     def compares(self, nodes: Iterable[str]) -> list[Compare] | str:
-        """For the attempt record's transaction: every node's claim is still this run's; or why not."""
+        """For the attempt record's transaction: every node's claim is still this run's; or why not.
+
+        Up to PER_NODE_COMPARES nodes, a compare per claim. A larger attempt (etcd refuses a
+        transaction of more than its `--max-txn-ops`, 128 by default) reads the claims now and
+        compares the whole claims prefix as unwritten since that read: another run's claim of any of
+        the nodes would be a write, so it fails the transaction as the per-node compares would; so
+        does any other claim written meanwhile, and the launch is tried again."""
+        wanted = list(dict.fromkeys(nodes))
         with self._lock:
-            missing = [n for n in nodes if n not in self._held]
+            missing = [n for n in wanted if n not in self._held]
             if missing:
                 return f"not claimed by run {self.run}: {', '.join(sorted(missing))}"
-            return [Compare(key=self.keys.claim(n), mod_revision=self._held[n]) for n in nodes]
+            if len(wanted) <= PER_NODE_COMPARES:
+                return [Compare(key=self.keys.claim(n), mod_revision=self._held[n]) for n in wanted]
+        prefix = self.keys.claims_prefix()
+        try:
+            kvs, revision = self.store.get_prefix(prefix)
+        except StoreError as exc:
+            return f"claims unreadable: {exc}"
+        holders = {}
+        for kv in kvs:
+            claim = read_claim(kv)
+            with contextlib.suppress(ValueError):
+                holders[self.keys.name_under(prefix, kv.key)] = claim.run if claim is not None else ""
+        lost = sorted(n for n in wanted if holders.get(n) != self.run)
+        if lost:
+            with self._lock:
+                for n in lost:
+                    self._held.pop(n, None)
+            return f"not claimed by run {self.run} any more: {', '.join(lost)}"
+        return [Compare(key=prefix, prefix=True, written_before=revision + 1)]
 
     # -- taking --------------------------------------------------------------------------------
 

@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # collective where no Python handler runs, and what they could save is committed already. The
 # core still waits up to its stop_grace_s for the exits.
 _EXIT_POLL_S = 0.2
+# Tries of the attempt record's transaction when its prefix compare of the claims meets another claim.
+_RECORD_TRIES = 3
 _HARD_STOP_GRACE_S = 2.0
 # An unplanned stop asks warm workers to keep their processes: the ranks leave their collectives and
 # park again, holding their state for the next attempt (StopWorkersRequest.park_within_s); a rank
@@ -315,37 +317,48 @@ class Executor:
             return [
                 self._not_launched(action, f"attempt {action.attempt} cannot be launched: not claimed: {why}")
             ]
-        claimed = self.claims.compares(spec.nodes)
-        if isinstance(claimed, str):
-            self.relist()
-            return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {claimed}")]
-        try:
-            cur = self.store.get(key)
-            if cur is not None:
-                prev = _attempt_of(cur.value)
-                if prev >= action.attempt:
-                    self.relist()
-                    return [
-                        self._not_launched(
-                            action,
-                            f"attempt {action.attempt} refused: the store already "
-                            f"records attempt {prev} (another leader launched)",
-                        )
-                    ]
-            ok = self.store.txn(
-                f"attempt record {action.attempt}",
-                [
-                    self.store.fence(self.leadership),
-                    Compare(key=key, mod_revision=cur.mod_revision) if cur else Compare(key=key, absent=True),
-                    *claimed,
-                ],
-                [Put(key=key, value=record.SerializeToString())],
-            ).succeeded
-        except StoreError as exc:
-            self.relist()
-            return [
-                self._not_launched(action, f"attempt {action.attempt}: attempt record write failed: {exc}")
-            ]
+        ok = False
+        for _ in range(_RECORD_TRIES):
+            claimed = self.claims.compares(spec.nodes)
+            if isinstance(claimed, str):
+                self.relist()
+                return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {claimed}")]
+            try:
+                cur = self.store.get(key)
+                if cur is not None:
+                    prev = _attempt_of(cur.value)
+                    if prev >= action.attempt:
+                        self.relist()
+                        return [
+                            self._not_launched(
+                                action,
+                                f"attempt {action.attempt} refused: the store already "
+                                f"records attempt {prev} (another leader launched)",
+                            )
+                        ]
+                ok = self.store.txn(
+                    f"attempt record {action.attempt}",
+                    [
+                        self.store.fence(self.leadership),
+                        Compare(key=key, mod_revision=cur.mod_revision)
+                        if cur
+                        else Compare(key=key, absent=True),
+                        *claimed,
+                    ],
+                    [Put(key=key, value=record.SerializeToString())],
+                ).succeeded
+            except StoreError as exc:
+                self.relist()
+                return [
+                    self._not_launched(
+                        action, f"attempt {action.attempt}: attempt record write failed: {exc}"
+                    )
+                ]
+            # A compare over the whole claims prefix (a large attempt) also fails for a claim of
+            # another node written meanwhile: read the claims again and retry; per-node compares
+            # failed for one of this attempt's own (or the fence, or the record): no retry.
+            if ok or self.leadership.lost.is_set() or not any(c.prefix for c in claimed):
+                break
         if not ok or self.leadership.lost.is_set():
             self.relist()
             return [
@@ -468,6 +481,11 @@ class Executor:
         self.pools.map(lambda n: self._stop_node(action, n), action.nodes)
 
     def _stop_node(self, action: StopAttempt, node: str) -> None:
+        if not self.agents.address(node):
+            # its lease expired and its address was forgotten: no agent to ask, and retrying "no
+            # address" until the stop's deadline would only hold a thread
+            log.info("stop of attempt %d: %s has no agent (lost); nothing to stop", action.attempt, node)
+            return
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
         out = self.agents.stop(
             node,

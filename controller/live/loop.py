@@ -726,11 +726,15 @@ class LiveController:
 
     def _start_watches(self, start_revision: int) -> None:
         k = self.keys
+        # Disjoint prefixes: each change is translated once (a watch of the run's whole prefix beside
+        # its progress prefix fed every progress write to the core twice). Of the run's other keys the
+        # translator reads the stop request and the policy.
         for prefix in (
             k.nodes_prefix(),
             k.progress_prefix(self.cfg.run),
             k.base + "evidence/",
-            k.run_prefix(self.cfg.run),
+            k.stop(self.cfg.run),
+            k.policy(self.cfg.run),
             k.claims_prefix(),
         ):
             self._watches.append(self.store.watch_prefix(prefix, start_revision, self._on_watch))

@@ -656,6 +656,14 @@ class Store:
 
 def _compare(c: Compare) -> Any:
     key = _enc(c.key)
+    if c.written_before is not None:
+        return etcdrpc.Compare(
+            key=key,
+            range_end=_prefix_end(key),
+            target=etcdrpc.Compare.MOD,
+            result=etcdrpc.Compare.LESS,
+            mod_revision=c.written_before,
+        )
     if c.absent:
         return etcdrpc.Compare(
             key=key, target=etcdrpc.Compare.VERSION, result=etcdrpc.Compare.EQUAL, version=0

@@ -90,20 +90,33 @@ class WatchBatch:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Compare:
     """One condition of a transaction (``Store.txn``), on one key: exactly one of ``absent`` (the key
-    must not exist), ``mod_revision`` (its last write) or ``create_revision`` (its creation, a fence)."""
+    must not exist), ``mod_revision`` (its last write), ``create_revision`` (its creation, a fence) or
+    ``written_before`` (with ``prefix``: every key under ``key`` was last written before that
+    revision; one compare for many keys, where etcd bounds a transaction's compares (its
+    ``--max-txn-ops``, 128 by default). It sees a key created or changed since, not one deleted)."""
 
     key: str
     absent: bool = False
     mod_revision: int | None = None
     create_revision: int | None = None
+    written_before: int | None = None
+    prefix: bool = False
 
     def __post_init__(self) -> None:
-        given = [self.absent, self.mod_revision is not None, self.create_revision is not None]
+        given = [
+            self.absent,
+            self.mod_revision is not None,
+            self.create_revision is not None,
+            self.written_before is not None,
+        ]
         if sum(given) != 1:
             raise StoreError(
-                f"compare on {self.key}: give exactly one of absent, mod_revision, create_revision"
+                f"compare on {self.key}: give exactly one of absent, mod_revision, create_revision, "
+                "written_before"
             )
-        for what in ("mod_revision", "create_revision"):
+        if self.prefix != (self.written_before is not None):
+            raise StoreError(f"compare on {self.key}: written_before is a compare over a prefix, and only it")
+        for what in ("mod_revision", "create_revision", "written_before"):
             value = getattr(self, what)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise StoreError(f"compare on {self.key}: {what} must be a positive integer, got {value!r}")

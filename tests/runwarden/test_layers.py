@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("controller", "nodeagent", "preflight", "runwarden", "testbed")
+PACKAGES = ("controller", "lightfleet", "nodeagent", "preflight", "runwarden", "testbed")
 
 # From the top. A unit may import itself and any unit of a lower tier, never one of its own tier.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("testbed",),  # the test clusters harness: starts every process, may import anything
+    # the test clusters harness (starts every process, may import anything) and the light agents'
+    # load generator (a fleet of simulated nodes: the real agent's request rules, no torch)
+    ("testbed", "lightfleet"),
     # the processes: controllerctl, the controller daemon, the node agent (its daemon, the parked
     # warm ranks and the training script's side; nodeagent's inner order is not declared here)
     ("controller.ctl", "controller.live", "nodeagent"),
@@ -41,6 +43,11 @@ NEVER: tuple[tuple[str, str, str], ...] = (
         "nodeagent",
         "controller",
         "the node side and the controller meet only through runwarden (protos, store keys)",
+    ),
+    (
+        "lightfleet",
+        "controller",
+        "a light agent is a node: it meets the controller only through runwarden, as the real agent does",
     ),
     (
         "controller",

@@ -71,6 +71,39 @@ def test_txn_applies_all_or_nothing(shared: Store) -> None:
         Compare(key=a, mod_revision=0)
 
 
+def test_a_prefix_compare_holds_until_any_key_under_it_is_written(shared: Store) -> None:
+    """One compare for many keys (an attempt of more nodes than etcd's --max-txn-ops): it fails once
+    any key under the prefix is created or changed after the revision it names."""
+    k = shared.keys
+    for n in ("a", "b"):
+        shared.put(k.claim(n), b"mine")
+    _, revision = shared.get_prefix(k.claims_prefix())
+    unwritten = Compare(key=k.claims_prefix(), prefix=True, written_before=revision + 1)
+    assert shared.txn("t", [unwritten], [Put(key=k.attempt("r"), value=b"1")]).succeeded
+    shared.put(k.claim("c"), b"another run's")  # a claim of another node, written since
+    assert not shared.txn("t", [unwritten], [Put(key=k.attempt("r"), value=b"2")]).succeeded
+    assert shared.get(k.attempt("r")).value == b"1"
+    with pytest.raises(StoreError, match="prefix"):
+        Compare(key=k.claims_prefix(), written_before=revision + 1)
+    with pytest.raises(StoreError, match="prefix"):
+        Compare(key=k.claims_prefix(), prefix=True, mod_revision=revision)
+
+
+def test_large_attempts_compare_the_claims_as_one_prefix_and_see_another_runs_claim(shared: Store) -> None:
+    alpha = Claims(shared, "alpha")
+    nodes = [f"n{i:03d}" for i in range(130)]
+    assert alpha.take(nodes, lead(shared, "alpha")) == []
+    few = alpha.compares(nodes[:3])
+    assert isinstance(few, list) and [c.key for c in few] == [shared.keys.claim(n) for n in nodes[:3]]
+    (whole,) = alpha.compares(nodes)  # 130 nodes: one compare, within etcd's 128 operations
+    assert whole.prefix and whole.key == shared.keys.claims_prefix()
+    assert shared.txn("record", [whole], [Put(key=shared.keys.attempt("alpha"), value=b"1")]).succeeded
+    shared.delete(shared.keys.claim(nodes[5]))  # an operator's release, then another run takes it
+    shared.put(shared.keys.claim(nodes[5]), b"beta's")
+    assert not shared.txn("record", [whole], [Put(key=shared.keys.attempt("alpha"), value=b"2")]).succeeded
+    assert "n005" in str(alpha.compares(nodes))  # read again: no longer this run's
+
+
 def test_claim_is_taken_once_given_back_only_by_its_run_and_fenced(shared: Store) -> None:
     alpha_lead, beta_lead = lead(shared, "alpha"), lead(shared, "beta")
     alpha = Claims(shared, "alpha", identity="a-1", bid_window_s=0.05)
