@@ -34,7 +34,8 @@ from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 MAX_RECENT_LOSSES = 64  # per rank per write, as the real agent sends them (nodeagent.daemon.progress)
 FR_KEPT = 8  # flight-recorder entries per rank dump: the newest collectives (the ring buffer's tail)
 NO_SOCKET = "no dump: no flight-recorder socket (the rank opened none, or it has exited)"
-WARM_OFF = "warm_workers is off"  # nodeagent.warm.groups.plan's answer: light agents launch cold
+WARM_OFF = "warm_workers is off"  # nodeagent.warm.groups.plan's answer when the agent runs cold
+WARM_ON = "kept from the previous attempt (light agent: its parked ranks)"
 FAULT_CHECK = "lightfleet.injected"
 
 
@@ -624,20 +625,32 @@ class LightAgent:
             raise Refused("NOT_FOUND", f"run {run!r} has no workers on this node")
         return [current] if current.running and attempt in (0, current.attempt) else []
 
-    def stop_delay(self, targets: list[Attempt], grace_s: float) -> float:
-        """How long the stop takes: a hung attempt's ranks cannot act on TERM, so they are KILLed
-        after the grace; healthy ranks finish their step and exit within the stop latency."""
+    def stop_delay(self, targets: list[Attempt], grace_s: float, park_s: float = 0.0) -> float:
+        """How long the stop takes: warm ranks asked to park (`park_s` > 0) leave within the stop
+        latency, hung or not; otherwise a hung attempt's ranks cannot act on TERM, so they are KILLed
+        after the grace, and healthy ranks finish their step and exit within the stop latency."""
         if not targets:
             return 0.0
+        if self.parks(grace_s, park_s):
+            return min(self.settings.stop.sample(self.rng), park_s)
         if grace_s == 0 or any(a.frozen_at is not None for a in targets):
             return grace_s
         return min(self.settings.stop.sample(self.rng), grace_s)
 
-    def finish_stop(self, targets: list[Attempt], grace_s: float, now: float) -> list[agent_pb2.WorkerStatus]:
-        """The stopped attempts end: KILLed (a hang, no grace) or TERMed (torchrun exits 1; the ranks
-        report the SIGTERM as their stop reason, so the exit carries it as planned_stop)."""
+    def parks(self, grace_s: float, park_s: float) -> bool:
+        """Whether a stop parks the ranks (warm, asked to park, and not a KILL at once)."""
+        return self.settings.warm and park_s > 0 and grace_s > 0
+
+    def finish_stop(
+        self, targets: list[Attempt], grace_s: float, now: float, park_s: float = 0.0
+    ) -> list[agent_pb2.WorkerStatus]:
+        """The stopped attempts end: parked (warm: the ranks left their collectives, exit 1), KILLed
+        (a hang, no grace) or TERMed (torchrun exits 1; the ranks report the SIGTERM as their stop
+        reason, so the exit carries it as planned_stop)."""
         for a in targets:
-            if grace_s == 0 or a.frozen_at is not None:
+            if self.parks(grace_s, park_s):
+                a.end(now, exit_status(now, code=1))
+            elif grace_s == 0 or a.frozen_at is not None:
                 a.end(now, exit_status(now, signal=9))
             else:
                 a.stop_reason = a.stop_reason or "SIGTERM"

@@ -57,6 +57,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     b.add_argument("--ckpt-every", type=int, default=10, help="steps between commits (0: none; default 10)")
     b.add_argument("--steps", type=int, default=0, help="the run's last step (0: forever)")
     b.add_argument("--seed", type=int, default=0, help="seeds every agent's sampled latencies")
+    b.add_argument(
+        "--cold",
+        action="store_true",
+        help="model warm_workers = false (torchrun's ranks: a hung rank waits out the stop's grace); "
+        "default: the real agent's default, warm parked ranks",
+    )
     p.add_argument("--io-threads", type=int, default=8, help="etcd calls in flight per process (default 8)")
     p.add_argument(
         "--no-revoke", action="store_true", help="at exit leave the leases to expire instead of revoking them"
@@ -104,6 +110,7 @@ def settings(args: argparse.Namespace) -> AgentSettings:
             ckpt_every=args.ckpt_every,
             steps=args.steps,
             seed=args.seed,
+            warm=not args.cold,
         )
     except SettingsError as exc:
         raise UsageError(str(exc)) from None

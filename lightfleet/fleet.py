@@ -78,7 +78,7 @@ def common_argv(args: argparse.Namespace) -> list[str]:
         ("--log-level", args.log_level),
     ):
         out.append(f"{flag}={value}")
-    return out + (["--no-revoke"] if args.no_revoke else [])
+    return out + (["--no-revoke"] if args.no_revoke else []) + (["--cold"] if args.cold else [])
 
 
 class Fleet:

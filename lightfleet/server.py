@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from lightfleet.agent import WARM_OFF, LightAgent, Refused
+from lightfleet.agent import WARM_OFF, WARM_ON, LightAgent, Refused
 from nodeagent.daemon import validate as v
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, store_pb2
 
@@ -129,6 +129,8 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
         a.start_attempt(request, time.time(), record)
         self.process.follow(request.run)
         self.process.flush(a)
+        if a.settings.warm:
+            return agent_pb2.LaunchWorkersResponse(pid=a.pid, launch_path="warm", launch_detail=WARM_ON)
         return agent_pb2.LaunchWorkersResponse(pid=a.pid, launch_path="cold", launch_detail=WARM_OFF)
 
     @unary
@@ -145,8 +147,8 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
             # Agent.stop_workers: an unplanned stop on a node with fatal evidence, or of a stopped
             # process (it cannot act on a TERM), KILLs at once
             grace = 0.0
-        await asyncio.sleep(a.stop_delay(targets, grace))
-        stopped = a.finish_stop(targets, grace, time.time())
+        await asyncio.sleep(a.stop_delay(targets, grace, park))
+        stopped = a.finish_stop(targets, grace, time.time(), park)
         self.process.flush(a)
         return agent_pb2.StopWorkersResponse(stopped=stopped)
 

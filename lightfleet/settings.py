@@ -68,6 +68,11 @@ class AgentSettings:
     ckpt_every: int = 10  # steps between commits (0: none but a planned stop's)
     steps: int = 0  # the run's last step: the ranks finish and exit 0 there (0: train forever)
     seed: int = 0
+    # The real agent's default (warm_workers = true): parked ranks take a launch, and an unplanned
+    # stop that lets them park (park_within_s > 0) ends the attempt within the stop latency, hung
+    # peers included (a warm rank leaves a failed collective when its sockets are shut: ~2 ms,
+    # BENCHMARKS.md). Off: torchrun's ranks, where a rank blocked in a collective waits out the grace.
+    warm: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.local_ranks <= 1024:

@@ -17,6 +17,7 @@ from controller.backends.local import LocalBackend
 from controller.live.translate import Translator
 from controller.supervisor import flight_recorder
 from controller.supervisor.events import AttemptExited, Event, NodeJoined, ProgressObserved
+from lightfleet.agent import WARM_ON
 from lightfleet.settings import AgentSettings, Latency
 from runwarden.store import EventType, Store, WatchEvent
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, store_pb2
@@ -106,7 +107,8 @@ def test_the_controllers_clients_preflight_launch_read_progress_collect_dumps_an
         AttemptSpec(run=RUN, attempt=1, nodes=NODES, command=("train.py",), leader_fence=1)
     )
     assert {(s.node, s.path, s.detail) for s in handle.started} == {
-        (n, "cold", "warm_workers is off") for n in NODES
+        (n, "warm", WARM_ON)
+        for n in NODES  # the real agent's default: warm workers
     }
 
     def steps() -> dict[str, int]:
