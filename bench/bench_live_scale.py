@@ -96,8 +96,13 @@ class Tail:
                 if ev.seq > after_seq and ev.kind == kind and (pred is None or pred(ev)):
                     return ev
             if time.monotonic() > deadline:
-                last = "\n".join(f"  {e.seq} {E.EventKind.Name(e.kind)} a{e.attempt}: {e.message[:160]}" for e in self.entries[-15:])
-                raise TimeoutError(f"no {E.EventKind.Name(kind)} after seq {after_seq} in {timeout_s:g} s; last:\n{last}")
+                last = "\n".join(
+                    f"  {e.seq} {E.EventKind.Name(e.kind)} a{e.attempt}: {e.message[:160]}"
+                    for e in self.entries[-15:]
+                )
+                raise TimeoutError(
+                    f"no {E.EventKind.Name(kind)} after seq {after_seq} in {timeout_s:g} s; last:\n{last}"
+                )
             time.sleep(0.1)
 
     @property
@@ -352,7 +357,12 @@ def main() -> int:
         if args.out:
             Path(args.out).write_text(
                 json.dumps(
-                    {"machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args), "results": results},
+                    {
+                        "machine": platform.node(),
+                        "cpus": os.cpu_count(),
+                        "args": vars(args),
+                        "results": results,
+                    },
                     indent=1,
                 )
             )
