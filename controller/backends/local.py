@@ -9,10 +9,8 @@ controller's host. The live controller launches through it on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from controller.backends.agents import AgentClients
 from controller.backends.base import (
@@ -27,18 +25,6 @@ from controller.backends.base import (
 )
 from runwarden import launch as launch_rule
 from runwarden.v1 import agent_pb2
-
-T = TypeVar("T")
-R = TypeVar("R")
-# `fn` over the items at once, results in order
-FanOut = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
-
-
-def _fan_out(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    todo = list(items)
-    with ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix="fan-out") as threads:
-        return list(threads.map(fn, todo))
-
 
 SCRIPT_MODES = {
     "instrumented": agent_pb2.SCRIPT_MODE_INSTRUMENTED,
@@ -120,7 +106,8 @@ class LocalBackend:
     record (`rendezvous`, the live shell's view of the records). A spare that replaces node rank 0
     brings its own. No known rendezvous for node rank 0 is a `BackendError`: nothing is launched.
 
-    The agents retry temporary RPC failures within the launch deadline (controller/backends/agents.py).
+    Every node's call is sent at once, on the agent clients' loop (controller/backends/agents.py), which
+    retries temporary RPC failures within the launch deadline.
     A node that still did not start is reported in `LaunchIncomplete`, with whether its failure was
     temporary; the other nodes of the attempt keep running (the supervisor decides what happens to
     them, as when a node's workers exit at once).
@@ -133,14 +120,10 @@ class LocalBackend:
         agents: AgentClients,
         rendezvous: Callable[[str], Rendezvous | None],
         config: LocalConfig | None = None,
-        fan_out: FanOut | None = None,
     ) -> None:
         self.agents = agents
         self.rendezvous = rendezvous  # node -> where it hosts the store (its node record), or None
         self.config = config or LocalConfig()
-        # how the nodes' calls run at once: the live shell's call pool (controller.live.rpc_pools);
-        # else a pool per fan-out, as wide as the attempt
-        self.fan_out: FanOut = fan_out or _fan_out
 
     def allocate(self, nodes: int, spares: int) -> Allocation:
         raise BackendError("the local fleet is static: a node joins when its agent starts")
@@ -191,7 +174,7 @@ class LocalBackend:
         not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
         launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
-        answers = self.fan_out(lambda nr: self.agents.launch(nr[0], nr[1], launch_s), reqs)
+        answers = self.agents.gather(self.agents.launch_async(n, r, launch_s) for n, r in reqs)
         started = tuple(
             NodeStarted(
                 node=o.node,
@@ -217,8 +200,8 @@ class LocalBackend:
         """SIGTERM every node's workers of the attempt, SIGKILL after `grace_s` (the agent does both)."""
         spec = handle.spec
         req = agent_pb2.StopWorkersRequest(run=spec.run, attempt=spec.attempt, grace_s=grace_s)
-        outcomes = self.fan_out(
-            lambda n: self.agents.stop(n, req, grace_s + self.config.rpc_timeout_s), spec.nodes
+        outcomes = self.agents.gather(
+            self.agents.stop_async(n, req, grace_s + self.config.rpc_timeout_s) for n in spec.nodes
         )
         failed = tuple(o.node for o in outcomes if not o.ok)
         return AttemptStatus(

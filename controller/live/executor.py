@@ -9,23 +9,25 @@ the same iteration, slow work (agent RPCs) runs off the loop and its results com
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import assert_never
 
 from google.protobuf.message import DecodeError
 
 import runwarden
-from controller.backends.agents import AgentClients
+from controller.backends.agents import AgentClients, PreflightOutcome
 from controller.backends.base import AttemptSpec, BackendError, Scheduler, StaticFleet
 from controller.backends.local import LaunchIncomplete, LocalBackend
 from controller.fleet.claims import Claims, read_claim
 from controller.live import bandwidth
 from controller.live.paging import Pager
-from controller.live.rpc_pools import RpcKind, RpcPools
+from controller.live.tasks import TaskPool
 from controller.live.translate import Translator, parse
 from controller.supervisor import flight_recorder
 from controller.supervisor.actions import (
@@ -125,7 +127,7 @@ class Executor:
         pager: Pager,
         translator: Translator,
         claims: Claims | None = None,
-        pools: RpcPools,
+        tasks: TaskPool,
         scheduler: Scheduler | None = None,
         allocated: threading.Event | None = None,
         stopping: threading.Event | None = None,
@@ -145,7 +147,7 @@ class Executor:
         self.pager = pager
         self.translator = translator
         self.claims = claims or Claims(store, settings.run)
-        self.pools = pools
+        self.tasks = tasks
         self.scheduler: Scheduler = scheduler or StaticFleet()
         self.kept_out: set[str] = set()  # quarantined through the scheduler: never asked of the queue
         self.save_commit_s = 0.0  # the longest checkpoint save + commit seen (the stop must fit it)
@@ -202,15 +204,15 @@ class Executor:
             case SetTimer():
                 self.timers.set(action.key, action.at)
             case RunPreflight():
-                self.pools.submit(RpcKind.TASK, self._claim_then_preflight, action)
+                self.tasks.submit(self._claim_then_preflight, action)
             case Launch():
                 return self._launch(action)
             case StopAttempt():
-                self.pools.submit(RpcKind.TASK, self._stop, action)
+                self.tasks.submit(self._stop, action)
             case CollectDumps():
-                self.pools.submit(RpcKind.TASK, self._collect, action)
+                self.tasks.submit(self._collect, action)
             case MeasureBandwidth():
-                self.pools.submit(RpcKind.TASK, self._measure_bandwidth, action)
+                self.tasks.submit(self._measure_bandwidth, action)
             case PersistNode():
                 self._persist(action.record)
             case PersistCheckpoint():
@@ -223,12 +225,12 @@ class Executor:
                 # The pool state is persisted by PersistNode; the scheduler keeps the node out of its
                 # own placements too (a Slurm drain, a Kubernetes taint, off the Ray placement).
                 self.kept_out.add(action.node)
-                self.pools.submit(RpcKind.TASK, self._tell_scheduler, action)
+                self.tasks.submit(self._tell_scheduler, action)
             case Release():
                 self.kept_out.discard(action.node)
-                self.pools.submit(RpcKind.TASK, self._tell_scheduler, action)
+                self.tasks.submit(self._tell_scheduler, action)
             case AllocateFromQueue():
-                self.pools.submit(RpcKind.TASK, self._request_nodes, action, tuple(sorted(self.kept_out)))
+                self.tasks.submit(self._request_nodes, action, tuple(sorted(self.kept_out)))
             case TakeSpare():
                 log.info("%s", action)  # the spare is already ours: inside the allocation
             case _:
@@ -372,7 +374,7 @@ class Executor:
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
-        self.pools.submit(RpcKind.TASK, self._start_workers, action, spec)
+        self.tasks.submit(self._start_workers, action, spec)
         return []
 
     def _retire_relaunch_stop(self) -> None:
@@ -435,13 +437,20 @@ class Executor:
                     )
                 )
             else:
-                kind = RpcKind.BURN_IN if action.purpose == "burn_in" else RpcKind.PREFLIGHT
-                self.pools.submit(kind, self._preflight, action, node)
+                call = self.agents.run_preflight_async(
+                    node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s
+                )
+                # no thread waits for it: the answer is posted from the agents' loop
+                self.agents.submit(call).add_done_callback(
+                    functools.partial(self._preflight_done, action, node)
+                )
 
-    def _preflight(self, action: RunPreflight, node: str) -> None:
-        out = self.agents.run_preflight(
-            node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s
-        )
+    def _preflight_done(self, action: RunPreflight, node: str, done: Future[PreflightOutcome]) -> None:
+        try:
+            out = done.result()
+        except BaseException:  # a bug (or the clients closing): the core's preflight timer answers
+            log.exception("preflight of %s", node)
+            return
         if not out.ok:
             self.post(
                 ActionFailed(
@@ -470,7 +479,7 @@ class Executor:
         otherwise stop them all now."""
         if action.planned:
             req = agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason)
-            self.pools.map(lambda n: self.agents.request_stop(n, req), action.nodes)
+            self.agents.gather(self.agents.request_stop_async(n, req) for n in action.nodes)
             # The stop also reaches the agents through the run's stop key; wait for the exits either way.
             deadline = time.monotonic() + action.grace_s  # ends as soon as every exit is seen
             running = list(action.nodes)
@@ -478,16 +487,17 @@ class Executor:
                 running = [n for n in running if not self.translator.has_exited(n, action.attempt)]
                 if running and self.stopping.wait(_EXIT_POLL_S):
                     return
-        self.pools.map(lambda n: self._stop_node(action, n), action.nodes)
+        self.agents.gather(self._stop_node(action, n) for n in action.nodes)
 
-    def _stop_node(self, action: StopAttempt, node: str) -> None:
+    async def _stop_node(self, action: StopAttempt, node: str) -> None:
+        """(the agents' loop)"""
         if not self.agents.address(node):
             # its lease expired and its address was forgotten: no agent to ask, and retrying "no
             # address" until the stop's deadline would only hold a thread
             log.info("stop of attempt %d: %s has no agent (lost); nothing to stop", action.attempt, node)
             return
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
-        out = self.agents.stop(
+        out = await self.agents.stop_async(
             node,
             agent_pb2.StopWorkersRequest(
                 run=self.s.run,
@@ -518,10 +528,10 @@ class Executor:
         # timeout once, not once per node, and the answer arrives before the core gives up on it.
         per_rank_s = max(0.5, action.timeout_s * 0.6)
         req = agent_pb2.CollectFlightRecorderRequest(run=self.s.run, timeout_s=per_rank_s)
-        answers = self.pools.map(
-            lambda n: (n, *self.agents.collect_dumps(n, req, per_rank_s + 5.0)), action.nodes
+        answers = self.agents.gather(
+            self.agents.collect_dumps_async(n, req, per_rank_s + 5.0) for n in action.nodes
         )
-        for node, out, resp in answers:
+        for node, (out, resp) in zip(action.nodes, answers, strict=True):
             if not out.ok or resp is None:
                 rank_dumps.extend(
                     agent_pb2.RankDump(rank=rank, ok=False, error=f"agent: {out.error}")

@@ -32,7 +32,7 @@ from controller.fleet.claims import BID_WINDOW_S, Claims
 from controller.live.executor import Executor, RunSettings
 from controller.live.loss_history import read_history
 from controller.live.paging import Pager
-from controller.live.rpc_pools import RpcKind, RpcPools
+from controller.live.tasks import TaskPool
 from controller.live.translate import Addresses, Listing, Translator, record_view
 from controller.supervisor.actions import Batch
 from controller.supervisor.events import (
@@ -236,12 +236,11 @@ class LiveController:
         self.restart_budget = int(probe.cfg.restart_budget)
         self.core: Core | None = None
         self.agents = agents or AgentClients()
-        self.pools = RpcPools()
+        self.tasks = TaskPool()
         self.backend = backend or LocalBackend(
             self.agents,
             lambda node: self.translator.rendezvous(node),  # node records, as the current view has them
             LocalConfig(rpc_timeout_s=cfg.rpc_timeout_s, script_mode=cfg.script_mode),
-            fan_out=self.pools.map,
         )
         self.pager = pager or Pager()
         self.scheduler: Scheduler = scheduler or StaticFleet()
@@ -323,7 +322,7 @@ class LiveController:
 
     def close(self) -> None:
         self.stop()
-        self.pools.shutdown()
+        self.tasks.shutdown()
         self.agents.close()
 
     # -- leading ------------------------------------------------------------------------------
@@ -394,7 +393,7 @@ class LiveController:
             pager=self.pager,
             translator=self.translator,
             claims=self.claims,
-            pools=self.pools,
+            tasks=self.tasks,
             scheduler=self.scheduler,
             allocated=self._allocated,
             stopping=self.stopping,
@@ -422,7 +421,7 @@ class LiveController:
         self._start_watches(revision + 1)
         self.is_leader.set()
         if not self._allocated.is_set():
-            self.pools.submit(RpcKind.TASK, self._allocate)
+            self.tasks.submit(self._allocate)
         threading.Thread(
             target=self._check_adopted, args=(self.executor, self.translator), name="adopt-check", daemon=True
         ).start()
@@ -652,7 +651,7 @@ class LiveController:
         outcome = _OUTCOMES.get(st.state.name)
         if outcome is not None and self.outcome is None:
             self.outcome = outcome
-            self.pools.submit(RpcKind.TASK, self._finish, outcome)
+            self.tasks.submit(self._finish, outcome)
 
     def pool_state(self, node: str) -> common_pb2.PoolState.ValueType:
         pn = self.core.pool.nodes.get(node) if self.core is not None else None
@@ -721,8 +720,8 @@ class LiveController:
     def _apply(self, addresses: Addresses) -> None:
         for node in addresses.forget:
             self.agents.forget(node)
-        for node, address in addresses.set.items():
-            self.agents.set_address(node, address)
+        for node, (address, registration) in addresses.set.items():
+            self.agents.set_address(node, address, registration)
 
     def _start_watches(self, start_revision: int) -> None:
         k = self.keys
@@ -801,8 +800,9 @@ class LiveController:
             for node in sorted(pending):
                 if translator.has_exited(node, attempt) or node not in executor.attempt_nodes:
                     pending.discard(node)
-                    continue
-                out, resp = self.agents.status(node, timeout_s=2.0)
+            asking = sorted(pending)
+            answers = self.agents.gather(self.agents.status_async(n, timeout_s=2.0) for n in asking)
+            for node, (out, resp) in zip(asking, answers, strict=True):
                 if not out.ok or resp is None:
                     continue  # unreachable for now; if it is gone, its lease says so (NodeLost)
                 pending.discard(node)

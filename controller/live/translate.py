@@ -60,9 +60,10 @@ def parse(cls: type[_M], data: bytes, what: str = "") -> _M:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Addresses:
-    """Agent channel changes a translation asks for: set (node -> address) and forget (re-created)."""
+    """Agent channel changes a translation asks for: set (node -> its agent's address and the lease
+    it registered under: a new registration gets a new channel) and forget (the node is gone)."""
 
-    set: dict[str, str] = field(default_factory=dict)
+    set: dict[str, tuple[str, int]] = field(default_factory=dict)
     forget: tuple[str, ...] = ()
 
 
@@ -119,7 +120,7 @@ class Translator:
         and the attempt record."""
         with self._lock:
             alive: dict[str, int] = {}
-            addresses: dict[str, str] = {}
+            addresses: dict[str, tuple[str, int]] = {}
             draining: dict[str, str] = {}
             for kv in listing.nodes:
                 rec = _try(store_pb2.NodeRecord, kv.value)
@@ -128,7 +129,7 @@ class Translator:
                 self.known_nodes[rec.node] = rec
                 if why := self._drain_reason(rec):
                     draining[rec.node] = why
-                addresses[rec.node] = rec.address
+                addresses[rec.node] = (rec.address, rec.lease_id)
                 alive[rec.node] = max(1, rec.local_ranks or self.procs_per_node)
             reps = {kv.key.rsplit("/", 1)[-1]: kv for kv in listing.reputation}
             records = []
@@ -258,10 +259,9 @@ class Translator:
         if why != was:
             out.append(NodeDraining(node=node, reason=why))
         self.known_nodes[node] = rec
-        # A re-registered agent gets a new channel: the old one may sit in gRPC's reconnect backoff
-        # after the agent died and fail the next RPC (its burn-in) at once.
-        addresses = Addresses(set={node: rec.address}, forget=(node,) if fresh else ())
-        return out, addresses
+        # A re-registered agent (a new lease) gets a new channel (AgentClients.set_address); a node a
+        # new leader sees again keeps its channel and the calls in flight on it.
+        return out, Addresses(set={node: (rec.address, rec.lease_id)})
 
     def _drain_reason(self, rec: store_pb2.NodeRecord, *, quiet: bool = False) -> str:
         """Why the node of `rec` drains ("" when it does not): its agent's state says DRAINING, or

@@ -5,6 +5,7 @@ servicer fails the first calls (the real agent is in tests/live/test_loop_failur
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -46,7 +47,7 @@ class FakeTime:
     def clock(self) -> float:
         return self.now
 
-    def sleep(self, s: float) -> None:
+    async def sleep(self, s: float) -> None:
         self.sleeps.append(s)
         self.now += s
 
@@ -54,7 +55,7 @@ class FakeTime:
 def scripted(codes: list[str], t: FakeTime, cost_s: float = 0.0):
     timeouts: list[float] = []
 
-    def call(timeout: float) -> tuple[RpcOutcome, str | None]:
+    async def call(timeout: float) -> tuple[RpcOutcome, str | None]:
         timeouts.append(timeout)
         t.now += cost_s
         code = codes.pop(0) if codes else "OK"
@@ -70,7 +71,7 @@ def scripted(codes: list[str], t: FakeTime, cost_s: float = 0.0):
 def test_temporary_failures_are_retried_with_doubling_waits_until_an_answer() -> None:
     t = FakeTime()
     call, timeouts = scripted(["UNAVAILABLE", "DEADLINE_EXCEEDED", "UNAVAILABLE"], t)
-    out, resp = with_retries(call, deadline_s=10.0, sleep=t.sleep, clock=t.clock)
+    out, resp = asyncio.run(with_retries(call, deadline_s=10.0, sleep=t.sleep, clock=t.clock))
     assert out.ok and resp == "answer" and out.tries == 4
     assert t.sleeps == [0.1, 0.2, 0.4]
     assert timeouts[0] == 10.0 and timeouts[-1] == pytest.approx(10.0 - 0.7)  # each try gets what is left
@@ -79,14 +80,14 @@ def test_temporary_failures_are_retried_with_doubling_waits_until_an_answer() ->
 def test_a_permanent_failure_is_not_retried() -> None:
     t = FakeTime()
     call, timeouts = scripted(["PERMISSION_DENIED"], t)
-    out, resp = with_retries(call, deadline_s=10.0, sleep=t.sleep, clock=t.clock)
+    out, resp = asyncio.run(with_retries(call, deadline_s=10.0, sleep=t.sleep, clock=t.clock))
     assert not out.ok and not out.temporary and resp is None and len(timeouts) == 1 and t.sleeps == []
 
 
 def test_still_temporary_when_the_deadline_runs_out() -> None:
     t = FakeTime()
     call, timeouts = scripted(["UNAVAILABLE"] * 100, t, cost_s=0.5)
-    out, _ = with_retries(call, deadline_s=5.0, sleep=t.sleep, clock=t.clock)
+    out, _ = asyncio.run(with_retries(call, deadline_s=5.0, sleep=t.sleep, clock=t.clock))
     assert not out.ok and out.temporary and out.tries == len(timeouts) > 1
     assert t.now <= 5.0 + 0.5  # never waits past the deadline (the last try may take its own time)
 
@@ -95,7 +96,9 @@ def test_no_retry_once_stopped_and_closed_clients_retry_nothing() -> None:
     t = FakeTime()
     call, _ = scripted(["UNAVAILABLE"] * 100, t)
     stops = iter([False, False, True])
-    out, _ = with_retries(call, deadline_s=300.0, sleep=t.sleep, clock=t.clock, stopped=lambda: next(stops))
+    out, _ = asyncio.run(
+        with_retries(call, deadline_s=300.0, sleep=t.sleep, clock=t.clock, stopped=lambda: next(stops))
+    )
     assert not out.ok and out.tries == 3 and t.sleeps == [0.1, 0.2]
     # an exiting controller closes its clients: a call to an agent with no address returns at once
     clients = AgentClients()

@@ -68,7 +68,7 @@ class ScriptedAgents(AgentClients):
         self.answers = answers
         self.requests: list[agent_pb2.LaunchWorkersRequest] = []
 
-    def launch(
+    async def launch_async(
         self, node: str, request: agent_pb2.LaunchWorkersRequest, timeout_s: float
     ) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
         self.requests.append(request)

@@ -41,8 +41,8 @@ def node_events(store: Store, translator: Translator, clients: AgentClients) -> 
             create_revision=kv.create_revision,
         )
         events, addresses = translator.watch_event(item)
-        for node, address in addresses.set.items():
-            clients.set_address(node, address)
+        for node, (address, registration) in addresses.set.items():
+            clients.set_address(node, address, registration)
         out += events
     return out
 

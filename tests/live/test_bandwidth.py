@@ -19,7 +19,7 @@ from controller.backends.agents import AgentClients, RpcOutcome
 from controller.live import bandwidth
 from controller.live.bandwidth import ring_rounds, run_gate
 from controller.live.executor import Executor, RunSettings
-from controller.live.rpc_pools import RpcPools
+from controller.live.tasks import TaskPool
 from controller.supervisor.actions import Batch, MeasureBandwidth
 from controller.supervisor.events import ActionFailed, BandwidthMeasured
 from runwarden.v1 import agent_pb2
@@ -134,7 +134,7 @@ def test_fake_rpc_nothing_measured_is_a_temporary_action_failed() -> None:
     failed = posted.get(timeout=10)
     assert isinstance(failed, ActionFailed) and failed.action == action and failed.temporary
     assert "refused here" in failed.reason
-    ex.pools.shutdown()
+    ex.tasks.shutdown()
 
 
 def test_fake_rpc_the_gate_ends_within_its_budget_when_the_others_never_join() -> None:
@@ -163,7 +163,7 @@ def _executor(agents, posted: queue.Queue) -> Executor:
         agents=agents,
         pager=None,
         translator=None,
-        pools=RpcPools(),
+        tasks=TaskPool(),
         post=posted.put,
         relist=lambda: None,
         listeners=[],
@@ -218,7 +218,7 @@ def test_a_burn_in_soak_through_the_executor_against_three_real_agents(three_age
     assert answer.duration_s <= cost < 60
     shown = ", ".join(f"{n} {g:.3f}" for n, g in answer.per_node_gbps)
     print(f"burn-in soak on 3 real agents: {cost:.2f}s; set {answer.set_gbps:.3f} GB/s; best pair: {shown}")
-    ex.pools.shutdown()
+    ex.tasks.shutdown()
     clients.close()
 
 

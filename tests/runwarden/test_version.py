@@ -74,7 +74,7 @@ def test_an_agent_outside_the_rule_drains_never_lost_and_is_logged_once(
             NodeJoined(node="older", local_ranks=1),
             NodeDraining(node="older", reason=f"version: {why}"),
         ]
-        assert addresses.set == {"older": "10.0.0.1:50051"}
+        assert addresses.set == {"older": ("10.0.0.1:50051", 0)}
         assert tr.watch_event(put("older", "0.2.7"))[0] == []
         # an agent of the running attempt that a controller two minors ahead meets: no NodeLost
         events, _ = tr.watch_event(put("old", "0.2.9"))
