@@ -14,6 +14,18 @@ from collections.abc import Sequence
 # interpreter of whoever launches it (the console script `torchrun` may belong to another environment).
 TORCHRUN_MODULE = ("-m", "torch.distributed.run")
 
+# How many of its attempt's peers a node is told of (`TorchrunLaunch.peers`): the ones it asks, when its
+# own lease cannot be renewed, whether they can renew theirs. A few suffice to tell an etcd outage from
+# a partition of this host; all of them made every launch O(nodes) in size and the attempt's O(nodes^2)
+# (2,047 addresses in each of 2,048 requests).
+LIVENESS_PEERS = 8
+
+
+def liveness_peers(nodes: Sequence[str], rank: int, k: int = LIVENESS_PEERS) -> list[str]:
+    """The `k` nodes after node rank `rank` in the attempt's order, wrapping: each node is asked by `k`
+    others, never the first few by everyone."""
+    return [nodes[(rank + j) % len(nodes)] for j in range(1, min(k, len(nodes) - 1) + 1)]
+
 
 def torchrun_argv(
     *,

@@ -161,7 +161,11 @@ class LocalBackend:
                         is_host=rank == 0,
                         no_python=self.config.no_python,
                         script_mode=SCRIPT_MODES[self.config.script_mode],
-                        peers=[a for n in spec.nodes if n != node and (a := self.agents.address(n))],
+                        peers=[
+                            a
+                            for n in launch_rule.liveness_peers(spec.nodes, rank)
+                            if (a := self.agents.address(n))
+                        ],
                         cold=spec.cold,
                     ),
                 ),

@@ -38,6 +38,7 @@ from nodeagent.daemon.progress import ProgressTable
 from nodeagent.warm import groups as warm
 from runwarden import run_policy
 from runwarden.evidence import is_fatal
+from runwarden.launch import LIVENESS_PEERS
 from runwarden.sdnotify import Notifier, watchdog_interval_s
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
@@ -493,7 +494,9 @@ class Agent:
         if not any(w.running for w in self.launcher.workers()):
             return Verdict(keep=False, why="no worker runs here")
         return peers_cannot_renew(
-            self.peer_leases.ages(self.peers[:8]), unconfirmed_s=unconfirmed_s, ttl_s=self.config.lease_ttl_s
+            self.peer_leases.ages(self.peers[:LIVENESS_PEERS]),
+            unconfirmed_s=unconfirmed_s,
+            ttl_s=self.config.lease_ttl_s,
         )
 
     # --- an earlier incarnation's ranks -----------------------------------------------------------

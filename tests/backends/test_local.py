@@ -45,6 +45,30 @@ def test_each_node_gets_its_rank_and_the_rank_zero_node_hosts_the_rendezvous() -
     assert r0.env["RUNWARDEN_RESUME_STEP"] == "40" and r0.env["PYTHONPATH"] == "/repo"
 
 
+def test_each_node_is_told_of_eight_peers_after_it_not_the_whole_attempt() -> None:
+    """The peers a node asks when its own lease cannot be renewed: the 8 after it in the attempt's
+    order, wrapping; every node asked by 8 others. All of them made a 2,048-node launch 4.2 million
+    addresses."""
+    nodes = tuple(f"n{i:04d}" for i in range(2048))
+    agents = AgentClients()
+    for i, n in enumerate(nodes):
+        agents.set_address(n, f"10.0.{i // 256}.{i % 256}:50051")
+    backend = LocalBackend(agents, lambda n: Rendezvous(host="10.0.0.1", port=29400))
+    reqs = backend.requests(spec(nodes), endpoint="10.0.0.1:29400")
+    told = {n: list(r.torchrun.peers) for n, r in reqs}
+    assert told["n0000"] == [f"10.0.0.{i}:50051" for i in range(1, 9)]
+    assert told["n2047"] == [f"10.0.0.{i}:50051" for i in range(0, 8)]
+    asked: dict[str, int] = {}
+    for peers in told.values():
+        assert len(peers) == len(set(peers)) == 8
+        for p in peers:
+            asked[p] = asked.get(p, 0) + 1
+    assert set(asked.values()) == {8}
+    (_, r0), (_, r1) = backend.requests(spec(nodes[:2]), endpoint="10.0.0.1:29400")
+    assert list(r0.torchrun.peers) == ["10.0.0.1:50051"] and list(r1.torchrun.peers) == ["10.0.0.0:50051"]
+    agents.close()
+
+
 def test_a_spare_replacing_node_rank_0_brings_its_own_rendezvous() -> None:
     backend = LocalBackend(AgentClients(), RECORDS.get)
     assert backend.endpoint(spec(("node5", "node2"))) == "10.0.0.15:29415"
