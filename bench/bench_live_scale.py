@@ -288,6 +288,7 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             i = 0
             while time.monotonic() - t_soak < args.soak_s:
                 sleep_sampling(sampler, args.fault_every_s)
+                tail.poll()  # the soak waits on no event: read the log's new entries here
                 launches = [e for e in tail.entries if e.kind == E.EVENT_KIND_LAUNCH]
                 cur_nodes = list(launches[-1].launch.nodes) if launches else nodes
                 target = cur_nodes[(7 * i + 3) % len(cur_nodes)]
@@ -301,10 +302,13 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             sampler.sample()
             out["soak"] = {"faults": i, **sampler.window(t_soak)}
             out["whole"] = sampler.window(t_all)
+            tail.poll()
             ev = tail.entries
             out["events"] = len(ev)
             out["restarts"] = sum(1 for e in ev if e.kind == E.EVENT_KIND_LAUNCH)
             out["quarantines"] = sum(1 for e in ev if e.kind == E.EVENT_KIND_QUARANTINE)
+            # the shipped restart budget (20 a day) ends a run faulted every 30 s after 20 restarts
+            out["run_end"] = next((e.message for e in ev if e.kind == E.EVENT_KIND_RUN_END), "")
             out["fleet"] = fleet.describe()
         finally:
             if ctl is not None and ctl.poll() is None:

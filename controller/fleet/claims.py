@@ -29,6 +29,8 @@ BID_WINDOW_S = 0.3  # asks this close together are decided by priority
 # An attempt record's transaction compares each node's claim up to this many nodes (with the fence and
 # the record's own compare, within etcd's default --max-txn-ops of 128); past it, one prefix compare.
 PER_NODE_COMPARES = 100
+# Nodes a claim transaction takes (the fence and one compare each: within the same 128).
+CLAIM_CHUNK = 100
 
 
 def read_claim(kv: KeyValue | None) -> store_pb2.NodeClaim | None:
@@ -182,7 +184,9 @@ class Claims:
                 self._withdraw(wanted)
                 return [Refused(node=n, reason=f"bid not placed: {exc}") for n in wanted]
             time.sleep(self.bid_window_s)
-        bids_left = set(wanted) if contested else set()
+        if not contested:  # nobody can out-bid this run: many nodes a transaction
+            return self._create_all(wanted, leadership)
+        bids_left = set(wanted)
         try:
             for node in wanted:
                 beaten = self._beaten_by(node) if contested else ""
@@ -238,6 +242,47 @@ class Claims:
             if rank < best:
                 best_run, best = rival.run, rank
         return "" if best_run == self.run else best_run
+
+    def _create_all(self, nodes: list[str], leadership: Leadership) -> list[Refused]:
+        """Take every node of `nodes` no run holds, `CLAIM_CHUNK` a transaction (the fence and each
+        claim absent); a chunk that one held node fails is taken node by node, each answered alone."""
+        refused: list[Refused] = []
+        for i in range(0, len(nodes), CLAIM_CHUNK):
+            chunk = nodes[i : i + CLAIM_CHUNK]
+            now = self.clock()
+            puts = [
+                Put(
+                    key=self.keys.claim(node),
+                    value=store_pb2.NodeClaim(
+                        node=node,
+                        run=self.run,
+                        priority=self.priority,
+                        claimed_at=now,
+                        claimed_by=self.identity,
+                    ).SerializeToString(),
+                )
+                for node in chunk
+            ]
+            compares = [self.store.fence(leadership), *(Compare(key=p.key, absent=True) for p in puts)]
+            try:
+                result = self.store.txn(f"claim {len(chunk)} nodes", compares, puts)
+            except StoreError as exc:
+                refused += [Refused(node=n, reason=f"claim not taken: {exc}") for n in chunk]
+                continue
+            if result.succeeded:
+                with self._lock:
+                    self._held.update(dict.fromkeys(chunk, result.revision))
+                log.info(
+                    "run %s claimed %s",
+                    self.run,
+                    chunk[0] if len(chunk) == 1 else f"{len(chunk)} nodes: {chunk[0]}..{chunk[-1]}",
+                )
+                continue
+            for node in chunk:
+                why, _ = self._create(node, leadership, withdraw_bid=False)
+                if why:
+                    refused.append(Refused(node=node, reason=why))
+        return refused
 
     def _create(self, node: str, leadership: Leadership, *, withdraw_bid: bool) -> tuple[str, bool]:
         """Take `node` if no run holds it: ("" or why not, whether the bid went with the claim)."""

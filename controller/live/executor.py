@@ -60,7 +60,7 @@ from controller.supervisor.events import (
 from controller.supervisor.pool import NodeRecordView
 from controller.supervisor.timers import Timers
 from runwarden.eventlog import EventLog, EventLogError, LogEntry
-from runwarden.store import Compare, Leadership, Put, Store, StoreError
+from runwarden.store import Compare, KeyValue, Leadership, Put, Store, StoreError
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ _HARD_STOP_GRACE_S = 2.0
 # park again, holding their state for the next attempt (StopWorkersRequest.park_within_s); a rank
 # still inside the attempt after this long is killed with its group. Cold workers stop as always.
 _PARK_WITHIN_S = 3.0
+# Node records a persist transaction writes: 2 puts each, under etcd's default 128 operations a txn.
+_PERSIST_CHUNK = 60
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,8 +184,17 @@ class Executor:
                     )
             return answers
         answers = []
+        persisting: list[NodeRecordView] = []  # consecutive PersistNode actions: written together
         for action in memory_first(batch.actions):
+            if isinstance(action, PersistNode):
+                persisting.append(action.record)
+                continue
+            if persisting:
+                self._persist_all(persisting)
+                persisting = []
             answers.extend(self._execute(action))
+        if persisting:
+            self._persist_all(persisting)
         return answers
 
     def _append_unwritten(self) -> None:
@@ -600,7 +611,60 @@ class Executor:
                 "recording the supervisor's memory failed: %s (written again at its next change)", exc
             )
 
+    def _persist_all(self, records: Sequence[NodeRecordView]) -> None:
+        """Node records, many in one transaction: a fleet's records (2,064 at a 2,048-host run's start)
+        were a read and a transaction each, seconds of the loop's thread. One read of the claims, then
+        `_PERSIST_CHUNK` nodes a transaction under the same compares as one node's; a chunk whose
+        compares fail (a claim changed meanwhile) is written node by node, each deciding on its own."""
+        records = list({rec.node: rec for rec in records}.values())  # a node twice: its last record
+        if len(records) == 1:
+            self._persist(records[0])
+            return
+        for rec in records:
+            if self._out_of_service(rec) and not self.claims.holds(rec.node):
+                self.claims.take_now(rec.node, self.leadership)
+        try:
+            kvs, _ = self.store.get_prefix(self.keys.claims_prefix())
+        except StoreError as exc:
+            log.warning("persisting %d node records failed: %s", len(records), exc)
+            return
+        claims = {kv.key: kv for kv in kvs}
+        writes = []
+        for rec in records:
+            claim = self._compare_claim(rec, claims.get(self.keys.claim(rec.node)))
+            if claim is not None:
+                writes.append((rec, claim, self._record_puts(rec)))
+        for i in range(0, len(writes), _PERSIST_CHUNK):
+            chunk = writes[i : i + _PERSIST_CHUNK]
+            try:
+                ok = self.store.txn(
+                    f"persist {len(chunk)} nodes",
+                    [self.store.fence(self.leadership), *(claim for _, claim, _ in chunk)],
+                    [put for _, _, puts in chunk for put in puts],
+                ).succeeded
+            except StoreError as exc:
+                log.warning("persisting %d node records failed: %s", len(chunk), exc)
+                continue
+            if not ok:
+                for rec, _, _ in chunk:
+                    self._persist(rec)
+
     def _persist(self, rec: NodeRecordView) -> None:
+        try:
+            if self._out_of_service(rec) and not self.claims.holds(rec.node):
+                self.claims.take_now(rec.node, self.leadership)
+            claim = self._compare_claim(rec, self.store.get(self.keys.claim(rec.node)))
+            if claim is None:
+                return
+            ok = self.store.txn(
+                f"persist {rec.node}", [self.store.fence(self.leadership), claim], self._record_puts(rec)
+            ).succeeded
+            if not ok:
+                log.info("%s's record not written: its claim or this leadership changed meanwhile", rec.node)
+        except StoreError as exc:
+            log.warning("persisting %s failed: %s", rec.node, exc)
+
+    def _record_puts(self, rec: NodeRecordView) -> list[Put]:
         now = self.clock()
         entry = store_pb2.PoolEntry(
             node=rec.node,
@@ -624,32 +688,20 @@ class Executor:
             repaired_at=rec.repaired_at,
             evidence_kinds=[common_pb2.EvidenceKind.ValueType(k) for k in rec.evidence_kinds[-32:]],
         )
-        try:
-            claim = self._claim_compare(rec)
-            if claim is None:
-                return
-            ok = self.store.txn(
-                f"persist {rec.node}",
-                [self.store.fence(self.leadership), claim],
-                [
-                    Put(key=self.keys.pool(rec.node), value=entry.SerializeToString()),
-                    Put(key=self.keys.reputation(rec.node), value=rep.SerializeToString()),
-                ],
-            ).succeeded
-            if not ok:
-                log.info("%s's record not written: its claim or this leadership changed meanwhile", rec.node)
-        except StoreError as exc:
-            log.warning("persisting %s failed: %s", rec.node, exc)
+        return [
+            Put(key=self.keys.pool(rec.node), value=entry.SerializeToString()),
+            Put(key=self.keys.reputation(rec.node), value=rep.SerializeToString()),
+        ]
 
-    def _claim_compare(self, rec: NodeRecordView) -> Compare | None:
+    @staticmethod
+    def _out_of_service(rec: NodeRecordView) -> bool:
+        return rec.pool_state not in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED)
+
+    def _compare_claim(self, rec: NodeRecordView, kv: KeyValue | None) -> Compare | None:
         """Only the run holding a node writes its record (or any run, while no run holds it; a node
         put out of service is claimed first, so the run that quarantined it answers for it). None:
-        another run holds it, and its record is that run's to write."""
+        another run holds it, and its record is that run's to write. `kv`: the node's claim as read."""
         key = self.keys.claim(rec.node)
-        out_of_service = rec.pool_state not in (common_pb2.POOL_STATE_SPARE, common_pb2.POOL_STATE_ASSIGNED)
-        if out_of_service and not self.claims.holds(rec.node):
-            self.claims.take_now(rec.node, self.leadership)
-        kv = self.store.get(key)
         if kv is None:
             return Compare(key=key, absent=True)
         holder = read_claim(kv)

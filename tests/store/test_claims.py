@@ -209,3 +209,33 @@ def test_same_priority_first_asker_wins_and_never_both(shared: Store) -> None:
     assert (
         len(_race(shared, (1, 1), rounds=8, tag="again")) == 8
     )  # truly at once: one of them, never both (asserted inside)
+
+
+def test_a_run_alone_takes_many_nodes_a_transaction_and_a_held_one_is_refused_alone(shared: Store) -> None:
+    """No other run campaigns under the root (no bid round): 250 nodes in 3 transactions of 100; a
+    chunk holding a node another run kept (its controller gone, its claim left) is taken node by node:
+    that node refused, the rest of its chunk taken."""
+    shared.put(shared.keys.claim("n120"), b"")  # unreadable: no run can be said to hold it
+    beta = Claims(shared, "beta")
+    beta_lead = lead(shared, "beta")
+    assert beta.take_now("n130", beta_lead) == ""
+    beta_lead.resign()  # beta's controller is gone; its claim stays
+    txns = 0
+    real_txn = shared.txn
+
+    def counted(*args, **kwargs):
+        nonlocal txns
+        txns += 1
+        return real_txn(*args, **kwargs)
+
+    shared.txn = counted  # the real transaction, counted
+    alpha = Claims(shared, "alpha")
+    nodes = [f"n{i:03d}" for i in range(250)]
+    refused = alpha.take(nodes, lead(shared, "alpha"))
+    assert sorted((r.node, r.reason.split(" (")[0]) for r in refused) == [
+        ("n120", "claim not taken"),
+        ("n130", "claimed by run beta"),
+    ]
+    assert alpha.held() == set(nodes) - {"n120", "n130"}
+    assert txns == 3 + 100  # three chunks; the second's 100 nodes then one by one
+    assert read_claim(shared.get(shared.keys.claim("n249"))).run == "alpha"
