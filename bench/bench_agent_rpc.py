@@ -8,6 +8,7 @@ The controller's own `AgentClients` (one asyncio loop, one channel per node) fan
 requests are the real ones (`LocalBackend.requests` for a launch of that many nodes). The agents are
 one grpc.aio server in another process that answers at once, so the figures are the controller's side
 alone: CPU seconds of this process (user + system) per fan-out, per call, and the fan-out's wall time.
+Every node's channel has its own connection (as on a fleet, where each agent has its own address).
 Medians over `--repeats`. On a real fleet the agents run on their own hosts; here they share the two
 cores, so the wall time is an upper bound and the CPU per call is what scales with the fleet.
 """

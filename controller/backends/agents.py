@@ -281,6 +281,9 @@ class AgentClients:
         opts = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # the channel's own connection: gRPC's global pool would hand a re-registered agent's new
+            # channel the old one's connection, still in its reconnect backoff after the agent died
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if self._creds is not None:
             channel = aio.secure_channel(target.address, self._creds, options=opts)
