@@ -15,6 +15,9 @@ after a start (runwarden's agents park their standby groups). It is injected int
 for every tool:
 
     crash            SIGKILL the rank's process
+    crash-again      a crash, and once the job has recovered from it, AGAIN_AFTER_S (3 s) after its first
+                     new step, a crash of the same rank of the new attempt: the second one is measured
+                     (a failure storm: a replacement that comes back faulty)
     hang             SIGSTOP the rank's process
     node-lost        SIGKILL node 1's launcher/agent alone (no cleanup), restarted 8 s later (systemd)
     node-lost-store  the same on node 0, whose launcher hosts the rendezvous store
@@ -67,13 +70,14 @@ from bench.peers.observe import (
 )
 from bench.peers.runwarden import RunwardenDeployment
 
-FAULTS = ("crash", "hang", "node-lost", "node-lost-store", "straggler")
+FAULTS = ("crash", "crash-again", "hang", "node-lost", "node-lost-store", "straggler")
 TOOLS = ("torchrun", "torchrun-10s", "nvrx", "runwarden")
 WORLD = 4
 VICTIM_RANK = 1
 WARM_STEP = 14  # inject once every rank has logged this step (the first checkpoint is at 10) ...
 SETTLE_S = 20.0  # ... and this long after the job's first step (the module docstring says why)
 STEPS_AFTER_RECOVERY = 3
+AGAIN_AFTER_S = 3.0  # crash-again: the second crash this long after the first one's first new step
 LOSS_RTOL = 1e-6
 RESTART_LAUNCHER_AFTER_S = 8.0  # as the demo: systemd's Restart=always brings a dead agent back
 UNINTERRUPTED_WINDOW_S = (
@@ -252,6 +256,30 @@ def wait_warm(tail: Tail, dep: Deployment, timeout_s: float, settle_s: float = 0
     return False
 
 
+def await_recovery(
+    tail: Tail, dep: Deployment, fault: str, fault_at: float, base: float, cap_s: float
+) -> tuple[str, int | None]:
+    """(outcome, index into the completions after the fault of the first new step, None unless
+    recovered), once the run recovered, went on uninterrupted, ended, or `cap_s` passed."""
+    while time.time() - fault_at < cap_s:
+        time.sleep(0.2)
+        entries = step_entries(tail.snapshot())
+        before = last_complete_before(entries, fault_at)
+        done = completions(entries, fault_at)
+        if fault == "straggler":
+            idx = normal_speed_after_slow(done, base, fault_at)
+        else:
+            idx = interrupted_then_resumed(done, before, base, fault_at)
+        if idx is not None and len(done) > idx + STEPS_AFTER_RECOVERY:
+            return "recovered", idx
+        quiet = fault == "straggler" or idx is not None or time.time() - fault_at <= UNINTERRUPTED_WINDOW_S
+        if not quiet and done and time.time() - done[-1][0] < 2.0:  # training went on, no restart
+            return "not interrupted", None
+        if not dep.impl.alive() and time.time() - fault_at > RESTART_LAUNCHER_AFTER_S + 2:
+            return "run ended", None
+    return "no recovery within cap", None
+
+
 def run_trial(
     tool: str,
     fault: str,
@@ -277,30 +305,22 @@ def run_trial(
             return failed_trial(tool, fault, rnd, "not started", len(left_procs), time.time() - t_start)
         base = base_step_time(step_entries(tail.snapshot()), time.time())
         before = last_complete_before(step_entries(tail.snapshot()), time.time())
-        fault_at, node = dep.inject(fault)
-        recovered_idx: int | None = None
-        outcome = "no recovery within cap"
-        while time.time() - fault_at < cap_s:
-            time.sleep(0.2)
-            entries = step_entries(tail.snapshot())
-            before = last_complete_before(entries, fault_at)
-            done = completions(entries, fault_at)
-            if fault == "straggler":
-                idx = normal_speed_after_slow(done, base, fault_at)
-            else:
-                idx = interrupted_then_resumed(done, before, base, fault_at)
-            if idx is not None and len(done) > idx + STEPS_AFTER_RECOVERY:
-                recovered_idx = idx
-                outcome = "recovered"
-                break
-            if fault != "straggler" and idx is None and time.time() - fault_at > UNINTERRUPTED_WINDOW_S:
-                recent = bool(done) and time.time() - done[-1][0] < 2.0
-                if recent:  # training went on without a restart: nothing to recover
-                    outcome = "not interrupted"
-                    break
-            if not dep.impl.alive() and time.time() - fault_at > RESTART_LAUNCHER_AFTER_S + 2:
-                outcome = "run ended"
-                break
+        if fault == "crash-again":
+            # The first crash, its recovery, then the same rank of the new attempt AGAIN_AFTER_S later:
+            # only the second is measured.
+            first_at, _ = dep.inject("crash")
+            first, first_idx = await_recovery(tail, dep, "crash", first_at, base, cap_s)
+            if first_idx is None:
+                left_procs, stopped = dep.impl.stop(), True
+                return failed_trial(
+                    tool, fault, rnd, f"first crash: {first}", len(left_procs), time.time() - t_start
+                )
+            resumed_t = completions(step_entries(tail.snapshot()), first_at)[first_idx][0]
+            time.sleep(max(0.0, resumed_t + AGAIN_AFTER_S - time.time()))
+            fault_at, node = dep.inject("crash")
+        else:
+            fault_at, node = dep.inject(fault)
+        outcome, recovered_idx = await_recovery(tail, dep, fault, fault_at, base, cap_s)
         dep.cancel_restart()  # a launcher restart due after the trial would outlive it
         entries = step_entries(tail.snapshot())
         done = completions(entries, fault_at)
