@@ -165,6 +165,18 @@ def interrupted_then_resumed(
     return None
 
 
+def restarted_after(entries: Sequence[StepEntry], done: list[tuple[float, int]], fault_at: float) -> int | None:
+    """Index into `done` of the first step the killed rank logged after the fault by its own clock:
+    its process was killed, so a process of the next attempt wrote it. (A recovery faster than the
+    stall rule's 2 s from a crash just after a commit redoes no step: only this sees it.) None while
+    no line says when it was written."""
+    again = {e.step for e in entries if e.rank == VICTIM_RANK and e.written > fault_at}
+    for i, (_t, step) in enumerate(done):
+        if step in again:
+            return i
+    return None
+
+
 def normal_speed_after_slow(done: list[tuple[float, int]], base_step_s: float, fault_at: float) -> int | None:
     """Index into `done` of the first step at normal speed (< 2x the pre-fault step time) that follows
     a slow one (the slow-down takes a step or two to arrive)."""
@@ -268,6 +280,10 @@ def await_recovery(
         done = completions(entries, fault_at)
         if fault == "straggler":
             idx = normal_speed_after_slow(done, base, fault_at)
+        elif fault in ("crash", "crash-again"):
+            idx = restarted_after(entries, done, fault_at)
+            if idx is None and not any(e.written for e in entries):
+                idx = interrupted_then_resumed(done, before, base, fault_at)
         else:
             idx = interrupted_then_resumed(done, before, base, fault_at)
         if idx is not None and len(done) > idx + STEPS_AFTER_RECOVERY:

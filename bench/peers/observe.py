@@ -23,12 +23,14 @@ class Line:
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
-    """One `{"step", "loss", "attempt"}` line of the job's step log, stamped at arrival."""
+    """One `{"step", "loss", "attempt", "ts"}` line of the job's step log, stamped at arrival (`t`);
+    `written` is the line's own `ts` (the rank's clock when it wrote it; 0 when absent)."""
 
     t: float
     rank: int
     step: int
     loss: float
+    written: float = 0.0
 
 
 class Tail:
@@ -100,7 +102,12 @@ def step_entries(lines: list[Line]) -> list[StepEntry]:
         except json.JSONDecodeError:
             continue
         rank = int(line.path.stem.removeprefix("loss-rank"))
-        out.append(StepEntry(line.t, rank, int(rec["step"]), float(rec["loss"])))
+        written = rec.get("ts", 0.0)
+        out.append(
+            StepEntry(
+                line.t, rank, int(rec["step"]), float(rec["loss"]), written if isinstance(written, float) else 0.0
+            )
+        )
     return out
 
 
