@@ -165,7 +165,9 @@ def interrupted_then_resumed(
     return None
 
 
-def restarted_after(entries: Sequence[StepEntry], done: list[tuple[float, int]], fault_at: float) -> int | None:
+def restarted_after(
+    entries: Sequence[StepEntry], done: list[tuple[float, int]], fault_at: float
+) -> int | None:
     """Index into `done` of the first step the killed rank logged after the fault by its own clock:
     its process was killed, so a process of the next attempt wrote it. (A recovery faster than the
     stall rule's 2 s from a crash just after a commit redoes no step: only this sees it.) None while

@@ -105,7 +105,11 @@ def step_entries(lines: list[Line]) -> list[StepEntry]:
         written = rec.get("ts", 0.0)
         out.append(
             StepEntry(
-                line.t, rank, int(rec["step"]), float(rec["loss"]), written if isinstance(written, float) else 0.0
+                line.t,
+                rank,
+                int(rec["step"]),
+                float(rec["loss"]),
+                written if isinstance(written, float) else 0.0,
             )
         )
     return out
