@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,7 +14,7 @@ import pytest
 
 from controller.ctl.attribute import EXIT_SUSPECTS, main
 from controller.supervisor.flight_recorder import analyze_flight_recorder, verdict
-from runwarden.flightrec import TORCH_DEFAULT_PREFIX, read_dump_dir
+from runwarden.flightrec import TORCH_DEFAULT_PREFIX, _checked_entry, _plain_entry, read_dump_dir
 from runwarden.v1 import common_pb2
 from tests.flightrec.conftest import SCENARIOS
 from tests.flightrec.scenarios import PICKLE_PREFIX, ScenarioRun
@@ -109,6 +110,21 @@ def test_json_over_the_socket_and_the_in_process_pickle_normalise_to_the_same_en
             (e.record_id, e.pg_name, e.collective_seq_id, e.profiling_name, e.input_sizes)
             for e in other.entries
         ]
+
+
+def test_torchs_json_entries_take_the_one_pass_check_and_give_the_same_entries(
+    fr_runs: dict[str, ScenarioRun],
+) -> None:
+    """What the agents collect (torch's JSON dumps) is checked in one pass, to the same entries."""
+    checked = 0
+    for run in fr_runs.values():
+        for path in sorted(run.json_dir.glob(f"{TORCH_DEFAULT_PREFIX}*")):
+            for i, raw in enumerate(json.loads(path.read_bytes()).get("entries", [])):
+                fast = _plain_entry(raw, {})
+                assert fast is not None, (path.name, i, raw)
+                assert fast == _checked_entry(raw, i)
+                checked += 1
+    assert checked > 50
 
 
 def _analyzer_dir(run: ScenarioRun, culprits: set[int], dest: Path) -> Path:

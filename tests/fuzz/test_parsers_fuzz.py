@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from preflight.checks.dcgm import parse_dcgm_diag
 from preflight.xid import MAX_RAW_CHARS, parse_xid_line
 from runwarden.eventlog import parse_log_bytes
-from runwarden.flightrec import FlightRecorderError, parse_dump
+from runwarden.flightrec import FlightRecorderError, _checked_entry, _plain_entry, parse_dump
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 JSON_SCALARS = st.one_of(
@@ -110,8 +110,8 @@ def _plain_pickles() -> st.SearchStrategy[bytes]:
     )
 
 
-def _dump_like() -> st.SearchStrategy[object]:
-    entry = st.dictionaries(
+def _entry_like() -> st.SearchStrategy[dict[str, object]]:
+    return st.dictionaries(
         st.sampled_from(
             [
                 "record_id",
@@ -136,6 +136,10 @@ def _dump_like() -> st.SearchStrategy[object]:
         JSON_VALUES,
         max_size=10,
     )
+
+
+def _dump_like() -> st.SearchStrategy[object]:
+    entry = _entry_like()
     return st.fixed_dictionaries(
         {"version": JSON_VALUES},
         optional={
@@ -162,6 +166,36 @@ def test_flight_recorder_loader_random_input(data: bytes) -> None:
         parse_dump(data)
     except FlightRecorderError as exc:
         assert str(exc) and "\n" not in str(exc)[:300]
+
+
+_PLAIN_ENTRY = {
+    "record_id": st.integers(-(2**70), 2**70), "pg_id": st.integers(0, 9), "collective_seq_id": st.integers(0, 99),
+    "process_group": st.lists(st.text(max_size=3), min_size=1, max_size=3), "profiling_name": st.text(max_size=5),
+    "input_sizes": st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=2), "is_p2p": st.booleans(),
+    "input_dtypes": st.lists(st.text(max_size=3), max_size=2), "timeout_ms": st.none() | st.integers(0, 9),
+    "frames": st.lists(st.fixed_dictionaries({}, optional={"name": st.text(max_size=3), "line": st.integers(0, 9)}),
+                       max_size=2),
+}  # fmt: skip
+
+
+@FUZZ
+@given(
+    raw=st.one_of(
+        _entry_like(),
+        st.fixed_dictionaries({}, optional=_PLAIN_ENTRY),  # mostly well-typed: the one-pass path's ground
+        st.tuples(st.fixed_dictionaries({}, optional=_PLAIN_ENTRY), _entry_like()).map(lambda t: {**t[0], **t[1]}),
+    )
+)
+def test_the_one_pass_entry_check_gives_the_field_by_field_entry_or_steps_aside(raw: dict[str, object]) -> None:
+    """`_plain_entry` is the fast path of `_checked_entry`: the same entry, or None (never an entry
+    that the field-by-field path would refuse or build differently)."""
+    fast = _plain_entry(raw, {})
+    try:
+        checked = _checked_entry(raw, 0)
+    except FlightRecorderError:
+        assert fast is None
+        return
+    assert fast is None or fast == checked
 
 
 def test_flight_recorder_loader_huge_and_nested_input_bounded() -> None:
