@@ -83,6 +83,7 @@ class AttemptSpec:
     procs_per_node: int = 1  # Slurm, Kubernetes; the local backend's agents each use their own local_ranks
     leader_fence: int = 0  # the leader's election fence; an agent refuses a launch from an older leader
     cold: bool = False  # agents go cold even where a parked group is ready (the local backend)
+    launched_at: float = 0.0  # the controller's wall clock at the launch (the attempt record's)
 
     def __post_init__(self) -> None:
         # The one name rule (runwarden.names); a scheduler with a stricter one (a Kubernetes object

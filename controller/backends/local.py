@@ -155,6 +155,7 @@ class LocalBackend:
                     nnodes=len(spec.nodes),
                     resume_step=spec.resume_step,
                     leader_fence=spec.leader_fence,
+                    launched_at=spec.launched_at,
                     torchrun=agent_pb2.TorchrunLaunch(
                         command=list(spec.command),
                         rdzv_endpoint=endpoint,

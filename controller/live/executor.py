@@ -290,6 +290,7 @@ class Executor:
 
     def _launch(self, action: Launch) -> list[Event]:
         fence = int(self.leadership.fence)
+        launched_at = self.clock()
         ordered = sorted(action.nodes, key=lambda nr: nr.node_rank)
         try:
             spec = AttemptSpec(
@@ -302,6 +303,7 @@ class Executor:
                 procs_per_node=self.s.procs_per_node,
                 leader_fence=fence,
                 cold=action.cold,
+                launched_at=launched_at,
             )
         except BackendError as exc:
             return [self._not_launched(action, f"attempt {action.attempt} cannot be launched: {exc}")]
@@ -316,7 +318,7 @@ class Executor:
             rendezvous_id=action.rendezvous_id,
             nodes=list(spec.nodes),
             resume_step=action.resume_step,
-            launched_at=self.clock(),
+            launched_at=launched_at,
             leader_fence=fence,
             controller_version=runwarden.__version__,
         )

@@ -130,7 +130,7 @@ class Agent:
         self._followed: set[str] = set()  # runs whose stop and policy keys are watched
         self._watches: list[Any] = []
         self.run_policies: dict[str, run_policy.AgentPolicy] = {}  # the agents' part, per run
-        self.launched_at: dict[str, float] = {}
+        self.launched_at: dict[str, float] = {}  # run -> the controller's clock at its current launch
         self.attempt_started_ns: dict[str, int] = {}  # run -> wall clock of its current attempt's launch
         self._ticker: threading.Thread | None = None
         self._state_changed = threading.Event()
@@ -407,8 +407,11 @@ class Agent:
         try:
             request = store_pb2.StopRequest.FromString(value)
             reason = request.reason or "stop requested"
-            if 0 < request.requested_at < self.launched_at.get(run, 0.0):
-                return  # a stop for an earlier attempt, written before this node's current launch
+            if request.relaunch and 0 < request.requested_at < self.launched_at.get(run, 0.0):
+                # The relaunching stop this launch follows (both stamps the controller's clock); a
+                # stop that ends the run is applied however old: the controller never relaunches past it.
+                log.info("run %s: a relaunching stop from before this launch (%s): not applied", run, reason)
+                return
         except Exception:
             reason = "stop requested (unreadable stop record)"
         if run not in self.stops:
@@ -653,6 +656,7 @@ class Agent:
                 raise LaunchRefused(f"run {run!r} already has running workers here", Refusal.RUNNING)
             self.fences[run] = request.leader_fence
             self.attempts[run] = request.attempt
+            self.launched_at[run] = request.launched_at
         self.clear_stop(run)
         # An injected slowdown (chaos) belongs to the ranks it was injected into, not to the node:
         # a new attempt starts at full speed.

@@ -165,6 +165,8 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
     integer(req.node_rank, "node_rank", low=0, high=max(0, req.nnodes - 1) if req.nnodes else MAX_RANK)
     integer(req.resume_step, "resume_step", low=-1, high=MAX_STEP)
     integer(req.leader_fence, "leader_fence", low=0, high=MAX_STEP)
+    # Another host's wall clock: any finite time up to the year 5138 (a skewed clock is not refused).
+    seconds(req.launched_at, "launched_at", high=1e11)
 
 
 def _argv(argv: Sequence[str], field: str) -> None:

@@ -504,6 +504,7 @@ class LaunchWorkersRequest(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     LEADER_FENCE_FIELD_NUMBER: _builtins.int
     TORCHRUN_FIELD_NUMBER: _builtins.int
+    LAUNCHED_AT_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     rendezvous_id: _builtins.str
@@ -516,6 +517,12 @@ class LaunchWorkersRequest(_message.Message):
     resume_step: _builtins.int
     leader_fence: _builtins.int
     """stale leaders are refused"""
+    launched_at: _builtins.float
+    """The controller's wall clock when it launched this attempt (0: not said). A relaunching stop
+    request stamped earlier by the controller's clock (StopRequest.requested_at) is the one this
+    launch follows: the agent does not apply it to the new attempt (the controller deletes it
+    before launching; this holds where that delete failed).
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """argv[0] must be allowed by the agent's config; empty with `torchrun`"""
@@ -543,10 +550,11 @@ class LaunchWorkersRequest(_message.Message):
         resume_step: _builtins.int = ...,
         leader_fence: _builtins.int = ...,
         torchrun: Global___TorchrunLaunch | None = ...,
+        launched_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["torchrun", b"torchrun"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run", "torchrun", b"torchrun"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run", "torchrun", b"torchrun"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

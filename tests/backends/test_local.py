@@ -26,6 +26,7 @@ def spec(nodes: tuple[str, ...] = ("node2", "node5")) -> AttemptSpec:
         resume_step=40,
         procs_per_node=2,
         leader_fence=17,
+        launched_at=1_765_000_000.5,
     )
 
 
@@ -64,6 +65,7 @@ def test_each_node_is_told_of_eight_peers_after_it_not_the_whole_attempt() -> No
         for p in peers:
             asked[p] = asked.get(p, 0) + 1
     assert set(asked.values()) == {8}
+    assert {r.launched_at for _, r in reqs} == {1_765_000_000.5}  # the controller's clock, for stale stops
     (_, r0), (_, r1) = backend.requests(spec(nodes[:2]), endpoint="10.0.0.1:29400")
     assert list(r0.torchrun.peers) == ["10.0.0.1:50051"] and list(r1.torchrun.peers) == ["10.0.0.0:50051"]
     agents.close()

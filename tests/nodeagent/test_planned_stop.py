@@ -265,6 +265,37 @@ def test_agent_sigterm_without_a_controller_hands_over_then_commits_and_exits(
 
 
 @pytest.mark.slow
+def test_a_relaunching_stop_older_than_the_launch_is_not_applied_a_newer_one_and_a_final_one_are(
+    agent_factory, etcd, store
+):
+    """The controller deletes a relaunching stop before it launches; where that delete failed, the
+    stop the launch follows must not stop the attempt it started. Both stamps are the controller's
+    clock. A stop that ends the run is applied however old it is."""
+    agent = agent_factory(etcd=etcd.endpoint, etcd_root=store.keys.root, flags=["--allow-exec", "/bin/sleep"])
+    wait_for(lambda: _record(store), 10, "the node record")
+    key, stop_file = store.keys.stop("r"), agent.tmp / "run" / "runs" / "r" / "stop"
+
+    def put_stop(reason: str, requested_at: float, relaunch: bool) -> None:
+        req = store_pb2.StopRequest(run="r", reason=reason, requested_at=requested_at, relaunch=relaunch)
+        store.put(key, req.SerializeToString())
+
+    put_stop("operator: restart", 1000.0, relaunch=True)
+    launch = agent_pb2.LaunchWorkersRequest(run="r", attempt=1, argv=["/bin/sleep", "60"], launched_at=2000.0)
+    assert agent.stub.LaunchWorkers(launch, timeout=5).pid > 0
+    wait_for(lambda: "a relaunching stop from before this launch" in agent.log(), 10, "the stale stop read")
+    assert not stop_file.exists()
+
+    put_stop("operator: restart again", 3000.0, relaunch=True)
+    wait_for(lambda: stop_file.exists(), 10, "the newer relaunching stop applied")
+    assert stop_file.read_text() == "operator: restart again\n"
+    store.delete(key)
+    wait_for(lambda: not stop_file.exists(), 10, "the stop withdrawn")
+
+    put_stop("operator: end the run", 1500.0, relaunch=False)
+    wait_for(lambda: stop_file.exists(), 10, "the final stop applied")
+    assert stop_file.read_text() == "operator: end the run\n"
+
+
 def test_rank_sigterm_and_a_touched_stop_file_are_planned_stops(agent_factory, etcd, store, tmp_path):
     agent, rec = _torchrun_agent(agent_factory, etcd, store)
     _launch(agent, rec, tmp_path, "r", 1)

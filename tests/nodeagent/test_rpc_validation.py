@@ -136,6 +136,18 @@ CASES = [
     ("LaunchWorkers", agent_pb2.LaunchWorkersRequest(run="r", argv=["x"] * 5000), INVALID, "argv"),
     (
         "LaunchWorkers",
+        agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], launched_at=float("nan")),
+        INVALID,
+        "launched_at",
+    ),
+    (
+        "LaunchWorkers",
+        agent_pb2.LaunchWorkersRequest(run="r", argv=["x"], launched_at=-1.0),
+        INVALID,
+        "launched_at",
+    ),
+    (
+        "LaunchWorkers",
         agent_pb2.LaunchWorkersRequest(run="r", argv=["/no/such/exe"]),
         grpc.StatusCode.PERMISSION_DENIED,
         "allowed_executables",
