@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,25 @@ def fleet_args(etcd: str, args: argparse.Namespace) -> argparse.Namespace:
     )
 
 
+_DUMPS_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*flight-recorder dumps of .* collected in "
+    r"([\d.]+) s, analysed in ([\d.]+) s"
+)
+
+
+def dumps_line(log_path: Path, after: float) -> tuple[float, float, float] | None:
+    """(when, seconds collecting, seconds analysing) of the first dumps line the controller logged
+    after `after` (its log's local-time stamps, this machine's clock)."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = _DUMPS_LINE.match(line)
+        if m is None:
+            continue
+        when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+        if when >= after - 0.01:
+            return when, float(m.group(3)), float(m.group(4))
+    return None
+
+
 def first_step_after(tail: Tail, seq: int, timeout_s: float) -> LogEntry:
     return tail.wait(E.EVENT_KIND_FIRST_STEP, seq, timeout_s)
 
@@ -260,7 +280,12 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             attr = tail.wait(E.EVENT_KIND_ATTRIBUTION, det.seq, 120)
             relaunch = tail.wait(E.EVENT_KIND_LAUNCH, attr.seq, 120)
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, relaunch.seq, 120)
+            dumps = dumps_line(root / "controller.log", det.ts)
             out["hang"] = {
+                # DETECTION -> the controller's log line "dumps ... collected in X s, analysed in Y s"
+                "detection_to_dumps_analysed_s": None if dumps is None else round(dumps[0] - det.ts, 2),
+                "dumps_collected_s": None if dumps is None else dumps[1],
+                "dumps_analysed_s": None if dumps is None else dumps[2],
                 "detection_to_attribution_s": round(attr.ts - det.ts, 2),
                 "blamed": culprit in attr.message,
                 "attribution": attr.message[:200],

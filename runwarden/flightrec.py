@@ -249,7 +249,7 @@ def _plain_entry(raw: object, frames_seen: dict[tuple[str, str, int], FrFrame]) 
     timeout_ms, created = get("timeout_ms", 0), get("time_created_ns", 0)
     is_p2p, retired = get("is_p2p", False), get("retired", False)
     if not (
-        type(pg) in _LISTS and len(pg) == 2 and type(pg[0]) is str and type(pg[1]) is str
+        isinstance(pg, _LISTS) and len(pg) == 2 and type(pg[0]) is str and type(pg[1]) is str
         and type(name) is str and type(state) is str
         and len(pg[0]) <= MAX_STRING and len(pg[1]) <= MAX_STRING
         and len(name) <= MAX_STRING and len(state) <= MAX_STRING
@@ -288,10 +288,10 @@ def _plain_entry(raw: object, frames_seen: dict[tuple[str, str, int], FrFrame]) 
 
 
 def _plain_sizes(value: object) -> tuple[tuple[int, ...], ...] | None:
-    if type(value) not in _LISTS or len(value) > MAX_TENSORS_PER_ENTRY:  # type: ignore[arg-type]
+    if not isinstance(value, _LISTS) or len(value) > MAX_TENSORS_PER_ENTRY:
         return None
     shapes = []
-    for shape in value:  # type: ignore[attr-defined]
+    for shape in value:
         if type(shape) not in _LISTS or len(shape) > MAX_DIMS:
             return None
         for d in shape:
@@ -302,20 +302,20 @@ def _plain_sizes(value: object) -> tuple[tuple[int, ...], ...] | None:
 
 
 def _plain_strs(value: object) -> tuple[str, ...] | None:
-    if type(value) not in _LISTS or len(value) > MAX_TENSORS_PER_ENTRY:  # type: ignore[arg-type]
+    if not isinstance(value, _LISTS) or len(value) > MAX_TENSORS_PER_ENTRY:
         return None
-    for s in value:  # type: ignore[attr-defined]
+    for s in value:
         if type(s) is not str or len(s) > MAX_STRING:
             return None
-    return tuple(value)  # type: ignore[arg-type]
+    return tuple(value)
 
 
 def _plain_frames(value: object, seen: dict[tuple[str, str, int], FrFrame]) -> tuple[FrFrame, ...] | None:
     """The same stack repeats in entry after entry: each distinct frame is built once per dump."""
-    if type(value) not in _LISTS or len(value) > MAX_FRAMES:  # type: ignore[arg-type]
+    if not isinstance(value, _LISTS) or len(value) > MAX_FRAMES:
         return None
     frames = []
-    for raw in value:  # type: ignore[attr-defined]
+    for raw in value:
         if type(raw) is not dict:
             return None
         name, filename, line = raw.get("name", ""), raw.get("filename", ""), raw.get("line", 0)

@@ -535,6 +535,7 @@ class Executor:
 
         The core ranks this answer below hardware evidence and above heartbeats; a rank that
         could not answer (stopped, dead) is "no dump", which is itself evidence."""
+        started = time.monotonic()
         rank_dumps: list[agent_pb2.RankDump] = []
         rank_to_node = self.translator.ranks()
         # All nodes at once, each rank given most of the core's deadline: a stopped rank costs its
@@ -555,6 +556,7 @@ class Executor:
             for d in resp.dumps:
                 rank_to_node.setdefault(d.rank, node)
                 rank_dumps.append(d)
+        collected = time.monotonic()
         try:
             verdict = flight_recorder.verdict_from_rank_dumps(rank_dumps, rank_to_node)
         except ValueError as exc:  # dumps are input from outside
@@ -563,6 +565,16 @@ class Executor:
             )
             return
         self.post(DumpsCollected(attempt=action.attempt, verdict=verdict))
+        log.info(
+            "attempt %d: flight-recorder dumps of %d rank(s) from %d node(s) (%d with a dump) collected in "
+            "%.2f s, analysed in %.2f s",
+            action.attempt,
+            len(rank_dumps),
+            len(action.nodes),
+            sum(d.ok for d in rank_dumps),
+            collected - started,
+            time.monotonic() - collected,
+        )
 
     def _measure_bandwidth(self, action: MeasureBandwidth) -> None:
         """The set, then the ring pairs (controller.live.bandwidth), within the action's timeout.
