@@ -77,6 +77,7 @@ VICTIM_RANK = 1
 WARM_STEP = 14  # inject once every rank has logged this step (the first checkpoint is at 10) ...
 SETTLE_S = 20.0  # ... and this long after the job's first step (the module docstring says why)
 STEPS_AFTER_RECOVERY = 3
+RESTART_FLOOR_S = 0.1  # crash: no new rank logs a step sooner after the kill (runwarden warm: 0.35 s)
 AGAIN_AFTER_S = 3.0  # crash-again: the second crash this long after the first one's first new step
 LOSS_RTOL = 1e-6
 RESTART_LAUNCHER_AFTER_S = 8.0  # as the demo: systemd's Restart=always brings a dead agent back
@@ -171,8 +172,9 @@ def restarted_after(
     """Index into `done` of the first step the killed rank logged after the fault by its own clock:
     its process was killed, so a process of the next attempt wrote it. (A recovery faster than the
     stall rule's 2 s from a crash just after a commit redoes no step: only this sees it.) None while
-    no line says when it was written."""
-    again = {e.step for e in entries if e.rank == VICTIM_RANK and e.written > fault_at}
+    no line says when it was written. A line stamped within RESTART_FLOOR_S of the kill is the killed
+    process's last (it stamped it as the signal came): no tool restarts a rank that fast."""
+    again = {e.step for e in entries if e.rank == VICTIM_RANK and e.written > fault_at + RESTART_FLOOR_S}
     for i, (_t, step) in enumerate(done):
         if step in again:
             return i
