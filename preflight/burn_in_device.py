@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -315,6 +317,8 @@ def child_args(burn: BurnInConfig, compute: ComputeConfig) -> list[str]:
         json.dumps(dataclasses.asdict(burn)),
         "--compute",
         json.dumps(dataclasses.asdict(compute)),
+        "--parent",
+        str(os.getpid()),
     ]
 
 
@@ -356,11 +360,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preflight.burn_in_device")
     parser.add_argument("--burn-in", dest="burn_in", required=True, help="the [burn_in] section as JSON")
     parser.add_argument("--compute", required=True, help="the [compute] section as JSON")
+    parser.add_argument(
+        "--parent", type=int, default=0, help="the pid that serves it (default: its parent now)"
+    )
     args = parser.parse_args(argv)
     config = config_from_mapping(
         {"burn_in": json.loads(args.burn_in), "compute": json.loads(args.compute)}, "--burn-in/--compute"
     )
+    exit_with_parent(args.parent or os.getppid())
     return serve(config.burn_in, config.compute)
+
+
+PARENT_POLL_S = 0.2
+
+
+def exit_with_parent(parent: int, poll_s: float = PARENT_POLL_S) -> None:
+    """This process serves the agent that started it: once that agent is gone (stopped, killed),
+    a stage in progress (minutes of matmul on every GPU) ends now, not at its next read of stdin.
+    Polled, not PR_SET_PDEATHSIG: that signal follows the parent's thread, and the agent starts
+    this process from a preflight thread that may end first."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -122,6 +122,50 @@ def test_sustained_matmul_loops_for_its_duration_and_every_product_is_right() ->
     assert real.reference_ok and real.bad_iterations == 0 and real.iterations >= 1 and real.seconds >= 0.3
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_device_worker_ends_mid_stage_when_the_agent_that_started_it_is_gone(tmp_path: Path) -> None:
+    """A burn-in's device child outlived a stopped agent (bench_peers: "left behind"): it now ends
+    within its parent poll, mid-stage, whoever ended the agent."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import subprocess, sys, time\n"
+            "from preflight.burn_in_device import child_args\n"
+            "from preflight.config import BurnInConfig, ComputeConfig\n"
+            "args = child_args(BurnInConfig(matmul_duration_s_cpu=300.0), ComputeConfig(device='cpu'))\n"
+            "child = subprocess.Popen([sys.executable, '-m', 'preflight.burn_in_device', *args],\n"
+            "                         stdin=subprocess.PIPE, start_new_session=True)\n"
+            "child.stdin.write(b'matmul\\n'); child.stdin.flush()\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n"
+        )],
+        stdout=subprocess.PIPE,
+        cwd=burn_in._PROJECT_ROOT,
+    )  # fmt: skip
+    assert agent.stdout is not None
+    child = int(agent.stdout.readline())
+    try:
+        # torch imported and the stage's loop running (importing torch costs ~1.5 s of CPU)
+        wait_until(lambda: _cpu_seconds(child) > 4.0, 120, "the device child in its matmul stage")
+        agent.kill()
+        agent.wait()
+        wait_until(lambda: _gone(child), 10, "the device child to end with its agent")
+    finally:
+        agent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
+
+
 def test_a_corrupted_product_mid_loop_at_the_torch_boundary_fails_the_stage() -> None:
     # Call 1 is the reference, 2 the first product: call 4 is product 2, long after a one-shot check.
     results = burn_in.run_matmul(ctx(), matmul=corrupt_call(4))
