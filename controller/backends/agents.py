@@ -378,10 +378,11 @@ class AgentClients:
             w.run == request.run and w.attempt == request.attempt and w.running for w in status.workers
         )
 
-    async def stop_async(
+    async def stop_workers_async(
         self, node: str, request: agent_pb2.StopWorkersRequest, timeout_s: float
-    ) -> RpcOutcome:
-        """Stop the node's workers; NOT_FOUND (nothing of the run runs there) counts as stopped."""
+    ) -> tuple[RpcOutcome, agent_pb2.StopWorkersResponse | None]:
+        """Stop the node's workers; NOT_FOUND (nothing of the run runs there) counts as stopped (and
+        answers None). The answer names the workers stopped, with their exits."""
 
         async def once(timeout: float) -> tuple[RpcOutcome, agent_pb2.StopWorkersResponse | None]:
             out, resp = await self._call(
@@ -389,7 +390,12 @@ class AgentClients:
             )
             return (RpcOutcome(node=node, ok=True), resp) if out.code == "NOT_FOUND" else (out, resp)
 
-        return (await self._retried(once, timeout_s))[0]
+        return await self._retried(once, timeout_s)
+
+    async def stop_async(
+        self, node: str, request: agent_pb2.StopWorkersRequest, timeout_s: float
+    ) -> RpcOutcome:
+        return (await self.stop_workers_async(node, request, timeout_s))[0]
 
     def stop(self, node: str, request: agent_pb2.StopWorkersRequest, timeout_s: float) -> RpcOutcome:
         return self._wait(self.stop_async(node, request, timeout_s))

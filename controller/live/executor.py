@@ -510,7 +510,7 @@ class Executor:
             log.info("stop of attempt %d: %s has no agent (lost); nothing to stop", action.attempt, node)
             return
         grace = min(action.grace_s, _HARD_STOP_GRACE_S)
-        out = await self.agents.stop_async(
+        out, answer = await self.agents.stop_workers_async(
             node,
             agent_pb2.StopWorkersRequest(
                 run=self.s.run,
@@ -529,6 +529,13 @@ class Executor:
                     reason=f"stop rpc ({out.tries} tries): {out.error}",
                 )
             )
+        elif answer is not None and not action.planned:
+            # The core waits for every node's exit; the answer has it (the agent answers once the
+            # exit is recorded and a parked group is back). A planned stop's exits come through the
+            # progress watch, which carries the ranks' stop reasons.
+            exited = self.translator.exit_from_stop(node, action.attempt, answer)
+            if exited is not None:
+                self.post(exited)
 
     def _collect(self, action: CollectDumps) -> None:
         """Dumps from every live rank of the attempt, analysed by the flight-recorder rule only.

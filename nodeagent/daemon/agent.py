@@ -759,7 +759,15 @@ class Agent:
             # having), and the relaunch waits for this exit: a TERM's grace would be downtime.
             grace_s = 0.0
         stopped = self.launcher.stop(run, attempt, grace_s)
-        return [w for w in parking if w not in stopped] + stopped
+        ended = [w for w in parking if w not in stopped] + stopped
+        # The answer is the controller's word that these workers ended, and a relaunch may follow
+        # at once: answered once each exit went through its callback (the parked group back, the
+        # exit in the progress record), so that launch finds the group, not an empty slot.
+        deadline = time.monotonic() + 10.0
+        for w in ended:
+            if not w.running:
+                w.reaped.wait(max(0.0, deadline - time.monotonic()))
+        return ended
 
     def _holds_a_stopped_process(self, run: str, attempt: int) -> bool:
         return any(

@@ -37,6 +37,7 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
         self.launches: list[agent_pb2.LaunchWorkersRequest] = []
         self.before_preflight: Callable[[], None] | None = None
         self.launch_refusals = 0  # the first this many launches abort with PERMISSION_DENIED
+        self.stop_exit: common_pb2.ExitStatus | None = None  # set: StopWorkers answers this exit
 
     def RunPreflight(self, request: Any, context: Any) -> Iterator[agent_pb2.RunPreflightResponse]:
         self.calls.append("RunPreflight")
@@ -58,7 +59,10 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
 
     def StopWorkers(self, request: Any, context: Any) -> agent_pb2.StopWorkersResponse:
         self.calls.append("StopWorkers")
-        return agent_pb2.StopWorkersResponse()
+        if self.stop_exit is None:
+            return agent_pb2.StopWorkersResponse()
+        ended = agent_pb2.WorkerStatus(run=request.run, attempt=request.attempt, pid=1, exit=self.stop_exit)
+        return agent_pb2.StopWorkersResponse(stopped=[ended])
 
     def GetNodeStatus(self, request: Any, context: Any) -> agent_pb2.GetNodeStatusResponse:
         return agent_pb2.GetNodeStatusResponse()

@@ -1,0 +1,49 @@
+"""An unplanned stop's exits come from the StopWorkers answers: the relaunch does not wait for each
+host's exit record to go through etcd (issue 31: at 2,048 hosts, 2,048 writes and watch events).
+
+The real `LiveController` and `Supervisor` against a real etcd; two agent doubles (tests/live/shell.py)
+that write no exit record at all: n1's crash is written into its progress key by the test, as its
+agent would; n2's exit exists only in its answer to the stop. With a 60 s stop grace, a relaunch
+within seconds can only come from that answer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.supervisor.machine import Supervisor
+from controller.supervisor.policy import RunPlan
+from runwarden.store import Store
+from runwarden.v1 import common_pb2, events_pb2, store_pb2
+from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy
+
+E = events_pb2
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_follows_at_once(
+    store: Store, tmp_path: Path
+) -> None:
+    core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
+    with (
+        agent_double(store, "n1") as n1,
+        agent_double(store, "n2") as n2,
+        live_shell(store, tmp_path / "run", nodes=2, core_factory=core) as (_shell, log),
+    ):
+        log.wait(is_launch(1), 30)
+        n2.stop_exit = common_pb2.ExitStatus(signal=15, ended_at=time.time() + 0.5, detail="killed by SIGTERM")
+        crash = common_pb2.ExitStatus(exit_code=1, ended_at=time.time(), detail="exit code 1")
+        prog = store_pb2.NodeProgress(node="n1", run=RUN, attempt=1, exit=crash)
+        crashed_at = time.monotonic()
+        store.put(store.keys.progress(RUN, "n1"), prog.SerializeToString())
+        relaunched_at, _ = log.wait(is_launch(2), 30)
+        assert relaunched_at - crashed_at < 10.0  # not the stop's 70 s deadline
+        assert "StopWorkers" in n2.calls
+        _, summary = log.wait(
+            lambda e: e.kind == E.EVENT_KIND_EXIT and e.attempt == 1 and "ended" in e.message, 1
+        )
+        assert "signal:SIGTERM" in summary.message, summary.message
+        assert store.get(store.keys.progress(RUN, "n2")) is None  # no record: the answer was the exit
+        assert n1.launches[-1].attempt == n2.launches[-1].attempt == 2
