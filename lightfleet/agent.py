@@ -101,6 +101,7 @@ class Attempt:
     local_ranks: int
     settings: AgentSettings
     started_at: float  # when the launch was accepted (WorkerStatus.started_at)
+    launched_at: float = 0.0  # the controller's clock at the launch (LaunchWorkersRequest.launched_at)
     t0: float  # every rank loaded; step base + 1 completes at t0 + step_s
     nodes: tuple[str, ...] = ()  # the attempt record's nodes ((): unknown)
     pid: int = 0
@@ -610,6 +611,7 @@ class LightAgent:
             local_ranks=self.settings.local_ranks,
             settings=self.settings,
             started_at=now,
+            launched_at=request.launched_at,
             t0=origin + self.settings.startup_s,
             nodes=tuple(record.nodes) if shared and record is not None else (),
             pid=self.pid,
@@ -675,8 +677,8 @@ class LightAgent:
             self.stops.pop(run, None)
             return
         a = self.attempts.get(run)
-        if a is not None and 0 < value.requested_at < a.started_at:
-            return  # a stop for an earlier attempt, written before this node's current launch
+        if a is not None and value.relaunch and 0 < value.requested_at < a.launched_at:
+            return  # the relaunching stop this launch follows (both stamps the controller's clock)
         if run not in self.stops:
             self.request_stop(run, value.reason or "stop requested", now)
 
