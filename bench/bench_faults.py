@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.cluster import ClusterSpec, LocalCluster
-from examples.demo import FAULTS, Injection, run_faults
+from examples.demo import FAULTS, SPARE_READY_S, Injection, run_faults
 from nodeagent.warm.groups import REFORKED
 from runwarden.eventlog import LogEntry
 from runwarden.v1 import events_pb2
@@ -113,6 +113,7 @@ def one_run(
     settle_s: float = 1.0,
     shipped_preflight: bool = True,
     shipped_timings: bool = True,
+    spare_ready_s: float = SPARE_READY_S,
 ) -> list[tuple[str, dict[str, float] | None]]:
     """One cluster, `rounds` rounds of `faults`; warm None: the agents' shipped default."""
     policy: dict[str, object] = {"kill_stragglers_mid_run": True}
@@ -134,7 +135,9 @@ def one_run(
             if cluster.wait_for_event(E.EVENT_KIND_FIRST_STEP, 0, 180) is None:
                 raise SystemExit("the run did not start")
             time.sleep(settle_s)
-            injections = run_faults(cluster, faults * rounds, timeout_s, repair_xid_nodes=rounds > 1)
+            injections = run_faults(
+                cluster, faults * rounds, timeout_s, repair_xid_nodes=rounds > 1, spare_ready_s=spare_ready_s
+            )
         finally:
             cluster.stop()
         events = cluster.events()
@@ -179,6 +182,13 @@ def main() -> int:
         default=20.0,
         help="seconds of training before the first fault (warm: the standby groups park meanwhile)",
     )
+    p.add_argument(
+        "--spare-ready",
+        type=float,
+        default=SPARE_READY_S,
+        help="before each fault, wait up to this long for a ready spare, as the demo does (0: no wait: "
+        "faults 1.5 s apart, a fault may wait out another node's burn-in)",
+    )
     args = p.parse_args()
     if args.settle < 0:
         p.error("--settle: seconds, >= 0")
@@ -205,13 +215,14 @@ def main() -> int:
                 settle_s=args.settle,
                 shipped_preflight=args.preflight == "shipped",
                 shipped_timings=args.timings == "shipped",
+                spare_ready_s=args.spare_ready,
             ):
                 if ph is None:
                     failures[mode][fault] += 1
                 else:
                     samples[mode][fault].append(ph)
             # after every cluster: a cut-off run keeps its data
-            report(samples, failures, time.time() - t0, args.out)
+            report(samples, failures, time.time() - t0, args.out, command=sys.argv)
     return 0
 
 
@@ -227,11 +238,12 @@ def report(
     failures: dict[str, dict[str, int]],
     wall_s: float,
     out: Path | None,
+    command: list[str] | None = None,
 ) -> None:
     """One mode: {"faults": ...} as before; both: {"modes": {"cold": ..., "warm": ...}} and, per fault,
     the ratio warm/cold of the median first new step after detection."""
     per_mode = {m: report_mode(samples[m], failures[m], m) for m in samples}
-    result: dict[str, object] = {"wall_s": wall_s}
+    result: dict[str, object] = {"wall_s": wall_s, "command": command or []}
     if len(per_mode) == 1:
         ((mode, faults),) = per_mode.items()
         result |= {"warm_workers": {"default": "shipped default"}.get(mode, mode == "warm"), "faults": faults}

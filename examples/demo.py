@@ -14,6 +14,7 @@ computed from the event log. It leaves no process behind.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -29,6 +30,9 @@ from runwarden.eventlog import LogEntry, read_events
 from runwarden.v1 import events_pb2
 
 FAULTS = ("crash", "hang", "node-lost", "straggler", "xid")
+# Each fault once the fleet has a ready spare (up to this long): what each restart costs, not what
+# two spares cost four quarantines 1.5 s apart (the Xid then waits out a burn-in).
+SPARE_READY_S = 90.0
 E = events_pb2
 
 
@@ -132,6 +136,26 @@ def inject(cluster: LocalCluster, fault: str, nodes: list[str], victim_rank: int
     return victim
 
 
+def spare_ready(cluster: LocalCluster) -> bool:
+    """A node outside the running attempt is a ready spare (alive, pool SPARE: its burn-in passed)."""
+    out = cluster.ctl("--json", "nodes")
+    try:
+        nodes = json.loads(out.stdout).get("nodes", []) if out.returncode == 0 else []
+    except ValueError:
+        return False
+    return any(n.get("pool_state") == "POOL_STATE_SPARE" and n.get("alive") for n in nodes)
+
+
+def wait_spare_ready(cluster: LocalCluster, timeout_s: float) -> float:
+    """Seconds until a spare is ready (at most `timeout_s`): the fleet has settled from the last
+    fault. A fault that needs a spare while every one is still in its burn-in waits for that burn-in:
+    the fleet's capacity, not what a restart costs."""
+    t0 = time.monotonic()
+    while not spare_ready(cluster) and time.monotonic() - t0 < timeout_s:
+        time.sleep(1.0)  # a controllerctl process per poll: not faster on a 2-core machine
+    return time.monotonic() - t0
+
+
 def run_faults(
     cluster: LocalCluster,
     faults: list[str],
@@ -139,6 +163,7 @@ def run_faults(
     victim_ranks: dict[str, int] | None = None,
     lose_node: Callable[[str], None] | None = None,
     repair_xid_nodes: bool = False,
+    spare_ready_s: float = 0.0,
 ) -> list[Injection]:
     """Inject each fault into the running attempt and wait for the first new step after it.
 
@@ -146,9 +171,15 @@ def run_faults(
     lose_node: how the node-lost fault takes a node away where the cluster has a realer way than
     killing its agent (a Slurm node's slurmd, steps and agent SIGKILLed); the node stays lost.
     repair_xid_nodes: after the run recovered from an injected Xid, mark its node repaired (the Xid
-    was not real), so that many rounds of faults do not hold every node for repair."""
+    was not real), so that many rounds of faults do not hold every node for repair.
+    spare_ready_s > 0: before each fault, wait up to that long for a ready spare (`wait_spare_ready`)."""
     done: list[Injection] = []
     for fault in faults:
+        if spare_ready_s > 0:
+            waited = wait_spare_ready(cluster, spare_ready_s)
+            if waited >= 1.0:
+                print(f"\n           ... {waited:.0f} s until a spare was ready (its burn-in)", flush=True)
+                time.sleep(1.5)
         nodes = current_nodes(cluster)
         mark = last_seq(cluster)
         print(f"\n=== fault: {fault} ===", flush=True)
@@ -375,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         time.sleep(1)
-        injections = run_faults(cluster, faults, args.fault_timeout)
+        injections = run_faults(cluster, faults, args.fault_timeout, spare_ready_s=SPARE_READY_S)
         rc = 0 if all(i.recovered for i in injections) else 1
         print("\n=== planned stop: save, commit, exit 0 ===", flush=True)
         cluster.ctl("stop", spec.run, "--reason", "demo finished")
