@@ -133,14 +133,33 @@ def peer_configs() -> dict[str, launchers.LauncherPeer]:
 # -- reading the step log ---------------------------------------------------------------------
 
 
-def completions(entries: Sequence[StepEntry], after: float) -> list[tuple[float, int]]:
+def completions(
+    entries: Sequence[StepEntry], after: float, *, restarts: bool = False
+) -> list[tuple[float, int]]:
     """(time, step) for each step that every rank logged after `after`, in time order: the step counts
-    once its last rank's line is in (a rank whose line came before `after` did not redo it)."""
-    by_step: dict[int, dict[int, float]] = {}
+    once its last rank's line is in (a rank whose line came before `after` did not redo it).
+
+    restarts: a step done again after a restart counts again. A rank restarted (after `after`) where
+    its line goes back in step (a resume from a checkpoint) or names a later attempt than its line
+    before; a step counts once per restart every rank went through. Without it, a job that trains
+    on for seconds after a fault (a lost agent) and resumes from a commit within them redoes steps
+    already counted: its restart looks like no interruption at all."""
+    by_step: dict[tuple[int, int], dict[int, float]] = {}
+    epoch: dict[int, int] = {}
+    last: dict[int, StepEntry] = {}
     for e in entries:
+        prev = last.get(e.rank)
+        if (
+            restarts
+            and e.t > after
+            and prev is not None
+            and (e.step <= prev.step or e.attempt > prev.attempt)
+        ):
+            epoch[e.rank] = epoch.get(e.rank, 0) + 1
+        last[e.rank] = e
         if e.t > after:
-            by_step.setdefault(e.step, {}).setdefault(e.rank, e.t)
-    done = [(max(ranks.values()), step) for step, ranks in by_step.items() if len(ranks) == WORLD]
+            by_step.setdefault((epoch.get(e.rank, 0), e.step), {}).setdefault(e.rank, e.t)
+    done = [(max(ranks.values()), step) for (_, step), ranks in by_step.items() if len(ranks) == WORLD]
     return sorted(done)
 
 
@@ -281,7 +300,7 @@ def await_recovery(
         time.sleep(0.2)
         entries = step_entries(tail.snapshot())
         before = last_complete_before(entries, fault_at)
-        done = completions(entries, fault_at)
+        done = completions(entries, fault_at, restarts=True)
         if fault == "straggler":
             idx = normal_speed_after_slow(done, base, fault_at)
         elif fault in ("crash", "crash-again"):
@@ -335,7 +354,7 @@ def run_trial(
                 return failed_trial(
                     tool, fault, rnd, f"first crash: {first}", len(left_procs), time.time() - t_start
                 )
-            resumed_t = completions(step_entries(tail.snapshot()), first_at)[first_idx][0]
+            resumed_t = completions(step_entries(tail.snapshot()), first_at, restarts=True)[first_idx][0]
             time.sleep(max(0.0, resumed_t + AGAIN_AFTER_S - time.time()))
             fault_at, node = dep.inject("crash")
         else:
@@ -343,7 +362,7 @@ def run_trial(
         outcome, recovered_idx = await_recovery(tail, dep, fault, fault_at, base, cap_s)
         dep.cancel_restart()  # a launcher restart due after the trial would outlive it
         entries = step_entries(tail.snapshot())
-        done = completions(entries, fault_at)
+        done = completions(entries, fault_at, restarts=True)
         before = last_complete_before(entries, fault_at)
         first_new: tuple[float, int] | None = done[recovered_idx] if recovered_idx is not None else None
         if first_new is None and fault == "straggler" and done:

@@ -24,13 +24,15 @@ class Line:
 @dataclass(frozen=True, slots=True)
 class StepEntry:
     """One `{"step", "loss", "attempt", "ts"}` line of the job's step log, stamped at arrival (`t`);
-    `written` is the line's own `ts` (the rank's clock when it wrote it; 0 when absent)."""
+    `written` is the line's own `ts` (the rank's clock when it wrote it; 0 when absent); `attempt` its
+    own (RUNWARDEN_ATTEMPT under runwarden; 0 under the other tools)."""
 
     t: float
     rank: int
     step: int
     loss: float
     written: float = 0.0
+    attempt: int = 0
 
 
 class Tail:
@@ -102,7 +104,7 @@ def step_entries(lines: list[Line]) -> list[StepEntry]:
         except json.JSONDecodeError:
             continue
         rank = int(line.path.stem.removeprefix("loss-rank"))
-        written = rec.get("ts", 0.0)
+        written, attempt = rec.get("ts", 0.0), rec.get("attempt", 0)
         out.append(
             StepEntry(
                 line.t,
@@ -110,6 +112,7 @@ def step_entries(lines: list[Line]) -> list[StepEntry]:
                 int(rec["step"]),
                 float(rec["loss"]),
                 written if isinstance(written, float) else 0.0,
+                attempt if isinstance(attempt, int) else 0,
             )
         )
     return out
