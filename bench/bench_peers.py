@@ -188,16 +188,18 @@ def interrupted_then_resumed(
 def restarted_after(
     entries: Sequence[StepEntry], done: list[tuple[float, int]], fault_at: float
 ) -> int | None:
-    """Index into `done` of the first step the killed rank logged after the fault by its own clock:
-    its process was killed, so a process of the next attempt wrote it. (A recovery faster than the
-    stall rule's 2 s from a crash just after a commit redoes no step: only this sees it.) None while
-    no line says when it was written. A line stamped within RESTART_FLOOR_S of the kill is the killed
-    process's last (it stamped it as the signal came): no tool restarts a rank that fast."""
-    again = {e.step for e in entries if e.rank == VICTIM_RANK and e.written > fault_at + RESTART_FLOOR_S}
-    for i, (_t, step) in enumerate(done):
-        if step in again:
-            return i
-    return None
+    """Index into `done` of the first step completed once the killed rank logged a line after the
+    fault by its own clock: its process was killed, so a process of the next attempt wrote it, and
+    no step completes without it. (A recovery faster than the stall rule's 2 s from a crash just
+    after a commit redoes no step: only this sees it.) Not the step number: the ranks still alive
+    may have logged the same step in the old attempt. None while no line says when it was written.
+    A line stamped within RESTART_FLOOR_S of the kill is the killed process's last (it stamped it as
+    the signal came): no tool restarts a rank that fast."""
+    new = [e.t for e in entries if e.rank == VICTIM_RANK and e.written > fault_at + RESTART_FLOOR_S]
+    if not new:
+        return None
+    first = min(new)
+    return next((i for i, (t, _step) in enumerate(done) if t >= first), None)
 
 
 def normal_speed_after_slow(done: list[tuple[float, int]], base_step_s: float, fault_at: float) -> int | None:
