@@ -7,6 +7,7 @@ Every result is named `burn_in.<stage>...`. The agent runs it for a quarantined 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib.util
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,10 +284,23 @@ def _stage_limit(config: PreflightConfig, stage: str) -> float:
     return longest + b.stage_slack_s
 
 
+_STARTED: weakref.WeakSet[DeviceWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_device_workers() -> None:
+    """The process that started them exits (an agent stopped mid burn-in): their children end now,
+    not minutes later at the end of a stage. (A killed agent's child notices by itself:
+    preflight.burn_in_device's `exit_with_parent`.)"""
+    for worker in list(_STARTED):
+        worker.kill()
+
+
 class DeviceWorker:
     """The child process that runs a burn-in's device stages one after the other
     (preflight.burn_in_device's `serve`): torch and CUDA start once per burn-in, never in the
-    caller (a long-lived agent). Started on first use; `close()` ends it."""
+    caller (a long-lived agent). Started on first use; `close()` ends it, and so does the
+    caller's exit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -310,6 +325,7 @@ class DeviceWorker:
             bufsize=0,  # unbuffered: select() on stdout sees every line the child wrote
             start_new_session=True,
         )
+        _STARTED.add(self)
         return self._proc
 
     def _last_words(self) -> str:

@@ -166,6 +166,40 @@ def test_the_device_worker_ends_mid_stage_when_the_agent_that_started_it_is_gone
             os.kill(child, 9)
 
 
+def test_an_agent_that_exits_mid_burn_in_ends_its_device_worker_on_the_way_out() -> None:
+    """An agent stopped (SIGINT, SIGTERM: it exits normally) while a burn-in stage runs: the stage's
+    child is gone by the time the agent's exit is, not a poll later."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, threading, time\n"
+            "from preflight.checks.burn_in import DeviceWorker\n"
+            "from preflight.config import BurnInConfig, ComputeConfig, PreflightConfig\n"
+            "cfg = PreflightConfig(burn_in=BurnInConfig(matmul_duration_s_cpu=300.0), compute=ComputeConfig(device='cpu'))\n"
+            "worker = DeviceWorker()\n"
+            "threading.Thread(target=worker.run, args=('matmul', cfg, 600.0), daemon=True).start()\n"
+            "while worker._proc is None:\n"
+            "    time.sleep(0.01)\n"
+            "print(worker._proc.pid, flush=True)\n"
+            "sys.stdin.readline()\n"
+        )],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=burn_in._PROJECT_ROOT,
+    )  # fmt: skip
+    assert agent.stdin is not None and agent.stdout is not None
+    child = int(agent.stdout.readline())
+    try:
+        wait_until(lambda: _cpu_seconds(child) > 4.0, 120, "the device child in its matmul stage")
+        agent.stdin.write(b"exit\n")
+        agent.stdin.flush()
+        assert agent.wait(timeout=30) == 0
+        assert _gone(child)
+    finally:
+        agent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
+
+
 def test_a_corrupted_product_mid_loop_at_the_torch_boundary_fails_the_stage() -> None:
     # Call 1 is the reference, 2 the first product: call 4 is product 2, long after a one-shot check.
     results = burn_in.run_matmul(ctx(), matmul=corrupt_call(4))
