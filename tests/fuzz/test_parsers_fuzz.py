@@ -183,10 +183,14 @@ _PLAIN_ENTRY = {
     raw=st.one_of(
         _entry_like(),
         st.fixed_dictionaries({}, optional=_PLAIN_ENTRY),  # mostly well-typed: the one-pass path's ground
-        st.tuples(st.fixed_dictionaries({}, optional=_PLAIN_ENTRY), _entry_like()).map(lambda t: {**t[0], **t[1]}),
+        st.tuples(st.fixed_dictionaries({}, optional=_PLAIN_ENTRY), _entry_like()).map(
+            lambda t: {**t[0], **t[1]}
+        ),
     )
 )
-def test_the_one_pass_entry_check_gives_the_field_by_field_entry_or_steps_aside(raw: dict[str, object]) -> None:
+def test_the_one_pass_entry_check_gives_the_field_by_field_entry_or_steps_aside(
+    raw: dict[str, object],
+) -> None:
     """`_plain_entry` is the fast path of `_checked_entry`: the same entry, or None (never an entry
     that the field-by-field path would refuse or build differently)."""
     fast = _plain_entry(raw, {})

@@ -33,7 +33,9 @@ def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_fo
         live_shell(store, tmp_path / "run", nodes=2, core_factory=core) as (_shell, log),
     ):
         log.wait(is_launch(1), 30)
-        n2.stop_exit = common_pb2.ExitStatus(signal=15, ended_at=time.time() + 0.5, detail="killed by SIGTERM")
+        n2.stop_exit = common_pb2.ExitStatus(
+            signal=15, ended_at=time.time() + 0.5, detail="killed by SIGTERM"
+        )
         crash = common_pb2.ExitStatus(exit_code=1, ended_at=time.time(), detail="exit code 1")
         prog = store_pb2.NodeProgress(node="n1", run=RUN, attempt=1, exit=crash)
         crashed_at = time.monotonic()
