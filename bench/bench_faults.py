@@ -10,7 +10,9 @@ Each run is `examples/cluster.LocalCluster` (private etcd, 6 agents, controller,
 CPU) with the demo's fault injection (`controllerctl chaos`); with `--fleet`, a
 `testbed.fleet_cluster.FleetCluster` instead: etcd, the controller and each agent on its own
 network-namespace host (mTLS, the collectives on each host's eth0; needs root). `--per-run K` injects K rounds of the
-fault list into one cluster before starting a fresh one. Phases are read from the event log:
+fault list into one cluster before starting a fresh one. Each fault comes once a spare is ready
+(`--spare-ready`, up to 90 s, as the demo does: a fault is not made to wait out another node's
+burn-in; 0: 1.5 s after the last recovery). Phases are read from the event log:
 detect (fault -> DETECTION), attribute (-> ATTRIBUTION), replace (-> last QUARANTINE/SPARE_TAKEN),
 preflight (-> PREFLIGHT_RESULT), launch (-> LAUNCH), load (-> LOAD_DONE, when the log has it),
 first step (-> FIRST_STEP). By default the deployment is the demo's (examples/demo.demo_cluster):

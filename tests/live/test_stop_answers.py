@@ -17,6 +17,7 @@ from controller.supervisor.machine import Supervisor
 from controller.supervisor.policy import RunPlan
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
+from testbed.wait import wait_until
 from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy
 
 E = events_pb2
@@ -48,4 +49,5 @@ def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_fo
         )
         assert "signal:SIGTERM" in summary.message, summary.message
         assert store.get(store.keys.progress(RUN, "n2")) is None  # no record: the answer was the exit
-        assert n1.launches[-1].attempt == n2.launches[-1].attempt == 2
+        # the launch RPCs go out after the LAUNCH entry is durable: waited for, not assumed
+        wait_until(lambda: [d.launches[-1].attempt for d in (n1, n2)] == [2, 2], 10, "attempt 2 on both")
