@@ -26,7 +26,10 @@ for every tool:
 Measured from what every tool shares: the job's own step log (loss-rank<r>.jsonl, tailed, each line
 stamped when it appears) and the tool's own output: time to detect (fault -> the tool's first reaction:
 an elastic/NVRx log line, runwarden's DETECTION event), fault -> first new step (the first step every
-rank logged after the fault; for the straggler, the first step at normal speed after a slow one), steps
+rank logged in the run's next attempt: a step done again after a restart counts again (`completions`);
+after a crash, the first step completed once the killed rank's new process logged (`restarted_after`),
+else the first step redone or after a stall; for the straggler, the first step at normal speed after
+a slow one), steps
 redone, whether the faulty node trained in the next attempt, whether the run survived, the processes
 left behind after stopping the tool as an operator would, and whether the losses after the fault equal
 an uninterrupted run's (a reference run of the same seed). A trial ends 3 steps after recovery, when
