@@ -43,15 +43,11 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
             ),
         )
     live = sv.live_nodes()
-    if (
-        sv.cfg.collect_dumps
-        and f.dumps
-        and not f.planned
-        and not f.control_plane
-        and not f.paths_disagree
-        and live
-    ):
+    unplanned = not f.planned and not f.control_plane and not f.paths_disagree and live
+    if unplanned and sv.cfg.collect_dumps and f.dumps:
         transitions.become_collecting(sv, live)
+    elif unplanned and f.detector == E.DETECTOR_NODE_LOST and sv.cfg.lost_node_hold_s > 0:
+        transitions.become_collecting(sv, live, dumps=False)
     else:
         stop(sv)
 

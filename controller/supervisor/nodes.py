@@ -152,6 +152,10 @@ def on_lost_running(sv: Run, ev: NodeLost) -> None:
                 step=sv.job_step,
                 label="node_lost",
                 reason=f"node {ev.node} lost its lease (last progress report {sv.now - last:.1f}s ago)",
+                # The lease is the blame (the ladder's heartbeat rung, above the flight recorder):
+                # the survivors' dumps could not change it, and collecting them from every rank
+                # before the stop cost 4.3 s of the relaunch at 2,048 hosts (BENCHMARKS.md).
+                dumps=False,
             ),
             latency=sv.now - last,
         )

@@ -119,6 +119,11 @@ class SupervisorConfig:
     mass_expiry_min_nodes: int = 3
     mass_expiry_fraction: float = 0.55
     mass_expiry_window_s: float = 2.0
+    # A lone lost node's peers are stopped this long after its expiry, not at once: a mass expiry's
+    # first leases come together (etcd's lessor revokes the expired ones every 500 ms, and a fleet's
+    # keepalives spread over TTL/3), so one tick shows it in a fleet of a few hosts and more, and the
+    # attempt keeps running instead of being stopped for the control plane's fault.
+    lost_node_hold_s: float = 0.5
     control_plane_grace_s: float = 60.0
 
     # Failure handling.
@@ -207,6 +212,7 @@ class SupervisorConfig:
             "evidence_window_s",
             "blast_radius_window_s",
             "mass_expiry_window_s",
+            "lost_node_hold_s",
             "control_plane_grace_s",
             "dump_timeout_s",
             "stop_grace_s",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from controller.supervisor import detectors
-from controller.supervisor.actions import Quarantine
+from controller.supervisor.actions import Quarantine, StopAttempt
 from controller.supervisor.events import NodeLost
 from controller.supervisor.machine import RunState
 from controller.supervisor.policy import SupervisorConfig
@@ -37,6 +37,22 @@ def test_three_leases_within_two_seconds_on_2048_nodes_are_the_control_plane() -
     assert d.sup.state is RunState.CONTROL_PLANE and not d.of(Quarantine)
     d.advance(d.cfg.control_plane_grace_s + 1)  # they never come back: relaunched, nobody blamed
     assert not d.of(Quarantine)
+
+
+def test_a_mass_expiry_that_begins_with_one_lease_stops_nothing() -> None:
+    """A lone lost node's peers are stopped `lost_node_hold_s` after its expiry, not at once: the
+    expiries that follow inside the hold make it the control plane's fault, and the attempt runs on."""
+    d = Driver(cfg=fast(), nodes=64)
+    d.start(2048)
+    d.steps(1, 5)
+    first, *others = d.running_nodes()[:3]
+    out = d.send(NodeLost(node=first))
+    out += d.advance(0.6 * d.cfg.lost_node_hold_s)  # timers run: the hold has not ended
+    for n in others:
+        out += d.send(NodeLost(node=n), d.now + 0.1 * d.cfg.lost_node_hold_s)
+    out += d.advance(2 * d.cfg.lost_node_hold_s)
+    assert d.events(E.EVENT_KIND_DETECTION, out) and d.events(E.EVENT_KIND_CONTROL_PLANE, out)
+    assert d.sup.state is RunState.CONTROL_PLANE and not d.of(StopAttempt) and not d.of(Quarantine)
 
 
 def test_three_losses_further_apart_than_the_window_are_node_faults() -> None:
