@@ -21,7 +21,7 @@ def test_llama3_scenario_carries_the_papers_counts() -> None:
     # the shipped defaults: the warm path's stop and launch (issue 18's measured breakdown, scaled),
     # the load from storage, the core's preflight rule as shipped; cold: as before both existed
     defaults, cold = sc.policy("defaults"), sc.policy("cold")
-    assert defaults.costs == {"stop_s": 5, "launch_s": 30} and not cold.costs
+    assert defaults.costs == {"stop_s": 3, "launch_s": 30} and not cold.costs
     assert defaults.effective_costs(sc.costs).load_s == sc.costs.load_s == 120
     assert defaults.supervisor.preflight_max_age_s > 0 and defaults.supervisor.spare_check_interval_s > 0
     assert cold.supervisor.preflight_max_age_s == 0 and cold.spare_fraction == defaults.spare_fraction
