@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runwarden.eventlog import (
+    MAX_LINE_BYTES,
     EventLog,
     EventLogError,
     LogEntry,
@@ -170,9 +171,22 @@ def test_event_without_kind_is_refused() -> None:
 
 def test_huge_line_is_refused_with_bounded_memory() -> None:
     with pytest.raises(ValueError, match="over the"):
-        decode_line(b"x" * ((1 << 20) + 1))
+        decode_line(b"x" * (MAX_LINE_BYTES + 1))
     with pytest.raises(EventLogError, match="over the"):
-        encode_entry(LogEntry(seq=1, kind=events_pb2.EVENT_KIND_EXIT, message="x" * (1 << 20)))
+        encode_entry(LogEntry(seq=1, kind=events_pb2.EVENT_KIND_EXIT, message="x" * MAX_LINE_BYTES))
+
+
+def test_a_preflight_plan_of_16384_hosts_fits_a_line() -> None:
+    """The fleet-wide entries grow with the fleet; at 16,384 hosts they must still be written."""
+    plan = events_pb2.PreflightPlanDetail(
+        checked=[
+            events_pb2.NodeReason(node=f"n{i:05d}", reason="no passing preflight on record")
+            for i in range(16384)
+        ]
+    )
+    message = "before attempt 1: preflight " + "; ".join(f"{r.node} ({r.reason})" for r in plan.checked)
+    entry = LogEntry(seq=1, kind=events_pb2.EVENT_KIND_PREFLIGHT_PLAN, message=message, preflight_plan=plan)
+    assert decode_line(encode_entry(entry)) == entry
 
 
 def test_unwritable_directory_gives_a_clear_error(tmp_path: Path) -> None:
