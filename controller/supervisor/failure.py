@@ -135,11 +135,13 @@ def _distinct_steps(steps: set[int], slack: int) -> int:
     return count
 
 
-def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], bool]:
-    """Blame the stopped attempt (logged), and name who is quarantined for it and why; and whether
-    the blame rests on evidence about a node (hardware evidence, a lost lease)."""
+def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], bool, bool]:
+    """Blame the stopped attempt (logged), and name who is quarantined for it and why; whether the
+    blame rests on evidence about a node (hardware evidence, a lost lease); and whether the first
+    exit relapsed at this step and is moved out to tell its fault from the job's."""
     a = sv.cur
     out: list[_Suspect] = []
+    relapse = False
     node_evidence = f.detector == E.DETECTOR_NODE_LOST
     if not f.planned and not f.control_plane and not f.paths_disagree:
         evidence = {n: sv.pool.evidence_since(n, a.launched_at) for n in a.node_step}
@@ -178,6 +180,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
                     )
                 ]
             elif again and sv.cfg.repeat_offender_count <= 2:  # its second first exit, at one step
+                relapse = True
                 # The same node first out at the same step again: a node's fault (a relapse) or the
                 # job's on that node's ranks look alike. Moved out, the next attempt tells them apart:
                 # a node's fault does not recur; the job's does, on the spare, and completes the crash
@@ -202,7 +205,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
             for n in sorted(a.straggler_nodes)
             if n in a.node_step
         ]
-    return out, node_evidence
+    return out, node_evidence, relapse
 
 
 # The step a failure is seen at can trail the one it happened at by a progress report (the agents
@@ -242,13 +245,19 @@ def decide(sv: Run) -> None:
     seen: set[str] = set()
     victims: list[tuple[str, float]] = []  # quarantined without evidence about the node
     signature = _signature(sv, f)
-    suspects, node_evidence = _to_quarantine(sv, f, signature.slack)
+    suspects, node_evidence, relapse = _to_quarantine(sv, f, signature.slack)
     # The failure that completes a crash loop quarantines none of its suspects: the verdict would
     # give them back at once. Whether a suspect is a victim is the blame's rung, not whether it
     # carries an Evidence record: the flight recorder's verdict always attaches one (a rank that
     # never arrived says nothing about its node; a software hang rotates it).
+    # Nor does a relapse: the node first out at this step's previous failure, first out again, is
+    # moved out first even when another node's failure at the step made this the third (at 16,384
+    # hosts relapsing nodes fail a few steps after each resume: two of them ended the simulator's
+    # run as a crash loop). A victim that rotates back later is no relapse; the next hit completes it.
+    cand = sv.history.candidate(signature)
+    relapse = relapse and cand is not None and cand.last_first_exit == f.first_exit
     looping = (
-        not (f.planned or f.control_plane or node_evidence)
+        not (f.planned or f.control_plane or node_evidence or relapse)
         and restart.loop_count_with(sv.history, signature) >= sv.cfg.crash_loop_count
     )
     for s in suspects:
@@ -278,6 +287,7 @@ def decide(sv: Run) -> None:
         planned=f.planned,
         control_plane=f.control_plane,
         attempt_ran_s=ran,
+        relapse=relapse,
     )
     restart.record(
         sv.cfg,
@@ -289,6 +299,7 @@ def decide(sv: Run) -> None:
         quarantined=victims,
         node_evidence=node_evidence,
         attempt_ran_s=ran,
+        first_exit=f.first_exit,
     )
     memory.persist(sv)
     match decision:

@@ -49,6 +49,7 @@ def record(sv: Run) -> store_pb2.SupervisorMemory:
             slack=s.slack,
             count=c.count,
             suspects=[store_pb2.Strike(node=n, at=t) for n, t in c.suspects[-MAX_TIMES:]],
+            last_first_exit=c.last_first_exit,
         )
     for node, steps in sorted(sv.offences.items()):
         rec.offences.add(node=node, steps=sorted(steps)[-MAX_OFFENCE_STEPS:])
@@ -85,7 +86,10 @@ def restore(sv: Run, rec: store_pb2.SupervisorMemory) -> str:
         suspects = [
             (s.node, s.at) for s in loop.suspects if s.node and len(s.node) <= 253 and math.isfinite(s.at)
         ]
-        h.loops.append(LoopCandidate(signature=sig, count=loop.count, suspects=suspects))
+        last = loop.last_first_exit if len(loop.last_first_exit) <= 253 else ""
+        h.loops.append(
+            LoopCandidate(signature=sig, count=loop.count, suspects=suspects, last_first_exit=last)
+        )
     sv.offences = {
         o.node: {s for s in o.steps if s >= 0} for o in rec.offences if o.node and len(o.node) <= 253
     }

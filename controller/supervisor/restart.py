@@ -64,6 +64,7 @@ class LoopCandidate:
     signature: Signature  # its first occurrence
     count: int = 1
     suspects: list[tuple[str, float]] = field(default_factory=list)  # (node, strike time)
+    last_first_exit: str = ""  # the node first out at its latest hit ("": none)
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ def restart_decision(
     planned: bool,
     control_plane: bool,
     attempt_ran_s: float,
+    relapse: bool = False,
 ) -> RestartDecision:
     """The decision for a stopped attempt; `record(...)` must follow it.
 
@@ -112,7 +114,9 @@ def restart_decision(
       not reset a candidate; the run getting past its step does (a later failure, a later commit).
       A failure blamed on evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is no
       candidate. The nodes quarantined for a candidate's failures are its `suspects`, released by the
-      verdict without their strike (failure.py).
+      verdict without their strike (failure.py). A `relapse` (the node first out at the candidate's
+      latest hit is first out again, and is moved out now) completes no loop: the next attempt tells
+      the node's fault (it does not recur) from the job's (it does: the next hit completes the loop).
     * More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
     * Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
       A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
@@ -131,7 +135,7 @@ def restart_decision(
         return Relaunch(
             delay=0.0, counted=False, reason=f"{what}: relaunching without consuming the restart budget"
         )
-    if not node_evidence:
+    if not node_evidence and not relapse:
         count = loop_count_with(history, signature)
         if count >= cfg.crash_loop_count:
             cand = history.candidate(signature)
@@ -203,6 +207,7 @@ def record(
     quarantined: list[tuple[str, float]],
     node_evidence: bool,
     attempt_ran_s: float,
+    first_exit: str | None = None,
 ) -> None:
     """Apply a decision to the history (the only place the history changes after a stop).
 
@@ -218,10 +223,10 @@ def record(
     elif cand is not None:
         cand.count += 1
         cand.suspects.extend(quarantined)
+        cand.last_first_exit = first_exit or ""
     else:
-        history.loops = [*history.loops, LoopCandidate(signature=signature, suspects=list(quarantined))][
-            -MAX_LOOP_CANDIDATES:
-        ]
+        new = LoopCandidate(signature=signature, suspects=list(quarantined), last_first_exit=first_exit or "")
+        history.loops = [*history.loops, new][-MAX_LOOP_CANDIDATES:]
     if isinstance(decision, Relaunch):
         window = cfg.restart_budget_window_s
         history.restart_times = [*(t for t in history.restart_times if not window or now - t < window), now]

@@ -671,11 +671,14 @@ class CrashLoopCandidate(_message.Message):
     SLACK_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     SUSPECTS_FIELD_NUMBER: _builtins.int
+    LAST_FIRST_EXIT_FIELD_NUMBER: _builtins.int
     label: _builtins.str
     resume_step: _builtins.int
     step: _builtins.int
     slack: _builtins.int
     count: _builtins.int
+    last_first_exit: _builtins.str
+    """the node first out at its latest hit ("": none)"""
     @_builtins.property
     def suspects(self) -> _containers.RepeatedCompositeFieldContainer[Global___Strike]:
         """quarantined for it without evidence about the node"""
@@ -689,10 +692,11 @@ class CrashLoopCandidate(_message.Message):
         slack: _builtins.int = ...,
         count: _builtins.int = ...,
         suspects: _abc.Iterable[Global___Strike] | None = ...,
+        last_first_exit: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "label", b"label", "resume_step", b"resume_step", "slack", b"slack", "step", b"step", "suspects", b"suspects"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "label", b"label", "last_first_exit", b"last_first_exit", "resume_step", b"resume_step", "slack", b"slack", "step", b"step", "suspects", b"suspects"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

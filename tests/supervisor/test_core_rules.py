@@ -12,6 +12,7 @@ from controller.supervisor.actions import (
     CollectDumps,
     Launch,
     Page,
+    PersistMemory,
     PersistNode,
     Quarantine,
     Release,
@@ -551,6 +552,39 @@ def test_the_same_node_first_out_at_the_same_step_twice_is_moved_out_to_tell_nod
     assert d.sup.state is RunState.CRASH_LOOP
     node = d.sup.pool.get(first)
     assert node.state is PoolState.SPARE and not node.failure_times, node
+
+
+def test_a_relapse_that_would_be_the_third_hit_is_moved_out_before_the_loop_is_declared() -> None:
+    """Two nodes fail a few steps after the resume (the fleet simulator at 16,384 hosts: relapsing nodes
+    without evidence): n1, then n2 twice in a row. n2's second is the third hit of the step; n2 is moved
+    out instead of ending the run, and the next hit at the step, on its spare, is the loop (n2 back
+    without its strike). A victim that comes back later (n1, n2, n1) is no relapse: the loop, as before
+    (test_crash_loop_same_failure_same_step_three_times_stops_and_pages)."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start(4)  # n1 and n2 train, n3 and n4 are spares
+    for i, node in enumerate(("n1", "n2", "n2")):
+        d.steps(1, 10)
+        _fail_at_step_10(d, node)
+        assert f"{node}: first to exit" in d.events(E.EVENT_KIND_ATTRIBUTION)[-1].message
+        if i < 2:
+            d.advance(10)
+            d.answer_preflight()
+    (q,) = d.of(Quarantine)
+    assert q.node == "n2" and "first to exit at step 10 again" in q.reason, q.reason
+    assert d.sup.state is not RunState.CRASH_LOOP and not d.of(Page)
+    memory = [a for a in d.actions if isinstance(a, PersistMemory)][-1].record
+    assert [(c.count, c.last_first_exit) for c in memory.loops] == [(3, "n2")]  # a new leader knows it
+    fresh = Driver(cfg=d.cfg, nodes=2, now=d.now)
+    fresh.send(StoreListed(alive={}, memory=memory))
+    assert [(c.count, c.last_first_exit) for c in fresh.sup.history.loops] == [(3, "n2")]
+    d.advance(30)
+    d.answer_preflight()
+    assert "n2" not in d.running_nodes() and d.sup.state is RunState.RUNNING
+    d.steps(1, 10)
+    spare = d.running_nodes()[1]
+    _fail_at_step_10(d, spare)  # n2's node rank fails at the step on its spare too: the job's
+    assert d.sup.state is RunState.CRASH_LOOP
+    assert not d.sup.pool.get("n2").failure_times
 
 
 def test_different_steps_are_not_a_crash_loop() -> None:
