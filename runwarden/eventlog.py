@@ -84,6 +84,8 @@ def decode_line(line: bytes) -> LogEntry:
         obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:  # a line that fits the bound can still nest deeper than the parser recurses
+        raise ValueError("not JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     entry = LogEntry()

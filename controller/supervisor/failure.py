@@ -250,12 +250,13 @@ def decide(sv: Run) -> None:
     # give them back at once. Whether a suspect is a victim is the blame's rung, not whether it
     # carries an Evidence record: the flight recorder's verdict always attaches one (a rank that
     # never arrived says nothing about its node; a software hang rotates it).
-    # Nor does a relapse: the node first out at this step's previous failure, first out again, is
-    # moved out first even when another node's failure at the step made this the third (at 16,384
-    # hosts relapsing nodes fail a few steps after each resume: two of them ended the simulator's
-    # run as a crash loop). A victim that rotates back later is no relapse; the next hit completes it.
+    # Nor does a relapse that another node's failure made the loop's hit: the node first out at this
+    # step's previous failure, first out again after an earlier hit by someone else, is moved out
+    # first (at 16,384 hosts relapsing nodes fail a few steps after each resume: two of them ended the
+    # simulator's run as a crash loop). A victim that rotates back later is no relapse, and the same
+    # node twice from the start is the loop when `crash_loop_count` is 2; the next hit completes it.
     cand = sv.history.candidate(signature)
-    relapse = relapse and cand is not None and cand.last_first_exit == f.first_exit
+    relapse = relapse and cand is not None and cand.count >= 2 and cand.last_first_exit == f.first_exit
     looping = (
         not (f.planned or f.control_plane or node_evidence or relapse)
         and restart.loop_count_with(sv.history, signature) >= sv.cfg.crash_loop_count

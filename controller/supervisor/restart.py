@@ -115,8 +115,9 @@ def restart_decision(
       A failure blamed on evidence about a node (a fatal Xid, a lost lease: `node_evidence`) is no
       candidate. The nodes quarantined for a candidate's failures are its `suspects`, released by the
       verdict without their strike (failure.py). A `relapse` (the node first out at the candidate's
-      latest hit is first out again, and is moved out now) completes no loop: the next attempt tells
-      the node's fault (it does not recur) from the job's (it does: the next hit completes the loop).
+      latest hit, after an earlier hit by another, is first out again, and is moved out now) completes
+      no loop: the next attempt tells the node's fault (it does not recur) from the job's (the next
+      hit completes the loop).
     * More than `restart_budget` failure restarts within `restart_budget_window_s` -> `BudgetExhausted`.
     * Otherwise `Relaunch`, at once for an independent fault, after an exponential backoff in a storm.
       A failure is part of a storm when nothing was quarantined for it (the cause is not out of the
