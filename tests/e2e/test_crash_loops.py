@@ -272,22 +272,26 @@ def ended(run: Run, identity: str) -> int:
 def check_crash_loop(
     fleet: Fleet, run: Run, label: str, *, unstarted: tuple[int, ...] = ()
 ) -> list[LogEntry]:
-    """The run ended as one crash loop of `label` after three identical failures, paged once and left
-    every node in service. Returns its ATTRIBUTION events. `unstarted`: attempts whose launch was
-    logged by a leader killed before it wrote the attempt record (its successor launched the next)."""
+    """The run ended as one crash loop of `label` after three identical failures (four when the third
+    was a relapse: the node first out at the second, first out again, moved out first; which rank
+    exits first is a race), paged once and left every node in service. Returns its ATTRIBUTION
+    events. `unstarted`: attempts whose launch was logged by a leader killed before it wrote the
+    attempt record (its successor launched the next)."""
     events = run.events()
     kinds = [e.kind for e in events]
     (end,) = [e for e in events if e.kind == E.EVENT_KIND_RUN_END]
     assert end.run_detail.outcome == "crash_loop", run.tail()
-    assert f"the same failure ({label})" in end.message and "3 times, the run never past it" in end.message, (
-        end.message
-    )
-    assert kinds.count(E.EVENT_KIND_LAUNCH) == 3 + len(unstarted), run.tail()
+    m = re.search(r"at step \d+ (\d+) times, the run never past it", end.message)
+    assert m is not None and f"the same failure ({label})" in end.message, end.message
+    hits = int(m.group(1))
+    failures = [e for e in events if e.kind == E.EVENT_KIND_DETECTION and not e.detection.flag_only]
+    moved = {e.attempt for e in events if e.kind == E.EVENT_KIND_QUARANTINE and "again" in e.message}
+    assert hits == 3 or (hits == 4 and len(failures) == 4 and failures[2].attempt in moved), end.message
+    assert kinds.count(E.EVENT_KIND_LAUNCH) == hits + len(unstarted), run.tail()
     started = {e.attempt for e in events if e.kind == E.EVENT_KIND_WORKERS_STARTED}
     assert not started & set(unstarted), run.tail()
-    failures = [e for e in events if e.kind == E.EVENT_KIND_DETECTION and not e.detection.flag_only]
-    assert [e.attempt for e in failures] == [1, 2, 3 + len(unstarted)], run.tail()
-    assert kinds.count(E.EVENT_KIND_RESTART) == 2, run.tail()
+    assert [e.attempt for e in failures] == [*range(1, hits), hits + len(unstarted)], run.tail()
+    assert kinds.count(E.EVENT_KIND_RESTART) == hits - 1, run.tail()
     (page,) = [e for e in events if e.kind == E.EVENT_KIND_PAGE]
     assert page.message.startswith(f"crash loop: {label} at step "), page.message
     delivered = run.pages()
