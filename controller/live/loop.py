@@ -814,6 +814,7 @@ class LiveController:
                             attempt=attempt,
                             detail="no worker of this attempt on the node: adopted at "
                             "takeover, but the previous leader's launch never reached it",
+                            never_started=True,
                         )
                     )
             if pending and time.monotonic() > give_up:

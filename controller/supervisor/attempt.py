@@ -94,8 +94,9 @@ class Failure:
     first_exit_at: float | None = None  # when it ended, as its agent said
     verdict: FlightRecorderVerdict | None = None
     dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
-    # no fault: the nodes' launch paths disagreed (warm and cold never meet); relaunched at once, cold
-    paths_disagree: bool = False
+    # a failure of no one (the launch paths disagreed, a launch never reached a node): nothing
+    # blamed, counted or waited for; relaunched at once
+    no_fault: bool = False
 
     def facts(self) -> FailureFacts:
         return FailureFacts(

@@ -201,6 +201,9 @@ class AttemptExited:
     rank: int | None = None
     detail: str = ""
     planned_stop: str = ""  # the ranks ended on a stop request (why): a planned stop, not the end
+    # the node has no worker of the attempt at all: an adopted attempt whose launch never reached it
+    # (the previous leader died first); no exit of the job's, nothing about the node
+    never_started: bool = False
 
     def __post_init__(self) -> None:
         _check_name("AttemptExited.node", self.node)

@@ -30,7 +30,7 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
     sv.failure = f
     loss.flush_replay(sv)  # the attempt's replay comparisons so far, before it ends
     loss.flush_record(sv)  # and its losses' durable copy (a controller restart may follow)
-    if not f.planned and not f.paths_disagree:
+    if not f.planned and not f.no_fault:
         sv.log(
             E.EVENT_KIND_DETECTION,
             f.reason,
@@ -43,7 +43,7 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
             ),
         )
     live = sv.live_nodes()
-    unplanned = not f.planned and not f.control_plane and not f.paths_disagree and live
+    unplanned = not f.planned and not f.control_plane and not f.no_fault and live
     if unplanned and sv.cfg.collect_dumps and f.dumps:
         transitions.become_collecting(sv, live)
     elif unplanned and f.detector == E.DETECTOR_NODE_LOST and sv.cfg.lost_node_hold_s > 0:
@@ -143,7 +143,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
     out: list[_Suspect] = []
     relapse = False
     node_evidence = f.detector == E.DETECTOR_NODE_LOST
-    if not f.planned and not f.control_plane and not f.paths_disagree:
+    if not f.planned and not f.control_plane and not f.no_fault:
         evidence = {n: sv.pool.evidence_since(n, a.launched_at) for n in a.node_step}
         b = blame(
             f.facts(),
@@ -196,7 +196,7 @@ def _to_quarantine(sv: Run, f: Failure, slack: int) -> tuple[list[_Suspect], boo
                     )
                 ]
     if (
-        not f.control_plane and not f.planned and not f.paths_disagree
+        not f.control_plane and not f.planned and not f.no_fault
     ):  # a planned stop quarantines nothing, as it says
         out += [
             _Suspect(
@@ -274,8 +274,8 @@ def decide(sv: Run) -> None:
     if sv.end_after_stop or not f.relaunch:
         transitions.finish(sv, RunState.STOPPED, "stopped", f"stopped on request: {f.reason}")
         return
-    if f.paths_disagree:  # no failure of the job or a node: nothing counted, nothing to wait for
-        begin_backoff(sv, 0.0, f"{f.reason}: relaunching at once, cold on every node; no restart consumed")
+    if f.no_fault:  # no failure of the job or a node: nothing counted, nothing to wait for
+        begin_backoff(sv, 0.0, f"{f.reason}: relaunching at once; no restart consumed")
         return
     ran = sv.now - sv.cur.launched_at
     decision = restart.restart_decision(

@@ -167,11 +167,12 @@ def on_workers_started_running(sv: Run, ev: WorkersStarted) -> None:
     why = "; ".join(f"{n.node} ({n.detail or 'no reason given'})" for n in cold)
     f = Failure(
         detector=E.DETECTOR_UNSPECIFIED,
-        reason=f"launch paths of attempt {ev.attempt} disagree: cold on {why}, warm on the others",
+        reason=f"launch paths of attempt {ev.attempt} disagree: cold on {why}, warm on the others, "
+        "so every node goes cold",
         nodes=[n.node for n in cold],
         step=sv.job_step,
         label="launch_paths",
-        paths_disagree=True,
+        no_fault=True,
         dumps=False,
     )
     sv.log(E.EVENT_KIND_RESTART, f.reason)
@@ -353,7 +354,11 @@ def classify(sv: Run, ev: AttemptExited) -> str | None:
     a = sv.cur
     if ev.attempt != a.number or ev.node not in a.node_step or ev.node in a.exited:
         return None
-    label = detectors.classify_exit(ev.exit_code, ev.signal, stopping=False).label
+    label = (
+        "never started"
+        if ev.never_started
+        else detectors.classify_exit(ev.exit_code, ev.signal, stopping=False).label
+    )
     a.exited[ev.node] = label
     return label
 
@@ -379,6 +384,21 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
     if label == "clean":
         if len(a.exited) == len(a.node_step) and all(v == "clean" for v in a.exited.values()):
             transitions.finish(sv, RunState.COMPLETED, "completed", "every node exited 0: the run completed")
+        return
+    if ev.never_started:
+        # The controller's own half-done launch, not a crash: the others wait in a rendezvous this
+        # node never joins. No first exit to blame, no restart or crash-loop hit; relaunched at once.
+        f = Failure(
+            detector=E.DETECTOR_UNSPECIFIED,
+            reason=f"attempt {ev.attempt} never started on {ev.node} ({ev.detail or 'no worker of it there'})",
+            nodes=[ev.node],
+            step=sv.job_step,
+            label="never_started",
+            no_fault=True,
+            dumps=False,
+        )
+        sv.log(E.EVENT_KIND_CONTROL_PLANE, f.reason)
+        failure.begin(sv, f, latency=0.0)
         return
     latency = max(0.0, sv.now - ev.ended_at) if ev.ended_at else 0.0
     rank = f" rank {ev.rank}" if ev.rank is not None else ""

@@ -57,7 +57,10 @@ def test_one_node_refusing_the_warm_path_sends_the_whole_attempt_cold_at_once(cl
     cold = {n.node: n.detail for n in disagreed.workers_started.nodes if n.path == "cold"}
     assert list(cold) == [COLD_NODE] and "warm_workers is off" in cold[COLD_NODE], cold
     restart = cluster.wait_for_event(
-        E.EVENT_KIND_RESTART, disagreed.seq, 30, pred=lambda e: "relaunching at once, cold" in e.message
+        E.EVENT_KIND_RESTART,
+        disagreed.seq,
+        30,
+        pred=lambda e: "every node goes cold: relaunching at once" in e.message,
     )
     assert restart is not None, tail()
     assert f"launch paths of attempt {disagreed.attempt} disagree" in restart.message

@@ -366,3 +366,30 @@ def test_the_path_each_node_started_on_is_in_the_event_log(store: Store, tmp_pat
         assert started.message == "attempt 1 started: cold on n1 (the double starts no workers)"
         (node,) = started.workers_started.nodes
         assert (node.node, node.path) == ("n1", "cold")
+
+
+def test_an_adopted_attempt_whose_launch_never_reached_a_node_is_relaunched_with_no_one_blamed(
+    store: Store, tmp_path: Path
+) -> None:
+    # The double starts no workers, so to a leader that takes over, attempt 1 looks exactly like a
+    # launch its predecessor logged and recorded but never delivered: no worker of it on n1.
+    with agent_double(store) as agent:
+        with live_shell(store, tmp_path / "run") as (_first, log):
+            log.wait(is_launch(1), 20)
+        with live_shell(store, tmp_path / "run") as (_second, log):
+            _, adopted = log.wait(says("adopted, not relaunched"), 20)
+            assert adopted.attempt == 1
+            noticed_at, noticed = log.wait(says("attempt 1 never started on n1"), 20)
+            assert noticed.kind == E.EVENT_KIND_CONTROL_PLANE, noticed
+            _, restart = log.wait(lambda e: e.kind == E.EVENT_KIND_RESTART, 20, after=noticed_at)
+            assert "no restart consumed" in restart.message, restart.message
+            log.wait(is_launch(2), 20, after=noticed_at)
+            # nothing of the job's or the node's: no detection, no blame, no strike
+            later = [e for t, e in log.entries if t >= noticed_at]
+            kinds = {e.kind for e in later}
+            assert not kinds & {E.EVENT_KIND_DETECTION, E.EVENT_KIND_ATTRIBUTION, E.EVENT_KIND_QUARANTINE}, (
+                later
+            )
+        assert [r.attempt for r in agent.launches] == [1, 2]
+    rep = store.get(store.keys.reputation("n1"))
+    assert rep is None or not store_pb2.Reputation.FromString(rep.value).failure_times

@@ -33,11 +33,14 @@ from runwarden.v1 import agent_pb2, common_pb2
 from tests.nodeagent.helpers import wait_for
 from tests.nodeagent.test_warm_workers import HOSTS, _agent, _ended, _launch, _status, _train, parked_ranks
 
+# written whole, then renamed: the test waits for the name, and a name seen before the write
+# completes read as empty JSON (CI run of 3f33e50)
 PROBE = """
-import json, sys
+import json, os, sys
 names = ("torch._dynamo", "json.tool", "tabnanny")
-with open({out!r}, "w") as f:
+with open({out!r} + ".tmp", "w") as f:
     json.dump({{m: m in sys.modules for m in names}}, f)
+os.replace({out!r} + ".tmp", {out!r})
 """
 # The scripts below say they run (their argv[1] appears) once they are where the test needs them.
 DEAF = """

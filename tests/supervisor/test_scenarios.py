@@ -289,6 +289,7 @@ class Runner:
                 exit_code=int(kv["code"]) if "code" in kv else None,
                 signal=int(kv["signal"]) if "signal" in kv else None,
                 rank=int(kv["rank"]) if "rank" in kv else None,
+                never_started="never_started" in pos[1:],
             )
         )
 
