@@ -14,8 +14,11 @@ lag by one collective), a crash; then `--soak-s` of a fault every `--fault-every
 Measured from the controller's own event log (its `ts`, wall clock) and the processes' /proc:
   preflight fan-out      PREFLIGHT_PLAN -> LAUNCH of attempt 1 (every node preflighted once), beside
                          the slowest host's preflight (the fleet's latency bound)
-  launch fan-out         LAUNCH -> WORKERS_STARTED (every node's LaunchWorkers answered)
-  lost host -> relaunch  the lease revoked (the key gone at once) -> LAUNCH and -> WORKERS_STARTED
+                         and -> the last host's arrival of its RunPreflight (the fleet's stamps)
+  launch fan-out         LAUNCH -> WORKERS_STARTED (every node's LaunchWorkers answered), and ->
+                         the last host's arrival of its LaunchWorkers
+  lost host -> relaunch  the lease revoked (the key gone at once) -> NODE_LOST -> LAUNCH, -> the last
+                         host's arrival of its LaunchWorkers, and -> WORKERS_STARTED
   hang -> dumps          DETECTION -> ATTRIBUTION (every rank's host asked for dumps, the verdict)
   crash -> relaunch      DETECTION -> WORKERS_STARTED
   controller CPU (% of one core, mean over the soak and over the whole size) and peak RSS; etcd CPU
@@ -49,6 +52,26 @@ from testbed.etcd_server import EtcdServer  # noqa: E402
 
 RUN = "scale"
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def received(fleet: Fleet, rpc: str, after: float, attempt: int | None = None) -> float | None:
+    """When the last host received the fan-out of `rpc` that began at `after` (the event's `ts`):
+    the latest arrival, across the fleet's processes, of the first window of arrivals (lightfleet's
+    `Receipts`) that begins at or after it (and is of `attempt`, when given)."""
+    last = None
+    for line in fleet.inject("stats").splitlines():
+        if not line.startswith("ok stats "):
+            continue
+        windows = json.loads(line[len("ok stats ") :]).get("received", {}).get(rpc, [])
+        mine = [w for w in windows if w[0] >= after - 0.05 and (attempt is None or w[3] == attempt)]
+        if mine:
+            first = min(mine, key=lambda w: w[0])
+            last = first[1] if last is None else max(last, first[1])
+    return last
+
+
+def since(at: float | None, t0: float) -> float | None:
+    return None if at is None else round(at - t0, 2)
 
 
 def cpu_s(pid: int) -> float:
@@ -250,7 +273,9 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, launch.seq, 300)
             out["preflight_fan_out_s"] = round(launch.ts - plan.ts, 2)
             out["slowest_preflight_s"] = float(args.preflight_s.split(":")[-1])
+            out["preflight_received_by_all_s"] = since(received(fleet, "RunPreflight", plan.ts), plan.ts)
             out["launch_fan_out_s"] = round(started.ts - launch.ts, 2)
+            out["launch_received_by_all_s"] = since(received(fleet, "LaunchWorkers", launch.ts, 1), launch.ts)
             first = first_step_after(tail, started.seq, 300)
             out["first_step_after_launch_s"] = round(first.ts - launch.ts, 2)
             sleep_sampling(sampler, args.settle_s)
@@ -264,9 +289,13 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             lost = tail.wait(E.EVENT_KIND_NODE_LOST, seq, 60, lambda e: victim in e.message)
             relaunch = tail.wait(E.EVENT_KIND_LAUNCH, lost.seq, 120)
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, relaunch.seq, 120)
+            reached = received(fleet, "LaunchWorkers", relaunch.ts, relaunch.attempt)
             out["lost_host"] = {
                 "revoked_to_node_lost_s": round(lost.ts - t_fault, 2),
                 "node_lost_to_launch_s": round(relaunch.ts - lost.ts, 2),
+                # the goal's measure: the launch RPC at every host (the agents' own arrival stamps)
+                "node_lost_to_launch_received_by_all_s": since(reached, lost.ts),
+                "revoked_to_launch_received_by_all_s": since(reached, t_fault),
                 "node_lost_to_all_launched_s": round(started.ts - lost.ts, 2),
             }
             first_step_after(tail, started.seq, 300)

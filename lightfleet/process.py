@@ -50,6 +50,32 @@ TICK_S = 0.1  # how often due writes are looked for (an exit waits at most this,
 T = TypeVar("T")
 
 
+class Receipts:
+    """When this process's agents received each kind of RPC, as windows of arrivals: a window is
+    (first, last, count, attempt), a new one begins after GAP_S without one, or for another
+    attempt; the newest WINDOWS of each kind are kept. `stats` reports them, so a benchmark
+    can tell when a controller's fan-out reached its last host (wall-clock times, one machine)."""
+
+    GAP_S = 1.0
+    WINDOWS = 32
+
+    def __init__(self) -> None:
+        self.windows: dict[str, list[list[float]]] = {}
+
+    def add(self, rpc: str, at: float, attempt: int = 0) -> None:
+        kept = self.windows.setdefault(rpc, [])
+        cur = kept[-1] if kept else None
+        if cur is not None and cur[3] == attempt and at - cur[1] <= self.GAP_S:
+            cur[1] = max(cur[1], at)
+            cur[2] += 1
+            return
+        kept.append([at, at, 1, attempt])
+        del kept[: -self.WINDOWS]
+
+    def as_dict(self) -> dict[str, list[list[float]]]:
+        return {rpc: [list(w) for w in kept] for rpc, kept in self.windows.items()}
+
+
 class LightProcess:
     def __init__(
         self,
@@ -75,6 +101,7 @@ class LightProcess:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.servers: list[grpc.aio.Server] = []
         self.counts: dict[str, int] = {}
+        self.receipts = Receipts()
         self.registered_in_s = 0.0
         self._by_lease: dict[int, LightAgent] = {}
         self._progress_busy: set[str] = set()
@@ -104,6 +131,9 @@ class LightProcess:
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
+
+    def received(self, rpc: str, attempt: int = 0) -> None:
+        self.receipts.add(rpc, time.time(), attempt)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -479,6 +509,7 @@ class LightProcess:
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "threads": threading.active_count(),
             "registered_in_s": round(self.registered_in_s, 3),
+            "received": self.receipts.as_dict(),
         }
 
 

@@ -44,6 +44,7 @@ def unary(
 
     @functools.wraps(fn)
     async def wrapper(self: NodeAgent, request: Any, context: Context) -> R:
+        self.process.received(fn.__name__, getattr(request, "attempt", 0))
         await self._alive(context)
         try:
             return await fn(self, request, context)
@@ -64,6 +65,7 @@ class Host(Protocol):
     async def attempt_record(self, run: str) -> store_pb2.AttemptRecord | None: ...
     def follow(self, run: str) -> None: ...
     def confirmed_at(self, agent: LightAgent) -> float | None: ...
+    def received(self, rpc: str, attempt: int = 0) -> None: ...
 
 
 class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
@@ -89,6 +91,7 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
     async def RunPreflight(
         self, request: agent_pb2.RunPreflightRequest, context: Context
     ) -> AsyncIterator[agent_pb2.RunPreflightResponse]:
+        self.process.received("RunPreflight")
         await self._alive(context)
         a = self.agent
         try:

@@ -7,6 +7,7 @@ does not consume an attempt; the launch gate admits only nodes that are alive an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -171,15 +172,36 @@ def _sort_by_preflight(sv: Run, nodes: list[str]) -> list[str]:
             sv.preparing.vouched.add(n)
     parts = []
     if checked:
-        parts.append("preflight " + "; ".join(f"{r.node} ({r.reason})" for r in checked))
+        parts.append("preflight " + _reasons(sv, checked))
     if vouched:
-        parts.append("no preflight for " + "; ".join(f"{r.node} ({r.reason})" for r in vouched))
+        parts.append("no preflight for " + _reasons(sv, vouched))
     sv.log(
         E.EVENT_KIND_PREFLIGHT_PLAN,
         f"before attempt {sv.next_attempt}: " + "; ".join(parts),
         preflight_plan=E.PreflightPlanDetail(checked=checked, vouched=vouched),
     )
     return [r.node for r in checked]
+
+
+# A preflight plan's message names each node with its reason up to this many nodes.
+NAMED = 16
+
+
+def _reasons(sv: Run, rows: list[E.NodeReason]) -> str:
+    """Each node with its reason; beyond NAMED nodes, one line per kind of reason (its numbers
+    aside): how many, one example and the first names. The event's detail keeps every node's: at
+    16,384 hosts the full text doubled a 1 MB entry before every relaunch."""
+    if len(rows) <= NAMED:
+        return "; ".join(f"{r.node} ({r.reason})" for r in rows)
+    kinds: dict[str, list[E.NodeReason]] = {}
+    for r in rows:
+        kinds.setdefault(re.sub(r"[0-9]+(\.[0-9]+)?", "#", r.reason), []).append(r)
+    return "; ".join(
+        f"{len(rs)} nodes like {rs[0].node} ({rs[0].reason}): {sv.names([r.node for r in rs])}"
+        if len(rs) > 1
+        else f"{rs[0].node} ({rs[0].reason})"
+        for rs in kinds.values()
+    )
 
 
 def drop_from_slots(sv: Run, node: str, reason: str, *, logged: bool = False) -> None:

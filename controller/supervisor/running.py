@@ -141,7 +141,7 @@ def on_workers_started(sv: Run, ev: WorkersStarted) -> None:
         named = by_path[path]
         why = sorted({n.detail for n in named if n.detail and path != "warm"})
         parts.append(
-            f"{path} on {', '.join(n.node for n in named)}" + (f" ({'; '.join(why)})" if why else "")
+            f"{path} on {sv.names([n.node for n in named])}" + (f" ({'; '.join(why)})" if why else "")
         )
     sv.log(
         E.EVENT_KIND_WORKERS_STARTED,

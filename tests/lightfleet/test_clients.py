@@ -18,6 +18,7 @@ from controller.live.translate import Translator
 from controller.supervisor import flight_recorder
 from controller.supervisor.events import AttemptExited, Event, NodeJoined, ProgressObserved
 from lightfleet.agent import WARM_ON
+from lightfleet.process import Receipts
 from lightfleet.settings import AgentSettings, Latency
 from runwarden.store import EventType, Store, WatchEvent
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, store_pb2
@@ -110,6 +111,10 @@ def test_the_controllers_clients_preflight_launch_read_progress_collect_dumps_an
         (n, "warm", WARM_ON)
         for n in NODES  # the real agent's default: warm workers
     }
+    # the process stamps each arrival: one window of the fan-out's three launches, for attempt 1
+    (launches,) = h.process.stats()["received"]["LaunchWorkers"]
+    first, last, count, attempt = launches
+    assert (count, attempt) == (3, 1) and first <= last <= time.time(), launches
 
     def steps() -> dict[str, int]:
         with lock:
@@ -209,3 +214,20 @@ def test_requests_are_validated_and_refused_as_the_real_agent_does(hosted) -> No
         with pytest.raises(grpc.RpcError) as exc:
             stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest())
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_receipts_are_windows_of_arrivals_split_by_a_quiet_gap_or_another_attempt() -> None:
+    r = Receipts()
+    for at in (10.0, 10.4, 11.2):  # gaps under GAP_S: one window
+        r.add("LaunchWorkers", at, attempt=2)
+    r.add("LaunchWorkers", 11.3, attempt=3)  # another attempt: a window of its own
+    r.add("LaunchWorkers", 11.3 + Receipts.GAP_S + 0.1, attempt=3)  # after a quiet gap: another
+    r.add("RunPreflight", 10.0)
+    assert r.as_dict() == {
+        "LaunchWorkers": [[10.0, 11.2, 3, 2], [11.3, 11.3, 1, 3], [12.4, 12.4, 1, 3]],
+        "RunPreflight": [[10.0, 10.0, 1, 0]],
+    }
+    for i in range(Receipts.WINDOWS + 5):  # bounded: the newest kept
+        r.add("StopWorkers", 100.0 + 10 * i)
+    kept = r.as_dict()["StopWorkers"]
+    assert len(kept) == Receipts.WINDOWS and kept[-1][0] == 100.0 + 10 * (Receipts.WINDOWS + 4)

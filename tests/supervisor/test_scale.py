@@ -25,6 +25,7 @@ from controller.supervisor.events import (
 )
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan, SupervisorConfig
+from runwarden.v1 import events_pb2 as E
 
 NODES, SPARES, FAILURES = 2048, 64, 466
 
@@ -116,3 +117,20 @@ def test_launch_lists_every_node_once_at_scale() -> None:
     sup, _, _ = drive_fleet(3)
     assert len(set(sup.current_nodes)) == NODES
     assert isinstance(Launch, type)
+
+
+def test_the_preflight_plan_names_each_node_in_its_detail_and_sums_them_up_in_its_message() -> None:
+    sup = Supervisor(SupervisorConfig(queue_wait_s=0.0), RunPlan(run="plan", nodes=NODES))
+    plans = []
+    for i in range(NODES):
+        batch = sup.handle(NodeJoined(node=f"node{i:05d}", local_ranks=8), 0.0)
+        plans += [e for e in batch.entries if e.kind == E.EVENT_KIND_PREFLIGHT_PLAN]
+    (plan,) = plans
+    assert [r.node for r in plan.preflight_plan.checked] == [f"node{i:05d}" for i in range(NODES)]
+    assert {r.reason for r in plan.preflight_plan.checked} == {"no passing preflight on record"}
+    # one kind of reason: its count, an example and the first names (was 2,048 names and reasons)
+    assert plan.message == (
+        f"before attempt 1: preflight {NODES} nodes like node00000 (no passing preflight on record): "
+        + ", ".join(f"node{i:05d}" for i in range(8))
+        + f" (+{NODES - 8} more)"
+    ), plan.message
