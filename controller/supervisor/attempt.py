@@ -94,6 +94,8 @@ class Failure:
     first_exit_at: float | None = None  # when it ended, as its agent said
     verdict: FlightRecorderVerdict | None = None
     dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
+    # without dumps, wait this long before the stop (a lost lease: a mass expiry shows itself in it)
+    hold_s: float = 0.0
     # a failure of no one (the launch paths disagreed, a launch never reached a node): nothing
     # blamed, counted or waited for; relaunched at once
     no_fault: bool = False

@@ -46,8 +46,8 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
     unplanned = not f.planned and not f.control_plane and not f.no_fault and live
     if unplanned and sv.cfg.collect_dumps and f.dumps:
         transitions.become_collecting(sv, live)
-    elif unplanned and f.detector == E.DETECTOR_NODE_LOST and sv.cfg.lost_node_hold_s > 0:
-        transitions.become_collecting(sv, live, dumps=False)
+    elif unplanned and f.hold_s > 0:
+        transitions.become_collecting(sv, live, hold_s=f.hold_s)
     else:
         stop(sv)
 

@@ -156,6 +156,7 @@ def on_lost_running(sv: Run, ev: NodeLost) -> None:
                 # the survivors' dumps could not change it, and collecting them from every rank
                 # before the stop cost 4.3 s of the relaunch at 2,048 hosts (BENCHMARKS.md).
                 dumps=False,
+                hold_s=sv.cfg.lost_node_hold_s,
             ),
             latency=sv.now - last,
         )

@@ -53,16 +53,16 @@ def become_running(sv: Run, *, hang_after_s: float, launch: Launch | None = None
     sv.emit(SetTimer(key="hang", at=sv.now + hang_after_s))
 
 
-def become_collecting(sv: Run, live: list[str], *, dumps: bool = True) -> None:
-    """COLLECTING: evidence before the stop. With `dumps`, the live nodes dump their flight
-    recorders, until the dump deadline; without, the other leases get `lost_node_hold_s` to show
-    a mass expiry (the control plane's fault: the attempt is kept, not stopped)."""
+def become_collecting(sv: Run, live: list[str], *, hold_s: float | None = None) -> None:
+    """COLLECTING: evidence before the stop. The live nodes dump their flight recorders, until the
+    dump deadline; or, with `hold_s`, nothing is collected and the other leases get that long to
+    show a mass expiry (the control plane's fault: the attempt is kept, not stopped)."""
     _enter(sv, RunState.COLLECTING)
-    if dumps:
+    if hold_s is None:
         sv.deadline = sv.now + sv.cfg.dump_timeout_s
         sv.emit(CollectDumps(attempt=sv.attempt, nodes=tuple(live), timeout_s=sv.cfg.dump_timeout_s))
     else:
-        sv.deadline = sv.now + sv.cfg.lost_node_hold_s
+        sv.deadline = sv.now + hold_s
     sv.emit(SetTimer(key="collecting", at=sv.deadline))
 
 
