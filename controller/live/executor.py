@@ -289,6 +289,7 @@ class Executor:
     # -- launch --------------------------------------------------------------------------------
 
     def _launch(self, action: Launch) -> list[Event]:
+        t0 = time.monotonic()
         fence = int(self.leadership.fence)
         launched_at = self.clock()
         ordered = sorted(action.nodes, key=lambda nr: nr.node_rank)
@@ -387,7 +388,7 @@ class Executor:
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
-        self.tasks.submit(self._start_workers, action, spec)
+        self.tasks.submit(self._start_workers, action, spec, time.monotonic() - t0)
         return []
 
     def _retire_relaunch_stop(self) -> None:
@@ -410,7 +411,8 @@ class Executor:
         log.error("%s", reason)
         return ActionFailed(action=action, temporary=False, reason=reason)
 
-    def _start_workers(self, action: Launch, spec: AttemptSpec) -> None:
+    def _start_workers(self, action: Launch, spec: AttemptSpec, record_s: float) -> None:
+        t0 = time.monotonic()
         try:
             handle = self.backend.launch(spec)
         except LaunchIncomplete as exc:
@@ -431,6 +433,14 @@ class Executor:
                 paths.append(NodeLaunchPath(node=s.node, path=s.path, detail=s.detail[:500]))
             except ValueError as exc:
                 log.warning("launch path of %s not recorded: %s", s.node, exc)
+        log.info(
+            "attempt %d: launched on %d node(s): attempt record and claims %.2f s, then every node "
+            "answered in %.2f s",
+            action.attempt,
+            len(spec.nodes),
+            record_s,
+            time.monotonic() - t0,
+        )
         if paths:
             self.post(WorkersStarted(attempt=action.attempt, nodes=tuple(paths)))
 
