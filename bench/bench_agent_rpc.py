@@ -117,8 +117,15 @@ def main() -> None:
         t0, c0 = time.monotonic(), cpu_s()
         launches = dict(backend.requests(spec, endpoint="10.0.0.1:29400"))
         build = {"wall_s": time.monotonic() - t0, "cpu_s": cpu_s() - c0}
+        t0, c0 = time.monotonic(), cpu_s()
         fan_out(clients, "stop", nodes, launches)  # every channel connected before measuring
-        results: dict[str, Any] = {"launch_requests_built": {k: round(v, 3) for k, v in build.items()}}
+        cold = {"wall_s": time.monotonic() - t0, "cpu_s": cpu_s() - c0}
+        print("stop on new channels", cold, flush=True)
+        results: dict[str, Any] = {
+            "launch_requests_built": {k: round(v, 3) for k, v in build.items()},
+            # the first fan-out connects every node's channel: what a controller's first preflight pays
+            "stop_on_new_channels": {k: round(v, 3) for k, v in cold.items()},
+        }
         for kind in ("preflight", "launch", "stop", "dumps"):
             walls, cpus = [], []
             for _ in range(args.repeats):
