@@ -52,6 +52,24 @@ def begin(sv: Run, f: Failure, *, latency: float) -> None:
         stop(sv)
 
 
+def begin_no_fault(
+    sv: Run, kind: E.EventKind.ValueType, reason: str, *, nodes: list[str], label: str
+) -> None:
+    """A failure of no one's (launch paths that disagree, a launch that never reached a node):
+    logged as `kind`, stopped at once without dumps, relaunched at once with nothing counted."""
+    sv.log(kind, reason)
+    f = Failure(
+        detector=E.DETECTOR_UNSPECIFIED,
+        reason=reason,
+        nodes=nodes,
+        step=sv.job_step,
+        label=label,
+        no_fault=True,
+        dumps=False,
+    )
+    begin(sv, f, latency=0.0)
+
+
 def on_dumps(sv: Run, ev: DumpsCollected) -> None:
     """COLLECTING: the flight recorder answered."""
     if ev.attempt != sv.attempt or sv.failure is None:

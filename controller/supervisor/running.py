@@ -165,18 +165,14 @@ def on_workers_started_running(sv: Run, ev: WorkersStarted) -> None:
     for n in cold:
         sv.went_cold[n.node] = n.detail or "no reason given"
     why = "; ".join(f"{n.node} ({n.detail or 'no reason given'})" for n in cold)
-    f = Failure(
-        detector=E.DETECTOR_UNSPECIFIED,
-        reason=f"launch paths of attempt {ev.attempt} disagree: cold on {why}, warm on the others, "
+    failure.begin_no_fault(
+        sv,
+        E.EVENT_KIND_RESTART,
+        f"launch paths of attempt {ev.attempt} disagree: cold on {why}, warm on the others, "
         "so every node goes cold",
         nodes=[n.node for n in cold],
-        step=sv.job_step,
         label="launch_paths",
-        no_fault=True,
-        dumps=False,
     )
-    sv.log(E.EVENT_KIND_RESTART, f.reason)
-    failure.begin(sv, f, latency=0.0)
 
 
 def hang_timeout(sv: Run) -> float:
@@ -388,17 +384,13 @@ def on_exited(sv: Run, ev: AttemptExited) -> None:
     if ev.never_started:
         # The controller's own half-done launch, not a crash: the others wait in a rendezvous this
         # node never joins. No first exit to blame, no restart or crash-loop hit; relaunched at once.
-        f = Failure(
-            detector=E.DETECTOR_UNSPECIFIED,
-            reason=f"attempt {ev.attempt} never started on {ev.node} ({ev.detail or 'no worker of it there'})",
+        failure.begin_no_fault(
+            sv,
+            E.EVENT_KIND_CONTROL_PLANE,
+            f"attempt {ev.attempt} never started on {ev.node} ({ev.detail or 'no worker of it there'})",
             nodes=[ev.node],
-            step=sv.job_step,
             label="never_started",
-            no_fault=True,
-            dumps=False,
         )
-        sv.log(E.EVENT_KIND_CONTROL_PLANE, f.reason)
-        failure.begin(sv, f, latency=0.0)
         return
     latency = max(0.0, sv.now - ev.ended_at) if ev.ended_at else 0.0
     rank = f" rank {ev.rank}" if ev.rank is not None else ""
