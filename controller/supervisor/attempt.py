@@ -93,7 +93,9 @@ class Failure:
     first_exit: str | None = None
     first_exit_at: float | None = None  # when it ended, as its agent said
     verdict: FlightRecorderVerdict | None = None
-    dumps: bool = True  # collect flight-recorder dumps first (False: the loss rules, nothing to hang on)
+    # collect flight-recorder dumps first (False: nothing to hang on: the loss rules, a lost lease, a
+    # failure of no one)
+    dumps: bool = True
     # without dumps, wait this long before the stop (a lost lease: a mass expiry shows itself in it)
     hold_s: float = 0.0
     # a failure of no one (the launch paths disagreed, a launch never reached a node): nothing
