@@ -184,6 +184,21 @@ class _SlurmRun:
         self.dead.append(node)
         self.cluster.kill_node(node)
 
+    def diagnosis(self) -> str:
+        """What Slurm, the agents and the controller said: for a run that did not recover."""
+        cluster = self.cluster
+        parts = [f"--- controller log (tail) ---\n{self.log.read_text()[-6000:]}"]
+        for out in sorted(self.tmp.glob(f"{self.job_name}*.out")):
+            parts.append(f"--- {out.name} (tail) ---\n{out.read_text(errors='replace')[-3000:]}")
+        ctld = cluster.root / "log" / "slurmctld.log"
+        if ctld.exists():
+            parts.append(f"--- slurmctld.log (tail) ---\n{ctld.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(Exception):
+            parts.append(f"--- squeue ---\n{cluster.cmd('squeue', '--noheader', '--format=%i %j %T %N')}")
+            parts.append(f"--- sinfo ---\n{cluster.node_states()}")
+        parts.append(f"--- agent processes ---\n{_agent_pids(str(self.agents_dir))}")
+        return "\n".join(parts)
+
     def wait_exit(self, timeout_s: float) -> int:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout_s)
@@ -264,6 +279,8 @@ def slurm_faulted(
             victim_ranks={"node-lost": 0},
             lose_node=run.lose_node,
         )
+        if not all(i.recovered for i in injections):
+            print(run.diagnosis(), flush=True)  # shown with the failing tests' captured output
         run.ctl("stop", spec.run, "--reason", "test finished")
         rc = run.wait_exit(120)
         states = slurm_cluster_module.node_states()

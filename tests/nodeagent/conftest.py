@@ -12,8 +12,11 @@ from tests.nodeagent.helpers import AgentProc
 
 
 @pytest.fixture
-def agent_factory(tmp_path: Path) -> Iterator[object]:
-    """Start real `nodeagent` processes; each is stopped (SIGINT: workers stopped now; then SIGKILL) at teardown."""
+def agent_factory(tmp_path: Path, etcd_factory: object) -> Iterator[object]:
+    """Start real `nodeagent` processes; each is stopped (SIGINT: workers stopped now; then SIGKILL) at teardown.
+
+    It asks for `etcd_factory` only to be set up after it: the agents stop before the test's etcd does
+    (an agent stopping against a dead etcd waits out its revoke and watch timeouts)."""
     agents: list[AgentProc] = []
 
     def make(**kwargs: object) -> AgentProc:
