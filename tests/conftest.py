@@ -95,6 +95,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ModuleAndHeavyScheduling(config, log)
 
 
+# Seconds each worker spent in each module (setup + call + teardown), summed in the controlling
+# process from the workers' reports: the summary shows which worker bounds the suite's wall time.
+_busy: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is None:
+        return  # a worker's own report (or no xdist): the controlling process sums them
+    module = report.nodeid.split("::", 1)[0]
+    per = _busy.setdefault(worker.id, {})
+    per[module] = per.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _busy:
+        return
+    terminalreporter.section("time per worker")
+    for worker, per in sorted(_busy.items()):
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+        terminalreporter.write_line(
+            f"{worker}: {sum(per.values()):.0f} s in {len(per)} modules; the longest: "
+            + ", ".join(f"{m.removeprefix('tests/')} {t:.0f}" for m, t in top)
+        )
+
+
 @pytest.fixture
 def etcd_factory(tmp_path: Path) -> Iterator[Callable[..., EtcdServer]]:
     servers: list[EtcdServer] = []
