@@ -549,3 +549,58 @@ def test_slurm_crash_loop_exits_3_pages_and_gives_everything_back(
         run.assert_nothing_left()
     finally:
         run.close()
+
+
+def test_slurm_allocation_that_ends_under_the_run_is_replaced_from_the_queue(
+    slurm_cluster_module: SlurmCluster, etcd_module: EtcdServer, tmp_path: Path, free_port: int
+) -> None:
+    """The agents' job ends under the run (its batch shell SIGKILLed: Slurm then ends the job and
+    TERMs its steps, as when it ends a job for its own reasons): each agent drains on the TERM, the
+    attempt ends as a planned stop (nothing blamed, no restart consumed), the core asks the queue
+    for the nodes it lost, and the run resumes from its last commit on the queue's job."""
+    spec = ClusterSpec(
+        warm_workers=False,
+        run="slurmend",
+        active=2,
+        spares=0,
+        steps=60,
+        ckpt_every=10,
+        step_sleep=0.05,
+        policy={"hang_timeout_floor_s": 60.0},
+    )
+    run = _SlurmRun(slurm_cluster_module, etcd_module, tmp_path, free_port, spec)
+    try:
+        run.start()
+        run.wait_for(E.EVENT_KIND_CHECKPOINT_COMMIT, 90)
+        (job,) = run.job_ids(run.job_name)
+        mark = run.events()[-1].seq
+        ended_at = time.monotonic()
+        slurm_cluster_module.cmd("scancel", "--batch", "--signal=KILL", job)
+        relaunch = run.wait_for(E.EVENT_KIND_LAUNCH, 120, after_seq=mark)
+        first = run.wait_for(E.EVENT_KIND_FIRST_STEP, 120, after_seq=relaunch.seq)
+        print(
+            f"the run's first step {time.monotonic() - ended_at:.1f}s after its job's batch shell was killed"
+        )
+        rc = run.wait_exit(120)
+        assert rc == 0, run.tail()
+        events = run.events()
+        after = [e for e in events if e.seq > mark]
+        assert not [e for e in after if e.kind in (E.EVENT_KIND_DETECTION, E.EVENT_KIND_QUARANTINE)], [
+            e.message for e in after
+        ]
+        assert [e for e in after if e.kind == E.EVENT_KIND_ALLOCATE and e.seq < relaunch.seq]
+        taken = [e for e in after if e.kind == E.EVENT_KIND_SPARE_TAKEN and e.seq < relaunch.seq]
+        assert taken and all(e.spare.source == "queue" for e in taken), [e.message for e in taken]
+        restarts = [e for e in after if e.kind == E.EVENT_KIND_RESTART]
+        assert restarts and all("without consuming" in e.message for e in restarts), [
+            e.message for e in restarts
+        ]
+        commits = [
+            e.step for e in events if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT and e.seq < relaunch.seq
+        ]
+        assert relaunch.launch.resume_step == max(commits) and first.seq > relaunch.seq
+        assert job not in run.job_ids(run.job_name)
+        assert len(sorted(tmp_path.glob(f"{run.job_name}-more-*.out"))) == 1
+        run.assert_nothing_left()
+    finally:
+        run.close()

@@ -284,8 +284,10 @@ def test_a_standby_takes_over_one_run_adopting_its_claims_and_attempt_the_other_
     claims_before = {n: fleet.claim(n) for n in nodes}
     launched = {run: len(launches(fleet, run)) for run in PRIORITY}
     leader = fleet.standbys["beta-a"]
-    os.killpg(leader.pid, signal.SIGTERM)  # the upgrade path: the leader resigns on its way out
+    # Read before the signal: the leader resigns at once and the standby may have adopted (and logged
+    # it) before this process runs again, on a loaded machine.
     stopped_at = time.time()
+    os.killpg(leader.pid, signal.SIGTERM)  # the upgrade path: the leader resigns on its way out
     assert leader.wait(timeout=20) == 0
     wait_until(
         "beta-b to lead beta",
