@@ -26,6 +26,10 @@ from typing import Any
 
 from runwarden.v1 import common_pb2, store_pb2
 
+# What a rank reports when it stops only because a peer asked (the trainer's `stop_agreed`; the
+# same words as nodeagent.trainer.FOLLOWED_STOP_REASON, which runs in the training process).
+FOLLOWED_STOP_REASON = "a peer rank's stop request"
+
 MAX_RECENT_LOSSES = 64  # per rank per write (RankProgress.recent_losses); the oldest beyond: dropped
 
 
@@ -79,14 +83,17 @@ class ProgressTable:
         """The node's workers of `attempt` ended; False if a newer attempt is already reported.
 
         Sets `status.planned_stop` (unless given) to the stop reason of the lowest rank that
-        reported one for this attempt."""
+        reported why the stop began (a signal, the stop file, ...); a rank that only followed its
+        peers (`FOLLOWED_STOP_REASON`) says why only when no rank of this node says more. Which
+        rank notices a stop file first is a race; the record says the same either way."""
         with self._lock:
             if not self._switch(run, attempt):
                 return False
             if not status.planned_stop:
                 reasons = [r.stop_reason for _, r in sorted(self._ranks[run].items()) if r.stop_reason]
+                origins = [why for why in reasons if why != FOLLOWED_STOP_REASON]
                 if reasons:
-                    status.planned_stop = reasons[0]
+                    status.planned_stop = (origins or reasons)[0]
             self._exit[run] = status
             self._dirty.add(run)
             return True

@@ -92,6 +92,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 MAX_RECENT_LOSSES = 64  # losses a rank sends per report (RankProgress.recent_losses); older: dropped
+# A rank's stop reason when it stops only because a peer asked (`stop_agreed`); the agent's exit record
+# prefers the reason a stop began with (nodeagent.daemon.progress.FOLLOWED_STOP_REASON: the same words).
+FOLLOWED_STOP_REASON = "a peer rank's stop request"
 _Report = tuple[int, float, float, float, bool, "float | None", float]
 # step -> seconds save_checkpoint of that step took in this process (the training thread was blocked
 # all along): set_committed(step) sends it. A few only: the script commits right after the save.
@@ -207,7 +210,7 @@ class ProgressReporter:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
         stop = bool(flag.item())
         if stop and not self._stop_reason:
-            self.stopping("a peer rank's stop request")
+            self.stopping(FOLLOWED_STOP_REASON)
         return stop
 
     def _measure(self, step: int) -> tuple[float, float, float]:

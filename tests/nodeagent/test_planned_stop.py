@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from nodeagent import trainer
+from nodeagent.daemon import progress as progress_table
 from nodeagent.daemon.progress import ProgressTable
 from nodeagent.trainer.checkpoint import latest_committed
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
@@ -59,9 +60,25 @@ def test_an_exit_after_a_stop_reason_is_a_planned_stop_and_one_without_is_not():
     )
     status = common_pb2.ExitStatus(exit_code=0)
     table.record_exit("r", 2, status)
-    assert status.planned_stop == "a peer rank's stop request"  # the lowest rank's reason
+    # why the stop began (rank 1's SIGTERM), not rank 0's "a peer asked": which rank notices first is a race
+    assert status.planned_stop == "SIGTERM"
     ((_, progress),) = table.take_dirty("n1")
-    assert progress.exit.planned_stop == "a peer rank's stop request"
+    assert progress.exit.planned_stop == "SIGTERM"
+    table.record(
+        "r",
+        3,
+        [
+            common_pb2.RankProgress(rank=1, step=9, stop_reason=progress_table.FOLLOWED_STOP_REASON),
+            common_pb2.RankProgress(rank=0, step=9, stop_reason=progress_table.FOLLOWED_STOP_REASON),
+        ],
+    )
+    status = common_pb2.ExitStatus(exit_code=0)
+    table.record_exit("r", 3, status)
+    assert status.planned_stop == "a peer rank's stop request"  # every rank here followed another node's
+
+
+def test_the_trainer_and_the_agent_use_the_same_words_for_a_followed_stop():
+    assert trainer.FOLLOWED_STOP_REASON == progress_table.FOLLOWED_STOP_REASON
 
 
 def test_sigterm_to_a_rank_is_a_stop_request_with_its_reason(tmp_path):
