@@ -15,8 +15,9 @@ from tests.nodeagent.helpers import AgentProc
 def agent_factory(tmp_path: Path, etcd_factory: object) -> Iterator[object]:
     """Start real `nodeagent` processes; each is stopped (SIGINT: workers stopped now; then SIGKILL) at teardown.
 
-    It asks for `etcd_factory` only to be set up after it: the agents stop before the test's etcd does
-    (an agent stopping against a dead etcd waits out its revoke and watch timeouts)."""
+    It asks for `etcd_factory` only for the order: set up after it, it is torn down before it, so the
+    agents stop before the test's etcd (an agent stopping against a dead etcd waits out its revoke and
+    watch timeouts)."""
     agents: list[AgentProc] = []
 
     def make(**kwargs: object) -> AgentProc:
