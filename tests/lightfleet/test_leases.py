@@ -59,7 +59,14 @@ def test_64_agents_keep_their_leases_and_a_lease_loss_takes_exactly_its_key(host
         "n40 back under a new lease",
     )
     assert store_pb2.NodeRecord.FromString(back.value).lease_id == back.lease
-    with lock:
-        n40 = [c.type for _, c in changes if c.key == keys.node("n40")]
+
+    def n40_seen() -> list[EventType]:
+        with lock:
+            return [c.type for _, c in changes if c.key == keys.node("n40")]
+
+    # the watch delivers after etcd answered the read above: wait for it to have seen the return too
+    n40 = wait_until(
+        lambda: len(seen := n40_seen()) >= 2 and seen, 10, "the watch to see n40 leave and return"
+    )
     assert n40[:2] == [EventType.DELETE, EventType.PUT]
     watch.cancel()
