@@ -18,7 +18,8 @@ Measured from the controller's own event log (its `ts`, wall clock) and the proc
   launch fan-out         LAUNCH -> WORKERS_STARTED (every node's LaunchWorkers answered), and ->
                          the last host's arrival of its LaunchWorkers
   lost host -> relaunch  the lease revoked (the key gone at once) -> NODE_LOST -> LAUNCH, -> the last
-                         host's arrival of its LaunchWorkers, and -> WORKERS_STARTED
+                         host's arrival of its LaunchWorkers, and -> WORKERS_STARTED; and when a
+                         watcher of this process saw the key's DELETE (etcd's part vs the controller's)
   hang -> dumps          DETECTION -> ATTRIBUTION (every rank's host asked for dumps, the verdict)
   crash -> relaunch      DETECTION -> WORKERS_STARTED
   controller CPU (% of one core, mean over the soak and over the whole size) and peak RSS; etcd CPU
@@ -46,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from lightfleet import cli  # noqa: E402
 from lightfleet.fleet import Fleet  # noqa: E402
 from runwarden.eventlog import LogEntry, decode_line  # noqa: E402
-from runwarden.store import Store, StoreConfig  # noqa: E402
+from runwarden.store import EventType, Relisted, Store, StoreConfig, WatchEvent  # noqa: E402
 from runwarden.v1 import events_pb2 as E  # noqa: E402
 from testbed.etcd_server import EtcdServer  # noqa: E402
 
@@ -283,15 +284,35 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             nodes = list(launch.launch.nodes)
             # a lost host: its lease revoked, so its key is gone now (the lease TTL is not measured)
             victim = nodes[len(nodes) // 2]
+            # an independent watch on the victim's key, in this process: when etcd's DELETE reached a
+            # watcher, which splits revoke -> NODE_LOST into the fleet's and etcd's part and the
+            # controller's (its watch, its translation and its core up to the logged event)
+            victim_key = store.keys.node(victim)
+            deleted: list[float] = []
+
+            def seen(change: WatchEvent | Relisted) -> None:
+                if (
+                    isinstance(change, WatchEvent)
+                    and change.key == victim_key
+                    and change.type is EventType.DELETE
+                ):
+                    deleted.append(time.time())
+
+            watch = store.watch_prefix(victim_key, None, seen)
             seq = tail.last_seq
             t_fault = time.time()
             fleet.inject(f"lease-loss {victim} revoke")
+            t_answered = time.time()  # the fleet answers once its process has revoked the lease
             lost = tail.wait(E.EVENT_KIND_NODE_LOST, seq, 60, lambda e: victim in e.message)
+            watch.cancel()
             relaunch = tail.wait(E.EVENT_KIND_LAUNCH, lost.seq, 120)
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, relaunch.seq, 120)
             reached = received(fleet, "LaunchWorkers", relaunch.ts, relaunch.attempt)
             out["lost_host"] = {
                 "revoked_to_node_lost_s": round(lost.ts - t_fault, 2),
+                "revoke_answered_s": round(t_answered - t_fault, 2),
+                "revoked_to_key_deleted_s": since(deleted[0] if deleted else None, t_fault),
+                "key_deleted_to_node_lost_s": None if not deleted else round(lost.ts - deleted[0], 2),
                 "node_lost_to_launch_s": round(relaunch.ts - lost.ts, 2),
                 # the goal's measure: the launch RPC at every host (the agents' own arrival stamps)
                 "node_lost_to_launch_received_by_all_s": since(reached, lost.ts),
