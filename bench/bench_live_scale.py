@@ -317,6 +317,8 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 # the goal's measure: the launch RPC at every host (the agents' own arrival stamps)
                 "node_lost_to_launch_received_by_all_s": since(reached, lost.ts),
                 "revoked_to_launch_received_by_all_s": since(reached, t_fault),
+                # the goal's clock: from the lease's end (its key gone), not from the fleet being asked
+                "key_deleted_to_launch_received_by_all_s": (since(reached, deleted[0]) if deleted else None),
                 "node_lost_to_all_launched_s": round(started.ts - lost.ts, 2),
             }
             first_step_after(tail, started.seq, 300)
