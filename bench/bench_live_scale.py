@@ -36,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,6 +290,7 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             # controller's (its watch, its translation and its core up to the logged event)
             victim_key = store.keys.node(victim)
             deleted: list[float] = []
+            saw_delete = threading.Event()
 
             def seen(change: WatchEvent | Relisted) -> None:
                 if (
@@ -297,6 +299,7 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     and change.type is EventType.DELETE
                 ):
                     deleted.append(time.time())
+                    saw_delete.set()
 
             watch = store.watch_prefix(victim_key, None, seen)
             seq = tail.last_seq
@@ -304,6 +307,7 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             fleet.inject(f"lease-loss {victim} revoke")
             t_answered = time.time()  # the fleet answers once its process has revoked the lease
             lost = tail.wait(E.EVENT_KIND_NODE_LOST, seq, 60, lambda e: victim in e.message)
+            saw_delete.wait(10)  # this watcher may see the DELETE after the controller logged it
             watch.cancel()
             relaunch = tail.wait(E.EVENT_KIND_LAUNCH, lost.seq, 120)
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, relaunch.seq, 120)
@@ -314,7 +318,7 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 "revoked_to_key_deleted_s": since(deleted[0] if deleted else None, t_fault),
                 "key_deleted_to_node_lost_s": None if not deleted else round(lost.ts - deleted[0], 2),
                 "node_lost_to_launch_s": round(relaunch.ts - lost.ts, 2),
-                # the goal's measure: the launch RPC at every host (the agents' own arrival stamps)
+                # the launch RPC at every host (the agents' own arrival stamps)
                 "node_lost_to_launch_received_by_all_s": since(reached, lost.ts),
                 "revoked_to_launch_received_by_all_s": since(reached, t_fault),
                 # the goal's clock: from the lease's end (its key gone), not from the fleet being asked
