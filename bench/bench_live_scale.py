@@ -309,20 +309,23 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             lost = tail.wait(E.EVENT_KIND_NODE_LOST, seq, 60, lambda e: victim in e.message)
             saw_delete.wait(10)  # this watcher may see the DELETE after the controller logged it
             watch.cancel()
+            deleted_at = deleted[0] if deleted else None
             relaunch = tail.wait(E.EVENT_KIND_LAUNCH, lost.seq, 120)
             started = tail.wait(E.EVENT_KIND_WORKERS_STARTED, relaunch.seq, 120)
             reached = received(fleet, "LaunchWorkers", relaunch.ts, relaunch.attempt)
             out["lost_host"] = {
                 "revoked_to_node_lost_s": round(lost.ts - t_fault, 2),
                 "revoke_answered_s": round(t_answered - t_fault, 2),
-                "revoked_to_key_deleted_s": since(deleted[0] if deleted else None, t_fault),
-                "key_deleted_to_node_lost_s": None if not deleted else round(lost.ts - deleted[0], 2),
+                "revoked_to_key_deleted_s": since(deleted_at, t_fault),
+                "key_deleted_to_node_lost_s": None if deleted_at is None else since(lost.ts, deleted_at),
                 "node_lost_to_launch_s": round(relaunch.ts - lost.ts, 2),
                 # the launch RPC at every host (the agents' own arrival stamps)
                 "node_lost_to_launch_received_by_all_s": since(reached, lost.ts),
                 "revoked_to_launch_received_by_all_s": since(reached, t_fault),
                 # the goal's clock: from the lease's end (its key gone), not from the fleet being asked
-                "key_deleted_to_launch_received_by_all_s": (since(reached, deleted[0]) if deleted else None),
+                "key_deleted_to_launch_received_by_all_s": None
+                if deleted_at is None
+                else since(reached, deleted_at),
                 "node_lost_to_all_launched_s": round(started.ts - lost.ts, 2),
             }
             first_step_after(tail, started.seq, 300)
