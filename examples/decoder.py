@@ -184,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     if found is not None:
         skip_rng = args.test_skip_rng_restore_if is not None and args.test_skip_rng_restore_if.exists()
         loaded = trainer.load_checkpoint(
-            found, model=model, optimizer=opt, scheduler=sched, rank=rank, restore_rng=not skip_rng
+            found,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            rank=rank,
+            restore_rng=not skip_rng,
+            reporter=reporter,  # runwarden: a corrupt step is reported, and the commit before it used
         )
         start = int(loaded.data_state["next_step"])
     reporter.loaded(found.step if found is not None else -1)  # runwarden: the load phase ends here

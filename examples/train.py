@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
-        loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
+        # a step whose shards differ from their recorded digests raises here: the reporter tells the
+        # supervisor, which relaunches from the commit before it
+        loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank, reporter=reporter)
         start = int(loaded.data_state["next_step"])
         if rank == 0:
             reporter.set_committed(loaded.step)

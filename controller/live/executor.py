@@ -623,6 +623,7 @@ class Executor:
             committed_at=self.clock(),
             attempt=action.attempt,
             save_duration_s=action.save_duration_s,
+            invalid=action.invalid,
         )
         try:
             self.store.fenced_put(

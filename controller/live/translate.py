@@ -25,6 +25,7 @@ from controller.supervisor.events import (
     AttemptExited,
     CheckpointCommitted,
     CheckpointFailed,
+    CheckpointInvalid,
     Event,
     EvidenceObserved,
     NodeClaimed,
@@ -108,6 +109,7 @@ class Translator:
         self.committed_seen = -1
         self.committed_attempt = 0  # the attempt whose rank reported committed_seen
         self._ckpt_failures: set[tuple[int, int]] = set()
+        self._invalid: set[tuple[int, int]] = set()  # (attempt, step) whose refused load was reported
         self.claim_holders: dict[str, str] = {}  # node -> the run its claim names (every run's)
 
     # -- relist --------------------------------------------------------------------------------
@@ -144,7 +146,8 @@ class Translator:
                     self.claim_holders[claim.node] = claim.run
             attempt = _try(store_pb2.AttemptRecord, listing.attempt.value) if listing.attempt else None
             ckpts = [_try(store_pb2.CheckpointCommit, kv.value) for kv in listing.checkpoints]
-            committed = tuple(sorted(c.step for c in ckpts if c is not None))
+            # a step a load refused keeps its record (why), and is no resume point
+            committed = tuple(sorted(c.step for c in ckpts if c is not None and not c.invalid))
             if committed:
                 self.committed_seen = max(self.committed_seen, committed[-1])
             stop = None
@@ -289,6 +292,17 @@ class Translator:
                 out.append(
                     CheckpointFailed(
                         step=r.step, error=r.checkpoint_error, node=prog.node, attempt=prog.attempt
+                    )
+                )
+            if (
+                r.load_error
+                and r.HasField("invalid_step")
+                and (prog.attempt, r.invalid_step) not in self._invalid
+            ):
+                self._invalid.add((prog.attempt, r.invalid_step))
+                out.append(
+                    CheckpointInvalid(
+                        step=r.invalid_step, error=r.load_error, node=prog.node, attempt=prog.attempt
                     )
                 )
             if r.HasField("committed_step") and (

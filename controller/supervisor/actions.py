@@ -148,12 +148,14 @@ class PersistMemory:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PersistCheckpoint:
     """Record an accepted commit in the store (runs/<run>/checkpoints/<step>): a resume point that a
-    `StoreListed` gives back after a controller restart. A superseded attempt's commit never gets one."""
+    `StoreListed` gives back after a controller restart. A superseded attempt's commit never gets one.
+    `invalid`: why a load refused the step; the record stays, and is no resume point."""
 
     step: int
     path: str
     attempt: int
     save_duration_s: float = 0.0
+    invalid: str = ""
 
 
 Action = (

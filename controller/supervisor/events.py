@@ -254,6 +254,17 @@ class CheckpointFailed:
     attempt: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInvalid:
+    """A rank's load refused committed step `step`: its content is not what its commit recorded
+    (a shard's SHA-256 differs). Not a resume point any more."""
+
+    step: int
+    error: str
+    node: str = ""
+    attempt: int = 0
+
+
 LAUNCH_PATHS = ("warm", "cold", "")  # "": an agent that does not say (an older agent)
 
 
@@ -459,6 +470,7 @@ Event = (
     | StopRequested
     | CheckpointCommitted
     | CheckpointFailed
+    | CheckpointInvalid
     | WorkersStarted
     | DumpsCollected
     | ControlPlaneLost

@@ -21,10 +21,10 @@ The graph, generated from the table (tests/supervisor/test_machine.py keeps it i
       -> STOPPED           StopRequested, StoreListed
     RUNNING
       -> BACKOFF           ActionFailed
-      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
+      -> COLLECTING        NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, CheckpointInvalid, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> COMPLETED         AttemptExited
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
-      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
+      -> STOPPING          NodeLost, NodeDraining, ProgressObserved, AttemptExited, StopRequested, Tick, CheckpointCommitted, CheckpointInvalid, WorkersStarted, EvidenceObserved, OperatorQuarantine, StoreListed, ActionFailed
       -> WAITING_NODES     ActionFailed
     COLLECTING
       -> CONTROL_PLANE     NodeLost, ControlPlaneLost, StoreListed
@@ -64,6 +64,7 @@ from controller.supervisor import (
     nodes,
     prepare,
     reconfigure,
+    resume_points,
     running,
     soak,
     stops,
@@ -74,6 +75,7 @@ from controller.supervisor.events import (
     BandwidthMeasured,
     CheckpointCommitted,
     CheckpointFailed,
+    CheckpointInvalid,
     ControlPlaneLost,
     ControlPlaneRestored,
     DumpsCollected,
@@ -151,6 +153,7 @@ def _row(
     tick: Rule[Tick],
     checkpoint: Rule[CheckpointCommitted],
     checkpoint_failed: Rule[CheckpointFailed],
+    checkpoint_invalid: Rule[CheckpointInvalid],
     started: Rule[WorkersStarted],
     evidence: Rule[EvidenceObserved],
     operator_q: Rule[OperatorQuarantine],
@@ -176,6 +179,7 @@ def _row(
         Tick: tick,
         CheckpointCommitted: checkpoint,
         CheckpointFailed: checkpoint_failed,
+        CheckpointInvalid: checkpoint_invalid,
         WorkersStarted: started,
         EvidenceObserved: evidence,
         OperatorQuarantine: operator_q,
@@ -192,6 +196,7 @@ def _row(
 
 # the same in every state
 _CHECKPOINT_FAILED = _on(nodes.on_checkpoint_failed)
+_CHECKPOINT_INVALID = _on(resume_points.on_checkpoint_invalid_idle)  # the next launch's resume point changes
 _STARTED = _on(running.on_workers_started)  # logged in any state: the attempt's record
 _RELEASE = _on(nodes.on_operator_release)
 _POLICY = _on(reconfigure.on_policy_changed)  # the next decision uses it
@@ -219,6 +224,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_CHECKPOINT_INVALID,
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -243,6 +249,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         drain=_on(nodes.on_draining_preflight, S.RUNNING),
         claimed=_on(nodes.on_claimed_preflight, S.RUNNING),  # a refill may launch
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_CHECKPOINT_INVALID,
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -267,6 +274,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_on(resume_points.on_checkpoint_invalid_running, *_FAIL),
         started=_on(running.on_workers_started_running, *_FAIL),
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -291,6 +299,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_on(resume_points.on_checkpoint_invalid_ending),
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -315,6 +324,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_on(resume_points.on_checkpoint_invalid_ending),
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -339,6 +349,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_CHECKPOINT_INVALID,
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -364,6 +375,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
         bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
         claimed=_on(nodes.on_claimed),  # another run took or gave back a node
         checkpoint_failed=_CHECKPOINT_FAILED,
+        checkpoint_invalid=_CHECKPOINT_INVALID,
         started=_STARTED,
         operator_release=_RELEASE,
         policy=_POLICY,
@@ -389,6 +401,7 @@ TABLE: dict[RunState, dict[type, Rule[Any]]] = {
             bandwidth=_on(nodes.on_bandwidth),  # a burn-in soak's answer
             claimed=_on(nodes.on_claimed),  # another run took or gave back a node
             checkpoint_failed=_CHECKPOINT_FAILED,
+            checkpoint_invalid=_CHECKPOINT_INVALID,
             started=_STARTED,
             operator_release=_RELEASE,
             policy=_POLICY,

@@ -194,7 +194,10 @@ def flush(table: ProgressTable, store: Any, node: str) -> int:
 
 def _urgent(old: common_pb2.RankProgress | None, new: common_pb2.RankProgress) -> bool:
     """`new` first says the rank loaded its checkpoint, or is its first step after that load, or
-    reports a commit newer than `old`'s (each written to etcd at once)."""
+    reports a commit newer than `old`'s, or that its load refused a step (each written to etcd at
+    once: the refusal before the rank's exit, so that the controller blames the files, not a node)."""
+    if new.load_error and (old is None or old.load_error != new.load_error):
+        return True
     if new.HasField("loaded_step") and (
         old is None or not old.HasField("loaded_step") or _first_step_after_load(old, new)
     ):

@@ -89,6 +89,12 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
         r.losses_dropped = max(0, r.losses_dropped)
         if len(r.checkpoint_error) > 1024:
             raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
+        if len(r.load_error) > 1024:
+            raise ValidationError(f"{where}.load_error: at most 1024 characters")
+        if r.HasField("invalid_step"):
+            integer(r.invalid_step, f"{where}.invalid_step", low=0, high=MAX_STEP)
+        if r.load_error and not r.HasField("invalid_step"):
+            raise ValidationError(f"{where}.load_error: set without the invalid_step it is about")
         if len(r.stop_reason) > 1024:
             raise ValidationError(f"{where}.stop_reason: at most 1024 characters")
         if r.HasField("committed_step"):

@@ -143,6 +143,7 @@ class ProgressReporter:
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
         self._ckpt_error: tuple[int, str] | None = None
+        self._load_error: tuple[int, str] | None = None
         self._sigterm = False
         self._stop_reason = ""
         self._finished = False
@@ -328,6 +329,14 @@ class ProgressReporter:
         self._pending.append((int(step), 0.0, 0.0, 0.0, True, None, time.time()))
         self.flush()
 
+    def load_failed(self, step: int, error: str) -> None:
+        """Tell the supervisor that committed step `step` failed its validation at load (a shard's
+        content is not what its commit recorded) and why; sent at once, before this rank exits. The
+        supervisor stops taking it as a resume point and relaunches from the commit before it."""
+        self._load_error = (int(step), str(error)[:1000])
+        self._pending.append((max(0, int(step)), 0.0, 0.0, 0.0, False, None, time.time()))
+        self.flush()
+
     def stop_requested(self) -> bool:
         """True once this rank got SIGTERM, the agent asked this run to stop, or the stop file
         exists. Poll once per step. The first True is reported to the agent at once, with why."""
@@ -476,6 +485,8 @@ class ProgressReporter:
             progress.loaded_from = memory_state.loaded_from(self._loaded)  # memory | storage | ""
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
+        if self._load_error is not None:
+            progress.invalid_step, progress.load_error = self._load_error
         if self._stop_reason:
             progress.stop_reason = self._stop_reason
         if self._finished:
@@ -665,13 +676,48 @@ def load_checkpoint(
     restore_rng: bool = True,
     map_location: str = "cpu",
     from_peer: bool = True,
+    reporter: ProgressReporter | None = None,
 ) -> LoadedCheckpoint:
     """Load a committed checkpoint (a commit, or a root: its latest commit) into model, optimizer
     and scheduler, restore this rank's RNG states, and return its data position. Either format:
     a DCP step (DcpCheckpointer; a collective, every rank calls it; validated as nodeagent.trainer.dcp
     says) or the old one (this rank's `rank<r>.pt`, read with torch's weights_only unpickler).
     A warm restart serves it from memory where it can (nodeagent.trainer.memory_state): each rank's own
-    copy, or for a DCP step with replicated state a peer's (`from_peer=False`: storage instead)."""
+    copy, or for a DCP step with replicated state a peer's (`from_peer=False`: storage instead).
+
+    A DCP step whose shards differ from the digests recorded at its commit raises CorruptCheckpoint
+    on every rank; with `reporter`, the supervisor is told first (`load_failed`), and relaunches from
+    the commit before it instead of looping on this one."""
+    from nodeagent.trainer.checkpoint import CorruptCheckpoint
+
+    try:
+        return _load_checkpoint(
+            checkpoint,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rank=rank,
+            restore_rng=restore_rng,
+            map_location=map_location,
+            from_peer=from_peer,
+        )
+    except CorruptCheckpoint as exc:
+        if reporter is not None:
+            reporter.load_failed(exc.step, str(exc))
+        raise
+
+
+def _load_checkpoint(
+    checkpoint: CommittedCheckpoint | Path | str,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    rank: int,
+    restore_rng: bool,
+    map_location: str,
+    from_peer: bool,
+) -> LoadedCheckpoint:
     import torch
 
     from nodeagent.trainer.dcp import FORMAT as DCP_FORMAT

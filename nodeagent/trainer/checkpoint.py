@@ -4,16 +4,19 @@ Layout under a root directory:
 
     <root>/step_000000000120/rank0.pt ...      the step's files, written and fsynced first
     <root>/step_000000000120/COMMITTED         the marker: JSON {step, files: {name: size},
-                                               sha256: {name: hex}, meta: {...}, committed_at}
+                                               sha256: {name: hex}, shard_sha256: {name: hex},
+                                               meta: {...}, committed_at}
 
 Order of obligations: write every file, fsync each, fsync the step directory; then write the
 marker to a temporary name, fsync it, rename it to COMMITTED (atomic), fsync the directory.
 `latest_committed(root)` returns the newest step whose marker parses and whose listed files all
-exist with the recorded sizes (and, for the files the marker also hashes, the recorded SHA-256),
-so a crash at any point leaves the previous committed step as the answer. The same holds for a
+exist with the recorded sizes (and, for the small files the marker hashes in `sha256`, the recorded
+SHA-256), so a crash at any point leaves the previous committed step as the answer. The large files'
+digests (`shard_sha256`) are checked by the load that reads them (`mismatched`), not by every look at
+the directory: hashing a model's shards costs a second per GB. The same holds for a
 torch.distributed.checkpoint step (nodeagent.trainer.dcp: its shards, DCP's `.metadata` and each rank's
-state file are the listed files; `.metadata` is hashed). No torch here: `nodeagent.trainer`
-saves and restores models on top of this.
+state and shard digest files are the listed files; `.metadata` is hashed, each shard's digest recorded
+by the rank that wrote it). No torch here: `nodeagent.trainer` saves and restores models on top of this.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ class CheckpointError(Exception):
     """A checkpoint could not be written or read; the message names the path."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A committed step's content is not what its commit recorded (a shard's SHA-256 differs): it
+    is no resume point. Raised alike on every rank of the load."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommittedCheckpoint:
     step: int
@@ -47,6 +59,8 @@ class CommittedCheckpoint:
     committed_at: float
     meta: Mapping[str, Any]
     sha256: Mapping[str, str] = field(default_factory=dict)  # file name -> hex digest (the hashed ones)
+    # file name -> hex digest of the shards, checked at load (`mismatched`); empty: none recorded
+    shard_sha256: Mapping[str, str] = field(default_factory=dict)
 
 
 def step_dir(root: Path | str, step: int) -> Path:
@@ -102,10 +116,12 @@ class CheckpointWriter:
         files: list[str] | None = None,
         meta: Mapping[str, Any] | None = None,
         hashed: tuple[str, ...] = (),
+        shard_sha256: Mapping[str, str] | None = None,
     ) -> CommittedCheckpoint:
         """Write the marker listing `files` (default: every file in the step dir) with sizes, and the
         SHA-256 of the `hashed` ones among them (small files a reader must trust, e.g. DCP's
-        `.metadata`). `files` may name dot-files (the default listing leaves them out)."""
+        `.metadata`). `shard_sha256`: digests the writers computed of large files among them, which
+        the load checks. `files` may name dot-files (the default listing leaves them out)."""
         fsync_dir(self.path)
         names = (
             sorted(files)
@@ -126,6 +142,12 @@ class CheckpointWriter:
             if name not in sizes:
                 raise CheckpointError(f"{self.path}: file {name!r} to hash is not among the committed files")
         digests = {name: sha256_file(self.path / name) for name in hashed}
+        shards = dict(shard_sha256 or {})
+        for name, digest in shards.items():
+            if name not in sizes or not isinstance(digest, str) or not _SHA256.match(digest):
+                raise CheckpointError(
+                    f"{self.path}: shard digest {name!r}: {digest!r} is not of a committed file"
+                )
         now = time.time()
         doc: dict[str, Any] = {
             "step": self.step,
@@ -135,6 +157,8 @@ class CheckpointWriter:
         }
         if digests:
             doc["sha256"] = digests
+        if shards:
+            doc["shard_sha256"] = shards
         body = json.dumps(doc)
         tmp = self.path / f".{MARKER}.tmp"
         with open(tmp, "wb") as f:
@@ -150,6 +174,7 @@ class CheckpointWriter:
             committed_at=now,
             meta=dict(meta or {}),
             sha256=digests,
+            shard_sha256=shards,
         )
 
 
@@ -171,10 +196,12 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
     ):
         return None
     digests = doc.get("sha256", {})
-    if not isinstance(digests, dict) or not all(
-        k in files and isinstance(v, str) and _SHA256.match(v) for k, v in digests.items()
-    ):
-        return None
+    shards = doc.get("shard_sha256", {})
+    for named in (digests, shards):
+        if not isinstance(named, dict) or not all(
+            k in files and isinstance(v, str) and _SHA256.match(v) for k, v in named.items()
+        ):
+            return None
     for name, size in files.items():
         try:
             if (path / name).stat().st_size != size:
@@ -196,7 +223,24 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
         committed_at=float(at) if isinstance(at, int | float) else 0.0,
         meta=meta if isinstance(meta, dict) else {},
         sha256=digests,
+        shard_sha256=shards,
     )
+
+
+def mismatched(commit: CommittedCheckpoint, names: list[str]) -> list[str]:
+    """Those of `names` whose content is not what the commit's `shard_sha256` records (a file
+    gone or unreadable counts); a name the commit records no digest of is not checked."""
+    bad = []
+    for name in names:
+        digest = commit.shard_sha256.get(name)
+        if digest is None:
+            continue
+        try:
+            if sha256_file(commit.path / name) != digest:
+                bad.append(name)
+        except OSError:
+            bad.append(name)
+    return bad
 
 
 def _plain_name(name: object) -> bool:

@@ -13,7 +13,10 @@ Layout of one step (nodeagent.trainer.checkpoint's `step_<N>/`):
                                     spread over the ranks, sharded FSDP/DTensor state stays sharded)
     .metadata                       DCP's index of the shards, written by its coordinator (rank 0)
     rank<r>.state.json              rank r's own state: RNG states, data position, scheduler, extra
-    COMMITTED                       the marker, written last by rank 0
+    rank<r>.shards.json             the SHA-256 of each shard rank r wrote (hashed by it, after its
+                                    write, off the training thread when the save is async)
+    COMMITTED                       the marker, written last by rank 0; its `shard_sha256` is every
+                                    rank's digests, which every load from storage checks first
 
 `save()` writes every rank's files, and rank 0 writes COMMITTED only once every one of them is
 durable: a rank killed anywhere before leaves no marker, and the step is not there
@@ -45,7 +48,10 @@ from nodeagent.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     CommittedCheckpoint,
+    CorruptCheckpoint,
+    mismatched,
     read_commit,
+    sha256_file,
     step_dir,
 )
 from nodeagent.trainer.dcp_format import (
@@ -56,8 +62,10 @@ from nodeagent.trainer.dcp_format import (
     rank_state_name,
     read_dcp_metadata,
     read_rank_state,
+    read_shard_digests,
     rng_restorer,
     rng_state_json,
+    shard_digests_name,
     whole_tensors_bytes,
 )
 from nodeagent.trainer.torch_api import set_nested
@@ -121,6 +129,29 @@ def _plain_data_planner() -> Any:
 # --- saving -----------------------------------------------------------------------------------
 
 
+def _recording_digests(storage: Any, writer: CheckpointWriter, rank: int) -> Any:
+    """`storage` (a DCP StorageWriter of files in the step directory) whose `write_data` also hashes
+    the files it wrote and writes their digests to this rank's shard digest file (fsynced) before
+    it answers. DCP gathers every rank's write results to its coordinator only once each rank's
+    `write_data` answered, so when rank 0's save returns every rank's digest file is durable."""
+    write = storage.write_data
+
+    def write_data(plan: Any, planner: Any) -> Any:
+        done = write(plan, planner)
+        names = set()
+        for result in done.wait():
+            name = getattr(result.storage_data, "relative_path", None)
+            if not isinstance(name, str):
+                raise CheckpointError(f"{writer.path}: a write result names no file: {result.storage_data!r}")
+            names.add(name)
+        digests = {name: sha256_file(writer.path / name) for name in sorted(names)}
+        writer.write_bytes(shard_digests_name(rank), json.dumps(digests).encode())
+        return done
+
+    storage.write_data = write_data
+    return storage
+
+
 def _dist() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -180,7 +211,8 @@ class DcpCheckpointer:
        its save completes, every shard and every state file (written before that rank's save began)
        is on disk.
     3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
-       rank's state file with their sizes, hashes `.metadata`, and writes COMMITTED
+       rank's state and digest files with their sizes, hashes `.metadata`, takes every shard's
+       SHA-256 from the digest files (each rank hashed what it wrote), and writes COMMITTED
        (nodeagent.trainer.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
        (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
 
@@ -296,10 +328,12 @@ class DcpCheckpointer:
 
         if self.rank != 0:
             self._unconfirmed.append(step)
-        storage = (
+        storage = _recording_digests(
             self._storage_writer(writer.path)
             if self._storage_writer is not None
-            else FileSystemWriter(writer.path, sync_files=True)
+            else FileSystemWriter(writer.path, sync_files=True),
+            writer,
+            self.rank,
         )
         if not self.async_save:
             metadata = save(state, storage_writer=storage, process_group=self.process_group)
@@ -366,7 +400,18 @@ class DcpCheckpointer:
             if not isinstance(getattr(metadata, "storage_data", None), dict):
                 raise bad(path, "DCP wrote no storage data: the shards cannot be listed")
         shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-        files = [*shards, DCP_METADATA, *(rank_state_name(r) for r in range(self.world_size))]
+        recorded: dict[str, str] = {}
+        for r in range(self.world_size):
+            recorded.update(read_shard_digests(writer.path / shard_digests_name(r)))
+        missing = [name for name in shards if name not in recorded]
+        if missing:
+            raise bad(writer.path, f"no rank recorded the SHA-256 of shard(s) {missing}")
+        files = [
+            *shards,
+            DCP_METADATA,
+            *(rank_state_name(r) for r in range(self.world_size)),
+            *(shard_digests_name(r) for r in range(self.world_size)),
+        ]
         meta: dict[str, Any] = {"format": FORMAT, "world_size": self.world_size}
         attempt = os.environ.get("RUNWARDEN_ATTEMPT", "")
         if attempt.isdigit():
@@ -375,7 +420,12 @@ class DcpCheckpointer:
             )  # which attempt committed it (a superseded one is never resumed from)
         stall = self.stall_s(writer.step)  # up to now: a wait() for this save ends at this commit
         meta["save_stall_s"] = round(stall, 6)
-        commit = writer.commit(files=files, meta=meta, hashed=(DCP_METADATA,))
+        commit = writer.commit(
+            files=files,
+            meta=meta,
+            hashed=(DCP_METADATA,),
+            shard_sha256={name: recorded[name] for name in shards},
+        )
         if self.reporter is not None:
             self.reporter.set_committed(commit.step, save_stall_s=stall)
         return commit
@@ -409,6 +459,43 @@ class DcpCheckpointer:
         return result
 
 
+def verify_shards(commit: CommittedCheckpoint, *, process_group: Any = None) -> None:
+    """Check every shard of `commit` against the SHA-256 its writer recorded; a collective on
+    `process_group` (default: the default group, if initialized) where each rank hashes every
+    world-size-th file, so the whole step is read once however many ranks load it. Raises
+    CorruptCheckpoint on every rank if any file differs (the message names them and the rank that
+    found them). A commit that records no digests (written before they were) is loaded unchecked."""
+    import torch.distributed as dist
+
+    names = sorted(commit.shard_sha256)
+    if not names:
+        log.info("%s: no shard digests recorded: loaded unchecked", commit.path)
+        return
+    rank, world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    bad_here = mismatched(commit, names[rank::world])
+    found = [len(bad_here)]
+    if world > 1:
+        import torch
+
+        device = "cuda" if dist.get_backend(process_group) == "nccl" else "cpu"
+        mine = torch.tensor([len(bad_here)], dtype=torch.int64, device=device)
+        out = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(out, mine, group=process_group)
+        found = [int(t.item()) for t in out]
+    if not any(found):
+        return
+    by = [r for r, n in enumerate(found) if n]
+    what = (
+        f"shard(s) {bad_here} differ" if bad_here else f"{sum(found)} shard(s) differ, found by rank(s) {by}"
+    )
+    raise CorruptCheckpoint(
+        commit.step,
+        f"{commit.path}: {what} from the SHA-256 recorded at the commit: step {commit.step} is no resume point",
+    )
+
+
 def load_dcp(
     commit: CommittedCheckpoint,
     *,
@@ -433,7 +520,10 @@ def load_dcp(
     * DCP's default load planner unpickles non-tensor values (optimizer hyper-parameters) with
       `torch.load(weights_only=False)`; `load_dcp` uses a planner that loads them with
       `weights_only=True` (torch's own plain-data unpickler); tensors are loaded that way by DCP already;
-    * `rank<r>.state.json` is JSON, bounded in size, and checked field by field.
+    * `rank<r>.state.json` is JSON, bounded in size, and checked field by field;
+    * every shard's content is checked against the SHA-256 its writer recorded before DCP reads a
+      byte of it (`verify_shards`: each rank hashes its share of the files, and every rank raises
+      CorruptCheckpoint if any differs: a torn, bit-rotted or swapped shard is never loaded).
     """
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -449,6 +539,7 @@ def load_dcp(
     if scheduler is not None and not isinstance(sched, dict):
         raise bad(commit.path / name, "no scheduler state saved")
     metadata = read_dcp_metadata(commit)  # checked here, so a refusal is ours, not wrapped by DCP
+    verify_shards(commit, process_group=process_group)
     state = _model_and_optim_state(model, optimizer)
     load(
         state,
@@ -482,5 +573,6 @@ __all__ = [
     "rank_state_name",
     "read_dcp_metadata",
     "read_rank_state",
+    "verify_shards",
     "whole_tensors_bytes",
 ]

@@ -156,6 +156,35 @@ def read_rank_state(commit: CommittedCheckpoint, rank: int) -> dict[str, Any]:
     return rank_state
 
 
+def shard_digests_name(rank: int) -> str:
+    """The file in which rank `rank` records the SHA-256 of each shard file it wrote."""
+    return f"rank{rank}.shards.json"
+
+
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def read_shard_digests(path: Path) -> dict[str, str]:
+    """One rank's shard digest file: {file name: SHA-256 hex}, checked (bounded, JSON, plain names)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_RANK_STATE_BYTES:
+            raise bad(path, f"{size} bytes, over the limit of {MAX_RANK_STATE_BYTES}")
+        doc = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise bad(path, f"cannot read: {exc}") from None
+    except ValueError as exc:
+        raise bad(path, f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise bad(path, "not a JSON object of file name -> SHA-256")
+    for name, digest in doc.items():
+        if "/" in name or name in ("", ".", "..") or name.startswith("."):
+            raise bad(path, f"{name!r} is not a file of the step")
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX64):
+            raise bad(path, f"{name}: {digest!r} is not a SHA-256 hex digest")
+    return doc
+
+
 # --- reading DCP's .metadata without the standard unpickler ------------------------------------
 
 _METADATA_CLASSES = {

@@ -394,6 +394,8 @@ class RankProgress(_message.Message):
     LOSSES_DROPPED_FIELD_NUMBER: _builtins.int
     LOADED_FROM_FIELD_NUMBER: _builtins.int
     SAVE_STALL_S_FIELD_NUMBER: _builtins.int
+    INVALID_STEP_FIELD_NUMBER: _builtins.int
+    LOAD_ERROR_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -444,6 +446,12 @@ class RankProgress(_message.Message):
     it as the commit's save_duration_s, which goodput counts as checkpoint_stall (or, for a planned
     stop's own save, as the stop's cost).
     """
+    invalid_step: _builtins.int
+    """Set when this rank's load of committed step `invalid_step` refused it: why (a shard's content is
+    not the SHA-256 recorded at its commit). The controller drops that step as a resume point, in
+    the store too, and the next attempt resumes from the commit before it.
+    """
+    load_error: _builtins.str
     @_builtins.property
     def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
         """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
@@ -475,19 +483,25 @@ class RankProgress(_message.Message):
         losses_dropped: _builtins.int = ...,
         loaded_from: _builtins.str = ...,
         save_stall_s: _builtins.float = ...,
+        invalid_step: _builtins.int | None = ...,
+        load_error: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "invalid_step", b"invalid_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "invalid_step", b"invalid_step", "load_error", b"load_error", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
+    _WhichOneofReturnType__invalid_step: _TypeAlias = _typing.Literal["invalid_step"]  # noqa: Y015
+    _WhichOneofArgType__invalid_step: _TypeAlias = _typing.Literal["_invalid_step", b"_invalid_step"]  # noqa: Y015
     _WhichOneofReturnType__loaded_step: _TypeAlias = _typing.Literal["loaded_step"]  # noqa: Y015
     _WhichOneofArgType__loaded_step: _TypeAlias = _typing.Literal["_loaded_step", b"_loaded_step"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_step) -> _WhichOneofReturnType__committed_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__invalid_step) -> _WhichOneofReturnType__invalid_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loaded_step) -> _WhichOneofReturnType__loaded_step | None: ...
     @_typing.overload

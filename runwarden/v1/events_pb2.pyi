@@ -77,6 +77,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
     EVENT_KIND_PREFLIGHT_PLAN: _EventKind.ValueType  # 30
     """before a launch: which nodes are preflighted and why, and why the others are not"""
+    EVENT_KIND_CHECKPOINT_INVALID: _EventKind.ValueType  # 31
+    """a load found a committed step's content not what its commit recorded: no longer a resume point"""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -124,6 +126,8 @@ EVENT_KIND_QUARANTINE_HELD_BACK: EventKind.ValueType  # 29
 """the blast radius stopped an automatic quarantine: the node stays in service, an operator decides"""
 EVENT_KIND_PREFLIGHT_PLAN: EventKind.ValueType  # 30
 """before a launch: which nodes are preflighted and why, and why the others are not"""
+EVENT_KIND_CHECKPOINT_INVALID: EventKind.ValueType  # 31
+"""a load found a committed step's content not what its commit recorded: no longer a resume point"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Detector:
@@ -142,6 +146,8 @@ class _DetectorEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Detector.Val
     DETECTOR_PREFLIGHT: _Detector.ValueType  # 6
     DETECTOR_LOSS: _Detector.ValueType  # 7
     """the training loss (anomaly or divergence): the model or data, never a node"""
+    DETECTOR_CHECKPOINT: _Detector.ValueType  # 8
+    """the load refused the resume point (its content is not what its commit recorded): the files, never a node"""
 
 class Detector(_Detector, metaclass=_DetectorEnumTypeWrapper): ...
 
@@ -155,6 +161,8 @@ DETECTOR_EVIDENCE: Detector.ValueType  # 5
 DETECTOR_PREFLIGHT: Detector.ValueType  # 6
 DETECTOR_LOSS: Detector.ValueType  # 7
 """the training loss (anomaly or divergence): the model or data, never a node"""
+DETECTOR_CHECKPOINT: Detector.ValueType  # 8
+"""the load refused the resume point (its content is not what its commit recorded): the files, never a node"""
 Global___Detector: _TypeAlias = Detector  # noqa: Y015
 
 class _BlameMethod:
@@ -594,7 +602,7 @@ class CheckpointDetail(_message.Message):
     path: _builtins.str
     save_duration_s: _builtins.float
     error: _builtins.str
-    """CHECKPOINT_FAILED: why no commit marker was written"""
+    """CHECKPOINT_FAILED: why no commit marker was written; CHECKPOINT_INVALID: why the load refused it"""
     def __init__(
         self,
         *,

@@ -171,12 +171,17 @@ class CheckpointCommit(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SAVE_DURATION_S_FIELD_NUMBER: _builtins.int
+    INVALID_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     step: _builtins.int
     path: _builtins.str
     committed_at: _builtins.float
     attempt: _builtins.int
     save_duration_s: _builtins.float
+    invalid: _builtins.str
+    """Set when a load found this step's content not what its commit recorded (why): kept as a record,
+    never a resume point again (a later commit of the same step replaces it).
+    """
     def __init__(
         self,
         *,
@@ -186,10 +191,11 @@ class CheckpointCommit(_message.Message):
         committed_at: _builtins.float = ...,
         attempt: _builtins.int = ...,
         save_duration_s: _builtins.float = ...,
+        invalid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "committed_at", b"committed_at", "path", b"path", "run", b"run", "save_duration_s", b"save_duration_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "committed_at", b"committed_at", "invalid", b"invalid", "path", b"path", "run", b"run", "save_duration_s", b"save_duration_s", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

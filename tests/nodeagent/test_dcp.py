@@ -22,7 +22,10 @@ from nodeagent.trainer.checkpoint import (
     MARKER,
     CheckpointError,
     CommittedCheckpoint,
+    CorruptCheckpoint,
     latest_committed,
+    read_commit,
+    sha256_file,
     step_dir,
 )
 from nodeagent.trainer.dcp import DCP_METADATA, DcpCheckpointer, rank_state_name
@@ -68,8 +71,10 @@ def saved_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _two_steps(root)
     latest = latest_committed(root)
     assert latest is not None and latest.step == 2 and latest.meta["format"] == "dcp"
-    assert set(latest.files) == {"__0_0.distcp", DCP_METADATA, rank_state_name(0)}
+    assert set(latest.files) == {"__0_0.distcp", DCP_METADATA, rank_state_name(0), "rank0.shards.json"}
     assert set(latest.sha256) == {DCP_METADATA}
+    # every shard's digest, taken by the rank that wrote it, is in the marker
+    assert latest.shard_sha256 == {"__0_0.distcp": sha256_file(latest.path / "__0_0.distcp")}
     return root
 
 
@@ -103,16 +108,28 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "rank state missing": lambda d: (d / rank_state_name(0)).unlink(),
     "marker lists a path outside the step": lambda d: _rewrite_marker(d, files_extra={"../escape": 0}),
     "marker with a malformed hash": lambda d: _rewrite_marker(d, sha256={DCP_METADATA: "not-hex"}),
+    "marker with a malformed shard hash": lambda d: _rewrite_marker(
+        d, shard_sha256={"__0_0.distcp": "0" * 63}
+    ),
+    "marker with a shard hash of an unlisted file": lambda d: _rewrite_marker(
+        d, shard_sha256={"x.distcp": "0" * 64}
+    ),
 }
 
 
 def _rewrite_marker(
-    d: Path, *, files_extra: dict[str, int] | None = None, sha256: dict[str, str] | None = None
+    d: Path,
+    *,
+    files_extra: dict[str, int] | None = None,
+    sha256: dict[str, str] | None = None,
+    shard_sha256: dict[str, str] | None = None,
 ) -> None:
     doc = json.loads((d / MARKER).read_text())
     doc["files"].update(files_extra or {})
     if sha256 is not None:
         doc["sha256"] = sha256
+    if shard_sha256 is not None:
+        doc["shard_sha256"] = shard_sha256
     (d / MARKER).write_text(json.dumps(doc))
 
 
@@ -230,3 +247,77 @@ def test_rank_state_must_be_json_data(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not JSON data"):
         saver.save(1, model=model, optimizer=opt, data_state={"when": object()})
     assert latest_committed(tmp_path) is None
+
+
+def test_a_shard_with_other_bytes_is_refused_at_load_and_the_supervisor_told(
+    two_steps: Path, tmp_path: Path
+) -> None:
+    """Same size, one byte flipped (bit rot, a torn write the size does not show): the directory
+    still looks committed (the shards are not hashed on every look), but the load hashes them
+    before DCP reads a byte, refuses the step, and tells the supervisor which step and why."""
+    import threading
+
+    from nodeagent.daemon.progress_socket import ProgressDatagramServer
+    from nodeagent.wire import progress_socket_path
+    from runwarden.v1 import agent_pb2
+
+    _flip_a_byte(_step2(two_steps) / "__0_0.distcp")
+    commit = latest_committed(two_steps)
+    assert commit is not None and commit.step == 2
+    got: list[agent_pb2.ReportProgressRequest] = []
+    seen = threading.Event()
+
+    def handle(req: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
+        got.append(req)
+        seen.set()
+        return agent_pb2.ReportProgressResponse()
+
+    sock = str(tmp_path / "agent.sock")
+    server = ProgressDatagramServer(progress_socket_path(sock), handle, lambda code, s: None)
+    server.start()
+    rep = trainer.ProgressReporter(
+        run="r", attempt=3, rank=0, local_rank=0, world_size=1, agent_socket=sock, flush_interval_s=30.0
+    )
+    model, opt, sched = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        with pytest.raises(CorruptCheckpoint, match=r"__0_0\.distcp.*step 2 is no resume point") as raised:
+            trainer.load_checkpoint(commit, model=model, optimizer=opt, scheduler=sched, reporter=rep)
+        assert raised.value.step == 2
+        assert seen.wait(5)
+        (r,) = got[-1].reports
+        assert r.invalid_step == 2 and "__0_0.distcp" in r.load_error
+    finally:
+        rep.close()
+        server.stop()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+    # the step before it is intact and loads
+    first = read_commit(step_dir(two_steps, 1))
+    assert first is not None
+    trainer.load_checkpoint(first, model=model, optimizer=opt, scheduler=sched)
+
+
+def test_a_commit_without_shard_digests_still_loads(two_steps: Path) -> None:
+    """A step committed before the shards were hashed (no `shard_sha256` in its marker) loads as before."""
+    doc = json.loads((_step2(two_steps) / MARKER).read_text())
+    del doc["shard_sha256"]
+    (_step2(two_steps) / MARKER).write_text(json.dumps(doc))
+    _load(two_steps)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[1, 2]", "not a JSON object"),
+        (b"{nope", "not JSON"),
+        (json.dumps({"../x.distcp": "0" * 64}).encode(), "is not a file of the step"),
+        (json.dumps({"__0_0.distcp": "A" * 64}).encode(), "is not a SHA-256 hex digest"),
+        (json.dumps({"__0_0.distcp": 7}).encode(), "is not a SHA-256 hex digest"),
+    ],
+)
+def test_a_bad_shard_digest_file_is_refused_with_why(tmp_path: Path, body: bytes, message: str) -> None:
+    from nodeagent.trainer.dcp_format import read_shard_digests
+
+    (tmp_path / "rank0.shards.json").write_bytes(body)
+    with pytest.raises(CheckpointError, match=message):
+        read_shard_digests(tmp_path / "rank0.shards.json")

@@ -59,6 +59,28 @@ CASES = [
     ("ReportProgress", agent_pb2.ReportProgressRequest(run="r"), INVALID, "reports"),
     (
         "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(step=1, load_error="bad shard")]),
+        INVALID,
+        "load_error",  # a refusal must say which step it refused
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r", attempt=1, reports=[RP(step=1, invalid_step=-2, load_error="bad shard")]
+        ),
+        INVALID,
+        "invalid_step",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r", attempt=1, reports=[RP(step=1, invalid_step=1, load_error="e" * 1025)]
+        ),
+        INVALID,
+        "load_error",
+    ),
+    (
+        "ReportProgress",
         agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(step=1, stop_reason="s" * 1025)]),
         INVALID,
         "stop_reason",
