@@ -36,6 +36,7 @@ class Attempt:
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load
     loaded_from: dict[str, str] = field(default_factory=dict)  # node -> where its ranks' state came from
+    load_fallbacks: dict[str, str] = field(default_factory=dict)  # node -> why a rank passed over a source
     first_loaded_at: float = 0.0  # when the first of them did (the load-stall rule's clock)
     finished_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all took their last step
     finished_at: float = 0.0  # when the last of them did

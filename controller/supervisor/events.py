@@ -92,6 +92,7 @@ class RankSample:
     reported_at: float = 0.0
     loaded_step: int | None = None  # the committed step this rank resumed from (-1: scratch), once loaded
     loaded_from: str = ""  # where that state came from: "memory", "peer", "storage" ("": not said)
+    load_fallback: str = ""  # why the load passed over a faster source ("": it did not)
     finished: bool = False  # took its last step and is exiting (training is done)
     # (step, loss) of every step since the rank's previous report, oldest first (RankProgress's
     # recent_losses, or its one `loss` from an older trainer); NaN and inf are reports, not errors
@@ -138,6 +139,7 @@ class RankSample:
             reported_at=p.reported_at,
             loaded_step=p.loaded_step if p.HasField("loaded_step") else None,
             loaded_from=p.loaded_from if p.loaded_from in LOAD_SOURCES else "",
+            load_fallback=p.load_fallback[:1024],
             finished=p.finished,
         )
 

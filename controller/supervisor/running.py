@@ -51,6 +51,9 @@ def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
             sources = sorted({r.loaded_from for r in ev.ranks if r.loaded_from})
             if sources:
                 a.loaded_from[ev.node] = "+".join(sources)
+            why = next((r.load_fallback for r in ev.ranks if r.load_fallback), "")
+            if why:
+                a.load_fallbacks[ev.node] = why
             _node_loaded(sv, ev.node)
             if not stepped:
                 return  # a load mark: no step was taken yet, so no step accounting
@@ -120,10 +123,13 @@ def _node_loaded(sv: Run, node: str) -> None:
         by_source.setdefault(source, []).append(n)
     # where each node's state came from (the trainer's load mark): "state from memory on n1, n2; ..."
     sources = "; ".join(f"{s} on {', '.join(ns)}" for s, ns in sorted(by_source.items()))
+    # why a node's ranks took a slower source (a copy or a peer's bytes that failed their SHA-256)
+    fallbacks = "; ".join(f"{n}: {why}" for n, why in sorted(a.load_fallbacks.items()))
     sv.log(
         E.EVENT_KIND_LOAD_DONE,
         f"all {len(a.node_step)} nodes loaded {loaded}, {sv.now - a.launched_at:.1f}s after launch"
-        + (f"; state from {sources}" if sources else ""),
+        + (f"; state from {sources}" if sources else "")
+        + (f"; passed over: {fallbacks}" if fallbacks else ""),
         step=a.resume_step,
     )
 

@@ -89,6 +89,8 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
         r.losses_dropped = max(0, r.losses_dropped)
         if len(r.checkpoint_error) > 1024:
             raise ValidationError(f"{where}.checkpoint_error: at most 1024 characters")
+        if len(r.load_fallback) > 1024:
+            raise ValidationError(f"{where}.load_fallback: at most 1024 characters")
         if len(r.load_error) > 1024:
             raise ValidationError(f"{where}.load_error: at most 1024 characters")
         if r.HasField("invalid_step"):

@@ -483,6 +483,7 @@ class ProgressReporter:
         if self._loaded is not None:
             progress.loaded_step = self._loaded
             progress.loaded_from = memory_state.loaded_from(self._loaded)  # memory | storage | ""
+            progress.load_fallback = memory_state.why_fell_back(self._loaded)
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
         if self._load_error is not None:

@@ -19,6 +19,7 @@ cost is `keep`'s contract.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
 import os
@@ -57,6 +58,9 @@ class MemoryCopy:
     buffers: tuple[Any, ...] = ()  # those buffers, in slot order (reused by a later copy)
     copied: threading.Event = field(default_factory=_done_event)  # set once the copy has landed
     failed: list[str] = field(default_factory=list)  # the copy thread's error, if the copy failed
+    # the SHA-256 of each buffer once it landed (set when `hashed` is): what a load checks it against
+    digests: list[str] = field(default_factory=list)
+    hashed: threading.Event = field(default_factory=_done_event)
 
 
 # The newest two: an asynchronous save's commit comes after the next steps, and a save waits for the
@@ -72,6 +76,7 @@ _copies: list[MemoryCopy] = []  # oldest first
 _loaded: tuple[int, str] | None = None  # (step, source) of the last load in this process
 _budget = DEFAULT_BUDGET_BYTES
 _not_kept: dict[int, str] = {}  # step -> why no copy of it was kept (the load says so), the last few
+_fell_back: dict[int, str] = {}  # step -> why its load passed over a source (the load mark says so)
 _side_streams: dict[Any, Any] = {}  # CUDA device -> the stream the copies run on
 
 
@@ -167,6 +172,14 @@ def keep(
         )
     buffers = _reuse(dropped, layout) or _allocate(locals_)
     host = _copy(locals_, buffers, step)
+    digests: list[str] = []
+    hashed = threading.Event()
+    threading.Thread(
+        target=_hash_when_landed,
+        args=(buffers, host[0], digests, hashed),
+        name="runwarden-copy-hash",
+        daemon=True,
+    ).start()
     held = MemoryCopy(
         run=run,
         attempt=attempt,
@@ -180,11 +193,51 @@ def keep(
         buffers=tuple(buffers),
         copied=host[0],
         failed=host[1],
+        digests=digests,
+        hashed=hashed,
     )
     with _lock:
         _copies[:] = [*(x for x in _copies if x.step != step), held][-KEEP:]
         _not_kept.pop(step, None)
     return ""
+
+
+def digest(t: Any) -> str:
+    """The SHA-256 of a host tensor's bytes (hashlib lets go of the GIL while it hashes)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(memoryview(flat.contiguous().view(torch.uint8).numpy())).hexdigest()
+
+
+def _hash_when_landed(
+    buffers: list[Any], landed: threading.Event, out: list[str], hashed: threading.Event
+) -> None:
+    """Off the training thread: the digests a load checks the copy against, taken once it landed."""
+    try:
+        if landed.wait(COPY_WAIT_S):
+            out.extend(digest(b) for b in buffers)
+    except Exception as exc:  # a copy without digests is not served (take)
+        log.warning("hashing an in-memory copy failed: %s", exc)
+    finally:
+        hashed.set()
+
+
+def fell_back(step: int, why: str) -> None:
+    """Record why the load of `step` passed over a source (the reporter's load mark sends it)."""
+    log.warning("step %d: %s", step, why)
+    with _lock:
+        _fell_back[step] = why[:500]
+        for old in sorted(_fell_back)[:-8]:
+            del _fell_back[old]
+
+
+def why_fell_back(step: int) -> str:
+    """Why this process's load of `step` passed over a source ("" if it did not)."""
+    with _lock:
+        return _fell_back.get(step, "")
 
 
 def _plain_leaves(skeleton: Any) -> Any:
@@ -331,7 +384,8 @@ def take(
     `committed_by`, from its marker) saved as global rank `rank` of `world_size`, else None (load
     from storage). `rank=None, world_size=None`: saved as any rank (its model and optimizer state
     serve a rank renumbered by a replacement when that state is replicated). Waits for a copy
-    still landing (COPY_WAIT_S); one whose copy failed is none."""
+    still landing (COPY_WAIT_S); one whose copy failed is none, and so is one whose bytes are no
+    longer the SHA-256 taken when it landed (host memory corrupted since: `why_fell_back` says so)."""
     run, _ = _identity(os.environ if env is None else env)
     if committed_by is None:
         return None
@@ -350,6 +404,17 @@ def take(
         return None
     if not held.copied.wait(COPY_WAIT_S) or held.failed:
         log.warning("the copy of step %d did not land: %s", step, held.failed or "timed out")
+        return None
+    if not held.hashed.wait(COPY_WAIT_S) or len(held.digests) != len(held.buffers):
+        fell_back(step, f"the in-memory copy of step {step} was never hashed: not served")
+        return None
+    changed = [i for i, (b, d) in enumerate(zip(held.buffers, held.digests, strict=True)) if digest(b) != d]
+    if changed:
+        fell_back(
+            step,
+            f"the in-memory copy of step {step} (saved as rank {held.rank}) no longer matches the SHA-256 "
+            f"taken when it was kept ({len(changed)} of {len(held.buffers)} tensors differ): not served",
+        )
         return None
     return _clone(held.payload)
 
@@ -460,6 +525,11 @@ def restore_committed_dcp(
             payload, plan.sender, rank=rank, expected=expected, receive=plan.source == PEER
         )
         if not ok:
+            fell_back(
+                commit.step,
+                f"the state rank {plan.sender} offered of step {commit.step} was refused by a receiver "
+                "(its size or its SHA-256): every rank loads from storage",
+            )
             plan = LoadPlan(STORAGE)
         elif plan.source == PEER:
             payload = {"state": received}
@@ -563,7 +633,8 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
     take part, and drop it): first a small header (the state with its tensors replaced by slots,
     and each tensor's shape and dtype), read with torch's weights_only unpickler and checked by
     every rank (bounded; its tensors add up to the commit's `expected` bytes), then one flat
-    buffer per dtype, received in place and cut into the tensors. (every rank agrees the header
+    buffer per dtype, received in place, checked against the sender's SHA-256 of it, and cut into
+    the tensors. (every rank agrees the header
     is good, the state where `receive`), or (False, None) on every rank if any refused."""
     import io
 
@@ -611,6 +682,7 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         else [(list(shape), getattr(torch, name)) for shape, name in specs]
     )
     received: list[Any] = [None] * len(layout)
+    intact = True
     for dtype in dict.fromkeys(d for _, d in layout):
         slots = [i for i, (_, d) in enumerate(layout) if d == dtype]
         if rank == sender:  # the kept copy is in host memory: so is this
@@ -618,13 +690,27 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         else:
             flat = torch.empty(sum(math.prod(layout[i][0]) for i in slots), dtype=dtype)
         _broadcast_host(flat, sender, rank=rank, device=device)
+        # the sender's SHA-256 of what it sent (its copy was checked against its own at take): a
+        # receiver keeps the bytes only if they hash the same (a transfer that garbled them is refused)
+        sent = torch.zeros(32, dtype=torch.uint8)
+        if rank == sender:
+            sent = torch.frombuffer(bytearray(bytes.fromhex(digest(flat))), dtype=torch.uint8)
+        sent = sent.to(device)
+        dist.broadcast(sent, src=sender)
         if not receive:
             continue
+        if digest(flat) != bytes(sent.cpu().numpy()).hex():
+            intact = False
+            log.warning(
+                "rank %d: the %s tensors rank %d sent do not hash to its SHA-256", rank, dtype, sender
+            )
         at = 0
         for i in slots:
             k = math.prod(layout[i][0])
             received[i] = flat[at : at + k].view(layout[i][0])
             at += k
+    if not _everyone(intact, dist.get_world_size()):
+        return False, None
     if not receive:
         return True, None
     try:

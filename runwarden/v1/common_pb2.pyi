@@ -396,6 +396,7 @@ class RankProgress(_message.Message):
     SAVE_STALL_S_FIELD_NUMBER: _builtins.int
     INVALID_STEP_FIELD_NUMBER: _builtins.int
     LOAD_ERROR_FIELD_NUMBER: _builtins.int
+    LOAD_FALLBACK_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -452,6 +453,11 @@ class RankProgress(_message.Message):
     the store too, and the next attempt resumes from the commit before it.
     """
     load_error: _builtins.str
+    load_fallback: _builtins.str
+    """With loaded_step: why this rank's load passed over a faster source for a slower one (its
+    in-memory copy no longer matched the SHA-256 taken when it was kept; a peer's state that did not
+    hash to the sender's); "" when it did not. The controller's LOAD_DONE says it.
+    """
     @_builtins.property
     def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
         """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
@@ -485,10 +491,11 @@ class RankProgress(_message.Message):
         save_stall_s: _builtins.float = ...,
         invalid_step: _builtins.int | None = ...,
         load_error: _builtins.str = ...,
+        load_fallback: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "invalid_step", b"invalid_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "invalid_step", b"invalid_step", "load_error", b"load_error", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "invalid_step", b"invalid_step", "load_error", b"load_error", "load_fallback", b"load_fallback", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015

@@ -1,7 +1,9 @@
 """One rank of tests/nodeagent/test_peer_state.py: 3 gloo ranks on CPU, a DDP model saved with DCP
 (step 3, attempt 1), then loaded back the way a warm restart would: `--forget R` makes rank R drop
 its in-memory copy first (the replacement host's fresh rank), `--shift R` relabels rank R's copy as
-rank R+1's (a survivor renumbered by the replacement), `--no-peer` turns the peer path off.
+rank R+1's (a survivor renumbered by the replacement), `--no-peer` turns the peer path off, `--rot R`
+flips a byte of rank R's copy in host memory after it was kept (bit rot), `--garble R` flips a byte
+of what rank R receives from a peer (a transfer that corrupts).
 Steps 3 and 5 are saved; the load is of step 3. Each rank writes the commits its saver reported, what it loaded from and a fingerprint of its model, optimizer, scheduler and RNG
 after the load, next to the same after a load from storage (DCP's collective load)."""
 
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--forget", type=int, nargs="*", default=[])
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--shift", type=int, nargs="*", default=[])
+    parser.add_argument("--rot", type=int, nargs="*", default=[])
+    parser.add_argument("--garble", type=int, nargs="*", default=[])
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -106,6 +110,20 @@ def main() -> None:
                 )
                 for x in memory_state._copies
             ]
+        if rank in args.rot:
+            (held,) = [x for x in memory_state._copies if x.step == 3]
+            assert held.hashed.wait(60) and held.digests, "the copy was never hashed"
+            biggest = max(held.buffers, key=lambda b: b.numel())
+            biggest.view(-1)[0] += 1.0  # host memory changed under the kept copy
+        if rank in args.garble:
+            real = memory_state._broadcast_host
+
+            def garbling(flat, sender, **kw):  # type: ignore[no-untyped-def]
+                real(flat, sender, **kw)
+                if flat.numel():
+                    flat.view(-1)[0] += 1.0
+
+            memory_state._broadcast_host = garbling
         for _ in range(2):  # the state moves on past the commit: the load must bring it back
             _step(model, opt, sched)
         saver.save(5, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": 5, "rank": rank})
@@ -116,6 +134,7 @@ def main() -> None:
             commit, model=model, optimizer=opt, scheduler=sched, rank=rank, from_peer=not args.no_peer
         )
         source = memory_state.loaded_from(3)
+        fell_back = memory_state.why_fell_back(3)
         after = _fingerprint(model, opt, sched)
         for _ in range(2):
             _step(model, opt, sched)
@@ -125,6 +144,7 @@ def main() -> None:
         json.dumps(
             {
                 "source": source,
+                "fell_back": fell_back,
                 "commits_reported": reports.committed,
                 "data_state": got.data_state,
                 "reference_data_state": state.data_state,

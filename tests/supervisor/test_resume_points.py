@@ -144,3 +144,20 @@ def test_the_translator_turns_a_rank_s_refusal_into_one_event_and_a_listing_skip
         )
     )
     assert snap.committed_steps == (10,)
+
+
+def test_the_load_done_event_says_why_a_node_passed_over_a_faster_source() -> None:
+    from controller.supervisor.events import ProgressObserved, RankSample
+
+    d = Driver(cfg=fast(), nodes=2)
+    _relaunched_on_a_refused_resume_point(d)
+    why = (
+        "the in-memory copy of step 20 (saved as rank 1) no longer matches the SHA-256 taken when it was kept"
+    )
+    out: list[object] = []
+    for node, rank, source, fallback in (("n1", 0, "memory", ""), ("n2", 1, "peer", why)):
+        sample = RankSample(rank=rank, step=20, loaded_step=20, loaded_from=source, load_fallback=fallback)
+        out += d.send(ProgressObserved(node=node, attempt=2, ranks=(sample,)))
+    (done,) = d.events(E.EVENT_KIND_LOAD_DONE, out)
+    assert "state from memory on n1; peer on n2" in done.message
+    assert done.message.endswith(f"; passed over: n2: {why}"), done.message
