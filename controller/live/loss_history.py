@@ -48,7 +48,10 @@ def loss_history(events: Iterable[E.Event], run: str) -> LossHistory:
         elif ev.kind in (E.EVENT_KIND_DIVERGENCE, E.EVENT_KIND_LOSS_ANOMALY):
             logged.add((ev.attempt, ev.loss.rule))
             if ev.kind == E.EVENT_KIND_LOSS_ANOMALY and ev.loss.action == "stop":
-                cut = ev.step if cut is None else min(cut, ev.step)
+                # a bad restore (non_finite_after_load) cuts after its rollback point, which may be
+                # below the step it was seen at (loss.py's _bad_restore)
+                at = ev.loss.resume_step + 1 if ev.loss.rule == "non_finite_after_load" else ev.step
+                cut = at if cut is None else min(cut, at)
         elif ev.kind == E.EVENT_KIND_LAUNCH and cut is not None:
             points = [x for x in points if x[0] < cut]
             cut = None

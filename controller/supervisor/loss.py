@@ -14,6 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from controller.supervisor import stats
+from controller.supervisor.actions import PersistCheckpoint
 from controller.supervisor.attempt import Failure
 from controller.supervisor.events import LossHistory, ProgressObserved
 from controller.supervisor.records import LossBook, ReplayedStep
@@ -73,9 +74,14 @@ def observe(sv: Run, ev: ProgressObserved) -> Failure | None:
             # An anomaly is reported as one, and kept out of the history and the rank's window: it is
             # no reference for a replay (a rollback is meant not to repeat it) nor part of the normal.
             if not math.isfinite(value):
-                f = _anomaly(sv, ev.node, r.rank, step, value, "non_finite", 0.0, r.reported_at)
+                if a.resume_step >= 0 and step == a.resume_step + 1:  # the first step after the load
+                    f = _bad_restore(sv, ev.node, r.rank, step, value, r.reported_at)
+                else:
+                    f = _anomaly(sv, ev.node, r.rank, step, value, "non_finite", 0.0, r.reported_at)
                 stop = stop or f
                 continue
+            if book.reloaded_from_storage is not None and step > book.reloaded_from_storage + 1:
+                book.reloaded_from_storage = None  # the reload from storage trained past its first step
             if factor > 0 and len(window) == window.maxlen and step > cfg.loss_spike_warmup_steps:
                 med = stats.median([v for _, v in window])
                 if med > 0 and value > factor * med:
@@ -250,6 +256,73 @@ def _anomaly(
         label=f"loss:{rule}",
         reason=reason,
         dumps=False,
+    )
+
+
+AFTER_LOAD = "non_finite_after_load"
+
+
+def _bad_restore(
+    sv: Run, node: str, rank: int, step: int, value: float, reported_at: float
+) -> Failure | None:
+    """A non-finite loss on the first step after the attempt loaded its resume point N: the state it
+    loaded is bad, whatever `on_loss_anomaly` says (Megatron-LM #5281: a replica restored without
+    validation gave NaN, and every relaunch loaded it again). The next attempt takes the previous
+    source: where some node's state came from memory or a peer (or it did not say), step N again
+    from storage, every node cold (fresh ranks hold no copies); where it came from storage (every
+    node said so, or this attempt was that reload), the commit before N, and N stops being a resume
+    point, in the store too. A stop on no node; the restart budget bounds the walk back. What a
+    controller restart in between loses: the reload's cold flag (the next load may be warm again,
+    and this rule then sends it to storage once more)."""
+    book: LossBook = sv.losses
+    if AFTER_LOAD in book.logged:
+        return None
+    book.logged.add(AFTER_LOAD)
+    a = sv.cur
+    n = a.resume_step
+    said = set(a.loaded_from.values()) if len(a.loaded_from) == len(a.node_step) else set()
+    what = f"non-finite loss at step {step}, the first after loading step {n}: rank {rank} on {node} reported {value}"
+    if book.reloaded_from_storage == n or said == {"storage"}:
+        rollback = max((c for c in sv.committed if c < n), default=-1)
+        book.reloaded_from_storage = None
+        then = f"committed step {rollback}" if rollback >= 0 else "scratch (no commit before it)"
+        reason = f"{what}; that state came from storage: step {n} is no longer a resume point, relaunching from {then}"
+        if n in sv.committed:
+            sv.emit(PersistCheckpoint(step=n, path="", attempt=a.number, invalid=reason[:1000]))
+    else:
+        rollback = n
+        book.reloaded_from_storage = n
+        sources = ", ".join(f"{s} on {nd}" for nd, s in sorted(a.loaded_from.items())) or "sources not said"
+        reason = f"{what}; that state came from {sources}: relaunching from step {n} loaded from storage (every node cold)"
+    cut = rollback + 1  # the commits after the rollback point stop being resume points
+    book.rollback_before = cut if book.rollback_before is None else min(book.rollback_before, cut)
+    book.stop_since = reported_at if 0 < reported_at <= sv.now else sv.now
+    sv.log(
+        E.EVENT_KIND_LOSS_ANOMALY,
+        reason,
+        step=step,
+        loss=E.LossDetail(
+            rule=AFTER_LOAD,
+            points=[E.LossPoint(step=step, rank=rank, node=node, loss=value)],
+            action="stop",
+            resume_step=rollback,
+        ),
+    )
+    return Failure(
+        detector=E.DETECTOR_LOSS,
+        nodes=[],
+        ranks=[rank],
+        step=step,
+        label=f"loss:{AFTER_LOAD}",
+        reason=reason,
+        dumps=False,
+    )
+
+
+def reload_from_storage(sv: Run) -> bool:
+    """The attempt being launched reloads its resume point from storage (`_bad_restore`): cold."""
+    return (
+        sv.losses.reloaded_from_storage is not None and sv.losses.reloaded_from_storage == sv.cur.resume_step
     )
 
 

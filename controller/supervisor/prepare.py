@@ -460,7 +460,7 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
             rendezvous_id=rdzv,
             nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
             resume_step=sv.cur.resume_step,
-            cold=not sv.went_cold.keys().isdisjoint(nodes),
+            cold=not sv.went_cold.keys().isdisjoint(nodes) or loss.reload_from_storage(sv),
         ),
     )
     stops.deliver_pending_stop(sv)

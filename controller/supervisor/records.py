@@ -42,6 +42,7 @@ class LossBook:
     max_step: int = -1
     windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> (step, loss)
     rollback_before: int | None = None  # a stop for an anomaly: resume from a commit before this step
+    reloaded_from_storage: int | None = None  # a bad restore of this step: it is reloaded from storage
     stop_since: float = 0.0  # when the report that stops the attempt was made (detection latency)
     # the current attempt
     attempt: int = 0

@@ -9,7 +9,7 @@ import pytest
 
 from controller.goodput.causes import cause_from_attribution
 from controller.supervisor import loss as loss_rules
-from controller.supervisor.actions import CollectDumps, Page, Quarantine, StopAttempt
+from controller.supervisor.actions import CollectDumps, Page, PersistCheckpoint, Quarantine, StopAttempt
 from controller.supervisor.blame import FlightRecorderVerdict
 from controller.supervisor.events import (
     AttemptExited,
@@ -410,3 +410,98 @@ def test_a_nan_is_no_reference_for_a_replay() -> None:
         26,
         27,
     ]
+
+
+# --- a non-finite loss on the first step after a load: the loaded state is bad ---------------------
+
+
+def _load_mark(d: Driver, step: int, source: str) -> None:
+    """Every node's ranks loaded `step` from `source` (their load mark, before the first step)."""
+    for node_rank, node in enumerate(d.running_nodes()):
+        ranks = tuple(
+            RankSample(rank=node_rank * d.ranks_per_node + i, step=step, loaded_step=step, loaded_from=source)
+            for i in range(d.ranks_per_node)
+        )
+        d.send(ProgressObserved(node=node, attempt=d.sup.attempt, ranks=ranks))
+
+
+def _nan_first(d: Driver, resume: int) -> list[object]:
+    return d.progress(resume + 1, loaded=resume, loss=lambda s, r: math.nan if r == 0 else curve(s, r))
+
+
+def test_a_nan_on_the_first_step_after_a_load_from_memory_reloads_the_same_step_from_storage_then_the_one_before() -> (
+    None
+):
+    """Paging is the policy (the default), yet a NaN on the very first step after a load is the
+    load's, not the training's: relaunched, never left to train on garbage nor to loop. First the
+    previous source (the same step from storage: every node cold), then, if storage's state is bad
+    too, the commit before it (and the bad step is no resume point, in the store too)."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start()
+    d.steps(1, 21, loss=curve)
+    d.send(CheckpointCommitted(step=10))
+    d.send(CheckpointCommitted(step=20))
+    crash_and_restart(d)
+    assert d.launches[-1].resume_step == 20 and not d.launches[-1].cold
+    _load_mark(d, 20, "memory")
+    out = _nan_first(d, 20)
+    (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    assert ev.loss.rule == "non_finite_after_load" and ev.loss.action == "stop" and ev.loss.resume_step == 20
+    assert "that state came from memory on n1, memory on n2" in ev.message and "from storage" in ev.message
+    assert d.of(StopAttempt, out) and not d.of(Page, out)
+    stop_all(d, 2)
+    assert d.launches[-1].resume_step == 20 and d.launches[-1].cold, "the same step, from storage"
+    _load_mark(d, 20, "storage")
+    out = _nan_first(d, 20)
+    (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    assert ev.loss.resume_step == 10 and "step 20 is no longer a resume point" in ev.message
+    (persist,) = [a for a in d.of(PersistCheckpoint, out) if a.invalid]
+    assert persist.step == 20
+    stop_all(d, 3)
+    assert d.launches[-1].resume_step == 10 and not d.launches[-1].cold
+    assert d.sup.committed == {10}
+    _load_mark(d, 10, "memory")
+    out = d.steps(11, 13, loaded=10, loss=curve)
+    assert not d.events(E.EVENT_KIND_LOSS_ANOMALY, out) and d.sup.state is RunState.RUNNING
+    assert not d.of(Quarantine), "the state was bad, not a node"
+
+
+def test_a_nan_on_the_first_step_after_a_load_from_storage_goes_straight_to_the_commit_before() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start()
+    d.steps(1, 21, loss=curve)
+    d.send(CheckpointCommitted(step=10))
+    d.send(CheckpointCommitted(step=20))
+    crash_and_restart(d)
+    _load_mark(d, 20, "storage")
+    out = _nan_first(d, 20)
+    (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    assert ev.loss.rule == "non_finite_after_load" and ev.loss.resume_step == 10
+    stop_all(d, 2)
+    assert d.launches[-1].resume_step == 10 and not d.launches[-1].cold
+
+
+def test_a_nan_later_in_an_attempt_is_the_training_s_and_only_pages() -> None:
+    d = Driver(cfg=fast(), nodes=2)
+    d.start()
+    d.steps(1, 21, loss=curve)
+    d.send(CheckpointCommitted(step=20))
+    crash_and_restart(d)
+    _load_mark(d, 20, "memory")
+    d.steps(21, 24, loaded=20, loss=curve)
+    out = d.progress(25, loaded=20, loss=lambda s, r: math.nan)
+    (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    assert ev.loss.rule == "non_finite" and ev.loss.action == "page" and d.sup.state is RunState.RUNNING
+
+
+def test_a_fresh_core_cuts_after_a_bad_restore_s_rollback_point() -> None:
+    from controller.live.loss_history import loss_history
+
+    anomaly = E.Event(
+        run="r",
+        attempt=3,
+        kind=E.EVENT_KIND_LOSS_ANOMALY,
+        step=21,
+        loss=E.LossDetail(rule="non_finite_after_load", action="stop", resume_step=10),
+    )
+    assert loss_history([anomaly], "r").rollback_before == 11  # step 20 is dropped, 10 kept
