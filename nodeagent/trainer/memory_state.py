@@ -386,6 +386,19 @@ def take(
     serve a rank renumbered by a replacement when that state is replicated). Waits for a copy
     still landing (COPY_WAIT_S); one whose copy failed is none, and so is one whose bytes are no
     longer the SHA-256 taken when it landed (host memory corrupted since: `why_fell_back` says so)."""
+    held = _checked(step, committed_by, rank=rank, world_size=world_size, env=env)
+    return _clone(held.payload) if held is not None else None
+
+
+def _checked(
+    step: int,
+    committed_by: int | None,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    env: Mapping[str, str] | None = None,
+) -> MemoryCopy | None:
+    """The kept copy `take` would serve, landed and checked against its digests; else None."""
     run, _ = _identity(os.environ if env is None else env)
     if committed_by is None:
         return None
@@ -416,7 +429,7 @@ def take(
             f"taken when it was kept ({len(changed)} of {len(held.buffers)} tensors differ): not served",
         )
         return None
-    return _clone(held.payload)
+    return held
 
 
 # What each rank tells the others before a DCP load (bits of one integer, all-gathered).
@@ -493,7 +506,8 @@ def restore_committed_dcp(
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     by = commit.meta.get("attempt")
     by = by if isinstance(by, int) else None
-    payload = take(commit.step, by, rank=rank, world_size=world_size)
+    held = _checked(commit.step, by, rank=rank, world_size=world_size)
+    payload = _clone(held.payload) if held is not None else None
     plan = LoadPlan(MEMORY if payload is not None else STORAGE)
     if payload is None and (why := why_not_kept(commit.step)):
         log.info("rank %d: no copy of step %d in this process's memory: %s", rank, commit.step, why)
@@ -504,7 +518,11 @@ def restore_committed_dcp(
         if not dist.is_initialized():
             plan = LoadPlan(STORAGE)
         else:
-            other = None if payload is not None else take(commit.step, by, rank=None, world_size=None)
+            if held is None:
+                held = _checked(commit.step, by, rank=None, world_size=None)
+                other = _clone(held.payload) if held is not None else None
+            else:
+                other = None
             if from_peer:
                 try:
                     expected = dcp_format.whole_tensors_bytes(dcp_format.read_dcp_metadata(commit))
@@ -522,7 +540,12 @@ def restore_committed_dcp(
     if plan.sender >= 0:
         assert expected is not None
         ok, received = _from_peer(
-            payload, plan.sender, rank=rank, expected=expected, receive=plan.source == PEER
+            payload,
+            plan.sender,
+            rank=rank,
+            expected=expected,
+            receive=plan.source == PEER,
+            digests=held.digests if held is not None else (),
         )
         if not ok:
             fell_back(
@@ -628,13 +651,15 @@ def _specs_bytes(specs: Any) -> int | None:
     return total
 
 
-def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: bool) -> tuple[bool, Any]:
+def _from_peer(
+    payload: Any, sender: int, *, rank: int, expected: int, receive: bool, digests: Any = ()
+) -> tuple[bool, Any]:
     """Broadcast the sender's kept state (`payload["state"]`) on the default group (the holders
     take part, and drop it): first a small header (the state with its tensors replaced by slots,
     and each tensor's shape and dtype), read with torch's weights_only unpickler and checked by
     every rank (bounded; its tensors add up to the commit's `expected` bytes), then one flat
-    buffer per dtype, received in place, checked against the sender's SHA-256 of it, and cut into
-    the tensors. (every rank agrees the header
+    buffer per dtype, received in place and cut into the tensors, each checked against the
+    SHA-256 the sender's copy took of it when it landed (in the header). (every rank agrees the header
     is good, the state where `receive`), or (False, None) on every rank if any refused."""
     import io
 
@@ -646,8 +671,13 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
     if rank == sender:
         skeleton, tensors = _split(payload["state"])
         offer = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+        # the SHA-256 of each tensor taken when the copy landed (its tensors come first in the copy's
+        # order: the rank state holds none), which `_checked` just found the copy still matches
+        offered: list[str] = list(digests)[: len(tensors)]
+        if len(offered) != len(tensors):
+            offered = [digest(t) for t in tensors]
         buf = io.BytesIO()
-        torch.save({"skeleton": skeleton, "specs": offer}, buf)
+        torch.save({"skeleton": skeleton, "specs": offer, "sha256": offered}, buf)
         header = buf.getvalue()
     size = len(header) if len(header) <= MAX_PEER_HEADER_BYTES else -1
     length = torch.tensor([size], dtype=torch.int64, device=device)
@@ -669,7 +699,14 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         except Exception as exc:
             log.warning("rank %d: the header rank %d sent is not plain data: %s", rank, sender, exc)
     specs: Any = doc.get("specs") if isinstance(doc, dict) else None
-    ok = rank == sender or (_specs_bytes(specs) == expected and "skeleton" in doc)
+    sums: Any = doc.get("sha256") if isinstance(doc, dict) else None
+    ok = rank == sender or (
+        _specs_bytes(specs) == expected
+        and "skeleton" in doc
+        and isinstance(sums, list)
+        and len(sums) == len(specs)
+        and all(isinstance(x, str) and len(x) == 64 for x in sums)
+    )
     if rank != sender and not ok:
         log.warning(
             "rank %d: the state rank %d offers does not match the commit's %d bytes", rank, sender, expected
@@ -690,25 +727,17 @@ def _from_peer(payload: Any, sender: int, *, rank: int, expected: int, receive: 
         else:
             flat = torch.empty(sum(math.prod(layout[i][0]) for i in slots), dtype=dtype)
         _broadcast_host(flat, sender, rank=rank, device=device)
-        # the sender's SHA-256 of what it sent (its copy was checked against its own at take): a
-        # receiver keeps the bytes only if they hash the same (a transfer that garbled them is refused)
-        sent = torch.zeros(32, dtype=torch.uint8)
-        if rank == sender:
-            sent = torch.frombuffer(bytearray(bytes.fromhex(digest(flat))), dtype=torch.uint8)
-        sent = sent.to(device)
-        dist.broadcast(sent, src=sender)
         if not receive:
             continue
-        if digest(flat) != bytes(sent.cpu().numpy()).hex():
-            intact = False
-            log.warning(
-                "rank %d: the %s tensors rank %d sent do not hash to its SHA-256", rank, dtype, sender
-            )
         at = 0
         for i in slots:
             k = math.prod(layout[i][0])
             received[i] = flat[at : at + k].view(layout[i][0])
             at += k
+            # each tensor must hash to the sender's SHA-256 of it (a transfer that garbled it is refused)
+            if intact and digest(received[i]) != sums[i]:
+                intact = False
+                log.warning("rank %d: tensor %d rank %d sent does not hash to its SHA-256", rank, i, sender)
     if not _everyone(intact, dist.get_world_size()):
         return False, None
     if not receive:
