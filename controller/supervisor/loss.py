@@ -246,8 +246,15 @@ def _anomaly(
     if action != "stop":
         sv.page(reason)
         return None
-    book.rollback_before = step if book.rollback_before is None else min(book.rollback_before, step)
-    book.stop_since = reported_at if 0 < reported_at <= sv.now else sv.now
+    return _stop(book, step, rank, rule, reason, cut=step, reported_at=reported_at, now=sv.now)
+
+
+def _stop(
+    book: LossBook, step: int, rank: int, rule: str, reason: str, *, cut: int, reported_at: float, now: float
+) -> Failure:
+    """The stop of a loss rule, on no node: the commits from `cut` on stop being resume points."""
+    book.rollback_before = cut if book.rollback_before is None else min(book.rollback_before, cut)
+    book.stop_since = reported_at if 0 < reported_at <= now else now
     return Failure(
         detector=E.DETECTOR_LOSS,
         nodes=[],
@@ -294,9 +301,6 @@ def _bad_restore(
         book.reloaded_from_storage = n
         sources = ", ".join(f"{s} on {nd}" for nd, s in sorted(a.loaded_from.items())) or "sources not said"
         reason = f"{what}; that state came from {sources}: relaunching from step {n} loaded from storage (every node cold)"
-    cut = rollback + 1  # the commits after the rollback point stop being resume points
-    book.rollback_before = cut if book.rollback_before is None else min(book.rollback_before, cut)
-    book.stop_since = reported_at if 0 < reported_at <= sv.now else sv.now
     sv.log(
         E.EVENT_KIND_LOSS_ANOMALY,
         reason,
@@ -308,15 +312,8 @@ def _bad_restore(
             resume_step=rollback,
         ),
     )
-    return Failure(
-        detector=E.DETECTOR_LOSS,
-        nodes=[],
-        ranks=[rank],
-        step=step,
-        label=f"loss:{AFTER_LOAD}",
-        reason=reason,
-        dumps=False,
-    )
+    # the commits after the rollback point stop being resume points
+    return _stop(book, step, rank, AFTER_LOAD, reason, cut=rollback + 1, reported_at=reported_at, now=sv.now)
 
 
 def reload_from_storage(sv: Run) -> bool:

@@ -129,16 +129,21 @@ def rng_restorer(state: object, path: Path) -> Callable[[], None]:
     return restore
 
 
-def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
+    """A small JSON file of a step (a rank's state or shard digests), bounded in size."""
     try:
         size = path.stat().st_size
         if size > MAX_RANK_STATE_BYTES:
             raise bad(path, f"{size} bytes, over the limit of {MAX_RANK_STATE_BYTES}")
-        doc = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except OSError as exc:
         raise bad(path, f"cannot read: {exc}") from None
     except ValueError as exc:
         raise bad(path, f"not JSON: {exc}") from None
+
+
+def _read_rank_state(path: Path, step: int) -> dict[str, Any]:
+    doc = _read_json(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("step") != step:
         raise bad(path, f"not the DCP rank state of step {step}")
     return doc
@@ -166,15 +171,7 @@ _HEX64 = frozenset("0123456789abcdef")
 
 def read_shard_digests(path: Path) -> dict[str, str]:
     """One rank's shard digest file: {file name: SHA-256 hex}, checked (bounded, JSON, plain names)."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_RANK_STATE_BYTES:
-            raise bad(path, f"{size} bytes, over the limit of {MAX_RANK_STATE_BYTES}")
-        doc = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise bad(path, f"cannot read: {exc}") from None
-    except ValueError as exc:
-        raise bad(path, f"not JSON: {exc}") from None
+    doc = _read_json(path)
     if not isinstance(doc, dict):
         raise bad(path, "not a JSON object of file name -> SHA-256")
     for name, digest in doc.items():
