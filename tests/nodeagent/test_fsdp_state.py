@@ -1,0 +1,76 @@
+"""Sharded state (FSDP2, `fully_shard`) through runwarden's checkpoints, real processes: 2 gloo ranks
+on CPU whose parameters and AdamW moments are DTensor shards save with DcpCheckpointer (each rank
+its own shard, its digests in the commit) and load back: from storage (DCP's sharded load, every
+shard checked), from each rank's own in-memory copy of its shard (a warm restart), and from storage
+when one rank lost its copy (a shard cannot come from one peer). Every load replays the next two
+steps' losses exactly; a shard whose bytes changed after the commit is refused by every rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.etcd_server import free_port
+from testbed.gloo_ranks import gloo_rank_env
+from tests.nodeagent.helpers import ROOT
+
+WORLD = 2
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _run(tmp: Path, mode: str) -> list[dict]:
+    ckpt, out = tmp / "ckpt", tmp / "out"
+    out.mkdir(parents=True)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "nodeagent" / "fsdp_job.py"),
+                *("--ckpt", str(ckpt), "--out", str(out), "--mode", mode),
+            ],
+            env=gloo_rank_env(
+                rank, WORLD, port, run="fsdp-test", root=ROOT, warm=mode in ("memory", "forget")
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "source"), [("storage", "storage"), ("memory", "memory"), ("forget", "storage")]
+)
+def test_sharded_state_saves_and_loads_back_to_the_same_losses(
+    tmp_path: Path, mode: str, source: str
+) -> None:
+    results = _run(tmp_path, mode)
+    assert len(results[0]["shards"]) == WORLD, "one shard file per rank, each with its digest"
+    for rank, got in enumerate(results):
+        assert got["error"] == "", got["error"]
+        assert got["source"] == source, (rank, got["source"])
+        assert got["data_state"] == {"next_step": 3}
+        assert got["replay"] == got["reference"], f"rank {rank} ({source}) replays other losses"
+    assert results[0]["reference"] != results[1]["reference"], "each rank its own batches"
+
+
+def test_a_sharded_step_with_a_changed_shard_is_refused_by_every_rank(tmp_path: Path) -> None:
+    results = _run(tmp_path, "corrupt")
+    for got in results:
+        assert "differ" in got["error"] and "step 3 is no resume point" in got["error"], got
