@@ -74,9 +74,11 @@ def observe(sv: Run, ev: ProgressObserved) -> Failure | None:
             # An anomaly is reported as one, and kept out of the history and the rank's window: it is
             # no reference for a replay (a rollback is meant not to repeat it) nor part of the normal.
             if not math.isfinite(value):
-                if a.resume_step >= 0 and step == a.resume_step + 1:  # the first step after the load
+                # the first step after the load, and no attempt that trained into this step saw it
+                if a.resume_step >= 0 and step == a.resume_step + 1 and step not in book.non_finite_steps:
                     f = _bad_restore(sv, ev.node, r.rank, step, value, r.reported_at)
                 else:
+                    book.saw_non_finite(step)
                     f = _anomaly(sv, ev.node, r.rank, step, value, "non_finite", 0.0, r.reported_at)
                 stop = stop or f
                 continue
@@ -272,7 +274,8 @@ AFTER_LOAD = "non_finite_after_load"
 def _bad_restore(
     sv: Run, node: str, rank: int, step: int, value: float, reported_at: float
 ) -> Failure | None:
-    """A non-finite loss on the first step after the attempt loaded its resume point N: the state it
+    """A non-finite loss on the first step after the attempt loaded its resume point N, at a step no
+    attempt that trained into it found non-finite (then it is the job's: `_anomaly`): the state it
     loaded is bad, whatever `on_loss_anomaly` says (Megatron-LM #5281: a replica restored without
     validation gave NaN, and every relaunch loaded it again). The next attempt takes the previous
     source: where some node's state came from memory or a peer (or it did not say), step N again

@@ -43,6 +43,9 @@ class LossBook:
     windows: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # rank -> (step, loss)
     rollback_before: int | None = None  # a stop for an anomaly: resume from a commit before this step
     reloaded_from_storage: int | None = None  # a bad restore of this step: it is reloaded from storage
+    # steps whose loss was non-finite in an attempt that trained into them (not the first after a
+    # load): a non-finite loss there after a load is the job's, not the load's (the newest few)
+    non_finite_steps: set[int] = field(default_factory=set)
     stop_since: float = 0.0  # when the report that stops the attempt was made (detection latency)
     # the current attempt
     attempt: int = 0
@@ -63,6 +66,11 @@ class LossBook:
         for w in self.windows.values():  # losses past the resume point were undone with the state
             while w and w[-1][0] > resume_step:
                 w.pop()
+
+    def saw_non_finite(self, step: int) -> None:
+        self.non_finite_steps.add(step)
+        for old in sorted(self.non_finite_steps)[:-64]:
+            self.non_finite_steps.discard(old)
 
     def prune(self, keep_steps: int) -> None:
         if len(self.history) <= keep_steps + 64 and self.values <= MAX_HISTORY_VALUES:

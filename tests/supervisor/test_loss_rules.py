@@ -505,3 +505,23 @@ def test_a_fresh_core_cuts_after_a_bad_restore_s_rollback_point() -> None:
         loss=E.LossDetail(rule="non_finite_after_load", action="stop", resume_step=10),
     )
     assert loss_history([anomaly], "r").rollback_before == 11  # step 20 is dropped, 10 kept
+
+
+def test_a_nan_the_job_itself_produced_at_that_step_is_not_taken_for_a_bad_load() -> None:
+    """The NaN first came in an attempt that trained into the step (the job's own, after a commit at
+    the step before it): the relaunch that meets it again right after its load is the same NaN, not
+    a bad load: the loss rule's rollback and crash loop, not a walk back through the commits."""
+    d = Driver(cfg=fast(on_loss_anomaly="stop"), nodes=2)
+    d.start()
+    d.steps(1, 20, loss=curve)
+    d.send(CheckpointCommitted(step=20))
+    out = d.progress(21, loss=lambda s, r: math.nan)
+    assert d.events(E.EVENT_KIND_LOSS_ANOMALY, out)[0].loss.rule == "non_finite"
+    stop_all(d, 1)
+    assert d.launches[-1].resume_step == 20
+    _load_mark(d, 20, "memory")
+    out = _nan_first(d, 20)
+    (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
+    assert ev.loss.rule == "non_finite" and ev.loss.resume_step == 20
+    stop_all(d, 2)
+    assert d.launches[-1].resume_step == 20 and not d.launches[-1].cold
