@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runwarden.v1 import agent_pb2_grpc
+from runwarden.v1 import agent_pb2, agent_pb2_grpc
 from testbed.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,3 +115,60 @@ class AgentProc:
             self.kill()
         self.channel.close()
         self._log.close()
+
+
+class AgentSocket:
+    """A stand-in for the agent's progress socket (the real datagram server): every request a
+    ProgressReporter sends to `path` is kept in `got`, and `seen` is set on each."""
+
+    def __init__(self, tmp: Path) -> None:
+        import threading
+
+        from nodeagent.daemon.progress_socket import ProgressDatagramServer
+        from nodeagent.wire import progress_socket_path
+
+        self.path = str(tmp / "agent.sock")
+        self.got: list[agent_pb2.ReportProgressRequest] = []
+        self.seen = threading.Event()
+        self._server = ProgressDatagramServer(
+            progress_socket_path(self.path), self._handle, lambda code, s: None
+        )
+        self._server.start()
+
+    def _handle(self, req: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
+        self.got.append(req)
+        self.seen.set()
+        return agent_pb2.ReportProgressResponse()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def run_gloo_ranks(
+    script: Path, world: int, *args: str, run: str, warm: bool = False, timeout_s: float = 180
+) -> None:
+    """`script` as `world` plain gloo rank processes on loopback (testbed.gloo_ranks), every one
+    waited for; AssertionError with their output if any failed."""
+    from testbed.etcd_server import free_port
+    from testbed.gloo_ranks import gloo_rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [PYTHON, str(script), *args],
+            env=gloo_rank_env(rank, world, port, run=run, root=ROOT, warm=warm),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)

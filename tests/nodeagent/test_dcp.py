@@ -255,28 +255,14 @@ def test_a_shard_with_other_bytes_is_refused_at_load_and_the_supervisor_told(
     """Same size, one byte flipped (bit rot, a torn write the size does not show): the directory
     still looks committed (the shards are not hashed on every look), but the load hashes them
     before DCP reads a byte, refuses the step, and tells the supervisor which step and why."""
-    import threading
-
-    from nodeagent.daemon.progress_socket import ProgressDatagramServer
-    from nodeagent.wire import progress_socket_path
-    from runwarden.v1 import agent_pb2
+    from tests.nodeagent.helpers import AgentSocket
 
     _flip_a_byte(_step2(two_steps) / "__0_0.distcp")
     commit = latest_committed(two_steps)
     assert commit is not None and commit.step == 2
-    got: list[agent_pb2.ReportProgressRequest] = []
-    seen = threading.Event()
-
-    def handle(req: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
-        got.append(req)
-        seen.set()
-        return agent_pb2.ReportProgressResponse()
-
-    sock = str(tmp_path / "agent.sock")
-    server = ProgressDatagramServer(progress_socket_path(sock), handle, lambda code, s: None)
-    server.start()
+    agent = AgentSocket(tmp_path)
     rep = trainer.ProgressReporter(
-        run="r", attempt=3, rank=0, local_rank=0, world_size=1, agent_socket=sock, flush_interval_s=30.0
+        run="r", attempt=3, rank=0, local_rank=0, world_size=1, agent_socket=agent.path, flush_interval_s=30.0
     )
     model, opt, sched = _model()
     before = [p.detach().clone() for p in model.parameters()]
@@ -284,12 +270,12 @@ def test_a_shard_with_other_bytes_is_refused_at_load_and_the_supervisor_told(
         with pytest.raises(CorruptCheckpoint, match=r"__0_0\.distcp.*step 2 is no resume point") as raised:
             trainer.load_checkpoint(commit, model=model, optimizer=opt, scheduler=sched, reporter=rep)
         assert raised.value.step == 2
-        assert seen.wait(5)
-        (r,) = got[-1].reports
+        assert agent.seen.wait(5)
+        (r,) = agent.got[-1].reports
         assert r.invalid_step == 2 and "__0_0.distcp" in r.load_error
     finally:
         rep.close()
-        server.stop()
+        agent.stop()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
     # the step before it is intact and loads
     first = read_commit(step_dir(two_steps, 1))

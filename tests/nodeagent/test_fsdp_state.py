@@ -8,15 +8,11 @@ steps' losses exactly; a shard whose bytes changed after the commit is refused b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from testbed.etcd_server import free_port
-from testbed.gloo_ranks import gloo_rank_env
-from tests.nodeagent.helpers import ROOT
+from tests.nodeagent.helpers import ROOT, run_gloo_ranks
 
 WORLD = 2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -25,32 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def _run(tmp: Path, mode: str) -> list[dict]:
     ckpt, out = tmp / "ckpt", tmp / "out"
     out.mkdir(parents=True)
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "nodeagent" / "fsdp_job.py"),
-                *("--ckpt", str(ckpt), "--out", str(out), "--mode", mode),
-            ],
-            env=gloo_rank_env(
-                rank, WORLD, port, run="fsdp-test", root=ROOT, warm=mode in ("memory", "forget")
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    job = ROOT / "tests" / "nodeagent" / "fsdp_job.py"
+    args = ("--ckpt", str(ckpt), "--out", str(out), "--mode", mode)
+    run_gloo_ranks(job, WORLD, *args, run="fsdp-test", warm=mode in ("memory", "forget"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

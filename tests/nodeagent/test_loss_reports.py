@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 
@@ -16,11 +15,10 @@ from controller.supervisor.events import ProgressObserved
 from nodeagent import trainer
 from nodeagent.daemon import validate
 from nodeagent.daemon.progress import MAX_RECENT_LOSSES, ProgressTable
-from nodeagent.daemon.progress_socket import ProgressDatagramServer
-from nodeagent.wire import progress_socket_path
 from runwarden.keys import KeySchema
 from runwarden.store import EventType, WatchEvent
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
+from tests.nodeagent.helpers import AgentSocket
 
 KEYS = KeySchema()
 RUN = "lossrun"
@@ -160,19 +158,10 @@ def test_a_new_attempt_s_commits_reach_the_core_again_after_a_rollback() -> None
 
 
 def test_every_reported_loss_travels_from_the_trainer_to_the_agent(tmp_path: Path) -> None:
-    got: list[agent_pb2.ReportProgressRequest] = []
-    seen = threading.Event()
-
-    def handle(req: agent_pb2.ReportProgressRequest) -> agent_pb2.ReportProgressResponse:
-        got.append(req)
-        seen.set()
-        return agent_pb2.ReportProgressResponse()
-
-    sock = str(tmp_path / "agent.sock")
-    server = ProgressDatagramServer(progress_socket_path(sock), handle, lambda code, s: None)
-    server.start()
+    agent = AgentSocket(tmp_path)
+    got, seen = agent.got, agent.seen
     rep = trainer.ProgressReporter(
-        run=RUN, attempt=1, rank=0, local_rank=0, world_size=1, agent_socket=sock, flush_interval_s=30.0
+        run=RUN, attempt=1, rank=0, local_rank=0, world_size=1, agent_socket=agent.path, flush_interval_s=30.0
     )
     try:
         for s in range(1, 11):
@@ -190,4 +179,4 @@ def test_every_reported_loss_travels_from_the_trainer_to_the_agent(tmp_path: Pat
         assert r.recent_losses[0].step == 16
     finally:
         rep.close()
-        server.stop()
+        agent.stop()

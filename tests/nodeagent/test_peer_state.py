@@ -11,8 +11,6 @@ holding its own copy (memory) is tests/nodeagent/test_warm_restart.py's last att
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,7 @@ import torch
 
 from nodeagent.trainer import memory_state
 from nodeagent.trainer.dcp import whole_tensors_bytes
-from testbed.etcd_server import free_port
-from testbed.gloo_ranks import gloo_rank_env
-from tests.nodeagent.helpers import ROOT
+from tests.nodeagent.helpers import ROOT, run_gloo_ranks
 
 WORLD = 3
 
@@ -30,32 +26,10 @@ WORLD = 3
 def _run(tmp: Path, *extra: str) -> list[dict]:
     ckpt, out = tmp / "ckpt", tmp / "out"
     out.mkdir(parents=True)
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = gloo_rank_env(rank, WORLD, port, run="peer-test", root=ROOT, warm=True)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(ROOT / "tests" / "nodeagent" / "peer_state_job.py"),
-                    *("--ckpt", str(ckpt), "--out", str(out), *extra),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    job = ROOT / "tests" / "nodeagent" / "peer_state_job.py"
+    run_gloo_ranks(
+        job, WORLD, "--ckpt", str(ckpt), "--out", str(out), *extra, run="peer-test", warm=True, timeout_s=120
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -425,6 +425,17 @@ def _load_mark(d: Driver, step: int, source: str) -> None:
         d.send(ProgressObserved(node=node, attempt=d.sup.attempt, ranks=ranks))
 
 
+def _relaunched_from_20() -> Driver:
+    """Commits 10 and 20, a crash, attempt 2 launched from step 20."""
+    d = Driver(cfg=fast(), nodes=2)
+    d.start()
+    d.steps(1, 21, loss=curve)
+    d.send(CheckpointCommitted(step=10))
+    d.send(CheckpointCommitted(step=20))
+    crash_and_restart(d)
+    return d
+
+
 def _nan_first(d: Driver, resume: int) -> list[object]:
     return d.progress(resume + 1, loaded=resume, loss=lambda s, r: math.nan if r == 0 else curve(s, r))
 
@@ -436,12 +447,7 @@ def test_a_nan_on_the_first_step_after_a_load_from_memory_reloads_the_same_step_
     load's, not the training's: relaunched, never left to train on garbage nor to loop. First the
     previous source (the same step from storage: every node cold), then, if storage's state is bad
     too, the commit before it (and the bad step is no resume point, in the store too)."""
-    d = Driver(cfg=fast(), nodes=2)
-    d.start()
-    d.steps(1, 21, loss=curve)
-    d.send(CheckpointCommitted(step=10))
-    d.send(CheckpointCommitted(step=20))
-    crash_and_restart(d)
+    d = _relaunched_from_20()
     assert d.launches[-1].resume_step == 20 and not d.launches[-1].cold
     _load_mark(d, 20, "memory")
     out = _nan_first(d, 20)
@@ -467,12 +473,7 @@ def test_a_nan_on_the_first_step_after_a_load_from_memory_reloads_the_same_step_
 
 
 def test_a_nan_on_the_first_step_after_a_load_from_storage_goes_straight_to_the_commit_before() -> None:
-    d = Driver(cfg=fast(), nodes=2)
-    d.start()
-    d.steps(1, 21, loss=curve)
-    d.send(CheckpointCommitted(step=10))
-    d.send(CheckpointCommitted(step=20))
-    crash_and_restart(d)
+    d = _relaunched_from_20()
     _load_mark(d, 20, "storage")
     out = _nan_first(d, 20)
     (ev,) = d.events(E.EVENT_KIND_LOSS_ANOMALY, out)
