@@ -321,9 +321,7 @@ def _bad_restore(
 
 def reload_from_storage(sv: Run) -> bool:
     """The attempt being launched reloads its resume point from storage (`_bad_restore`): cold."""
-    return (
-        sv.losses.reloaded_from_storage is not None and sv.losses.reloaded_from_storage == sv.cur.resume_step
-    )
+    return sv.losses.reloaded_from_storage == sv.cur.resume_step
 
 
 def _point(

@@ -84,11 +84,5 @@ def on_checkpoint_invalid_ending(sv: Run, ev: CheckpointInvalid) -> None:
     if not on_checkpoint_invalid(sv, ev) or ev.step != sv.cur.resume_step or f is None:
         return
     if f.detector == E.DETECTOR_CRASH and not f.planned:
-        f.detector, f.nodes, f.ranks, f.first_exit, f.first_exit_at = (
-            E.DETECTOR_CHECKPOINT,
-            [],
-            [],
-            None,
-            None,
-        )
-        f.label, f.reason = _INVALID_LABEL, _invalid_reason(ev)
+        f.detector, f.label, f.reason = E.DETECTOR_CHECKPOINT, _INVALID_LABEL, _invalid_reason(ev)
+        f.nodes, f.ranks, f.first_exit, f.first_exit_at = [], [], None, None  # nobody exited first

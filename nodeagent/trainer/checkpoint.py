@@ -63,6 +63,11 @@ class CommittedCheckpoint:
     shard_sha256: Mapping[str, str] = field(default_factory=dict)
 
 
+def is_sha256(value: object) -> bool:
+    """A SHA-256 as the markers and digest files record it: 64 lower-case hex digits."""
+    return isinstance(value, str) and _SHA256.match(value) is not None
+
+
 def step_dir(root: Path | str, step: int) -> Path:
     if not 0 <= step < 10**12:
         raise CheckpointError(f"step {step} out of range 0..10^12")
@@ -144,7 +149,7 @@ class CheckpointWriter:
         digests = {name: sha256_file(self.path / name) for name in hashed}
         shards = dict(shard_sha256 or {})
         for name, digest in shards.items():
-            if name not in sizes or not isinstance(digest, str) or not _SHA256.match(digest):
+            if name not in sizes or not is_sha256(digest):
                 raise CheckpointError(
                     f"{self.path}: shard digest {name!r}: {digest!r} is not of a committed file"
                 )
@@ -198,9 +203,7 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
     digests = doc.get("sha256", {})
     shards = doc.get("shard_sha256", {})
     for named in (digests, shards):
-        if not isinstance(named, dict) or not all(
-            k in files and isinstance(v, str) and _SHA256.match(v) for k, v in named.items()
-        ):
+        if not isinstance(named, dict) or not all(k in files and is_sha256(v) for k, v in named.items()):
             return None
     for name, size in files.items():
         try:

@@ -475,15 +475,7 @@ def verify_shards(commit: CommittedCheckpoint, *, process_group: Any = None) -> 
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     bad_here = mismatched(commit, names[rank::world])
-    found = [len(bad_here)]
-    if world > 1:
-        import torch
-
-        device = "cuda" if dist.get_backend(process_group) == "nccl" else "cpu"
-        mine = torch.tensor([len(bad_here)], dtype=torch.int64, device=device)
-        out = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(out, mine, group=process_group)
-        found = [int(t.item()) for t in out]
+    found = memory_state.gather_ints(len(bad_here), world, process_group) if world > 1 else [len(bad_here)]
     if not any(found):
         return
     by = [r for r, n in enumerate(found) if n]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodeagent.trainer.checkpoint import CheckpointError, CommittedCheckpoint
+from nodeagent.trainer.checkpoint import CheckpointError, CommittedCheckpoint, is_sha256
 
 FORMAT = "dcp"
 DCP_METADATA = ".metadata"
@@ -166,18 +166,15 @@ def shard_digests_name(rank: int) -> str:
     return f"rank{rank}.shards.json"
 
 
-_HEX64 = frozenset("0123456789abcdef")
-
-
 def read_shard_digests(path: Path) -> dict[str, str]:
-    """One rank's shard digest file: {file name: SHA-256 hex}, checked (bounded, JSON, plain names)."""
+    """One rank's shard digest file: {file name: SHA-256 hex}, checked (bounded, JSON, SHA-256s). Only
+    the names DCP's `.metadata` lists as shards are taken from it, and the commit marker accepts only
+    committed files (nodeagent.trainer.checkpoint), so a stray name here is never trusted."""
     doc = _read_json(path)
     if not isinstance(doc, dict):
         raise bad(path, "not a JSON object of file name -> SHA-256")
     for name, digest in doc.items():
-        if "/" in name or name in ("", ".", "..") or name.startswith("."):
-            raise bad(path, f"{name!r} is not a file of the step")
-        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX64):
+        if not is_sha256(digest):
             raise bad(path, f"{name}: {digest!r} is not a SHA-256 hex digest")
     return doc
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.trainer import dcp_format
+from nodeagent.trainer.checkpoint import is_sha256
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +535,7 @@ def restore_committed_dcp(
                 | (_WHOLE if expected is not None else 0)
                 | (_PEER_OK if from_peer else 0)
             )
-            plan = plan_load(_gather_ints(mine, world_size), rank)
+            plan = plan_load(gather_ints(mine, world_size), rank)
             if other is not None:
                 payload = other
     if plan.sender >= 0:
@@ -570,25 +571,26 @@ def restore_committed_dcp(
     return result
 
 
-def _device() -> str:
+def _device(group: Any = None) -> str:
     import torch.distributed as dist
 
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
 
 
-def _gather_ints(value: int, world_size: int) -> list[int]:
+def gather_ints(value: int, world_size: int, group: Any = None) -> list[int]:
+    """Every rank's `value` of `group` (default: the default group), in rank order."""
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor([value], dtype=torch.int64, device=_device())
+    mine = torch.tensor([value], dtype=torch.int64, device=_device(group))
     out = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [int(t.item()) for t in out]
 
 
 def _everyone(ok: bool, world_size: int) -> bool:
     """Whether `ok` holds on every rank (a MIN all-reduce)."""
-    return min(_gather_ints(int(ok), world_size)) == 1
+    return min(gather_ints(int(ok), world_size)) == 1
 
 
 _SLOT = "__runwarden_tensor__"  # a tensor's place in the skeleton a peer sends: {_SLOT: index}
@@ -705,7 +707,7 @@ def _from_peer(
         and "skeleton" in doc
         and isinstance(sums, list)
         and len(sums) == len(specs)
-        and all(isinstance(x, str) and len(x) == 64 for x in sums)
+        and all(is_sha256(x) for x in sums)
     )
     if rank != sender and not ok:
         log.warning(
