@@ -6,6 +6,8 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
   timed by the reporter itself: a communication hook on the DDP model measures the wait in the
   gradient all-reduce, `reporter.stop_agreed()` times its stop-flag all-reduce; no timers in the loop;
 * a stop request polled every step: finish the step, save, commit, exit 0;
+* optionally (`--eval-every N`) an evaluation on rank 0 alone after every N-th step, declared with
+  `reporter.evaluating()`, while the other ranks go on and wait for it in the next step's collectives;
 * a checkpoint every `--ckpt-every` steps through the commit protocol (model, optimizer, RNG
   states, data position): torch.distributed.checkpoint with async_save by default
   (`nodeagent.trainer.dcp`; `--sync-save` blocks instead, `--ckpt-format torch` writes the old
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -86,8 +89,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "outside any collective (a data loader deadlocked on a bad shard); crash raises; nan reports "
         "a NaN loss",
     )
+    p.add_argument(
+        "--eval-every",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="after every N-th step (not the last), rank 0 alone evaluates on a held-out batch, inside "
+        "reporter.evaluating(), while the others go on into the next step (default 0: never)",
+    )
+    p.add_argument(
+        "--eval-seconds",
+        type=non_negative_seconds,
+        default=0.0,
+        metavar="S",
+        help="simulated extra evaluation time (s) (default 0)",
+    )
     rank_device.add_backend_argument(p)  # auto: nccl on CUDA, gloo on CPU
     return p.parse_args(argv)
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text!r}")
+    return value
 
 
 SOFTWARE_FAULTS = ("hang", "crash", "nan")
@@ -170,6 +208,19 @@ def batch_for(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor,
     x = torch.randn(size, 16, generator=g)
     y = (x[:, :4].sum(dim=1, keepdim=True)).sin() + 0.1 * torch.randn(size, 1, generator=g)
     return x, y
+
+
+def evaluate(
+    model: nn.Module, seed: int, rank: int, size: int, device: torch.device, seconds: float
+) -> float:
+    """One held-out batch's loss, without gradients and without collectives: `model` is the module
+    DDP wraps (DDP's own forward may broadcast buffers, a collective the other ranks are not in)."""
+    x, y = (t.to(device) for t in batch_for(seed, -1, rank, size))  # step -1: no step trains on it
+    with torch.no_grad():
+        loss = nn.functional.mse_loss(model(x), y).item()
+    if seconds:
+        time.sleep(seconds)
+    return loss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break
+        if rank == 0 and args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            # rank 0 alone: the others are already waiting for it in the next step's all-reduce
+            with reporter.evaluating():
+                eval_loss = evaluate(model.module, args.seed, rank, args.batch, device, args.eval_seconds)
+            print(f"rank {rank}: eval loss {eval_loss:.6f} after step {done}", flush=True)
     else:
         reporter.finished()  # the last step: what follows is teardown, not a hang
     reporter.close()

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from controller.supervisor.blame import FailureFacts, FlightRecorderVerdict
+from controller.supervisor.collectives import CollectiveMarks
 from runwarden.v1 import events_pb2
 
 UNREPORTED = -2  # a node of the attempt that has not reported progress yet
@@ -32,6 +33,11 @@ class Attempt:
     node_seen_at: dict[str, float] = field(default_factory=dict)  # last progress report (node-lost latency)
     node_advanced_at: dict[str, float] = field(default_factory=dict)  # its step last went up (it trained)
     ckpt_nodes: set[str] = field(default_factory=set)  # nodes with a rank inside a checkpoint save
+    eval_nodes: set[str] = field(default_factory=set)  # nodes with a rank inside a declared evaluation
+    eval_since: float = 0.0  # when the first of them began it
+    collectives: CollectiveMarks = field(default_factory=CollectiveMarks)  # the collective rule's counts
+    collective_armed: tuple[int, float] | None = None  # the stall the hang timer was last armed for
+    hang_timer_at: float = float("inf")  # when the hang timer is due (every SetTimer "hang" sets it)
     save_started: dict[int, float] = field(default_factory=dict)  # step -> first "saving" report
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load

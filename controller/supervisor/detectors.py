@@ -63,8 +63,10 @@ def hang_timeout(
     *,
     in_checkpoint: bool,
     recent_saves_s: Sequence[float] = (),
+    in_eval: bool = False,
 ) -> float:
-    """max(floor, k x median step, longest collective); >= the save allowance while saving.
+    """max(floor, k x median step, longest collective); >= the save allowance while saving, and
+    >= `eval_timeout_s` while a rank is inside a declared evaluation.
 
     The save allowance is `checkpoint_barrier_s` until `checkpoint_saves_to_learn` saves were
     seen, then `checkpoint_save_multiple` x the longest of `recent_saves_s`, never more than
@@ -81,6 +83,8 @@ def hang_timeout(
         if len(recent_saves_s) >= cfg.checkpoint_saves_to_learn:
             allowance = min(allowance, cfg.checkpoint_save_multiple * max(recent_saves_s))
         base = max(base, allowance)
+    if in_eval:
+        base = max(base, cfg.eval_timeout_s)
     return base
 
 

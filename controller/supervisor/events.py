@@ -98,6 +98,11 @@ class RankSample:
     # recent_losses, or its one `loss` from an older trainer); NaN and inf are reports, not errors
     losses: tuple[tuple[int, float], ...] = ()
     losses_dropped: int = 0  # more steps than the agent keeps per write: the oldest were dropped
+    # collectives the rank entered on the default group this attempt (None: not reported), and how
+    # long before the agent's write it entered the newest (RankProgress.collective_age_s)
+    collectives_entered: int | None = None
+    collective_age_s: float = 0.0
+    in_eval: bool = False  # inside an evaluation the script declared (ProgressReporter.evaluating)
 
     def __post_init__(self) -> None:
         if self.losses or self.losses_dropped:
@@ -110,14 +115,17 @@ class RankSample:
                 and 0.0 <= self.compute_s < math.inf
                 and 0.0 <= self.wait_s < math.inf
                 and (self.loaded_step is None or self.loaded_step >= -1)
+                and (self.collectives_entered is None or self.collectives_entered >= 0)
+                and 0.0 <= self.collective_age_s < math.inf
             )
         except TypeError:
             ok = False
         if not ok:
-            for name in ("rank", "step", "step_time_s", "compute_s", "wait_s"):
+            for name in ("rank", "step", "step_time_s", "compute_s", "wait_s", "collective_age_s"):
                 _check_finite(f"RankSample.{name}", getattr(self, name))
             raise ValueError(
-                f"RankSample: rank >= 0, step >= -1, loaded_step >= -1 and times >= 0 required, got {self!r}"
+                "RankSample: rank >= 0, step >= -1, loaded_step >= -1, collectives_entered >= 0 and "
+                f"times >= 0 required, got {self!r}"
             )
 
     @classmethod
@@ -141,6 +149,9 @@ class RankSample:
             loaded_from=p.loaded_from if p.loaded_from in LOAD_SOURCES else "",
             load_fallback=p.load_fallback[:1024],
             finished=p.finished,
+            collectives_entered=p.collectives_entered if p.HasField("collectives_entered") else None,
+            collective_age_s=p.collective_age_s,
+            in_eval=p.in_eval,
         )
 
 

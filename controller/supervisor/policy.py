@@ -81,6 +81,14 @@ class SupervisorConfig:
     checkpoint_barrier_s: float = 120.0
     checkpoint_save_multiple: float = 3.0
     checkpoint_saves_to_learn: int = 3
+    # Collective rule (controller/supervisor/collectives.py): ranks that entered a default-group
+    # collective collective_hang_s ago (0: off) while another rank has not are waiting on a hung rank,
+    # at any step length; the bound grows to collective_lateness_multiple x the longest lateness the
+    # run showed without a hang (a straggler). eval_timeout_s: the longest a declared evaluation
+    # (ProgressReporter.evaluating) holds the step rule's timeout off (the collective rule waits it out).
+    collective_hang_s: float = 5.0
+    collective_lateness_multiple: float = 3.0
+    eval_timeout_s: float = 1800.0
     startup_timeout_s: float = 300.0  # launch -> first progress of every node
     # a node still loading its checkpoint this long after another node of the attempt finished
     # loading is stalled (a hanging download or mount): blamed, not waited for until the startup
@@ -206,6 +214,8 @@ class SupervisorConfig:
             "hang_timeout_floor_s",
             "longest_collective_s",
             "checkpoint_barrier_s",
+            "collective_hang_s",
+            "eval_timeout_s",
             "startup_timeout_s",
             "load_stall_s",
             "straggler_min_wait_s",
@@ -249,6 +259,13 @@ class SupervisorConfig:
             raise ValueError("SupervisorConfig.straggler_compute_ratio: must be >= 1")
         if self.hang_step_multiple <= 0:
             raise ValueError("SupervisorConfig.hang_step_multiple: must be > 0")
+        if not isinstance(self.collective_lateness_multiple, int | float) or not (
+            1 <= self.collective_lateness_multiple < float("inf")
+        ):
+            raise ValueError(
+                "SupervisorConfig.collective_lateness_multiple: must be a finite number >= 1, "
+                f"got {self.collective_lateness_multiple!r}"
+            )
         if not isinstance(
             self.checkpoint_save_multiple, int | float
         ) or not 1 <= self.checkpoint_save_multiple < float("inf"):

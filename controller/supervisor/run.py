@@ -59,6 +59,8 @@ class Run(Effects):
         # what outlives an attempt: how long saves and steps take, restarts, offences, losses
         self.save_times: deque[float] = deque(maxlen=16)
         self.step_times: deque[float] = deque(maxlen=64)
+        # how late ranks entered their peers' collectives without a hang (the collective rule's bound)
+        self.collective_lateness: deque[float] = deque(maxlen=64)
         self.history = RestartHistory()
         self.decided_attempt = 0  # the last attempt whose end was decided (durable: a new leader skips it)
         self.offences: dict[str, set[int]] = {}

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.supervisor import detectors, failure, loss, nodes, spare_checks, stats, stops, transitions
+from controller.supervisor import (
+    collectives,
+    detectors,
+    failure,
+    loss,
+    nodes,
+    spare_checks,
+    stats,
+    stops,
+    transitions,
+)
 from controller.supervisor.actions import SetTimer
 from controller.supervisor.attempt import UNREPORTED, Failure
 from controller.supervisor.events import (
@@ -32,10 +42,21 @@ def on_progress(sv: Run, ev: ProgressObserved) -> None:
         return
     a.node_seen_at[ev.node] = sv.now
     _on_steps(sv, ev, old)
+    sv.collective_lateness.extend(a.collectives.observe(ev.node, ev.ranks, sv.now))
     if sv.state is RunState.RUNNING:  # the step rules may have ended the attempt (a straggler killed)
         stop = loss.observe(sv, ev)  # the losses the put carries, after its steps are counted
         if stop is not None:
             failure.begin(sv, stop, latency=sv.now - sv.losses.stop_since)
+    if sv.state is RunState.RUNNING and sv.cfg.collective_hang_s > 0 and a.min_step != UNREPORTED:
+        stall = a.collectives.stall(len(a.nodes))
+        if stall is not None and (stall.entered, stall.since) != a.collective_armed:
+            # a new wait: the hang timer may be due sooner (its tick runs every rule; cheap here,
+            # since the ranks' reports arrive node by node and each new collective is one)
+            a.collective_armed = (stall.entered, stall.since)
+            at = stall.since + _collective_bound(sv)
+            if at < a.hang_timer_at:
+                a.hang_timer_at = at
+                sv.emit(SetTimer(key="hang", at=at))
 
 
 def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
@@ -65,7 +86,9 @@ def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
     node_step = ev.ranks[0].step
     step_time = 0.0
     saving = False
+    evaluating = False
     for r in ev.ranks:
+        evaluating = evaluating or r.in_eval
         if r.step < node_step:
             node_step = r.step
         if r.step_time_s > step_time:
@@ -88,6 +111,16 @@ def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
         a.ckpt_nodes.add(ev.node)
     elif a.ckpt_nodes:
         a.ckpt_nodes.discard(ev.node)
+    if evaluating:
+        if not a.eval_nodes:
+            a.eval_since = sv.now
+        a.eval_nodes.add(ev.node)
+    elif ev.node in a.eval_nodes:
+        a.eval_nodes.discard(ev.node)
+        if not a.eval_nodes:  # the evaluation is over: its time is not the step standing still
+            a.min_advanced_at = min(
+                sv.now, a.min_advanced_at + max(0.0, sv.now - max(a.eval_since, a.min_advanced_at))
+            )
     sv.step_times.append(step_time)
     if node_step <= old:
         return
@@ -184,7 +217,11 @@ def on_workers_started_running(sv: Run, ev: WorkersStarted) -> None:
 def hang_timeout(sv: Run) -> float:
     med = stats.median(sv.step_times) if sv.step_times else None
     return detectors.hang_timeout(
-        sv.cfg, med, in_checkpoint=bool(sv.cur.ckpt_nodes), recent_saves_s=sv.save_times
+        sv.cfg,
+        med,
+        in_checkpoint=bool(sv.cur.ckpt_nodes),
+        recent_saves_s=sv.save_times,
+        in_eval=bool(sv.cur.eval_nodes),
     )
 
 
@@ -192,7 +229,8 @@ def _on_job_step(sv: Run, *, first: bool) -> None:
     a = sv.cur
     if first:  # every node reported: hang detection switches from the startup timeout to steps
         sv.history.launch_failures = 0  # (the launch evidently happened)
-        sv.emit(SetTimer(key="hang", at=sv.now + hang_timeout(sv)))
+        a.hang_timer_at = sv.now + hang_timeout(sv)
+        sv.emit(SetTimer(key="hang", at=a.hang_timer_at))
     if not a.first_step_logged and a.min_step > a.resume_step:
         a.first_step_logged = True
         sv.log(
@@ -268,13 +306,58 @@ def on_checkpoint(sv: Run, ev: CheckpointCommitted) -> None:
             check_hang(sv)  # re-arms the hang timer at the ordinary deadline
 
 
-def _hang(sv: Run, label: str, nodes: list[str], step: int, reason: str, since: float) -> None:
+def _hang(
+    sv: Run,
+    label: str,
+    nodes: list[str],
+    step: int,
+    reason: str,
+    since: float,
+    ranks: list[int] | None = None,
+) -> None:
     """Every hang rule ends the same way: a HANG failure of `nodes`, its latency counted from `since`."""
     failure.begin(
         sv,
-        Failure(detector=E.DETECTOR_HANG, nodes=nodes, step=step, label=label, reason=reason),
+        Failure(
+            detector=E.DETECTOR_HANG, nodes=nodes, ranks=ranks or [], step=step, label=label, reason=reason
+        ),
         latency=sv.now - since,
     )
+
+
+def _collective_bound(sv: Run) -> float:
+    return collectives.hang_after_s(
+        sv.cfg.collective_hang_s, sv.cfg.collective_lateness_multiple, sv.collective_lateness
+    )
+
+
+def _collective_deadline(sv: Run) -> float | None:
+    """The collective rule (controller/supervisor/collectives.py): fires (None) or returns when it
+    would; inf while no rank is behind its peers' collective."""
+    a = sv.cur
+    stall = a.collectives.stall(len(a.nodes)) if sv.cfg.collective_hang_s > 0 else None
+    if stall is None:
+        return float("inf")
+    bound = _collective_bound(sv)
+    if sv.now - stall.since < bound:
+        return stall.since + bound
+    behind = a.collectives.behind()
+    ranks = [r for r, _, _ in behind]
+    hung = sorted({node for _, node, _ in behind})
+    shown = ", ".join(f"{r} (at {c})" for r, _, c in behind[:8]) + (" ..." if len(behind) > 8 else "")
+    leaders = len(a.collectives.entered) - len(behind)
+    _hang(
+        sv,
+        "hang:collective",
+        hung,
+        a.min_step,
+        f"hang: rank(s) {shown} on {sv.names(hung)} did not enter collective {stall.entered} of the default "
+        f"group, which {leaders} rank(s) entered {sv.now - stall.since:.1f}s ago (bound {bound:.3g}s = "
+        f"max(collective_hang_s, {sv.cfg.collective_lateness_multiple:g} x the longest lateness seen))",
+        stall.since,
+        ranks,
+    )
+    return None
 
 
 def on_tick(sv: Run) -> None:
@@ -344,10 +427,16 @@ def check_hang(sv: Run) -> None:
                 a.min_step,
                 f"hang: step {a.min_step} did not advance for {now - a.min_advanced_at:.1f}s "
                 f"(timeout {timeout:.3g}s = max(floor, {sv.cfg.hang_step_multiple:g} x median step "
-                f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''})",
+                f"{med_txt}){'; a rank is in a checkpoint' if a.ckpt_nodes else ''}"
+                f"{'; a rank is in an evaluation' if a.eval_nodes else ''})",
                 a.min_advanced_at,
             )
             return
+        at = _collective_deadline(sv)
+        if at is None:
+            return
+        deadline = min(deadline, at)
+    a.hang_timer_at = deadline
     sv.emit(SetTimer(key="hang", at=deadline))
 
 

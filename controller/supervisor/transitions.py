@@ -50,7 +50,8 @@ def become_running(sv: Run, *, hang_after_s: float, launch: Launch | None = None
     _enter(sv, RunState.RUNNING)
     if launch is not None:
         sv.emit(launch)
-    sv.emit(SetTimer(key="hang", at=sv.now + hang_after_s))
+    sv.cur.hang_timer_at = sv.now + hang_after_s
+    sv.emit(SetTimer(key="hang", at=sv.cur.hang_timer_at))
 
 
 def become_collecting(sv: Run, live: list[str], *, hold_s: float | None = None) -> None:

@@ -12,6 +12,8 @@ and the first report of a step after that load (the restart's first new step: th
 FIRST_STEP, the end of the restart's downtime, is then as late as one etcd write, not an interval),
 and a rank's report of a newer committed checkpoint (CHECKPOINT_COMMIT's time ends its save in the
 goodput timeline: a planned stop's save is labelled from there back by its stall).
+A rank's `collective_entered_at` (its host's clock, which is this agent's) goes out as
+`collective_age_s`, its age at the write.
 An exit after which any rank of that attempt had reported a `stop_reason` carries it as
 `planned_stop`: how the controller tells a planned stop (save, commit, exit 0) from the end of
 training, which also exits 0.
@@ -149,6 +151,12 @@ class ProgressTable:
                 for run in sorted(dirty)
                 if run in self._attempt
             ]
+            for _, value in out:
+                for r in value.ranks:
+                    if r.HasField("collectives_entered"):
+                        # the rank's entry time, on this host's clock, as an age at this write: the
+                        # controller places it on its own clock (received - age), not by comparing clocks
+                        r.collective_age_s = max(0.0, now - r.collective_entered_at)
             for run in dirty:  # each loss is written once (a failed put loses them: training goes on)
                 for r in self._ranks.get(run, {}).values():
                     if r.recent_losses or r.losses_dropped:

@@ -106,6 +106,14 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
         if r.reported_at == 0:
             r.reported_at = now
         seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)
+        if r.HasField("collectives_entered"):
+            integer(r.collectives_entered, f"{where}.collectives_entered", low=0, high=MAX_STEP)
+            # this host's clock, like reported_at; the agent turns it into an age when it writes
+            seconds(r.collective_entered_at, f"{where}.collective_entered_at", high=now + 86400)
+        elif r.collective_entered_at:
+            raise ValidationError(f"{where}.collective_entered_at: set without collectives_entered")
+        if r.collective_age_s:
+            raise ValidationError(f"{where}.collective_age_s: the agent sets it, a rank does not")
 
 
 PREFLIGHT_MODES = ("quick", "full", "burn_in")  # preflight.config.RUN_MODES (no preflight import here)

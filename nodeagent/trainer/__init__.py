@@ -10,6 +10,9 @@
     for step in range(start, steps):
         ...train one step...
         reporter.report(step + 1, loss=loss)            # step time, compute and wait measured
+        if rank == 0 and (step + 1) % eval_every == 0:
+            with reporter.evaluating():                 # the peers' wait on this rank is no hang
+                ...evaluate, no collectives...
         if reporter.stop_requested():                   # SIGTERM, the stop file or the agent's flag
             saver.save(step + 1, model=m, optimizer=o, data_state={...}); saver.wait()
             reporter.close(); sys.exit(0)
@@ -48,6 +51,17 @@ local agent every `flush_interval_s` as one unix datagram (`<RUNWARDEN_NODEAGENT
 see nodeagent.daemon.progress_socket); the agent's answer carries its stop flag and any injected slow-down. If the agent is gone the reports are
 dropped and training goes on. torch is imported only by the checkpoint save/load functions and
 the collective timer's hook.
+
+Collective counts: that thread also reads, every COLLECTIVE_SAMPLE_S, how many collectives the rank
+has entered on the job's default process group (torch's sequence number for the group:
+torch_api.default_group_sequence, read only from a torch.distributed the script imported), and
+every report carries it with when the newest was entered (RankProgress.collectives_entered,
+collective_entered_at: the first sample that saw it, so late by up to COLLECTIVE_SAMPLE_S). A count
+that changed is sent at the next flush even when nothing else is new (the last report again), once
+the rank has reported something (a report or `loaded()`). Every rank calls the group's collectives
+in the same order, so the controller can say "rank r has not entered the collective its peers
+entered 5 s ago" whatever the step length. A rank that is elsewhere by design while its peers wait
+in the next step's collectives (an evaluation on rank 0 alone) says so with `evaluating()`.
 """
 
 from __future__ import annotations
@@ -62,11 +76,12 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent.trainer import torch_api
 from nodeagent.trainer.checkpoint import (
     CheckpointWriter,
     CommittedCheckpoint,
@@ -75,7 +90,7 @@ from nodeagent.trainer.checkpoint import (
     step_dir,
 )
 from nodeagent.trainer.dcp import DcpCheckpointer
-from nodeagent.trainer.timing import CollectiveTimer
+from nodeagent.trainer.timing import CollectiveCount, CollectiveTimer
 
 __all__ = [
     "CollectiveTimer",
@@ -96,13 +111,20 @@ MAX_RECENT_LOSSES = 64  # losses a rank sends per report (RankProgress.recent_lo
 # prefers the reason a stop began with (nodeagent.daemon.progress.FOLLOWED_STOP_REASON: the same words).
 FOLLOWED_STOP_REASON = "a peer rank's stop request"
 _Report = tuple[int, float, float, float, bool, "float | None", float]
+# How often the flush thread reads the default group's collective count (RankProgress.collectives_entered):
+# the entry time it sends is late by up to this, against the controller's seconds-long collective rule.
+COLLECTIVE_SAMPLE_S = 0.1
 # step -> seconds save_checkpoint of that step took in this process (the training thread was blocked
 # all along): set_committed(step) sends it. A few only: the script commits right after the save.
 _SAVE_STALLS: dict[int, float] = {}
 
 
 class ProgressReporter:
-    """One per rank process. Thread-safe `report()`; never raises because the agent is away."""
+    """One per rank process. Thread-safe `report()`; never raises because the agent is away.
+
+    With an agent socket, a background thread sends the reports (every `flush_interval_s`) and reads
+    the default process group's collective count (every COLLECTIVE_SAMPLE_S), which every report
+    carries; the module doc says what is sent when."""
 
     def __init__(
         self,
@@ -142,6 +164,8 @@ class ProgressReporter:
         self._loaded: int | None = None
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
+        self._in_eval = False
+        self._collectives = CollectiveCount()  # sampled by the flush thread, sent by every report
         self._ckpt_error: tuple[int, str] | None = None
         self._load_error: tuple[int, str] | None = None
         self._sigterm = False
@@ -197,6 +221,40 @@ class ProgressReporter:
         if self._timer is None:
             self._timer = CollectiveTimer()
         return self._timer.waiting()
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """`with reporter.evaluating(): ...`: an evaluation (or other work outside the training
+        collectives) on this rank, while its peers may already wait in the next step's collectives.
+        The supervisor does not take the peers' wait on a rank inside it for a hang, up to its eval
+        allowance (the policy's; past it, it is one). Entering and leaving are sent at once, like a
+        checkpoint save's (RankProgress.in_eval); before the rank's first report or `loaded()` the
+        flag rides on that first report. Nested blocks are one evaluation."""
+        outer = self._in_eval
+        if not outer:
+            self._set_in_eval(True)
+        try:
+            yield
+        finally:
+            if not outer:
+                self._set_in_eval(False)
+
+    def _set_in_eval(self, in_eval: bool) -> None:
+        self._in_eval = in_eval
+        repeat = self._repeat_last()
+        if repeat is not None:
+            self._pending.append(repeat)
+            self.flush()
+
+    def _repeat_last(self) -> _Report | None:
+        """The last report again, dated now (no loss: that step's loss was sent with it), to send a
+        state change with; None when this rank has reported nothing yet (no step is invented)."""
+        last = self._last_report
+        if last is not None:
+            return (*last[:4], self._in_checkpoint, None, time.time())
+        if self._loaded is not None:
+            return (max(0, self._loaded), 0.0, 0.0, 0.0, self._in_checkpoint, None, time.time())
+        return None
 
     def stop_agreed(self, *, process_group: Any = None, device: Any = None) -> bool:
         """`stop_requested()` on any rank, agreed by every rank: a MAX all-reduce of the flags (its
@@ -413,16 +471,20 @@ class ProgressReporter:
         """Send the newest pending report now; False if the agent could not be reached."""
         if not self._pending or not self._agent_socket:
             return True
+        latest = self._take_pending()
+        if latest is None:
+            return True
+        with self._send_lock:
+            return self._send(latest)
+
+    def _take_pending(self) -> _Report | None:
+        """The newest pending report (None: none), the older ones dropped."""
         latest: _Report | None = None
         while True:  # popleft until empty: a report appended meanwhile is never lost
             try:
                 latest = self._pending.popleft()
             except IndexError:
-                break
-        if latest is None:
-            return True
-        with self._send_lock:
-            return self._send(latest)
+                return latest
 
     def close(self) -> None:
         """Send the last report, stop the sender and give SIGTERM back its previous handler (the
@@ -437,17 +499,46 @@ class ProgressReporter:
             self._previous_sigterm = None
         if self._thread is not None:
             self._thread.join(timeout=self._flush_interval_s + self._answer_timeout_s + 1)
+            self._sample_collectives()  # the count this rank ends at, not the one of up to a sample ago
         with contextlib.suppress(Exception):
-            self.flush()
+            self._flush_with_collectives()
         if self._sock is not None:
             self._sock.close()
 
     def _flush_loop(self) -> None:
-        while not self._closed.wait(self._flush_interval_s):
+        """Every COLLECTIVE_SAMPLE_S: the collective count; every flush interval: the newest report,
+        or the last one again when only the count changed."""
+        next_sample = next_flush = time.monotonic()
+        next_flush += self._flush_interval_s
+        while not self._closed.wait(max(0.0, min(next_sample, next_flush) - time.monotonic())):
+            now = time.monotonic()
             try:
-                self.flush()
+                if now >= next_sample:
+                    next_sample = now + COLLECTIVE_SAMPLE_S
+                    self._sample_collectives()
+                if now >= next_flush:
+                    next_flush = now + self._flush_interval_s
+                    self._flush_with_collectives()
             except Exception as exc:  # never let reporting kill or slow the trainer
                 log.debug("progress flush failed: %s", exc)
+
+    def _sample_collectives(self) -> None:
+        """Read the default group's collective count (never raises: torch_api returns None instead)."""
+        self._collectives.observe(torch_api.default_group_sequence(), time.monotonic())
+
+    def _flush_with_collectives(self) -> bool:
+        """flush(), or the last report again when a new collective count is all there is to send."""
+        if not self._agent_socket:
+            return True
+        # the repeat only when nothing was pending as it was taken: a report the training thread
+        # appends meanwhile stays pending (for its own flush or the next), never shadowed by a repeat
+        latest = self._take_pending()
+        if latest is None and self._collectives.unsent:
+            latest = self._repeat_last()
+        if latest is None:
+            return True
+        with self._send_lock:
+            return self._send(latest)
 
     def _send(self, item: _Report) -> bool:
         """One datagram to the agent's progress socket, then its answer (stop flag, slow-down)."""
@@ -492,6 +583,12 @@ class ProgressReporter:
             progress.stop_reason = self._stop_reason
         if self._finished:
             progress.finished = True
+        progress.in_eval = self._in_eval
+        entered = self._collectives.latest
+        if entered is not None:
+            progress.collectives_entered = entered.count
+            # the monotonic moment on this host's wall clock (the agent turns it into an age)
+            progress.collective_entered_at = time.time() - (time.monotonic() - entered.changed_at)
         request = agent_pb2.ReportProgressRequest(run=self.run, attempt=self.attempt, reports=[progress])
         self._read_answers(timeout_s=0.0)  # late answers of earlier sends
         try:
@@ -499,6 +596,8 @@ class ProgressReporter:
         except OSError as exc:  # no agent (no socket file, or nobody reading it): drop, carry on
             log.debug("agent unreachable: %s", exc)
             return False
+        if entered is not None:
+            self._collectives.sent(entered)
         self._read_answers(timeout_s=self._answer_timeout_s)
         return True
 

@@ -18,7 +18,10 @@ Before the script's own code runs, in the rank's process:
   `pg_status` holds per group the last collective enqueued, started and completed (a cheap read;
   the dump with entries is not, so it is never polled);
 * a `ProgressReporter` (nodeagent.trainer) that sends what the sampler derives through the agent's
-  progress socket, every `RUNWARDEN_BOOTSTRAP_REPORT_S` (default 1 s) in which it changed.
+  progress socket, every `RUNWARDEN_BOOTSTRAP_REPORT_S` (default 1 s) in which it changed. Its own
+  thread adds, as on the instrumented path, the collectives entered on the default process group
+  and when the newest was entered (RankProgress.collectives_entered, collective_entered_at), for the
+  controller's collective rule.
 
 What is reported (`CollectiveClock`): the step is the number of collectives this rank has entered,
 summed over its process groups (aligned across ranks for the default group, since every rank calls
@@ -33,7 +36,9 @@ straggler rule sees the slow rank with high compute and low wait, the others the
 What this mode cannot see: what happens between collectives (a stretch without any -- an
 evaluation on one rank, a synchronous save, a slow data loader -- is a hang once it outlasts the
 hang timeout: keep `hang_timeout_s` above it; every rank stuck outside a collective at once stops
-all counts equal, so a hang is seen but no culprit named), the loss (no NaN, spike or divergence
+all counts equal, so a hang is seen but no culprit named; one rank's stretch while its peers wait in
+a collective is, to the collective rule, that rank's hang: the script cannot declare an evaluation,
+`evaluating()` is the instrumented path's), the loss (no NaN, spike or divergence
 checks), checkpoint commits (the controller never learns one, so every attempt resumes where the
 script's own checkpoint logic says), the load phase (no LOAD_DONE), planned stops
 (the script does not poll a stop flag: a planned stop ends as a hard stop after the grace; a script

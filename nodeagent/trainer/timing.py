@@ -20,6 +20,10 @@ what is left after the last bucket is ready counts, so a peer's delay shorter th
 remaining backward does not show; a backward under `no_sync()` (no all-reduce, all compute). A
 `waiting()` block is host time: on CUDA an asynchronous collective inside it times only its
 enqueue unless the block also synchronizes (e.g. `.item()` on the result).
+
+`CollectiveCount`: the bookkeeping behind RankProgress.collectives_entered / collective_entered_at:
+samples of the default group's collective count (the reporter's flush thread reads it every
+COLLECTIVE_SAMPLE_S) -> the count, when it last changed, and whether that is sent yet.
 """
 
 import contextlib
@@ -29,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CollectiveTimer"]
+__all__ = ["CollectiveCount", "CollectiveTimer", "Entered"]
 
 
 class _HostStamps:
@@ -188,3 +192,58 @@ class CollectiveTimer:
         for p in finished:
             wait += max(0.0, max(self._stamps.seconds(p.ready, d) for d in p.done))
         return wait
+
+
+@dataclass(frozen=True, slots=True)
+class Entered:
+    """`count` collectives entered; the newest first seen at `changed_at` (time.monotonic seconds)."""
+
+    count: int
+    changed_at: float
+
+
+class CollectiveCount:
+    """Samples of a rank's collective count -> the count and when it last changed. Pure: no torch,
+    no clock (time comes in as `now`, monotonic seconds).
+
+    A change is dated by the sample that first saw it, so `changed_at` is late by up to the sample
+    interval. A sample of None (no group: not made yet, or destroyed at the end) keeps what was
+    known. A count that goes down is a new group (a warm worker's next attempt): a change like any.
+    Thread-safe for one observing thread and any number of readers: the state is one immutable
+    `Entered`, replaced whole."""
+
+    def __init__(self) -> None:
+        self._latest: Entered | None = None
+        self._sent: Entered | None = None
+
+    def observe(self, count: int | None, now: float) -> bool:
+        """One sample; True when the count changed (or is the first known)."""
+        latest = self._latest
+        if count is None or (latest is not None and latest.count == count):
+            return False
+        self._latest = Entered(count, now)
+        return True
+
+    @property
+    def latest(self) -> Entered | None:
+        """The count and when it changed, as one consistent pair; None before the first count."""
+        return self._latest
+
+    @property
+    def count(self) -> int | None:
+        latest = self._latest
+        return latest.count if latest is not None else None
+
+    @property
+    def changed_at(self) -> float | None:
+        latest = self._latest
+        return latest.changed_at if latest is not None else None
+
+    @property
+    def unsent(self) -> bool:
+        """A count known and not yet sent (the reporter then sends even with nothing else new)."""
+        return self._latest is not None and self._latest != self._sent
+
+    def sent(self, entered: Entered) -> None:
+        """`entered` (a `latest` read before the send) reached the agent."""
+        self._sent = entered

@@ -333,6 +333,14 @@ class Leader:
             if time.monotonic() >= kill_at:
                 for q in running:
                     q.popen.kill()
+            # The agent's lines already read: an `end` that came in the same read as this attempt's
+            # hand-off is in the buffer, and its pipe will not turn readable for it again.
+            while (line := self.agent.pop()) is not None:
+                if line == END:
+                    for q in running:
+                        q.send(ABORT)
+                elif line.startswith(b"{"):
+                    self.early.append(line)  # the next attempt's, kept for when this one ended
             fds = [r.status.fd for r in running]
             if not self.agent.eof:
                 fds.append(self.agent.fd)
@@ -341,14 +349,9 @@ class Leader:
                 if fd == self.agent.fd:
                     # The agent gone (EOF) changes nothing now: like torchrun's ranks, the attempt goes
                     # on until it ends or the controller ends it (a lost node's ranks must not fail
-                    # their peers before its lease expires); the group exits after it.
+                    # their peers before its lease expires); the group exits after it. Its lines are
+                    # taken at the top of the next turn.
                     self.agent.fill()
-                    while (line := self.agent.pop()) is not None:
-                        if line == END:
-                            for q in running:
-                                q.send(ABORT)
-                        elif line.startswith(b"{"):
-                            self.early.append(line)  # the next attempt's, kept for when this one ended
                     continue
                 r = next(q for q in running if q.status.fd == fd)
                 if not r.status.fill():

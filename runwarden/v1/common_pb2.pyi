@@ -397,6 +397,10 @@ class RankProgress(_message.Message):
     INVALID_STEP_FIELD_NUMBER: _builtins.int
     LOAD_ERROR_FIELD_NUMBER: _builtins.int
     LOAD_FALLBACK_FIELD_NUMBER: _builtins.int
+    COLLECTIVES_ENTERED_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_ENTERED_AT_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_AGE_S_FIELD_NUMBER: _builtins.int
+    IN_EVAL_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -458,6 +462,23 @@ class RankProgress(_message.Message):
     in-memory copy no longer matched the SHA-256 taken when it was kept; a peer's state that did not
     hash to the sender's); "" when it did not. The controller's LOAD_DONE says it.
     """
+    collectives_entered: _builtins.int
+    """How many collectives this rank has entered on the job's default process group in this attempt
+    (torch's sequence number for the group: every rank calls the group's collectives in the same
+    order, so the counts line up across ranks); absent when the trainer cannot tell. With
+    collective_entered_at: when it entered the newest of them, on this host's clock (unix seconds).
+    A rank that has not entered a collective its peers entered seconds ago is hung (the controller's
+    collective rule), whatever the step length.
+    """
+    collective_entered_at: _builtins.float
+    collective_age_s: _builtins.float
+    """Set by the agent when it writes the node's progress: seconds from collective_entered_at to that
+    write, so the controller places the entry on its own clock without comparing hosts' clocks.
+    """
+    in_eval: _builtins.bool
+    """Inside an evaluation (or other work outside the training collectives the script declares): the
+    peers' wait on this rank is not a hang until the policy's eval allowance is spent.
+    """
     @_builtins.property
     def recent_losses(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLoss]:
         """Every step's loss since this rank's previous report reached the agent, oldest first: the agent
@@ -492,11 +513,17 @@ class RankProgress(_message.Message):
         invalid_step: _builtins.int | None = ...,
         load_error: _builtins.str = ...,
         load_fallback: _builtins.str = ...,
+        collectives_entered: _builtins.int | None = ...,
+        collective_entered_at: _builtins.float = ...,
+        collective_age_s: _builtins.float = ...,
+        in_eval: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "committed_step", b"committed_step", "invalid_step", b"invalid_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered", "_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "collectives_entered", b"collectives_entered", "committed_step", b"committed_step", "invalid_step", b"invalid_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "invalid_step", b"invalid_step", "load_error", b"load_error", "load_fallback", b"load_fallback", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered", "_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "collective_age_s", b"collective_age_s", "collective_entered_at", b"collective_entered_at", "collectives_entered", b"collectives_entered", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "in_eval", b"in_eval", "invalid_step", b"invalid_step", "load_error", b"load_error", "load_fallback", b"load_fallback", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__collectives_entered: _TypeAlias = _typing.Literal["collectives_entered"]  # noqa: Y015
+    _WhichOneofArgType__collectives_entered: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered"]  # noqa: Y015
     _WhichOneofReturnType__committed_step: _TypeAlias = _typing.Literal["committed_step"]  # noqa: Y015
     _WhichOneofArgType__committed_step: _TypeAlias = _typing.Literal["_committed_step", b"_committed_step"]  # noqa: Y015
     _WhichOneofReturnType__invalid_step: _TypeAlias = _typing.Literal["invalid_step"]  # noqa: Y015
@@ -505,6 +532,8 @@ class RankProgress(_message.Message):
     _WhichOneofArgType__loaded_step: _TypeAlias = _typing.Literal["_loaded_step", b"_loaded_step"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__collectives_entered) -> _WhichOneofReturnType__collectives_entered | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_step) -> _WhichOneofReturnType__committed_step | None: ...
     @_typing.overload

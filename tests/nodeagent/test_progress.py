@@ -221,3 +221,29 @@ def test_progress_table_exit_belongs_to_its_attempt():
     assert table.record_exit("q", 1, common_pb2.ExitStatus(signal=9))
     ((run, value),) = table.take_dirty("n1")
     assert run == "q" and value.exit.signal == 9 and not value.ranks
+
+
+def test_a_ranks_collective_entry_goes_out_as_its_age_at_the_write():
+    from nodeagent.daemon.progress import ProgressTable
+    from runwarden.v1 import common_pb2
+
+    table = ProgressTable()
+    entered_at = time.time() - 2.5
+    table.record(
+        "r",
+        1,
+        [
+            common_pb2.RankProgress(rank=0, step=5, collectives_entered=40, collective_entered_at=entered_at),
+            common_pb2.RankProgress(rank=1, step=5),  # no count: no age
+        ],
+    )
+    before = time.time()
+    ((_, value),) = table.take_dirty("n1")
+    after = time.time()
+    r0, r1 = value.ranks
+    assert r0.collectives_entered == 40 and before - entered_at <= r0.collective_age_s <= after - entered_at
+    assert not r1.HasField("collectives_entered") and r1.collective_age_s == 0.0
+    # a later write of the same entry ages it further: the controller's estimate of when stays put
+    table.mark_dirty("r")
+    ((_, again),) = table.take_dirty("n1")
+    assert again.ranks[0].collective_age_s >= r0.collective_age_s

@@ -87,6 +87,40 @@ CASES = [
     ),
     (
         "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r", attempt=1, reports=[RP(step=1, collectives_entered=-1, collective_entered_at=1.0)]
+        ),
+        INVALID,
+        "collectives_entered",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r",
+            attempt=1,
+            reports=[RP(step=1, collectives_entered=3, collective_entered_at=float("nan"))],
+        ),
+        INVALID,
+        "collective_entered_at",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(step=1, collective_entered_at=5.0)]),
+        INVALID,
+        "collective_entered_at",  # a time without the count it is the time of
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r",
+            attempt=1,
+            reports=[RP(step=1, collectives_entered=3, collective_entered_at=1.0, collective_age_s=99.0)],
+        ),
+        INVALID,
+        "collective_age_s",  # the agent's to set
+    ),
+    (
+        "ReportProgress",
         agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]),
         INVALID,
         "reports[0].rank",

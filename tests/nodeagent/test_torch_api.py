@@ -105,6 +105,30 @@ def test_abort_uses_the_groups_own_abort_and_falls_back_to_destroy(
             dist.destroy_process_group()
 
 
+def test_the_default_groups_sequence_counts_every_collective_this_rank_entered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert torch_api.default_group_sequence() is None  # no group yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert torch_api.default_group_sequence() == 0  # a fresh group
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+        dist.barrier()
+        assert torch_api.default_group_sequence() == 4  # a barrier is a collective of the group too
+        from torch.distributed import distributed_c10d
+
+        def gone() -> None:
+            raise RuntimeError("the default group is gone")
+
+        monkeypatch.setattr(distributed_c10d, "_get_default_group", gone)
+        assert torch_api.default_group_sequence() is None  # polled from a thread: None, never an error
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert torch_api.default_group_sequence() is None
+
+
 def test_the_worker_servers_handlers_are_read_from_torch() -> None:
     assert torch_api.has_worker_handler("ping") and not torch_api.has_worker_handler("no_such_handler")
     # where torch's C++ server has no JSON dump of every ring (2.9), the Python server answers it

@@ -79,3 +79,43 @@ def test_ranks_are_forked_keep_only_their_pipes_and_a_dead_one_is_forked_again()
         assert got["ready"] not in held[0] + held[1], (got["ready"], held)
     # EOF on each control pipe ended every rank (exit 0)
     assert got["codes"] == [0, 0] and got["end_s"] < 2.0, got
+
+
+@pytest.mark.timeout(30)  # without the leader's fix, it waits for the abort for ever
+def test_an_end_read_together_with_its_attempts_hand_off_still_ends_the_attempt(monkeypatch) -> None:
+    """The agent's `end` can arrive in the same read as the hand-off before it (a stop right after a
+    launch, a leader slow to read); the pipe then never turns readable for it again, so the leader
+    must take it from what it already read, or the ranks never hear `abort`."""
+    import os
+    import threading
+
+    from nodeagent.warm.leader import Leader, _Rank
+    from nodeagent.warm.protocol import ABORT, END, Lines
+
+    class Running:  # the rank's process, as the leader sees it: alive
+        pid = 12345
+        returncode = None
+
+        def poll(self) -> int | None:
+            return None
+
+    agent_r, agent_w = os.pipe()
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)  # the leader's agent pipe, replaced below
+        leader = Leader(1, os.open(os.devnull, os.O_WRONLY))
+    leader.agent = Lines(agent_r)
+    leader.ranks = [_Rank(popen=Running(), status=Lines(status_r), control=control_w)]  # type: ignore[arg-type]
+    os.write(agent_w, b'{"attempt": 5}\n' + END + b"\n")  # both lines in one read
+    assert leader.parked_command() == b'{"attempt": 5}'
+    result: list[tuple[int, bool]] = []
+    t = threading.Thread(target=lambda: result.append(leader.supervise()), daemon=True)
+    t.start()
+    told = Lines(control_r)
+    assert told.read_line() == ABORT  # the rank is told to leave
+    os.write(status_w, b"ended 1\n")  # and says it left
+    t.join(5.0)
+    assert result == [(1, True)], "the attempt ended once its rank left"
+    for fd in (agent_w, status_w, control_r):
+        os.close(fd)

@@ -78,10 +78,10 @@ def _past(agent, pid: int, step: int) -> list:
     return [r for r in _status(agent).ranks if r.pid == pid and r.step >= step]
 
 
-def _left(agent, attempt: int) -> agent_pb2.WorkerStatus:
+def _left(agent, attempt: int, peer) -> agent_pb2.WorkerStatus:
     """The attempt's end on `agent` once its rank left a collective its peer left; if it does not
-    within 30 s, the failure carries the agent's log (what the rank and its leader said last) and
-    what each of its ranks waits in (native threads' system calls, sockets' TCP states)."""
+    within 30 s, the failure carries what each of its ranks waits in (native threads' system calls,
+    sockets' TCP states) and the agent's log after a park (every Python thread's stack)."""
     try:
         return _ended(agent, attempt, 30)
     except AssertionError as exc:
@@ -91,8 +91,17 @@ def _left(agent, attempt: int) -> agent_pb2.WorkerStatus:
                 waits.append(f"rank pid {r.pid}: {where_it_waits(set(), f'/proc/{r.pid}')}")
             except OSError as err:
                 waits.append(f"rank pid {r.pid}: {err}")
+        # a park makes a rank still inside the attempt print every thread's Python stack to the log
+        # (after nodeagent.warm.rank.LEAVE_STACKS_AFTER_S) before it is killed
+        agent.stub.StopWorkers(
+            agent_pb2.StopWorkersRequest(run="wr", attempt=attempt, grace_s=1.0, park_within_s=3.0),
+            timeout=30,
+        )
         raise AssertionError(
-            f"{exc}; {agent.node}'s log ends with:\n{agent.log()[-6000:]}\n" + "\n".join(waits)
+            f"{exc}; {agent.node}'s log ends with:\n{agent.log()[-12000:]}\n"
+            + "\n".join(waits)
+            # what the peer's rank said as it left (how many of its sockets it shut)
+            + f"\n{peer.node}'s log ends with:\n{peer.log()[-4000:]}"
         ) from None
 
 
@@ -141,7 +150,7 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         os.kill(first[1][0], signal.SIGKILL)
         w1 = _ended(k1, 1, 30)
         assert w1.parked and w1.exit.exit_code == 128 + signal.SIGKILL, w1.exit.detail
-        w0 = _left(k0, 1)
+        w0 = _left(k0, 1, k1)
         assert w0.parked and w0.exit.exit_code == 1, w0.exit.detail
         assert kept in parked_ranks(k0)  # the same process, parked again
         (forked,) = wait_for(lambda: parked_ranks(k1), 10, "k1's rank forked again")
@@ -237,7 +246,8 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         # A rank that does not leave its attempt (no collective to fail, every exception swallowed)
         # is killed with its group once the bound is over; a fresh group is parked.
         _stop(k1, 5, 3.0, out)
-        _left(k0, 5)  # its peer left: k0's rank leaves the failed collective by itself
+        assert [s.parked for s in out["k1"][0].stopped] == [True], out["k1"][0]  # k1's rank left it
+        _left(k0, 5, k1)  # its peer left: k0's rank leaves the failed collective by itself
         stubborn = tmp_path / "stubborn.py"
         stubborn.write_text(STUBBORN)
         running = tmp_path / "stubborn-6"
