@@ -106,7 +106,7 @@ def test_an_end_read_together_with_its_attempts_hand_off_still_ends_the_attempt(
         monkeypatch.setattr(sys, "stdin", devnull)  # the leader's agent pipe, replaced below
         leader = Leader(1, os.open(os.devnull, os.O_WRONLY))
     leader.agent = Lines(agent_r)
-    leader.ranks = [_Rank(popen=Running(), status=Lines(status_r), control=control_w)]  # type: ignore[arg-type]
+    leader.ranks = [_Rank(popen=Running(), status=Lines(status_r), control=control_w)]
     os.write(agent_w, b'{"attempt": 5}\n' + END + b"\n")  # both lines in one read
     assert leader.parked_command() == b'{"attempt": 5}'
     result: list[tuple[int, bool]] = []

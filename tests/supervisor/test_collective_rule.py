@@ -186,7 +186,7 @@ def test_the_bound_is_the_floor_or_the_multiple_of_the_longest_lateness() -> Non
 )
 def test_bad_counts_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
-        RankSample(**{"rank": 0, "step": 1, "collectives_entered": 1, **bad})  # type: ignore[arg-type]
+        RankSample(**{"rank": 0, "step": 1, "collectives_entered": 1, **bad})
 
 
 def test_a_stored_progress_carries_its_counts_into_the_core() -> None:
