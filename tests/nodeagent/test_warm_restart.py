@@ -246,7 +246,8 @@ def test_healthy_ranks_keep_their_processes_and_state_and_stale_attempts_are_fen
         # A rank that does not leave its attempt (no collective to fail, every exception swallowed)
         # is killed with its group once the bound is over; a fresh group is parked.
         _stop(k1, 5, 3.0, out)
-        assert [s.parked for s in out["k1"][0].stopped] == [True], out["k1"][0]  # k1's rank left it
+        # k1's worker of attempt 5 ended, parked or killed (a stop that found nothing would leave k0 training)
+        assert len(out["k1"][0].stopped) == 1, out["k1"][0]
         _left(k0, 5, k1)  # its peer left: k0's rank leaves the failed collective by itself
         stubborn = tmp_path / "stubborn.py"
         stubborn.write_text(STUBBORN)
