@@ -121,7 +121,8 @@ def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
             a.min_advanced_at = min(
                 sv.now, a.min_advanced_at + max(0.0, sv.now - max(a.eval_since, a.min_advanced_at))
             )
-    sv.step_times.append(step_time)
+    if step_time > 0:  # 0: not measured (a load mark, a report repeated for a new collective count)
+        sv.step_times.append(step_time)
     if node_step <= old:
         return
     a.node_step[ev.node] = node_step
@@ -416,10 +417,16 @@ def check_hang(sv: Run) -> None:
     else:
         timeout = hang_timeout(sv)
         deadline = a.min_advanced_at + timeout
-        if detectors.is_hung(now, a.min_advanced_at, timeout):
+        if not sv.step_times and sv.cfg.hang_timeout_s is None and a.min_step <= max(0, a.resume_step):
+            # No step of this run has been measured and this attempt has taken none past its resume
+            # point, so the step's length is unknown: a 20 s first step is not a 10 s hang. The
+            # startup timeout holds until one has (the collective rule still catches a rank its peers
+            # wait for).
+            deadline = max(deadline, a.launched_at + sv.cfg.startup_timeout_s)
+        if now >= deadline:
             behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
             med = stats.median(sv.step_times) if sv.step_times else None
-            med_txt = f"{med:.3g}s" if med else "unknown"
+            med_txt = f"{med:.3g}s" if med else "unknown: no step completed within the startup timeout"
             _hang(
                 sv,
                 "hang",

@@ -202,3 +202,28 @@ def test_a_stored_progress_carries_its_counts_into_the_core() -> None:
     )
     older = RankSample.from_proto(common_pb2.RankProgress(rank=3, step=9))  # an older trainer or agent
     assert older.collectives_entered is None and not older.in_eval
+
+
+def test_a_long_first_step_is_not_a_hang_before_any_step_was_measured() -> None:
+    """The step rule's timeout is max(10 s, 3 x median step), and before the run's first step there
+    is no median: a 20 s first step must not be a 10 s hang (every such job crash-looped at step 0)."""
+    d = Driver(cfg=fast(startup_timeout_s=120.0), nodes=2)
+    d.start(2)
+    d.progress(0, dt=0.0, loaded=-1)  # the load marks: no step measured
+    d.progress(0, dt=0.0, loaded=-1)  # the same, repeated for a new collective count: step 0 is known
+    assert d.sup.cur.min_step == 0
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(60.0)), "a minute into the first step"
+    d.progress(1, dt=STEP_S, loaded=-1)  # the first step, 20 s: from now on 3 x 20 s
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(59.0))
+    (det,) = d.events(E.EVENT_KIND_DETECTION, d.advance(2.0))
+    assert "3 x median step 20s" in det.message, det.message
+
+
+def test_a_first_step_that_never_ends_is_a_hang_at_the_startup_timeout() -> None:
+    d = Driver(cfg=fast(startup_timeout_s=120.0), nodes=2)
+    d.start(2)
+    d.progress(0, dt=0.0, loaded=-1)
+    d.progress(0, dt=0.0, loaded=-1)
+    assert not d.events(E.EVENT_KIND_DETECTION, d.advance(118.0))
+    (det,) = d.events(E.EVENT_KIND_DETECTION, d.advance(3.0))
+    assert det.detection.detector == E.DETECTOR_HANG and "no step completed" in det.message, det.message
