@@ -14,7 +14,7 @@ run recovered from the one before. The policies alternate per step length:
 * `step-only` — collective_hang_s = 0: the step rule alone (runwarden before the collective rule).
 
 With `--soak-s S` (0: none), also a soak at the shipped defaults with no fault: a 16M-parameter
-model (`--width 4096`, SGD with momentum: 128 MB of state per rank), 1 s steps, a synchronous save
+model (`--width 4096`, SGD with momentum, lr 0.005: 128 MB of state per rank), 1 s steps, a synchronous save
 every 5 steps (the ranks wait in it for seconds), and an evaluation on rank 0 alone every 10 steps
 that takes 8 s (inside `reporter.evaluating()`; its peers wait in the next step's collectives): the
 detections it logs (the goal: none), the commits and the steps it took.
@@ -103,7 +103,18 @@ def soak(seconds: float) -> dict[str, Any]:
         run="soak",
         step_sleep=1.0,
         ckpt_every=5,
-        train_args=("--width", "4096", "--sync-save", "--eval-every", "10", "--eval-seconds", "8"),
+        # lr 0.005: at the default 0.05 this width diverges to NaN by step 21 (the loss rules' business)
+        train_args=(
+            "--width",
+            "4096",
+            "--lr",
+            "0.005",
+            "--sync-save",
+            "--eval-every",
+            "10",
+            "--eval-seconds",
+            "8",
+        ),
     )
     with tempfile.TemporaryDirectory(prefix="bench-hang-soak-") as tmp:
         cluster = LocalCluster(Path(tmp) / "c", spec)

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--lr", type=positive_float, default=0.05, help="SGD's learning rate (momentum 0.9)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="simulated extra compute per step (s)")
     p.add_argument(
         "--collective-timeout",
@@ -115,6 +116,16 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [device.index] if device.type == "cuda" else None
     model = nn.parallel.DistributedDataParallel(MLP(args.width, args.dropout).to(device), device_ids=ids)
     reporter.time_collectives(model)  # the gradient all-reduce's wait, per step (nodeagent.trainer.timing)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     saver = (
         trainer.DcpCheckpointer(
             args.ckpt_dir,

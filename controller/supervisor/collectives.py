@@ -12,7 +12,8 @@ is waiting in that collective for it: since the first of them entered it.
 The rule fires once that wait is `collective_hang_s` old (default 5 s), or `collective_lateness_multiple`
 times the longest lateness this run has shown without a hang (a rank that is always seconds late
 into its collectives, a straggler, is slow, not hung), and blames the ranks left behind. It is off
-while any rank is inside a checkpoint save or a declared evaluation, or some rank reports no count
+while any rank is inside a checkpoint save or a declared evaluation (and a wait it overlapped
+counts from its end), or some rank reports no count
 (an older trainer, a script whose process group is not up yet): the step rule is the backstop.
 
 `CollectiveMarks` is the attempt's one owner of these counts. Each update is O(1) (a count per
@@ -49,7 +50,7 @@ class CollectiveMarks:
     nodes: set[str] = field(default_factory=set)  # nodes whose every rank reported a count
     untracked: set[int] = field(default_factory=set)  # ranks whose last sample had no count
     busy: set[int] = field(default_factory=set)  # ranks in a checkpoint save or an evaluation
-    busy_seen_at: float = float("-inf")  # the last time a sample said a rank was busy
+    quiet_since: float = float("-inf")  # when the last busy rank said it was no longer busy
 
     def observe(self, node: str, ranks: tuple[RankSample, ...], now: float) -> list[float]:
         """One node's samples; returns the lateness of each rank that caught up with the leaders
@@ -59,9 +60,10 @@ class CollectiveMarks:
         for r in ranks:
             if r.in_checkpoint or r.in_eval:
                 self.busy.add(r.rank)
-                self.busy_seen_at = now
-            else:
+            elif r.rank in self.busy:
                 self.busy.discard(r.rank)
+                if not self.busy:
+                    self.quiet_since = now
             if r.collectives_entered is None:
                 tracked = False
                 self.untracked.add(r.rank)
@@ -91,7 +93,7 @@ class CollectiveMarks:
             elif count == self.top:
                 if entered_at < self.top_since:
                     self.top_since = entered_at
-                elif self.busy_seen_at < self.top_since:  # a wait with no save or evaluation in it
+                elif not self.busy and self.quiet_since < self.top_since:  # no save or evaluation in it
                     late.append(entered_at - self.top_since)
         if tracked:
             self.nodes.add(node)
@@ -101,12 +103,14 @@ class CollectiveMarks:
 
     def stall(self, attempt_nodes: int) -> Stall | None:
         """The leaders' collective while some rank is below it; None while every rank is at the top,
-        while a rank or node has reported no count, or while a rank is busy (a save, an evaluation)."""
+        while a rank or node has reported no count, or while a rank is busy (a save, an evaluation).
+        A wait that a busy period overlapped counts from its end: the rank that was busy is late
+        only once it had the time to catch up."""
         if self.untracked or self.busy or len(self.nodes) < attempt_nodes or not self.entered:
             return None
         if self.at_count.get(self.top, 0) == len(self.entered):
             return None
-        return Stall(entered=self.top, since=self.top_since)
+        return Stall(entered=self.top, since=max(self.top_since, self.quiet_since))
 
     def behind(self) -> list[tuple[int, str, int]]:
         """(rank, node, its count) of every rank below the top, lowest count first."""

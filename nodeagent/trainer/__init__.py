@@ -165,7 +165,8 @@ class ProgressReporter:
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
         self._in_eval = False
-        self._collectives = CollectiveCount()  # sampled by the flush thread, sent by every report
+        self._collectives = CollectiveCount()  # sampled by the flush thread and by every send
+        self._count_lock = threading.Lock()  # the flush thread and the training thread both sample
         self._ckpt_error: tuple[int, str] | None = None
         self._load_error: tuple[int, str] | None = None
         self._sigterm = False
@@ -524,7 +525,8 @@ class ProgressReporter:
 
     def _sample_collectives(self) -> None:
         """Read the default group's collective count (never raises: torch_api returns None instead)."""
-        self._collectives.observe(torch_api.default_group_sequence(), time.monotonic())
+        with self._count_lock:
+            self._collectives.observe(torch_api.default_group_sequence(), time.monotonic())
 
     def _flush_with_collectives(self) -> bool:
         """flush(), or the last report again when a new collective count is all there is to send."""
@@ -584,6 +586,9 @@ class ProgressReporter:
         if self._finished:
             progress.finished = True
         progress.in_eval = self._in_eval
+        # read now, not the flush thread's last sample: a send at once (an evaluation's end, a save's)
+        # must not say the rank is collectives behind where it is
+        self._sample_collectives()
         entered = self._collectives.latest
         if entered is not None:
             progress.collectives_entered = entered.count
@@ -597,7 +602,8 @@ class ProgressReporter:
             log.debug("agent unreachable: %s", exc)
             return False
         if entered is not None:
-            self._collectives.sent(entered)
+            with self._count_lock:
+                self._collectives.sent(entered)
         self._read_answers(timeout_s=self._answer_timeout_s)
         return True
 

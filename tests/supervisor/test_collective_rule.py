@@ -111,6 +111,21 @@ def test_a_declared_evaluation_holds_both_rules_off_until_its_allowance() -> Non
     assert not job.hangs(job.d.advance(1.0))
 
 
+def test_a_rank_just_out_of_its_evaluation_gets_the_bound_to_catch_up() -> None:
+    """The soak's false hang: rank 0 left an 8 s evaluation with its count one behind its peers, who
+    had entered their collective 8 s before; the wait the evaluation overlapped counts from its end."""
+    job = Job()
+    job.settled()
+    job.d.now += 1.0
+    job.report(0, 10, in_eval=True)
+    job.report(1, 11)
+    job.d.advance(8.0)
+    job.report(0, 10)  # out of its evaluation, not yet in the collective its peer waits in
+    assert not job.hangs(job.d.advance(4.9))
+    (det,) = job.hangs(job.d.advance(0.2))  # 5 s after the evaluation ended, it is late
+    assert det.detection.nodes == [job.nodes[0]], det
+
+
 def test_a_rank_without_counts_leaves_the_step_rule_alone() -> None:
     job = Job()
     job.settled()
