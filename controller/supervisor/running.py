@@ -417,7 +417,10 @@ def check_hang(sv: Run) -> None:
     else:
         timeout = hang_timeout(sv)
         deadline = a.min_advanced_at + timeout
-        if not sv.step_times and sv.cfg.hang_timeout_s is None and a.min_step <= max(0, a.resume_step):
+        first_step = (
+            not sv.step_times and sv.cfg.hang_timeout_s is None and a.min_step <= max(0, a.resume_step)
+        )
+        if first_step:
             # No step of this run has been measured and this attempt has taken none past its resume
             # point, so the step's length is unknown: a 20 s first step is not a 10 s hang. The
             # startup timeout holds until one has (the collective rule still catches a rank its peers
@@ -426,7 +429,9 @@ def check_hang(sv: Run) -> None:
         if now >= deadline:
             behind = sorted(n for n, s in a.node_step.items() if s == a.min_step)
             med = stats.median(sv.step_times) if sv.step_times else None
-            med_txt = f"{med:.3g}s" if med else "unknown: no step completed within the startup timeout"
+            med_txt = f"{med:.3g}s" if med else "unknown"
+            if first_step:
+                med_txt += f": no step completed within startup_timeout_s {sv.cfg.startup_timeout_s:g}s"
             _hang(
                 sv,
                 "hang",
