@@ -9,12 +9,12 @@ clock is compared with another's). A collective on the default group completes o
 has entered it, so while some rank is at a lower count than the highest, every rank at the highest
 is waiting in that collective for it: since the first of them entered it.
 
-The rule fires once that wait is `collective_hang_s` old (default 5 s), or `collective_lateness_multiple`
-times the longest lateness this run has shown without a hang (a rank that is always seconds late
-into its collectives, a straggler, is slow, not hung), and blames the ranks left behind. It is off
-while any rank is inside a checkpoint save or a declared evaluation (and a wait it overlapped
-counts from its end), or some rank reports no count
-(an older trainer, a script whose process group is not up yet): the step rule is the backstop.
+The rule fires once that wait is `collective_hang_s` old (default 5 s), or
+`collective_lateness_multiple` times the longest lateness this run has shown without a hang (a rank
+that is always seconds late into its collectives, a straggler, is slow, not hung), and blames the
+ranks left behind. It is off while any rank is inside a checkpoint save or a declared evaluation
+(and a wait such a period overlapped counts from its end), or while some rank reports no count (an
+older trainer, a script whose process group is not up yet): the step rule is the backstop.
 
 `CollectiveMarks` is the attempt's one owner of these counts. Each update is O(1) (a count per
 rank, how many ranks are at each count), so the hot path stays flat at 16,384 ranks; the ranks
