@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from examples.demo import run_faults  # noqa: E402
+from examples.demo import recoveries, run_faults  # noqa: E402
 from runwarden.v1 import events_pb2  # noqa: E402
 
 E = events_pb2
@@ -71,27 +71,20 @@ def one_cluster(step_sleep: float, policy: str, hangs: int) -> list[dict[str, An
             cluster.stop()
         events = cluster.events()
     rows = []
-    ends = [i.after_seq for i in injections[1:]] + [10**12]
-    for inj, end in zip(injections, ends, strict=True):
-        window = [e for e in events if inj.after_seq < e.seq <= end]
-        detect = next((e for e in window if e.kind == E.EVENT_KIND_DETECTION), None)
-        blame = next((e for e in window if e.kind == E.EVENT_KIND_ATTRIBUTION), None)
-        launch = next((e for e in window if e.kind == E.EVENT_KIND_LAUNCH), None)
-        first = next(
-            (e for e in window if e.kind == E.EVENT_KIND_FIRST_STEP and launch and e.seq > launch.seq), None
-        )
+    for r in recoveries(events, injections):
+        detect, blame = r.detection, r.attribution
         message = detect.message if detect else ""
         rows.append(
             {
                 "step_sleep_s": step_sleep,
                 "policy": policy,
-                "node": inj.node,
-                "recovered": inj.recovered,
-                "detect_s": detect.ts - inj.at if detect else None,
+                "node": r.injection.node,
+                "recovered": r.injection.recovered,
+                "detect_s": r.detect_s if detect else None,
                 "latency_s": detect.detection.latency_s if detect else None,
                 "rule": "collective" if "did not enter collective" in message else "step" if message else "",
-                "blamed_right": bool(blame and blame.attribution.suspects[0].node == inj.node),
-                "first_new_step_s": first.ts - inj.at if first else None,
+                "blamed_right": bool(blame and blame.attribution.suspects[0].node == r.injection.node),
+                "first_new_step_s": r.first_step_s if r.first_step else None,
                 "detection": message[:300],
             }
         )

@@ -62,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
-    p.add_argument("--lr", type=positive_float, default=0.05, help="SGD's learning rate (momentum 0.9)")
+    p.add_argument(
+        "--lr",
+        type=number(float, low=0, strict=True),
+        default=0.05,
+        help="SGD's learning rate (momentum 0.9)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.05, help="simulated extra compute per step (s)")
     p.add_argument(
         "--collective-timeout",
@@ -92,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--eval-every",
-        type=non_negative_int,
+        type=number(int, low=0),
         default=0,
         metavar="N",
         help="after every N-th step (not the last), rank 0 alone evaluates on a held-out batch, inside "
@@ -100,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--eval-seconds",
-        type=non_negative_seconds,
+        type=number(float, low=0),
         default=0.0,
         metavar="S",
         help="simulated extra evaluation time (s) (default 0)",
@@ -109,34 +114,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+def number(kind: type, *, low: float, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a finite `kind` (int or float) >= low (> low when strict)."""
+    want = f"a finite {kind.__name__} {'>' if strict else '>='} {low:g}"
 
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if strict else value >= low)):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text!r}")
-    return value
+    return parse
 
 
 SOFTWARE_FAULTS = ("hang", "crash", "nan")

@@ -2,7 +2,8 @@
 
 * node lost: the lease DELETE itself (no function needed) — but `is_mass_expiry` decides whether
   many losses at once are a control-plane fault instead;
-* hang: `hang_timeout` + `is_hung` (the slowest rank's step did not advance, outside a checkpoint);
+* hang: `hang_timeout` (the slowest rank's step did not advance, outside a checkpoint; the check and
+  the first-step allowance are running.check_hang's), and the collective rule (collectives.py);
 * straggler: `straggler_candidate` (one evaluation) + `persistent_straggler` (over a window);
 * crash: `classify_exit` (exit code / signal);
 * hardware evidence: `runwarden.evidence.is_fatal` (one definition for the agent, the core and goodput).
@@ -86,10 +87,6 @@ def hang_timeout(
     if in_eval:
         base = max(base, cfg.eval_timeout_s)
     return base
-
-
-def is_hung(now: float, last_advance_at: float, timeout_s: float) -> bool:
-    return now - last_advance_at >= timeout_s
 
 
 # --- straggler ---------------------------------------------------------------------------------

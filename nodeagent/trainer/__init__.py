@@ -357,11 +357,11 @@ class ProgressReporter:
         stall = float(save_stall_s)
         new = self._committed is None or self._committed[0] != int(step)
         self._committed = (int(step), stall if math.isfinite(stall) and stall > 0 else 0.0)
-        last = self._last_report
-        if new and last is not None:
+        repeat = self._repeat_last() if self._last_report is not None else None
+        if new and repeat is not None:
             # Sent now (the last report again), not at the next flush: the commit's time in the event
             # log ends its save in the goodput timeline (a stop's save is planned back from there).
-            self._pending.append((*last[:4], self._in_checkpoint, None, time.time()))
+            self._pending.append(repeat)
             try:
                 self.flush()
             except Exception as exc:  # on a save's upload thread: reporting never fails the save

@@ -209,8 +209,8 @@ class CollectiveCount:
     A change is dated by the sample that first saw it, so `changed_at` is late by up to the sample
     interval. A sample of None (no group: not made yet, or destroyed at the end) keeps what was
     known. A count that goes down is a new group (a warm worker's next attempt): a change like any.
-    Thread-safe for one observing thread and any number of readers: the state is one immutable
-    `Entered`, replaced whole."""
+    Readers need no lock (the state is one immutable `Entered`, replaced whole); observers take turns
+    (the reporter's flush thread and its sends both sample, under the reporter's lock)."""
 
     def __init__(self) -> None:
         self._latest: Entered | None = None
@@ -228,16 +228,6 @@ class CollectiveCount:
     def latest(self) -> Entered | None:
         """The count and when it changed, as one consistent pair; None before the first count."""
         return self._latest
-
-    @property
-    def count(self) -> int | None:
-        latest = self._latest
-        return latest.count if latest is not None else None
-
-    @property
-    def changed_at(self) -> float | None:
-        latest = self._latest
-        return latest.changed_at if latest is not None else None
 
     @property
     def unsent(self) -> bool:

@@ -46,10 +46,10 @@ def reporter(agent: AgentSocket, flush_interval_s: float) -> trainer.ProgressRep
 
 def test_a_change_is_dated_by_the_sample_that_saw_it_and_an_unknown_count_keeps_the_last() -> None:
     count = CollectiveCount()
-    assert count.latest is None and count.count is None and count.changed_at is None
+    assert count.latest is None
     assert not count.observe(None, 1.0) and count.latest is None  # no group yet
-    assert count.observe(0, 2.0) and (count.count, count.changed_at) == (0, 2.0)
-    assert not count.observe(0, 3.0) and count.changed_at == 2.0  # the same count: not a change
+    assert count.observe(0, 2.0) and count.latest == Entered(0, 2.0)
+    assert not count.observe(0, 3.0) and count.latest == Entered(0, 2.0)  # the same count: not a change
     assert count.observe(4, 3.5) and count.latest == Entered(4, 3.5)
     assert not count.observe(None, 4.0) and count.latest == Entered(4, 3.5)  # the group destroyed
     assert count.observe(1, 5.0) and count.latest == Entered(1, 5.0)  # a new group counts afresh
