@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     saver = trainer.DcpCheckpointer(args.ckpt_dir, reporter=reporter, async_save=not args.sync_save)
     if recording is not None:
         recording.record_process_groups()  # after the last new group (the saver's)
+    # runwarden: in-memory snapshots between the commits, at the policy's interval (a relaunch
+    # resumes from the newest one every rank's state survives in)
+    snapshots = trainer.Snapshotter(reporter=reporter)
 
     start = 0
     found = trainer.resume_point(args.ckpt_dir)  # runwarden: the supervisor's committed step
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         reported = math.nan if done == args.test_nan_at_step and attempt == 1 else total
         reporter.report(done, loss=reported)  # runwarden: progress and loss; timings measured
+        snapshot_due = snapshots.due(done)  # runwarden: every rank, every step
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, in_checkpoint=True)  # runwarden: the blocking part of the save
             try:
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.close()
                 return 1
             reporter.report(done, loss=reported)
+        elif snapshot_due:  # runwarden: host memory only; the copy overlaps the next step's compute
+            snapshots.take(done, model=model, optimizer=opt, scheduler=sched, data_state={"next_step": done})
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break

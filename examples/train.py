@@ -12,6 +12,8 @@ Launched by torchrun (--max-restarts=0, one rendezvous id per attempt) under a n
   states, data position): torch.distributed.checkpoint with async_save by default
   (`nodeagent.trainer.dcp`; `--sync-save` blocks instead, `--ckpt-format torch` writes the old
   `rank<r>.pt` files), and resume from the latest *committed* checkpoint (either format);
+* an in-memory snapshot between the commits (`nodeagent.trainer.Snapshotter`) at the supervisor's
+  interval or every `--snapshot-every N` steps: host memory only, a relaunch resumes from it;
 * flight recording set up before the process group, so a hang can be attributed.
 
 The data is synthetic and deterministic: batch `i` of rank `r` is a function of (seed, i, r) only,
@@ -109,6 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         metavar="S",
         help="simulated extra evaluation time (s) (default 0)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=number(int, low=0),
+        default=None,
+        metavar="N",
+        help="an in-memory snapshot every N steps between the commits (default: the supervisor's "
+        "interval, RUNWARDEN_SNAPSHOT_INTERVAL_S; 0: none)",
     )
     rank_device.add_backend_argument(p)  # auto: nccl on CUDA, gloo on CPU
     return p.parse_args(argv)
@@ -252,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if recording is not None:
         recording.record_process_groups()  # after the last new group (the saver's)
+    # in-memory snapshots between the commits, at the policy's interval (a relaunch resumes from the
+    # newest one every rank's state survives in)
+    snapshots = trainer.Snapshotter(reporter=reporter, every=args.snapshot_every)
     start = 0
     found = trainer.resume_point(args.ckpt_dir)
     if found is not None:
@@ -259,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         # supervisor, which relaunches from the commit before it
         loaded = trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank, reporter=reporter)
         start = int(loaded.data_state["next_step"])
-        if rank == 0:
+        if rank == 0 and not isinstance(found, trainer.SnapshotPoint):  # a snapshot is never on storage
             reporter.set_committed(loaded.step)
     reporter.loaded(found.step if found is not None else -1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -284,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         _logged_step = step
         reporter.report(done, loss=reported)  # step time, compute and wait measured by the reporter
+        snapshot_due = snapshots.due(done)  # every rank, every step
         if done % args.ckpt_every == 0 or stop or done == args.steps:
             reporter.report(done, in_checkpoint=True)  # a repeat of the step: its timings, not the save's
             try:
@@ -312,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.close()
                 return 1
             reporter.report(done, loss=reported)
+        elif snapshot_due:  # host memory only; the copy overlaps the next step's compute
+            snapshots.take(done, model=model, optimizer=opt, data_state={"next_step": done})
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break

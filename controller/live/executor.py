@@ -299,7 +299,7 @@ class Executor:
                 attempt=action.attempt,
                 nodes=tuple(nr.node for nr in ordered),
                 command=self.s.command,
-                env=dict(self.s.env),
+                env={**dict(self.s.env), **_snapshot_env(action)},
                 resume_step=action.resume_step,
                 procs_per_node=self.s.procs_per_node,
                 leader_fence=fence,
@@ -762,3 +762,12 @@ def _attempt_of(value: bytes) -> int:
         return int(parse(store_pb2.AttemptRecord, value).attempt)
     except ValueError:
         return 0
+
+
+def _snapshot_env(action: Launch) -> dict[str, str]:
+    """What the ranks' Snapshotter reads (nodeagent.trainer.snapshot): the policy's interval, and
+    the snapshot this attempt resumes from (RUNWARDEN_RESUME_STEP is its step)."""
+    env = {"RUNWARDEN_SNAPSHOT_INTERVAL_S": f"{action.snapshot_interval_s:g}"}
+    if action.resume_snapshot:
+        env["RUNWARDEN_RESUME_SNAPSHOT"] = str(action.resume_snapshot)
+    return env

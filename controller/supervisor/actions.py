@@ -66,6 +66,10 @@ class Launch:
     resume_step: int
     leader_fence: int = 0
     cold: bool = False
+    resume_snapshot: int = (
+        0  # > 0: resume_step is that attempt's in-memory snapshot (RUNWARDEN_RESUME_SNAPSHOT)
+    )
+    snapshot_interval_s: float = 0.0  # the ranks' snapshot interval (RUNWARDEN_SNAPSHOT_INTERVAL_S; 0: none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

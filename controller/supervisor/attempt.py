@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from controller.supervisor.blame import FailureFacts, FlightRecorderVerdict
 from controller.supervisor.collectives import CollectiveMarks
+from controller.supervisor.snapshots import SnapshotTracker
 from runwarden.v1 import events_pb2
 
 UNREPORTED = -2  # a node of the attempt that has not reported progress yet
@@ -26,6 +27,7 @@ class Attempt:
     nodes: tuple[str, ...]
     resume_step: int
     launched_at: float
+    resume_snapshot: int = 0  # > 0: resume_step is that attempt's in-memory snapshot, not a commit
     node_step: dict[str, int]  # node -> its slowest rank's step (UNREPORTED until it reports)
     step_count: dict[int, int]  # step -> how many nodes are at it (the minimum in O(distinct steps))
     min_step: int = UNREPORTED
@@ -38,6 +40,7 @@ class Attempt:
     collectives: CollectiveMarks = field(default_factory=CollectiveMarks)  # the collective rule's counts
     collective_armed: tuple[int, float] | None = None  # the stall the hang timer was last armed for
     hang_timer_at: float = float("inf")  # when the hang timer is due (every SetTimer "hang" sets it)
+    snapshots: SnapshotTracker = field(default_factory=SnapshotTracker)  # what its ranks hold in memory
     save_started: dict[int, float] = field(default_factory=dict)  # step -> first "saving" report
     first_step_logged: bool = False
     loaded_nodes: set[str] = field(default_factory=set)  # nodes whose ranks all reported their load

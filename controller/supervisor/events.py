@@ -103,6 +103,9 @@ class RankSample:
     collectives_entered: int | None = None
     collective_age_s: float = 0.0
     in_eval: bool = False  # inside an evaluation the script declared (ProgressReporter.evaluating)
+    snapshot_steps: tuple[
+        int, ...
+    ] = ()  # the in-memory snapshots it holds complete (controller/supervisor/snapshots.py)
 
     def __post_init__(self) -> None:
         if self.losses or self.losses_dropped:
@@ -152,6 +155,7 @@ class RankSample:
             collectives_entered=p.collectives_entered if p.HasField("collectives_entered") else None,
             collective_age_s=p.collective_age_s,
             in_eval=p.in_eval,
+            snapshot_steps=tuple(s for s in p.snapshot_steps[:4] if s > 0),
         )
 
 

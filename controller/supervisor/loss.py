@@ -281,7 +281,8 @@ def _bad_restore(
     source: where some node's state came from memory or a peer (or it did not say), step N again
     from storage, every node cold (fresh ranks hold no copies); where it came from storage (every
     node said so, or this attempt was that reload), the commit before N, and N stops being a resume
-    point, in the store too. A stop on no node; the restart budget bounds the walk back. What a
+    point, in the store too; where it came from an in-memory snapshot, the newest commit (the
+    snapshot is dropped). A stop on no node; the restart budget bounds the walk back. What a
     controller restart in between loses: the reload's cold flag (the next load may be warm again,
     and this rule then sends it to storage once more)."""
     book: LossBook = sv.losses
@@ -292,7 +293,12 @@ def _bad_restore(
     n = a.resume_step
     said = set(a.loaded_from.values()) if len(a.loaded_from) == len(a.node_step) else set()
     what = f"non-finite loss at step {step}, the first after loading step {n}: rank {rank} on {node} reported {value}"
-    if book.reloaded_from_storage == n or said == {"storage"}:
+    if a.resume_snapshot:
+        rollback = max((c for c in sv.committed if c <= n), default=-1)
+        sv.resumed_snapshot = None
+        then = f"committed step {rollback}" if rollback >= 0 else "scratch (no commit before it)"
+        reason = f"{what}; that state came from the in-memory snapshot of step {n}: dropped, relaunching from {then}"
+    elif book.reloaded_from_storage == n or said == {"storage"}:
         rollback = max((c for c in sv.committed if c < n), default=-1)
         book.reloaded_from_storage = None
         then = f"committed step {rollback}" if rollback >= 0 else "scratch (no commit before it)"
@@ -317,11 +323,6 @@ def _bad_restore(
     )
     # the commits after the rollback point stop being resume points
     return _stop(book, step, rank, AFTER_LOAD, reason, cut=rollback + 1, reported_at=reported_at, now=sv.now)
-
-
-def reload_from_storage(sv: Run) -> bool:
-    """The attempt being launched reloads its resume point from storage (`_bad_restore`): cold."""
-    return sv.losses.reloaded_from_storage == sv.cur.resume_step
 
 
 def _point(

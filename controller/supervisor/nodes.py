@@ -293,6 +293,17 @@ def _note(
 def on_checkpoint(sv: Run, ev: CheckpointCommitted) -> None:
     if ev.step in sv.committed:
         return
+    if sv.cur.resume_snapshot and ev.step == sv.cur.resume_step and ev.attempt in (0, sv.attempt):
+        # a script that says the step it loaded is committed (right after resuming from a commit) said
+        # it of the in-memory snapshot this attempt resumed from: never saved, no resume point
+        sv.log(
+            E.EVENT_KIND_CHECKPOINT_FAILED,
+            f"checkpoint at step {ev.step} ignored: it is the in-memory snapshot attempt {sv.attempt} "
+            "resumed from, never saved to storage",
+            step=ev.step,
+            checkpoint=E.CheckpointDetail(path=ev.path, error="an in-memory snapshot, not a commit"),
+        )
+        return
     if ev.attempt and ev.attempt != sv.attempt:
         # A superseded attempt (a partitioned host's ranks before they fenced themselves) is not a
         # resume point: the attempt that replaced it may already have moved on from older state.

@@ -89,6 +89,10 @@ class SupervisorConfig:
     collective_hang_s: float = 5.0
     collective_lateness_multiple: float = 3.0
     eval_timeout_s: float = 1800.0
+    # In-memory snapshots between commits (nodeagent.trainer.snapshot, controller/supervisor/snapshots.py):
+    # the ranks snapshot every this many seconds of steps; a relaunch resumes from the newest one every
+    # rank's state survives in. 0: none.
+    snapshot_interval_s: float = 60.0
     startup_timeout_s: float = 300.0  # launch -> first progress of every node
     # a node still loading its checkpoint this long after another node of the attempt finished
     # loading is stalled (a hanging download or mount): blamed, not waited for until the startup
@@ -216,6 +220,7 @@ class SupervisorConfig:
             "checkpoint_barrier_s",
             "collective_hang_s",
             "eval_timeout_s",
+            "snapshot_interval_s",
             "startup_timeout_s",
             "load_stall_s",
             "straggler_min_wait_s",

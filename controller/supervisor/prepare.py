@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from controller.supervisor import loss, quarantine, stats, stops, transitions
+from controller.supervisor import loss, quarantine, snapshots, stats, stops, transitions
 from controller.supervisor.actions import (
     AllocateFromQueue,
     Launch,
@@ -433,23 +433,42 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
     trained = (
         sv.cur.node_advanced_at
     )  # a node's last healthy training outlives an attempt it never stepped in
+    cut = sv.losses.rollback_before
+    commit = loss.resume_step(sv)  # applies a loss rollback's cut
+    cold = not sv.went_cold.keys().isdisjoint(nodes) or sv.losses.reloaded_from_storage == commit
+    candidates = [(sv.cur.number, sv.cur.snapshots)] if sv.cur.number else []
+    if sv.cur.resume_snapshot and sv.resumed_snapshot is not None:
+        candidates.append(sv.resumed_snapshot)  # its processes still hold the one it resumed from
+    point = snapshots.choose(candidates, nodes, commit, cut=cut, cold=cold, went_cold=sv.went_cold.keys())
+    sv.resumed_snapshot = next((c for c in candidates if c[0] == point.snapshot_attempt), None)
     sv.cur = Attempt.launched(
         sv.attempt,
         nodes,
-        resume_step=loss.resume_step(sv),
+        resume_step=point.step,
         now=sv.now,
         straggler_window=sv.cfg.straggler_window,
     )
+    sv.cur.resume_snapshot = point.snapshot_attempt
     sv.cur.node_advanced_at.update((n, t) for n, t in trained.items() if n in sv.cur.node_step)
     sv.failure = None
     sv.preparing.prev_slots = list(nodes)
     sv.job_step = sv.cur.resume_step
     rdzv = f"{sv.plan.run}-{sv.attempt}"
-    resume = f"committed step {sv.cur.resume_step}" if sv.cur.resume_step >= 0 else "scratch"
+    if point.snapshot_attempt:
+        resume = f"in-memory snapshot of step {point.step}"
+    else:
+        resume = f"committed step {point.step}" if point.step >= 0 else "scratch"
     sv.log(
         E.EVENT_KIND_LAUNCH,
-        f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}",
-        launch=E.LaunchDetail(rendezvous_id=rdzv, nodes=nodes, resume_step=sv.cur.resume_step),
+        f"attempt {sv.attempt} ({rdzv}) on {len(nodes)} nodes from {resume}"
+        + (f" ({point.reason})" if point.reason else ""),
+        launch=E.LaunchDetail(
+            rendezvous_id=rdzv,
+            nodes=nodes,
+            resume_step=sv.cur.resume_step,
+            resume_snapshot_attempt=point.snapshot_attempt,
+            snapshot_reason=point.reason,
+        ),
     )
     transitions.become_running(
         sv,
@@ -460,7 +479,9 @@ def launch(sv: Run, nodes: tuple[str, ...]) -> None:
             rendezvous_id=rdzv,
             nodes=tuple(NodeRank(node=n, node_rank=r) for r, n in enumerate(nodes)),
             resume_step=sv.cur.resume_step,
-            cold=not sv.went_cold.keys().isdisjoint(nodes) or loss.reload_from_storage(sv),
+            cold=cold,
+            resume_snapshot=point.snapshot_attempt,
+            snapshot_interval_s=sv.cfg.snapshot_interval_s,
         ),
     )
     stops.deliver_pending_stop(sv)

@@ -22,8 +22,14 @@ def on_checkpoint_invalid(sv: Run, ev: CheckpointInvalid) -> bool:
     It stops being a resume point, in the store too (a rebuilt core lists it as invalid), so the
     relaunch that follows the attempt's exit resumes from the commit before it instead of failing
     on the same bytes again. A late report of an earlier attempt is not acted on (the step may have
-    been committed again). Whether it was acted on (the first report of it)."""
-    if ev.attempt != sv.attempt or ev.step not in sv.committed:
+    been committed again). An in-memory snapshot the attempt resumed from is dropped instead (its
+    ranks could not load it: some rank's state had no holder left). Whether it was acted on (the
+    first report of it)."""
+    if ev.attempt != sv.attempt:
+        return False
+    if sv.cur.resume_snapshot and ev.step == sv.cur.resume_step:
+        return _snapshot_refused(sv, ev)
+    if ev.step not in sv.committed:
         return False
     sv.committed.discard(ev.step)
     sv.latest_committed = max(sv.committed, default=-1)
@@ -41,6 +47,22 @@ def on_checkpoint_invalid(sv: Run, ev: CheckpointInvalid) -> bool:
         checkpoint=E.CheckpointDetail(error=ev.error),
     )
     sv.emit(PersistCheckpoint(step=ev.step, path="", attempt=ev.attempt, invalid=ev.error[:1000]))
+    return True
+
+
+def _snapshot_refused(sv: Run, ev: CheckpointInvalid) -> bool:
+    if sv.resumed_snapshot is None:
+        return False  # a second node's report of the same refusal
+    sv.resumed_snapshot = None
+    where = f" on {ev.node}" if ev.node else ""
+    then = f"committed step {sv.latest_committed}" if sv.latest_committed >= 0 else "scratch"
+    sv.log(
+        E.EVENT_KIND_CHECKPOINT_INVALID,
+        f"in-memory snapshot of step {ev.step} refused by the load{where}: {ev.error}; dropped: the next "
+        f"attempt resumes from {then}",
+        step=ev.step,
+        checkpoint=E.CheckpointDetail(error=ev.error),
+    )
     return True
 
 

@@ -18,6 +18,7 @@ from controller.supervisor.policy import RunPlan, SupervisorConfig
 from controller.supervisor.pool import OUT_OF_SERVICE, Pool
 from controller.supervisor.records import Blind, LossBook, Preparing, QueueAsk, Soak, SpareChecks
 from controller.supervisor.restart import RestartHistory
+from controller.supervisor.snapshots import SnapshotTracker
 from controller.supervisor.states import IN_ATTEMPT, TERMINAL, RunState
 
 
@@ -42,6 +43,9 @@ class Run(Effects):
         self.cur = Attempt.none()
         self.committed: set[int] = set()
         self.latest_committed = -1
+        # the attempt whose in-memory snapshot the current attempt resumed from, and what its ranks
+        # held (snapshots.py: a candidate again at the next launch)
+        self.resumed_snapshot: tuple[int, SnapshotTracker] | None = None
         self.job_step = -1
         self.now = 0.0
         self.preparing = Preparing()  # the attempt being prepared (its slots are also the running one's)

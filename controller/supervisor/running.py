@@ -43,6 +43,7 @@ def on_progress(sv: Run, ev: ProgressObserved) -> None:
     a.node_seen_at[ev.node] = sv.now
     _on_steps(sv, ev, old)
     sv.collective_lateness.extend(a.collectives.observe(ev.node, ev.ranks, sv.now))
+    a.snapshots.observe(ev.node, ev.ranks)
     if sv.state is RunState.RUNNING:  # the step rules may have ended the attempt (a straggler killed)
         stop = loss.observe(sv, ev)  # the losses the put carries, after its steps are counted
         if stop is not None:

@@ -51,6 +51,7 @@ def integer(value: int, field: str, *, low: int, high: int) -> int:
 
 
 MAX_RECENT_LOSSES = 64
+MAX_SNAPSHOT_STEPS = 4  # RankProgress.snapshot_steps: the trainer keeps 2 (memory_state.KEEP)
 
 
 def _step_losses(r: common_pb2.RankProgress) -> None:
@@ -103,6 +104,10 @@ def progress_request(req: agent_pb2.ReportProgressRequest) -> None:
             integer(r.committed_step, f"{where}.committed_step", low=0, high=MAX_STEP)
         if r.HasField("loaded_step"):
             integer(r.loaded_step, f"{where}.loaded_step", low=-1, high=MAX_STEP)
+        if len(r.snapshot_steps) > MAX_SNAPSHOT_STEPS:
+            raise ValidationError(f"{where}.snapshot_steps: at most {MAX_SNAPSHOT_STEPS}")
+        for i, s in enumerate(r.snapshot_steps):
+            integer(s, f"{where}.snapshot_steps[{i}]", low=1, high=MAX_STEP)
         if r.reported_at == 0:
             r.reported_at = now
         seconds(r.reported_at, f"{where}.reported_at", high=now + 86400)

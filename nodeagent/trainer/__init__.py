@@ -90,6 +90,7 @@ from nodeagent.trainer.checkpoint import (
     step_dir,
 )
 from nodeagent.trainer.dcp import DcpCheckpointer
+from nodeagent.trainer.snapshot import SnapshotPoint, Snapshotter, SnapshotUnavailable, resume_snapshot
 from nodeagent.trainer.timing import CollectiveCount, CollectiveTimer
 
 __all__ = [
@@ -98,6 +99,9 @@ __all__ = [
     "DcpCheckpointer",
     "LoadedCheckpoint",
     "ProgressReporter",
+    "SnapshotPoint",
+    "SnapshotUnavailable",
+    "Snapshotter",
     "latest_committed",
     "load_checkpoint",
     "resume_point",
@@ -168,6 +172,7 @@ class ProgressReporter:
         self._collectives = CollectiveCount()  # sampled by the flush thread and by every send
         self._count_lock = threading.Lock()  # the flush thread and the training thread both sample
         self._ckpt_error: tuple[int, str] | None = None
+        self._snapshots: tuple[int, ...] = ()  # the complete snapshots this rank holds (Snapshotter)
         self._load_error: tuple[int, str] | None = None
         self._sigterm = False
         self._stop_reason = ""
@@ -366,6 +371,14 @@ class ProgressReporter:
                 self.flush()
             except Exception as exc:  # on a save's upload thread: reporting never fails the save
                 log.debug("progress flush failed: %s", exc)
+
+    def set_snapshots(self, steps: tuple[int, ...]) -> None:
+        """The complete in-memory snapshots this rank now holds (a Snapshotter calls it after each):
+        sent at the next flush, and on every later report (RankProgress.snapshot_steps)."""
+        self._snapshots = tuple(int(s) for s in steps)[-4:]
+        repeat = self._repeat_last() if self._last_report is not None else None
+        if repeat is not None:
+            self._pending.append(repeat)
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)
@@ -577,6 +590,7 @@ class ProgressReporter:
             progress.loaded_step = self._loaded
             progress.loaded_from = memory_state.loaded_from(self._loaded)  # memory | storage | ""
             progress.load_fallback = memory_state.why_fell_back(self._loaded)
+        progress.snapshot_steps.extend(self._snapshots)
         if self._ckpt_error is not None:
             progress.step, progress.checkpoint_error = self._ckpt_error
         if self._load_error is not None:
@@ -746,9 +760,12 @@ class ResumeError(RuntimeError):
     """The supervisor named a resume step that is not committed on this storage."""
 
 
-def resume_point(root: Path | str, env: Mapping[str, str] | None = None) -> CommittedCheckpoint | None:
+def resume_point(
+    root: Path | str, env: Mapping[str, str] | None = None
+) -> CommittedCheckpoint | SnapshotPoint | None:
     """Where this attempt resumes: the step the supervisor chose (RUNWARDEN_RESUME_STEP: the latest
-    commit it accepted; -1: from scratch), or, run alone, the newest commit on disk.
+    commit it accepted, or with RUNWARDEN_RESUME_SNAPSHOT an in-memory snapshot, a SnapshotPoint;
+    -1: from scratch), or, run alone, the newest commit on disk.
 
     Under a supervisor the newest directory on disk is not the answer: a superseded attempt (a
     partitioned host's ranks, before they fenced themselves) may have committed after the
@@ -764,6 +781,9 @@ def resume_point(root: Path | str, env: Mapping[str, str] | None = None) -> Comm
         raise ResumeError(f"RUNWARDEN_RESUME_STEP={raw!r} is not a step number") from None
     if step < 0:
         return None
+    snapshot = resume_snapshot(env, step)
+    if snapshot is not None:
+        return snapshot
     found = read_commit(step_dir(root, step))
     if found is None:
         raise ResumeError(
@@ -773,7 +793,7 @@ def resume_point(root: Path | str, env: Mapping[str, str] | None = None) -> Comm
 
 
 def load_checkpoint(
-    checkpoint: CommittedCheckpoint | Path | str,
+    checkpoint: CommittedCheckpoint | SnapshotPoint | Path | str,
     *,
     model: Any = None,
     optimizer: Any = None,
@@ -793,9 +813,33 @@ def load_checkpoint(
 
     A DCP step whose shards differ from the digests recorded at its commit raises CorruptCheckpoint
     on every rank; with `reporter`, the supervisor is told first (`load_failed`), and relaunches from
-    the commit before it instead of looping on this one."""
+    the commit before it instead of looping on this one. An in-memory snapshot (a SnapshotPoint)
+    loads from the ranks' memory (nodeagent.trainer.snapshot.restore) or raises SnapshotUnavailable
+    on every rank, told to the supervisor likewise: it relaunches from the newest commit."""
     from nodeagent.trainer.checkpoint import CorruptCheckpoint
 
+    if isinstance(checkpoint, SnapshotPoint):
+        from nodeagent.trainer import snapshot
+
+        try:
+            data_state, extra = snapshot.restore(
+                checkpoint,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                rank=rank,
+                restore_rng=restore_rng,
+            )
+        except SnapshotUnavailable as exc:
+            if reporter is not None:
+                reporter.load_failed(checkpoint.step, str(exc))
+            raise
+        return LoadedCheckpoint(
+            step=checkpoint.step,
+            path=Path(f"<snapshot {checkpoint.step}>"),
+            data_state=data_state,
+            extra=extra,
+        )
     try:
         return _load_checkpoint(
             checkpoint,

@@ -160,7 +160,7 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _model_and_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
+def model_and_optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
@@ -317,7 +317,7 @@ class DcpCheckpointer:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{writer.path}: rank state is not JSON data: {exc}") from None
         writer.write_bytes(rank_state_name(self.rank), body)
-        state = _model_and_optim_state(model, optimizer)
+        state = model_and_optim_state(model, optimizer)
 
         def keep() -> None:
             # After DCP has read the state (its staging, or the whole sync save): on a GPU the
@@ -532,7 +532,7 @@ def load_dcp(
         raise bad(commit.path / name, "no scheduler state saved")
     metadata = read_dcp_metadata(commit)  # checked here, so a refusal is ours, not wrapped by DCP
     verify_shards(commit, process_group=process_group)
-    state = _model_and_optim_state(model, optimizer)
+    state = model_and_optim_state(model, optimizer)
     load(
         state,
         storage_reader=_verified_reader(commit.path, metadata),

@@ -35,6 +35,8 @@ from nodeagent.trainer.checkpoint import is_sha256
 log = logging.getLogger(__name__)
 
 MEMORY = "memory"
+COMMIT = "commit"  # a MemoryCopy of what a save wrote to storage
+SNAPSHOT = "snapshot"  # a MemoryCopy taken between commits (nodeagent.trainer.snapshot): memory only
 PEER = "peer"  # a peer rank of the same attempt sent it (the replacement host has no copy)
 STORAGE = "storage"
 
@@ -62,10 +64,14 @@ class MemoryCopy:
     # the SHA-256 of each buffer once it landed (set when `hashed` is): what a load checks it against
     digests: list[str] = field(default_factory=list)
     hashed: threading.Event = field(default_factory=_done_event)
+    kind: str = COMMIT
+    whole: bool = True  # no DTensor in it: every rank of the attempt holds the same model and optimizer
 
 
-# The newest two: an asynchronous save's commit comes after the next steps, and a save waits for the
-# previous one to commit before it starts, so the latest commit is always one of the two kept.
+# The newest two of each kind. Commits: an asynchronous save's commit comes after the next steps, and a
+# save waits for the previous one to commit before it starts, so the latest commit is always one of
+# the two kept. Snapshots: the ranks report their newest as they take it; while some have reported a
+# new one and some not, the one before is the newest every rank still holds.
 KEEP = 2
 # Host bytes one rank process may hold in copies (both together): AgentConfig.memory_copy_budget_bytes
 # reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm.rank). 0 keeps none.
@@ -121,9 +127,14 @@ def keep(
     world_size: int,
     env: Mapping[str, str] | None = None,
     budget_bytes: int | None = None,
+    kind: str = COMMIT,
+    in_background: bool = False,
 ) -> str:
     """Copy `payload` into host memory as this rank's state at checkpoint `step`: "" if kept, else
-    why not (also logged, and said by the load of that step).
+    why not (also logged, and said by the load of that step). `kind`: COMMIT (what a save wrote)
+    or SNAPSHOT (between commits); each kind keeps its newest KEEP. `in_background`: a CPU copy
+    runs on a thread too (its `copied` event says when it landed: the caller must not change the
+    state before then; nodeagent.trainer.snapshot waits for it before the optimizer's next step).
 
     The copies live in host memory, never on the GPU, and cost at most two model + optimizer states
     per rank, never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
@@ -161,18 +172,26 @@ def keep(
         )
     layout = [(tuple(t.shape), t.dtype) for t in locals_]
     with _lock:
-        kept = [x for x in _copies if x.step != step][1 - KEEP :]
+        kept = [x for x in _copies if x.kind != kind or x.step != step]
+        mine = [x for x in kept if x.kind == kind]
+        kept = [x for x in kept if x.kind != kind or x in mine[1 - KEEP :]]
         squeezed = []
         while kept and sum(x.nbytes for x in kept) + nbytes > limit:
-            squeezed.append(kept.pop(0))  # the oldest first
+            oldest = min(kept, key=lambda x: (x.step, x.kind != kind))  # the oldest first
+            squeezed.append(oldest)
+            kept.remove(oldest)
         dropped = [x for x in _copies if x not in kept]
         _copies[:] = kept  # dropped now: their buffers may be reused below
     for old in squeezed:
         log.info(
-            "step %d: the copy of step %d dropped to fit the copy budget (%d bytes)", step, old.step, limit
+            "step %d: the %s copy of step %d dropped to fit the copy budget (%d bytes)",
+            step,
+            old.kind,
+            old.step,
+            limit,
         )
     buffers = _reuse(dropped, layout) or _allocate(locals_)
-    host = _copy(locals_, buffers, step)
+    host = _copy(locals_, buffers, step, in_background=in_background)
     digests: list[str] = []
     hashed = threading.Event()
     threading.Thread(
@@ -196,9 +215,13 @@ def keep(
         failed=host[1],
         digests=digests,
         hashed=hashed,
+        kind=kind,
+        whole=not any(_is_dtensor(t) for t in sources),
     )
     with _lock:
-        _copies[:] = [*(x for x in _copies if x.step != step), held][-KEEP:]
+        _copies[:] = [*(x for x in _copies if x.kind != kind or x.step != step), held]
+        mine = [x for x in _copies if x.kind == kind]
+        _copies[:] = [x for x in _copies if x.kind != kind or x in mine[-KEEP:]]
         _not_kept.pop(step, None)
     return ""
 
@@ -303,12 +326,30 @@ def _allocate(locals_: list[Any]) -> list[Any]:
     return [torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=pin) for t in locals_]
 
 
-def _copy(locals_: list[Any], buffers: list[Any], step: int) -> tuple[threading.Event, list[str]]:
-    """Copy every tensor into its host buffer: CPU (or anything not on a CUDA device) here, now;
-    CUDA tensors on a side stream per device, landed when the returned event is set."""
+def _copy(
+    locals_: list[Any], buffers: list[Any], step: int, *, in_background: bool = False
+) -> tuple[threading.Event, list[str]]:
+    """Copy every tensor into its host buffer: CPU (or anything not on a CUDA device) here, now
+    (`in_background`: on a thread); CUDA tensors on a side stream per device; landed when the
+    returned event is set."""
     import torch
 
     failed: list[str] = []
+    if in_background and not any(t.device.type == "cuda" for t in locals_):
+        landed = threading.Event()
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    for src, dst in zip(locals_, buffers, strict=True):
+                        dst.copy_(src)
+            except Exception as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
+                log.warning("the copy of step %d failed: %s", step, failed[-1])
+            landed.set()
+
+        threading.Thread(target=run, name="runwarden-copy", daemon=True).start()
+        return landed, failed
     on_cuda: dict[Any, list[tuple[Any, Any]]] = {}
     with torch.no_grad():
         for src, dst in zip(locals_, buffers, strict=True):
@@ -398,8 +439,10 @@ def _checked(
     rank: int | None,
     world_size: int | None,
     env: Mapping[str, str] | None = None,
+    kind: str = COMMIT,
 ) -> MemoryCopy | None:
-    """The kept copy `take` would serve, landed and checked against its digests; else None."""
+    """The kept copy `take` would serve (`kind`: a snapshot instead), landed and checked against
+    its digests; else None."""
     run, _ = _identity(os.environ if env is None else env)
     if committed_by is None:
         return None
@@ -408,7 +451,7 @@ def _checked(
             (
                 x
                 for x in _copies
-                if (x.run, x.step, x.attempt) == (run, step, committed_by)
+                if (x.run, x.step, x.attempt, x.kind) == (run, step, committed_by, kind)
                 and rank in (None, x.rank)
                 and world_size in (None, x.world_size)
             ),
@@ -586,6 +629,17 @@ def gather_ints(value: int, world_size: int, group: Any = None) -> list[int]:
     out = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     return [int(t.item()) for t in out]
+
+
+def gather_rows(row: list[int], world_size: int, group: Any = None) -> list[list[int]]:
+    """Every rank's `row` of integers (the same length on every rank), in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
+    out = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine, group=group)
+    return [[int(v) for v in t.tolist()] for t in out]
 
 
 def _everyone(ok: bool, world_size: int) -> bool:
@@ -782,19 +836,24 @@ def restore_dcp(
 ) -> tuple[Any, Any]:
     """Put a kept DCP save (`{"state": <model/optim state dicts>, "rank_state": <its JSON>}`) into
     model, optimizer and scheduler, and the RNG states; returns (data_state, extra)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     state, rank_state = payload["state"], payload["rank_state"]
     restore = dcp_format.rng_restorer(rank_state.get("rng"), path) if restore_rng else None
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    restore_state(state, model=model, optimizer=optimizer)
     if scheduler is not None and rank_state.get("scheduler") is not None:
         scheduler.load_state_dict(rank_state["scheduler"])
     if restore is not None:
         restore()
     return rank_state.get("data_state"), rank_state.get("extra")
+
+
+def restore_state(state: Any, *, model: Any, optimizer: Any) -> None:
+    """Put a kept model (and optimizer) state into the model (and optimizer)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def loaded(step: int, source: str) -> None:
@@ -811,7 +870,32 @@ def loaded_from(step: int) -> str:
     return last[1] if last is not None and last[0] == step else ""
 
 
-def kept_steps() -> tuple[int, ...]:
-    """The steps of the kept copies, oldest first."""
+def snapshot(
+    step: int, attempt: int, *, env: Mapping[str, str] | None = None, checked: bool = False
+) -> MemoryCopy | None:
+    """The snapshot of `step` attempt `attempt` of this run took, saved as any rank, if this process
+    holds it (`checked`: landed and still matching its digests, as a load needs it)."""
+    if checked:
+        return _checked(step, attempt, rank=None, world_size=None, env=env, kind=SNAPSHOT)
+    run, _ = _identity(os.environ if env is None else env)
     with _lock:
-        return tuple(x.step for x in _copies)
+        return next(
+            (x for x in _copies if (x.kind, x.run, x.attempt, x.step) == (SNAPSHOT, run, attempt, step)), None
+        )
+
+
+clone_payload = _clone  # a kept payload's copy for a load (nodeagent.trainer.snapshot)
+send_state = _from_peer  # a holder's state broadcast to the ranks without it, checked (the same)
+
+
+def kept_steps(kind: str = COMMIT) -> tuple[int, ...]:
+    """The steps of the kept copies of `kind`, oldest first."""
+    with _lock:
+        return tuple(x.step for x in _copies if x.kind == kind)
+
+
+def snapshot_steps(attempt: int, env: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The steps of the snapshots this process holds that attempt `attempt` of this run took."""
+    run, _ = _identity(os.environ if env is None else env)
+    with _lock:
+        return tuple(x.step for x in _copies if x.kind == SNAPSHOT and (x.run, x.attempt) == (run, attempt))

@@ -401,6 +401,7 @@ class RankProgress(_message.Message):
     COLLECTIVE_ENTERED_AT_FIELD_NUMBER: _builtins.int
     COLLECTIVE_AGE_S_FIELD_NUMBER: _builtins.int
     IN_EVAL_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_STEPS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     step: _builtins.int
@@ -487,6 +488,12 @@ class RankProgress(_message.Message):
         that are dropped and counted in losses_dropped. `loss` (10) stays: the newest one, for old readers.
         """
 
+    @_builtins.property
+    def snapshot_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The in-memory snapshots (nodeagent.trainer.snapshot) this rank holds that this attempt took,
+        complete (its buddy on the next host keeps its rank state): steps, oldest first, at most 4.
+        """
+
     def __init__(
         self,
         *,
@@ -517,10 +524,11 @@ class RankProgress(_message.Message):
         collective_entered_at: _builtins.float = ...,
         collective_age_s: _builtins.float = ...,
         in_eval: _builtins.bool = ...,
+        snapshot_steps: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered", "_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "collectives_entered", b"collectives_entered", "committed_step", b"committed_step", "invalid_step", b"invalid_step", "loaded_step", b"loaded_step", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered", "_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "collective_age_s", b"collective_age_s", "collective_entered_at", b"collective_entered_at", "collectives_entered", b"collectives_entered", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "in_eval", b"in_eval", "invalid_step", b"invalid_step", "load_error", b"load_error", "load_fallback", b"load_fallback", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered", "_committed_step", b"_committed_step", "_invalid_step", b"_invalid_step", "_loaded_step", b"_loaded_step", "_loss", b"_loss", "checkpoint_error", b"checkpoint_error", "collective_age_s", b"collective_age_s", "collective_entered_at", b"collective_entered_at", "collectives_entered", b"collectives_entered", "committed_step", b"committed_step", "compute_s", b"compute_s", "finished", b"finished", "in_checkpoint", b"in_checkpoint", "in_eval", b"in_eval", "invalid_step", b"invalid_step", "load_error", b"load_error", "load_fallback", b"load_fallback", "loaded_from", b"loaded_from", "loaded_step", b"loaded_step", "local_rank", b"local_rank", "loss", b"loss", "losses_dropped", b"losses_dropped", "pid", b"pid", "rank", b"rank", "recent_losses", b"recent_losses", "reported_at", b"reported_at", "save_stall_s", b"save_stall_s", "snapshot_steps", b"snapshot_steps", "step", b"step", "step_time_s", b"step_time_s", "stop_reason", b"stop_reason", "wait_s", b"wait_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__collectives_entered: _TypeAlias = _typing.Literal["collectives_entered"]  # noqa: Y015
     _WhichOneofArgType__collectives_entered: _TypeAlias = _typing.Literal["_collectives_entered", b"_collectives_entered"]  # noqa: Y015

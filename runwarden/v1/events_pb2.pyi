@@ -262,10 +262,17 @@ class LaunchDetail(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
+    RESUME_SNAPSHOT_ATTEMPT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_REASON_FIELD_NUMBER: _builtins.int
     rendezvous_id: _builtins.str
     resume_step: _builtins.int
     """-1 from scratch"""
     checkpoint_path: _builtins.str
+    resume_snapshot_attempt: _builtins.int
+    """> 0: resume_step is the in-memory snapshot this attempt took, not a commit (snapshot_reason says
+    why it was chosen, or why the newest snapshot was passed over for the commit)
+    """
+    snapshot_reason: _builtins.str
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -275,10 +282,12 @@ class LaunchDetail(_message.Message):
         nodes: _abc.Iterable[_builtins.str] | None = ...,
         resume_step: _builtins.int = ...,
         checkpoint_path: _builtins.str = ...,
+        resume_snapshot_attempt: _builtins.int = ...,
+        snapshot_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_snapshot_attempt", b"resume_snapshot_attempt", "resume_step", b"resume_step", "snapshot_reason", b"snapshot_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -100,8 +100,11 @@ def check_every_fault_recovered(
                 ), f"the Xid node {node} came back without a repair"
 
 
-def check_resumes_only_from_commits(events: list[LogEntry]) -> None:
+def check_resumes_only_from_commits(events: list[LogEntry]) -> list[LogEntry]:
+    """Every launch resumes from the newest commit, or from an in-memory snapshot newer than it that
+    its message names (controller/supervisor/snapshots.py); those launches, in order."""
     committed: set[int] = set()
+    from_snapshots: list[LogEntry] = []
     quarantined: set[str] = set()
     rdzv: list[str] = []
     for ev in events:
@@ -114,12 +117,19 @@ def check_resumes_only_from_commits(events: list[LogEntry]) -> None:
         elif ev.kind == E.EVENT_KIND_LAUNCH:
             rdzv.append(ev.launch.rendezvous_id)
             assert ev.launch.rendezvous_id == f"{ev.run}-{ev.attempt}"
-            assert ev.launch.resume_step == (max(committed) if committed else -1), ev.message
+            newest = max(committed) if committed else -1
+            if ev.launch.resume_snapshot_attempt:
+                assert 0 < ev.launch.resume_snapshot_attempt < ev.attempt and ev.launch.resume_step > newest
+                assert f"in-memory snapshot of step {ev.launch.resume_step}" in ev.message, ev.message
+                from_snapshots.append(ev)
+            else:
+                assert ev.launch.resume_step == newest, ev.message
             assert not quarantined & set(ev.launch.nodes), (
                 f"launched quarantined {quarantined & set(ev.launch.nodes)}"
             )
     assert len(rdzv) == len(set(rdzv)) >= 1 + len(FAULTS)
     assert committed, "no checkpoint was ever committed"
+    return from_snapshots
 
 
 def check_event_log_whole(events: list[LogEntry], run: str, torn_tail: str | None, log_errors: int) -> None:

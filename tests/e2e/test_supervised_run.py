@@ -60,7 +60,10 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
     # The shipped defaults: warm workers (parked ranks start each attempt, healthy hosts keep theirs
     # across it) and preflight off the restart's critical path.
-    spec = ClusterSpec(policy={"kill_stragglers_mid_run": True})
+    # In-memory snapshots every ~2 s of steps between commits every 60 steps (6-12 s): a fault between
+    # two commits resumes from a snapshot, as one at fleet scale would (minutes between snapshots,
+    # tens of minutes between commits). 2 s: above the ranks' report latency (1.5 s), as minutes are.
+    spec = ClusterSpec(ckpt_every=60, policy={"kill_stragglers_mid_run": True, "snapshot_interval_s": 2.0})
     with contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         victims: dict[str, int] = {}
@@ -123,6 +126,21 @@ def test_detection_latency_goals(faulted: FaultedRun) -> None:
 
 def test_resumes_only_from_committed_checkpoints_with_fresh_rendezvous(faulted: FaultedRun) -> None:
     check_resumes_only_from_commits(faulted.events)
+
+
+def test_faults_between_commits_resume_from_in_memory_snapshots(faulted: FaultedRun) -> None:
+    """A fault between two commits resumes from the ranks' newest in-memory snapshot (issue 30):
+    each rank's own, or for a new process (the replacement host's, the crashed or hung rank's) the
+    model and optimizer from a peer and its RNG and data position from its buddy on the next host.
+    The losses test above proves every such resume exact."""
+    from_snapshots = check_resumes_only_from_commits(faulted.events)
+    launches = "\n".join(e.message for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH)
+    assert len(from_snapshots) >= 2, launches
+    loads = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
+    for launch in from_snapshots:
+        load = loads.get(launch.attempt)
+        assert load is not None, f"attempt {launch.attempt} never loaded its snapshot"
+        assert "storage" not in load.message, load.message  # a snapshot is never on storage
 
 
 def test_event_log_is_whole_and_goodput_adds_up(faulted: FaultedRun) -> None:
@@ -234,11 +252,19 @@ def test_survivors_were_not_preflighted_again_and_replacements_were_pre_validate
 
 
 def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
-    """Hosts kept from the failed attempt restore from their own memory; the others (a fresh group,
-    one kept from an older attempt, or the crashed host whose one rank its leader forked again)
-    receive the state from a peer."""
+    """Hosts whose processes ran the attempt that made the state (the commit's, the failed attempt;
+    or the in-memory snapshot's) restore from their own memory; the others (a fresh group, or the
+    crashed host whose one rank its leader forked again) receive the state from a peer."""
     loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
+    launched = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH}
     started = _started(faulted.events)
+    born: dict[int, dict[str, int]] = {}  # attempt -> node -> the attempt its rank processes began in
+    alive: dict[str, int] = {}
+    for attempt in sorted(started):
+        for n, (_, kept_from, why) in started[attempt].items():
+            if kept_from is None or REFORKED in why:
+                alive[n] = attempt
+        born[attempt] = {n: alive[n] for n in started[attempt]}
     for r in faulted.recoveries:
         assert r.launch is not None
         message = loads.get(r.launch.attempt, "")
@@ -248,12 +274,9 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
         for part in m.group(1).split("; "):
             source, nodes = part.split(" on ", 1)
             by_source[source] = set(nodes.split(", "))
-        new = r.launch.attempt  # a host not kept from the failed attempt holds no copy of its commit
-        fresh = {
-            n
-            for n, (_, kept_from, why) in started[new].items()
-            if kept_from is None or kept_from < new - 1 or REFORKED in why
-        }
-        kept = set(started[r.launch.attempt]) - fresh
+        new = r.launch.attempt
+        made = launched[new].launch.resume_snapshot_attempt or new - 1  # the attempt that made the state
+        fresh = {n for n in started[new] if born[new][n] > made or n not in started.get(made, {})}
+        kept = set(started[new]) - fresh
         assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)
         assert kept <= by_source.get("memory", set()), (r.injection.fault, kept, message)

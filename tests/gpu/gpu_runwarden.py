@@ -73,7 +73,7 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
     cuda = device.type == "cuda"
     os.environ.update(WARM_ENV)
     model, opt = _model(device, 2048, 8)  # 134 MiB of parameters, 403 MiB with AdamW's moments
-    state = {"state": dcp._model_and_optim_state(model, opt)}
+    state = {"state": dcp.model_and_optim_state(model, opt)}
     sources = [t for t in memory_state._split(state)[1]]
     # the parameters and AdamW's moments are on the device (AdamW's `step` counters stay on the CPU)
     assert sum(t.device.type == device.type for t in sources) >= 3 * 16, "the state is not on the device"

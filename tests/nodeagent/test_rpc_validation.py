@@ -121,6 +121,20 @@ CASES = [
     ),
     (
         "ReportProgress",
+        agent_pb2.ReportProgressRequest(run="r", attempt=1, reports=[RP(step=1, snapshot_steps=[0])]),
+        INVALID,
+        "snapshot_steps[0]",
+    ),
+    (
+        "ReportProgress",
+        agent_pb2.ReportProgressRequest(
+            run="r", attempt=1, reports=[RP(step=9, snapshot_steps=[1, 2, 3, 4, 5])]
+        ),
+        INVALID,
+        "snapshot_steps",
+    ),
+    (
+        "ReportProgress",
         agent_pb2.ReportProgressRequest(run="r", reports=[RP(rank=-3)]),
         INVALID,
         "reports[0].rank",

@@ -8,7 +8,7 @@ also renders items as one line each, for the golden scenario scripts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,10 +164,12 @@ class Driver:
         in_checkpoint: tuple[str, ...] = (),
         loaded: int | None = None,
         loss: Callable[[int, int], float] | None = None,
+        snapshots: tuple[int, ...] | Mapping[str, tuple[int, ...]] = (),
     ) -> list[Item]:
         """One job step on every running node (or `nodes`), `dt` seconds after the last; `loaded`: the
         ranks' `loaded_step` (their load mark, carried on every report after it); `loss(step, rank)`:
-        each rank's loss of the step."""
+        each rank's loss of the step; `snapshots`: the in-memory snapshots every rank holds (or per
+        node)."""
         self.now += dt
         out: list[Item] = []
         for node_rank, node in enumerate(self.running_nodes()):
@@ -186,6 +188,7 @@ class Driver:
                     reported_at=self.now,
                     loaded_step=loaded,
                     losses=((step, loss(step, node_rank * self.ranks_per_node + i)),) if loss else (),
+                    snapshot_steps=snapshots.get(node, ()) if isinstance(snapshots, Mapping) else snapshots,
                 )
                 for i in range(self.ranks_per_node)
             )

@@ -1,0 +1,221 @@
+"""In-memory snapshots between commits on a realistic state (BENCHMARKS.md, "in-memory snapshots").
+
+    flock /tmp/runwarden-heavy.lock env PYTHONPATH=. .venv/bin/python bench/bench_snapshots.py \\
+        [--layers 12 --d-model 768 --vocab 32000] [--steps 6] [--out bench/results/bench_snapshots.json]
+
+Two gloo ranks on CPU (one process each, two "hosts" of one rank: each is the other's buddy) train
+a GPT-2-small-sized decoder (examples/decoder.py's, ~110M parameters with the defaults) with AdamW
+under DDP: ~1.3 GB of model and optimizer state per rank, a step of several seconds on one core.
+In one run, per rank:
+
+* `baseline`: `--steps` steps, no snapshot: the step time;
+* `snapshots`: `--steps` steps with a snapshot (nodeagent.trainer.Snapshotter.take) after every other
+  one: the time take() blocks the training thread (of it, the exchange with the buddy), when the
+  background host copy landed, and the step after a snapshot against the baseline (the copy runs
+  beside that step's forward and backward; its optimizer step waits for it): the snapshot's stall
+  is take()'s block plus that step's extra time, as a share of the baseline step;
+* a DCP commit of the same state for comparison (async_save's blocking part: staging);
+* restores of the newest snapshot: `memory` (both ranks hold it), `peer` (rank 1's process is new:
+  the model and optimizer from rank 0 over gloo, its RNG and data position from its buddy), and of
+  the commit from `storage` (DCP's load, page cache warm: the best case for storage).
+
+The ranks share this 2-core machine: each rank's host copy and the other rank's compute compete for
+the same two cores (on a GPU host the copy is a device-to-host DMA beside the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WORLD = 2
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    from examples.decoder import Decoder
+    from nodeagent import trainer
+    from nodeagent.trainer import memory_state, snapshot
+    from nodeagent.trainer.checkpoint import latest_committed
+    from nodeagent.trainer.dcp import DcpCheckpointer, load_dcp
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Decoder(args.vocab, args.seq, args.d_model, args.heads, args.layers, 0.0)
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in net.parameters())
+    gen = torch.Generator().manual_seed(rank)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    out: dict[str, Any] = {"rank": rank, "params": params}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # AdamW's moments exist after the first step
+            step()
+        state_bytes = sum(p.numel() * p.element_size() for p in net.parameters()) * 3
+        out["state_bytes"] = state_bytes
+        snaps = trainer.Snapshotter(every=1, env={**os.environ, "LOCAL_WORLD_SIZE": "1"})
+        out["baseline_step_s"] = [step() for _ in range(args.steps)]
+        takes, exchanges, landed, after, plain = [], [], [], [], []
+        done = 2 + args.steps
+        for i in range(args.steps):
+            done += 1
+            dt = step()
+            (after if i % 2 == 1 else plain).append(dt)
+            if i % 2 == 0 and i + 1 < args.steps:
+                t0 = time.perf_counter()
+                why = snaps.take(done, model=model, optimizer=opt, data_state={"next_step": done})
+                assert why == "", why
+                takes.append(snaps.stalls[done])
+                exchanges.append(snaps.exchanges[done])
+                held = memory_state.snapshot(done, int(os.environ["RUNWARDEN_ATTEMPT"]))
+                assert held is not None and held.copied.wait(600)
+                landed.append(time.perf_counter() - t0)
+        last = max(snaps.stalls)  # the newest snapshot's step
+        out.update(
+            take_s=takes,
+            exchange_s=exchanges,
+            landed_s=landed,
+            step_after_snapshot_s=after,
+            step_no_snapshot_s=plain,
+        )
+        # a DCP commit of the same state (async_save: what blocks is the staging)
+        with tempfile.TemporaryDirectory(dir=args.ckpt_parent) as ckpt:
+            saver = DcpCheckpointer(ckpt, async_save=True)
+            t0 = time.perf_counter()
+            saver.save(done, model=model, optimizer=opt, data_state={"next_step": done})
+            out["dcp_async_block_s"] = time.perf_counter() - t0
+            saver.wait()
+            dist.barrier()
+            out["dcp_commit_s"] = time.perf_counter() - t0
+            # the commit's own in-memory copy is not what is measured here
+            memory_state._copies[:] = [x for x in memory_state._copies if x.kind == memory_state.SNAPSHOT]
+            point = trainer.SnapshotPoint(step=last, attempt=int(os.environ["RUNWARDEN_ATTEMPT"]))
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
+            out["restore_memory_s"] = time.perf_counter() - t0
+            out["restore_memory_source"] = memory_state.loaded_from(last)
+            if rank == 1:  # a new process: it holds nothing
+                memory_state._copies.clear()
+                snapshot._buddy_states.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
+            out["restore_peer_s"] = time.perf_counter() - t0
+            out["restore_peer_source"] = memory_state.loaded_from(last)
+            found = latest_committed(ckpt)
+            assert found is not None
+            dist.barrier()
+            t0 = time.perf_counter()
+            load_dcp(found, model=model, optimizer=opt, rank=rank)
+            out["restore_storage_s"] = time.perf_counter() - t0
+    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_snapshots.json")
+    p.add_argument("--ckpt-parent", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_child:
+        _rank_main(args)
+        return
+    from testbed.etcd_server import free_port
+    from testbed.gloo_ranks import gloo_rank_env
+
+    load_before = os.getloadavg()[0]
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        child = [sys.argv[0], *sys.argv[1:], "--rank-child", "--out-dir", str(out_dir)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *child],
+                env=gloo_rank_env(r, WORLD, port, run="bench-snapshots", root=ROOT, warm=True),
+            )
+            for r in range(WORLD)
+        ]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"a rank failed: exit codes {codes}")
+        ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    med = statistics.median
+    rows = []
+    for r in ranks:
+        base = med(r["baseline_step_s"])
+        extra = med(r["step_after_snapshot_s"]) - med(r["step_no_snapshot_s"])
+        stall = med(r["take_s"]) + max(0.0, extra)
+        rows.append(
+            {
+                "rank": r["rank"],
+                "params": r["params"],
+                "state_gb": r["state_bytes"] / 1e9,
+                "step_s": base,
+                "take_s": med(r["take_s"]),
+                "exchange_s": med(r["exchange_s"]),
+                "copy_landed_s": med(r["landed_s"]),
+                "step_after_snapshot_extra_s": extra,
+                "stall_s": stall,
+                "stall_pct_of_step": 100 * stall / base,
+                "dcp_async_block_s": r["dcp_async_block_s"],
+                "dcp_commit_s": r["dcp_commit_s"],
+                "restore_memory_s": r["restore_memory_s"],
+                "restore_peer_s": r["restore_peer_s"],
+                "restore_peer_source": r["restore_peer_source"],
+                "restore_storage_s": r["restore_storage_s"],
+            }
+        )
+    result = {
+        "command": " ".join(["bench/bench_snapshots.py", *sys.argv[1:]]),
+        "load_average_before": load_before,
+        "ranks": rows,
+        "raw": ranks,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    keys = [k for k in rows[0] if k not in ("rank",)]
+    print("| " + " | ".join(["rank", *keys]) + " |")
+    for row in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,97 @@
+"""In-memory snapshots between commits (issue 30), real processes: 4 gloo ranks on CPU as 2 hosts
+of 2 ranks take snapshots of a DDP model with AdamW and a scheduler (tests/nodeagent/snapshot_job.py)
+and restore the newest the way a restart resumes from it. Each rank must end exactly where it was
+when the snapshot was taken (model, optimizer, scheduler, RNG, data position), from its own memory,
+or, for a rank whose process is new (a lost host's, a crashed rank's), the model and optimizer from
+a peer and its rank state from its buddy on the other host; a rank whose state has no holder left
+makes every rank refuse the snapshot (the supervisor then resumes from the commit). The plan's rule
+is unit-tested below."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nodeagent.trainer.snapshot import plan_snapshot_load
+from tests.nodeagent.helpers import ROOT, run_gloo_ranks
+
+WORLD = 4
+
+
+def _run(tmp: Path, *extra: str) -> list[dict]:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    job = ROOT / "tests" / "nodeagent" / "snapshot_job.py"
+    run_gloo_ranks(job, WORLD, "--out", str(out), *extra, run="snap-test", warm=True, timeout_s=120)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _exactly_as_snapshotted(results: list[dict]) -> None:
+    for r, got in enumerate(results):
+        assert "error" not in got, got
+        assert got["fingerprint"] == got["reference"], (
+            f"rank {r} ({got['source']}) is not its state at step 5"
+        )
+        assert got["data_state"] == {"next_step": 5, "rank": r}
+
+
+@pytest.mark.slow
+def test_a_snapshot_restores_every_rank_from_memory_or_its_buddy_and_a_peer(tmp_path: Path) -> None:
+    results = _run(tmp_path / "all")
+    assert [r["source"] for r in results] == ["memory"] * WORLD
+    assert all(r["reported"] == [[3], [3, 5]] for r in results), results  # complete ones, as taken
+    _exactly_as_snapshotted(results)
+    # the second host's processes are new (a lost host replaced): its ranks get the model and
+    # optimizer from rank 0 and their own RNG and data position from their buddies, ranks 0 and 1
+    results = _run(tmp_path / "host", "--forget", "2", "3")
+    assert [r["source"] for r in results] == ["memory", "memory", "peer", "peer"]
+    _exactly_as_snapshotted(results)
+    # a copy that rotted in host memory is not served: that rank receives it as a new one would
+    results = _run(tmp_path / "rot", "--rot", "1")
+    assert [r["source"] for r in results] == ["memory", "peer", "memory", "memory"]
+    _exactly_as_snapshotted(results)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_state_has_no_holder_left_makes_every_rank_refuse_the_snapshot(tmp_path: Path) -> None:
+    # rank 1 and its buddy rank 3 are both new: rank 1's RNG and data position are nowhere
+    results = _run(tmp_path / "gone", "--forget", "1", "3")
+    for got in results:
+        assert "rank 1's rank state (RNG, data position) has no holder" in got["error"], got
+        assert [step for step, _ in got["load_errors"]] == [5]  # the supervisor is told
+
+
+def _row(copy_rank: int, *, whole: bool = True, nbytes: int = 100, buddy: int = -1) -> list[int]:
+    return [copy_rank, int(whole), nbytes if copy_rank >= 0 else 0, buddy, 0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "sender", "donors", "why"),
+    [
+        ([_row(0, buddy=2), _row(1, buddy=3), _row(2, buddy=0), _row(3, buddy=1)], -1, (0, 1, 2, 3), ""),
+        ([_row(0, buddy=2), _row(1, buddy=3), _row(-1), _row(-1)], 0, (0, 1, 0, 1), ""),
+        # ranks 1 and 3 swapped: each uses the other's copy (a replica), its own rank state sent by it
+        ([_row(0, buddy=2), _row(3, buddy=3), _row(2, buddy=0), _row(1, buddy=1)], -1, (0, 3, 2, 1), ""),
+        ([_row(0), _row(-1), _row(2), _row(-1)], None, None, "rank 1's rank state"),
+        ([_row(0, whole=False), _row(1, whole=False), _row(-1), _row(3, whole=False)], None, None, "sharded"),
+        (
+            [_row(0, nbytes=100), _row(1, nbytes=99), _row(-1, buddy=1), _row(3, buddy=2)],
+            None,
+            None,
+            "sharded",
+        ),
+        ([_row(-1)] * 4, None, None, "no rank holds a copy"),
+    ],
+)
+def test_the_snapshot_load_plan_is_one_rule_on_every_rank(
+    rows: list[list[int]], sender: int | None, donors: tuple[int, ...] | None, why: str
+) -> None:
+    plans = [plan_snapshot_load(rows, r) for r in range(len(rows))]
+    assert len({(p.sender, p.rank_state_donors) if p else why_ for p, why_ in plans}) == 1
+    plan, said = plans[0]
+    if sender is None:
+        assert plan is None and why in said
+    else:
+        assert plan is not None and plan.sender == sender and plan.rank_state_donors == donors
