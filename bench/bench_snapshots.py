@@ -9,11 +9,13 @@ under DDP: ~1.3 GB of model and optimizer state per rank, a step of several seco
 In one run, per rank:
 
 * `baseline`: `--steps` steps, no snapshot: the step time;
-* `snapshots`: `--steps` steps with a snapshot (nodeagent.trainer.Snapshotter.take) after every other
-  one: the time take() blocks the training thread (of it, the exchange with the buddy), when the
-  background host copy landed, and the step after a snapshot against the baseline (the copy runs
-  beside that step's forward and backward; its optimizer step waits for it): the snapshot's stall
-  is take()'s block plus that step's extra time, as a share of the baseline step;
+* `snapshots`: 2 x `--steps` steps with a snapshot (nodeagent.trainer.Snapshotter.take) after every
+  other one, after 2 x KEEP steps that allocate the snapshots' buffers (later ones reuse them):
+  the time take() blocks the training thread (of it, the exchange with the buddy), when the
+  background host copy landed and when its SHA-256 digests were taken, and the step after a
+  snapshot against the step after none (the copy runs beside that step's forward and backward,
+  its optimizer step waits for it; the digests follow at the lowest priority): the snapshot's
+  stall is take()'s block plus that step's extra time, as a share of the baseline step;
 * a DCP commit of the same state for comparison (async_save's blocking part: staging);
 * restores of the newest snapshot: `memory` (both ranks hold it), `peer` (rank 1's process is new:
   the model and optimizer from rank 0 over gloo, its RNG and data position from its buddy), and of
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +43,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORLD = 2
+
+
+def _mark(event: threading.Event, since: float, out: list[float]) -> None:
+    event.wait(600)
+    out.append(time.perf_counter() - since)
 
 
 def _rank_main(args: argparse.Namespace) -> None:
@@ -82,60 +90,65 @@ def _rank_main(args: argparse.Namespace) -> None:
         out["state_bytes"] = state_bytes
         snaps = trainer.Snapshotter(every=1, env={**os.environ, "LOCAL_WORLD_SIZE": "1"})
         out["baseline_step_s"] = [step() for _ in range(args.steps)]
-        takes, exchanges, landed, after, plain = [], [], [], [], []
+        takes, exchanges, landed, hashed, after, plain = [], [], [], [], [], []
         done = 2 + args.steps
-        for i in range(args.steps):
+        steady = 2 * memory_state.KEEP  # the first KEEP snapshots allocate their buffers; later ones reuse
+        for i in range(2 * args.steps + steady):
             done += 1
             dt = step()
-            (after if i % 2 == 1 else plain).append(dt)
-            if i % 2 == 0 and i + 1 < args.steps:
+            if i >= steady:
+                (after if i % 2 == 1 else plain).append(dt)
+            if i % 2 == 0:
                 t0 = time.perf_counter()
                 why = snaps.take(done, model=model, optimizer=opt, data_state={"next_step": done})
                 assert why == "", why
-                takes.append(snaps.stalls[done])
-                exchanges.append(snaps.exchanges[done])
                 held = memory_state.snapshot(done, int(os.environ["RUNWARDEN_ATTEMPT"]))
-                assert held is not None and held.copied.wait(600)
-                landed.append(time.perf_counter() - t0)
+                assert held is not None
+                if i >= steady:
+                    takes.append(snaps.stalls[done])
+                    exchanges.append(snaps.exchanges[done])
+                    threading.Thread(target=_mark, args=(held.copied, t0, landed), daemon=True).start()
+                    threading.Thread(target=_mark, args=(held.hashed, t0, hashed), daemon=True).start()
         last = max(snaps.stalls)  # the newest snapshot's step
         out.update(
             take_s=takes,
             exchange_s=exchanges,
             landed_s=landed,
+            hashed_s=hashed,
             step_after_snapshot_s=after,
             step_no_snapshot_s=plain,
         )
         # a DCP commit of the same state (async_save: what blocks is the staging)
-        with tempfile.TemporaryDirectory(dir=args.ckpt_parent) as ckpt:
-            saver = DcpCheckpointer(ckpt, async_save=True)
-            t0 = time.perf_counter()
-            saver.save(done, model=model, optimizer=opt, data_state={"next_step": done})
-            out["dcp_async_block_s"] = time.perf_counter() - t0
-            saver.wait()
-            dist.barrier()
-            out["dcp_commit_s"] = time.perf_counter() - t0
-            # the commit's own in-memory copy is not what is measured here
-            memory_state._copies[:] = [x for x in memory_state._copies if x.kind == memory_state.SNAPSHOT]
-            point = trainer.SnapshotPoint(step=last, attempt=int(os.environ["RUNWARDEN_ATTEMPT"]))
-            dist.barrier()
-            t0 = time.perf_counter()
-            trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
-            out["restore_memory_s"] = time.perf_counter() - t0
-            out["restore_memory_source"] = memory_state.loaded_from(last)
-            if rank == 1:  # a new process: it holds nothing
-                memory_state._copies.clear()
-                snapshot._buddy_states.clear()
-            dist.barrier()
-            t0 = time.perf_counter()
-            trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
-            out["restore_peer_s"] = time.perf_counter() - t0
-            out["restore_peer_source"] = memory_state.loaded_from(last)
-            found = latest_committed(ckpt)
-            assert found is not None
-            dist.barrier()
-            t0 = time.perf_counter()
-            load_dcp(found, model=model, optimizer=opt, rank=rank)
-            out["restore_storage_s"] = time.perf_counter() - t0
+        ckpt = args.out_dir / "ckpt"  # every rank's: the parent made it
+        saver = DcpCheckpointer(ckpt, async_save=True)
+        t0 = time.perf_counter()
+        saver.save(done, model=model, optimizer=opt, data_state={"next_step": done})
+        out["dcp_async_block_s"] = time.perf_counter() - t0
+        saver.wait()
+        dist.barrier()
+        out["dcp_commit_s"] = time.perf_counter() - t0
+        # the commit's own in-memory copy is not what is measured here
+        memory_state._copies[:] = [x for x in memory_state._copies if x.kind == memory_state.SNAPSHOT]
+        point = trainer.SnapshotPoint(step=last, attempt=int(os.environ["RUNWARDEN_ATTEMPT"]))
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
+        out["restore_memory_s"] = time.perf_counter() - t0
+        out["restore_memory_source"] = memory_state.loaded_from(last)
+        if rank == 1:  # a new process: it holds nothing
+            memory_state._copies.clear()
+            snapshot._buddy_states.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
+        out["restore_peer_s"] = time.perf_counter() - t0
+        out["restore_peer_source"] = memory_state.loaded_from(last)
+        found = latest_committed(ckpt)
+        assert found is not None
+        dist.barrier()
+        t0 = time.perf_counter()
+        load_dcp(found, model=model, optimizer=opt, rank=rank)
+        out["restore_storage_s"] = time.perf_counter() - t0
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -150,7 +163,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_snapshots.json")
-    p.add_argument("--ckpt-parent", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument(
+        "--ckpt-parent", type=Path, default=None, help="where the DCP commit goes (default: a temp dir)"
+    )
     p.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -162,7 +177,7 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.ckpt_parent) as tmp:
         out_dir = Path(tmp)
         child = [sys.argv[0], *sys.argv[1:], "--rank-child", "--out-dir", str(out_dir)]
         procs = [
@@ -191,6 +206,7 @@ def main() -> None:
                 "take_s": med(r["take_s"]),
                 "exchange_s": med(r["exchange_s"]),
                 "copy_landed_s": med(r["landed_s"]),
+                "hashed_s": med(r["hashed_s"]),
                 "step_after_snapshot_extra_s": extra,
                 "stall_s": stall,
                 "stall_pct_of_step": 100 * stall / base,

@@ -18,6 +18,7 @@ cost is `keep`'s contract.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -236,10 +237,36 @@ def digest(t: Any) -> str:
     return hashlib.sha256(memoryview(flat.contiguous().view(torch.uint8).numpy())).hexdigest()
 
 
+BACKGROUND_NICE = 19  # the copy and hash threads' niceness: the CPU the training thread leaves idle
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's priority (Linux: niceness is per thread) so that the copy and its
+    digests take the CPU the training thread does not use (its waits in collectives, a GPU host's
+    idle cores) instead of slowing its step where the cores are all busy."""
+    # not Linux, or not allowed: the thread runs at the process's priority
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def digests(tensors: Any) -> list[str]:
+    """Each host tensor's SHA-256, on as many threads as the host has cores (at most 8: hashlib lets
+    go of the GIL), in order."""
+    tensors = list(tensors)
+    workers = min(8, os.cpu_count() or 1, len(tensors))
+    if workers <= 1:
+        return [digest(t) for t in tensors]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="runwarden-digest") as pool:
+        return list(pool.map(digest, tensors))
+
+
 def _hash_when_landed(
     buffers: list[Any], landed: threading.Event, out: list[str], hashed: threading.Event
 ) -> None:
     """Off the training thread: the digests a load checks the copy against, taken once it landed."""
+    _yield_to_training()
     try:
         if landed.wait(COPY_WAIT_S):
             out.extend(digest(b) for b in buffers)
@@ -339,6 +366,7 @@ def _copy(
         landed = threading.Event()
 
         def run() -> None:
+            _yield_to_training()
             try:
                 with torch.no_grad():
                     for src, dst in zip(locals_, buffers, strict=True):
@@ -465,7 +493,11 @@ def _checked(
     if not held.hashed.wait(COPY_WAIT_S) or len(held.digests) != len(held.buffers):
         fell_back(step, f"the in-memory copy of step {step} was never hashed: not served")
         return None
-    changed = [i for i, (b, d) in enumerate(zip(held.buffers, held.digests, strict=True)) if digest(b) != d]
+    changed = [
+        i
+        for i, (now, then) in enumerate(zip(digests(held.buffers), held.digests, strict=True))
+        if now != then
+    ]
     if changed:
         fell_back(
             step,

@@ -17,12 +17,14 @@ def test_llama3_scenario_carries_the_papers_counts() -> None:
     assert len(counts) == 18
     assert sc.planned.count == 47
     assert sc.run.nodes * sc.run.gpus_per_node == 16_384
-    assert set(sc.policies) == {"naive", "defaults", "cold", "tuned"}
+    assert set(sc.policies) == {"naive", "defaults", "commits", "cold", "tuned"}
     # the shipped defaults: the warm path's stop and launch (issue 18's measured breakdown, scaled),
-    # the load from storage, the core's preflight rule as shipped; cold: as before both existed
-    defaults, cold = sc.policy("defaults"), sc.policy("cold")
-    assert defaults.costs == {"stop_s": 3, "launch_s": 30} and not cold.costs
-    assert defaults.effective_costs(sc.costs).load_s == sc.costs.load_s == 120
+    # resumes from the in-memory snapshots every 60 s, loaded from memory, the core's preflight rule
+    # as shipped; commits: as before the snapshots; cold: as before the warm path and the rule
+    defaults, commits, cold = sc.policy("defaults"), sc.policy("commits"), sc.policy("cold")
+    assert defaults.costs == {"stop_s": 3, "launch_s": 30, "load_s": 10} and not cold.costs
+    assert defaults.checkpoint_interval_s == 60 and commits.checkpoint_interval_s == 600
+    assert commits.effective_costs(sc.costs).load_s == sc.costs.load_s == 120
     assert defaults.supervisor.preflight_max_age_s > 0 and defaults.supervisor.spare_check_interval_s > 0
     assert cold.supervisor.preflight_max_age_s == 0 and cold.spare_fraction == defaults.spare_fraction
     naive = sc.policy("naive")
