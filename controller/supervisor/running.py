@@ -60,6 +60,13 @@ def on_progress(sv: Run, ev: ProgressObserved) -> None:
                 sv.emit(SetTimer(key="hang", at=at))
 
 
+def on_progress_ending(sv: Run, ev: ProgressObserved) -> None:
+    """COLLECTING, STOPPING: the ranks still report the snapshots they take until they stop (a lost
+    host's peers train on until its lease expires): the relaunch may resume from the newest."""
+    if ev.attempt == sv.cur.number and ev.node in sv.cur.node_step and ev.ranks:
+        sv.cur.snapshots.observe(ev.node, ev.ranks)
+
+
 def _on_steps(sv: Run, ev: ProgressObserved, old: int) -> None:
     a = sv.cur
     if not a.load_logged:

@@ -20,6 +20,7 @@ node's state came from.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +142,24 @@ def test_faults_between_commits_resume_from_in_memory_snapshots(faulted: Faulted
         load = loads.get(launch.attempt)
         assert load is not None, f"attempt {launch.attempt} never loaded its snapshot"
         assert "storage" not in load.message, load.message  # a snapshot is never on storage
+    # steps redone per failure: the last step rank 0 logged in the failed attempt past the resume
+    # point, against the newest commit's (what a relaunch without snapshots redoes)
+    last: dict[int, int] = {}
+    for line in (faulted.cluster.loss_dir / "loss-rank0.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        last[rec["attempt"]] = max(last.get(rec["attempt"], -1), rec["step"] + 1)
+    committed: set[int] = set()
+    for ev in faulted.events:
+        if ev.kind == E.EVENT_KIND_CHECKPOINT_COMMIT:
+            committed.add(ev.step)
+        elif ev.kind == E.EVENT_KIND_LAUNCH and ev.launch.resume_snapshot_attempt and ev.attempt - 1 in last:
+            reached = last[ev.attempt - 1]
+            commit = max(c for c in committed if c <= ev.launch.resume_step)
+            print(
+                f"attempt {ev.attempt}: {reached - ev.launch.resume_step} steps redone from the snapshot "
+                f"of step {ev.launch.resume_step}; {reached - commit} from commit {commit}"
+            )
+            assert reached - ev.launch.resume_step < reached - commit
 
 
 def test_event_log_is_whole_and_goodput_adds_up(faulted: FaultedRun) -> None:

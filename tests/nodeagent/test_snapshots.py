@@ -10,11 +10,14 @@ is unit-tested below."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from nodeagent.trainer.snapshot import plan_snapshot_load
+from nodeagent.trainer import memory_state
+from nodeagent.trainer.snapshot import Snapshotter, interval_from_env, plan_snapshot_load, steps_for
 from tests.nodeagent.helpers import ROOT, run_gloo_ranks
 
 WORLD = 4
@@ -95,3 +98,35 @@ def test_the_snapshot_load_plan_is_one_rule_on_every_rank(
         assert plan is None and why in said
     else:
         assert plan is not None and plan.sender == sender and plan.rank_state_donors == donors
+
+
+def test_the_interval_becomes_steps_from_the_measured_step_time_and_bad_values_are_refused() -> None:
+    assert steps_for(60.0, [5.0, 5.2, 4.8, 9.0, 5.0]) == 12  # the median step, not a slow first one
+    assert steps_for(0.5, [1.0]) == 1  # at least every step
+    for bad in ("nan", "inf", "-1", "soon"):
+        with pytest.raises(ValueError, match="RUNWARDEN_SNAPSHOT_INTERVAL_S"):
+            interval_from_env({"RUNWARDEN_SNAPSHOT_INTERVAL_S": bad})
+    with pytest.raises(ValueError, match="RUNWARDEN_SNAPSHOT_EVERY"):
+        Snapshotter(env={"RUNWARDEN_SNAPSHOT_EVERY": "-3"})
+    warm = {"RUNWARDEN_LAUNCH_PATH": "warm", "RUNWARDEN_ATTEMPT": "1"}
+    assert Snapshotter(env={**warm, "RUNWARDEN_SNAPSHOT_EVERY": "4"}).due(8)
+    assert not Snapshotter(env={**warm, "RUNWARDEN_SNAPSHOT_EVERY": "4"}).due(6)
+    # a cold launch's processes end with the attempt: no snapshot, whatever the interval
+    cold = Snapshotter(env={"RUNWARDEN_ATTEMPT": "1", "RUNWARDEN_SNAPSHOT_EVERY": "1"})
+    assert not any(cold.due(s) for s in range(1, 20))
+
+
+def test_the_copy_and_digest_threads_yield_to_the_training_thread() -> None:
+    """Their niceness is per thread (Linux): the training thread's own is untouched."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+
+    def background() -> None:
+        memory_state._yield_to_training()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen == [memory_state.BACKGROUND_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -71,6 +71,19 @@ def test_a_crash_resumes_from_the_newest_snapshot_every_ranks_state_survives_in(
     )
 
 
+def test_snapshots_reported_while_the_attempt_ends_are_resume_points() -> None:
+    """A lost host's peers train on, snapshotting, until its lease expires and the stop reaches them."""
+    d = _driver()
+    d.steps(1, 10)
+    d.send(CheckpointCommitted(step=10))
+    d.steps(11, 15, snapshots=(15,))
+    d.send(NodeLost(node="n1"))
+    assert d.sup.state is RunState.COLLECTING or d.sup.state is RunState.STOPPING
+    d.progress(20, nodes=["n2"], snapshots=(15, 20))  # n1's ranks' state at 20 is on n2, their buddy
+    _end_attempt(d)
+    assert (d.launches[-1].resume_step, d.launches[-1].resume_snapshot) == (20, 1)
+
+
 def test_a_lost_node_that_alone_held_the_newest_snapshot_leaves_the_one_before() -> None:
     d = _driver()
     d.steps(1, 10)
