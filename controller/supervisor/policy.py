@@ -91,7 +91,8 @@ class SupervisorConfig:
     eval_timeout_s: float = 1800.0
     # In-memory snapshots between commits (nodeagent.trainer.snapshot, controller/supervisor/snapshots.py):
     # the ranks snapshot every this many seconds of steps; a relaunch resumes from the newest one every
-    # rank's state survives in. 0: none.
+    # rank's state survives in. 0: none. 60 s: Young/Daly's sqrt(2 x MTBF x stall), 47 s for Llama 3's
+    # 3.1 h job MTBF and the measured 0.1 s stall (BENCHMARKS.md), rounded up.
     snapshot_interval_s: float = 60.0
     startup_timeout_s: float = 300.0  # launch -> first progress of every node
     # a node still loading its checkpoint this long after another node of the attempt finished

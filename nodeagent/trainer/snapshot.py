@@ -6,9 +6,10 @@
         if done % ckpt_every == 0: saver.save(done, ...)  # the durable commit: the truth on disk
         elif snapshots.due(done): snapshots.take(done, model=ddp, optimizer=opt, data_state={...})
 
-Every `every` steps (the controller's policy reaches the ranks as RUNWARDEN_SNAPSHOT_EVERY at each
-launch; 0: none) each rank copies its model and optimizer state into host memory
-(`memory_state.keep`, kind SNAPSHOT: the newest two are kept, in buffers reused from snapshot to
+Every `snapshot_interval_s` of steps (the controller's policy, RUNWARDEN_SNAPSHOT_INTERVAL_S at each
+launch: the ranks time their first steps and agree once on how many steps that is; or every
+RUNWARDEN_SNAPSHOT_EVERY steps; 0: none; a cold launch takes none) each rank copies its model and
+optimizer state into host memory (`memory_state.keep`, kind SNAPSHOT: the newest two are kept, in buffers reused from snapshot to
 snapshot) and its rank state (RNG states, data position, scheduler: small JSON) too, and sends that
 rank state to its buddy, the same local rank on the next host ((rank + local world size) mod world
 size), which keeps it. A snapshot is never written to storage.
@@ -17,9 +18,9 @@ Who holds what, so that a lost host's state survives: a rank's model and optimiz
 is a replica every rank holds; its rank state is held by itself and its buddy on another host.
 Sharded state (FSDP, DTensor) is held by its own rank only (not replicated to the buddy yet): such a
 snapshot serves a restart only when every rank kept its process. The controller chooses the resume
-point from the ranks' reports (RankProgress.snapshot_steps): the newest snapshot every rank holds,
-when every rank's state has a holder among the next attempt's hosts, else the newest commit; it
-launches with RUNWARDEN_RESUME_STEP and RUNWARDEN_RESUME_SNAPSHOT (the attempt that took it).
+point from the ranks' reports (RankProgress.snapshot_steps, the complete snapshots each holds): the
+newest snapshot for which every rank's state has a holder among the next attempt's hosts
+(controller/supervisor/snapshots.py), else the newest commit; it launches with RUNWARDEN_RESUME_STEP and RUNWARDEN_RESUME_SNAPSHOT (the attempt that took it).
 
 `resume_point` returns a `SnapshotPoint` then, and `load_checkpoint` serves it with `restore`, a
 collective: every rank says what it holds, every rank computes the same plan (the model and
@@ -28,8 +29,8 @@ commit's peer load is; each rank's rank state from itself or from the lowest ran
 and where any rank's state has no holder every rank raises `SnapshotUnavailable`: the reporter
 tells the controller, which relaunches from the newest commit.
 
-The copy's stall: the host copy runs on a thread while the next step's forward and backward read
-the same tensors; the optimizer's next step waits for it (a step pre-hook), so the state copied is
+The copy's stall: the host copy runs on a thread (at the lowest priority, its digests after it)
+while the next step's forward and backward read the same tensors; the optimizer's next step waits for it (a step pre-hook), so the state copied is
 the state at `step`. Anything else that changes the model or optimizer state in between (an EMA
 update outside the optimizer) must call `wait()` first.
 """
