@@ -818,40 +818,22 @@ def load_checkpoint(
     on every rank, told to the supervisor likewise: it relaunches from the newest commit."""
     from nodeagent.trainer.checkpoint import CorruptCheckpoint
 
-    if isinstance(checkpoint, SnapshotPoint):
-        from nodeagent.trainer import snapshot
-
-        try:
-            data_state, extra = snapshot.restore(
-                checkpoint,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                rank=rank,
-                restore_rng=restore_rng,
-            )
-        except SnapshotUnavailable as exc:
-            if reporter is not None:
-                reporter.load_failed(checkpoint.step, str(exc))
-            raise
-        return LoadedCheckpoint(
-            step=checkpoint.step,
-            path=Path(f"<snapshot {checkpoint.step}>"),
-            data_state=data_state,
-            extra=extra,
-        )
+    how: dict[str, Any] = dict(
+        model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, restore_rng=restore_rng
+    )
     try:
-        return _load_checkpoint(
-            checkpoint,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            rank=rank,
-            restore_rng=restore_rng,
-            map_location=map_location,
-            from_peer=from_peer,
-        )
-    except CorruptCheckpoint as exc:
+        if isinstance(checkpoint, SnapshotPoint):
+            from nodeagent.trainer import snapshot
+
+            data_state, extra = snapshot.restore(checkpoint, **how)
+            return LoadedCheckpoint(
+                step=checkpoint.step,
+                path=Path(f"<snapshot {checkpoint.step}>"),
+                data_state=data_state,
+                extra=extra,
+            )
+        return _load_checkpoint(checkpoint, map_location=map_location, from_peer=from_peer, **how)
+    except (CorruptCheckpoint, SnapshotUnavailable) as exc:
         if reporter is not None:
             reporter.load_failed(exc.step, str(exc))
         raise

@@ -64,10 +64,10 @@ from nodeagent.trainer.dcp_format import (
     read_rank_state,
     read_shard_digests,
     rng_restorer,
-    rng_state_json,
     shard_digests_name,
     whole_tensors_bytes,
 )
+from nodeagent.trainer.dcp_format import rank_state as own_state
 from nodeagent.trainer.torch_api import set_nested
 
 log = logging.getLogger(__name__)
@@ -302,16 +302,9 @@ class DcpCheckpointer:
         self.wait()
         self._confirm_commits()
         writer = CheckpointWriter(self.root, step)  # un-commits the step (every rank, before any write)
-        rank_state = {
-            "format": FORMAT,
-            "step": step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "rng": rng_state_json(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "data_state": data_state,
-            "extra": extra,
-        }
+        rank_state = own_state(
+            FORMAT, step, self.rank, self.world_size, scheduler=scheduler, data_state=data_state, extra=extra
+        )
         try:
             body = json.dumps(rank_state, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:

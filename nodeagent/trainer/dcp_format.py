@@ -57,6 +57,23 @@ def rng_state_json() -> dict[str, Any]:
     return state
 
 
+def rank_state(
+    fmt: str, step: int, rank: int, world_size: int, *, scheduler: Any, data_state: Any, extra: Any
+) -> dict[str, Any]:
+    """A rank's own state at `step` (its RNG states now, data position, scheduler): JSON data, the
+    part of a save (`fmt` "dcp") or a snapshot ("snapshot") that is this rank's alone."""
+    return {
+        "format": fmt,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "rng": rng_state_json(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_state": data_state,
+        "extra": extra,
+    }
+
+
 def bad(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"{path}: {what}")
 

@@ -49,7 +49,8 @@ from typing import Any
 
 from nodeagent.trainer import memory_state
 from nodeagent.trainer.checkpoint import CheckpointError
-from nodeagent.trainer.dcp_format import MAX_RANK_STATE_BYTES, rng_restorer, rng_state_json
+from nodeagent.trainer.dcp_format import MAX_RANK_STATE_BYTES, rng_restorer
+from nodeagent.trainer.dcp_format import rank_state as own_state
 
 log = logging.getLogger(__name__)
 
@@ -213,16 +214,9 @@ class Snapshotter:
         started = time.perf_counter()
         self.wait()  # the previous copy's buffers may be reused now
         run, attempt = _identity(self.env)
-        rank_state = {
-            "format": FORMAT,
-            "step": step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "rng": rng_state_json(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "data_state": data_state,
-            "extra": extra,
-        }
+        rank_state = own_state(
+            FORMAT, step, self.rank, self.world_size, scheduler=scheduler, data_state=data_state, extra=extra
+        )
         body = json.dumps(rank_state, allow_nan=False).encode()
         why = memory_state.keep(
             step,
@@ -391,7 +385,7 @@ def restore(
         states = {held.rank: held.payload["rank_state"]} if held is not None else {}
         if buddy_doc is not None:
             states[buddy_rank] = buddy_doc
-        got = _exchange_rank_states(plan.rank_state_donors, states, rank)
+        got = _exchange_rank_states(plan.rank_state_donors, states, rank, point.step)
         own = own if own is not None else got
     if own is None or _parse_rank_state(json.dumps(own).encode(), point.step, rank) is None:
         raise SnapshotUnavailable(
@@ -438,7 +432,7 @@ def plan_snapshot_load(rows: list[list[int]], rank: int) -> tuple[SnapshotLoadPl
 
 
 def _exchange_rank_states(
-    donors: tuple[int, ...], states: dict[int, Any], rank: int
+    donors: tuple[int, ...], states: dict[int, Any], rank: int, step: int
 ) -> dict[str, Any] | None:
     """Send each rank whose donor this rank is its rank state; receive this rank's if another
     rank is its donor. Every rank calls it with the same `donors`."""
@@ -455,7 +449,7 @@ def _exchange_rank_states(
     donor = donors[rank]
     n = int(gathered[donor][rank].item()) if donor != rank else 0
     if n > MAX_RANK_STATE_BYTES:
-        raise SnapshotUnavailable(-1, f"rank {donor} announced a rank state of {n} bytes")
+        raise SnapshotUnavailable(step, f"rank {donor} announced a rank state of {n} bytes")
     ops = [
         dist.P2POp(dist.isend, torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device), r)
         for r, body in outgoing.items()

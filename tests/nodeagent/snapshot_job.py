@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from nodeagent import trainer
 from nodeagent.trainer import memory_state, snapshot
+from tests.nodeagent.peer_state_job import _model, _step  # the same DDP model, AdamW and schedule
 
 LOCAL_WORLD = 2
 
@@ -39,22 +39,6 @@ class Reports:
 
     def load_failed(self, step: int, error: str) -> None:
         self.load_errors.append((step, error))
-
-
-def _model() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
-    return model, opt, sched
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sched.step()
 
 
 def _fingerprint(

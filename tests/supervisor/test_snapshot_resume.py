@@ -44,15 +44,19 @@ def _end_attempt(d: Driver, *, lost: tuple[str, ...] = (), crashed: str = "") ->
     assert d.sup.state is RunState.RUNNING and d.sup.attempt == attempt + 1
 
 
+def _commit_10_then_snapshot_15(d: Driver) -> None:
+    d.steps(1, 10)
+    d.send(CheckpointCommitted(step=10))
+    d.steps(11, 15, snapshots=(15,))
+
+
 def _launch_event(d: Driver) -> E.Event:
     return d.events(E.EVENT_KIND_LAUNCH)[-1]
 
 
 def test_a_crash_resumes_from_the_newest_snapshot_every_ranks_state_survives_in() -> None:
     d = _driver()
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     d.steps(16, 20, snapshots=(15, 20))
     # n2's ranks report 25, n1's have not yet: n2 holds n1's ranks' state at 25 (it is their buddy)
     d.steps(21, 25, snapshots={"n1": (15, 20), "n2": (20, 25)})
@@ -74,9 +78,7 @@ def test_a_crash_resumes_from_the_newest_snapshot_every_ranks_state_survives_in(
 def test_snapshots_reported_while_the_attempt_ends_are_resume_points() -> None:
     """A lost host's peers train on, snapshotting, until its lease expires and the stop reaches them."""
     d = _driver()
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     d.send(NodeLost(node="n1"))
     assert d.sup.state is RunState.COLLECTING or d.sup.state is RunState.STOPPING
     d.progress(20, nodes=["n2"], snapshots=(15, 20))  # n1's ranks' state at 20 is on n2, their buddy
@@ -97,9 +99,7 @@ def test_a_lost_node_that_alone_held_the_newest_snapshot_leaves_the_one_before()
 
 def test_a_lost_node_replaced_by_a_spare_still_resumes_from_the_snapshot_its_buddy_holds() -> None:
     d = _driver()
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     _end_attempt(d, lost=("n1",))
     assert [nr.node for nr in d.launches[-1].nodes] == ["n3", "n2"]
     assert (d.launches[-1].resume_step, d.launches[-1].resume_snapshot) == (15, 1)
@@ -107,9 +107,7 @@ def test_a_lost_node_replaced_by_a_spare_still_resumes_from_the_snapshot_its_bud
 
 def test_a_snapshot_whose_rank_and_buddy_are_both_gone_is_passed_over_for_the_commit() -> None:
     d = _driver(nodes=3, spares=2)
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     # ranks 0-1 live on n1, their buddies (ranks 2-3) on n2: both hosts lost
     _end_attempt(d, lost=("n1", "n2"))
     assert (d.launches[-1].resume_step, d.launches[-1].resume_snapshot) == (10, 0)
@@ -135,9 +133,7 @@ def test_a_snapshot_held_only_on_a_lost_node_or_no_newer_than_the_commit_is_not_
 
 def test_a_snapshot_the_ranks_refuse_is_dropped_and_the_relaunch_resumes_from_the_commit() -> None:
     d = _driver()
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     _end_attempt(d, crashed="n1")
     assert d.launches[-1].resume_snapshot == 1
     why = "snapshot of step 15 (attempt 1): rank 1's rank state (RNG, data position) has no holder"
@@ -158,9 +154,7 @@ def test_a_snapshot_the_ranks_refuse_is_dropped_and_the_relaunch_resumes_from_th
 
 def test_a_non_finite_loss_right_after_a_snapshot_load_relaunches_from_the_commit() -> None:
     d = _driver()
-    d.steps(1, 10)
-    d.send(CheckpointCommitted(step=10))
-    d.steps(11, 15, snapshots=(15,))
+    _commit_10_then_snapshot_15(d)
     _end_attempt(d, crashed="n1")
     assert d.launches[-1].resume_snapshot == 1
     out = d.progress(16, loaded=15, loss=lambda step, rank: math.nan)
