@@ -321,6 +321,7 @@ class Executor:
             resume_step=action.resume_step,
             launched_at=launched_at,
             leader_fence=fence,
+            resume_snapshot_attempt=action.resume_snapshot,
             controller_version=runwarden.__version__,
         )
         key = self.keys.attempt(action.run)

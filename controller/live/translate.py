@@ -182,6 +182,7 @@ class Translator:
                 attempt=attempt.attempt if attempt else 0,
                 attempt_nodes=tuple(attempt.nodes) if attempt else (),
                 resume_step=attempt.resume_step if attempt else -1,
+                resume_snapshot=max(0, attempt.resume_snapshot_attempt) if attempt else 0,
                 committed_steps=committed,
                 stop_requested=stop,
                 draining=draining,

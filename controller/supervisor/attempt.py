@@ -28,6 +28,7 @@ class Attempt:
     resume_step: int
     launched_at: float
     resume_snapshot: int = 0  # > 0: resume_step is that attempt's in-memory snapshot, not a commit
+    snapshot_refused: bool = False  # its ranks refused that snapshot (CheckpointInvalid)
     node_step: dict[str, int]  # node -> its slowest rank's step (UNREPORTED until it reports)
     step_count: dict[int, int]  # step -> how many nodes are at it (the minimum in O(distinct steps))
     min_step: int = UNREPORTED

@@ -243,6 +243,7 @@ def _adopt(sv: Run, snap: StoreListed) -> None:
         now=sv.now,
         straggler_window=sv.cfg.straggler_window,
     )
+    sv.cur.resume_snapshot = snap.resume_snapshot
     missing = []
     for n in attempt_nodes:
         if sv.pool.get(n).state in (PoolState.SPARE, PoolState.ASSIGNED):

@@ -422,6 +422,7 @@ class StoreListed:
     attempt: int = 0
     attempt_nodes: tuple[str, ...] = ()
     resume_step: int = -1
+    resume_snapshot: int = 0  # > 0: resume_step is that attempt's in-memory snapshot
     committed_steps: tuple[int, ...] = ()
     stop_requested: StopRequested | None = None
     draining: dict[str, str] = field(default_factory=dict)  # node -> why, as the node records say

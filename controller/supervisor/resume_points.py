@@ -51,8 +51,9 @@ def on_checkpoint_invalid(sv: Run, ev: CheckpointInvalid) -> bool:
 
 
 def _snapshot_refused(sv: Run, ev: CheckpointInvalid) -> bool:
-    if sv.resumed_snapshot is None:
+    if sv.cur.snapshot_refused:
         return False  # a second node's report of the same refusal
+    sv.cur.snapshot_refused = True
     sv.resumed_snapshot = None
     where = f" on {ev.node}" if ev.node else ""
     then = f"committed step {sv.latest_committed}" if sv.latest_committed >= 0 else "scratch"

@@ -425,6 +425,7 @@ class AttemptRecord(_message.Message):
     LAUNCHED_AT_FIELD_NUMBER: _builtins.int
     LEADER_FENCE_FIELD_NUMBER: _builtins.int
     CONTROLLER_VERSION_FIELD_NUMBER: _builtins.int
+    RESUME_SNAPSHOT_ATTEMPT_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     rendezvous_id: _builtins.str
@@ -436,6 +437,10 @@ class AttemptRecord(_message.Message):
     """the launching leader's fencing token"""
     controller_version: _builtins.str
     """runwarden.__version__ of the launching leader ("": before 0.1.0's issue 32)"""
+    resume_snapshot_attempt: _builtins.int
+    """> 0: resume_step is the in-memory snapshot that attempt took, not a commit (a new leader must not
+    take the ranks' report of the step they loaded for a commit)
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -449,10 +454,11 @@ class AttemptRecord(_message.Message):
         launched_at: _builtins.float = ...,
         leader_fence: _builtins.int = ...,
         controller_version: _builtins.str = ...,
+        resume_snapshot_attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "controller_version", b"controller_version", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "controller_version", b"controller_version", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nodes", b"nodes", "rendezvous_id", b"rendezvous_id", "resume_snapshot_attempt", b"resume_snapshot_attempt", "resume_step", b"resume_step", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

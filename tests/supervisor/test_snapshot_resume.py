@@ -16,6 +16,7 @@ from controller.supervisor.events import (
     CheckpointInvalid,
     DumpsCollected,
     NodeLost,
+    StoreListed,
 )
 from controller.supervisor.machine import RunState
 from runwarden.v1 import events_pb2 as E
@@ -173,3 +174,25 @@ def test_a_non_finite_loss_right_after_a_snapshot_load_relaunches_from_the_commi
 def test_snapshots_off_in_the_policy_reach_the_ranks_as_zero() -> None:
     d = _driver(snapshot_interval_s=0.0)
     assert d.launches[-1].snapshot_interval_s == 0.0
+
+
+def test_a_new_leader_knows_its_adopted_attempt_resumed_from_a_snapshot() -> None:
+    """The attempt record says so: the ranks' report of the step they loaded is not a commit, and a
+    refusal of it is the snapshot's (relaunched from the commit, no node blamed)."""
+    d = Driver(cfg=fast(), nodes=2, ranks_per_node=2)
+    d.send(
+        StoreListed(
+            alive={"n1": 2, "n2": 2},
+            attempt=3,
+            attempt_nodes=("n1", "n2"),
+            resume_step=25,
+            resume_snapshot=2,
+            committed_steps=(10,),
+        )
+    )
+    assert d.sup.state is RunState.RUNNING and d.sup.cur.resume_snapshot == 2
+    d.send(CheckpointCommitted(step=25, attempt=3))
+    assert d.sup.committed == {10}
+    out = d.send(CheckpointInvalid(step=25, error="no rank holds a copy", node="n1", attempt=3))
+    (det,) = d.events(E.EVENT_KIND_DETECTION, out)
+    assert det.detection.detector == E.DETECTOR_CHECKPOINT and not det.detection.nodes
