@@ -10,7 +10,7 @@ In one run, per rank:
 
 * `baseline`: `--steps` steps, no snapshot: the step time;
 * `snapshots`: 2 x `--steps` steps with a snapshot (nodeagent.trainer.Snapshotter.take) after every
-  other one, after 2 x KEEP steps that allocate the snapshots' buffers (later ones reuse them):
+  other one, after 2 x SNAPSHOT_KEEP steps that allocate the snapshots' buffers (later ones reuse them):
   the time take() blocks the training thread (of it, the exchange with the buddy), when the
   background host copy landed and when its SHA-256 digests were taken, and the step after a
   snapshot against the step after none (the copy runs beside that step's forward and backward,
@@ -92,7 +92,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         out["baseline_step_s"] = [step() for _ in range(args.steps)]
         takes, exchanges, landed, hashed, after, plain = [], [], [], [], [], []
         done = 2 + args.steps
-        steady = 2 * memory_state.KEEP  # the first KEEP snapshots allocate their buffers; later ones reuse
+        steady = 2 * memory_state.SNAPSHOT_KEEP  # the first ones allocate their buffers; later ones reuse
         for i in range(2 * args.steps + steady):
             done += 1
             dt = step()

@@ -374,11 +374,15 @@ class ProgressReporter:
 
     def set_snapshots(self, steps: tuple[int, ...]) -> None:
         """The complete in-memory snapshots this rank now holds (a Snapshotter calls it after each):
-        sent at the next flush, and on every later report (RankProgress.snapshot_steps)."""
+        sent at once, and on every later report (RankProgress.snapshot_steps)."""
         self._snapshots = tuple(int(s) for s in steps)[-4:]
         repeat = self._repeat_last() if self._last_report is not None else None
-        if repeat is not None:
+        if repeat is not None:  # sent now: the controller chooses the resume point from these
             self._pending.append(repeat)
+            try:
+                self.flush()
+            except Exception as exc:  # reporting never fails the snapshot
+                log.debug("progress flush failed: %s", exc)
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)

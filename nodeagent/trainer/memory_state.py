@@ -69,11 +69,13 @@ class MemoryCopy:
     whole: bool = True  # no DTensor in it: every rank of the attempt holds the same model and optimizer
 
 
-# The newest two of each kind. Commits: an asynchronous save's commit comes after the next steps, and a
-# save waits for the previous one to commit before it starts, so the latest commit is always one of
-# the two kept. Snapshots: the ranks report their newest as they take it; while some have reported a
-# new one and some not, the one before is the newest every rank still holds.
+# The newest two commits: an asynchronous save's commit comes after the next steps, and a save waits
+# for the previous one to commit before it starts, so the latest commit is always one of the two kept.
 KEEP = 2
+# The newest three snapshots: the controller chooses one from the ranks' reports, which lag the ranks
+# by up to a report interval and an agent write (~1.5 s), and the ranks train on until the stop
+# reaches them; at a snapshot a second or more apart, the one it chose is still held.
+SNAPSHOT_KEEP = 3
 # Host bytes one rank process may hold in copies (both together): AgentConfig.memory_copy_budget_bytes
 # reaches a parked rank as `--copy-budget-bytes` (nodeagent.warm.rank). 0 keeps none.
 DEFAULT_BUDGET_BYTES = 16 * 1024**3
@@ -133,7 +135,7 @@ def keep(
 ) -> str:
     """Copy `payload` into host memory as this rank's state at checkpoint `step`: "" if kept, else
     why not (also logged, and said by the load of that step). `kind`: COMMIT (what a save wrote)
-    or SNAPSHOT (between commits); each kind keeps its newest KEEP. `in_background`: a CPU copy
+    or SNAPSHOT (between commits); each kind keeps its newest (KEEP, SNAPSHOT_KEEP). `in_background`: a CPU copy
     runs on a thread too (its `copied` event says when it landed: the caller must not change the
     state before then; nodeagent.trainer.snapshot waits for it before the optimizer's next step).
 
@@ -175,7 +177,7 @@ def keep(
     with _lock:
         kept = [x for x in _copies if x.kind != kind or x.step != step]
         mine = [x for x in kept if x.kind == kind]
-        kept = [x for x in kept if x.kind != kind or x in mine[1 - KEEP :]]
+        kept = [x for x in kept if x.kind != kind or x in mine[1 - _keep(kind) :]]
         squeezed = []
         while kept and sum(x.nbytes for x in kept) + nbytes > limit:
             oldest = min(kept, key=lambda x: (x.step, x.kind != kind))  # the oldest first
@@ -222,9 +224,13 @@ def keep(
     with _lock:
         _copies[:] = [*(x for x in _copies if x.kind != kind or x.step != step), held]
         mine = [x for x in _copies if x.kind == kind]
-        _copies[:] = [x for x in _copies if x.kind != kind or x in mine[-KEEP:]]
+        _copies[:] = [x for x in _copies if x.kind != kind or x in mine[-_keep(kind) :]]
         _not_kept.pop(step, None)
     return ""
+
+
+def _keep(kind: str) -> int:
+    return SNAPSHOT_KEEP if kind == SNAPSHOT else KEEP
 
 
 def digest(t: Any) -> str:

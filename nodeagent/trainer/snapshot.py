@@ -9,7 +9,7 @@
 Every `snapshot_interval_s` of steps (the controller's policy, RUNWARDEN_SNAPSHOT_INTERVAL_S at each
 launch: the ranks time their first steps and agree once on how many steps that is; or every
 RUNWARDEN_SNAPSHOT_EVERY steps; 0: none; a cold launch takes none) each rank copies its model and
-optimizer state into host memory (`memory_state.keep`, kind SNAPSHOT: the newest two are kept, in buffers reused from snapshot to
+optimizer state into host memory (`memory_state.keep`, kind SNAPSHOT: the newest three are kept, in buffers reused from snapshot to
 snapshot) and its rank state (RNG states, data position, scheduler: small JSON) too, and sends that
 rank state to its buddy, the same local rank on the next host ((rank + local world size) mod world
 size), which keeps it. A snapshot is never written to storage.
@@ -59,7 +59,7 @@ SNAPSHOT_EVERY_ENV = "RUNWARDEN_SNAPSHOT_EVERY"  # steps (an override of the int
 SNAPSHOT_INTERVAL_ENV = "RUNWARDEN_SNAPSHOT_INTERVAL_S"  # seconds; the policy's snapshot_interval_s
 CALIBRATION_STEPS = 5  # steps timed before the ranks agree on how many steps make the interval
 RESUME_SNAPSHOT_ENV = "RUNWARDEN_RESUME_SNAPSHOT"
-_BUDDY_KEEP = 2  # the buddies' rank states kept: as many snapshots as memory_state keeps
+_BUDDY_KEEP = memory_state.SNAPSHOT_KEEP  # the buddies' rank states kept: as many as the snapshots
 
 
 class SnapshotUnavailable(CheckpointError):

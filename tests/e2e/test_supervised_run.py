@@ -61,10 +61,13 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultedRun]:
     root = tmp_path_factory.mktemp("supervised")
     # The shipped defaults: warm workers (parked ranks start each attempt, healthy hosts keep theirs
     # across it) and preflight off the restart's critical path.
-    # In-memory snapshots every ~2 s of steps between commits every 60 steps (6-12 s): a fault between
-    # two commits resumes from a snapshot, as one at fleet scale would (minutes between snapshots,
-    # tens of minutes between commits). 2 s: above the ranks' report latency (1.5 s), as minutes are.
-    spec = ClusterSpec(ckpt_every=60, policy={"kill_stragglers_mid_run": True, "snapshot_interval_s": 2.0})
+    # In-memory snapshots every 10 steps between commits every 60 (6-12 s): a fault between two commits
+    # resumes from a snapshot, as one at fleet scale would (a minute between snapshots, tens of minutes
+    # between commits). In steps, not the policy's seconds: how many steps the seconds make depends on
+    # the machine's load, and so would how many faults land between a commit and the next snapshot.
+    spec = ClusterSpec(
+        ckpt_every=60, train_args=("--snapshot-every", "10"), policy={"kill_stragglers_mid_run": True}
+    )
     with contextlib.ExitStack() as stack:
         cluster: LocalCluster | FleetCluster
         victims: dict[str, int] = {}
@@ -136,7 +139,9 @@ def test_faults_between_commits_resume_from_in_memory_snapshots(faulted: Faulted
     The losses test above proves every such resume exact."""
     from_snapshots = check_resumes_only_from_commits(faulted.events)
     launches = "\n".join(e.message for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH)
-    assert len(from_snapshots) >= 2, launches
+    # the first fault comes right after the first commit; each later one lands 10 steps or more
+    # past a commit (a snapshot newer than it) but for 1 in 6
+    assert len(from_snapshots) >= 1, launches
     loads = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
     for launch in from_snapshots:
         load = loads.get(launch.attempt)
@@ -276,6 +281,7 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
     crashed host whose one rank its leader forked again) receive the state from a peer."""
     loads = {e.attempt: e.message for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
     launched = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LAUNCH}
+    committed_by = {e.step: e.attempt for e in faulted.events if e.kind == E.EVENT_KIND_CHECKPOINT_COMMIT}
     started = _started(faulted.events)
     born: dict[int, dict[str, int]] = {}  # attempt -> node -> the attempt its rank processes began in
     alive: dict[str, int] = {}
@@ -294,7 +300,8 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
             source, nodes = part.split(" on ", 1)
             by_source[source] = set(nodes.split(", "))
         new = r.launch.attempt
-        made = launched[new].launch.resume_snapshot_attempt or new - 1  # the attempt that made the state
+        resumed = launched[new].launch  # the attempt that made the state: its snapshot's, or its commit's
+        made = resumed.resume_snapshot_attempt or committed_by.get(resumed.resume_step, new - 1)
         fresh = {n for n in started[new] if born[new][n] > made or n not in started.get(made, {})}
         kept = set(started[new]) - fresh
         assert fresh and fresh <= by_source.get("peer", set()), (r.injection.fault, fresh, message)

@@ -4,6 +4,8 @@
 * the in-memory copies on a GPU: every tensor lands in pinned host memory, the copy allocates no
   GPU memory, the training thread only issues it (timed: issue vs landed), and the stall of an
   async save with and without the copy;
+* in-memory snapshots of a state on the GPU (nodeagent.trainer.snapshot): no GPU memory, the
+  training thread's hold, the step after one against one after none, the restore;
 * the peer path's chunked staging through the GPU under NCCL (its peak GPU memory);
 * `stop_agreed(device="cuda")` over NCCL;
 * a warm rank (the real `nodeagent.warm.leader` and `nodeagent.warm.rank`) running NCCL attempts: an attempt
@@ -24,6 +26,7 @@ import json
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,6 +140,65 @@ def copies_and_dcp(device: Any, tmp: Path) -> None:
     trainer.load_checkpoint(commit, model=fresh, optimizer=fresh_opt)
     assert memory_state.loaded_from(4) == "memory" and _same(fresh, model)
     print("  load from the in-memory copy: equal")
+    memory_state._copies.clear()
+
+
+def snapshots_on_device(device: Any) -> None:
+    """Issue 30's GPU figure: a snapshot of a state on the GPU (never allocating GPU memory), what it
+    holds the training thread, the step after it against one after none, and its restore."""
+    step(f"in-memory snapshots of {device.type} state: the stall, the step after, the restore")
+    import torch
+
+    from nodeagent import trainer
+    from nodeagent.trainer import memory_state
+
+    cuda = device.type == "cuda"
+    os.environ.update(WARM_ENV)
+    memory_state._copies.clear()
+    width = 4096 if cuda else 1024  # on a GPU 537 MiB of parameters, 1.6 GiB with AdamW's moments
+    model, opt = _model(device, width, 8)
+    snaps = trainer.Snapshotter(every=1, env={**os.environ, "LOCAL_WORLD_SIZE": "1"})
+    x = torch.randn(256, width, device=device)
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        train_step()
+    plain = [train_step() for _ in range(5)]
+    held, after = [], []
+    for s in range(1, 6):
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        assert snaps.take(s, model=model, optimizer=opt, data_state={"next_step": s}) == ""
+        held.append(time.perf_counter() - t0)
+        if cuda:
+            assert torch.cuda.memory_allocated() == before, "the snapshot allocated GPU memory"
+        if s == 5:  # the state at the snapshot (read after the others' steps were timed)
+            reference = [p.detach().cpu().clone() for p in model.parameters()]
+        after.append(train_step())
+    copy = memory_state.snapshot(5, 1)
+    assert copy is not None and copy.copied.wait(120) and not copy.failed, "the last snapshot never landed"
+    med = statistics.median(plain), statistics.median(held), statistics.median(after[:4])
+    print(
+        f"  {copy.nbytes / 2**20:.0f} MiB: step {med[0] * 1e3:.1f} ms; take() {med[1] * 1e3:.1f} ms on the "
+        f"training thread; the step after it {med[2] * 1e3:.1f} ms (+{(med[2] - med[0]) / med[0] * 100:.1f}%)"
+    )
+    loaded = trainer.load_checkpoint(
+        trainer.SnapshotPoint(step=5, attempt=1), model=model, optimizer=opt, rank=0
+    )
+    assert loaded.data_state == {"next_step": 5} and memory_state.loaded_from(5) == "memory"
+    assert all(torch.equal(p.detach().cpu(), r) for p, r in zip(model.parameters(), reference, strict=True))
+    assert next(model.parameters()).device.type == device.type
+    print("  restored from memory: equal to the state at the snapshot, on the device")
     memory_state._copies.clear()
 
 
@@ -418,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-runwarden-") as tmp:
         copies_and_dcp(device, Path(tmp))
+        snapshots_on_device(device)
         nccl_paths(device, Path(tmp))
         warm_rank(device, Path(tmp))
         flight_recorder_and_counters(device, Path(tmp))

@@ -2,7 +2,8 @@
 # Exercises every GPU code path one GPU can run, in under 5 minutes:
 # * tests/gpu/gpu_runwarden.py (about a minute, 120 s at most): runwarden's training side: DCP save/load of CUDA
 #   tensors, the in-memory copies (pinned host memory, async D2H, no GPU memory; the save stall with
-#   and without), the peer path's chunked staging, stop_agreed(device="cuda"), a warm rank's NCCL
+#   and without), the in-memory snapshots (no GPU memory, the stall, the step after, the restore),
+#   the peer path's chunked staging, stop_agreed(device="cuda"), a warm rank's NCCL
 #   abort and re-init and what a parked rank keeps (MiB), NCCL flight-recorder dumps, the bootstrap's
 #   NCCL counters, the NVML poller and the Xid bus-id -> NVML index map;
 # * tests/gpu/gpu_checks.py: preflight (NVML inventory and counters, CUDA known-answer matmul, NCCL
