@@ -320,10 +320,6 @@ def buddy_states(run: str, attempt: int, step: int) -> dict[int, dict[str, Any]]
     return {k[3]: v for k, v in _buddy_states.items() if k[:3] == (run, attempt, step)}
 
 
-# What each rank tells the others at a snapshot's load (one row of integers, all-gathered).
-_ROW = 5  # copy's rank (-1: none), whole (0/1), its bytes, buddy state's rank (-1: none), spare
-
-
 def restore(
     point: SnapshotPoint,
     *,
@@ -347,6 +343,9 @@ def restore(
     held = memory_state.snapshot(point.step, point.attempt, env=env, checked=True)
     theirs = buddy_states(run, point.attempt, point.step)
     buddy_rank, buddy_doc = next(iter(sorted(theirs.items())), (-1, None))
+    # what this rank tells the others (one row, all-gathered): the rank its copy was taken as (-1:
+    # none), whether its state is whole (a replica), the copy's bytes, the rank whose rank state it
+    # keeps as its buddy (-1: none), a spare field
     mine = [
         held.rank if held is not None else -1,
         int(held.whole) if held is not None else 0,
