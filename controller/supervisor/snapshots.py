@@ -20,7 +20,7 @@ commit. A controller restart forgets the snapshots (the next relaunch resumes fr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
 from controller.supervisor.events import RankSample
@@ -34,17 +34,24 @@ class SnapshotTracker:
     rank_node: dict[int, str] = field(default_factory=dict)  # global rank -> its node
     node_ranks: dict[str, int] = field(default_factory=dict)  # node -> how many ranks it runs
 
-    def observe(self, node: str, ranks: Iterable[RankSample]) -> None:
-        """A node's put (all its ranks)."""
-        steps: frozenset[int] | None = None
+    def observe(self, node: str, ranks: Sequence[RankSample]) -> None:
+        """A node's put (all its ranks). On the progress path: one pass, sets built only when the
+        node's ranks report different snapshots (while one of them has not reported its newest)."""
+        first: tuple[int, ...] | None = None
+        alike = True
         n = 0
         for r in ranks:
             n += 1
             self.rank_node[r.rank] = node
-            mine = frozenset(r.snapshot_steps)
-            steps = mine if steps is None else steps & mine
+            if first is None:
+                first = r.snapshot_steps
+            elif r.snapshot_steps != first:
+                alike = False
         self.node_ranks[node] = n
-        self.held[node] = steps or frozenset()
+        if alike:
+            self.held[node] = frozenset(first or ())
+        else:
+            self.held[node] = frozenset.intersection(*(frozenset(r.snapshot_steps) for r in ranks))
 
     def uncovered(self, step: int, live: Set[str]) -> str:
         """Why some rank's state at `step` has no holder among `live` nodes ("" if every one has)."""

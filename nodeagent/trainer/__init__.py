@@ -362,27 +362,29 @@ class ProgressReporter:
         stall = float(save_stall_s)
         new = self._committed is None or self._committed[0] != int(step)
         self._committed = (int(step), stall if math.isfinite(stall) and stall > 0 else 0.0)
-        repeat = self._repeat_last() if self._last_report is not None else None
-        if new and repeat is not None:
-            # Sent now (the last report again), not at the next flush: the commit's time in the event
-            # log ends its save in the goodput timeline (a stop's save is planned back from there).
-            self._pending.append(repeat)
-            try:
-                self.flush()
-            except Exception as exc:  # on a save's upload thread: reporting never fails the save
-                log.debug("progress flush failed: %s", exc)
+        if new:
+            # Sent now, not at the next flush: the commit's time in the event log ends its save in
+            # the goodput timeline (a stop's save is planned back from there).
+            self._send_last_again()
 
     def set_snapshots(self, steps: tuple[int, ...]) -> None:
         """The complete in-memory snapshots this rank now holds (a Snapshotter calls it after each):
-        sent at once, and on every later report (RankProgress.snapshot_steps)."""
+        sent at once (the controller chooses the resume point from these), and on every later
+        report (RankProgress.snapshot_steps)."""
         self._snapshots = tuple(int(s) for s in steps)[-4:]
+        self._send_last_again()
+
+    def _send_last_again(self) -> None:
+        """The last report again, sent now, with what changed since (never raises: it runs inside a
+        save's upload thread or a snapshot, which reporting must never fail)."""
         repeat = self._repeat_last() if self._last_report is not None else None
-        if repeat is not None:  # sent now: the controller chooses the resume point from these
-            self._pending.append(repeat)
-            try:
-                self.flush()
-            except Exception as exc:  # reporting never fails the snapshot
-                log.debug("progress flush failed: %s", exc)
+        if repeat is None:
+            return
+        self._pending.append(repeat)
+        try:
+            self.flush()
+        except Exception as exc:
+            log.debug("progress flush failed: %s", exc)
 
     def loaded(self, step: int) -> None:
         """Tell the supervisor this rank finished loading checkpoint `step` (-1: starting from scratch)

@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,8 +139,8 @@ def keep(
     runs on a thread too (its `copied` event says when it landed: the caller must not change the
     state before then; nodeagent.trainer.snapshot waits for it before the optimizer's next step).
 
-    The copies live in host memory, never on the GPU, and cost at most two model + optimizer states
-    per rank, never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
+    The copies live in host memory, never on the GPU, and cost at most five model + optimizer states
+    per rank (two commits, three snapshots), never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
     DEFAULT_BUDGET_BYTES). A copy is only ever sent to a peer inside the process group of the attempt
     that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.rank), in chunks
     (STAGE_BYTES) under NCCL, and only if it is the state of the commit being loaded: a stale rank
@@ -175,9 +175,7 @@ def keep(
         )
     layout = [(tuple(t.shape), t.dtype) for t in locals_]
     with _lock:
-        kept = [x for x in _copies if x.kind != kind or x.step != step]
-        mine = [x for x in kept if x.kind == kind]
-        kept = [x for x in kept if x.kind != kind or x in mine[1 - _keep(kind) :]]
+        kept = _trim([x for x in _copies if x.kind != kind or x.step != step], kind, _keep(kind) - 1)
         squeezed = []
         while kept and sum(x.nbytes for x in kept) + nbytes > limit:
             oldest = min(kept, key=lambda x: (x.step, x.kind != kind))  # the oldest first
@@ -222,15 +220,22 @@ def keep(
         whole=not any(_is_dtensor(t) for t in sources),
     )
     with _lock:
-        _copies[:] = [*(x for x in _copies if x.kind != kind or x.step != step), held]
-        mine = [x for x in _copies if x.kind == kind]
-        _copies[:] = [x for x in _copies if x.kind != kind or x in mine[-_keep(kind) :]]
+        _copies[:] = _trim(
+            [*(x for x in _copies if x.kind != kind or x.step != step), held], kind, _keep(kind)
+        )
         _not_kept.pop(step, None)
     return ""
 
 
 def _keep(kind: str) -> int:
     return SNAPSHOT_KEEP if kind == SNAPSHOT else KEEP
+
+
+def _trim(copies: list[MemoryCopy], kind: str, n: int) -> list[MemoryCopy]:
+    """`copies` (oldest first) less those of `kind` older than its newest `n`."""
+    mine = [x for x in copies if x.kind == kind]
+    drop = {id(x) for x in mine[: max(0, len(mine) - n)]}
+    return [x for x in copies if id(x) not in drop]
 
 
 def digest(t: Any) -> str:
@@ -367,23 +372,14 @@ def _copy(
     returned event is set."""
     import torch
 
-    failed: list[str] = []
     if in_background and not any(t.device.type == "cuda" for t in locals_):
-        landed = threading.Event()
 
-        def run() -> None:
-            _yield_to_training()
-            try:
-                with torch.no_grad():
-                    for src, dst in zip(locals_, buffers, strict=True):
-                        dst.copy_(src)
-            except Exception as exc:
-                failed.append(f"{type(exc).__name__}: {exc}")
-                log.warning("the copy of step %d failed: %s", step, failed[-1])
-            landed.set()
+        def copy_all() -> None:
+            with torch.no_grad():
+                for src, dst in zip(locals_, buffers, strict=True):
+                    dst.copy_(src)
 
-        threading.Thread(target=run, name="runwarden-copy", daemon=True).start()
-        return landed, failed
+        return _landing(step, copy_all)
     on_cuda: dict[Any, list[tuple[Any, Any]]] = {}
     with torch.no_grad():
         for src, dst in zip(locals_, buffers, strict=True):
@@ -392,7 +388,7 @@ def _copy(
             else:
                 dst.copy_(src)
     if not on_cuda:
-        return _done_event(), failed
+        return _done_event(), []
     events = []
     with torch.no_grad():
         for device, pairs in on_cuda.items():
@@ -408,22 +404,33 @@ def _copy(
             done.record(side)
             current.wait_event(done)  # the next step's kernels wait on the GPU, never the host
             events.append(done)
-    landed = threading.Event()
 
     def wait() -> None:  # off the training thread: only a load waits for this
+        for done in events:
+            done.synchronize()
+
+    return _landing(step, wait)
+
+
+def _landing(step: int, work: Callable[[], None]) -> tuple[threading.Event, list[str]]:
+    """Run the copy's `work` on a thread at the lowest priority: an event set once it is done, and
+    its error, if it failed (a copy that failed is never served)."""
+    landed, failed = threading.Event(), list[str]()
+
+    def run() -> None:
+        _yield_to_training()
         try:
-            for done in events:
-                done.synchronize()
+            work()
         except Exception as exc:
             failed.append(f"{type(exc).__name__}: {exc}")
             log.warning("the copy of step %d failed: %s", step, failed[-1])
         landed.set()
 
-    threading.Thread(target=wait, name="runwarden-copy", daemon=True).start()
+    threading.Thread(target=run, name="runwarden-copy", daemon=True).start()
     return landed, failed
 
 
-def _clone(payload: Any) -> Any:
+def clone_payload(payload: Any) -> Any:
     """A copy of a kept payload for a load (the optimizer's load may alias tensors it is given):
     tensors cloned, a DTensor's shard rebuilt into a DTensor, plain data deep-copied."""
     import torch
@@ -463,7 +470,7 @@ def take(
     still landing (COPY_WAIT_S); one whose copy failed is none, and so is one whose bytes are no
     longer the SHA-256 taken when it landed (host memory corrupted since: `why_fell_back` says so)."""
     held = _checked(step, committed_by, rank=rank, world_size=world_size, env=env)
-    return _clone(held.payload) if held is not None else None
+    return clone_payload(held.payload) if held is not None else None
 
 
 def _checked(
@@ -578,7 +585,7 @@ def restore_committed_dcp(
     Without every rank holding its own copy, memory serves only state every rank holds in full
     (DDP's replicas; the commit's `.metadata` says so: dcp_format.whole_tensors_bytes): the replacement
     host's ranks, which hold no copy, receive the lowest holder's model and optimizer state over
-    the process group (the attempt's own, fenced by its rendezvous: `_from_peer` says how, and how
+    the process group (the attempt's own, fenced by its rendezvous: `send_state` says how, and how
     it is checked), and a rank whose number changed uses its own copy's; both read only their own
     small state file (RNG, data position, scheduler) from storage. If any receiver finds the
     offered state wrong, every rank loads from storage instead. Sharded state (FSDP, DTensor)
@@ -589,7 +596,7 @@ def restore_committed_dcp(
     by = commit.meta.get("attempt")
     by = by if isinstance(by, int) else None
     held = _checked(commit.step, by, rank=rank, world_size=world_size)
-    payload = _clone(held.payload) if held is not None else None
+    payload = clone_payload(held.payload) if held is not None else None
     plan = LoadPlan(MEMORY if payload is not None else STORAGE)
     if payload is None and (why := why_not_kept(commit.step)):
         log.info("rank %d: no copy of step %d in this process's memory: %s", rank, commit.step, why)
@@ -602,7 +609,7 @@ def restore_committed_dcp(
         else:
             if held is None:
                 held = _checked(commit.step, by, rank=None, world_size=None)
-                other = _clone(held.payload) if held is not None else None
+                other = clone_payload(held.payload) if held is not None else None
             else:
                 other = None
             if from_peer:
@@ -621,7 +628,7 @@ def restore_committed_dcp(
                 payload = other
     if plan.sender >= 0:
         assert expected is not None
-        ok, received = _from_peer(
+        ok, received = send_state(
             payload,
             plan.sender,
             rank=rank,
@@ -745,7 +752,7 @@ def _specs_bytes(specs: Any) -> int | None:
     return total
 
 
-def _from_peer(
+def send_state(
     payload: Any, sender: int, *, rank: int, expected: int, receive: bool, digests: Any = ()
 ) -> tuple[bool, Any]:
     """Broadcast the sender's kept state (`payload["state"]`) on the default group (the holders
@@ -922,14 +929,16 @@ def snapshot(
         )
 
 
-clone_payload = _clone  # a kept payload's copy for a load (nodeagent.trainer.snapshot)
-send_state = _from_peer  # a holder's state broadcast to the ranks without it, checked (the same)
-
-
-def kept_steps(kind: str = COMMIT) -> tuple[int, ...]:
-    """The steps of the kept copies of `kind`, oldest first."""
+def kept_steps() -> tuple[int, ...]:
+    """The steps of the kept copies of commits, oldest first."""
     with _lock:
-        return tuple(x.step for x in _copies if x.kind == kind)
+        return tuple(x.step for x in _copies if x.kind == COMMIT)
+
+
+def snapshot_keys() -> set[tuple[str, int, int]]:
+    """(run, attempt, step) of every snapshot this process holds."""
+    with _lock:
+        return {(x.run, x.attempt, x.step) for x in _copies if x.kind == SNAPSHOT}
 
 
 def snapshot_steps(attempt: int, env: Mapping[str, str] | None = None) -> tuple[int, ...]:

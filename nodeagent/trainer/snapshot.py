@@ -45,7 +45,7 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from nodeagent.trainer import memory_state
 from nodeagent.trainer.checkpoint import CheckpointError
@@ -59,7 +59,6 @@ SNAPSHOT_EVERY_ENV = "RUNWARDEN_SNAPSHOT_EVERY"  # steps (an override of the int
 SNAPSHOT_INTERVAL_ENV = "RUNWARDEN_SNAPSHOT_INTERVAL_S"  # seconds; the policy's snapshot_interval_s
 CALIBRATION_STEPS = 5  # steps timed before the ranks agree on how many steps make the interval
 RESUME_SNAPSHOT_ENV = "RUNWARDEN_RESUME_SNAPSHOT"
-_BUDDY_KEEP = memory_state.SNAPSHOT_KEEP  # the buddies' rank states kept: as many as the snapshots
 
 
 class SnapshotUnavailable(CheckpointError):
@@ -128,6 +127,13 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+def _local_world_size(env: Mapping[str, str]) -> int:
+    """The ranks of one host (the launcher's LOCAL_WORLD_SIZE; 1 if unset): a rank's buddy is that
+    many ranks on, the same local rank on the next host."""
+    local = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(local) if local.isdigit() and int(local) > 0 else 1
+
+
 def _identity(env: Mapping[str, str]) -> tuple[str, int]:
     attempt = env.get("RUNWARDEN_ATTEMPT", "")
     return env.get("RUNWARDEN_RUN", ""), int(attempt) if attempt.isdigit() else -1
@@ -162,8 +168,7 @@ class Snapshotter:
             self.every, self._marks = 0, None
         self.reporter = reporter
         self.rank, self.world_size = _dist()
-        local = self.env.get("LOCAL_WORLD_SIZE", "").strip()
-        self.local_world_size = int(local) if local.isdigit() and int(local) > 0 else 1
+        self.local_world_size = _local_world_size(self.env)
         self._landing: Any = None  # the copy now landing (its `copied` event)
         self._hooked: set[int] = set()  # the optimizers whose step waits for the copy
         # step -> seconds take() blocked the training thread: in all, and in the exchange with the buddy
@@ -261,7 +266,10 @@ def _device() -> str:
 
 
 def _ring(body: bytes, to: int, source: int) -> bytes:
-    """Send `body` to rank `to` and receive what rank `source` sends this rank (lengths first)."""
+    """Send `body` to rank `to` and receive what rank `source` sends this rank (lengths first).
+    Every rank sends one message and receives one in each of the two rounds, whatever it has to
+    say (an empty body goes as one byte): the default group's collective count, which counts
+    point-to-point messages too, stays the same on every rank (the collective hang rule compares it)."""
     import torch
     import torch.distributed as dist
 
@@ -277,15 +285,20 @@ def _ring(body: bytes, to: int, source: int) -> bytes:
         raise CheckpointError(f"rank {source} announced a rank state of {n} bytes")
     out = torch.frombuffer(bytearray(body or b"\0"), dtype=torch.uint8).to(device)
     into = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
-    ops = []
-    if body:
-        ops.append(dist.P2POp(dist.isend, out, to))
-    if n:
-        ops.append(dist.P2POp(dist.irecv, into, source))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    for work in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, out, to), dist.P2POp(dist.irecv, into, source)]
+    ):
+        work.wait()
     return into[:n].cpu().numpy().tobytes() if n else b""
+
+
+def _is_rank_state(doc: Any, step: int, rank: int) -> TypeGuard[dict[str, Any]]:
+    """Whether `doc` is rank `rank`'s snapshot rank state of `step`."""
+    return isinstance(doc, dict) and (doc.get("format"), doc.get("step"), doc.get("rank")) == (
+        FORMAT,
+        step,
+        rank,
+    )
 
 
 def _parse_rank_state(raw: bytes, step: int, rank: int) -> dict[str, Any] | None:
@@ -294,25 +307,19 @@ def _parse_rank_state(raw: bytes, step: int, rank: int) -> dict[str, Any] | None
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(doc, dict) or (doc.get("format"), doc.get("step"), doc.get("rank")) != (
-        FORMAT,
-        step,
-        rank,
-    ):
-        return None
-    return doc
+    return doc if _is_rank_state(doc, step, rank) else None
 
 
 def _keep_buddy_state(raw: bytes, run: str, attempt: int, step: int, owner: int) -> bool:
+    """Keep `owner`'s rank state of this snapshot; a buddy's state lives as long as this process's
+    own snapshot of the same step (memory_state drops the oldest)."""
     doc = _parse_rank_state(raw, step, owner) if raw else None
-    if doc is None:
-        return False
-    _buddy_states[(run, attempt, step, owner)] = doc
-    steps = sorted({k[2] for k in _buddy_states if k[:2] == (run, attempt)})
-    for key in [k for k in _buddy_states if k[:2] != (run, attempt) or k[2] not in steps[-_BUDDY_KEEP:]]:
-        if key[:2] == (run, attempt) or key[1] < attempt - 1:
-            del _buddy_states[key]
-    return True
+    if doc is not None:
+        _buddy_states[(run, attempt, step, owner)] = doc
+    held = memory_state.snapshot_keys() | {(run, attempt, step)}
+    for key in [k for k in _buddy_states if k[:3] not in held]:
+        del _buddy_states[key]
+    return doc is not None
 
 
 def buddy_states(run: str, attempt: int, step: int) -> dict[int, dict[str, Any]]:
@@ -354,7 +361,8 @@ def restore(
         0,
     ]
     flat = memory_state.gather_rows(mine, world) if world > 1 else [mine]
-    plan, why = plan_snapshot_load(flat, rank)
+    local = _local_world_size(env)
+    plan, why = plan_snapshot_load(flat, rank, local)
     if plan is None:
         raise SnapshotUnavailable(
             point.step, f"snapshot of step {point.step} (attempt {point.attempt}): {why}"
@@ -380,13 +388,10 @@ def restore(
             source = memory_state.PEER
     # each rank's own rank state: from its own copy, else from the lowest rank that holds it
     own = payload.get("rank_state") if held is not None and held.rank == rank else None
-    if world > 1:
-        states = {held.rank: held.payload["rank_state"]} if held is not None else {}
-        if buddy_doc is not None:
-            states[buddy_rank] = buddy_doc
-        got = _exchange_rank_states(plan.rank_state_donors, states, rank, point.step)
+    if world > 1 and (local % world) != 0:
+        got = _exchange_rank_states(plan.rank_state_donors, buddy_doc, rank, local, point.step)
         own = own if own is not None else got
-    if own is None or _parse_rank_state(json.dumps(own).encode(), point.step, rank) is None:
+    if not _is_rank_state(own, point.step, rank):
         raise SnapshotUnavailable(
             point.step, f"rank {rank}: its rank state of snapshot {point.step} did not arrive"
         )
@@ -407,8 +412,10 @@ class SnapshotLoadPlan:
     rank_state_donors: tuple[int, ...]  # rank r's rank state comes from rank_state_donors[r]
 
 
-def plan_snapshot_load(rows: list[list[int]], rank: int) -> tuple[SnapshotLoadPlan | None, str]:
-    """Every rank's plan from the gathered rows (`rows[r]` is rank r's), or (None, why not)."""
+def plan_snapshot_load(rows: list[list[int]], rank: int, local: int) -> tuple[SnapshotLoadPlan | None, str]:
+    """Every rank's plan from the gathered rows (`rows[r]` is rank r's; `local`: ranks per host), or
+    (None, why not). A rank's own rank state comes from its own copy, else from its buddy (the rank
+    `local` after it, which keeps it): the one place the exchange's ring reaches."""
     world = len(rows)
     holders = [r for r, row in enumerate(rows) if row[0] >= 0]
     if not holders:
@@ -423,45 +430,35 @@ def plan_snapshot_load(rows: list[list[int]], rank: int) -> tuple[SnapshotLoadPl
         sender = -1
     donors = []
     for r in range(world):
-        found = [q for q in range(world) if rows[q][0] == r or rows[q][3] == r]
-        if not found:
-            return None, f"rank {r}'s rank state (RNG, data position) has no holder"
-        donors.append(r if r in found else found[0])
+        buddy = (r + local) % world
+        if rows[r][0] == r:
+            donors.append(r)
+        elif buddy != r and rows[buddy][3] == r:
+            donors.append(buddy)
+        else:
+            return (
+                None,
+                f"rank {r}'s rank state (RNG, data position) is held neither by it nor by its buddy {buddy}",
+            )
     return SnapshotLoadPlan(sender=sender, rank_state_donors=tuple(donors)), ""
 
 
 def _exchange_rank_states(
-    donors: tuple[int, ...], states: dict[int, Any], rank: int, step: int
+    donors: tuple[int, ...], kept_for: Any, rank: int, local: int, step: int
 ) -> dict[str, Any] | None:
-    """Send each rank whose donor this rank is its rank state; receive this rank's if another
-    rank is its donor. Every rank calls it with the same `donors`."""
-    import torch
-    import torch.distributed as dist
-
-    device = _device()
-    outgoing = {r: json.dumps(states[r]).encode() for r, d in enumerate(donors) if d == rank and r != rank}
-    sizes = torch.tensor(
-        [len(outgoing.get(r, b"")) for r in range(len(donors))], dtype=torch.int64, device=device
-    )
-    gathered = [torch.zeros_like(sizes) for _ in donors]
-    dist.all_gather(gathered, sizes)
-    donor = donors[rank]
-    n = int(gathered[donor][rank].item()) if donor != rank else 0
-    if n > MAX_RANK_STATE_BYTES:
-        raise SnapshotUnavailable(step, f"rank {donor} announced a rank state of {n} bytes")
-    ops = [
-        dist.P2POp(dist.isend, torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device), r)
-        for r, body in outgoing.items()
-    ]
-    into = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
-    if n:
-        ops.append(dist.P2POp(dist.irecv, into, donor))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    if donor == rank:
-        return states.get(rank)
+    """Each rank sends the rank before it on the ring (`local` back) the state it keeps for it as its
+    buddy, if that rank needs it, and receives its own from its buddy if it needs it (`_ring`: one
+    message each way on every rank). Every rank calls it with the same `donors`."""
+    world = len(donors)
+    behind, ahead = (rank - local) % world, (rank + local) % world
+    body = json.dumps(kept_for).encode() if donors[behind] == rank and behind != rank else b""
     try:
-        return json.loads(into[:n].cpu().numpy().tobytes()) if n else None
+        got = _ring(body, behind, ahead)
+    except CheckpointError as exc:
+        raise SnapshotUnavailable(step, str(exc)) from None
+    if donors[rank] == rank or not got:
+        return None
+    try:
+        return json.loads(got)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nodeagent import trainer
-from nodeagent.trainer import memory_state, snapshot
+from nodeagent.trainer import memory_state, snapshot, torch_api
 from tests.nodeagent.peer_state_job import _model, _step  # the same DDP model, AdamW and schedule
 
 LOCAL_WORLD = 2
@@ -67,9 +67,8 @@ def main() -> None:
     torch.manual_seed(100 + rank)
     model, opt, sched = _model()
     reports = Reports()
-    snaps = trainer.Snapshotter(
-        every=1, reporter=reports, env={**os.environ, "LOCAL_WORLD_SIZE": str(LOCAL_WORLD)}
-    )
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL_WORLD)  # as the launcher sets it: 2 hosts of 2 ranks
+    snaps = trainer.Snapshotter(every=1, reporter=reports)
     assert snaps.buddy() == (rank + LOCAL_WORLD) % dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -116,6 +115,9 @@ def main() -> None:
                 fingerprint=_fingerprint(model, opt, sched),
                 reference=taken[5],
             )
+    # the collective hang rule compares this count across ranks: the snapshots' exchanges must leave
+    # it the same on every rank, whoever sent what
+    result["collectives"] = torch_api.default_group_sequence()
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

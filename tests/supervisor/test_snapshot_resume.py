@@ -196,3 +196,24 @@ def test_a_new_leader_knows_its_adopted_attempt_resumed_from_a_snapshot() -> Non
     out = d.send(CheckpointInvalid(step=25, error="no rank holds a copy", node="n1", attempt=3))
     (det,) = d.events(E.EVENT_KIND_DETECTION, out)
     assert det.detection.detector == E.DETECTOR_CHECKPOINT and not det.detection.nodes
+
+
+def test_a_node_holds_the_steps_every_one_of_its_ranks_holds() -> None:
+    from controller.supervisor.events import RankSample
+    from controller.supervisor.snapshots import SnapshotTracker
+
+    t = SnapshotTracker()
+    t.observe(
+        "n1",
+        (RankSample(rank=0, step=9, snapshot_steps=(5, 10)), RankSample(rank=1, step=9, snapshot_steps=(5,))),
+    )
+    t.observe(
+        "n2",
+        (
+            RankSample(rank=2, step=9, snapshot_steps=(5, 10)),
+            RankSample(rank=3, step=9, snapshot_steps=(5, 10)),
+        ),
+    )
+    assert t.held == {"n1": frozenset({5}), "n2": frozenset({5, 10})}
+    # rank 1's state at 10: on n1 (its rank 1 has not taken it) or its buddy rank 3 on n2 (which has)
+    assert t.uncovered(10, {"n1", "n2"}) == "" and t.uncovered(10, {"n1"}).startswith("rank 0's state")
