@@ -25,7 +25,7 @@ newest snapshot for which every rank's state has a holder among the next attempt
 `resume_point` returns a `SnapshotPoint` then, and `load_checkpoint` serves it with `restore`, a
 collective: every rank says what it holds, every rank computes the same plan (the model and
 optimizer from its own copy or, for a rank without one, a holder's broadcast, SHA-256 checked as a
-commit's peer load is; each rank's rank state from itself or from the lowest rank holding it),
+commit's peer load is; each rank's rank state from itself or from its buddy, over a ring),
 and where any rank's state has no holder every rank raises `SnapshotUnavailable`: the reporter
 tells the controller, which relaunches from the newest commit.
 
@@ -386,7 +386,7 @@ def restore(
         if held is None:
             payload = {"state": received}
             source = memory_state.PEER
-    # each rank's own rank state: from its own copy, else from the lowest rank that holds it
+    # each rank's own rank state: from its own copy, else from its buddy
     own = payload.get("rank_state") if held is not None and held.rank == rank else None
     if world > 1 and (local % world) != 0:
         got = _exchange_rank_states(plan.rank_state_donors, buddy_doc, rank, local, point.step)
