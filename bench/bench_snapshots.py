@@ -21,6 +21,11 @@ In one run, per rank:
   the model and optimizer from rank 0 over gloo, its RNG and data position from its buddy), and of
   the commit from `storage` (DCP's load, page cache warm: the best case for storage).
 
+`--fsdp`: the same decoder sharded with FSDP2 (`fully_shard` per block and at the root) over the
+two ranks: each rank's state is its own half, and a snapshot also sends it to the buddy's memory
+(nodeagent.trainer.shard_replica, on a thread): `replicated_s`, from take() to the buddy holding
+it; the `peer` restore takes rank 1's shard back from rank 0.
+
 The ranks share this 2-core machine: each rank's host copy and the other rank's compute compete for
 the same two cores (on a GPU host the copy is a device-to-host DMA beside the kernels).
 """
@@ -58,7 +63,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     from examples.decoder import Decoder
     from nodeagent import trainer
-    from nodeagent.trainer import memory_state, snapshot
+    from nodeagent.trainer import memory_state, shard_replica, snapshot
     from nodeagent.trainer.checkpoint import latest_committed
     from nodeagent.trainer.dcp import DcpCheckpointer, load_dcp
 
@@ -66,7 +71,17 @@ def _rank_main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Decoder(args.vocab, args.seq, args.d_model, args.heads, args.layers, 0.0)
-    model = nn.parallel.DistributedDataParallel(net)
+    model: Any
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = sum(p.numel() for p in net.parameters())
     gen = torch.Generator().manual_seed(rank)
@@ -86,11 +101,12 @@ def _rank_main(args: argparse.Namespace) -> None:
         warnings.simplefilter("ignore")
         for _ in range(2):  # AdamW's moments exist after the first step
             step()
-        state_bytes = sum(p.numel() * p.element_size() for p in net.parameters()) * 3
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in net.parameters()]
+        state_bytes = sum(p.numel() * p.element_size() for p in local) * 3  # this rank's
         out["state_bytes"] = state_bytes
         snaps = trainer.Snapshotter(every=1, env={**os.environ, "LOCAL_WORLD_SIZE": "1"})
         out["baseline_step_s"] = [step() for _ in range(args.steps)]
-        takes, exchanges, landed, hashed, after, plain = [], [], [], [], [], []
+        takes, exchanges, landed, hashed, after, plain, replicated = [], [], [], [], [], [], []
         done = 2 + args.steps
         steady = 2 * memory_state.SNAPSHOT_KEEP  # the first ones allocate their buffers; later ones reuse
         for i in range(2 * args.steps + steady):
@@ -109,6 +125,10 @@ def _rank_main(args: argparse.Namespace) -> None:
                     exchanges.append(snaps.exchanges[done])
                     threading.Thread(target=_mark, args=(held.copied, t0, landed), daemon=True).start()
                     threading.Thread(target=_mark, args=(held.hashed, t0, hashed), daemon=True).start()
+                    job = snaps._replications.get(done)
+                    if job is not None:
+                        threading.Thread(target=_mark, args=(job.done, t0, replicated), daemon=True).start()
+        snaps.wait_replicated()
         last = max(snaps.stalls)  # the newest snapshot's step
         out.update(
             take_s=takes,
@@ -117,6 +137,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             hashed_s=hashed,
             step_after_snapshot_s=after,
             step_no_snapshot_s=plain,
+            replicated_s=replicated,
         )
         # a DCP commit of the same state (async_save: what blocks is the staging)
         ckpt = args.out_dir / "ckpt"  # every rank's: the parent made it
@@ -138,6 +159,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         if rank == 1:  # a new process: it holds nothing
             memory_state._copies.clear()
             snapshot._buddy_states.clear()
+            shard_replica.forget()
         dist.barrier()
         t0 = time.perf_counter()
         trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank)
@@ -162,6 +184,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--fsdp", action="store_true", help="shard the state with FSDP2 (fully_shard)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_snapshots.json")
     p.add_argument(
         "--ckpt-parent", type=Path, default=None, help="where the DCP commit goes (default: a temp dir)"
@@ -207,6 +230,7 @@ def main() -> None:
                 "exchange_s": med(r["exchange_s"]),
                 "copy_landed_s": med(r["landed_s"]),
                 "hashed_s": med(r["hashed_s"]),
+                "replicated_s": med(r["replicated_s"]) if r["replicated_s"] else 0.0,
                 "step_after_snapshot_extra_s": extra,
                 "stall_s": stall,
                 "stall_pct_of_step": 100 * stall / base,

@@ -2,7 +2,9 @@
 sees them, and the resume point they give a relaunch. Pure, like every rule.
 
 A rank reports the snapshots it holds complete (RankSample.snapshot_steps: its copy kept, and the
-rank state of the rank before it on the ring, whose buddy it is). `SnapshotTracker`, one per
+rank state of the rank before it on the ring, whose buddy it is; for sharded state that rank's
+shard too). So one rule covers both: a rank's state (its rank state, and its shard where the
+model and optimizer are sharded; a replica any holder has) is where it or its buddy holds the step. `SnapshotTracker`, one per
 attempt, keeps per node the steps every rank of it holds, and each rank's node.
 
 At a launch, `choose` picks the resume point: the newest snapshot newer than the newest commit (and

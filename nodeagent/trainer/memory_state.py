@@ -251,7 +251,7 @@ def digest(t: Any) -> str:
 BACKGROUND_NICE = 19  # the copy and hash threads' niceness: the CPU the training thread leaves idle
 
 
-def _yield_to_training() -> None:
+def yield_to_training() -> None:
     """Lower this thread's priority (Linux: niceness is per thread) so that the copy and its
     digests take the CPU the training thread does not use (its waits in collectives, a GPU host's
     idle cores) instead of slowing its step where the cores are all busy."""
@@ -277,7 +277,7 @@ def _hash_when_landed(
     buffers: list[Any], landed: threading.Event, out: list[str], hashed: threading.Event
 ) -> None:
     """Off the training thread: the digests a load checks the copy against, taken once it landed."""
-    _yield_to_training()
+    yield_to_training()
     try:
         if landed.wait(COPY_WAIT_S):
             out.extend(digest(b) for b in buffers)
@@ -332,6 +332,26 @@ def _is_dtensor(t: Any) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(t, DTensor)
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether some tensor of a model/optimizer state is a DTensor (FSDP): each rank's is its own."""
+    return any(_is_dtensor(t) for t in _split(state)[1])
+
+
+def local_layout(state: Any) -> list[tuple[tuple[int, ...], Any]]:
+    """The shape and dtype of each tensor's local part (a DTensor's shard), in slot order."""
+    return [(tuple(t.shape), t.dtype) for t in (_local(s) for s in _split(state)[1])]
+
+
+def with_locals(state: Any, locals_: list[Any]) -> Any:
+    """`state` with each tensor's local part replaced by the host tensor of its slot (a DTensor's
+    placement kept): the shape of state `restore_state` puts into a model."""
+    skeleton, sources = _split(state)
+    rebuilt = [
+        _HostDTensor(h, s).rebuild(h) if _is_dtensor(s) else h for s, h in zip(sources, locals_, strict=True)
+    ]
+    return _join(skeleton, rebuilt)
 
 
 def _local(t: Any) -> Any:
@@ -418,7 +438,7 @@ def _landing(step: int, work: Callable[[], None]) -> tuple[threading.Event, list
     landed, failed = threading.Event(), list[str]()
 
     def run() -> None:
-        _yield_to_training()
+        yield_to_training()
         try:
             work()
         except Exception as exc:

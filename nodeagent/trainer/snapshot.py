@@ -16,16 +16,18 @@ size), which keeps it. A snapshot is never written to storage.
 
 Who holds what, so that a lost host's state survives: a rank's model and optimizer state in DDP
 is a replica every rank holds; its rank state is held by itself and its buddy on another host.
-Sharded state (FSDP, DTensor) is held by its own rank only (not replicated to the buddy yet): such a
-snapshot serves a restart only when every rank kept its process. The controller chooses the resume
-point from the ranks' reports (RankProgress.snapshot_steps, the complete snapshots each holds): the
+Sharded state (FSDP, DTensor) is each rank's own: its shard goes to the buddy's host memory too
+(nodeagent.trainer.shard_replica, on a thread once the copy has landed: the snapshot counts as
+complete, and is reported, once the shard of the rank behind is held). The controller chooses the
+resume point from the ranks' reports (RankProgress.snapshot_steps, the complete snapshots each holds): the
 newest snapshot for which every rank's state has a holder among the next attempt's hosts
 (controller/supervisor/snapshots.py), else the newest commit; it launches with RUNWARDEN_RESUME_STEP and RUNWARDEN_RESUME_SNAPSHOT (the attempt that took it).
 
 `resume_point` returns a `SnapshotPoint` then, and `load_checkpoint` serves it with `restore`, a
 collective: every rank says what it holds, every rank computes the same plan (the model and
 optimizer from its own copy or, for a rank without one, a holder's broadcast, SHA-256 checked as a
-commit's peer load is; each rank's rank state from itself or from its buddy, over a ring),
+commit's peer load is, or a sharded state's shard from the buddy that holds it; each rank's rank
+state from itself or from its buddy, over a ring),
 and where any rank's state has no holder every rank raises `SnapshotUnavailable`: the reporter
 tells the controller, which relaunches from the newest commit.
 
@@ -47,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from nodeagent.trainer import memory_state
+from nodeagent.trainer import memory_state, shard_replica
 from nodeagent.trainer.checkpoint import CheckpointError
 from nodeagent.trainer.dcp_format import MAX_RANK_STATE_BYTES, rng_restorer
 from nodeagent.trainer.dcp_format import rank_state as own_state
@@ -174,6 +176,9 @@ class Snapshotter:
         # step -> seconds take() blocked the training thread: in all, and in the exchange with the buddy
         self.stalls: dict[int, float] = {}
         self.exchanges: dict[int, float] = {}
+        self._complete: set[int] = set()  # steps whose copy is kept and rank state with the buddy
+        self._replications: dict[int, shard_replica.Replication] = {}  # step -> its shard's exchange
+        self._reported: tuple[int, ...] = ()  # what the reporter was last told
 
     def due(self, step: int) -> bool:
         """Whether to snapshot after `step` steps; every rank calls it after every step (while the
@@ -188,6 +193,8 @@ class Snapshotter:
                     max(memory_state.gather_ints(mine, self.world_size)) if self.world_size > 1 else mine
                 )
                 log.info("rank %d: a snapshot every %d steps (%g s)", self.rank, self.every, self.interval_s)
+        if self._replications:
+            self._report()  # a shard's exchange may have ended since
         return self.every > 0 and step > 0 and step % self.every == 0
 
     def buddy(self) -> int:
@@ -200,6 +207,31 @@ class Snapshotter:
         if landing is not None:
             landing.wait(memory_state.COPY_WAIT_S)
             self._landing = None
+
+    def wait_replicated(self, timeout_s: float = shard_replica.PAIR_TIMEOUT_S) -> bool:
+        """Until every sharded snapshot's exchange with the buddies has ended (and is reported):
+        whether they all ended within `timeout_s`."""
+        ended = all(job.done.wait(timeout_s) for job in list(self._replications.values()))
+        self._report()
+        return ended
+
+    def _report(self) -> None:
+        """Tell the reporter the complete snapshots this rank holds, if they changed: kept, the rank
+        state with the buddy, and for sharded state the shard of the rank behind held here."""
+        _, attempt = _identity(self.env)
+        held = memory_state.snapshot_steps(attempt, env=self.env)
+        for old in [s for s in self._replications if s not in held]:
+            del self._replications[old]
+        self._complete &= set(held)
+        steps = tuple(
+            s
+            for s in held
+            if s in self._complete
+            and ((job := self._replications.get(s)) is None or (job.done.is_set() and not job.why))
+        )
+        if steps != self._reported and self.reporter is not None:
+            self.reporter.set_snapshots(steps)
+        self._reported = steps
 
     def take(
         self,
@@ -218,19 +250,25 @@ class Snapshotter:
 
         started = time.perf_counter()
         self.wait()  # the previous copy's buffers may be reused now
+        for job in self._replications.values():  # one exchange with the buddies at a time
+            job.done.wait(shard_replica.PAIR_TIMEOUT_S)
         run, attempt = _identity(self.env)
         rank_state = own_state(
             FORMAT, step, self.rank, self.world_size, scheduler=scheduler, data_state=data_state, extra=extra
         )
         body = json.dumps(rank_state, allow_nan=False).encode()
+        state = model_and_optim_state(model, optimizer)
+        sharded = memory_state.is_sharded(state)  # the same on every rank
         why = memory_state.keep(
             step,
-            {"state": model_and_optim_state(model, optimizer), "rank_state": rank_state},
+            {"state": state, "rank_state": rank_state},
             rank=self.rank,
             world_size=self.world_size,
             env=self.env,
             kind=memory_state.SNAPSHOT,
             in_background=True,
+            # the shards this rank holds for the rank behind share its copy budget
+            budget_bytes=max(0, memory_state.budget() - shard_replica.held_bytes()) if sharded else None,
         )
         held = memory_state.snapshot(step, attempt, env=self.env)
         if held is not None:
@@ -248,14 +286,27 @@ class Snapshotter:
                 why = why or f"rank {owner} sent no state of step {step}"
             elif not kept_theirs:
                 why = why or f"rank {owner}'s state of step {step} is not its snapshot"
+            if sharded:  # its shard to the buddy too, off this thread
+                groups = shard_replica.ring_groups(self.rank, self.world_size, self.local_world_size)
+                self._replications[step] = shard_replica.replicate(
+                    held,
+                    step,
+                    run=run,
+                    attempt=attempt,
+                    rank=self.rank,
+                    ahead=self.buddy(),
+                    behind=owner,
+                    groups=groups,
+                )
         ended = time.perf_counter()
         self.stalls[step], self.exchanges[step] = ended - started, ended - exchange_started
         for old in sorted(self.stalls)[:-8]:
             del self.stalls[old], self.exchanges[old]
-        if not why and self.reporter is not None:
-            self.reporter.set_snapshots(memory_state.snapshot_steps(attempt, env=self.env))
-        elif why:
+        if not why:
+            self._complete.add(step)
+        else:
             log.warning("rank %d: snapshot of step %d incomplete: %s", self.rank, step, why)
+        self._report()
         return why
 
 
@@ -344,6 +395,8 @@ def restore(
 
     import torch.distributed as dist
 
+    from nodeagent.trainer.dcp import model_and_optim_state
+
     env = os.environ if env is None else env
     run, _ = _identity(env)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -352,13 +405,13 @@ def restore(
     buddy_rank, buddy_doc = next(iter(sorted(theirs.items())), (-1, None))
     # what this rank tells the others (one row, all-gathered): the rank its copy was taken as (-1:
     # none), whether its state is whole (a replica), the copy's bytes, the rank whose rank state it
-    # keeps as its buddy (-1: none), a spare field
+    # keeps as its buddy (-1: none), whether it holds that rank's shard too
     mine = [
         held.rank if held is not None else -1,
         int(held.whole) if held is not None else 0,
         held.nbytes if held is not None else 0,
         buddy_rank,
-        0,
+        int(buddy_rank >= 0 and shard_replica.held(run, point.attempt, point.step, buddy_rank) is not None),
     ]
     flat = memory_state.gather_rows(mine, world) if world > 1 else [mine]
     local = _local_world_size(env)
@@ -386,6 +439,30 @@ def restore(
         if held is None:
             payload = {"state": received}
             source = memory_state.PEER
+    elif any(d != r for r, d in enumerate(plan.shard_donors)):  # sharded: a shard from the buddy
+        mine_missing = plan.shard_donors[rank] != rank
+        fresh = model_and_optim_state(model, optimizer) if mine_missing else None
+        try:
+            shard, refused = shard_replica.serve(
+                plan.shard_donors,
+                run=run,
+                attempt=point.attempt,
+                step=point.step,
+                rank=rank,
+                local=local,
+                layout=memory_state.local_layout(fresh) if fresh is not None else None,
+            )
+        except (RuntimeError, ValueError) as exc:  # a peer's transfer cut or malformed: every rank hears
+            shard, refused = None, f"{type(exc).__name__}: {exc}"
+        if min(memory_state.gather_ints(int(not refused), world)) != 1:
+            raise SnapshotUnavailable(
+                point.step,
+                f"a shard of snapshot {point.step} was refused by the rank it was for"
+                + (f" (this rank: {refused})" if refused else ""),
+            )
+        if fresh is not None and shard is not None:
+            payload = {"state": memory_state.with_locals(fresh, shard)}
+            source = memory_state.PEER
     # each rank's own rank state: from its own copy, else from its buddy
     own = payload.get("rank_state") if held is not None and held.rank == rank else None
     if world > 1 and (local % world) != 0:
@@ -408,26 +485,39 @@ def restore(
 
 @dataclass(frozen=True, slots=True)
 class SnapshotLoadPlan:
-    sender: int  # >= 0: the model and optimizer state are broadcast from this rank
+    sender: int  # >= 0: the model and optimizer state (a replica) are broadcast from this rank
     rank_state_donors: tuple[int, ...]  # rank r's rank state comes from rank_state_donors[r]
+    shard_donors: tuple[int, ...] = ()  # rank r's shard of a sharded state comes from shard_donors[r]
 
 
 def plan_snapshot_load(rows: list[list[int]], rank: int, local: int) -> tuple[SnapshotLoadPlan | None, str]:
     """Every rank's plan from the gathered rows (`rows[r]` is rank r's; `local`: ranks per host), or
-    (None, why not). A rank's own rank state comes from its own copy, else from its buddy (the rank
-    `local` after it, which keeps it): the one place the exchange's ring reaches."""
+    (None, why not). A rank's own rank state, and its shard of a sharded state, come from its own
+    copy, else from its buddy (the rank `local` after it, which keeps them): the one place the
+    exchange's ring reaches. A replica comes from any holder."""
     world = len(rows)
     holders = [r for r, row in enumerate(rows) if row[0] >= 0]
     if not holders:
         return None, "no rank holds a copy"
+    sender, shard_donors = -1, tuple(range(world))
     if any(rows[r][0] != r for r in range(world)):
-        # some rank holds no copy of its own: the state must be a replica, the same size everywhere
-        if not all(rows[r][1] for r in holders) or len({rows[r][2] for r in holders}) != 1:
-            missing = [r for r in range(world) if rows[r][0] != r]
-            return None, f"ranks {missing} hold no copy of their own and the state is sharded"
-        sender = holders[0] if len(holders) < world else -1
-    else:
-        sender = -1
+        # some rank holds no copy of its own: a replica (the same size everywhere) from any holder,
+        # a shard from the buddy that holds it
+        if all(rows[r][1] for r in holders) and len({rows[r][2] for r in holders}) == 1:
+            sender = holders[0] if len(holders) < world else -1
+        else:
+            shards = []
+            for r in range(world):
+                buddy = (r + local) % world
+                if rows[r][0] == r:
+                    shards.append(r)
+                elif buddy != r and rows[buddy][3] == r and rows[buddy][4] == 1:
+                    shards.append(buddy)
+                else:
+                    return None, (
+                        f"rank {r}'s shard of the sharded state is held neither by it nor by its buddy {buddy}"
+                    )
+            shard_donors = tuple(shards)
     donors = []
     for r in range(world):
         buddy = (r + local) % world
@@ -440,7 +530,7 @@ def plan_snapshot_load(rows: list[list[int]], rank: int, local: int) -> tuple[Sn
                 None,
                 f"rank {r}'s rank state (RNG, data position) is held neither by it nor by its buddy {buddy}",
             )
-    return SnapshotLoadPlan(sender=sender, rank_state_donors=tuple(donors)), ""
+    return SnapshotLoadPlan(sender=sender, rank_state_donors=tuple(donors), shard_donors=shard_donors), ""
 
 
 def _exchange_rank_states(

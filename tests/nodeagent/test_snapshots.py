@@ -70,8 +70,10 @@ def test_a_rank_whose_state_has_no_holder_left_makes_every_rank_refuse_the_snaps
         assert [step for step, _ in got["load_errors"]] == [5]  # the supervisor is told
 
 
-def _row(copy_rank: int, *, whole: bool = True, nbytes: int = 100, buddy: int = -1) -> list[int]:
-    return [copy_rank, int(whole), nbytes if copy_rank >= 0 else 0, buddy, 0]
+def _row(
+    copy_rank: int, *, whole: bool = True, nbytes: int = 100, buddy: int = -1, shard: bool = False
+) -> list[int]:
+    return [copy_rank, int(whole), nbytes if copy_rank >= 0 else 0, buddy, int(shard)]
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,30 @@ def test_the_snapshot_load_plan_is_one_rule_on_every_rank(
         assert plan is not None and plan.sender == sender and plan.rank_state_donors == donors
 
 
+def test_a_sharded_state_plans_each_missing_shard_from_the_buddy_that_holds_it() -> None:
+    def sharded(copy_rank: int, buddy: int = -1, shard: bool = False) -> list[int]:
+        return _row(copy_rank, whole=False, buddy=buddy, shard=shard)
+
+    # the second host is new: ranks 2 and 3 take their shards (and rank states) from ranks 0 and 1
+    rows = [sharded(0, 2, True), sharded(1, 3, True), sharded(-1), sharded(-1)]
+    plan, why = plan_snapshot_load(rows, 2, 2)
+    assert plan is not None and why == ""
+    assert (plan.sender, plan.shard_donors, plan.rank_state_donors) == (-1, (0, 1, 0, 1), (0, 1, 0, 1))
+    # every rank kept its process: each its own shard, nothing moves
+    plan, _ = plan_snapshot_load([sharded(r, (r + 2) % 4, True) for r in range(4)], 0, 2)
+    assert plan is not None and plan.shard_donors == (0, 1, 2, 3)
+    # the buddy holds rank 2's rank state but its shard never arrived: no holder for the shard
+    rows = [sharded(0, 2, False), sharded(1, 3, True), sharded(-1), sharded(-1)]
+    plan, why = plan_snapshot_load(rows, 0, 2)
+    assert (
+        plan is None and "rank 2's shard of the sharded state is held neither by it nor by its buddy 0" in why
+    )
+    # a process that now runs as rank 1 holds rank 3's shard, not its own: a shard is never a replica
+    rows = [sharded(0, 2, True), sharded(3, 3, True), sharded(2, 0, True), sharded(-1)]
+    plan, why = plan_snapshot_load(rows, 0, 2)
+    assert plan is None and "rank 1's shard" in why
+
+
 def test_the_interval_becomes_steps_from_the_measured_step_time_and_bad_values_are_refused() -> None:
     assert steps_for(60.0, [5.0, 5.2, 4.8, 9.0, 5.0]) == 12  # the median step, not a slow first one
     assert steps_for(0.5, [1.0]) == 1  # at least every step
@@ -126,7 +152,7 @@ def test_the_copy_and_digest_threads_yield_to_the_training_thread() -> None:
     seen: list[int] = []
 
     def background() -> None:
-        memory_state._yield_to_training()
+        memory_state.yield_to_training()
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     t = threading.Thread(target=background)
@@ -134,3 +160,44 @@ def test_the_copy_and_digest_threads_yield_to_the_training_thread() -> None:
     t.join()
     assert seen == [memory_state.BACKGROUND_NICE]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def _run_sharded(tmp: Path, *extra: str) -> list[dict]:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    job = ROOT / "tests" / "nodeagent" / "fsdp_snapshot_job.py"
+    run_gloo_ranks(job, WORLD, "--out", str(out), *extra, run="snap-test", warm=True, timeout_s=150)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_a_sharded_snapshot_survives_a_lost_host_through_the_buddies_copies(tmp_path: Path) -> None:
+    # FSDP2: each rank's shard is its own; the second host's processes are new, so ranks 2 and 3 get
+    # their shards (and RNG, data position) from their buddies on the first host, ranks 0 and 1
+    results = _run_sharded(tmp_path / "host", "--forget", "2", "3")
+    assert len({got["collectives"] for got in results}) == 1, [got["collectives"] for got in results]
+    # a sharded snapshot is complete (and reported) once the rank behind's shard is held here too
+    assert all(got["reported"][-1] == [3, 5] for got in results), results
+    assert [got.get("source") for got in results] == ["memory", "memory", "peer", "peer"], results
+    for r, got in enumerate(results):
+        assert got["fingerprint"] == got["reference"], (
+            f"rank {r} ({got['source']}) is not its state at step 5"
+        )
+        assert got["data_state"] == {"next_step": 5}
+
+
+@pytest.mark.slow
+def test_a_sharded_snapshot_without_a_holder_or_with_a_rotted_shard_is_refused_by_every_rank(
+    tmp_path: Path,
+) -> None:
+    # rank 1 and its buddy rank 3 are both new: rank 1's shard is nowhere
+    for got in _run_sharded(tmp_path / "gone", "--forget", "1", "3"):
+        assert (
+            "rank 1's shard of the sharded state is held neither by it nor by its buddy 3" in got["error"]
+        ), got
+    # rank 3 is new and the copy of its shard that rank 1 holds changed in host memory: refused
+    results = _run_sharded(tmp_path / "rot", "--forget", "3", "--rot", "1")
+    assert len({got["collectives"] for got in results}) == 1
+    for got in results:
+        assert "was refused by the rank it was for" in got["error"], got
+    assert "does not hash to its SHA-256" in results[3]["error"]
