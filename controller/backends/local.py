@@ -9,10 +9,10 @@ controller's host. The live controller launches through it on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from controller.backends.agents import AgentClients
+from controller.backends.agents import AgentClients, RpcOutcome
 from controller.backends.base import (
     Allocation,
     AttemptHandle,
@@ -174,12 +174,24 @@ class LocalBackend:
             for rank, node in enumerate(spec.nodes)
         ]
 
-    def launch(self, spec: AttemptSpec) -> AttemptHandle:
-        """Start the attempt on every node at once; raises `LaunchIncomplete` naming the nodes that did
-        not start, or `BackendError` (nothing started) when node rank 0 reported no rendezvous."""
+    def launch(
+        self, spec: AttemptSpec, *, after: Callable[[str], Awaitable[None]] | None = None
+    ) -> AttemptHandle:
+        """Start the attempt on every node at once (each once `after(node)` has returned: the
+        executor's wait for the node's stop in flight); raises `LaunchIncomplete` naming the nodes
+        that did not start, or `BackendError` (nothing started) when node rank 0 reported no
+        rendezvous."""
         reqs = self.requests(spec, endpoint=self.endpoint(spec))
         launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
-        answers = self.agents.gather(self.agents.launch_async(n, r, launch_s) for n, r in reqs)
+
+        async def launch_one(
+            node: str, req: agent_pb2.LaunchWorkersRequest
+        ) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
+            if after is not None:
+                await after(node)
+            return await self.agents.launch_async(node, req, launch_s)  # its deadline from here
+
+        answers = self.agents.gather(launch_one(n, r) for n, r in reqs)
         started = tuple(
             NodeStarted(
                 node=o.node,

@@ -8,6 +8,7 @@ the same iteration, slow work (agent RPCs) runs off the loop and its results com
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -162,6 +163,9 @@ class Executor:
         self.unwritten: list[LogEntry] = []  # entries of a batch whose append failed
         self.attempt = 0
         self.attempt_nodes: dict[str, int] = {}  # node -> node rank of the current attempt
+        # node -> its unplanned stop, done once the node answered (or its RPC failed): a later launch
+        # or preflight of the node waits for it (a lost node's relaunch is decided as the stop begins)
+        self.stops_in_flight: dict[str, Future[None]] = {}
 
     # -- the batch -----------------------------------------------------------------------------
 
@@ -218,8 +222,10 @@ class Executor:
                 self.tasks.submit(self._claim_then_preflight, action)
             case Launch():
                 return self._launch(action)
-            case StopAttempt():
+            case StopAttempt() if action.planned:
                 self.tasks.submit(self._stop, action)
+            case StopAttempt():
+                self._stop_now(action)
             case CollectDumps():
                 self.tasks.submit(self._collect, action)
             case MeasureBandwidth():
@@ -415,7 +421,7 @@ class Executor:
     def _start_workers(self, action: Launch, spec: AttemptSpec, record_s: float) -> None:
         t0 = time.monotonic()
         try:
-            handle = self.backend.launch(spec)
+            handle = self.backend.launch(spec, after=self._after_stop)
         except LaunchIncomplete as exc:
             for f in exc.failures:
                 self.translator.mark_exited(f.node, action.attempt)
@@ -461,13 +467,19 @@ class Executor:
                     )
                 )
             else:
-                call = self.agents.run_preflight_async(
-                    node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s
-                )
+                call = self._preflight_after_stop(node, action)
                 # no thread waits for it: the answer is posted from the agents' loop
                 self.agents.submit(call).add_done_callback(
                     functools.partial(self._preflight_done, action, node)
                 )
+
+    async def _preflight_after_stop(self, node: str, action: RunPreflight) -> PreflightOutcome:
+        """(the agents' loop) The node's preflight, once its stop in flight has answered: never beside
+        the ranks it stops; the preflight's deadline counts from when it is sent."""
+        await self._after_stop(node)
+        return await self.agents.run_preflight_async(
+            node, agent_pb2.RunPreflightRequest(mode=action.mode), action.timeout_s
+        )
 
     def _preflight_done(self, action: RunPreflight, node: str, done: Future[PreflightOutcome]) -> None:
         try:
@@ -497,21 +509,43 @@ class Executor:
         )
 
     def _stop(self, action: StopAttempt) -> None:
-        """Stop the attempt on its nodes at once. Planned: ask every node to stop (finish the step,
-        save, commit, exit), wait once for all their exits (one thread for the whole attempt, however
-        many nodes), then stop every node (what still runs is ended; the rest answer at once);
-        otherwise stop them all now."""
-        if action.planned:
-            req = agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason)
-            self.agents.gather(self.agents.request_stop_async(n, req) for n in action.nodes)
-            # The stop also reaches the agents through the run's stop key; wait for the exits either way.
-            deadline = time.monotonic() + action.grace_s  # ends as soon as every exit is seen
-            running = list(action.nodes)
-            while running and time.monotonic() < deadline:
-                running = [n for n in running if not self.translator.has_exited(n, action.attempt)]
-                if running and self.stopping.wait(_EXIT_POLL_S):
-                    return
+        """A planned stop: ask every node to stop (finish the step, save, commit, exit), wait once for
+        all their exits (one thread for the whole attempt, however many nodes), then stop every node
+        (what still runs is ended; the rest answer at once)."""
+        req = agent_pb2.RequestStopRequest(run=self.s.run, reason=action.reason)
+        self.agents.gather(self.agents.request_stop_async(n, req) for n in action.nodes)
+        # The stop also reaches the agents through the run's stop key; wait for the exits either way.
+        deadline = time.monotonic() + action.grace_s  # ends as soon as every exit is seen
+        running = list(action.nodes)
+        while running and time.monotonic() < deadline:
+            running = [n for n in running if not self.translator.has_exited(n, action.attempt)]
+            if running and self.stopping.wait(_EXIT_POLL_S):
+                return
         self.agents.gather(self._stop_node(action, n) for n in action.nodes)
+
+    def _stop_now(self, action: StopAttempt) -> None:
+        """An unplanned stop: every node at once, on the agents' loop (no thread waits), each node's
+        stop registered before this returns, so that an action after it in this batch or a later one
+        (the relaunch) finds it."""
+        stopping = {n: Future[None]() for n in action.nodes}
+        self.stops_in_flight.update(stopping)
+
+        async def stop_all() -> None:
+            async def one(node: str) -> None:
+                try:
+                    await self._stop_node(action, node)
+                finally:
+                    stopping[node].set_result(None)
+
+            await asyncio.gather(*(one(n) for n in action.nodes))
+
+        self.agents.submit(stop_all())
+
+    async def _after_stop(self, node: str) -> None:
+        """(the agents' loop) Until the node's unplanned stop in flight, if any, has answered."""
+        stop = self.stops_in_flight.get(node)
+        if stop is not None and not stop.done():
+            await asyncio.wrap_future(stop)
 
     async def _stop_node(self, action: StopAttempt, node: str) -> None:
         """(the agents' loop)"""

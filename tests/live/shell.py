@@ -38,6 +38,8 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
         self.before_preflight: Callable[[], None] | None = None
         self.launch_refusals = 0  # the first this many launches abort with PERMISSION_DENIED
         self.stop_exit: common_pb2.ExitStatus | None = None  # set: StopWorkers answers this exit
+        self.stop_gate: threading.Event | None = None  # set: StopWorkers answers once it is set
+        self.stopped = threading.Event()  # a StopWorkers has answered
 
     def RunPreflight(self, request: Any, context: Any) -> Iterator[agent_pb2.RunPreflightResponse]:
         self.calls.append("RunPreflight")
@@ -59,10 +61,17 @@ class AgentDouble(agent_pb2_grpc.NodeAgentServicer):
 
     def StopWorkers(self, request: Any, context: Any) -> agent_pb2.StopWorkersResponse:
         self.calls.append("StopWorkers")
-        if self.stop_exit is None:
-            return agent_pb2.StopWorkersResponse()
-        ended = agent_pb2.WorkerStatus(run=request.run, attempt=request.attempt, pid=1, exit=self.stop_exit)
-        return agent_pb2.StopWorkersResponse(stopped=[ended])
+        if self.stop_gate is not None:
+            self.stop_gate.wait(60)
+        try:
+            if self.stop_exit is None:
+                return agent_pb2.StopWorkersResponse()
+            ended = agent_pb2.WorkerStatus(
+                run=request.run, attempt=request.attempt, pid=1, exit=self.stop_exit
+            )
+            return agent_pb2.StopWorkersResponse(stopped=[ended])
+        finally:
+            self.stopped.set()
 
     def GetNodeStatus(self, request: Any, context: Any) -> agent_pb2.GetNodeStatusResponse:
         return agent_pb2.GetNodeStatusResponse()

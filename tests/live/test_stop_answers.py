@@ -1,5 +1,7 @@
 """An unplanned stop's exits come from the StopWorkers answers: the relaunch does not wait for each
 host's exit record to go through etcd (issue 31: at 2,048 hosts, 2,048 writes and watch events).
+A lost node's relaunch does not wait for the survivors' stops at all: each survivor is launched once
+its own stop has answered, the spare at once.
 
 The real `LiveController` and `Supervisor` against a real etcd; two agent doubles (tests/live/shell.py)
 that write no exit record at all: n1's crash is written into its progress key by the test, as its
@@ -8,6 +10,7 @@ within seconds can only come from that answer."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -51,3 +54,29 @@ def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_fo
         assert store.get(store.keys.progress(RUN, "n2")) is None  # no record: the answer was the exit
         # the launch RPCs go out after the LAUNCH entry is durable: waited for, not assumed
         wait_until(lambda: [d.launches[-1].attempt for d in (n1, n2)] == [2, 2], 10, "attempt 2 on both")
+
+
+def test_a_lost_nodes_relaunch_launches_each_survivor_once_its_own_stop_answered(
+    store: Store, tmp_path: Path
+) -> None:
+    core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
+    with (
+        agent_double(store, "n1"),
+        agent_double(store, "n2") as n2,
+        agent_double(store, "n3") as n3,
+        live_shell(store, tmp_path / "run", nodes=2, core_factory=core) as (_shell, log),
+    ):
+        _, first = log.wait(is_launch(1), 30)
+        assert "n3" not in first.launch.nodes, "n3 is the spare"
+        n2.stop_gate = threading.Event()  # n2's stop answers only when the test says so
+        store.delete(store.keys.node("n1"))  # n1's lease is gone
+        _, relaunch = log.wait(is_launch(2), 30)
+        assert sorted(relaunch.launch.nodes) == ["n2", "n3"]
+        # decided as the stop began: the LAUNCH is logged while n2's stop is still in flight, and the
+        # spare is launched at once
+        assert "StopWorkers" in n2.calls and not n2.stopped.is_set()
+        wait_until(lambda: [r.attempt for r in n3.launches] == [2], 10, "attempt 2 on the spare")
+        assert [r.attempt for r in n2.launches] == [1], "n2 launched beside the ranks it stops"
+        n2.stop_gate.set()
+        wait_until(lambda: [r.attempt for r in n2.launches] == [1, 2], 10, "attempt 2 on n2 after its stop")
+        assert n2.calls[-2:] == ["StopWorkers", "LaunchWorkers"]
