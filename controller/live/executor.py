@@ -574,10 +574,11 @@ class Executor:
                     reason=f"stop rpc ({out.tries} tries): {out.error}",
                 )
             )
-        elif answer is not None and not action.planned:
+        elif answer is not None and not action.planned and action.attempt == self.attempt:
             # The core waits for every node's exit; the answer has it (the agent answers once the
             # exit is recorded and a parked group is back). A planned stop's exits come through the
-            # progress watch, which carries the ranks' stop reasons.
+            # progress watch, which carries the ranks' stop reasons. Once the next attempt has
+            # launched (a lost node's relaunch does not wait for them) they are old news: not posted.
             exited = self.translator.exit_from_stop(node, action.attempt, answer)
             if exited is not None:
                 self.post(exited)
