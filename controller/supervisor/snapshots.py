@@ -17,7 +17,8 @@ event says which and why. The candidates are the ending attempt's snapshots, the
 resumed from (its processes still hold it). The ranks check the same at their load with what each
 process really holds: if some rank's state is gone after all, every rank refuses the snapshot
 (CheckpointInvalid for its step, `resume_points`), it is dropped, and the relaunch resumes from the
-commit. A controller restart forgets the snapshots (the next relaunch resumes from a commit).
+commit. Nothing about them is stored: every report carries its rank's snapshots, so a controller
+that takes over an attempt knows them after one report interval (level-triggered, as the rest).
 """
 
 from __future__ import annotations

@@ -217,3 +217,19 @@ def test_a_node_holds_the_steps_every_one_of_its_ranks_holds() -> None:
     assert t.held == {"n1": frozenset({5}), "n2": frozenset({5, 10})}
     # rank 1's state at 10: on n1 (its rank 1 has not taken it) or its buddy rank 3 on n2 (which has)
     assert t.uncovered(10, {"n1", "n2"}) == "" and t.uncovered(10, {"n1"}).startswith("rank 0's state")
+
+
+def test_a_new_leader_learns_the_snapshots_from_the_ranks_next_reports() -> None:
+    """Level-triggered: every report carries the snapshots its rank holds, so a controller that took
+    over an attempt knows them one report interval later, and its relaunch resumes from them."""
+    d = Driver(cfg=fast(), nodes=2, ranks_per_node=2)
+    d.send(
+        StoreListed(
+            alive={"n1": 2, "n2": 2, "n3": 2}, attempt=3, attempt_nodes=("n1", "n2"), committed_steps=(10,)
+        )
+    )
+    assert d.sup.state is RunState.RUNNING and d.sup.attempt == 3
+    d.steps(11, 15, snapshots=(15,))
+    _end_attempt(d, crashed="n1")
+    launch: Launch = d.launches[-1]
+    assert (launch.resume_step, launch.resume_snapshot) == (15, 3)
