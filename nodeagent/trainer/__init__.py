@@ -42,7 +42,8 @@ plus `waiting()` blocks) counted meanwhile, likewise per step; compute is the re
 slow-down (the agent's `slow_s`, from `controllerctl chaos NODE slow-rank`) is slept at the end
 of `report()`, outside any collective, so it lands in the next step's compute. A report repeating
 the step just reported (the marks around a checkpoint save) carries that step's timings again and
-starts the next interval, so a save's time is no step's compute. Without a timer (no
+starts the next interval, so a save's time is no step's compute; nor is an evaluation's
+(`evaluating()`: the interval leaves it out). Without a timer (no
 `time_collectives()`, no `waiting()`) compute and wait are sent as 0: not measured. Timings passed
 explicitly are sent as given (missing ones as 0).
 
@@ -169,6 +170,7 @@ class ProgressReporter:
         self._first_step_unsent = False  # after loaded(): the next step's report is sent at once
         self._in_checkpoint = False
         self._in_eval = False
+        self._eval_began = 0.0  # perf_counter() when the evaluation now running began
         self._collectives = CollectiveCount()  # sampled by the flush thread and by every send
         self._count_lock = threading.Lock()  # the flush thread and the training thread both sample
         self._ckpt_error: tuple[int, str] | None = None
@@ -233,9 +235,11 @@ class ProgressReporter:
         """`with reporter.evaluating(): ...`: an evaluation (or other work outside the training
         collectives) on this rank, while its peers may already wait in the next step's collectives.
         The supervisor does not take the peers' wait on a rank inside it for a hang, up to its eval
-        allowance (the policy's; past it, it is one). Entering and leaving are sent at once, like a
-        checkpoint save's (RankProgress.in_eval); before the rank's first report or `loaded()` the
-        flag rides on that first report. Nested blocks are one evaluation."""
+        allowance (the policy's; past it, it is one), and its time is no step's: the measured step
+        time and compute leave it out (else the rank that evaluates looks like a straggler, the
+        slowest compute and the least wait, and its healthy node is flagged). Entering and leaving
+        are sent at once, like a checkpoint save's (RankProgress.in_eval); before the rank's first
+        report or `loaded()` the flag rides on that first report. Nested blocks are one evaluation."""
         outer = self._in_eval
         if not outer:
             self._set_in_eval(True)
@@ -246,6 +250,11 @@ class ProgressReporter:
                 self._set_in_eval(False)
 
     def _set_in_eval(self, in_eval: bool) -> None:
+        now = time.perf_counter()
+        if in_eval:
+            self._eval_began = now
+        else:  # the measured interval leaves the evaluation out (the part of it inside the interval)
+            self._interval_start += max(0.0, now - max(self._eval_began, self._interval_start))
         self._in_eval = in_eval
         repeat = self._repeat_last()
         if repeat is not None:

@@ -161,6 +161,25 @@ def test_without_torch_distributed_no_count_is_sent(tmp_path: Path, monkeypatch:
 # --- evaluating() --------------------------------------------------------------------------------
 
 
+def test_an_evaluations_time_is_no_steps_time(tmp_path: Path) -> None:
+    """The rank that evaluates would look like a straggler (the slowest step, the least wait) and its
+    healthy node be flagged, if its evaluation counted as the next step's compute."""
+    agent = AgentSocket(tmp_path)
+    rep = reporter(agent, flush_interval_s=30.0)
+    try:
+        rep.report(1)  # measured: since the reporter began
+        with rep.evaluating():
+            time.sleep(1.0)  # the evaluation's work (what is measured, not a wait for an event)
+        rep.report(2)
+        assert rep.flush()
+        wait_for(lambda: any(r.step == 2 for r in reports(agent)), 5, "step 2")
+        (two,) = [r for r in reports(agent) if r.step == 2 and not r.in_eval]
+        assert two.step_time_s < 0.5, f"the evaluation's 1 s counted as step 2's time ({two.step_time_s:.2f} s)"
+    finally:
+        rep.close()
+        agent.stop()
+
+
 def test_an_evaluation_is_sent_at_once_when_it_starts_and_when_it_ends(tmp_path: Path) -> None:
     agent = AgentSocket(tmp_path)
     # no periodic flush within the test: what arrives was sent at once
