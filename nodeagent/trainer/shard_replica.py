@@ -81,10 +81,22 @@ def _pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
 
 
-def ring_groups(rank: int, world: int, local: int) -> tuple[Any, Any]:
-    """(the group this rank shares with its buddy ahead, the one it shares with the rank behind it,
-    whose buddy it is). Each pair's group is made by its two ranks alone, every rank making its pairs
-    in one global order (so no ranks wait on each other in a cycle); once per default group."""
+@dataclass(frozen=True, slots=True)
+class RingPlace:
+    """A rank's place on the ring: its buddy ahead (which keeps its shard), the rank behind (whose
+    buddy it is), and the two-rank gloo group it shares with each."""
+
+    rank: int
+    ahead: int
+    behind: int
+    to_ahead: Any
+    from_behind: Any
+
+
+def ring_place(rank: int, world: int, local: int) -> RingPlace:
+    """This rank's place on the ring of `world` ranks, `local` a host. Each pair's group is made by its
+    two ranks alone, every rank making its pairs in one global order (so no ranks wait on each other
+    in a cycle); once per default group. Every rank of the ring calls it at the same point."""
     import torch.distributed as dist
 
     global _groups
@@ -101,7 +113,7 @@ def ring_groups(rank: int, world: int, local: int) -> tuple[Any, Any]:
                 timeout=timedelta(seconds=PAIR_TIMEOUT_S),
                 use_local_synchronization=True,
             )
-    return made[_pair(rank, ahead)], made[_pair(behind, rank)]
+    return RingPlace(rank, ahead, behind, made[_pair(rank, ahead)], made[_pair(behind, rank)])
 
 
 def _as_bytes(t: Any) -> Any:
@@ -192,15 +204,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def replicate(
-    own: memory_state.MemoryCopy | None,
-    step: int,
-    *,
-    run: str,
-    attempt: int,
-    rank: int,
-    ahead: int,
-    behind: int,
-    groups: tuple[Any, Any],
+    own: memory_state.MemoryCopy | None, step: int, *, run: str, attempt: int, ring: RingPlace
 ) -> Replication:
     """On a thread at the lowest priority: once this rank's copy of `step` has landed and been hashed,
     offer it to the buddy ahead and take the shard of the rank behind (`own` None: this rank kept no
@@ -210,13 +214,13 @@ def replicate(
     def work() -> None:
         memory_state.yield_to_training()
         try:
-            job.why = _exchange(
-                own, step, run=run, attempt=attempt, rank=rank, ahead=ahead, behind=behind, groups=groups
-            )
+            job.why = _exchange(own, step, run=run, attempt=attempt, ring=ring)
         except Exception as exc:  # a peer gone (its host lost) or a transfer cut: not held
             job.why = f"{type(exc).__name__}: {exc}"
         if job.why:
-            log.warning("rank %d: rank %d's shard of snapshot %d not held: %s", rank, behind, step, job.why)
+            log.warning(
+                "rank %d: rank %d's shard of snapshot %d not held: %s", ring.rank, ring.behind, step, job.why
+            )
         job.done.set()
 
     threading.Thread(target=work, name="runwarden-shard-replica", daemon=True).start()
@@ -224,20 +228,18 @@ def replicate(
 
 
 def _exchange(
-    own: memory_state.MemoryCopy | None,
-    step: int,
-    *,
-    run: str,
-    attempt: int,
-    rank: int,
-    ahead: int,
-    behind: int,
-    groups: tuple[Any, Any],
+    own: memory_state.MemoryCopy | None, step: int, *, run: str, attempt: int, ring: RingPlace
 ) -> str:
     import torch
     import torch.distributed as dist
 
-    to_ahead, from_behind = groups
+    rank, ahead, behind, to_ahead, from_behind = (
+        ring.rank,
+        ring.ahead,
+        ring.behind,
+        ring.to_ahead,
+        ring.from_behind,
+    )
     landed = (
         own is not None
         and own.copied.wait(PAIR_TIMEOUT_S)
@@ -325,8 +327,8 @@ def serve(
     world = len(donors)
     if all(d == r for r, d in enumerate(donors)):
         return None, ""
-    to_ahead, from_behind = ring_groups(rank, world, local)  # every rank: its neighbours may need them
-    ahead, behind = (rank + local) % world, (rank - local) % world
+    ring = ring_place(rank, world, local)  # every rank: its neighbours may need the groups
+    ahead, behind, to_ahead, from_behind = ring.ahead, ring.behind, ring.to_ahead, ring.from_behind
     gives = donors[behind] == rank and behind != rank
     takes = donors[rank] == ahead and ahead != rank
     shard = held(run, attempt, step, behind) if gives else None

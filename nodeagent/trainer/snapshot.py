@@ -287,16 +287,9 @@ class Snapshotter:
             elif not kept_theirs:
                 why = why or f"rank {owner}'s state of step {step} is not its snapshot"
             if sharded:  # its shard to the buddy too, off this thread
-                groups = shard_replica.ring_groups(self.rank, self.world_size, self.local_world_size)
+                ring = shard_replica.ring_place(self.rank, self.world_size, self.local_world_size)
                 self._replications[step] = shard_replica.replicate(
-                    held,
-                    step,
-                    run=run,
-                    attempt=attempt,
-                    rank=self.rank,
-                    ahead=self.buddy(),
-                    behind=owner,
-                    groups=groups,
+                    held, step, run=run, attempt=attempt, ring=ring
                 )
         ended = time.perf_counter()
         self.stalls[step], self.exchanges[step] = ended - started, ended - exchange_started

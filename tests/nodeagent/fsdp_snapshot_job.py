@@ -10,21 +10,18 @@ equal), what it reported, and the default group's collective count, or the error
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nodeagent import trainer
-from nodeagent.trainer import memory_state, shard_replica, snapshot, torch_api
+from nodeagent.trainer import memory_state, shard_replica, snapshot
 from tests.nodeagent.fsdp_job import _model, _step
-from tests.nodeagent.snapshot_job import LOCAL_WORLD, Reports
+from tests.nodeagent.snapshot_job import LOCAL_WORLD, Reports, finish, job_args, restore_snapshot_5
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,11 +40,7 @@ def _fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--forget", type=int, nargs="*", default=[])
-    parser.add_argument("--rot", type=int, nargs="*", default=[])
-    args = parser.parse_args()
+    args = job_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = _model(world)
@@ -75,23 +68,16 @@ def main() -> None:
             assert shard is not None, "no shard held for the rank behind"
             shard.flat[shard.flat.numel() // 2] ^= 0xFF  # host memory changed under the held shard
         model, opt = _model(world)  # a restart's objects (a new process's, or a warm rank's reset)
-        point = trainer.resume_point(
-            "/nonexistent", {"RUNWARDEN_RESUME_STEP": "5", "RUNWARDEN_RESUME_SNAPSHOT": "1"}
+        restore_snapshot_5(
+            result,
+            reports,
+            lambda point: trainer.load_checkpoint(
+                point, model=model, optimizer=opt, rank=rank, reporter=reports
+            ),
+            lambda: _fingerprint(model, opt),
+            taken[5],
         )
-        try:
-            got = trainer.load_checkpoint(point, model=model, optimizer=opt, rank=rank, reporter=reports)
-        except trainer.SnapshotUnavailable as exc:
-            result.update(error=str(exc), load_errors=reports.load_errors)
-        else:
-            result.update(
-                source=memory_state.loaded_from(5),
-                data_state=got.data_state,
-                fingerprint=_fingerprint(model, opt),
-                reference=taken[5],
-            )
-    result["collectives"] = torch_api.default_group_sequence()
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish(result, args.out, rank)
 
 
 if __name__ == "__main__":

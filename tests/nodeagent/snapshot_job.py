@@ -14,7 +14,9 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,12 +58,17 @@ def _fingerprint(
     return h.hexdigest()
 
 
-def main() -> None:
+def job_args() -> argparse.Namespace:
+    """`--out DIR`, `--forget RANK...`, `--rot RANK...` (this job's and fsdp_snapshot_job.py's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--forget", type=int, nargs="*", default=[])
     parser.add_argument("--rot", type=int, nargs="*", default=[])
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = job_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
@@ -97,28 +104,46 @@ def main() -> None:
             assert held.hashed.wait(60) and held.digests, "the snapshot was never hashed"
             biggest = max(held.buffers, key=lambda b: b.numel())
             biggest.view(-1)[0] += 1.0  # host memory changed under the kept copy
-        point = trainer.resume_point(
-            "/nonexistent", {"RUNWARDEN_RESUME_STEP": "5", "RUNWARDEN_RESUME_SNAPSHOT": "1"}
-        )
-        assert point == trainer.SnapshotPoint(step=5, attempt=1)
         result: dict = {"reported": reports.snapshots}
-        try:
-            got = trainer.load_checkpoint(
+        restore_snapshot_5(
+            result,
+            reports,
+            lambda point: trainer.load_checkpoint(
                 point, model=model, optimizer=opt, scheduler=sched, rank=rank, reporter=reports
-            )
-        except trainer.SnapshotUnavailable as exc:
-            result.update(error=str(exc), load_errors=reports.load_errors)
-        else:
-            result.update(
-                source=memory_state.loaded_from(5),
-                data_state=got.data_state,
-                fingerprint=_fingerprint(model, opt, sched),
-                reference=taken[5],
-            )
+            ),
+            lambda: _fingerprint(model, opt, sched),
+            taken[5],
+        )
+    finish(result, args.out, rank)
+
+
+def restore_snapshot_5(
+    result: dict, reports: Reports, load: Callable[[Any], Any], fingerprint: Callable[[], str], reference: str
+) -> None:
+    """Resume from snapshot 5 of attempt 1 the way a restart does (`load`); record where the state came
+    from and its fingerprint next to `reference`, or the error every rank raised."""
+    point = trainer.resume_point(
+        "/nonexistent", {"RUNWARDEN_RESUME_STEP": "5", "RUNWARDEN_RESUME_SNAPSHOT": "1"}
+    )
+    assert point == trainer.SnapshotPoint(step=5, attempt=1)
+    try:
+        got = load(point)
+    except trainer.SnapshotUnavailable as exc:
+        result.update(error=str(exc), load_errors=reports.load_errors)
+    else:
+        result.update(
+            source=memory_state.loaded_from(5),
+            data_state=got.data_state,
+            fingerprint=fingerprint(),
+            reference=reference,
+        )
+
+
+def finish(result: dict, out: Path, rank: int) -> None:
     # the collective hang rule compares this count across ranks: the snapshots' exchanges must leave
     # it the same on every rank, whoever sent what
     result["collectives"] = torch_api.default_group_sequence()
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 

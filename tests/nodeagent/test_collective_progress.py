@@ -174,7 +174,9 @@ def test_an_evaluations_time_is_no_steps_time(tmp_path: Path) -> None:
         assert rep.flush()
         wait_for(lambda: any(r.step == 2 for r in reports(agent)), 5, "step 2")
         (two,) = [r for r in reports(agent) if r.step == 2 and not r.in_eval]
-        assert two.step_time_s < 0.5, f"the evaluation's 1 s counted as step 2's time ({two.step_time_s:.2f} s)"
+        assert two.step_time_s < 0.5, (
+            f"the evaluation's 1 s counted as step 2's time ({two.step_time_s:.2f} s)"
+        )
     finally:
         rep.close()
         agent.stop()

@@ -23,11 +23,11 @@ from tests.nodeagent.helpers import ROOT, run_gloo_ranks
 WORLD = 4
 
 
-def _run(tmp: Path, *extra: str) -> list[dict]:
+def _run(tmp: Path, *extra: str, job: str = "snapshot_job.py") -> list[dict]:
     out = tmp / "out"
     out.mkdir(parents=True)
-    job = ROOT / "tests" / "nodeagent" / "snapshot_job.py"
-    run_gloo_ranks(job, WORLD, "--out", str(out), *extra, run="snap-test", warm=True, timeout_s=120)
+    script = ROOT / "tests" / "nodeagent" / job
+    run_gloo_ranks(script, WORLD, "--out", str(out), *extra, run="snap-test", warm=True, timeout_s=150)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -163,11 +163,7 @@ def test_the_copy_and_digest_threads_yield_to_the_training_thread() -> None:
 
 
 def _run_sharded(tmp: Path, *extra: str) -> list[dict]:
-    out = tmp / "out"
-    out.mkdir(parents=True)
-    job = ROOT / "tests" / "nodeagent" / "fsdp_snapshot_job.py"
-    run_gloo_ranks(job, WORLD, "--out", str(out), *extra, run="snap-test", warm=True, timeout_s=150)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return _run(tmp, *extra, job="fsdp_snapshot_job.py")
 
 
 @pytest.mark.slow
