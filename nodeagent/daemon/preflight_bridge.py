@@ -95,6 +95,17 @@ def _as_proto(result: Any) -> common_pb2.CheckResult:
     return result if isinstance(result, common_pb2.CheckResult) else result.to_proto()
 
 
+# A preflight another caller started (a spare's check, when the run's relaunch wants that spare) ends in
+# seconds: the second waits for it rather than being refused (a refused node is left out of the
+# attempt), up to half of its own deadline; a burn-in's hours are still refused.
+BUSY_WAIT_MAX_S = 60.0
+
+
+def _busy_wait_s(context: grpc.ServicerContext) -> float:
+    left = context.time_remaining()
+    return BUSY_WAIT_MAX_S if left is None else max(0.0, min(BUSY_WAIT_MAX_S, left / 2))
+
+
 def stream(
     agent: Any, request: agent_pb2.RunPreflightRequest, context: grpc.ServicerContext
 ) -> Iterator[Any]:
@@ -103,8 +114,11 @@ def stream(
         context.abort(
             grpc.StatusCode.UNIMPLEMENTED, "the preflight library (preflight.run_preflight) is not installed"
         )
-    if not agent.preflight_running.acquire(blocking=False):
-        context.abort(grpc.StatusCode.ABORTED, "a preflight is already running on this node")
+    waited = _busy_wait_s(context)
+    if not agent.preflight_running.acquire(timeout=waited):
+        context.abort(
+            grpc.StatusCode.ABORTED, f"a preflight is already running on this node (waited {waited:.0f} s)"
+        )
     try:
         agent.state_changed()
         yield from _run(agent, run, request)

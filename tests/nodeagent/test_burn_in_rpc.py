@@ -63,3 +63,43 @@ def test_an_unknown_burn_in_stage_is_invalid_argument(agent_factory) -> None:
             )
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gpu_burn" in err.value.details()
+
+
+def test_a_preflight_asked_while_another_runs_waits_for_it_instead_of_being_refused(
+    agent_factory, tmp_path: Path
+) -> None:
+    """A spare's check still running when the run's relaunch asks the spare for its preflight: a
+    refusal left the spare out of the attempt (and a run with no other spare waiting for nodes)."""
+    import threading
+
+    from tests.nodeagent.helpers import wait_for
+
+    config = tmp_path / "preflight.toml"
+    config.write_text(
+        "[compute]\ndevice = 'cpu'\n[dcgm]\ndcgmi = '/nonexistent/dcgmi'\n"
+        "[burn_in]\nmatmul_duration_s_cpu = 3.0\nmatmul_size_cpu = 64\nstage_slack_s = 60.0\n"
+    )
+    agent = agent_factory(flags=["--preflight-config", str(config)])
+    first: list[agent_pb2.RunPreflightResponse] = []
+    busy = threading.Thread(
+        target=lambda: first.extend(
+            agent.stub.RunPreflight(
+                agent_pb2.RunPreflightRequest(mode="burn_in", only=["matmul"]), timeout=120
+            )
+        )
+    )
+    busy.start()
+    try:
+        status = agent_pb2.GetNodeStatusRequest()
+        wait_for(
+            lambda: agent.stub.GetNodeStatus(status).state == common_pb2.NODE_STATE_PREFLIGHT, 60, "busy"
+        )
+        items = list(
+            agent.stub.RunPreflight(
+                agent_pb2.RunPreflightRequest(mode="quick", only=["inventory"]), timeout=60
+            )
+        )
+    finally:
+        busy.join(120)
+    assert first and first[-1].HasField("summary"), "the first preflight did not finish"
+    assert items[-1].HasField("summary") and items[-1].summary.mode == "quick"

@@ -200,7 +200,8 @@ class _Evidence:
 
 def check_preflight_before_launch(d: Driver) -> None:
     """Every launched node passed a preflight since the launch before, or was vouched for: it ran
-    in the launch before or passed a preflight within preflight_max_age_s, with no evidence since."""
+    in the launch before or passed a preflight (or a whole burn-in: a superset of it, whose end is
+    the node's release to the spare pool) within preflight_max_age_s, with no evidence since."""
     max_age = d.cfg.preflight_max_age_s
     passed_now: set[str] = set()  # since the last launch
     passed_at: dict[str, float] = {}
@@ -211,6 +212,9 @@ def check_preflight_before_launch(d: Driver) -> None:
         if isinstance(a, _Passed):
             passed_now.add(a.node)
             passed_at[a.node] = now = a.at
+            evidence.discard(a.node)
+        elif isinstance(a, Release) and "burn-in" in a.reason:
+            passed_at[a.node] = now
             evidence.discard(a.node)
         elif isinstance(a, _Evidence):
             evidence.add(a.node)
