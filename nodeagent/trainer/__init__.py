@@ -256,10 +256,7 @@ class ProgressReporter:
         else:  # the measured interval leaves the evaluation out (the part of it inside the interval)
             self._interval_start += max(0.0, now - max(self._eval_began, self._interval_start))
         self._in_eval = in_eval
-        repeat = self._repeat_last()
-        if repeat is not None:
-            self._pending.append(repeat)
-            self.flush()
+        self._send_last_again()
 
     def _repeat_last(self) -> _Report | None:
         """The last report again, dated now (no loss: that step's loss was sent with it), to send a

@@ -199,6 +199,16 @@ def _nbytes(specs: Any) -> list[int]:
     return [math.prod(shape) * getattr(torch, name).itemsize for shape, name in specs]
 
 
+def _parts(flat: Any, sizes: list[int]) -> list[Any]:
+    """The non-empty tensors' slices of a held shard's bytes, in slot order (an empty one sends nothing)."""
+    out, at = [], 0
+    for n in sizes:
+        if n:
+            out.append(flat[at : at + n])
+        at += n
+    return out
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -267,11 +277,7 @@ def _exchange(
     if offer and int(accepted.item()) == 1 and own is not None:
         works += [dist.isend(_as_bytes(b), ahead, group=to_ahead) for b in own.buffers if b.numel()]
     if flat is not None:
-        at = 0
-        for n in sizes:
-            if n:
-                works.append(dist.irecv(flat[at : at + n], behind, group=from_behind))
-            at += n
+        works += [dist.irecv(part, behind, group=from_behind) for part in _parts(flat, sizes)]
     _wait(works)
     if flat is None or isinstance(parsed, str):
         return why
@@ -361,11 +367,7 @@ def serve(
     received = [torch.empty(s, dtype=getattr(torch, n)) for s, n in specs]
     works = []
     if gives and shard is not None and int(accepted.item()) == 1:
-        at = 0
-        for n in _nbytes(shard.specs):
-            if n:
-                works.append(dist.isend(shard.flat[at : at + n], behind, group=from_behind))
-            at += n
+        works += [dist.isend(p, behind, group=from_behind) for p in _parts(shard.flat, _nbytes(shard.specs))]
     for t in received:
         if t.numel():
             works.append(dist.irecv(_as_bytes(t), ahead, group=to_ahead))
