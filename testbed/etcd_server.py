@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -23,8 +22,11 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from runwarden.net import free_port
+
 ETCD_BINARY = "etcd"
 _LOCALHOST = "127.0.0.1"
+__all__ = ["EtcdServer", "EtcdServerError", "EtcdTls", "free_port"]
 _PORT_ATTEMPTS = 5
 
 # Loopback health checks must not go through an http_proxy from the environment.
@@ -35,13 +37,6 @@ _running_lock = threading.Lock()
 
 class EtcdServerError(RuntimeError):
     """etcd could not be started or stopped; the message says why (with the log's last lines)."""
-
-
-def free_port(host: str = _LOCALHOST) -> int:
-    """A TCP port free right now on ``host`` (another process may still take it: retry on clash)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

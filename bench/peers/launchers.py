@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.peers.observe import TRIAL_ENV, Line, Tail, kill_all, processes_mentioning, rank_pid, workers
+from runwarden.net import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTER = REPO / "bench" / "peers" / "train_adapter.py"
@@ -99,12 +100,6 @@ def nvrx_version() -> str:
         return out.stdout.strip() or "not installed"
     except (OSError, subprocess.TimeoutExpired):
         return "not installed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(port: int, timeout_s: float) -> bool:

@@ -22,10 +22,10 @@ The argv rule itself is `runwarden.launch.torchrun_argv`, the one the controller
 from __future__ import annotations
 
 import ipaddress
-import socket
 from dataclasses import dataclass
 
 from runwarden import launch
+from runwarden.net import free_port
 from runwarden.v1 import agent_pb2
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
@@ -60,11 +60,11 @@ def torch_host(advertised_host: str) -> str:
 
 
 def pick_rdzv_port() -> int:
-    """A port free on every address right now. torch's c10d store listens on the wildcard address,
-    so a port free only on the advertised host could still clash."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    """A port free on every address right now and outside the kernel's ephemeral range: torch's c10d
+    store listens on the wildcard address (a port free only on the advertised host could still
+    clash), and it binds the port minutes later, at the first launch, by when an outgoing connection
+    could hold a port taken from the ephemeral range as its source."""
+    return free_port("")
 
 
 def build(

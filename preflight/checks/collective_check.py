@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,14 +19,9 @@ from preflight.checks.expectations import no_floor
 from preflight.collective import AllReduceResult
 from preflight.nvml import NvmlError
 from preflight.result import CheckResult, failed, passed, skipped
+from runwarden.net import free_port
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _local_world(ctx: CheckContext) -> tuple[str, int]:
@@ -63,7 +58,35 @@ def launch_ranks(
     extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """`launch_local`'s work, with `extra` arguments for the ranks (the burn-in's --soak-s): rank 0's
-    JSON result as a mapping."""
+    JSON result as a mapping. A store port another process took between our choice and rank 0's bind
+    says nothing about the node: the ranks run once more on a new port (within the same deadline)."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _run_ranks(world, backend, size_bytes, iterations, warmup, deadline, timeout_s, extra)
+        except RuntimeError as exc:
+            if attempt + 1 == _PORT_TRIES or not _port_taken(str(exc)) or time.monotonic() >= deadline:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_TRIES = 3
+
+
+def _port_taken(errors: str) -> bool:
+    return "EADDRINUSE" in errors or "address already in use" in errors.lower()
+
+
+def _run_ranks(
+    world: int,
+    backend: str,
+    size_bytes: int,
+    iterations: int,
+    warmup: int,
+    deadline: float,
+    timeout_s: float,
+    extra: tuple[str, ...],
+) -> dict[str, Any]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="preflight-allreduce-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -99,13 +122,13 @@ def launch_ranks(
                 out,
                 *extra,
             ]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            with open(os.path.join(tmp, f"rank{rank}.err"), "wb") as err:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                    )
                 )
-            )
-        deadline = time.monotonic() + timeout_s
-        errors = _wait_all(procs, deadline)
+        errors = _wait_all(procs, deadline, tmp)
         if errors is None:
             raise TimeoutError(f"all-reduce ranks did not finish in {timeout_s:.0f} s (killed)")
         if errors:
@@ -115,27 +138,39 @@ def launch_ranks(
             return result
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float) -> list[str] | None:
-    """Errors of failed ranks ([] when all exited 0); None on timeout, after killing every rank."""
+def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float, tmp: str) -> list[str] | None:
+    """Errors of failed ranks ([] when all exited 0); None on timeout. At the deadline, or once a rank
+    failed (the others cannot finish a collective without it), the ranks still running are killed."""
+    while any(proc.poll() is None for proc in procs):
+        if time.monotonic() >= deadline:
+            _kill(procs)
+            return None
+        if any(proc.returncode for proc in procs):
+            _kill(procs)
+            break
+        time.sleep(_POLL_S)
     errors = []
-    try:
-        for rank, proc in enumerate(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise subprocess.TimeoutExpired(proc.args, 0)
-            _, err = proc.communicate(timeout=remaining)
-            if proc.returncode != 0:
-                tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["(no output)"]
-                errors.append(f"rank {rank} exited {proc.returncode}: {tail[0][:300]}")
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
+    for rank, proc in enumerate(procs):
+        if proc.returncode and proc.returncode > 0:
+            with open(os.path.join(tmp, f"rank{rank}.err"), "rb") as fh:
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+            errors.append(f"rank {rank} exited {proc.returncode}: {(lines[-1:] or ['(no output)'])[0][:300]}")
+    return errors or [
+        f"rank {rank} killed by signal {-proc.returncode}"
+        for rank, proc in enumerate(procs)
+        if proc.returncode
+    ]
+
+
+_POLL_S = 0.05
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
-        return None
-    return errors
+        proc.wait()
 
 
 def evaluate(result: AllReduceResult, floor_gbps: float) -> CheckResult:

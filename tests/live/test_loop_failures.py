@@ -14,7 +14,6 @@ failure happen at the narrowest boundary and names it:
 from __future__ import annotations
 
 import shlex
-import socket
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from controller.supervisor.events import Event, PreflightResult, Tick
 from controller.supervisor.machine import RunState, Supervisor
 from controller.supervisor.policy import RunPlan
 from runwarden.eventlog import EventLog, EventLogError, LogEntry, read_events
+from runwarden.net import free_port
 from runwarden.store import Store
 from runwarden.v1 import agent_pb2, common_pb2, events_pb2, store_pb2
 from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy, says
@@ -215,12 +215,6 @@ def test_a_poison_event_is_dropped_after_two_rebuilds_with_a_growing_pause(
         assert len(broke) == POISON_AFTER
         assert broke[1] - broke[0] >= REBUILD_BACKOFF_S, "the rebuild waited before the fresh core"
         assert any("dropped an event that broke its core" in reason for _, reason in pager.sent)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class UnavailableOnce(grpc.ServerInterceptor):

@@ -7,14 +7,9 @@ import socket
 import time
 import urllib.request
 
+from runwarden.net import free_port as _free_port
 from runwarden.sdnotify import Notifier, watchdog_interval_s
 from runwarden.v1 import agent_pb2, common_pb2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_agent_sends_ready_and_watchdog_on_notify_socket(agent_factory, tmp_path):

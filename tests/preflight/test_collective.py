@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 
 import pytest
 
+from preflight.checks import collective_check
 from preflight.checks.collective_check import evaluate, launch_local
 from preflight.collective import AllReduceResult, bus_bandwidth
 from preflight.config import CollectiveConfig, ComputeConfig, PreflightConfig
@@ -59,6 +61,27 @@ def test_hung_rank_is_killed_within_the_timeout() -> None:
     with pytest.raises(TimeoutError):
         launch_local(2, "gloo", 1 << 10, iterations=1, warmup=0, timeout_s=0.5)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+def test_a_store_port_taken_by_another_process_is_no_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process listens on the port chosen for rank 0's store (it took it between the choice
+    # and the bind): the ranks run again on a new port, promptly, and the node passes.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        real_free_port = collective_check.free_port
+        chosen: list[int] = []
+
+        def choose() -> int:
+            chosen.append(real_free_port() if chosen else taken.getsockname()[1])
+            return chosen[-1]
+
+        monkeypatch.setattr(collective_check, "free_port", choose)
+        started = time.monotonic()
+        result = launch_local(2, "gloo", 1 << 12, iterations=1, warmup=0, timeout_s=120)
+    assert result.correct and len(chosen) == 2 and chosen[0] != chosen[1]
+    assert time.monotonic() - started < 60
 
 
 def test_wrong_sum_fails() -> None:
