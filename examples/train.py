@@ -27,13 +27,14 @@ test compares those losses with an uninterrupted run of the same seed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(RUNWARDEN_ATTEMPT - 1) %% world size (its victim rotates): hang blocks before its forward, "
         "outside any collective (a data loader deadlocked on a bad shard); crash raises; nan reports "
         "a NaN loss",
+    )
+    p.add_argument(
+        "--test-poison-snapshots-from",
+        type=number(int, low=0),
+        default=0,
+        metavar="STEP",
+        help="TEST ONLY: in attempt 1, rank 0's in-memory snapshots of step STEP and later are taken of "
+        "its model with one weight NaN (their checksums match them: corruption before the copy, which no "
+        "checksum sees); its training stays clean (default 0: never)",
     )
     p.add_argument(
         "--eval-every",
@@ -165,6 +175,24 @@ def software_fault_here(fault: tuple[str, int] | None, step: int, rank: int, wor
     if kind == "crash":
         raise RuntimeError(f"rank {rank}: test fault: a bad batch at step {step}")
     return kind
+
+
+@contextlib.contextmanager
+def poisoned_while_copied(model: nn.Module, snapshots: trainer.Snapshotter, poison: bool) -> Iterator[None]:
+    """TEST ONLY (`--test-poison-snapshots-from`): one weight is NaN until the snapshot's copy landed."""
+    if not poison:
+        yield
+        return
+    weight = next(model.parameters())
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight.view(-1)[0] = float("nan")
+    try:
+        yield
+    finally:
+        snapshots.wait()
+        with torch.no_grad():
+            weight.copy_(kept)
 
 
 # The last step index this rank logged (the test-only writer below waits for the step after its save).
@@ -327,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             reporter.report(done, loss=reported)
         elif snapshot_due:  # host memory only; the copy overlaps the next step's compute
-            snapshots.take(done, model=model, optimizer=opt, data_state={"next_step": done})
+            poison = 0 < args.test_poison_snapshots_from <= done and attempt == 1 and rank == 0
+            with poisoned_while_copied(model, snapshots, poison):
+                snapshots.take(done, model=model, optimizer=opt, data_state={"next_step": done})
         if stop:
             print(f"rank {rank}: stop requested, committed step {done}, exiting 0", flush=True)
             break

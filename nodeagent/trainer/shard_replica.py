@@ -6,10 +6,10 @@ and its buddy, the same local rank on the next host: nodeagent.trainer.snapshot)
 group per pair: host memory to host memory over the hosts' network, never through a GPU, never on
 the default group (whose collective count the collective hang rule compares). `replicate` runs on a
 thread while training goes on. Every move is an offer (JSON: the tensors' shapes and dtypes and the
-SHA-256 each had when the owner's copy landed), an answer (the receiver's bounds: accept or
+checksum each had when the owner's copy landed), an answer (the receiver's bounds: accept or
 refuse), then the bytes, each tensor into a buffer the receiver sized: nothing from a peer is
 unpickled and nothing unbounded allocated. `serve` moves a held shard back to a new process of its
-owner at a restore, which checks every tensor against its SHA-256.
+owner at a restore, which checks every tensor against its checksum.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nodeagent.trainer import memory_state
 log = logging.getLogger(__name__)
 
 FORMAT = "shard"
-MAX_HEADER_BYTES = 64 * 1024 * 1024  # an offer's JSON (a shape, a dtype and a SHA-256 per tensor)
+MAX_HEADER_BYTES = 64 * 1024 * 1024  # an offer's JSON (a shape, a dtype and a checksum per tensor)
 PAIR_TIMEOUT_S = memory_state.COPY_WAIT_S  # a pair's transfer waits this long for its peer
 
 
@@ -40,7 +40,7 @@ class HeldShard:
 
     owner: int
     specs: Specs  # each tensor's shape and dtype name, in slot order
-    digests: tuple[str, ...]  # each tensor's SHA-256 when the owner's copy landed
+    digests: tuple[str, ...]  # each tensor's checksum when the owner's copy landed
     flat: Any  # the tensors' bytes one after another (uint8)
 
 
@@ -157,12 +157,12 @@ def _swap(
 
 def _offer(step: int, owner: int, specs: Any, digests: Any) -> bytes:
     return json.dumps(
-        {"format": FORMAT, "step": step, "owner": owner, "specs": specs, "sha256": list(digests)}
+        {"format": FORMAT, "step": step, "owner": owner, "specs": specs, "xxh3": list(digests)}
     ).encode()
 
 
 def _parse_offer(raw: bytes, step: int, owner: int) -> tuple[Specs, tuple[str, ...]] | str:
-    """An offer's (specs, SHA-256s) if it is `owner`'s shard of `step` and well formed, else why not."""
+    """An offer's (specs, checksums) if it is `owner`'s shard of `step` and well formed, else why not."""
     import torch
 
     try:
@@ -175,9 +175,9 @@ def _parse_offer(raw: bytes, step: int, owner: int) -> tuple[Specs, tuple[str, .
         owner,
     ):
         return f"the offer is not rank {owner}'s shard of step {step}"
-    specs, sums = doc.get("specs"), doc.get("sha256")
+    specs, sums = doc.get("specs"), doc.get("xxh3")
     if not (isinstance(specs, list) and isinstance(sums, list) and len(specs) == len(sums)):
-        return "the offer's specs and SHA-256s do not match"
+        return "the offer's specs and checksums do not match"
     out = []
     for spec, digest in zip(specs, sums, strict=True):
         if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], list)):
@@ -187,8 +187,8 @@ def _parse_offer(raw: bytes, step: int, owner: int) -> tuple[Specs, tuple[str, .
             return f"a malformed tensor spec {spec!r}"
         if not isinstance(getattr(torch, name, None), torch.dtype):
             return f"an unknown dtype {name!r}"
-        if not (isinstance(digest, str) and len(digest) == 64):
-            return "a malformed SHA-256"
+        if not memory_state.is_digest(digest):
+            return "a malformed checksum"
         out.append((tuple(shape), name))
     return tuple(out), tuple(sums)
 
@@ -326,7 +326,7 @@ def serve(
     `donors` names this rank that rank's donor, and take this rank's own from its buddy ahead if
     `donors` names the buddy (`layout`: this rank's tensors, which the shard must match). Every rank
     of the ring calls it with the same `donors`. (the tensors received, each checked against its
-    SHA-256, or None if this rank took none; why the shard was refused, "" if it was not)."""
+    checksum, or None if this rank took none; why the shard was refused, "" if it was not)."""
     import torch
     import torch.distributed as dist
 
@@ -378,5 +378,5 @@ def serve(
         return None, why
     for i, (t, digest) in enumerate(zip(received, sums, strict=True)):
         if memory_state.digest(t) != digest:
-            return None, f"tensor {i} of the shard rank {ahead} sent does not hash to its SHA-256"
+            return None, f"tensor {i} of the shard rank {ahead} sent does not match its checksum"
     return received, ""

@@ -25,7 +25,7 @@ newest snapshot for which every rank's state has a holder among the next attempt
 
 `resume_point` returns a `SnapshotPoint` then, and `load_checkpoint` serves it with `restore`, a
 collective: every rank says what it holds, every rank computes the same plan (the model and
-optimizer from its own copy or, for a rank without one, a holder's broadcast, SHA-256 checked as a
+optimizer from its own copy or, for a rank without one, a holder's broadcast, checksum checked as a
 commit's peer load is, or a sharded state's shard from the buddy that holds it; each rank's rank
 state from itself or from its buddy, over a ring),
 and where any rank's state has no holder every rank raises `SnapshotUnavailable`: the reporter

@@ -59,13 +59,13 @@ def test_the_replacement_rank_gets_its_state_from_a_peer_exactly_as_storage_woul
 
 @pytest.mark.slow
 def test_a_copy_that_rotted_in_memory_or_a_transfer_that_garbled_it_is_never_loaded(tmp_path: Path) -> None:
-    """Every restore is checked against the SHA-256 taken when it was made: a rank whose copy changed
+    """Every restore is checked against the checksum taken when it was made: a rank whose copy changed
     in host memory since it was kept does not serve it (a peer sends it the state instead); a
     receiver whose bytes do not hash to the sender's refuses them, and every rank loads from
     storage. Either way each rank ends exactly where a load from storage puts it, and says why."""
     results = _run(tmp_path / "rot", "--rot", "1")
     assert [r["source"] for r in results] == ["memory", "peer", "memory"]
-    assert "no longer matches the SHA-256" in results[1]["fell_back"]
+    assert "no longer matches the checksum" in results[1]["fell_back"]
     assert results[0]["fell_back"] == results[2]["fell_back"] == ""
     _same_as_storage(results)
     results = _run(tmp_path / "garble", "--forget", "2", "--garble", "2")

@@ -196,4 +196,4 @@ def test_a_sharded_snapshot_without_a_holder_or_with_a_rotted_shard_is_refused_b
     assert len({got["collectives"] for got in results}) == 1
     for got in results:
         assert "was refused by the rank it was for" in got["error"], got
-    assert "does not hash to its SHA-256" in results[3]["error"]
+    assert "does not match its checksum" in results[3]["error"]
