@@ -1,5 +1,5 @@
-"""What validating every restore costs (issue 30, "every restore validated"): the SHA-256 of each DCP
-shard taken by the rank that wrote it, checked by every load from storage, and the SHA-256 of each
+"""What validating every restore costs (issue 30, "every restore validated"): the XXH3-128 of each DCP
+shard taken by the rank that wrote it, checked by every load from storage, and the XXH3-128 of each
 in-memory copy's tensors taken once it lands, checked when a load takes it (BENCHMARKS.md,
 "Validated restores").
 
@@ -15,7 +15,7 @@ both moments: 1.2 GB at the default, the ~100M-parameter job of the issue). Per 
   right after writing them): the part of the save the digests add;
 * load_s: nodeagent.trainer.load_checkpoint from storage, whole (verify_shards, then DCP's load);
   verify_s: verify_shards alone;
-* keep_hash_s: the SHA-256 of a kept copy's buffers (what the copy's hashing thread does, off the
+* keep_hash_s: the checksums of a kept copy's buffers (what the copy's hashing thread does, off the
   training thread); take_s: memory_state.take of that copy, whole (its check, and the clone the
   load gets); take_check_s: its check alone.
 
@@ -42,7 +42,7 @@ from torch import nn
 
 from nodeagent import trainer
 from nodeagent.trainer import memory_state
-from nodeagent.trainer.checkpoint import latest_committed, sha256_file
+from nodeagent.trainer.checkpoint import latest_committed, xxh3_file
 from nodeagent.trainer.dcp import DcpCheckpointer, verify_shards
 
 
@@ -78,10 +78,10 @@ def main() -> None:
             saver.save(step, model=model, optimizer=opt)
             save_s = time.perf_counter() - t0
             commit = latest_committed(root)
-            assert commit is not None and commit.step == step and commit.shard_sha256
+            assert commit is not None and commit.step == step and commit.shard_xxh3
             t0 = time.perf_counter()
-            for name in commit.shard_sha256:
-                sha256_file(commit.path / name)
+            for name in commit.shard_xxh3:
+                xxh3_file(commit.path / name)
             shard_hash_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             verify_shards(commit)

@@ -274,7 +274,7 @@ class CheckpointFailed:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointInvalid:
     """A rank's load refused committed step `step`: its content is not what its commit recorded
-    (a shard's SHA-256 differs). Not a resume point any more."""
+    (a shard's checksum differs). Not a resume point any more."""
 
     step: int
     error: str

@@ -165,7 +165,7 @@ def _node_loaded(sv: Run, node: str) -> None:
         by_source.setdefault(source, []).append(n)
     # where each node's state came from (the trainer's load mark): "state from memory on n1, n2; ..."
     sources = "; ".join(f"{s} on {', '.join(ns)}" for s, ns in sorted(by_source.items()))
-    # why a node's ranks took a slower source (a copy or a peer's bytes that failed their SHA-256)
+    # why a node's ranks took a slower source (a copy or a peer's bytes that failed their checksums)
     fallbacks = "; ".join(f"{n}: {why}" for n, why in sorted(a.load_fallbacks.items()))
     sv.log(
         E.EVENT_KIND_LOAD_DONE,

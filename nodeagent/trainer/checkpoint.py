@@ -4,7 +4,7 @@ Layout under a root directory:
 
     <root>/step_000000000120/rank0.pt ...      the step's files, written and fsynced first
     <root>/step_000000000120/COMMITTED         the marker: JSON {step, files: {name: size},
-                                               sha256: {name: hex}, shard_sha256: {name: hex},
+                                               sha256: {name: hex}, shard_xxh3: {name: hex},
                                                meta: {...}, committed_at}
 
 Order of obligations: write every file, fsync each, fsync the step directory; then write the
@@ -12,8 +12,9 @@ marker to a temporary name, fsync it, rename it to COMMITTED (atomic), fsync the
 `latest_committed(root)` returns the newest step whose marker parses and whose listed files all
 exist with the recorded sizes (and, for the small files the marker hashes in `sha256`, the recorded
 SHA-256), so a crash at any point leaves the previous committed step as the answer. The large files'
-digests (`shard_sha256`) are checked by the load that reads them (`mismatched`), not by every look at
-the directory: hashing a model's shards costs a second per GB. The same holds for a
+checksums (`shard_xxh3`: XXH3-128, at memory speed; markers written before it have `shard_sha256`,
+still checked) are checked by the load that reads them (`mismatched`), not by every look at the
+directory: even at memory speed, reading a model's shards costs a storage read. The same holds for a
 torch.distributed.checkpoint step (nodeagent.trainer.dcp: its shards, DCP's `.metadata` and each rank's
 state and shard digest files are the listed files; `.metadata` is hashed, each shard's digest recorded
 by the rank that wrote it). No torch here: `nodeagent.trainer` saves and restores models on top of this.
@@ -36,6 +37,7 @@ MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
 _MAX_MARKER_BYTES = 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_XXH3 = re.compile(r"^[0-9a-f]{32}$")
 
 
 class CheckpointError(Exception):
@@ -43,7 +45,7 @@ class CheckpointError(Exception):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A committed step's content is not what its commit recorded (a shard's SHA-256 differs): it
+    """A committed step's content is not what its commit recorded (a shard's checksum differs): it
     is no resume point. Raised alike on every rank of the load."""
 
     def __init__(self, step: int, message: str) -> None:
@@ -59,13 +61,20 @@ class CommittedCheckpoint:
     committed_at: float
     meta: Mapping[str, Any]
     sha256: Mapping[str, str] = field(default_factory=dict)  # file name -> hex digest (the hashed ones)
-    # file name -> hex digest of the shards, checked at load (`mismatched`); empty: none recorded
+    # file name -> the shard's XXH3-128 (hex), checked at load (`mismatched`); empty: none recorded
+    shard_xxh3: Mapping[str, str] = field(default_factory=dict)
+    # the same as SHA-256, as markers written before XXH3 recorded them
     shard_sha256: Mapping[str, str] = field(default_factory=dict)
 
 
 def is_sha256(value: object) -> bool:
     """A SHA-256 as the markers and digest files record it: 64 lower-case hex digits."""
     return isinstance(value, str) and _SHA256.match(value) is not None
+
+
+def is_xxh3(value: object) -> bool:
+    """An XXH3-128 as the markers and digest files record it: 32 lower-case hex digits."""
+    return isinstance(value, str) and _XXH3.match(value) is not None
 
 
 def step_dir(root: Path | str, step: int) -> Path:
@@ -79,6 +88,19 @@ def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def xxh3_file(path: Path) -> str:
+    """A file's XXH3-128 (hex): a shard's checksum, at memory speed (xxhash, the [torch] extra)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
@@ -121,11 +143,11 @@ class CheckpointWriter:
         files: list[str] | None = None,
         meta: Mapping[str, Any] | None = None,
         hashed: tuple[str, ...] = (),
-        shard_sha256: Mapping[str, str] | None = None,
+        shard_xxh3: Mapping[str, str] | None = None,
     ) -> CommittedCheckpoint:
         """Write the marker listing `files` (default: every file in the step dir) with sizes, and the
         SHA-256 of the `hashed` ones among them (small files a reader must trust, e.g. DCP's
-        `.metadata`). `shard_sha256`: digests the writers computed of large files among them, which
+        `.metadata`). `shard_xxh3`: checksums the writers computed of large files among them, which
         the load checks. `files` may name dot-files (the default listing leaves them out)."""
         fsync_dir(self.path)
         names = (
@@ -147,9 +169,9 @@ class CheckpointWriter:
             if name not in sizes:
                 raise CheckpointError(f"{self.path}: file {name!r} to hash is not among the committed files")
         digests = {name: sha256_file(self.path / name) for name in hashed}
-        shards = dict(shard_sha256 or {})
+        shards = dict(shard_xxh3 or {})
         for name, digest in shards.items():
-            if name not in sizes or not is_sha256(digest):
+            if name not in sizes or not is_xxh3(digest):
                 raise CheckpointError(
                     f"{self.path}: shard digest {name!r}: {digest!r} is not of a committed file"
                 )
@@ -163,7 +185,7 @@ class CheckpointWriter:
         if digests:
             doc["sha256"] = digests
         if shards:
-            doc["shard_sha256"] = shards
+            doc["shard_xxh3"] = shards
         body = json.dumps(doc)
         tmp = self.path / f".{MARKER}.tmp"
         with open(tmp, "wb") as f:
@@ -179,7 +201,7 @@ class CheckpointWriter:
             committed_at=now,
             meta=dict(meta or {}),
             sha256=digests,
-            shard_sha256=shards,
+            shard_xxh3=shards,
         )
 
 
@@ -201,9 +223,10 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
     ):
         return None
     digests = doc.get("sha256", {})
-    shards = doc.get("shard_sha256", {})
-    for named in (digests, shards):
-        if not isinstance(named, dict) or not all(k in files and is_sha256(v) for k, v in named.items()):
+    shards = doc.get("shard_xxh3", {})
+    old_shards = doc.get("shard_sha256", {})
+    for named, valid in ((digests, is_sha256), (shards, is_xxh3), (old_shards, is_sha256)):
+        if not isinstance(named, dict) or not all(k in files and valid(v) for k, v in named.items()):
             return None
     for name, size in files.items():
         try:
@@ -226,20 +249,34 @@ def read_commit(path: Path) -> CommittedCheckpoint | None:
         committed_at=float(at) if isinstance(at, int | float) else 0.0,
         meta=meta if isinstance(meta, dict) else {},
         sha256=digests,
-        shard_sha256=shards,
+        shard_xxh3=shards,
+        shard_sha256=old_shards,
     )
 
 
+def shard_names(commit: CommittedCheckpoint) -> list[str]:
+    """The shards whose checksums `commit` records (either kind)."""
+    return sorted({*commit.shard_xxh3, *commit.shard_sha256})
+
+
 def mismatched(commit: CommittedCheckpoint, names: list[str]) -> list[str]:
-    """Those of `names` whose content is not what the commit's `shard_sha256` records (a file
-    gone or unreadable counts); a name the commit records no digest of is not checked."""
+    """Those of `names` whose content is not what the commit records of it (its XXH3-128, or an
+    older marker's SHA-256; a file gone or unreadable counts); a name the commit records no checksum
+    of is not checked."""
     bad = []
     for name in names:
-        digest = commit.shard_sha256.get(name)
-        if digest is None:
+        recorded = (
+            (commit.shard_xxh3[name], xxh3_file)
+            if name in commit.shard_xxh3
+            else (commit.shard_sha256[name], sha256_file)
+            if name in commit.shard_sha256
+            else None
+        )
+        if recorded is None:
             continue
+        digest, of = recorded
         try:
-            if sha256_file(commit.path / name) != digest:
+            if of(commit.path / name) != digest:
                 bad.append(name)
         except OSError:
             bad.append(name)

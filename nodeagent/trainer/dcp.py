@@ -13,10 +13,10 @@ Layout of one step (nodeagent.trainer.checkpoint's `step_<N>/`):
                                     spread over the ranks, sharded FSDP/DTensor state stays sharded)
     .metadata                       DCP's index of the shards, written by its coordinator (rank 0)
     rank<r>.state.json              rank r's own state: RNG states, data position, scheduler, extra
-    rank<r>.shards.json             the SHA-256 of each shard rank r wrote (hashed by it, after its
+    rank<r>.shards.json             the XXH3-128 of each shard rank r wrote (hashed by it, after its
                                     write, off the training thread when the save is async)
-    COMMITTED                       the marker, written last by rank 0; its `shard_sha256` is every
-                                    rank's digests, which every load from storage checks first
+    COMMITTED                       the marker, written last by rank 0; its `shard_xxh3` is every
+                                    rank's checksums, which every load from storage checks first
 
 `save()` writes every rank's files, and rank 0 writes COMMITTED only once every one of them is
 durable: a rank killed anywhere before leaves no marker, and the step is not there
@@ -51,8 +51,9 @@ from nodeagent.trainer.checkpoint import (
     CorruptCheckpoint,
     mismatched,
     read_commit,
-    sha256_file,
+    shard_names,
     step_dir,
+    xxh3_file,
 )
 from nodeagent.trainer.dcp_format import (
     DCP_METADATA,
@@ -144,7 +145,7 @@ def _recording_digests(storage: Any, writer: CheckpointWriter, rank: int) -> Any
             if not isinstance(name, str):
                 raise CheckpointError(f"{writer.path}: a write result names no file: {result.storage_data!r}")
             names.add(name)
-        digests = {name: sha256_file(writer.path / name) for name in sorted(names)}
+        digests = {name: xxh3_file(writer.path / name) for name in sorted(names)}
         writer.write_bytes(shard_digests_name(rank), json.dumps(digests).encode())
         return done
 
@@ -212,7 +213,7 @@ class DcpCheckpointer:
        is on disk.
     3. Rank 0, when its save's future completes, lists the shards `.metadata` names plus every
        rank's state and digest files with their sizes, hashes `.metadata`, takes every shard's
-       SHA-256 from the digest files (each rank hashed what it wrote), and writes COMMITTED
+       XXH3-128 from the checksum files (each rank hashed what it wrote), and writes COMMITTED
        (nodeagent.trainer.checkpoint: temp file, fsync, rename, fsync dir); then tells the reporter
        (`set_committed`). A rank killed anywhere before that leaves no marker: the step is not there.
 
@@ -398,7 +399,7 @@ class DcpCheckpointer:
             recorded.update(read_shard_digests(writer.path / shard_digests_name(r)))
         missing = [name for name in shards if name not in recorded]
         if missing:
-            raise bad(writer.path, f"no rank recorded the SHA-256 of shard(s) {missing}")
+            raise bad(writer.path, f"no rank recorded the checksum of shard(s) {missing}")
         files = [
             *shards,
             DCP_METADATA,
@@ -417,7 +418,7 @@ class DcpCheckpointer:
             files=files,
             meta=meta,
             hashed=(DCP_METADATA,),
-            shard_sha256={name: recorded[name] for name in shards},
+            shard_xxh3={name: recorded[name] for name in shards},
         )
         if self.reporter is not None:
             self.reporter.set_committed(commit.step, save_stall_s=stall)
@@ -453,14 +454,14 @@ class DcpCheckpointer:
 
 
 def verify_shards(commit: CommittedCheckpoint, *, process_group: Any = None) -> None:
-    """Check every shard of `commit` against the SHA-256 its writer recorded; a collective on
+    """Check every shard of `commit` against the checksum its writer recorded; a collective on
     `process_group` (default: the default group, if initialized) where each rank hashes every
     world-size-th file, so the whole step is read once however many ranks load it. Raises
     CorruptCheckpoint on every rank if any file differs (the message names them and the rank that
     found them). A commit that records no digests (written before they were) is loaded unchecked."""
     import torch.distributed as dist
 
-    names = sorted(commit.shard_sha256)
+    names = shard_names(commit)
     if not names:
         log.info("%s: no shard digests recorded: loaded unchecked", commit.path)
         return
@@ -477,7 +478,7 @@ def verify_shards(commit: CommittedCheckpoint, *, process_group: Any = None) -> 
     )
     raise CorruptCheckpoint(
         commit.step,
-        f"{commit.path}: {what} from the SHA-256 recorded at the commit: step {commit.step} is no resume point",
+        f"{commit.path}: {what} from the checksum recorded at the commit: step {commit.step} is no resume point",
     )
 
 
@@ -506,7 +507,7 @@ def load_dcp(
       `torch.load(weights_only=False)`; `load_dcp` uses a planner that loads them with
       `weights_only=True` (torch's own plain-data unpickler); tensors are loaded that way by DCP already;
     * `rank<r>.state.json` is JSON, bounded in size, and checked field by field;
-    * every shard's content is checked against the SHA-256 its writer recorded before DCP reads a
+    * every shard's content is checked against the XXH3-128 its writer recorded before DCP reads a
       byte of it (`verify_shards`: each rank hashes its share of the files, and every rank raises
       CorruptCheckpoint if any differs: a torn, bit-rotted or swapped shard is never loaded).
     """

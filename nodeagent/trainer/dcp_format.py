@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodeagent.trainer.checkpoint import CheckpointError, CommittedCheckpoint, is_sha256
+from nodeagent.trainer.checkpoint import CheckpointError, CommittedCheckpoint, is_xxh3
 
 FORMAT = "dcp"
 DCP_METADATA = ".metadata"
@@ -179,20 +179,20 @@ def read_rank_state(commit: CommittedCheckpoint, rank: int) -> dict[str, Any]:
 
 
 def shard_digests_name(rank: int) -> str:
-    """The file in which rank `rank` records the SHA-256 of each shard file it wrote."""
+    """The file in which rank `rank` records the XXH3-128 of each shard file it wrote."""
     return f"rank{rank}.shards.json"
 
 
 def read_shard_digests(path: Path) -> dict[str, str]:
-    """One rank's shard digest file: {file name: SHA-256 hex}, checked (bounded, JSON, SHA-256s). Only
-    the names DCP's `.metadata` lists as shards are taken from it, and the commit marker accepts only
-    committed files (nodeagent.trainer.checkpoint), so a stray name here is never trusted."""
+    """One rank's shard checksum file: {file name: XXH3-128 hex}, checked (bounded, JSON, checksums).
+    Only the names DCP's `.metadata` lists as shards are taken from it, and the commit marker accepts
+    only committed files (nodeagent.trainer.checkpoint), so a stray name here is never trusted."""
     doc = _read_json(path)
     if not isinstance(doc, dict):
-        raise bad(path, "not a JSON object of file name -> SHA-256")
+        raise bad(path, "not a JSON object of file name -> XXH3-128")
     for name, digest in doc.items():
-        if not is_sha256(digest):
-            raise bad(path, f"{name}: {digest!r} is not a SHA-256 hex digest")
+        if not is_xxh3(digest):
+            raise bad(path, f"{name}: {digest!r} is not an XXH3-128 hex digest")
     return doc
 
 

@@ -66,12 +66,12 @@ def main() -> None:
         dist.barrier()
         commit = read_commit(step_dir(args.ckpt, 3))
         assert commit is not None
-        result["shards"] = sorted(commit.shard_sha256)
+        result["shards"] = sorted(commit.shard_xxh3)
         result["reference"] = [_step(model, opt, step, rank) for step in (4, 5)]
         if args.mode == "forget" and rank == 1:
             memory_state._copies.clear()  # this rank's process is new: it holds no copy
         if args.mode == "corrupt" and rank == 0:
-            shard = commit.path / sorted(commit.shard_sha256)[-1]
+            shard = commit.path / sorted(commit.shard_xxh3)[-1]
             data = bytearray(shard.read_bytes())
             data[len(data) // 2] ^= 0xFF
             shard.write_bytes(bytes(data))

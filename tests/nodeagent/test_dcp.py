@@ -27,6 +27,7 @@ from nodeagent.trainer.checkpoint import (
     read_commit,
     sha256_file,
     step_dir,
+    xxh3_file,
 )
 from nodeagent.trainer.dcp import DCP_METADATA, DcpCheckpointer, rank_state_name
 
@@ -74,7 +75,7 @@ def saved_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert set(latest.files) == {"__0_0.distcp", DCP_METADATA, rank_state_name(0), "rank0.shards.json"}
     assert set(latest.sha256) == {DCP_METADATA}
     # every shard's digest, taken by the rank that wrote it, is in the marker
-    assert latest.shard_sha256 == {"__0_0.distcp": sha256_file(latest.path / "__0_0.distcp")}
+    assert latest.shard_xxh3 == {"__0_0.distcp": xxh3_file(latest.path / "__0_0.distcp")}
     return root
 
 
@@ -108,11 +109,12 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "rank state missing": lambda d: (d / rank_state_name(0)).unlink(),
     "marker lists a path outside the step": lambda d: _rewrite_marker(d, files_extra={"../escape": 0}),
     "marker with a malformed hash": lambda d: _rewrite_marker(d, sha256={DCP_METADATA: "not-hex"}),
-    "marker with a malformed shard hash": lambda d: _rewrite_marker(
-        d, shard_sha256={"__0_0.distcp": "0" * 63}
-    ),
+    "marker with a malformed shard hash": lambda d: _rewrite_marker(d, shard_xxh3={"__0_0.distcp": "0" * 31}),
     "marker with a shard hash of an unlisted file": lambda d: _rewrite_marker(
-        d, shard_sha256={"x.distcp": "0" * 64}
+        d, shard_xxh3={"x.distcp": "0" * 32}
+    ),
+    "an old marker with a malformed shard SHA-256": lambda d: _rewrite_marker(
+        d, shard_sha256={"__0_0.distcp": "0" * 63}
     ),
 }
 
@@ -122,12 +124,15 @@ def _rewrite_marker(
     *,
     files_extra: dict[str, int] | None = None,
     sha256: dict[str, str] | None = None,
+    shard_xxh3: dict[str, str] | None = None,
     shard_sha256: dict[str, str] | None = None,
 ) -> None:
     doc = json.loads((d / MARKER).read_text())
     doc["files"].update(files_extra or {})
     if sha256 is not None:
         doc["sha256"] = sha256
+    if shard_xxh3 is not None:
+        doc["shard_xxh3"] = shard_xxh3
     if shard_sha256 is not None:
         doc["shard_sha256"] = shard_sha256
     (d / MARKER).write_text(json.dumps(doc))
@@ -284,11 +289,27 @@ def test_a_shard_with_other_bytes_is_refused_at_load_and_the_supervisor_told(
 
 
 def test_a_commit_without_shard_digests_still_loads(two_steps: Path) -> None:
-    """A step committed before the shards were hashed (no `shard_sha256` in its marker) loads as before."""
+    """A step committed before the shards were hashed (no shard checksums in its marker) loads as before."""
     doc = json.loads((_step2(two_steps) / MARKER).read_text())
-    del doc["shard_sha256"]
+    del doc["shard_xxh3"]
     (_step2(two_steps) / MARKER).write_text(json.dumps(doc))
     _load(two_steps)
+
+
+def test_a_marker_from_before_xxh3_is_checked_by_its_sha256(two_steps: Path) -> None:
+    """A step committed when markers recorded each shard's SHA-256 (`shard_sha256`) loads, checked
+    against it: intact it loads, a flipped byte is refused."""
+    d = _step2(two_steps)
+    doc = json.loads((d / MARKER).read_text())
+    doc["shard_sha256"] = {name: sha256_file(d / name) for name in doc.pop("shard_xxh3")}
+    (d / MARKER).write_text(json.dumps(doc))
+    commit = latest_committed(two_steps)
+    assert commit is not None and commit.step == 2 and not commit.shard_xxh3 and commit.shard_sha256
+    _load(two_steps)
+    _flip_a_byte(d / "__0_0.distcp")
+    model, opt, sched = _model()
+    with pytest.raises(CorruptCheckpoint, match=r"__0_0\.distcp.*step 2 is no resume point"):
+        trainer.load_checkpoint(commit, model=model, optimizer=opt, scheduler=sched)
 
 
 @pytest.mark.parametrize(
@@ -296,8 +317,9 @@ def test_a_commit_without_shard_digests_still_loads(two_steps: Path) -> None:
     [
         (b"[1, 2]", "not a JSON object"),
         (b"{nope", "not JSON"),
-        (json.dumps({"__0_0.distcp": "A" * 64}).encode(), "is not a SHA-256 hex digest"),
-        (json.dumps({"__0_0.distcp": 7}).encode(), "is not a SHA-256 hex digest"),
+        (json.dumps({"__0_0.distcp": "A" * 32}).encode(), "is not an XXH3-128 hex digest"),
+        (json.dumps({"__0_0.distcp": "a" * 64}).encode(), "is not an XXH3-128 hex digest"),
+        (json.dumps({"__0_0.distcp": 7}).encode(), "is not an XXH3-128 hex digest"),
     ],
 )
 def test_a_bad_shard_digest_file_is_refused_with_why(tmp_path: Path, body: bytes, message: str) -> None:

@@ -59,7 +59,7 @@ def _flip_a_byte_of_each_shard(step: int, root: Path) -> list[str]:
     for shard in sorted(d.glob("*.distcp")):
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))  # the same size: only the recorded SHA-256 can tell
+        shard.write_bytes(bytes(data))  # the same size: only the recorded checksum can tell
         flipped.append(shard.name)
     return flipped
 
@@ -68,7 +68,7 @@ def test_a_resume_point_with_corrupt_shards_is_dropped_and_the_run_resumes_from_
     make_cluster,
 ) -> None:
     """The relaunch's resume point rots on disk (a byte of each shard flipped, sizes unchanged)
-    after its commit: the ranks' load refuses it (its shards' SHA-256 recorded at the commit),
+    after its commit: the ranks' load refuses it (its shards' checksums recorded at the commit),
     the controller logs CHECKPOINT_INVALID, drops it as a resume point, blames no node, and the
     next attempt resumes from the commit before it and trains on; it never loops on the bad step."""
     cluster = make_cluster(active=2, spares=1, ckpt_every=5)

@@ -21,7 +21,7 @@ from runwarden.v1 import common_pb2, store_pb2
 from runwarden.v1 import events_pb2 as E
 from tests.supervisor.harness import Driver, fast
 
-WHY = "/ckpt/step_000000000020: shard(s) ['__0_0.distcp'] differ from the SHA-256 recorded at the commit"
+WHY = "/ckpt/step_000000000020: shard(s) ['__0_0.distcp'] differ from the checksum recorded at the commit"
 
 
 def _relaunched_on_a_refused_resume_point(d: Driver) -> None:
@@ -151,9 +151,7 @@ def test_the_load_done_event_says_why_a_node_passed_over_a_faster_source() -> No
 
     d = Driver(cfg=fast(), nodes=2)
     _relaunched_on_a_refused_resume_point(d)
-    why = (
-        "the in-memory copy of step 20 (saved as rank 1) no longer matches the SHA-256 taken when it was kept"
-    )
+    why = "the in-memory copy of step 20 (saved as rank 1) no longer matches the checksum taken when it was kept"
     out: list[object] = []
     for node, rank, source, fallback in (("n1", 0, "memory", ""), ("n2", 1, "peer", why)):
         sample = RankSample(rank=rank, step=20, loaded_step=20, loaded_from=source, load_fallback=fallback)
