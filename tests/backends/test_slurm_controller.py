@@ -196,6 +196,10 @@ class _SlurmRun:
         with contextlib.suppress(Exception):
             parts.append(f"--- squeue ---\n{cluster.cmd('squeue', '--noheader', '--format=%i %j %T %N')}")
             parts.append(f"--- sinfo ---\n{cluster.node_states()}")
+        for log in sorted(self.agents_dir.glob("*/agent.log")):
+            parts.append(
+                f"--- {log.parent.name}'s agent.log (tail) ---\n{log.read_text(errors='replace')[-2000:]}"
+            )
         parts.append(f"--- agent processes ---\n{_agent_pids(str(self.agents_dir))}")
         return "\n".join(parts)
 
@@ -254,6 +258,7 @@ class SlurmFaultedRun:
     states_at_end: dict[str, tuple[str, str]]  # Slurm's view of every node once the run ended
     jobs_left: str  # squeue's lines for the run's jobs once it ended
     batch_logs: list[Path]
+    agent_logs: dict[str, str]  # node -> its agent's log (agents.sbatch: on the node, not through srun)
     agents_left: list[int]
 
 
@@ -291,6 +296,9 @@ def slurm_faulted(
         while _agent_pids(str(run.agents_dir)) and time.monotonic() < deadline:
             time.sleep(0.2)
         agents_left = _agent_pids(str(run.agents_dir))
+        agent_logs = {
+            p.parent.name: p.read_text(errors="replace") for p in run.agents_dir.glob("*/agent.log")
+        }
     finally:
         # The module's cluster as it was before the module's other runs: the lost node back,
         # runwarden's drains undone.
@@ -306,6 +314,7 @@ def slurm_faulted(
         states_at_end=states,
         jobs_left=jobs_left,
         batch_logs=sorted(tmp.glob(f"{run.job_name}-*.out")),
+        agent_logs=agent_logs,
         agents_left=agents_left,
     )
 
@@ -349,7 +358,12 @@ def test_slurm_quarantine_is_a_runwarden_drain_and_spares_come_from_the_allocati
     taken = [e for e in events if e.kind == E.EVENT_KIND_SPARE_TAKEN]
     assert taken and all(e.spare.source == "spare" for e in taken), [e.message for e in taken]
     assert len([p for p in slurm_faulted.batch_logs if "-more-" not in p.name]) == 1
-    assert "flight recording not started" not in slurm_faulted.batch_logs[0].read_text()
+    # every node's agent logged on its node (the batch host's srun carries none of it)
+    logs = slurm_faulted.agent_logs
+    assert set(logs) == set(slurm_faulted.run.cluster.node_names), sorted(logs)
+    assert all(f"registered node {node}" in text for node, text in logs.items()), logs
+    assert not any("flight recording not started" in text for text in logs.values())
+    assert "registered node" not in slurm_faulted.batch_logs[0].read_text()
 
 
 @pytest.mark.timeout(600)

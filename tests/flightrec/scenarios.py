@@ -84,7 +84,7 @@ def _stderr_tail(work: Path, world: int) -> str:
     )
 
 
-def run_scenario(scenario: Scenario, base: Path, *, budget_s: float = 90.0) -> ScenarioRun:
+def run_scenario(scenario: Scenario, base: Path, *, budget_s: float = 180.0) -> ScenarioRun:
     started = time.monotonic()
     work = base / scenario.name
     for sub in ("sockets", "pickle", "json"):

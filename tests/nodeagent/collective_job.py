@@ -4,8 +4,8 @@ sends the default group's collective count to the test's stand-in for the agent'
     python collective_job.py AGENT_SOCKET DIR      (2 ranks, via tests/nodeagent/helpers.run_gloo_ranks)
 
 Both ranks report step 1 and enter the first ENTERED_TOGETHER collectives together. Then rank 0
-enters the next all_reduce at once; rank 1 only HOLD_S after it left the last common one and once
-the test has created DIR/go (it has seen both ranks' counts apart). Each rank writes the wall time
+enters the next all_reduce at once; rank 1 only HOLD_S after the test has created DIR/go (it has
+seen both ranks' counts apart). Each rank writes the wall time
 at which it entered that all_reduce to DIR/entered<rank>, then reports step 2 and closes its reporter.
 """
 
@@ -39,11 +39,14 @@ def main() -> int:
     left = time.monotonic()
     if rank == 1:  # the late rank: its peer waits in the next all_reduce meanwhile
         go = out / "go"
-        while not (go.exists() and time.monotonic() >= left + HOLD_S):
+        while not go.exists():
             if time.monotonic() > left + GO_TIMEOUT_S:
                 print("rank 1: the test never said go", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.01)
+        # HOLD_S after the go, not after the barrier: the test saw rank 0's report before the go,
+        # so rank 0's dated entry is HOLD_S before this rank's however slowly the machine runs
+        time.sleep(HOLD_S)
     (out / f"entered{rank}").write_text(repr(time.time()))
     dist.all_reduce(torch.ones(1))
     reporter.report(2, step_time_s=0.1)

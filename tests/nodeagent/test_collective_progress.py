@@ -212,7 +212,7 @@ def test_an_evaluation_is_sent_at_once_when_it_starts_and_when_it_ends(tmp_path:
 
 
 def test_a_rank_that_has_not_entered_its_peers_collective_is_one_count_behind(tmp_path: Path) -> None:
-    """Rank 0 enters an all_reduce; rank 1 only ~1.5 s later. Meanwhile rank 0 reports k+1 dated when
+    """Rank 0 enters an all_reduce; rank 1 only 1.5 s after the test saw their counts apart. Meanwhile rank 0 reports k+1 dated when
     it entered and rank 1 reports k; once both are past it, both report k+1, each dated by its own entry."""
     k = collective_job.ENTERED_TOGETHER
     agent = AgentSocket(tmp_path)
