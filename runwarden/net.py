@@ -1,4 +1,4 @@
-"""Small address helpers shared by the agent and the controller."""
+"""Small address helpers shared by the agent and the controller: loopback tests, a port to listen on."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     Chosen below the kernel's ephemeral range: a port from ``bind(0)`` lies in the range every
     outgoing connection takes its source port from, so on a busy machine some other process's
     connect can hold it before our server binds it (torchrun's rendezvous store failed so in CI).
-    A process never hands out the same port twice while it is unused elsewhere."""
+    A process hands out each port once (until it has handed out half the range), so two servers it
+    starts one after the other never get the same port before the first has bound it."""
     low, high = _listen_port_range()
     if high - low >= 1024:
         with _ports_lock:

@@ -69,12 +69,12 @@ class CommittedCheckpoint:
 
 def is_sha256(value: object) -> bool:
     """A SHA-256 as the markers and digest files record it: 64 lower-case hex digits."""
-    return isinstance(value, str) and _SHA256.match(value) is not None
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
 def is_xxh3(value: object) -> bool:
     """An XXH3-128 as the markers and digest files record it: 32 lower-case hex digits."""
-    return isinstance(value, str) and _XXH3.match(value) is not None
+    return isinstance(value, str) and _XXH3.fullmatch(value) is not None
 
 
 def step_dir(root: Path | str, step: int) -> Path:
