@@ -18,7 +18,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,12 +109,17 @@ class Injection:
     recovered: bool
 
 
-def pick_victim(fault: str, nodes: list[str], victim_rank: int | None = None) -> str:
+def pick_victim(
+    fault: str, nodes: list[str], victim_rank: int | None = None, avoid: Collection[str] = ()
+) -> str:
     """The node a fault hits: node rank `victim_rank`, or the demo's choice (node rank 1; the last
-    node for an Xid)."""
-    if victim_rank is not None:
-        return nodes[victim_rank % len(nodes)]
-    return nodes[1 % len(nodes)] if fault != "xid" else nodes[-1]
+    node for an Xid); past it to the next node rank while that node is one to `avoid`."""
+    at = victim_rank if victim_rank is not None else (1 if fault != "xid" else len(nodes) - 1)
+    for k in range(len(nodes)):
+        node = nodes[(at + k) % len(nodes)]
+        if node not in avoid:
+            return node
+    return nodes[at % len(nodes)]
 
 
 def inject(cluster: LocalCluster, fault: str, nodes: list[str], victim_rank: int | None = None) -> str:
@@ -164,6 +169,7 @@ def run_faults(
     lose_node: Callable[[str], None] | None = None,
     repair_xid_nodes: bool = False,
     spare_ready_s: float = 0.0,
+    lose_not: Callable[[], Collection[str]] = tuple,
 ) -> list[Injection]:
     """Inject each fault into the running attempt and wait for the first new step after it.
 
@@ -172,7 +178,8 @@ def run_faults(
     killing its agent (a Slurm node's slurmd, steps and agent SIGKILLed); the node stays lost.
     repair_xid_nodes: after the run recovered from an injected Xid, mark its node repaired (the Xid
     was not real), so that many rounds of faults do not hold every node for repair.
-    spare_ready_s > 0: before each fault, wait up to that long for a ready spare (`wait_spare_ready`)."""
+    spare_ready_s > 0: before each fault, wait up to that long for a ready spare (`wait_spare_ready`).
+    lose_not: the nodes `lose_node` must not take (asked at the fault), the next node rank instead."""
     done: list[Injection] = []
     for fault in faults:
         if spare_ready_s > 0:
@@ -185,7 +192,7 @@ def run_faults(
         print(f"\n=== fault: {fault} ===", flush=True)
         at = time.time()
         if fault == "node-lost" and lose_node is not None:
-            victim = pick_victim(fault, nodes, (victim_ranks or {}).get(fault))
+            victim = pick_victim(fault, nodes, (victim_ranks or {}).get(fault), avoid=lose_not())
             print(f"           >>> losing node {victim}", flush=True)
             lose_node(victim)
         else:
