@@ -23,7 +23,6 @@ import copy
 import logging
 import math
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.trainer import dcp_format
+from nodeagent.trainer.checkpoint import is_xxh3
 
 log = logging.getLogger(__name__)
 
@@ -250,14 +250,6 @@ def digest(t: Any) -> str:
     if flat.numel() == 0:
         return xxhash.xxh3_128(b"").hexdigest()
     return xxhash.xxh3_128(memoryview(flat.contiguous().view(torch.uint8).numpy())).hexdigest()
-
-
-def is_digest(value: object) -> bool:
-    """A checksum as `digest` writes it: 32 lower-case hex digits."""
-    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
-
-
-_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 BACKGROUND_NICE = 19  # the copy and hash threads' niceness: the CPU the training thread leaves idle
@@ -838,7 +830,7 @@ def send_state(
         and "skeleton" in doc
         and isinstance(sums, list)
         and len(sums) == len(specs)
-        and all(is_digest(x) for x in sums)
+        and all(is_xxh3(x) for x in sums)
     )
     if rank != sender and not ok:
         log.warning(

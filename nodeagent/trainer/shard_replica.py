@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from nodeagent.trainer import memory_state
+from nodeagent.trainer.checkpoint import is_xxh3
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def _parse_offer(raw: bytes, step: int, owner: int) -> tuple[Specs, tuple[str, .
             return f"a malformed tensor spec {spec!r}"
         if not isinstance(getattr(torch, name, None), torch.dtype):
             return f"an unknown dtype {name!r}"
-        if not memory_state.is_digest(digest):
+        if not is_xxh3(digest):
             return "a malformed checksum"
         out.append((tuple(shape), name))
     return tuple(out), tuple(sums)
