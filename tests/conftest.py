@@ -144,7 +144,8 @@ def etcd(etcd_factory: Callable[..., EtcdServer]) -> EtcdServer:
 
 @pytest.fixture
 def store(etcd: EtcdServer) -> Iterator[Store]:
-    connected = Store.connect(StoreConfig(endpoints=(etcd.endpoint,), timeout_s=5.0))
+    # wait_s: on a machine under load the first handshake can take longer than the timeout
+    connected = Store.connect(StoreConfig(endpoints=(etcd.endpoint,), timeout_s=5.0), wait_s=30.0)
     yield connected
     connected.close()
 

@@ -350,8 +350,27 @@ class Store:
         self._closed = False
 
     @classmethod
-    def connect(cls, config: StoreConfig) -> Store:
-        """Connect and check reachability, TLS and credentials; StoreError with one line if not."""
+    def connect(cls, config: StoreConfig, *, wait_s: float = 0.0) -> Store:
+        """Connect and check reachability, TLS and credentials; StoreError with one line if not.
+
+        `wait_s`: while no endpoint answers, try again for this long (a daemon starting with its
+        host, or on a host too busy to finish a handshake in `timeout_s`); a TLS or credential
+        failure is never retried."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.5
+        while True:
+            try:
+                return cls._connect_once(config)
+            except StoreUnavailable as err:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                _log.warning("%s; trying again for up to %.0f s", err, left)
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 5.0)
+
+    @classmethod
+    def _connect_once(cls, config: StoreConfig) -> Store:
         conn = _Connection(config)
         failures: list[str] = []
         for index in range(len(conn.endpoints)):

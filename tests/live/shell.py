@@ -159,13 +159,15 @@ def live_shell(
 ) -> Iterator[tuple[LiveController, LogWatch]]:
     """A `LiveController` leading in a thread (tick 0.1 s); stopped and closed on exit."""
     factory = core_factory or (lambda: Supervisor(policy(), RunPlan(run=RUN, nodes=nodes)))
-    cfg_kwargs = {k: kwargs.pop(k) for k in ("command", "env", "rpc_timeout_s") if k in kwargs}
+    cfg_kwargs = {
+        k: kwargs.pop(k) for k in ("command", "env", "rpc_timeout_s", "election_ttl_s") if k in kwargs
+    }
     cfg = ShellConfig(
         run=RUN,
         command=cfg_kwargs.pop("command", ("train.py",)),
         run_dir=run_dir,
         identity="test-controller",
-        election_ttl_s=2.0,
+        election_ttl_s=cfg_kwargs.pop("election_ttl_s", 2.0),
         tick_s=0.1,
         **cfg_kwargs,
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from runwarden import net
 from runwarden.v1 import store_pb2
 from tests.nodeagent.helpers import wait_for
 
@@ -54,3 +56,34 @@ def test_sigterm_revokes_lease_and_exits_zero(etcd, store, agent_factory):
     wait_for(lambda: store.get(key), 10, "the node key")
     assert agent.terminate() == 0
     assert store.get(key) is None  # revoked at once, not after the TTL
+
+
+def test_an_agent_started_before_its_etcd_waits_for_it_and_registers(tmp_path, etcd_factory, free_port):
+    """A host that boots before its etcd (or is too busy to finish the first handshake in time): the
+    agent keeps trying to reach etcd for a while instead of exiting, and registers once it answers."""
+    from runwarden.store import Store, StoreConfig
+    from tests.nodeagent.helpers import AgentProc
+
+    endpoint = f"127.0.0.1:{free_port}"
+    started: list[AgentProc] = []
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:  # blocks until the agent serves, which it does once it registered
+            started.append(AgentProc(tmp_path / "agent", etcd=endpoint, flags=["--lease-ttl", str(TTL_S)]))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    log = tmp_path / "agent" / "n1.log"
+    wait_for(lambda: log.exists() and "trying again" in log.read_text(errors="replace"), 30, "a failed try")
+    etcd_factory(client_port=free_port, peer_port=net.free_port(), metrics_port=net.free_port())
+    thread.join(timeout=60)
+    assert not failed, failed
+    assert started, "the agent did not serve"
+    try:
+        with Store.connect(StoreConfig(endpoints=(endpoint,))) as store:
+            assert wait_for(lambda: store.get(store.keys.node("n1")), 10, "the node key")
+    finally:
+        started[0].close()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
+import threading
 import time
+from typing import Any
 
 import pytest
 
+from runwarden import net
 from runwarden.store import Relisted, Store, StoreConfig, StoreError, StoreUnavailable, WatchEvent
 from testbed.etcd_server import EtcdServer
 from testbed.wait import wait_until
@@ -143,3 +147,40 @@ def test_credentials_for_etcd_without_auth(etcd: EtcdServer) -> None:
     with pytest.raises(StoreError) as caught:
         Store.connect(StoreConfig(endpoints=(etcd.endpoint,), user="root", password=PASSWORD))
     _assert_one_clear_line(caught.value, "does not have authentication enabled")
+
+
+def test_connect_waits_for_an_etcd_that_is_not_up_yet(free_port: int, etcd_factory: Any) -> None:
+    """`wait_s`: an endpoint that does not answer yet is tried again until it does (a daemon starting
+    with its host); without it the first failure is the answer."""
+    endpoint = f"127.0.0.1:{free_port}"
+    config = StoreConfig(endpoints=(endpoint,), timeout_s=1.0)
+    with pytest.raises(StoreUnavailable):
+        Store.connect(config)
+    tries = threading.Event()
+    result: list[Store | BaseException] = []
+
+    class _Tries(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "trying again" in record.getMessage():
+                tries.set()
+
+    handler = _Tries()
+    logging.getLogger("runwarden.store.client").addHandler(handler)
+
+    def connect() -> None:
+        try:
+            result.append(Store.connect(config, wait_s=60.0))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    try:
+        thread.start()
+        assert tries.wait(30), "no failed try was logged"
+        etcd_factory(client_port=free_port, peer_port=net.free_port(), metrics_port=net.free_port())
+        thread.join(timeout=60)
+    finally:
+        logging.getLogger("runwarden.store.client").removeHandler(handler)
+    assert len(result) == 1 and isinstance(result[0], Store), result
+    with result[0] as store:
+        assert store.put(store.keys.node("n"), b"v") > 0
