@@ -152,10 +152,15 @@ class World:
     What is summarised, and why it does not change the answer:
 
     * Progress. Every node reports one `ProgressObserved` at the first step of an attempt and at each
-      fault instant (the last good observation before the fault), not every step. The core's hang
-      timers that fall due while the job is healthy are delivered late, right after the next such
-      round (the timer contract allows late ticks), so a hang is detected exactly one hang timeout
-      after the fault and a healthy run is never declared hung. A straggler is the exception: while it
+      fault instant and planned stop (the last good observation before it; without it at a planned
+      stop the core would see healthy hosts that last advanced hours ago and preflight them all), not
+      every step. The core's timers that fall due while the job is healthy are delivered late, right
+      after the next such round (the timer contract allows late ticks), so a hang is detected exactly
+      one hang timeout after the fault and a healthy run is never declared hung. This understates
+      the defaults: the spares' background checks (a timer) do not run while the job trains, so a
+      hardware fault's spare is preflighted on the restart's path, which the live controller, ticking
+      every 0.1 s, avoids. Delivering them on time (a progress round every spare_check_interval_s)
+      costs ~10x the simulation's time (BENCHMARKS.md: 97.87% against 97.55% on one seed). A straggler is the exception: while it
       runs, the world sends `straggler_window` + 2 rounds one step apart in which its rank computes
       longer and waits less, so the core's detector sees it.
     * Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
@@ -666,6 +671,7 @@ class World:
         if self.training and not self.fault_open:
             self.planned_stops += 1
             self.last_fault = self.last_fault_kind = "planned"
+            self._progress_round()  # the ranks' last reports before the stop
             self.feed(StopRequested(reason="deploy the fix of a software bug", requested_by="sim"))
 
     def _restart_after_fix(self) -> bool:
@@ -883,6 +889,7 @@ class World:
             return
         self.planned_stops += 1
         self.last_fault = self.last_fault_kind = "planned"
+        self._progress_round()  # the ranks' last reports before the stop: they trained until now
         self.feed(StopRequested(reason="planned maintenance", requested_by="sim"))
 
 

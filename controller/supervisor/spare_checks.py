@@ -39,6 +39,8 @@ def due(sv: Run) -> None:
             next_due = min(next_due, last + interval) if next_due else last + interval
             continue
         nodes.append(name)
+    if nodes:  # the ones asked now are due again after the interval, whatever answers before then
+        next_due = min(next_due, sv.now + interval) if next_due else sv.now + interval
     if next_due and next_due != checks.timer_at:  # a tick then, where ticks come only from timers
         checks.timer_at = next_due
         sv.emit(SetTimer(key="spare_check", at=next_due))

@@ -17,6 +17,7 @@ from controller.supervisor.actions import (
     Quarantine,
     Release,
     RunPreflight,
+    SetTimer,
     StopAttempt,
     TakeSpare,
 )
@@ -1120,3 +1121,31 @@ def test_a_golden_host_takes_node_rank_0_and_a_first_registration_is_persisted()
     assert d.sup.state == core.RunState.RUNNING
     ranks = {r.node_rank: r.node for r in d.launches[-1].nodes}
     assert ranks[0] == "n5"  # the rendezvous store's host is the node with the long clean record
+
+
+def test_idle_spares_are_checked_every_interval_and_the_replacement_joins_without_a_preflight() -> None:
+    """The tick that asks the spares also sets the timer of their next check (a world whose ticks come
+    only from timers, as the simulator's, keeps checking them); a hardware fault's replacement then
+    joins vouched for by its last check: no preflight on the restart's path."""
+    d = Driver(cfg=fast(spare_check_interval_s=300.0, preflight_max_age_s=600.0), nodes=2)
+    d.start(3)  # n1, n2 run; n3 is the spare
+    d.steps(1, 2, dt=2.0)
+    out = d.send(Tick())
+    assert [p.nodes for p in d.of(RunPreflight, out) if p.purpose == "spare"] == [("n3",)]
+    assert [t.at for t in d.of(SetTimer, out) if t.key == "spare_check"] == [d.now + 300.0]
+    asked = 1
+    for step in range(3, 500):  # ~16 minutes of 2 s steps
+        out = d.progress(step, dt=2.0)
+        if d.timers.pop_due(d.now):
+            out += d.send(Tick())
+        asked += sum(p.purpose == "spare" for p in d.of(RunPreflight, out))
+        d.answer_preflight()
+    assert asked >= 3
+    xid = common_pb2.Evidence(
+        node="n1", kind=common_pb2.EVIDENCE_KIND_XID, severity=common_pb2.SEVERITY_FATAL, detail="Xid 79"
+    )
+    d.send(EvidenceObserved(evidence=xid))
+    d.exit_all(code=-9)
+    d.advance(5)
+    plan = d.events(E.EVENT_KIND_PREFLIGHT_PLAN)[-1]
+    assert "n3" in {v.node for v in plan.preflight_plan.vouched}, plan.message
