@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 
 from nodeagent.daemon.metrics import AgentMetrics
-from runwarden.store import StoreUnavailable
+from runwarden.store import until_reachable
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)
@@ -170,21 +170,7 @@ class Registration:
     def start(self, wait_s: float = 0.0) -> None:
         """Register (trying again for up to `wait_s` while etcd is unreachable, then raising), then
         watch for a lost lease."""
-        deadline = time.monotonic() + wait_s
-        pause = 0.5
-        while True:
-            try:
-                self._register()
-                break
-            except StoreUnavailable as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                log.warning(
-                    "registration of %s failed (%s); trying again for up to %.0f s", self._node, exc, left
-                )
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 5.0)
+        until_reachable(self._register, wait_s, f"registering node {self._node}")
         self._thread = threading.Thread(target=self._loop, name="liveness", daemon=True)
         self._thread.start()
 

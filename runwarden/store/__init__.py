@@ -5,7 +5,7 @@ Modules, each importing only those before it: ``types`` (errors and values), ``c
 (leader election and fencing), ``client`` (``Store``, the only importer of the etcd client).
 """
 
-from runwarden.store.client import Store
+from runwarden.store.client import Store, until_reachable
 from runwarden.store.config import Endpoint, StoreConfig, parse_endpoint
 from runwarden.store.election import Leadership
 from runwarden.store.lease import LeaseKeeper
@@ -52,4 +52,5 @@ __all__ = [
     "WatchCallback",
     "WatchEvent",
     "parse_endpoint",
+    "until_reachable",
 ]

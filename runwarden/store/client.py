@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from pyetcd import etcdrpc  # the generated etcd v3 API stubs
@@ -45,6 +45,7 @@ from runwarden.store.watch import Watch, WatchCallback
 __all__ = ["Store", "WatchStream"]
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Reconnect within a second of etcd coming back (grpc's default backoff grows to 120 s); ping a
 # silent connection so a half-open one is noticed (etcd refuses pings more often than every 5 s).
@@ -236,6 +237,23 @@ def _connect_error(config: StoreConfig, address: str, err: grpc.RpcError) -> Sto
 # ---------------------------------------------------------------------------------------------- store
 
 
+def until_reachable(attempt: Callable[[], T], wait_s: float, what: str) -> T:
+    """`attempt()`, tried again while etcd is unavailable (back-off 0.5 s doubling to 5 s) until
+    `wait_s` has passed; then its StoreUnavailable is raised. Any other error is raised at once."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.5
+    while True:
+        try:
+            return attempt()
+        except StoreUnavailable as err:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            _log.warning("%s: %s; trying again for up to %.0f s", what, err, left)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 5.0)
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix`` (etcd's range_end for a prefix)."""
     trimmed = prefix.rstrip(b"\xff")
@@ -356,18 +374,7 @@ class Store:
         `wait_s`: while no endpoint answers, try again for this long (a daemon starting with its
         host, or on a host too busy to finish a handshake in `timeout_s`); a TLS or credential
         failure is never retried."""
-        deadline = time.monotonic() + wait_s
-        pause = 0.5
-        while True:
-            try:
-                return cls._connect_once(config)
-            except StoreUnavailable as err:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                _log.warning("%s; trying again for up to %.0f s", err, left)
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 5.0)
+        return until_reachable(lambda: cls._connect_once(config), wait_s, "connecting")
 
     @classmethod
     def _connect_once(cls, config: StoreConfig) -> Store:
