@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 
     from runwarden.store import Store
 
-# At start, how long the controller keeps trying to reach etcd before it gives up (exit 2; systemd
-# starts it again): a host booting before its etcd, or one too busy to finish a handshake in time.
-ETCD_START_WAIT_S = 45.0
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="controller", description="runwarden's run supervisor daemon")
@@ -99,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
     from controller.live.view import LiveView
     from controller.supervisor.machine import Supervisor
     from controller.supervisor.policy import RunPlan
-    from runwarden.store import Store, StoreError
+    from runwarden.store import START_WAIT_S, Store, StoreError
 
     started_at = time.time()  # a run-ending stop older than this is cleared with --resume
     overrides: dict[str, Any] = {}
@@ -118,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     try:
-        store = Store.connect(cfg.store, wait_s=ETCD_START_WAIT_S)
+        store = Store.connect(cfg.store, wait_s=START_WAIT_S)
     except StoreError as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2

@@ -156,13 +156,13 @@ class World:
       stop the core would see healthy hosts that last advanced hours ago and preflight them all), not
       every step. The core's timers that fall due while the job is healthy are delivered late, right
       after the next such round (the timer contract allows late ticks), so a hang is detected exactly
-      one hang timeout after the fault and a healthy run is never declared hung. This understates
-      the defaults: the spares' background checks (a timer) do not run while the job trains, so a
-      hardware fault's spare is preflighted on the restart's path, which the live controller, ticking
-      every 0.1 s, avoids. Delivering them on time (a progress round every spare_check_interval_s)
-      costs ~10x the simulation's time (BENCHMARKS.md: 97.87% against 97.55% on one seed). A straggler is the exception: while it
-      runs, the world sends `straggler_window` + 2 rounds one step apart in which its rank computes
-      longer and waits less, so the core's detector sees it.
+      one hang timeout after the fault and a healthy run is never declared hung. A straggler is the
+      exception: while it runs, the world sends `straggler_window` + 2 rounds one step apart in which
+      its rank computes longer and waits less, so the core's detector sees it.
+      This understates the defaults: the spares' background checks (a timer) do not run while the
+      job trains, so a hardware fault's spare is preflighted on the restart's path, which the live
+      controller, ticking every 0.1 s, avoids. Delivering them on time (a progress round every
+      spare_check_interval_s) costs ~10x the simulation's time (BENCHMARKS.md, the Llama-3 replay).
     * Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
     * Stop exits are delivered in reverse node order: the core checks "all exited" on each exit and
       stops at the first live node, so a 2,048-node stop stays linear.

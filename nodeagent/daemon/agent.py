@@ -40,6 +40,7 @@ from runwarden import run_policy
 from runwarden.evidence import is_fatal
 from runwarden.launch import LIVENESS_PEERS
 from runwarden.sdnotify import Notifier, watchdog_interval_s
+from runwarden.store import START_WAIT_S
 from runwarden.v1 import agent_pb2, common_pb2, store_pb2
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,6 @@ class StopState:
 # How long the lease vouch waits for peers' answers (the fence waits that much at most for them; the
 # channels are connected at launch, so an answering peer needs a round trip, not a TLS handshake).
 PEER_ASK_TIMEOUT_S = 0.5
-# At start, how long the agent keeps trying to reach etcd before it gives up (exit 1; systemd starts
-# it again): a host booting before its etcd, or too busy to finish a handshake in the store's timeout.
-# With the parked groups' 20 s it stays within systemd's default start timeout (90 s).
-ETCD_START_WAIT_S = 45.0
 
 
 def _peer_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
@@ -463,7 +460,7 @@ class Agent:
         self.evidence.start()
         if self.registration is not None:
             self._judge_orphans()
-            self.registration.start(wait_s=ETCD_START_WAIT_S)
+            self.registration.start(wait_s=START_WAIT_S)
         self._ticker = threading.Thread(target=self._tick_loop, name="ticker", daemon=True)
         self._ticker.start()
 

@@ -3,7 +3,7 @@
     nodeagent --config /etc/runwarden/nodeagent.toml [--node NAME] [--listen HOST:PORT] ...
 
 Precedence: TOML file < RUNWARDEN_AGENT_* environment < flags. Exit codes: 0 after SIGTERM/SIGINT,
-2 for a config error, 1 when the agent cannot start (e.g. etcd unreachable for 45 s, port taken).
+2 for a config error, 1 when the agent cannot start (e.g. etcd unreachable for 30 s, port taken).
 
 Signals:
   SIGTERM  `systemctl stop`, Kubernetes, scancel: drain ("agent stopping (SIGTERM)"), leave the
@@ -172,8 +172,7 @@ def load(argv: list[str] | None = None) -> config_mod.AgentConfig:
 def make_store(cfg: config_mod.AgentConfig) -> Any:
     if not cfg.etcd_endpoints:
         return None
-    from nodeagent.daemon.agent import ETCD_START_WAIT_S
-    from runwarden.store import Store, StoreConfig
+    from runwarden.store import START_WAIT_S, Store, StoreConfig
 
     return Store.connect(
         StoreConfig(
@@ -183,7 +182,7 @@ def make_store(cfg: config_mod.AgentConfig) -> Any:
             cert_file=cfg.etcd_tls_cert or None,
             key_file=cfg.etcd_tls_key or None,
         ),
-        wait_s=ETCD_START_WAIT_S,
+        wait_s=START_WAIT_S,
     )
 
 

@@ -5,7 +5,7 @@ Modules, each importing only those before it: ``types`` (errors and values), ``c
 (leader election and fencing), ``client`` (``Store``, the only importer of the etcd client).
 """
 
-from runwarden.store.client import Store, until_reachable
+from runwarden.store.client import START_WAIT_S, Store, until_reachable
 from runwarden.store.config import Endpoint, StoreConfig, parse_endpoint
 from runwarden.store.election import Leadership
 from runwarden.store.lease import LeaseKeeper
@@ -29,6 +29,7 @@ from runwarden.store.types import (
 from runwarden.store.watch import Watch, WatchCallback
 
 __all__ = [
+    "START_WAIT_S",
     "CampaignTimeout",
     "Compare",
     "Delete",

@@ -237,6 +237,13 @@ def _connect_error(config: StoreConfig, address: str, err: grpc.RpcError) -> Sto
 # ---------------------------------------------------------------------------------------------- store
 
 
+# How long a daemon (agent, controller) keeps trying an unreachable etcd at start before it exits and
+# systemd starts it again: a host booting before its etcd, or one too busy to finish a handshake in
+# the store's timeout. The agent spends it at most twice (connect, then its first registration) beside
+# its parked groups' 20 s: 80 s, within systemd's default start timeout of 90 s.
+START_WAIT_S = 30.0
+
+
 def until_reachable(attempt: Callable[[], T], wait_s: float, what: str) -> T:
     """`attempt()`, tried again while etcd is unavailable (back-off 0.5 s doubling to 5 s) until
     `wait_s` has passed; then its StoreUnavailable is raised. Any other error is raised at once."""
