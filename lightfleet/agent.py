@@ -563,16 +563,7 @@ class LightAgent:
                     f"torchrun.command: argv[0]: {request.torchrun.command[0]!r} is not in the agent's "
                     "allowed_executables (a light agent runs no command)",
                 )
-        if request.leader_fence < self.fences.get(run, 0):
-            raise Refused(
-                "FAILED_PRECONDITION",
-                f"leader_fence {request.leader_fence} is older than {self.fences[run]}: stale leader",
-            )
-        if request.attempt < self.latest.get(run, 0):
-            raise Refused(
-                "FAILED_PRECONDITION",
-                f"attempt {request.attempt} is older than attempt {self.latest[run]} already launched",
-            )
+        self.check_fence(request)
         current = self.attempts.get(run)
         if current is not None and current.running:
             raise Refused("ALREADY_EXISTS", f"run {run!r} already has running workers here")
@@ -584,6 +575,25 @@ class LightAgent:
                 "FAILED_PRECONDITION",
                 f"node {self.node} is unhealthy (fatal evidence, see GetNodeStatus): nothing is launched",
             )
+
+    def check_fence(self, request: agent_pb2.LaunchWorkersRequest) -> None:
+        """A stale leader's launch, or an attempt older than one launched: refused (Agent._check_fence)."""
+        run = request.run
+        if request.leader_fence < self.fences.get(run, 0):
+            raise Refused(
+                "FAILED_PRECONDITION",
+                f"leader_fence {request.leader_fence} is older than {self.fences[run]}: stale leader",
+            )
+        if request.attempt < self.latest.get(run, 0):
+            raise Refused(
+                "FAILED_PRECONDITION",
+                f"attempt {request.attempt} is older than attempt {self.latest[run]} already launched",
+            )
+
+    def older_than(self, run: str, attempt: int) -> list[Attempt]:
+        """The run's running attempt here if it is older than `attempt` (what a launch's stop_older stops)."""
+        current = self.attempts.get(run)
+        return [current] if current is not None and current.running and current.attempt < attempt else []
 
     def start_attempt(
         self, request: agent_pb2.LaunchWorkersRequest, now: float, record: store_pb2.AttemptRecord | None

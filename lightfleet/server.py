@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from lightfleet.agent import WARM_OFF, WARM_ON, LightAgent, Refused
+from lightfleet.agent import WARM_OFF, WARM_ON, Attempt, LightAgent, Refused
 from nodeagent.daemon import validate as v
 from runwarden.v1 import agent_pb2, agent_pb2_grpc, common_pb2, store_pb2
 
@@ -125,6 +125,7 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
     ) -> agent_pb2.LaunchWorkersResponse:
         v.launch_request(request)
         a = self.agent
+        stopped = await self._stop_older(request) if request.HasField("stop_older") else []
         a.check_launch(request)
         await asyncio.sleep(a.settings.launch.sample(a.rng))
         record = await self.process.attempt_record(request.run)
@@ -132,9 +133,20 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
         a.start_attempt(request, time.time(), record)
         self.process.follow(request.run)
         self.process.flush(a)
-        if a.settings.warm:
-            return agent_pb2.LaunchWorkersResponse(pid=a.pid, launch_path="warm", launch_detail=WARM_ON)
-        return agent_pb2.LaunchWorkersResponse(pid=a.pid, launch_path="cold", launch_detail=WARM_OFF)
+        path, detail = ("warm", WARM_ON) if a.settings.warm else ("cold", WARM_OFF)
+        return agent_pb2.LaunchWorkersResponse(
+            pid=a.pid, launch_path=path, launch_detail=detail, stopped=stopped
+        )
+
+    async def _stop_older(self, request: agent_pb2.LaunchWorkersRequest) -> list[agent_pb2.WorkerStatus]:
+        """LaunchWorkers.stop_older (Agent._stop_older): the run's older attempt, stopped as StopWorkers
+        stops it, unless the launch is stale."""
+        a = self.agent
+        a.check_fence(request)
+        targets = a.older_than(request.run, request.attempt)
+        if not targets:
+            return []
+        return await self._stop(targets, request.stop_older.grace_s, request.stop_older.park_within_s)
 
     @unary
     async def StopWorkers(
@@ -142,10 +154,14 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
     ) -> agent_pb2.StopWorkersResponse:
         v.run_name(request.run)
         v.integer(request.attempt, "attempt", low=0, high=v.MAX_STEP)
-        grace = v.seconds(request.grace_s, "grace_s", high=3600) or DEFAULT_STOP_GRACE_S
+        grace = v.seconds(request.grace_s, "grace_s", high=3600)
         park = v.seconds(request.park_within_s, "park_within_s", high=60)  # cold workers do not park
+        targets = self.agent.stoppable(request.run, request.attempt)
+        return agent_pb2.StopWorkersResponse(stopped=await self._stop(targets, grace, park))
+
+    async def _stop(self, targets: list[Attempt], grace: float, park: float) -> list[agent_pb2.WorkerStatus]:
         a = self.agent
-        targets = a.stoppable(request.run, request.attempt)
+        grace = grace or DEFAULT_STOP_GRACE_S
         if park > 0 and (a.unhealthy or any(t.culprit_stopped for t in targets)):
             # Agent.stop_workers: an unplanned stop on a node with fatal evidence, or of a stopped
             # process (it cannot act on a TERM), KILLs at once
@@ -153,7 +169,7 @@ class NodeAgent(agent_pb2_grpc.NodeAgentServicer):
         await asyncio.sleep(a.stop_delay(targets, grace, park))
         stopped = a.finish_stop(targets, grace, time.time(), park)
         self.process.flush(a)
-        return agent_pb2.StopWorkersResponse(stopped=stopped)
+        return stopped
 
     @unary
     async def RequestStop(

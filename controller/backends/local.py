@@ -9,7 +9,7 @@ controller's host. The live controller launches through it on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from controller.backends.agents import AgentClients, RpcOutcome
@@ -140,9 +140,15 @@ class LocalBackend:
         return rdzv.endpoint
 
     def requests(
-        self, spec: AttemptSpec, *, endpoint: str
+        self,
+        spec: AttemptSpec,
+        *,
+        endpoint: str,
+        stop_older: Mapping[str, agent_pb2.StopOlder] | None = None,
     ) -> list[tuple[str, agent_pb2.LaunchWorkersRequest]]:
-        """Each node's launch request; node rank = the node's place in `spec.nodes`."""
+        """Each node's launch request; node rank = the node's place in `spec.nodes`; `stop_older`:
+        the nodes whose launch stops the older attempt first (LaunchWorkersRequest.stop_older)."""
+        stop_older = stop_older or {}
         return [
             (
                 node,
@@ -169,19 +175,25 @@ class LocalBackend:
                         ],
                         cold=spec.cold,
                     ),
+                    stop_older=stop_older.get(node),
                 ),
             )
             for rank, node in enumerate(spec.nodes)
         ]
 
     def launch(
-        self, spec: AttemptSpec, *, after: Callable[[str], Awaitable[None]] | None = None
+        self,
+        spec: AttemptSpec,
+        *,
+        after: Callable[[str], Awaitable[None]] | None = None,
+        stop_older: Mapping[str, agent_pb2.StopOlder] | None = None,
     ) -> AttemptHandle:
         """Start the attempt on every node at once (each once `after(node)` has returned: the
-        executor's wait for the node's stop in flight); raises `LaunchIncomplete` naming the nodes
+        executor's wait for the node's stop in flight; a node in `stop_older` stops the older
+        attempt itself first, within the same call); raises `LaunchIncomplete` naming the nodes
         that did not start, or `BackendError` (nothing started) when node rank 0 reported no
         rendezvous."""
-        reqs = self.requests(spec, endpoint=self.endpoint(spec))
+        reqs = self.requests(spec, endpoint=self.endpoint(spec), stop_older=stop_older)
         launch_s = max(self.config.launch_timeout_s, self.config.rpc_timeout_s)
 
         async def launch_one(
@@ -189,7 +201,8 @@ class LocalBackend:
         ) -> tuple[RpcOutcome, agent_pb2.LaunchWorkersResponse | None]:
             if after is not None:
                 await after(node)
-            return await self.agents.launch_async(node, req, launch_s)  # its deadline from here
+            stopping = req.stop_older.grace_s + req.stop_older.park_within_s  # 0 when unset
+            return await self.agents.launch_async(node, req, launch_s + stopping)  # its deadline from here
 
         answers = self.agents.gather(launch_one(n, r) for n, r in reqs)
         started = tuple(

@@ -189,6 +189,7 @@ class Executor:
             return answers
         answers = []
         persisting: list[NodeRecordView] = []  # consecutive PersistNode actions: written together
+        handover = self._handover(batch.actions)
         for action in memory_first(batch.actions):
             if isinstance(action, PersistNode):
                 persisting.append(action.record)
@@ -196,7 +197,7 @@ class Executor:
             if persisting:
                 self._persist_all(persisting)
                 persisting = []
-            answers.extend(self._execute(action))
+            answers.extend(self._execute(action, handover))
         if persisting:
             self._persist_all(persisting)
         return answers
@@ -214,18 +215,35 @@ class Executor:
                 except Exception:  # a subscriber's bug must not stop the log or the batch
                     log.exception("event listener failed")
 
-    def _execute(self, action: Action) -> list[Event]:
+    def _handover(self, actions: Sequence[Action]) -> Handover:
+        """The nodes whose unplanned stop the batch's relaunch carries (LaunchWorkersRequest.stop_older):
+        one call per surviving host, not a stop and then a launch. A lost node's failure is decided
+        as its stop begins, so its relaunch comes in the stop's batch; at 2,048 hosts the separate
+        stops were 2,047 more calls from one loop before the launches could follow."""
+        stop = next((a for a in actions if isinstance(a, StopAttempt) and not a.planned), None)
+        launch = next((a for a in actions if isinstance(a, Launch)), None)
+        if stop is None or launch is None or stop.attempt != self.attempt or launch.attempt <= stop.attempt:
+            return Handover(stop=None, nodes=frozenset())
+        relaunched = {nr.node for nr in launch.nodes}
+        return Handover(
+            stop=stop, nodes=frozenset(n for n in stop.nodes if n in relaunched and self.agents.address(n))
+        )
+
+    def _execute(self, action: Action, handover: Handover) -> list[Event]:
         match action:
             case SetTimer():
                 self.timers.set(action.key, action.at)
             case RunPreflight():
                 self.tasks.submit(self._claim_then_preflight, action)
             case Launch():
-                return self._launch(action)
+                failed = self._launch(action, handover)
+                if failed and handover.stop is not None and handover.nodes:
+                    self._stop_now(handover.stop, sorted(handover.nodes))  # not launched: stopped as asked
+                return failed
             case StopAttempt() if action.planned:
                 self.tasks.submit(self._stop, action)
             case StopAttempt():
-                self._stop_now(action)
+                self._stop_now(action, [n for n in action.nodes if n not in handover.nodes])
             case CollectDumps():
                 self.tasks.submit(self._collect, action)
             case MeasureBandwidth():
@@ -294,7 +312,7 @@ class Executor:
 
     # -- launch --------------------------------------------------------------------------------
 
-    def _launch(self, action: Launch) -> list[Event]:
+    def _launch(self, action: Launch, handover: Handover) -> list[Event]:
         t0 = time.monotonic()
         fence = int(self.leadership.fence)
         launched_at = self.clock()
@@ -395,7 +413,7 @@ class Executor:
         self.attempt = action.attempt
         self.attempt_nodes = {nr.node: nr.node_rank for nr in action.nodes}
         self.translator.new_attempt(action.attempt)
-        self.tasks.submit(self._start_workers, action, spec, time.monotonic() - t0)
+        self.tasks.submit(self._start_workers, action, spec, time.monotonic() - t0, handover)
         return []
 
     def _retire_relaunch_stop(self) -> None:
@@ -418,10 +436,21 @@ class Executor:
         log.error("%s", reason)
         return ActionFailed(action=action, temporary=False, reason=reason)
 
-    def _start_workers(self, action: Launch, spec: AttemptSpec, record_s: float) -> None:
+    def _start_workers(self, action: Launch, spec: AttemptSpec, record_s: float, handover: Handover) -> None:
         t0 = time.monotonic()
+        stop = handover.stop
+        stop_older = (
+            {
+                n: agent_pb2.StopOlder(
+                    grace_s=min(stop.grace_s, _HARD_STOP_GRACE_S), park_within_s=_PARK_WITHIN_S
+                )
+                for n in handover.nodes
+            }
+            if stop is not None
+            else {}
+        )
         try:
-            handle = self.backend.launch(spec, after=self._after_stop)
+            handle = self.backend.launch(spec, after=self._after_stop, stop_older=stop_older)
         except LaunchIncomplete as exc:
             for f in exc.failures:
                 self.translator.mark_exited(f.node, action.attempt)
@@ -430,9 +459,16 @@ class Executor:
                         action=action, temporary=f.temporary, reason=f"launch failed: {f.reason}", node=f.node
                     )
                 )
+            # a launch refused before it stopped anything (no lease, draining, unreachable) leaves
+            # the older attempt's ranks there: stopped as the stop asked
+            unstopped = sorted(f.node for f in exc.failures if f.node in handover.nodes)
+            if stop is not None and unstopped:
+                self._stop_now(stop, unstopped)
             return
         except BackendError as exc:
             self.post(ActionFailed(action=action, temporary=False, reason=f"launch failed: {exc}"))
+            if stop is not None and handover.nodes:
+                self._stop_now(stop, sorted(handover.nodes))
             return
         paths = []
         for s in handle.started:  # what the agents said, from outside: a value the core refuses is dropped
@@ -441,10 +477,12 @@ class Executor:
             except ValueError as exc:
                 log.warning("launch path of %s not recorded: %s", s.node, exc)
         log.info(
-            "attempt %d: launched on %d node(s): attempt record and claims %.2f s, then every node "
-            "answered in %.2f s",
+            "attempt %d: launched on %d node(s) (%d stopping attempt %d first, in the same call): "
+            "attempt record and claims %.2f s, then every node answered in %.2f s",
             action.attempt,
             len(spec.nodes),
+            len(handover.nodes),
+            stop.attempt if stop is not None else 0,
             record_s,
             time.monotonic() - t0,
         )
@@ -523,11 +561,11 @@ class Executor:
                 return
         self.agents.gather(self._stop_node(action, n) for n in action.nodes)
 
-    def _stop_now(self, action: StopAttempt) -> None:
-        """An unplanned stop: every node at once, on the agents' loop (no thread waits), each node's
-        stop registered before this returns, so that an action after it in this batch or a later one
-        (the relaunch) finds it."""
-        stopping = {n: Future[None]() for n in action.nodes}
+    def _stop_now(self, action: StopAttempt, nodes: Sequence[str]) -> None:
+        """An unplanned stop of `nodes` (the action's, less those its relaunch stops: `_handover`): every
+        node at once, on the agents' loop (no thread waits), each node's stop registered before this
+        returns, so that an action after it in this batch or a later one (the relaunch) finds it."""
+        stopping = {n: Future[None]() for n in nodes}
         self.stops_in_flight.update(stopping)
 
         async def stop_all() -> None:
@@ -537,7 +575,7 @@ class Executor:
                 finally:
                     stopping[node].set_result(None)
 
-            await asyncio.gather(*(one(n) for n in action.nodes))
+            await asyncio.gather(*(one(n) for n in nodes))
 
         self.agents.submit(stop_all())
 
@@ -781,6 +819,14 @@ class Executor:
     def close(self) -> None:
         with contextlib.suppress(EventLogError):
             self.eventlog.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """An unplanned stop whose `nodes` the relaunch in the same batch stops itself (`_handover`)."""
+
+    stop: StopAttempt | None
+    nodes: frozenset[str]
 
 
 def memory_first(actions: Sequence[Action]) -> list[Action]:

@@ -247,6 +247,9 @@ def _on_job_step(sv: Run, *, first: bool) -> None:
             f"first step after launch: step {a.min_step} "
             f"(resumed from {a.resume_step}), {sv.now - a.launched_at:.1f}s after launch",
         )
+        # The spares' checks held off while the launch and load had the hosts: due from now, and
+        # re-armed here (their timer may have fired meanwhile, where ticks come only from timers).
+        spare_checks.due(sv)
     if len(a.loads) < 2:
         return
     cand = detectors.straggler_candidate(a.loads, sv.cfg)

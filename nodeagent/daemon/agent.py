@@ -603,14 +603,16 @@ class Agent:
 
     def launch_workers(
         self, request: agent_pb2.LaunchWorkersRequest, wait_s: float | None = None
-    ) -> tuple[Worker, warm.LaunchPath]:
-        """LaunchWorkers (a validated request): fenced first, then launched (`launch`).
+    ) -> tuple[Worker, warm.LaunchPath, list[Worker]]:
+        """LaunchWorkers (a validated request): fenced first, then launched (`launch`); returns the
+        worker, its path and the older attempt's workers it stopped first (`stop_older`).
 
         Refused (LaunchRefused) without a lease or while draining, for a torchrun launch this node
         cannot build, for a stale leader (`leader_fence` older than the run's), an attempt older
-        than one already launched, or a run whose workers still run here; otherwise the run's fence
-        and attempt are recorded, its stop request cleared, and the launch goes on (LaunchError
-        when the launch itself is refused)."""
+        than one already launched, or a run whose workers still run here (unless they are of an
+        older attempt and the request says `stop_older`: then they are stopped first, as
+        StopWorkers stops them); otherwise the run's fence and attempt are recorded, its stop
+        request cleared, and the launch goes on (LaunchError when the launch itself is refused)."""
         run = request.run
         if self.registration is not None and not self.registration.lease_held:
             raise LaunchRefused(
@@ -644,15 +646,9 @@ class Agent:
                 )
             argv, env = tuple(line), {**env, **collective}
             self.peers = tuple(request.torchrun.peers)
+        stopped = self._stop_older(request) if request.HasField("stop_older") else []
         with self.lock:
-            if request.leader_fence < self.fences.get(run, 0):
-                raise LaunchRefused(
-                    f"leader_fence {request.leader_fence} is older than {self.fences[run]}: stale leader"
-                )
-            if request.attempt < self.attempts.get(run, 0):
-                raise LaunchRefused(
-                    f"attempt {request.attempt} is older than attempt {self.attempts[run]} already launched"
-                )
+            self._check_fence(request)
             if any(w.running for w in self.launcher.workers(run)):
                 raise LaunchRefused(f"run {run!r} already has running workers here", Refusal.RUNNING)
             self.fences[run] = request.leader_fence
@@ -694,7 +690,44 @@ class Agent:
             if request.HasField("torchrun")
             else None
         )
-        return self.launch(spec, ask, wait_s)
+        worker, path = self.launch(spec, ask, wait_s)
+        return worker, path, stopped
+
+    def _check_fence(self, request: agent_pb2.LaunchWorkersRequest) -> None:
+        """(under self.lock) A stale leader's launch, or an attempt older than one launched: refused."""
+        run = request.run
+        if request.leader_fence < self.fences.get(run, 0):
+            raise LaunchRefused(
+                f"leader_fence {request.leader_fence} is older than {self.fences[run]}: stale leader"
+            )
+        if request.attempt < self.attempts.get(run, 0):
+            raise LaunchRefused(
+                f"attempt {request.attempt} is older than attempt {self.attempts[run]} already launched"
+            )
+
+    def _stop_older(self, request: agent_pb2.LaunchWorkersRequest) -> list[Worker]:
+        """LaunchWorkers.stop_older: the run's running workers of older attempts, stopped as
+        StopWorkers(attempt, grace_s, park_within_s) stops them, once the launch is known not to be
+        stale; workers of this attempt (a retried launch that landed) or a newer one are left be."""
+        run = request.run
+        with self.lock:
+            self._check_fence(request)  # a stale launch stops nothing
+        older = sorted(
+            {w.attempt for w in self.launcher.workers(run) if w.running and w.attempt < request.attempt}
+        )
+        grace = request.stop_older.grace_s or self.config.stop_grace_s
+        stopped: list[Worker] = []
+        for attempt in older:
+            stopped += self.stop_workers(run, attempt, grace, request.stop_older.park_within_s)
+        if stopped:
+            log.info(
+                "run %s attempt %d: stopped attempt(s) %s first (%d worker(s))",
+                run,
+                request.attempt,
+                ", ".join(map(str, older)),
+                len(stopped),
+            )
+        return stopped
 
     def launch(
         self, spec: LaunchSpec, ask: warm.WarmAsk | None, wait_s: float | None = None

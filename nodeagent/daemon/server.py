@@ -263,7 +263,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         # a warm launch waits for its parked group at most until shortly before the caller gives up
         remaining = context.time_remaining()
         try:
-            worker, path = self.agent.launch_workers(request, None if remaining is None else remaining - 1.0)
+            worker, path, stopped = self.agent.launch_workers(
+                request, None if remaining is None else remaining - 1.0
+            )
         except LaunchRefused as exc:
             _abort(context, _REFUSAL_CODES[exc.kind], str(exc))
         except LaunchError as exc:
@@ -277,7 +279,10 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             _abort(context, code, str(exc))
         self.agent.state_changed()
         return agent_pb2.LaunchWorkersResponse(
-            pid=worker.pid, launch_path=path.kind, launch_detail=path.detail[:500]
+            pid=worker.pid,
+            launch_path=path.kind,
+            launch_detail=path.detail[:500],
+            stopped=[_worker_status(w) for w in stopped],
         )
 
     @rpc

@@ -188,6 +188,9 @@ def launch_request(req: agent_pb2.LaunchWorkersRequest) -> None:
     integer(req.leader_fence, "leader_fence", low=0, high=MAX_STEP)
     # Another host's wall clock: any finite time up to the year 5138 (a skewed clock is not refused).
     seconds(req.launched_at, "launched_at", high=1e11)
+    if req.HasField("stop_older"):  # StopWorkersRequest's bounds
+        seconds(req.stop_older.grace_s, "stop_older.grace_s", high=3600)
+        seconds(req.stop_older.park_within_s, "stop_older.park_within_s", high=60)
 
 
 def _argv(argv: Sequence[str], field: str) -> None:

@@ -505,6 +505,7 @@ class LaunchWorkersRequest(_message.Message):
     LEADER_FENCE_FIELD_NUMBER: _builtins.int
     TORCHRUN_FIELD_NUMBER: _builtins.int
     LAUNCHED_AT_FIELD_NUMBER: _builtins.int
+    STOP_OLDER_FIELD_NUMBER: _builtins.int
     run: _builtins.str
     attempt: _builtins.int
     rendezvous_id: _builtins.str
@@ -536,6 +537,15 @@ class LaunchWorkersRequest(_message.Message):
         collective interface variables; the request says only what is per attempt.
         """
 
+    @_builtins.property
+    def stop_older(self) -> Global___StopOlder:
+        """Set: the run's workers of an older attempt still running here are stopped first, as
+        StopWorkers(that attempt, grace_s, park_within_s) would stop them, and the launch follows in
+        the same call (a lost node's relaunch: one call per surviving host, not a stop and then a launch).
+        Unset: a launch onto running workers is refused (ALREADY_EXISTS). Workers of this attempt or a
+        newer one are never stopped by it.
+        """
+
     def __init__(
         self,
         *,
@@ -551,14 +561,41 @@ class LaunchWorkersRequest(_message.Message):
         leader_fence: _builtins.int = ...,
         torchrun: Global___TorchrunLaunch | None = ...,
         launched_at: _builtins.float = ...,
+        stop_older: Global___StopOlder | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["torchrun", b"torchrun"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stop_older", b"stop_older", "torchrun", b"torchrun"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run", "torchrun", b"torchrun"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "attempt", b"attempt", "cwd", b"cwd", "env", b"env", "launched_at", b"launched_at", "leader_fence", b"leader_fence", "nnodes", b"nnodes", "node_rank", b"node_rank", "rendezvous_id", b"rendezvous_id", "resume_step", b"resume_step", "run", b"run", "stop_older", b"stop_older", "torchrun", b"torchrun"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LaunchWorkersRequest: _TypeAlias = LaunchWorkersRequest  # noqa: Y015
+
+@_typing.final
+class StopOlder(_message.Message):
+    """How a launch stops the older attempt it replaces (StopWorkersRequest's two bounds)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    PARK_WITHIN_S_FIELD_NUMBER: _builtins.int
+    grace_s: _builtins.float
+    """TERM, then KILL after this (0: the agent's stop_grace_s)"""
+    park_within_s: _builtins.float
+    """> 0: warm ranks park within this many seconds (at most 60)"""
+    def __init__(
+        self,
+        *,
+        grace_s: _builtins.float = ...,
+        park_within_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "park_within_s", b"park_within_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopOlder: _TypeAlias = StopOlder  # noqa: Y015
 
 @_typing.final
 class TorchrunLaunch(_message.Message):
@@ -628,22 +665,28 @@ class LaunchWorkersResponse(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     LAUNCH_PATH_FIELD_NUMBER: _builtins.int
     LAUNCH_DETAIL_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     launch_path: _builtins.str
     """Which path started the ranks: "cold" (torchrun) or "warm" (the agent's parked rank processes,
     `warm_workers` in its config), and why: the parked pids, or why the launch went cold.
     """
     launch_detail: _builtins.str
+    @_builtins.property
+    def stopped(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStatus]:
+        """The older attempt's workers this launch stopped first (`stop_older`), as StopWorkers answers them."""
+
     def __init__(
         self,
         *,
         pid: _builtins.int = ...,
         launch_path: _builtins.str = ...,
         launch_detail: _builtins.str = ...,
+        stopped: _abc.Iterable[Global___WorkerStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["launch_detail", b"launch_detail", "launch_path", b"launch_path", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["launch_detail", b"launch_detail", "launch_path", b"launch_path", "pid", b"pid", "stopped", b"stopped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -156,6 +156,40 @@ def test_the_controllers_clients_preflight_launch_read_progress_collect_dumps_an
     watch.cancel()
 
 
+def test_a_launch_with_stop_older_parks_the_older_attempt_first_as_the_real_agent_does(
+    hosted, store: Store
+) -> None:
+    """LaunchWorkersRequest.stop_older on a light agent: the older attempt's warm ranks park, the
+    new attempt starts, one call; without it the launch is refused (ALREADY_EXISTS)."""
+    hosted(2, FAST)
+    nodes = NODES[:2]
+    translator = Translator(store.keys, RUN, procs_per_node=1)
+    clients = AgentClients()
+    node_events(store, translator, clients)
+    backend = LocalBackend(clients, translator.rendezvous)
+    specs = {
+        attempt: AttemptSpec(run=RUN, attempt=attempt, nodes=nodes, command=("train.py",), leader_fence=1)
+        for attempt in (1, 2)
+    }
+    backend.launch(specs[1])
+    older = agent_pb2.StopOlder(grace_s=1.0, park_within_s=3.0)
+    reqs = dict(backend.requests(specs[2], endpoint=backend.endpoint(specs[2]), stop_older={"n0": older}))
+    out, answer = clients.launch("n0", reqs["n0"], 10.0)
+    assert out.ok and answer is not None and answer.launch_path == "warm"
+    (ended,) = answer.stopped
+    assert (ended.attempt, ended.running, ended.exit.exit_code) == (1, False, 1), ended  # parked: exit 1
+    out, _ = clients.launch("n1", reqs["n1"], 10.0)
+    assert not out.ok and out.code == "ALREADY_EXISTS", out
+
+    def running(node: str) -> list[int]:
+        _, status = clients.status(node)
+        assert status is not None
+        return [w.attempt for w in status.workers if w.running]
+
+    assert (running("n0"), running("n1")) == ([2], [1])
+    clients.close()
+
+
 def test_requests_are_validated_and_refused_as_the_real_agent_does(hosted) -> None:
     h = hosted(1, FAST)
     with grpc.insecure_channel(h.address("n0")) as channel:

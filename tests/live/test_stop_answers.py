@@ -1,7 +1,7 @@
 """An unplanned stop's exits come from the StopWorkers answers: the relaunch does not wait for each
 host's exit record to go through etcd (issue 31: at 2,048 hosts, 2,048 writes and watch events).
-A lost node's relaunch does not wait for the survivors' stops at all: each survivor is launched once
-its own stop has answered, the spare at once.
+A lost node's relaunch sends each survivor one call, its launch, which stops the older attempt there
+first (LaunchWorkersRequest.stop_older); the spare is launched at once.
 
 The real `LiveController` and `Supervisor` against a real etcd; two agent doubles (tests/live/shell.py)
 that write no exit record at all: n1's crash is written into its progress key by the test, as its
@@ -10,7 +10,6 @@ within seconds can only come from that answer."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from controller.supervisor.policy import RunPlan
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
 from testbed.wait import wait_until
-from tests.live.shell import RUN, agent_double, is_launch, live_shell, policy
+from tests.live.shell import RUN, AgentDouble, agent_double, is_launch, live_shell, policy
 
 E = events_pb2
 pytestmark = pytest.mark.timeout(120)
@@ -56,9 +55,25 @@ def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_fo
         wait_until(lambda: [d.launches[-1].attempt for d in (n1, n2)] == [2, 2], 10, "attempt 2 on both")
 
 
-def test_a_lost_nodes_relaunch_launches_each_survivor_once_its_own_stop_answered(
-    store: Store, tmp_path: Path
-) -> None:
+def first_step(store: Store, spare: AgentDouble) -> None:
+    """Attempt 1's first step on n1 and n2 (ranks 0 and 1); then the spare's background check, which
+    vouches for it: the relaunch needs no preflight, so it comes in the stop's own batch."""
+    now = time.time()
+    for rank, node in enumerate(("n1", "n2")):
+        prog = store_pb2.NodeProgress(
+            node=node,
+            run=RUN,
+            attempt=1,
+            ranks=[common_pb2.RankProgress(rank=rank, step=1, step_time_s=0.1, reported_at=now)],
+            written_at=now,
+        )
+        store.put(store.keys.progress(RUN, node), prog.SerializeToString())
+    wait_until(lambda: "RunPreflight" in spare.calls, 10, "the spare's background check")
+
+
+def test_a_lost_nodes_relaunch_stops_each_survivor_within_its_launch(store: Store, tmp_path: Path) -> None:
+    """The survivor gets one call: its launch, carrying the stop of the older attempt (stop_older, with
+    the unplanned stop's bounds); the spare's launch carries none (nothing of the run runs there)."""
     core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
     with (
         agent_double(store, "n1"),
@@ -68,15 +83,37 @@ def test_a_lost_nodes_relaunch_launches_each_survivor_once_its_own_stop_answered
     ):
         _, first = log.wait(is_launch(1), 30)
         assert "n3" not in first.launch.nodes, "n3 is the spare"
-        n2.stop_gate = threading.Event()  # n2's stop answers only when the test says so
+        first_step(store, n3)
         store.delete(store.keys.node("n1"))  # n1's lease is gone
         _, relaunch = log.wait(is_launch(2), 30)
         assert sorted(relaunch.launch.nodes) == ["n2", "n3"]
-        # decided as the stop began: the LAUNCH is logged while n2's stop is still in flight, and the
-        # spare is launched at once
-        assert "StopWorkers" in n2.calls and not n2.stopped.is_set()
+        wait_until(lambda: [r.attempt for r in n2.launches] == [1, 2], 10, "attempt 2 on n2")
         wait_until(lambda: [r.attempt for r in n3.launches] == [2], 10, "attempt 2 on the spare")
-        assert [r.attempt for r in n2.launches] == [1], "n2 launched beside the ranks it stops"
-        n2.stop_gate.set()
-        wait_until(lambda: [r.attempt for r in n2.launches] == [1, 2], 10, "attempt 2 on n2 after its stop")
-        assert n2.calls[-2:] == ["StopWorkers", "LaunchWorkers"]
+        assert "StopWorkers" not in n2.calls, n2.calls
+        older = n2.launches[-1]
+        assert older.HasField("stop_older") and older.stop_older.park_within_s > 0
+        assert 0 < older.stop_older.grace_s <= 60.0
+        assert not n2.launches[0].HasField("stop_older")
+        assert not n3.launches[-1].HasField("stop_older")
+
+
+def test_a_survivor_whose_relaunch_is_refused_is_stopped_as_the_stop_asked(
+    store: Store, tmp_path: Path
+) -> None:
+    """A launch refused before the agent stopped anything leaves the older attempt's ranks there: the
+    controller then sends the stop it folded into the launch."""
+    core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
+    with (
+        agent_double(store, "n1"),
+        agent_double(store, "n2") as n2,
+        agent_double(store, "n3") as n3,
+        live_shell(store, tmp_path / "run", nodes=2, core_factory=core) as (_shell, log),
+    ):
+        log.wait(is_launch(1), 30)
+        first_step(store, n3)
+        n2.launch_refusals = 1
+        store.delete(store.keys.node("n1"))
+        log.wait(is_launch(2), 30)
+        wait_until(lambda: "StopWorkers" in n2.calls, 10, "the folded stop sent on its own")
+        refused = n2.calls.index("LaunchWorkers", n2.calls.index("LaunchWorkers") + 1)
+        assert n2.calls.index("StopWorkers") > refused, n2.calls

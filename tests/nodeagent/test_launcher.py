@@ -194,3 +194,63 @@ def test_stale_fence_and_old_attempt_refused(agent_factory):
                 agent_pb2.LaunchWorkersRequest(run="r5", attempt=attempt, argv=argv, leader_fence=fence)
             )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_launch_with_stop_older_stops_the_older_attempt_first_and_nothing_newer(agent_factory):
+    """LaunchWorkersRequest.stop_older (a lost node's relaunch on a survivor): the older attempt's
+    workers are stopped as StopWorkers stops them, then the new attempt starts, in one call; without
+    it the launch is refused; a stale launch or a retry of the running attempt stops nothing."""
+    agent = _agent(agent_factory)
+    argv = [sys.executable, "-c", "import time; time.sleep(1000)"]
+
+    def launch(attempt: int, fence: int = 7, stop_older: bool = True) -> agent_pb2.LaunchWorkersResponse:
+        return agent.stub.LaunchWorkers(
+            agent_pb2.LaunchWorkersRequest(
+                run="r7",
+                attempt=attempt,
+                argv=argv,
+                leader_fence=fence,
+                stop_older=agent_pb2.StopOlder(grace_s=5.0) if stop_older else None,
+            ),
+            timeout=30,
+        )
+
+    def running() -> list[tuple[int, int]]:
+        ws = agent.stub.GetNodeStatus(agent_pb2.GetNodeStatusRequest()).workers
+        return [(w.attempt, w.pid) for w in ws if w.running]
+
+    first = launch(1, stop_older=False)
+    with pytest.raises(grpc.RpcError) as err:
+        launch(2, stop_older=False)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    second = launch(2)
+    (ended,) = second.stopped
+    assert (ended.attempt, ended.pid, ended.running) == (1, first.pid, False)
+    assert ended.exit.signal == signal.SIGTERM  # stopped as StopWorkers stops it: TERM within the grace
+    assert not os.path.exists(f"/proc/{first.pid}")
+    assert running() == [(2, second.pid)]
+    for attempt, fence in (
+        (2, 7),
+        (1, 7),
+        (3, 6),
+    ):  # a retry of the running attempt, an older one, a stale leader
+        with pytest.raises(grpc.RpcError) as err:
+            launch(attempt, fence)
+        assert err.value.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+        assert running() == [(2, second.pid)]
+    with pytest.raises(grpc.RpcError) as err:  # validated like StopWorkers' bounds
+        agent.stub.LaunchWorkers(
+            agent_pb2.LaunchWorkersRequest(
+                run="r7",
+                attempt=3,
+                argv=argv,
+                leader_fence=7,
+                stop_older=agent_pb2.StopOlder(park_within_s=61),
+            )
+        )
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "stop_older.park_within_s" in err.value.details()
+    )
+    assert running() == [(2, second.pid)]
+    agent.stub.StopWorkers(agent_pb2.StopWorkersRequest(run="r7", grace_s=2.0), timeout=30)

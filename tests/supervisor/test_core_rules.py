@@ -1124,15 +1124,19 @@ def test_a_golden_host_takes_node_rank_0_and_a_first_registration_is_persisted()
 
 
 def test_idle_spares_are_checked_every_interval_and_the_replacement_joins_without_a_preflight() -> None:
-    """The tick that asks the spares also sets the timer of their next check (a world whose ticks come
-    only from timers, as the simulator's, keeps checking them); a hardware fault's replacement then
-    joins vouched for by its last check: no preflight on the restart's path."""
+    """The spares are asked at the attempt's first step (not before: the launch and load have the
+    hosts), and each ask also sets the timer of their next check (a world whose ticks come only from
+    timers, as the simulator's, keeps checking them); a hardware fault's replacement then joins
+    vouched for by its last check: no preflight on the restart's path."""
     d = Driver(cfg=fast(spare_check_interval_s=300.0, preflight_max_age_s=600.0), nodes=2)
-    d.start(3)  # n1, n2 run; n3 is the spare
-    d.steps(1, 2, dt=2.0)
-    out = d.send(Tick())
+    launched = d.start(3)  # n1, n2 run; n3 is the spare
+    assert "n3" not in [nr.node for nr in launched.nodes]
+    assert not [p for p in d.of(RunPreflight) if p.purpose == "spare"]
+    out = d.progress(0, dt=2.0)  # the first step (from scratch)
     assert [p.nodes for p in d.of(RunPreflight, out) if p.purpose == "spare"] == [("n3",)]
     assert [t.at for t in d.of(SetTimer, out) if t.key == "spare_check"] == [d.now + 300.0]
+    d.answer_preflight()
+    d.steps(2, 2, dt=2.0)
     asked = 1
     for step in range(3, 500):  # ~16 minutes of 2 s steps
         out = d.progress(step, dt=2.0)
