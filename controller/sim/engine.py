@@ -156,13 +156,11 @@ class World:
       stop the core would see healthy hosts that last advanced hours ago and preflight them all), not
       every step. The core's timers that fall due while the job is healthy are delivered late, right
       after the next such round (the timer contract allows late ticks), so a hang is detected exactly
-      one hang timeout after the fault and a healthy run is never declared hung. A straggler is the
-      exception: while it runs, the world sends `straggler_window` + 2 rounds one step apart in which
-      its rank computes longer and waits less, so the core's detector sees it.
-      This understates the defaults: the spares' background checks (a timer) do not run while the
-      job trains, so a hardware fault's spare is preflighted on the restart's path, which the live
-      controller, ticking every 0.1 s, avoids. Delivering them on time (a progress round every
-      spare_check_interval_s) costs ~10x the simulation's time (BENCHMARKS.md, the Llama-3 replay).
+      one hang timeout after the fault and a healthy run is never declared hung. Two exceptions: the
+      spares' background sweep (`spare_check`) is delivered on time, after a round of its own (its
+      tick reads every node's progress), so a replacement is vouched for as the live controller's
+      would be; and while a straggler runs, the world sends `straggler_window` + 2 rounds one step
+      apart in which its rank computes longer and waits less, so the core's detector sees it.
     * Ranks. Each node reports one rank sample (`local_ranks=1`): the core's decisions are per node.
     * Stop exits are delivered in reverse node order: the core checks "all exited" on each exit and
       stops at the first live node, so a 2,048-node stop stays linear.
@@ -410,6 +408,8 @@ class World:
         self.timers.pop(key)
         if self.training and not self.fault_open:
             self.tick_owed = True  # healthy: the tick is delivered late, after the next progress round
+            if key == "spare_check":  # ... but the spares' sweep on time, as the live controller's
+                self._progress_round()
             return
         self.feed(Tick())
 

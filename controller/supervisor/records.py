@@ -96,12 +96,12 @@ class QueueAsk:
 
 @dataclass(slots=True)
 class SpareChecks:
-    """Background preflights of idle spares (spare_checks.py): in flight, and when each node was
-    last asked (node -> the core's clock)."""
+    """Background preflights of idle spares (spare_checks.py): in flight, when each node was last
+    asked (node -> the core's clock), and when the next sweep is due (its "spare_check" timer)."""
 
     asked: dict[str, float] = field(default_factory=dict)
     last_asked: dict[str, float] = field(default_factory=dict)
-    timer_at: float = 0.0  # the "spare_check" timer set last
+    next_sweep: float = 0.0
 
 
 @dataclass(slots=True)

@@ -1,8 +1,11 @@
-"""Pre-validated spares: while the run trains, each idle spare is preflighted in the background every
-`spare_check_interval_s`, so the spare that replaces a failed node is one whose passing preflight is
-recent (`prepare.vouched_for`) and the relaunch does not wait for it. A spare that fails its check
-is quarantined like a node that fails its attempt preflight; one that cannot tell, or cannot be
-reached, is asked again at the next interval (no strike)."""
+"""Pre-validated spares: while the run trains, the idle spares are preflighted in the background in one
+sweep every `spare_check_interval_s`, so the spare that replaces a failed node is one whose passing
+preflight is recent (`prepare.vouched_for`) and the relaunch does not wait for it. A sweep asks every
+idle spare not checked within the last half interval (one checked meanwhile another way, at its burn-in
+or an attempt's preflight, waits for the next sweep), so no spare's last check is older than 1.5
+intervals plus the check's own time. A spare that fails its check is quarantined like a node that
+fails its attempt preflight; one that cannot tell, or cannot be reached, is asked again at the next
+sweep (no strike)."""
 
 from __future__ import annotations
 
@@ -19,31 +22,27 @@ if TYPE_CHECKING:
 
 
 def due(sv: Run) -> None:
-    """RUNNING (a tick): ask the idle spares whose last check is older than the interval. Not before
-    the attempt's first step: its launch and load have the hosts first."""
+    """RUNNING (a tick, and the attempt's first step): the sweep, once it is due. Not before the
+    attempt's first step: its launch and load have the hosts first (the first step sweeps if a sweep
+    fell due meanwhile). One wake-up and one fan-out per interval, whatever each spare's phase: a
+    world whose ticks come only from timers (the simulator) ticks once per interval."""
     interval = sv.cfg.spare_check_interval_s
-    if interval <= 0 or not sv.cur.first_step_logged:
-        return
     checks = sv.spare_checks
-    for n, asked in list(checks.asked.items()):  # an answer that never came: asked again later
+    if interval <= 0 or not sv.cur.first_step_logged or sv.now < checks.next_sweep:
+        return
+    for n, asked in list(checks.asked.items()):  # an answer that never came: asked again
         if sv.now - asked > sv.cfg.preflight_timeout_s + 60.0:
             del checks.asked[n]
+    checks.next_sweep = sv.now + interval
+    sv.emit(SetTimer(key="spare_check", at=checks.next_sweep))
     nodes = []
-    next_due = 0.0
     for name in sv.pool.free_names():
-        node = sv.pool.get(name)
         if name in checks.asked or name in sv.burn_in:
             continue
-        last = max(node.checked_at or 0.0, checks.last_asked.get(name, 0.0))
-        if last and sv.now - last < interval:
-            next_due = min(next_due, last + interval) if next_due else last + interval
+        last = max(sv.pool.get(name).checked_at or 0.0, checks.last_asked.get(name, 0.0))
+        if last and sv.now - last < interval / 2:
             continue
         nodes.append(name)
-    if nodes:  # the ones asked now are due again after the interval, whatever answers before then
-        next_due = min(next_due, sv.now + interval) if next_due else sv.now + interval
-    if next_due and next_due != checks.timer_at:  # a tick then, where ticks come only from timers
-        checks.timer_at = next_due
-        sv.emit(SetTimer(key="spare_check", at=next_due))
     if not nodes:
         return
     nodes.sort()

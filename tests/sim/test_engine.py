@@ -114,9 +114,12 @@ def test_hang_is_detected_one_timeout_after_the_fault() -> None:
         if "in a checkpoint" in ev.message:
             in_save += 1
             timeout = 90.0 if sum(ts < ev.ts for ts in commits) >= 3 else 120.0
-        # Measured from the last step *advance*: up to one step time (2 s) before the fault instant.
+        # Measured from the last step *advance*: up to one step time (2 s) before the fault instant,
+        # or, inside a save (the steps stand still), up to the save (30 s) before it: the spares' sweep
+        # may have read the ranks' progress during the save, before the fault.
         after_fault = ev.ts - result.start_ts - fault.t
-        assert timeout - 2.0 - 1e-5 <= after_fault <= timeout + 1e-5
+        slack = 2.0 + (30.0 if timeout > 45.0 else 0.0)
+        assert timeout - slack - 1e-5 <= after_fault <= timeout + 1e-5
         assert ev.detection.latency_s == pytest.approx(timeout, abs=1e-5)
     assert in_save < len(hangs) / 4
 

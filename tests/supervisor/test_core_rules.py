@@ -1123,6 +1123,27 @@ def test_a_golden_host_takes_node_rank_0_and_a_first_registration_is_persisted()
     assert ranks[0] == "n5"  # the rendezvous store's host is the node with the long clean record
 
 
+def test_the_spares_are_swept_together_once_an_interval_whatever_their_answers_phase() -> None:
+    """One sweep per interval: answers that come seconds after the ask do not shift the next sweep
+    (which would add a wake-up per interval: a progress round of every node in the simulator), and
+    every idle spare not checked within the last half interval is asked in it."""
+    d = Driver(cfg=fast(spare_check_interval_s=300.0, preflight_max_age_s=600.0), nodes=2)
+    d.start(4)  # n1, n2 run; n3 and n4 are spares
+    swept_at = d.now + 2.0
+    asks: list[tuple[float, tuple[str, ...]]] = []
+    wakeups: set[float] = set()
+    for step in range(0, 500):  # ~16 minutes of 2 s steps
+        out = d.progress(step, dt=2.0)
+        if d.timers.pop_due(d.now):
+            out += d.send(Tick())
+        asks += [(d.now, p.nodes) for p in d.of(RunPreflight, out) if p.purpose == "spare"]
+        wakeups |= {t.at for t in d.of(SetTimer, out) if t.key == "spare_check"}
+        if step % 5 == 4:  # the checks answer ~10 s after they were asked
+            d.answer_preflight()
+    assert asks == [(swept_at + k * 300.0, ("n3", "n4")) for k in range(4)], asks
+    assert sorted(wakeups) == [swept_at + k * 300.0 for k in range(1, 5)]
+
+
 def test_idle_spares_are_checked_every_interval_and_the_replacement_joins_without_a_preflight() -> None:
     """The spares are asked at the attempt's first step (not before: the launch and load have the
     hosts), and each ask also sets the timer of their next check (a world whose ticks come only from
