@@ -646,7 +646,13 @@ class Agent:
                 )
             argv, env = tuple(line), {**env, **collective}
             self.peers = tuple(request.torchrun.peers)
-        stopped = self._stop_older(request) if request.HasField("stop_older") else []
+        if request.HasField("stop_older"):
+            started = time.monotonic()
+            stopped = self._stop_older(request)
+            if wait_s is not None:  # the caller's deadline counts the stop too
+                wait_s = max(0.0, wait_s - (time.monotonic() - started))
+        else:
+            stopped = []
         with self.lock:
             self._check_fence(request)
             if any(w.running for w in self.launcher.workers(run)):
