@@ -11,6 +11,8 @@ within seconds can only come from that answer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from controller.supervisor.policy import RunPlan
 from runwarden.store import Store
 from runwarden.v1 import common_pb2, events_pb2, store_pb2
 from testbed.wait import wait_until
-from tests.live.shell import RUN, AgentDouble, agent_double, is_launch, live_shell, policy
+from tests.live.shell import RUN, AgentDouble, LogWatch, agent_double, is_launch, live_shell, policy
 
 E = events_pb2
 pytestmark = pytest.mark.timeout(120)
@@ -55,25 +57,10 @@ def test_an_unplanned_stops_exits_are_taken_from_the_answers_and_the_relaunch_fo
         wait_until(lambda: [d.launches[-1].attempt for d in (n1, n2)] == [2, 2], 10, "attempt 2 on both")
 
 
-def first_step(store: Store, spare: AgentDouble) -> None:
-    """Attempt 1's first step on n1 and n2 (ranks 0 and 1); then the spare's background check, which
-    vouches for it: the relaunch needs no preflight, so it comes in the stop's own batch."""
-    now = time.time()
-    for rank, node in enumerate(("n1", "n2")):
-        prog = store_pb2.NodeProgress(
-            node=node,
-            run=RUN,
-            attempt=1,
-            ranks=[common_pb2.RankProgress(rank=rank, step=1, step_time_s=0.1, reported_at=now)],
-            written_at=now,
-        )
-        store.put(store.keys.progress(RUN, node), prog.SerializeToString())
-    wait_until(lambda: "RunPreflight" in spare.calls, 10, "the spare's background check")
-
-
-def test_a_lost_nodes_relaunch_stops_each_survivor_within_its_launch(store: Store, tmp_path: Path) -> None:
-    """The survivor gets one call: its launch, carrying the stop of the older attempt (stop_older, with
-    the unplanned stop's bounds); the spare's launch carries none (nothing of the run runs there)."""
+@contextmanager
+def spare_checked(store: Store, tmp_path: Path) -> Iterator[tuple[AgentDouble, AgentDouble, LogWatch]]:
+    """Attempt 1 on n1 and n2 (a 60 s stop grace) at its first step, and the spare n3's background
+    check, which vouches for it: a relaunch needs no preflight, so it comes in the stop's own batch."""
     core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
     with (
         agent_double(store, "n1"),
@@ -83,7 +70,24 @@ def test_a_lost_nodes_relaunch_stops_each_survivor_within_its_launch(store: Stor
     ):
         _, first = log.wait(is_launch(1), 30)
         assert "n3" not in first.launch.nodes, "n3 is the spare"
-        first_step(store, n3)
+        now = time.time()
+        for rank, node in enumerate(("n1", "n2")):
+            prog = store_pb2.NodeProgress(
+                node=node,
+                run=RUN,
+                attempt=1,
+                ranks=[common_pb2.RankProgress(rank=rank, step=1, step_time_s=0.1, reported_at=now)],
+                written_at=now,
+            )
+            store.put(store.keys.progress(RUN, node), prog.SerializeToString())
+        wait_until(lambda: "RunPreflight" in n3.calls, 10, "the spare's background check")
+        yield n2, n3, log
+
+
+def test_a_lost_nodes_relaunch_stops_each_survivor_within_its_launch(store: Store, tmp_path: Path) -> None:
+    """The survivor gets one call: its launch, carrying the stop of the older attempt (stop_older, with
+    the unplanned stop's bounds); the spare's launch carries none (nothing of the run runs there)."""
+    with spare_checked(store, tmp_path) as (n2, n3, log):
         store.delete(store.keys.node("n1"))  # n1's lease is gone
         _, relaunch = log.wait(is_launch(2), 30)
         assert sorted(relaunch.launch.nodes) == ["n2", "n3"]
@@ -102,15 +106,7 @@ def test_a_survivor_whose_relaunch_is_refused_is_stopped_as_the_stop_asked(
 ) -> None:
     """A launch refused before the agent stopped anything leaves the older attempt's ranks there: the
     controller then sends the stop it folded into the launch."""
-    core = lambda: Supervisor(policy(stop_grace_s=60.0, stop_margin_s=10.0), RunPlan(run=RUN, nodes=2))  # noqa: E731
-    with (
-        agent_double(store, "n1"),
-        agent_double(store, "n2") as n2,
-        agent_double(store, "n3") as n3,
-        live_shell(store, tmp_path / "run", nodes=2, core_factory=core) as (_shell, log),
-    ):
-        log.wait(is_launch(1), 30)
-        first_step(store, n3)
+    with spare_checked(store, tmp_path) as (n2, _n3, log):
         n2.launch_refusals = 1
         store.delete(store.keys.node("n1"))
         log.wait(is_launch(2), 30)
