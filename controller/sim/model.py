@@ -67,8 +67,9 @@ def detect_s(scenario: Scenario, policy: Policy, cause: Cause) -> float:
 def restart_preflight_s(scenario: Scenario, policy: Policy, *, hardware: bool) -> float:
     """The quick preflight on a restart's critical path (the core's rule, prepare.vouched_for). The
     hosts that trained healthily until the fault are vouched for while preflight_max_age_s > 0; a
-    hardware fault's replacement too when it is a spare re-checked in the background at least as
-    often as the vouch lasts. A node from the scheduler's queue is preflighted."""
+    hardware fault's replacement too when the spares' background sweep keeps every spare's check
+    within the vouch (spare_checks.due: at most 1.5 intervals plus the check itself old). A node from
+    the scheduler's queue is preflighted."""
     if not policy.preflight:
         return 0.0
     sup, preflight_s = policy.supervisor, policy.effective_costs(scenario.costs).preflight_s
@@ -76,8 +77,11 @@ def restart_preflight_s(scenario: Scenario, policy: Policy, *, hardware: bool) -
         return preflight_s
     if not hardware:
         return 0.0
+    interval = sup.spare_check_interval_s
     checked_spare = (
-        policy.spare_count(scenario.run) > 0 and 0 < sup.spare_check_interval_s <= sup.preflight_max_age_s
+        policy.spare_count(scenario.run) > 0
+        and interval > 0
+        and 1.5 * interval + preflight_s <= sup.preflight_max_age_s
     )
     return 0.0 if checked_spare else preflight_s
 

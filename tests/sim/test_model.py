@@ -42,6 +42,10 @@ def test_the_restart_pays_the_preflight_only_for_nodes_not_vouched_for() -> None
     assert all(failure_cost(unchecked_spares, pol, c).restart_s == 110 for c in hardware)
     assert all(failure_cost(unchecked_spares, pol, c).restart_s == 80 for c in software)
     assert hardware and software
+    # a sweep every 400 s leaves a spare's check up to 1.5 x 400 + 30 s old: past the 600 s vouch
+    sparse = tiny(causes=causes, supervisor={"spare_check_interval_s": 400.0})
+    assert all(failure_cost(sparse, sparse.policy("p"), c).restart_s == 110 for c in hardware)
+    assert all(failure_cost(sparse, sparse.policy("p"), c).restart_s == 80 for c in software)
 
 
 def test_hang_detection_uses_the_cores_timeout() -> None:
