@@ -1,21 +1,22 @@
 """In-memory snapshots between commits on a realistic state (BENCHMARKS.md, "in-memory snapshots").
 
     flock /tmp/runwarden-heavy.lock env PYTHONPATH=. .venv/bin/python bench/bench_snapshots.py \\
-        [--layers 12 --d-model 768 --vocab 32000] [--steps 6] [--out bench/results/bench_snapshots.json]
+        [--layers 12 --d-model 768 --vocab 32000] [--pairs 12] [--out bench/results/bench_snapshots.json]
 
 Two gloo ranks on CPU (one process each, two "hosts" of one rank: each is the other's buddy) train
 a GPT-2-small-sized decoder (examples/decoder.py's, ~110M parameters with the defaults) with AdamW
 under DDP: ~1.3 GB of model and optimizer state per rank, a step of several seconds on one core.
 In one run, per rank:
 
-* `baseline`: `--steps` steps, no snapshot: the step time;
-* `snapshots`: 2 x `--steps` steps with a snapshot (nodeagent.trainer.Snapshotter.take) after every
-  other one, after 2 x SNAPSHOT_KEEP steps that allocate the snapshots' buffers (later ones reuse them):
-  the time take() blocks the training thread (of it, the exchange with the buddy), when the
-  background host copy landed and when its SHA-256 digests were taken, and the step after a
-  snapshot against the step after none (the copy runs beside that step's forward and backward,
-  its optimizer step waits for it; the digests follow at the lowest priority): the snapshot's
-  stall is take()'s block plus that step's extra time, as a share of the baseline step;
+* the stall: after 2 x SNAPSHOT_KEEP snapshots that allocate the snapshots' buffers (later ones
+  reuse them), `--pairs` pairs of cycles of `--cycle-steps` steps, one cycle with a snapshot
+  (nodeagent.trainer.Snapshotter.take) after its first step and one without, the pairs' order
+  alternating (ABBA). A snapshot's stall is its cycle's time over its pair's plain cycle's (mean,
+  its standard error and the median of the pairs): take()'s block and whatever the background
+  copy, its checksums and (FSDP) the replication took from the steps, on any thread. Also per
+  snapshot: the time take() blocks the training thread (of it, the exchange with the buddy) and
+  when the host copy landed, its checksums were taken and (FSDP) the buddy held the shard, each
+  after take() (a cycle must outlast them: else its cost spills into the next cycle);
 * a DCP commit of the same state for comparison (async_save's blocking part: staging);
 * restores of the newest snapshot: `memory` (both ranks hold it), `peer` (rank 1's process is new:
   the model and optimizer from rank 0 over gloo, its RNG and data position from its buddy), and of
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -105,29 +107,48 @@ def _rank_main(args: argparse.Namespace) -> None:
         state_bytes = sum(p.numel() * p.element_size() for p in local) * 3  # this rank's
         out["state_bytes"] = state_bytes
         snaps = trainer.Snapshotter(every=1, env={**os.environ, "LOCAL_WORLD_SIZE": "1"})
-        out["baseline_step_s"] = [step() for _ in range(args.steps)]
-        takes, exchanges, landed, hashed, after, plain, replicated = [], [], [], [], [], [], []
-        done = 2 + args.steps
-        steady = 2 * memory_state.SNAPSHOT_KEEP  # the first ones allocate their buffers; later ones reuse
-        for i in range(2 * args.steps + steady):
+        done = 2
+
+        def take_one(timed: bool) -> None:
+            t0 = time.perf_counter()
+            why = snaps.take(done, model=model, optimizer=opt, data_state={"next_step": done})
+            assert why == "", why
+            held = memory_state.snapshot(done, int(os.environ["RUNWARDEN_ATTEMPT"]))
+            assert held is not None
+            if not timed:
+                return
+            takes.append(snaps.stalls[done])
+            exchanges.append(snaps.exchanges[done])
+            threading.Thread(target=_mark, args=(held.copied, t0, landed), daemon=True).start()
+            threading.Thread(target=_mark, args=(held.hashed, t0, hashed), daemon=True).start()
+            job = snaps._replications.get(done)
+            if job is not None:
+                threading.Thread(target=_mark, args=(job.done, t0, replicated), daemon=True).start()
+
+        takes: list[float] = []
+        exchanges: list[float] = []
+        landed: list[float] = []
+        hashed: list[float] = []
+        replicated: list[float] = []
+        for _ in range(2 * memory_state.SNAPSHOT_KEEP):  # the first ones allocate their buffers
             done += 1
-            dt = step()
-            if i >= steady:
-                (after if i % 2 == 1 else plain).append(dt)
-            if i % 2 == 0:
+            step()
+            take_one(timed=False)
+        snaps.wait_replicated()
+        # Cycles of --cycle-steps steps, with a snapshot after the cycle's first step or without,
+        # in pairs whose order alternates (ABBA): drift and a cycle's spill into the next cancel.
+        # A snapshot's cost, whatever thread pays it, is its cycle's time over a plain cycle's.
+        with_snapshot: list[float] = []
+        without: list[float] = []
+        for pair in range(args.pairs):
+            for snapping in (True, False) if pair % 2 == 0 else (False, True):
                 t0 = time.perf_counter()
-                why = snaps.take(done, model=model, optimizer=opt, data_state={"next_step": done})
-                assert why == "", why
-                held = memory_state.snapshot(done, int(os.environ["RUNWARDEN_ATTEMPT"]))
-                assert held is not None
-                if i >= steady:
-                    takes.append(snaps.stalls[done])
-                    exchanges.append(snaps.exchanges[done])
-                    threading.Thread(target=_mark, args=(held.copied, t0, landed), daemon=True).start()
-                    threading.Thread(target=_mark, args=(held.hashed, t0, hashed), daemon=True).start()
-                    job = snaps._replications.get(done)
-                    if job is not None:
-                        threading.Thread(target=_mark, args=(job.done, t0, replicated), daemon=True).start()
+                for i in range(args.cycle_steps):
+                    done += 1
+                    step()
+                    if snapping and i == 0:
+                        take_one(timed=True)
+                (with_snapshot if snapping else without).append(time.perf_counter() - t0)
         snaps.wait_replicated()
         last = max(snaps.stalls)  # the newest snapshot's step
         out.update(
@@ -135,8 +156,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             exchange_s=exchanges,
             landed_s=landed,
             hashed_s=hashed,
-            step_after_snapshot_s=after,
-            step_no_snapshot_s=plain,
+            cycle_with_snapshot_s=with_snapshot,
+            cycle_without_s=without,
             replicated_s=replicated,
         )
         # a DCP commit of the same state (async_save: what blocks is the staging)
@@ -183,7 +204,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=12, help="pairs of cycles, with a snapshot and without")
+    p.add_argument("--cycle-steps", type=int, default=2, help="steps per cycle (a snapshot after the first)")
     p.add_argument("--fsdp", action="store_true", help="shard the state with FSDP2 (fully_shard)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench_snapshots.json")
     p.add_argument(
@@ -217,9 +239,9 @@ def main() -> None:
     med = statistics.median
     rows = []
     for r in ranks:
-        base = med(r["baseline_step_s"])
-        extra = med(r["step_after_snapshot_s"]) - med(r["step_no_snapshot_s"])
-        stall = med(r["take_s"]) + max(0.0, extra)
+        base = med(r["cycle_without_s"]) / args.cycle_steps
+        diffs = [a - b for a, b in zip(r["cycle_with_snapshot_s"], r["cycle_without_s"], strict=True)]
+        stall = statistics.mean(diffs)
         rows.append(
             {
                 "rank": r["rank"],
@@ -231,8 +253,9 @@ def main() -> None:
                 "copy_landed_s": med(r["landed_s"]),
                 "hashed_s": med(r["hashed_s"]),
                 "replicated_s": med(r["replicated_s"]) if r["replicated_s"] else 0.0,
-                "step_after_snapshot_extra_s": extra,
                 "stall_s": stall,
+                "stall_stderr_s": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else math.nan,
+                "stall_median_s": med(diffs),
                 "stall_pct_of_step": 100 * stall / base,
                 "dcp_async_block_s": r["dcp_async_block_s"],
                 "dcp_commit_s": r["dcp_commit_s"],

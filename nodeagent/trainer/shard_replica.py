@@ -106,15 +106,41 @@ def ring_place(rank: int, world: int, local: int) -> RingPlace:
         _groups = (world_group, {})
     made = _groups[1]
     ahead, behind = (rank + local) % world, (rank - local) % world
-    for pair in sorted({_pair(rank, ahead), _pair(behind, rank)}):
-        if pair not in made:
-            made[pair] = dist.new_group(
-                list(pair),
-                backend="gloo",
-                timeout=timedelta(seconds=PAIR_TIMEOUT_S),
-                use_local_synchronization=True,
-            )
+    missing = [p for p in sorted({_pair(rank, ahead), _pair(behind, rank)}) if p not in made]
+    if missing:
+        made.update(_low_priority_groups(missing))
     return RingPlace(rank, ahead, behind, made[_pair(rank, ahead)], made[_pair(behind, rank)])
+
+
+def _low_priority_groups(pairs: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """Each pair's gloo group, made (in this order) on a thread at the lowest priority: gloo's
+    transport and worker threads are made with the group and inherit its niceness, and they, not
+    the caller, read and write a shard's bytes. Made on the training thread they would take their
+    CPU from its step where the cores are all busy (on a CPU host: 6-7% of a step, BENCHMARKS.md)."""
+    import torch.distributed as dist
+
+    made: dict[tuple[int, int], Any] = {}
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        memory_state.yield_to_training()
+        try:
+            for pair in pairs:
+                made[pair] = dist.new_group(
+                    list(pair),
+                    backend="gloo",
+                    timeout=timedelta(seconds=PAIR_TIMEOUT_S),
+                    use_local_synchronization=True,
+                )
+        except BaseException as exc:  # raised to the caller, as if it had made the groups itself
+            failed.append(exc)
+
+    maker = threading.Thread(target=work, name="runwarden-shard-groups", daemon=True)
+    maker.start()
+    maker.join()
+    if failed:
+        raise failed[0]
+    return made
 
 
 def _as_bytes(t: Any) -> Any:

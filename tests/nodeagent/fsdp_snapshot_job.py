@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,20 @@ def _fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _gloo_threads() -> dict[int, int]:
+    """This process's gloo threads (transport loops, work runners): thread id -> niceness."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        if "gloo" in name:
+            out[int(tid)] = int(fields[16])  # stat's 19th field: nice
+    return out
+
+
 def main() -> None:
     args = job_args()
     dist.init_process_group("gloo")
@@ -48,6 +63,7 @@ def main() -> None:
     reports = Reports()
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL_WORLD)  # as the launcher sets it: 2 hosts of 2 ranks
     snaps = trainer.Snapshotter(every=1, reporter=reports)
+    before = _gloo_threads()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         taken = {}
@@ -59,6 +75,8 @@ def main() -> None:
         _step(model, opt, 6, rank)  # the state moves on past the snapshot: the restore must bring it back
         assert snaps.wait_replicated(60), "a shard's exchange with the buddies did not end"
         result: dict = {"reported": reports.snapshots}
+        # the buddy pairs' groups were made by the first snapshot
+        result["pair_threads_nice"] = sorted(n for t, n in _gloo_threads().items() if t not in before)
         if rank in args.forget:  # this rank's process is new: it holds nothing
             memory_state._copies.clear()
             snapshot._buddy_states.clear()

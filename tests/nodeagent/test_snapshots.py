@@ -180,6 +180,10 @@ def test_a_sharded_snapshot_survives_a_lost_host_through_the_buddies_copies(tmp_
             f"rank {r} ({got['source']}) is not its state at step 5"
         )
         assert got["data_state"] == {"next_step": 5}
+    # the pairs' gloo threads move the shards beside the step: at the copy threads' low priority
+    for got in results:
+        assert got["pair_threads_nice"], "no gloo threads were made for the buddy pairs"
+        assert set(got["pair_threads_nice"]) == {memory_state.BACKGROUND_NICE}, got["pair_threads_nice"]
 
 
 @pytest.mark.slow
