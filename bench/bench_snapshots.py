@@ -20,7 +20,9 @@ In one run, per rank:
 * a DCP commit of the same state for comparison (async_save's blocking part: staging);
 * restores of the newest snapshot: `memory` (both ranks hold it), `peer` (rank 1's process is new:
   the model and optimizer from rank 0 over gloo, its RNG and data position from its buddy), and of
-  the commit from `storage` (DCP's load, page cache warm: the best case for storage).
+  the commit from `storage` (DCP's load, page cache warm: the best case for storage) and from
+  memory with rank 1's process new (`commit_peer`: DDP, the model and optimizer from rank 0; FSDP,
+  rank 1's shard from the copy rank 0 took of it at the commit).
 
 `--fsdp`: the same decoder sharded with FSDP2 (`fully_shard` per block and at the root) over the
 two ranks: each rank's state is its own half, and a snapshot also sends it to the buddy's memory
@@ -169,7 +171,8 @@ def _rank_main(args: argparse.Namespace) -> None:
         saver.wait()
         dist.barrier()
         out["dcp_commit_s"] = time.perf_counter() - t0
-        # the commit's own in-memory copy is not what is measured here
+        # the commit's own in-memory copy is not what is measured here (until its own restore, below)
+        commit_copies = [x for x in memory_state._copies if x.kind == memory_state.COMMIT]
         memory_state._copies[:] = [x for x in memory_state._copies if x.kind == memory_state.SNAPSHOT]
         point = trainer.SnapshotPoint(step=last, attempt=int(os.environ["RUNWARDEN_ATTEMPT"]))
         dist.barrier()
@@ -192,6 +195,15 @@ def _rank_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         load_dcp(found, model=model, optimizer=opt, rank=rank)
         out["restore_storage_s"] = time.perf_counter() - t0
+        # the commit from memory, rank 1's process new (as above): DDP, the model from rank 0; FSDP,
+        # rank 1's shard from the copy its buddy took of it at the commit
+        if rank == 0:
+            memory_state._copies.extend(commit_copies)
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.load_checkpoint(found, model=model, optimizer=opt, rank=rank)
+        out["restore_commit_peer_s"] = time.perf_counter() - t0
+        out["restore_commit_peer_source"] = memory_state.loaded_from(found.step)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -263,6 +275,8 @@ def main() -> None:
                 "restore_peer_s": r["restore_peer_s"],
                 "restore_peer_source": r["restore_peer_source"],
                 "restore_storage_s": r["restore_storage_s"],
+                "restore_commit_peer_s": r["restore_commit_peer_s"],
+                "restore_commit_peer_source": r["restore_commit_peer_source"],
             }
         )
     result = {

@@ -878,7 +878,13 @@ def _load_checkpoint(
         how: dict[str, Any] = dict(
             model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, restore_rng=restore_rng
         )
-        kept = memory_state.restore_committed_dcp(checkpoint, from_peer=from_peer, **how)
+        from nodeagent.trainer import shard_replica
+        from nodeagent.trainer.dcp import model_and_optim_state
+
+        buddies = shard_replica.CommitShards(
+            rank, os.environ.get("RUNWARDEN_RUN", ""), lambda: model_and_optim_state(model, optimizer)
+        )
+        kept = memory_state.restore_committed_dcp(checkpoint, from_peer=from_peer, buddies=buddies, **how)
         if kept is not None:  # from this rank's memory (a warm worker kept its process) or a peer's
             data_state, extra = kept
             return LoadedCheckpoint(

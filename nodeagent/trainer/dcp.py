@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from nodeagent.trainer import memory_state  # the in-memory copy a warm restart may load from
+from nodeagent.trainer import (
+    memory_state,  # the in-memory copy a warm restart may load from
+    shard_replica,  # a sharded copy's second copy, in the buddy's memory
+)
 from nodeagent.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -316,9 +319,7 @@ class DcpCheckpointer:
         def keep() -> None:
             # After DCP has read the state (its staging, or the whole sync save): on a GPU the
             # copy's D2H then overlaps what the training thread does next instead of DCP's own.
-            memory_state.keep(
-                step, {"state": state, "rank_state": rank_state}, rank=self.rank, world_size=self.world_size
-            )
+            self._keep_copy(step, state, rank_state)
 
         if self.rank != 0:
             self._unconfirmed.append(step)
@@ -345,6 +346,44 @@ class DcpCheckpointer:
             self._pending, self._pending_step = done, step
         upload.add_done_callback(lambda f: self._finish(f, writer, done))
         return None
+
+    def _keep_copy(self, step: int, state: Any, rank_state: Any) -> None:
+        """Keep this rank's in-memory copy of `step`; for sharded state, also its shard in the
+        buddy's memory (nodeagent.trainer.shard_replica, off this thread), so that a lost host's
+        replacement loads its shards of this commit from memory instead of storage."""
+        shard_replica.wait_all()  # an exchange may still be sending the buffers a copy would reuse
+        sharded = self._replicates(state)
+        why = memory_state.keep(
+            step,
+            {"state": state, "rank_state": rank_state},
+            rank=self.rank,
+            world_size=self.world_size,
+            # the shards this rank holds for the rank behind share its copy budget
+            budget_bytes=max(0, memory_state.budget() - shard_replica.held_bytes()) if sharded else None,
+        )
+        if not sharded:
+            return
+        run, attempt = os.environ.get("RUNWARDEN_RUN", ""), int(os.environ["RUNWARDEN_ATTEMPT"])
+        own = memory_state.snapshot(step, attempt, kind=memory_state.COMMIT) if not why else None
+        ring = shard_replica.ring_place(self.rank, self.world_size, memory_state.local_world_size())
+        shard_replica.replicate(own, step, run=run, attempt=attempt, ring=ring, kind=memory_state.COMMIT)
+
+    def _replicates(self, state: Any) -> bool:
+        """Whether this save's shards go to the buddies: the same answer on every rank (sharded
+        state, a warm launch of a supervised attempt, ranks on more than one host, and the saves'
+        group is every rank)."""
+        import torch.distributed as dist
+
+        local = memory_state.local_world_size()
+        return (
+            self.world_size > 1
+            and self.world_size % local == 0
+            and self.world_size > local
+            and os.environ.get("RUNWARDEN_LAUNCH_PATH", "") == memory_state.WARM
+            and os.environ.get("RUNWARDEN_ATTEMPT", "").isdigit()
+            and (self.process_group is None or dist.get_world_size(self.process_group) == self.world_size)
+            and memory_state.is_sharded(state)
+        )
 
     def _confirm_commits(self) -> None:
         """Every rank but 0: report the commits of this rank's earlier saves whose marker is now on

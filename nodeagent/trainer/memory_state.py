@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nodeagent.trainer import dcp_format
 from nodeagent.trainer.checkpoint import is_xxh3
@@ -104,6 +104,13 @@ def budget() -> int:
 def _identity(env: Mapping[str, str]) -> tuple[str, int]:
     attempt = env.get("RUNWARDEN_ATTEMPT", "")
     return env.get("RUNWARDEN_RUN", ""), int(attempt) if attempt.isdigit() else -1
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """The ranks of one host (the launcher's LOCAL_WORLD_SIZE; 1 if unset): a rank's buddy is that
+    many ranks on, the same local rank on the next host."""
+    local = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE", "").strip()
+    return int(local) if local.isdigit() and int(local) > 0 else 1
 
 
 def _refuse(step: int, why: str, *, warn: bool) -> str:
@@ -550,6 +557,7 @@ _HOLDS = 1  # it holds its own copy of the commit (saved as this rank of this wo
 _WHOLE = 2  # the commit's tensors were saved whole (replicated state, dcp_format.whole_tensors_bytes)
 _PEER_OK = 4  # it may take its state from a peer (load_checkpoint's from_peer)
 _HOLDS_STATE = 8  # it holds a copy of the commit saved as any rank (a replacement renumbered it)
+_HOLDS_SHARD = 16  # it holds, as its buddy, the shard of the rank behind it (sharded state: shard_replica)
 MAX_PEER_HEADER_BYTES = 16 * 1024 * 1024  # a peer's header: the state's structure and plain data
 
 
@@ -583,6 +591,41 @@ def plan_load(flags: list[int], rank: int) -> LoadPlan:
     return LoadPlan(PEER, sender, own_rank_state=False)
 
 
+class BuddyShards(Protocol):
+    """Where a rank of sharded state that holds no copy of a commit gets its shard: its buddy's
+    memory (nodeagent.trainer.shard_replica.CommitShards; the caller gives it, this module sits
+    below that one)."""
+
+    def wait(self) -> None:
+        """Until the exchanges with the buddies this attempt started have ended."""
+
+    def holds(self, owner: int, attempt: int, step: int) -> bool:
+        """Whether this rank holds rank `owner`'s shard of the commit of `step` attempt `attempt` saved."""
+
+    def fetch(self, donors: tuple[int, ...], attempt: int, step: int, local: int) -> tuple[Any, str]:
+        """Every rank: move the shards `donors` names (rank r's from rank donors[r]). (this rank's
+        state with its shard received, or None if it took none; why it refused its shard, or "")."""
+
+
+def shard_donors(flags: list[int], local: int) -> tuple[int, ...] | None:
+    """For sharded state some rank holds no copy of: where each rank's shard comes from (itself,
+    or its buddy, the rank `local` after it, which holds it), or None if some rank's shard is held
+    by neither or a rank may not take its state from a peer. The same on every rank."""
+    world = len(flags)
+    if all(f & _HOLDS for f in flags) or not all(f & _PEER_OK for f in flags):
+        return None
+    donors = []
+    for r, f in enumerate(flags):
+        buddy = (r + local) % world
+        if f & _HOLDS:
+            donors.append(r)
+        elif buddy != r and flags[buddy] & _HOLDS_SHARD:
+            donors.append(buddy)
+        else:
+            return None
+    return tuple(donors)
+
+
 def restore_committed_dcp(
     commit: Any,
     *,
@@ -592,6 +635,7 @@ def restore_committed_dcp(
     rank: int,
     restore_rng: bool,
     from_peer: bool = True,
+    buddies: BuddyShards | None = None,
 ) -> tuple[Any, Any] | None:
     """Serve the load of DCP commit `commit` from memory, this rank's or a peer's: (data_state,
     extra), or None when every rank must load from storage (nodeagent.trainer.dcp.load_dcp). A collective
@@ -613,7 +657,10 @@ def restore_committed_dcp(
     it is checked), and a rank whose number changed uses its own copy's; both read only their own
     small state file (RNG, data position, scheduler) from storage. If any receiver finds the
     offered state wrong, every rank loads from storage instead. Sharded state (FSDP, DTensor)
-    cannot come from one peer: it loads from storage unless every rank kept its own."""
+    cannot come from one peer: with `buddies`, a rank without its copy takes its shard from its
+    buddy, which holds it (nodeagent.trainer.shard_replica; checked against its checksums), and
+    reads its own state file from storage; if some rank's shard has no holder, or one is refused,
+    every rank loads from storage."""
     from nodeagent.trainer.checkpoint import CheckpointError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -641,15 +688,30 @@ def restore_committed_dcp(
                     expected = dcp_format.whole_tensors_bytes(dcp_format.read_dcp_metadata(commit))
                 except CheckpointError as exc:
                     log.warning("rank %d: no state from a peer: %s", rank, exc)
+            if buddies is not None:
+                buddies.wait()  # this commit's exchange may be ending; a fetch uses the same groups
+            local = local_world_size()
+            behind = (rank - local) % world_size
             mine = (
                 (_HOLDS if payload is not None else 0)
                 | (_HOLDS_STATE if other is not None else 0)
                 | (_WHOLE if expected is not None else 0)
                 | (_PEER_OK if from_peer else 0)
+                | (
+                    _HOLDS_SHARD
+                    if buddies is not None and by is not None and buddies.holds(behind, by, commit.step)
+                    else 0
+                )
             )
-            plan = plan_load(gather_ints(mine, world_size), rank)
+            flags = gather_ints(mine, world_size)
+            plan = plan_load(flags, rank)
             if other is not None:
                 payload = other
+            donors = shard_donors(flags, local) if plan.source == STORAGE else None
+            if donors is not None and buddies is not None and by is not None:
+                plan, payload = _shards_from_buddies(
+                    buddies, commit, donors, payload, by=by, rank=rank, world_size=world_size, local=local
+                )
     if plan.sender >= 0:
         assert expected is not None
         ok, received = send_state(
@@ -681,6 +743,35 @@ def restore_committed_dcp(
     )
     loaded(commit.step, plan.source)
     return result
+
+
+def _shards_from_buddies(
+    buddies: BuddyShards,
+    commit: Any,
+    donors: tuple[int, ...],
+    payload: Any,
+    *,
+    by: int,
+    rank: int,
+    world_size: int,
+    local: int,
+) -> tuple[LoadPlan, Any]:
+    """Every rank: the ranks without their copy of sharded commit `commit` take their shards from
+    the buddies `donors` names. (the plan, this rank's payload): PEER for a rank that received its
+    shard, MEMORY for one that holds its own; STORAGE for all if any rank refused its shard."""
+    missing = donors[rank] != rank
+    state, refused = buddies.fetch(donors, by, commit.step, local)
+    if min(gather_ints(int(not refused and (state is not None or not missing)), world_size)) != 1:
+        fell_back(
+            commit.step,
+            f"a shard of step {commit.step} from a buddy's memory was refused"
+            + (f" (this rank: {refused})" if refused else "")
+            + ": every rank loads from storage",
+        )
+        return LoadPlan(STORAGE), payload
+    if missing:
+        return LoadPlan(PEER, own_rank_state=False), {"state": state}
+    return LoadPlan(MEMORY), payload
 
 
 def _device(group: Any = None) -> str:
@@ -940,16 +1031,22 @@ def loaded_from(step: int) -> str:
 
 
 def snapshot(
-    step: int, attempt: int, *, env: Mapping[str, str] | None = None, checked: bool = False
+    step: int,
+    attempt: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    checked: bool = False,
+    kind: str = SNAPSHOT,
 ) -> MemoryCopy | None:
-    """The snapshot of `step` attempt `attempt` of this run took, saved as any rank, if this process
-    holds it (`checked`: landed and still matching its digests, as a load needs it)."""
+    """The snapshot (or `kind` copy) of `step` attempt `attempt` of this run took, saved as any
+    rank, if this process holds it (`checked`: landed and still matching its digests, as a load
+    needs it)."""
     if checked:
-        return _checked(step, attempt, rank=None, world_size=None, env=env, kind=SNAPSHOT)
+        return _checked(step, attempt, rank=None, world_size=None, env=env, kind=kind)
     run, _ = _identity(os.environ if env is None else env)
     with _lock:
         return next(
-            (x for x in _copies if (x.kind, x.run, x.attempt, x.step) == (SNAPSHOT, run, attempt, step)), None
+            (x for x in _copies if (x.kind, x.run, x.attempt, x.step) == (kind, run, attempt, step)), None
         )
 
 
@@ -959,10 +1056,10 @@ def kept_steps() -> tuple[int, ...]:
         return tuple(x.step for x in _copies if x.kind == COMMIT)
 
 
-def snapshot_keys() -> set[tuple[str, int, int]]:
-    """(run, attempt, step) of every snapshot this process holds."""
+def copy_keys(kind: str = SNAPSHOT) -> set[tuple[str, int, int]]:
+    """(run, attempt, step) of every copy of `kind` this process holds."""
     with _lock:
-        return {(x.run, x.attempt, x.step) for x in _copies if x.kind == SNAPSHOT}
+        return {(x.run, x.attempt, x.step) for x in _copies if x.kind == kind}
 
 
 def snapshot_steps(attempt: int, env: Mapping[str, str] | None = None) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
-"""A sharded snapshot's second copy: each rank's shard of the model and optimizer (FSDP, DTensor) is
-kept in its buddy's host memory too, so that a lost host's shards survive it.
+"""A sharded state's second copy: each rank's shard of the model and optimizer (FSDP, DTensor), as
+its snapshot or its commit's in-memory copy holds it, is kept in its buddy's host memory too, so
+that a lost host's shards survive it and its replacement loads them from memory, not storage.
 
 Runs in the training script's process. Shards move point to point between ring neighbours (a rank
 and its buddy, the same local rank on the next host: nodeagent.trainer.snapshot) on a two-rank gloo
@@ -9,7 +10,8 @@ thread while training goes on. Every move is an offer (JSON: the tensors' shapes
 checksum each had when the owner's copy landed), an answer (the receiver's bounds: accept or
 refuse), then the bytes, each tensor into a buffer the receiver sized: nothing from a peer is
 unpickled and nothing unbounded allocated. `serve` moves a held shard back to a new process of its
-owner at a restore, which checks every tensor against its checksum.
+owner at a restore, which checks every tensor against its checksum. One exchange runs at a time
+(`wait_all` before the next, in the training thread's order, which is the same on every rank).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -37,7 +40,7 @@ Specs = tuple[tuple[tuple[int, ...], str], ...]  # each tensor's shape and dtype
 
 @dataclass(frozen=True, slots=True)
 class HeldShard:
-    """Another rank's shard of one snapshot, kept for it as its buddy."""
+    """Another rank's shard of one snapshot or commit, kept for it as its buddy."""
 
     owner: int
     specs: Specs  # each tensor's shape and dtype name, in slot order
@@ -47,23 +50,43 @@ class HeldShard:
 
 @dataclass(slots=True)
 class Replication:
-    """One snapshot's exchange: this rank's shard to its buddy, the shard of the rank behind to this
+    """One copy's exchange: this rank's shard to its buddy, the shard of the rank behind to this
     rank. `why` is "" once the shard of the rank behind is held here."""
 
     step: int
+    kind: str = memory_state.SNAPSHOT
+    world: Any = None  # the default group it ran on (a warm rank's next attempt has a new one)
     done: threading.Event = field(default_factory=threading.Event)
     why: str = ""
 
 
 _lock = threading.Lock()
-_held: dict[tuple[str, int, int, int], HeldShard] = {}  # (run, attempt, step, owner) -> its shard
+# (kind, run, attempt, step, owner) -> its shard; kind: memory_state.SNAPSHOT or COMMIT
+_held: dict[tuple[str, str, int, int, int], HeldShard] = {}
 _spare: list[Any] = []  # the flat buffer of a dropped shard (reused by the next of its size)
 _groups: tuple[Any, dict[tuple[int, int], Any]] | None = None  # (the default group, pair -> its group)
+_running: list[Replication] = []  # the exchanges started and not yet waited for
 
 
-def held(run: str, attempt: int, step: int, owner: int) -> HeldShard | None:
+def held(
+    run: str, attempt: int, step: int, owner: int, *, kind: str = memory_state.SNAPSHOT
+) -> HeldShard | None:
     with _lock:
-        return _held.get((run, attempt, step, owner))
+        return _held.get((kind, run, attempt, step, owner))
+
+
+def wait_all(timeout_s: float = PAIR_TIMEOUT_S) -> bool:
+    """Until every exchange this attempt started has ended (whether all did within `timeout_s`).
+    Before the next exchange starts, before a copy whose buffers one may still be sending is
+    replaced, and before a restore moves shards on the same pairs' groups. An exchange of an
+    earlier attempt (on its default group, now gone) is not waited for."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD if dist.is_initialized() else None
+    with _lock:
+        mine = [job for job in _running if job.world is world]
+        _running[:] = [job for job in _running if not job.done.is_set()]
+    return all(job.done.wait(timeout_s) for job in mine)
 
 
 def held_bytes() -> int:
@@ -182,26 +205,28 @@ def _swap(
     return into.numpy().tobytes() if source is not None else None
 
 
-def _offer(step: int, owner: int, specs: Any, digests: Any) -> bytes:
+def _offer(step: int, owner: int, specs: Any, digests: Any, kind: str) -> bytes:
     return json.dumps(
-        {"format": FORMAT, "step": step, "owner": owner, "specs": specs, "xxh3": list(digests)}
+        {"format": FORMAT, "kind": kind, "step": step, "owner": owner, "specs": specs, "xxh3": list(digests)}
     ).encode()
 
 
-def _parse_offer(raw: bytes, step: int, owner: int) -> tuple[Specs, tuple[str, ...]] | str:
-    """An offer's (specs, checksums) if it is `owner`'s shard of `step` and well formed, else why not."""
+def _parse_offer(raw: bytes, step: int, owner: int, kind: str) -> tuple[Specs, tuple[str, ...]] | str:
+    """An offer's (specs, checksums) if it is `owner`'s shard of the `kind` copy of `step` and well
+    formed, else why not."""
     import torch
 
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return "the offer is not JSON"
-    if not isinstance(doc, dict) or (doc.get("format"), doc.get("step"), doc.get("owner")) != (
-        FORMAT,
-        step,
-        owner,
-    ):
-        return f"the offer is not rank {owner}'s shard of step {step}"
+    if not isinstance(doc, dict) or (
+        doc.get("format"),
+        doc.get("kind"),
+        doc.get("step"),
+        doc.get("owner"),
+    ) != (FORMAT, kind, step, owner):
+        return f"the offer is not rank {owner}'s shard of the {kind} of step {step}"
     specs, sums = doc.get("specs"), doc.get("xxh3")
     if not (isinstance(specs, list) and isinstance(sums, list) and len(specs) == len(sums)):
         return "the offer's specs and checksums do not match"
@@ -241,31 +266,47 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def replicate(
-    own: memory_state.MemoryCopy | None, step: int, *, run: str, attempt: int, ring: RingPlace
+    own: memory_state.MemoryCopy | None,
+    step: int,
+    *,
+    run: str,
+    attempt: int,
+    ring: RingPlace,
+    kind: str = memory_state.SNAPSHOT,
 ) -> Replication:
-    """On a thread at the lowest priority: once this rank's copy of `step` has landed and been hashed,
-    offer it to the buddy ahead and take the shard of the rank behind (`own` None: this rank kept no
-    copy, it offers nothing but still takes). Every rank of the ring calls it for the same step."""
-    job = Replication(step)
+    """On a thread at the lowest priority: once this rank's `kind` copy of `step` has landed and
+    been hashed, offer it to the buddy ahead and take the shard of the rank behind (`own` None: this
+    rank kept no copy, it offers nothing but still takes). Every rank of the ring calls it for the
+    same copy, after `wait_all`."""
+    import torch.distributed as dist
+
+    job = Replication(step, kind, dist.group.WORLD)
 
     def work() -> None:
         memory_state.yield_to_training()
         try:
-            job.why = _exchange(own, step, run=run, attempt=attempt, ring=ring)
+            job.why = _exchange(own, step, run=run, attempt=attempt, ring=ring, kind=kind)
         except Exception as exc:  # a peer gone (its host lost) or a transfer cut: not held
             job.why = f"{type(exc).__name__}: {exc}"
         if job.why:
             log.warning(
-                "rank %d: rank %d's shard of snapshot %d not held: %s", ring.rank, ring.behind, step, job.why
+                "rank %d: rank %d's shard of the %s of step %d not held: %s",
+                ring.rank,
+                ring.behind,
+                kind,
+                step,
+                job.why,
             )
         job.done.set()
 
+    with _lock:
+        _running.append(job)
     threading.Thread(target=work, name="runwarden-shard-replica", daemon=True).start()
     return job
 
 
 def _exchange(
-    own: memory_state.MemoryCopy | None, step: int, *, run: str, attempt: int, ring: RingPlace
+    own: memory_state.MemoryCopy | None, step: int, *, run: str, attempt: int, ring: RingPlace, kind: str
 ) -> str:
     import torch
     import torch.distributed as dist
@@ -287,12 +328,14 @@ def _exchange(
     offer = b""
     if own is not None and landed:
         specs = [[list(b.shape), _dtype_name(b.dtype)] for b in own.buffers]
-        offer = _offer(step, rank, specs, own.digests)
+        offer = _offer(step, rank, specs, own.digests, kind)
     theirs = _swap(offer, to=ahead, to_group=to_ahead, source=behind, source_group=from_behind) or b""
-    parsed = _parse_offer(theirs, step, behind) if theirs else f"rank {behind} kept no copy of step {step}"
+    parsed = (
+        _parse_offer(theirs, step, behind, kind) if theirs else f"rank {behind} kept no copy of step {step}"
+    )
     why = parsed if isinstance(parsed, str) else ""
     sizes = _nbytes(parsed[0]) if not isinstance(parsed, str) else []
-    _drop_stale(run, attempt, step)
+    _drop_stale(kind, run, attempt, step)
     if not why and sum(sizes) + memory_state.kept_bytes() + held_bytes() > memory_state.budget():
         # the rank's copies and the shards it holds share its copy budget
         why = f"its {sum(sizes)} bytes are over what is left of the copy budget of {memory_state.budget()} bytes"
@@ -308,7 +351,7 @@ def _exchange(
     _wait(works)
     if flat is None or isinstance(parsed, str):
         return why
-    _keep(run, attempt, step, HeldShard(owner=behind, specs=parsed[0], digests=parsed[1], flat=flat))
+    _keep(kind, run, attempt, step, HeldShard(owner=behind, specs=parsed[0], digests=parsed[1], flat=flat))
     return ""
 
 
@@ -322,20 +365,20 @@ def _flat(nbytes: int) -> Any:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _keep(run: str, attempt: int, step: int, shard: HeldShard) -> None:
-    """Hold `shard`; a held shard lives as long as this process's own snapshot of the same step
-    (memory_state drops the oldest)."""
+def _keep(kind: str, run: str, attempt: int, step: int, shard: HeldShard) -> None:
+    """Hold `shard`; a held shard lives as long as this process's own copy of the same kind and
+    step (memory_state drops the oldest)."""
     with _lock:
-        _held[(run, attempt, step, shard.owner)] = shard
-    _drop_stale(run, attempt, step)
+        _held[(kind, run, attempt, step, shard.owner)] = shard
+    _drop_stale(kind, run, attempt, step)
 
 
-def _drop_stale(run: str, attempt: int, step: int) -> None:
-    """Drop the shards held for snapshots this process no longer holds its own copy of (keeping one
-    buffer for the next shard of its size)."""
-    own = memory_state.snapshot_keys() | {(run, attempt, step)}
+def _drop_stale(kind: str, run: str, attempt: int, step: int) -> None:
+    """Drop the shards held for copies of `kind` this process no longer holds its own of (keeping
+    one buffer for the next shard of its size)."""
+    own = memory_state.copy_keys(kind) | {(run, attempt, step)}
     with _lock:
-        for key in [k for k in _held if k[:3] not in own]:
+        for key in [k for k in _held if k[0] == kind and k[1:4] not in own]:
             _spare[:] = [_held.pop(key).flat]
 
 
@@ -348,8 +391,9 @@ def serve(
     rank: int,
     local: int,
     layout: list[tuple[tuple[int, ...], Any]] | None,
+    kind: str = memory_state.SNAPSHOT,
 ) -> tuple[list[Any] | None, str]:
-    """At a restore of snapshot `step`: send the shard this rank holds for the rank behind it if
+    """At a restore of the `kind` copy of `step`: send the shard this rank holds for the rank behind it if
     `donors` names this rank that rank's donor, and take this rank's own from its buddy ahead if
     `donors` names the buddy (`layout`: this rank's tensors, which the shard must match). Every rank
     of the ring calls it with the same `donors`. (the tensors received, each checked against its
@@ -364,8 +408,10 @@ def serve(
     ahead, behind, to_ahead, from_behind = ring.ahead, ring.behind, ring.to_ahead, ring.from_behind
     gives = donors[behind] == rank and behind != rank
     takes = donors[rank] == ahead and ahead != rank
-    shard = held(run, attempt, step, behind) if gives else None
-    offer = _offer(step, behind, [[list(s), n] for s, n in shard.specs], shard.digests) if shard else b""
+    shard = held(run, attempt, step, behind, kind=kind) if gives else None
+    offer = (
+        _offer(step, behind, [[list(s), n] for s, n in shard.specs], shard.digests, kind) if shard else b""
+    )
     got = _swap(
         offer if gives else None,
         to=behind,
@@ -377,7 +423,7 @@ def serve(
     specs: Specs = ()
     sums: tuple[str, ...] = ()
     if takes:
-        parsed = _parse_offer(got, step, rank) if got else f"rank {ahead} holds no shard of rank {rank}"
+        parsed = _parse_offer(got, step, rank, kind) if got else f"rank {ahead} holds no shard of rank {rank}"
         if isinstance(parsed, str):
             why = parsed
         elif layout is None or list(parsed[0]) != [(s, _dtype_name(d)) for s, d in layout]:
@@ -407,3 +453,41 @@ def serve(
         if memory_state.digest(t) != digest:
             return None, f"tensor {i} of the shard rank {ahead} sent does not match its checksum"
     return received, ""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitShards:
+    """memory_state.BuddyShards for a commit's in-memory copies: this rank's view of the shards
+    the buddies hold (`fresh_state`: this rank's model and optimizer state now, the layout a
+    received shard must match and the structure it goes into)."""
+
+    rank: int
+    run: str
+    fresh_state: Callable[[], Any]
+
+    def wait(self) -> None:
+        wait_all()
+
+    def holds(self, owner: int, attempt: int, step: int) -> bool:
+        return (
+            owner != self.rank and held(self.run, attempt, step, owner, kind=memory_state.COMMIT) is not None
+        )
+
+    def fetch(self, donors: tuple[int, ...], attempt: int, step: int, local: int) -> tuple[Any, str]:
+        fresh = self.fresh_state() if donors[self.rank] != self.rank else None
+        try:
+            shard, refused = serve(
+                donors,
+                run=self.run,
+                attempt=attempt,
+                step=step,
+                rank=self.rank,
+                local=local,
+                layout=memory_state.local_layout(fresh) if fresh is not None else None,
+                kind=memory_state.COMMIT,
+            )
+        except (RuntimeError, ValueError) as exc:  # a peer's transfer cut or malformed: every rank hears
+            return None, f"{type(exc).__name__}: {exc}"
+        if fresh is None or shard is None:
+            return None, refused
+        return memory_state.with_locals(fresh, shard), refused

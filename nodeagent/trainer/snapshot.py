@@ -129,13 +129,6 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _local_world_size(env: Mapping[str, str]) -> int:
-    """The ranks of one host (the launcher's LOCAL_WORLD_SIZE; 1 if unset): a rank's buddy is that
-    many ranks on, the same local rank on the next host."""
-    local = env.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(local) if local.isdigit() and int(local) > 0 else 1
-
-
 def _identity(env: Mapping[str, str]) -> tuple[str, int]:
     attempt = env.get("RUNWARDEN_ATTEMPT", "")
     return env.get("RUNWARDEN_RUN", ""), int(attempt) if attempt.isdigit() else -1
@@ -170,7 +163,7 @@ class Snapshotter:
             self.every, self._marks = 0, None
         self.reporter = reporter
         self.rank, self.world_size = _dist()
-        self.local_world_size = _local_world_size(self.env)
+        self.local_world_size = memory_state.local_world_size(self.env)
         self._landing: Any = None  # the copy now landing (its `copied` event)
         self._hooked: set[int] = set()  # the optimizers whose step waits for the copy
         # step -> seconds take() blocked the training thread: in all, and in the exchange with the buddy
@@ -250,8 +243,7 @@ class Snapshotter:
 
         started = time.perf_counter()
         self.wait()  # the previous copy's buffers may be reused now
-        for job in self._replications.values():  # one exchange with the buddies at a time
-            job.done.wait(shard_replica.PAIR_TIMEOUT_S)
+        shard_replica.wait_all()  # one exchange with the buddies at a time (a commit's too)
         run, attempt = _identity(self.env)
         rank_state = own_state(
             FORMAT, step, self.rank, self.world_size, scheduler=scheduler, data_state=data_state, extra=extra
@@ -360,7 +352,7 @@ def _keep_buddy_state(raw: bytes, run: str, attempt: int, step: int, owner: int)
     doc = _parse_rank_state(raw, step, owner) if raw else None
     if doc is not None:
         _buddy_states[(run, attempt, step, owner)] = doc
-    held = memory_state.snapshot_keys() | {(run, attempt, step)}
+    held = memory_state.copy_keys() | {(run, attempt, step)}
     for key in [k for k in _buddy_states if k[:3] not in held]:
         del _buddy_states[key]
     return doc is not None
@@ -407,7 +399,7 @@ def restore(
         int(buddy_rank >= 0 and shard_replica.held(run, point.attempt, point.step, buddy_rank) is not None),
     ]
     flat = memory_state.gather_rows(mine, world) if world > 1 else [mine]
-    local = _local_world_size(env)
+    local = memory_state.local_world_size(env)
     plan, why = plan_snapshot_load(flat, rank, local)
     if plan is None:
         raise SnapshotUnavailable(

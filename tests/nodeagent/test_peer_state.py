@@ -101,6 +101,27 @@ def test_the_load_plan_is_one_rule_on_every_rank(flags: list[int], expect: list[
     ]
 
 
+B = memory_state._HOLDS_SHARD
+
+
+@pytest.mark.parametrize(
+    ("flags", "local", "donors"),
+    [
+        ([H | P] * 4, 2, None),  # every rank holds its own shard: memory, no donor needed
+        ([H | P | B, H | P | B, P, P], 2, (0, 1, 0, 1)),  # host 2 new: ranks 0, 1 hold its shards
+        ([P | B, H | P | B, H | P | B, H | P | B], 1, (1, 1, 2, 3)),  # one host per rank
+        ([H | P, H | P | B, P, P], 2, None),  # rank 2's buddy, rank 0, does not hold its shard
+        ([P, P, H | P | B, H | P | B], 2, (2, 3, 2, 3)),  # host 1 new, host 2 holds its shards
+        ([H | P | B, H | P | B, P | B, B], 2, None),  # rank 3 may not take a peer's state
+        ([P, P], 2, None),  # one host: no buddy on another
+    ],
+)
+def test_a_sharded_commit_takes_each_missing_shard_from_the_buddy_that_holds_it(
+    flags: list[int], local: int, donors: tuple[int, ...] | None
+) -> None:
+    assert memory_state.shard_donors(flags, local) == donors
+
+
 def test_whole_tensors_and_sharded_ones_told_apart_from_dcp_metadata() -> None:
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
