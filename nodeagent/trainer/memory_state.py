@@ -146,8 +146,8 @@ def keep(
     state before then; nodeagent.trainer.snapshot waits for it before the optimizer's next step).
 
     The copies live in host memory, never on the GPU, and cost at most five model + optimizer states
-    per rank (two commits, three snapshots; for sharded state, up to three shards held for the buddy
-    behind too: nodeagent.trainer.shard_replica), never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
+    per rank (two commits, three snapshots; for sharded state, up to as many shards held for the
+    buddy behind too: nodeagent.trainer.shard_replica), never more than the copy budget (`set_budget`, the agent's memory_copy_budget_bytes,
     DEFAULT_BUDGET_BYTES). A copy is only ever sent to a peer inside the process group of the attempt
     that loads it, whose rendezvous is fenced by attempt (nodeagent.warm.rank), in chunks
     (STAGE_BYTES) under NCCL, and only if it is the state of the commit being loaded: a stale rank
