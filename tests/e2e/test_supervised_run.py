@@ -41,6 +41,7 @@ from tests.e2e.five_faults import (
     check_event_log_whole,
     check_every_fault_recovered,
     check_resumes_only_from_commits,
+    snapshot_fallbacks,
 )
 
 E = events_pb2
@@ -143,7 +144,11 @@ def test_faults_between_commits_resume_from_in_memory_snapshots(faulted: Faulted
     # past a commit (a snapshot newer than it) but for 1 in 6
     assert len(from_snapshots) >= 1, launches
     loads = {e.attempt: e for e in faulted.events if e.kind == E.EVENT_KIND_LOAD_DONE}
+    fallbacks = snapshot_fallbacks(faulted.events)
     for launch in from_snapshots:
+        if launch.attempt in fallbacks:  # a node's processes did not survive: refused, then the commit
+            assert fallbacks[launch.attempt] in loads, f"attempt {fallbacks[launch.attempt]} never loaded"
+            continue
         load = loads.get(launch.attempt)
         assert load is not None, f"attempt {launch.attempt} never loaded its snapshot"
         assert "storage" not in load.message, load.message  # a snapshot is never on storage
@@ -290,16 +295,17 @@ def test_the_state_source_is_logged_per_attempt(faulted: FaultedRun) -> None:
             if kept_from is None or REFORKED in why:
                 alive[n] = attempt
         born[attempt] = {n: alive[n] for n in started[attempt]}
+    fallbacks = snapshot_fallbacks(faulted.events)
     for r in faulted.recoveries:
         assert r.launch is not None
-        message = loads.get(r.launch.attempt, "")
+        new = fallbacks.get(r.launch.attempt, r.launch.attempt)  # the attempt that loaded
+        message = loads.get(new, "")
         m = re.search(r"; state from (.*)$", message)
         assert m is not None, (r.injection.fault, message)
         by_source = {}
         for part in m.group(1).split("; "):
             source, nodes = part.split(" on ", 1)
             by_source[source] = set(nodes.split(", "))
-        new = r.launch.attempt
         resumed = launched[new].launch  # the attempt that made the state: its snapshot's, or its commit's
         made = resumed.resume_snapshot_attempt or committed_by.get(resumed.resume_step, new - 1)
         fresh = {n for n in started[new] if born[new][n] > made or n not in started.get(made, {})}
