@@ -881,7 +881,7 @@ def _load_checkpoint(
         from nodeagent.trainer import shard_replica
         from nodeagent.trainer.dcp import model_and_optim_state
 
-        buddies = shard_replica.CommitShards(
+        buddies = shard_replica.HeldShards(
             rank, os.environ.get("RUNWARDEN_RUN", ""), lambda: model_and_optim_state(model, optimizer)
         )
         kept = memory_state.restore_committed_dcp(checkpoint, from_peer=from_peer, buddies=buddies, **how)

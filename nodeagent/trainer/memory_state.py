@@ -593,7 +593,7 @@ def plan_load(flags: list[int], rank: int) -> LoadPlan:
 
 class BuddyShards(Protocol):
     """Where a rank of sharded state that holds no copy of a commit gets its shard: its buddy's
-    memory (nodeagent.trainer.shard_replica.CommitShards; the caller gives it, this module sits
+    memory (nodeagent.trainer.shard_replica.HeldShards; the caller gives it, this module sits
     below that one)."""
 
     def wait(self) -> None:

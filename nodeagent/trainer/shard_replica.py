@@ -456,24 +456,25 @@ def serve(
 
 
 @dataclass(frozen=True, slots=True)
-class CommitShards:
-    """memory_state.BuddyShards for a commit's in-memory copies: this rank's view of the shards
-    the buddies hold (`fresh_state`: this rank's model and optimizer state now, the layout a
-    received shard must match and the structure it goes into)."""
+class HeldShards:
+    """This rank's view of the shards the buddies hold of its `kind` copies (memory_state.BuddyShards
+    for a commit's; a snapshot's restore uses `fetch` too). `fresh_state`: this rank's model and
+    optimizer state now, the layout a received shard must match and the structure it goes into."""
 
     rank: int
     run: str
     fresh_state: Callable[[], Any]
+    kind: str = memory_state.COMMIT
 
     def wait(self) -> None:
         wait_all()
 
     def holds(self, owner: int, attempt: int, step: int) -> bool:
-        return (
-            owner != self.rank and held(self.run, attempt, step, owner, kind=memory_state.COMMIT) is not None
-        )
+        return owner != self.rank and held(self.run, attempt, step, owner, kind=self.kind) is not None
 
     def fetch(self, donors: tuple[int, ...], attempt: int, step: int, local: int) -> tuple[Any, str]:
+        """Every rank: move the shards `donors` names. (this rank's state with its shard received,
+        or None if it took none; why it refused its shard, or "")."""
         fresh = self.fresh_state() if donors[self.rank] != self.rank else None
         try:
             shard, refused = serve(
@@ -484,7 +485,7 @@ class CommitShards:
                 rank=self.rank,
                 local=local,
                 layout=memory_state.local_layout(fresh) if fresh is not None else None,
-                kind=memory_state.COMMIT,
+                kind=self.kind,
             )
         except (RuntimeError, ValueError) as exc:  # a peer's transfer cut or malformed: every rank hears
             return None, f"{type(exc).__name__}: {exc}"

@@ -425,28 +425,18 @@ def restore(
             payload = {"state": received}
             source = memory_state.PEER
     elif any(d != r for r, d in enumerate(plan.shard_donors)):  # sharded: a shard from the buddy
-        mine_missing = plan.shard_donors[rank] != rank
-        fresh = model_and_optim_state(model, optimizer) if mine_missing else None
-        try:
-            shard, refused = shard_replica.serve(
-                plan.shard_donors,
-                run=run,
-                attempt=point.attempt,
-                step=point.step,
-                rank=rank,
-                local=local,
-                layout=memory_state.local_layout(fresh) if fresh is not None else None,
-            )
-        except (RuntimeError, ValueError) as exc:  # a peer's transfer cut or malformed: every rank hears
-            shard, refused = None, f"{type(exc).__name__}: {exc}"
+        shards = shard_replica.HeldShards(
+            rank, run, lambda: model_and_optim_state(model, optimizer), kind=memory_state.SNAPSHOT
+        )
+        state, refused = shards.fetch(plan.shard_donors, point.attempt, point.step, local)
         if min(memory_state.gather_ints(int(not refused), world)) != 1:
             raise SnapshotUnavailable(
                 point.step,
                 f"a shard of snapshot {point.step} was refused by the rank it was for"
                 + (f" (this rank: {refused})" if refused else ""),
             )
-        if fresh is not None and shard is not None:
-            payload = {"state": memory_state.with_locals(fresh, shard)}
+        if state is not None:
+            payload = {"state": state}
             source = memory_state.PEER
     # each rank's own rank state: from its own copy, else from its buddy
     own = payload.get("rank_state") if held is not None and held.rank == rank else None
